@@ -1,0 +1,32 @@
+# Set-up is one stamp file: the venv is built once and rebuilt only when pyproject.toml changes.
+# torch is pinned first so pip takes the local CPU build instead of a multi-GB CUDA one.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/tensorql demo
+
+bench: setup
+	$(BIN)/python bench/cpu_einsum.py
+
+lint: setup
+	$(BIN)/ruff check tensorql kernels tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

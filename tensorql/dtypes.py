@@ -1,0 +1,77 @@
+"""The dtypes tensorql stores and computes with, and their torch / numpy counterparts.
+
+Canonical names are strings (``"float32"``); bfloat16 has no numpy dtype, so numpy views of it
+use raw ``uint16`` bits.
+
+>>> canonical_dtype("f4"), canonical_dtype(torch.bfloat16)
+('float32', 'bfloat16')
+>>> itemsize("float16")
+2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorql.errors import ShapeError
+
+SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
+
+_TORCH = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_FROM_TORCH = {v: k for k, v in _TORCH.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in _TORCH.items()}
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """The canonical name of a numpy / torch dtype or dtype string; ShapeError if unsupported."""
+    if isinstance(dtype, torch.dtype):
+        name = _FROM_TORCH.get(dtype)
+    elif isinstance(dtype, str) and dtype in _TORCH:
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in _TORCH:
+        raise ShapeError(
+            f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED)}"
+        )
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical name."""
+    return _TORCH[canonical_dtype(name)]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype used to hold ``name`` (uint16 bits for bfloat16)."""
+    name = canonical_dtype(name)
+    return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element."""
+    return _ITEMSIZE[canonical_dtype(name)]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing ``t``'s memory (bfloat16 comes back as float32, a copy)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy()

@@ -1,0 +1,101 @@
+"""Chunk grids: how a dense tensor is tiled into keyed chunks.
+
+A tensor of ``shape`` tiled by ``tile`` is a relation ``key -> chunk`` where ``key`` is the
+tuple of block indices. Edge tiles that do not divide evenly are smaller.
+
+>>> g = ChunkGrid(shape=(5, 4), tile=(2, 4))
+>>> g.blocks, g.num_chunks
+((3, 1), 3)
+>>> g.chunk_shape((2, 0)), g.slices((2, 0))
+((1, 4), (slice(4, 5, None), slice(0, 4, None)))
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from tensorql.errors import ShapeError
+
+Key = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """The tiling of a tensor: full ``shape`` and the ``tile`` size of every dimension."""
+
+    shape: tuple[int, ...]
+    tile: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.tile):
+            raise ShapeError(f"tile {self.tile} has {len(self.tile)} dims, shape {self.shape} "
+                             f"has {len(self.shape)}")
+        for dim, (n, t) in enumerate(zip(self.shape, self.tile)):
+            if n < 1:
+                raise ShapeError(f"dimension {dim} has size {n}; sizes must be >= 1")
+            if t < 1:
+                raise ShapeError(f"tile of dimension {dim} is {t}; tiles must be >= 1")
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(
+            self, "tile", tuple(min(int(t), n) for t, n in zip(self.tile, self.shape))
+        )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Number of blocks along each dimension."""
+        return tuple(-(-n // t) for n, t in zip(self.shape, self.tile))
+
+    @property
+    def num_chunks(self) -> int:
+        return math.prod(self.blocks)
+
+    def keys(self) -> Iterator[Key]:
+        """Every chunk key, in row-major order."""
+        return itertools.product(*(range(b) for b in self.blocks))
+
+    def dim_extent(self, dim: int, block: int) -> tuple[int, int]:
+        """(start, stop) of ``block`` along ``dim``."""
+        start = block * self.tile[dim]
+        return start, min(start + self.tile[dim], self.shape[dim])
+
+    def slices(self, key: Key) -> tuple[slice, ...]:
+        """Slices of the dense tensor that chunk ``key`` covers."""
+        return tuple(slice(*self.dim_extent(d, b)) for d, b in enumerate(key))
+
+    def chunk_shape(self, key: Key) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in (self.dim_extent(d, b) for d, b in enumerate(key)))
+
+    def check_key(self, key: Sequence[int]) -> Key:
+        key = tuple(int(k) for k in key)
+        if len(key) != self.ndim or any(not 0 <= k < b for k, b in zip(key, self.blocks)):
+            raise ShapeError(f"chunk key {key} is outside grid blocks {self.blocks}")
+        return key
+
+
+def auto_tile(shape: Sequence[int], target_elems: int = 1 << 20, min_tile: int = 64) -> tuple:
+    """A tile for ``shape`` whose chunks hold about ``target_elems`` elements at most.
+
+    Trailing dimensions stay whole when they can (contiguous chunks); leading ones are split in
+    powers of two.
+
+    >>> auto_tile((3072, 3072))
+    (256, 3072)
+    >>> auto_tile((10, 7))
+    (10, 7)
+    """
+    tile = [int(n) for n in shape]
+    d = 0
+    while math.prod(tile) > target_elems and d < len(tile):
+        while tile[d] > min_tile and math.prod(tile) > target_elems:
+            tile[d] = max(min_tile, 1 << ((tile[d] - 1).bit_length() - 1))
+            if math.prod(tile) > target_elems and tile[d] > min_tile:
+                tile[d] //= 2
+        d += 1
+    return tuple(tile)

@@ -1,0 +1,106 @@
+"""One ``Options`` object holds every setting; it is the only reader of environment variables.
+
+>>> Options(workers=2).workers
+2
+>>> parse_bytes("1.5GiB")
+1610612736
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from tensorql.errors import OptionError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None."""
+    if value is None or isinstance(value, int):
+        if isinstance(value, int) and value <= 0:
+            raise OptionError(f"memory size must be positive, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise OptionError(
+            f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a byte count"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _default_workers() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else (os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every tunable of a tensorql session.
+
+    Attributes:
+        workers: worker threads running chunk tasks (default: the usable cores).
+        intra_op_threads: torch threads inside one chunk kernel (default: cores // workers).
+        devices: "auto" | "cpu" | "cuda" | a list such as ["cuda:0", "cuda:1"].
+        memory_limit: bytes each device may hold (None: unlimited).
+        tile_target_elems: element count auto-tiling aims at per chunk.
+        kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
+        backend: "native" (the executor) or "duckdb" (SQL backend).
+        progress: show a progress bar on long runs (CLI).
+    """
+
+    workers: int = 0
+    intra_op_threads: int = 0
+    devices: Any = "auto"
+    memory_limit: int | None = None
+    tile_target_elems: int = 1 << 20
+    kernel_temp_bytes: int = 64 << 20
+    backend: str = "native"
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers <= 0:
+            object.__setattr__(self, "workers", _default_workers())
+        if self.intra_op_threads <= 0:
+            object.__setattr__(
+                self, "intra_op_threads", max(1, _default_workers() // self.workers)
+            )
+        object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        if self.backend not in ("native", "duckdb"):
+            raise OptionError(f"unknown backend {self.backend!r}; choose 'native' or 'duckdb'")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Options:
+        """Options from ``TENSORQL_<FIELD>`` environment variables, then ``overrides``."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"TENSORQL_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.name in ("workers", "intra_op_threads", "tile_target_elems",
+                          "kernel_temp_bytes"):
+                try:
+                    values[f.name] = int(raw)
+                except ValueError as err:
+                    raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not an integer") \
+                        from err
+            elif f.name == "progress":
+                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise OptionError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Options:
+        return replace(self, **changes)

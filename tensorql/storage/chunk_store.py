@@ -1,0 +1,122 @@
+"""The ``ChunkStore`` interface: tensors at rest as relations ``key -> chunk``.
+
+Every store (in-memory, DuckDB) implements it; the executor pulls only the chunks a task
+needs, when it needs them.
+
+>>> from tensorql.grid import ChunkGrid
+>>> meta = TensorMeta(name="A", shape=(4, 4), dtype="float32", grid=ChunkGrid((4, 4), (2, 4)))
+>>> meta.nbytes
+64
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tensorql.dtypes import canonical_dtype, itemsize
+from tensorql.errors import ShapeError
+from tensorql.grid import ChunkGrid, Key
+
+ChunkData = "np.ndarray | torch.Tensor"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Catalog entry of a stored tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    grid: ChunkGrid
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if tuple(self.shape) != self.grid.shape:
+            raise ShapeError(f"tensor {self.name!r}: shape {self.shape} != grid {self.grid.shape}")
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+class ChunkStore(abc.ABC):
+    """Where tensors rest. Writes are atomic per tensor: all chunks or none."""
+
+    @abc.abstractmethod
+    def put_tensor(
+        self,
+        meta: TensorMeta,
+        chunks: Iterable[tuple[Key, np.ndarray | torch.Tensor]],
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Store every chunk of ``meta`` in one transaction.
+
+        ``chunks`` yields ``(key, data)`` covering the grid exactly once each; it may be a
+        generator so large tensors stream through. Raises StorageError if the name exists and
+        ``replace`` is False; on any error nothing stored changes.
+        """
+
+    @abc.abstractmethod
+    def meta(self, name: str) -> TensorMeta:
+        """The catalog entry of ``name``; UnknownTensorError if absent."""
+
+    @abc.abstractmethod
+    def read_chunk(self, name: str, key: Key) -> torch.Tensor:
+        """One chunk as a CPU torch tensor of the stored dtype and chunk shape."""
+
+    def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:
+        """Several chunks; stores override this to batch the reads."""
+        for key in keys:
+            yield key, self.read_chunk(name, key)
+
+    @abc.abstractmethod
+    def names(self) -> list[str]:
+        """Names of the stored tensors, sorted."""
+
+    @abc.abstractmethod
+    def drop(self, name: str) -> None:
+        """Remove ``name``; UnknownTensorError if absent."""
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+    def read_dense(self, name: str) -> torch.Tensor:
+        """The whole tensor, assembled from its chunks."""
+        meta = self.meta(name)
+        from tensorql.dtypes import torch_dtype
+
+        out = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+        for key, chunk in self.read_chunks(name, meta.grid.keys()):
+            out[meta.grid.slices(key)] = chunk
+        return out
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the default store holds none."""
+
+
+def as_chunk_tensor(data: np.ndarray | torch.Tensor, dtype: str) -> torch.Tensor:
+    """A CPU torch tensor of ``dtype`` from chunk data, sharing memory where it can."""
+    from tensorql.dtypes import torch_dtype
+
+    if isinstance(data, np.ndarray):
+        if dtype == "bfloat16" and data.dtype == np.uint16:
+            return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
+        data = torch.from_numpy(np.ascontiguousarray(data))
+    return data.to(dtype=torch_dtype(dtype), device="cpu")
+
+
+def check_chunk(meta: TensorMeta, key: Key, data: torch.Tensor) -> None:
+    """ShapeError unless ``data`` has the shape chunk ``key`` of ``meta`` must have."""
+    expected = meta.grid.chunk_shape(meta.grid.check_key(key))
+    if tuple(data.shape) != expected:
+        raise ShapeError(
+            f"tensor {meta.name!r}: chunk {key} has shape {tuple(data.shape)}, expected {expected}"
+        )

@@ -1,0 +1,77 @@
+"""An in-process ``ChunkStore``: chunks as torch tensors in a dict (tests, temporaries).
+
+>>> import numpy as np
+>>> from tensorql.grid import ChunkGrid
+>>> store = MemoryChunkStore()
+>>> meta = TensorMeta("v", (3,), "float32", ChunkGrid((3,), (2,)))
+>>> store.put_tensor(meta, [((0,), np.ones(2)), ((1,), np.ones(1))])
+>>> store.read_dense("v").tolist()
+[1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from tensorql.errors import StorageError, UnknownTensorError
+from tensorql.grid import Key
+from tensorql.storage.chunk_store import ChunkStore, TensorMeta, as_chunk_tensor, check_chunk
+
+
+class MemoryChunkStore(ChunkStore):
+    """Chunks held in memory; a put is atomic (built aside, then swapped in)."""
+
+    def __init__(self) -> None:
+        self._metas: dict[str, TensorMeta] = {}
+        self._chunks: dict[str, dict[Key, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def put_tensor(
+        self,
+        meta: TensorMeta,
+        chunks: Iterable[tuple[Key, np.ndarray | torch.Tensor]],
+        *,
+        replace: bool = False,
+    ) -> None:
+        if not replace and meta.name in self._metas:
+            raise StorageError(f"tensor {meta.name!r} already exists")
+        staged: dict[Key, torch.Tensor] = {}
+        for key, data in chunks:
+            tensor = as_chunk_tensor(data, meta.dtype)
+            key = meta.grid.check_key(key)
+            check_chunk(meta, key, tensor)
+            if key in staged:
+                raise StorageError(f"tensor {meta.name!r}: chunk {key} given twice")
+            staged[key] = tensor
+        if len(staged) != meta.grid.num_chunks:
+            raise StorageError(
+                f"tensor {meta.name!r}: got {len(staged)} chunks, grid has {meta.grid.num_chunks}"
+            )
+        with self._lock:
+            if not replace and meta.name in self._metas:
+                raise StorageError(f"tensor {meta.name!r} already exists")
+            self._metas[meta.name] = meta
+            self._chunks[meta.name] = staged
+
+    def meta(self, name: str) -> TensorMeta:
+        try:
+            return self._metas[name]
+        except KeyError:
+            raise UnknownTensorError(name, list(self._metas)) from None
+
+    def read_chunk(self, name: str, key: Key) -> torch.Tensor:
+        self.meta(name)
+        return self._chunks[name][tuple(key)]
+
+    def names(self) -> list[str]:
+        return sorted(self._metas)
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            self.meta(name)
+            del self._metas[name]
+            del self._chunks[name]
