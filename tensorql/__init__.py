@@ -1,5 +1,16 @@
-"""tensorql: a relational query engine over tensor blocks."""
+"""tensorql: a relational query engine over tensor blocks.
 
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> A = db.from_numpy("A", np.ones((4, 3), dtype=np.float32), tile=(2, 2))
+>>> tq.einsum("ij->j", A).numpy().tolist()
+[4.0, 4.0, 4.0]
+"""
+
+from tensorql.api.database import Database, connect
+from tensorql.api.einsum import einsum
+from tensorql.api.tensor import Tensor
+from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec, UnknownOperatorError
 from tensorql.errors import (
     ExecutionError,
     OptionError,
@@ -15,6 +26,7 @@ from tensorql.options import Options
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExecutionError", "OptionError", "Options", "ParseError", "PlanError", "ShapeError",
-    "StorageError", "TensorQLError", "UnknownTensorError",
+    "AGGS", "JOINS", "Database", "EinsumSpec", "ExecutionError", "OptionError", "Options",
+    "ParseError", "PlanError", "ShapeError", "StorageError", "Tensor", "TensorQLError",
+    "UnknownOperatorError", "UnknownTensorError", "connect", "einsum",
 ]

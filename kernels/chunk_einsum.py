@@ -1,0 +1,206 @@
+"""The one chunk kernel: an extended einsum over a few chunks, plus in-place accumulation.
+
+Labels are strings (they may be longer than one character); the kernel maps them to letters
+when it calls ``torch.einsum``. Results never alias the inputs, so a caller may accumulate
+into them in place.
+
+>>> import torch
+>>> a, b = torch.ones(2, 3), torch.ones(3, 4)
+>>> chunk_einsum([a, b], [("i", "j"), ("j", "k")], ("i", "k")).tolist()[0]
+[3.0, 3.0, 3.0, 3.0]
+>>> chunk_einsum([a, b], [("i", "j"), ("j", "k")], ("i", "k"), join="add", agg="max")[0, 0]
+tensor(2.)
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Sequence
+
+import torch
+
+Labels = Sequence[str]
+
+_JOIN = {
+    "mul": torch.mul,
+    "add": torch.add,
+    "sub": torch.sub,
+    "div": torch.div,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+
+
+def diagonalize(x: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """Take diagonals of repeated labels: ``(ii) -> (i)``. Returns a view and its labels."""
+    labels = list(labels)
+    while len(set(labels)) < len(labels):
+        for a, label in enumerate(labels):
+            b = labels.index(label, a + 1) if labels.count(label) > 1 else -1
+            if b >= 0:
+                x = x.diagonal(0, a, b)
+                labels = [lab for k, lab in enumerate(labels) if k not in (a, b)] + [label]
+                break
+    return x, tuple(labels)
+
+
+def _letters(label_sets: Sequence[Labels]) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for labels in label_sets:
+        for label in labels:
+            if label not in names:
+                if len(names) == len(string.ascii_letters):
+                    raise ValueError("a chunk kernel supports at most 52 distinct labels")
+                names[label] = string.ascii_letters[len(names)]
+    return names
+
+
+def _owned(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out`` as a tensor that shares no memory with ``inputs``."""
+    ptr = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == ptr for t in inputs):
+        return out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def reduce(x: torch.Tensor, dims: Sequence[int], agg: str) -> torch.Tensor:
+    """Reduce ``dims`` of ``x`` with ``agg`` (sum, max, min, prod)."""
+    dims = list(dims)
+    if not dims:
+        return x
+    if agg == "sum":
+        return x.sum(dim=dims)
+    if agg == "max":
+        return x.amax(dim=dims)
+    if agg == "min":
+        return x.amin(dim=dims)
+    if agg == "prod":
+        keep = [d for d in range(x.ndim) if d not in dims]
+        flat = x.permute(*keep, *dims).reshape(*[x.shape[d] for d in keep], -1)
+        return flat.prod(dim=-1)
+    raise ValueError(f"unknown agg {agg!r}")
+
+
+def combine(acc: torch.Tensor, partial: torch.Tensor, agg: str) -> torch.Tensor:
+    """Fold ``partial`` into ``acc`` in place with ``agg``; returns ``acc``."""
+    if agg == "sum":
+        return acc.add_(partial)
+    if agg == "max":
+        return torch.maximum(acc, partial, out=acc)
+    if agg == "min":
+        return torch.minimum(acc, partial, out=acc)
+    if agg == "prod":
+        return acc.mul_(partial)
+    raise ValueError(f"unknown agg {agg!r}")
+
+
+def chunk_einsum(
+    operands: Sequence[torch.Tensor],
+    labels: Sequence[Labels],
+    out_labels: Labels,
+    join: str = "mul",
+    agg: str = "sum",
+    *,
+    max_temp_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """``out[o] = AGG_a JOIN(operands...)`` on whole chunks; never aliases an input.
+
+    Non-multiplicative joins materialise the broadcast join; ``max_temp_elems`` bounds that
+    temporary by slicing the largest aggregated label.
+    """
+    pairs = [diagonalize(x, lab) for x, lab in zip(operands, labels)]
+    xs = [p[0] for p in pairs]
+    labs = [p[1] for p in pairs]
+    out_labels = tuple(out_labels)
+    if join == "mul" and agg == "sum":
+        names = _letters([*labs, out_labels])
+        eq = ",".join("".join(names[lab] for lab in lab_set) for lab_set in labs)
+        eq += "->" + "".join(names[lab] for lab in out_labels)
+        out = torch.einsum(eq, *xs)
+    else:
+        out = _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems)
+    return _owned(out.contiguous(), operands)
+
+
+def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
+    sizes: dict[str, int] = {}
+    for x, lab_set in zip(xs, labs):
+        sizes.update(zip(lab_set, x.shape))
+    aggregated = [lab for lab in sizes if lab not in out_labels]
+    total = math.prod(sizes.values())
+    if total > max_temp_elems and aggregated:
+        widest = max(aggregated, key=lambda lab: sizes[lab])
+        if sizes[widest] > 1:
+            step = max(1, sizes[widest] * max_temp_elems // total)
+            result = None
+            for start in range(0, sizes[widest], step):
+                parts = [
+                    x.narrow(lab_set.index(widest), start, min(step, sizes[widest] - start))
+                    if widest in lab_set else x
+                    for x, lab_set in zip(xs, labs)
+                ]
+                piece = _broadcast_join_reduce(parts, labs, out_labels, join, agg,
+                                               max_temp_elems)
+                result = piece if result is None else combine(result, piece, agg)
+            return result
+    joint = list(out_labels) + aggregated
+    expanded = []
+    for x, lab_set in zip(xs, labs):
+        order = [lab_set.index(lab) for lab in joint if lab in lab_set]
+        view = x.permute(*order)
+        shape = [sizes[lab] if lab in lab_set else 1 for lab in joint]
+        expanded.append(view.reshape(shape))
+    value = expanded[0]
+    fn = _JOIN[join]
+    for other in expanded[1:]:
+        value = fn(value, other)
+    value = value.expand([sizes[lab] for lab in joint])
+    return reduce(value, range(len(out_labels), len(joint)), agg)
+
+
+def contract_into(
+    acc: torch.Tensor | None,
+    operands: Sequence[torch.Tensor],
+    labels: Sequence[Labels],
+    out_labels: Labels,
+    join: str = "mul",
+    agg: str = "sum",
+    *,
+    max_temp_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """Compute the chunk einsum and fold it into ``acc`` (None: start a new accumulator).
+
+    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary).
+    """
+    if acc is not None and join == "mul" and agg == "sum" and len(operands) == 2:
+        mats = _as_matmul(operands, labels, out_labels)
+        if mats is not None:
+            left, right, transposed = mats
+            target = acc.T if transposed else acc
+            if target.dtype == left.dtype == right.dtype:
+                target.addmm_(left, right)
+                return acc
+    partial = chunk_einsum(operands, labels, out_labels, join, agg,
+                           max_temp_elems=max_temp_elems)
+    if acc is None:
+        return partial
+    return combine(acc, partial.to(acc.dtype), agg)
+
+
+def _as_matmul(operands, labels, out_labels):
+    """(left, right, output_transposed) when the contraction is one 2-D matrix product."""
+    (a, b), (la, lb) = operands, labels
+    if a.ndim != 2 or b.ndim != 2 or len(out_labels) != 2 or not a.is_floating_point():
+        return None
+    shared = set(la) & set(lb)
+    if len(shared) != 1 or len(set(la)) != 2 or len(set(lb)) != 2:
+        return None
+    (c,) = shared
+    x = la[1 - la.index(c)]
+    y = lb[1 - lb.index(c)]
+    if set(out_labels) != {x, y} or x == y:
+        return None
+    left = a if la == (x, c) or list(la) == [x, c] else a.T
+    right = b if lb == (c, y) or list(lb) == [c, y] else b.T
+    return left, right, tuple(out_labels) == (y, x)

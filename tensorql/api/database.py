@@ -1,0 +1,172 @@
+"""``tq.connect``: a session over a chunk store, the entry point of the Python API.
+
+>>> import numpy as np, tensorql as tq
+>>> with tq.connect() as db:
+...     a = db.from_numpy("A", np.eye(3, dtype=np.float32), tile=(2, 2))
+...     _ = db.store("B", a @ a)
+...     db.tensors(), float(db.tensor("B").numpy().trace())
+(['A', 'B'], 3.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorql.api.tensor import Tensor
+from tensorql.dtypes import canonical_dtype
+from tensorql.einsum.graph import Constant, Node, Source
+from tensorql.errors import ShapeError, StorageError
+from tensorql.grid import ChunkGrid, Key, auto_tile
+from tensorql.options import Options
+from tensorql.storage.chunk_store import ChunkStore, TensorMeta
+
+
+def _open_store(path: str | None) -> ChunkStore:
+    try:
+        from tensorql.storage.duckdb_store import DuckDBChunkStore
+    except ImportError:  # the DuckDB store is optional until it lands
+        if path is not None:
+            raise StorageError("persistent databases need the DuckDB chunk store") from None
+        from tensorql.storage.memory_store import MemoryChunkStore
+
+        return MemoryChunkStore()
+    return DuckDBChunkStore(path)
+
+
+def connect(
+    path: str | None = None,
+    *,
+    devices: Any = None,
+    memory_limit: int | str | None = None,
+    options: Options | None = None,
+    store: ChunkStore | None = None,
+    **settings: Any,
+) -> Database:
+    """Open a session: in-memory with no ``path``, else a DuckDB file (created if missing).
+
+    ``devices`` ("auto" | "cpu" | "cuda" | ["cuda:0", ...]) and ``memory_limit`` (bytes or a
+    string like "20GiB") go into the session's :class:`Options`, as does any other ``settings``.
+    """
+    base = options or Options.from_env()
+    changes = {k: v for k, v in dict(devices=devices, memory_limit=memory_limit,
+                                       **settings).items() if v is not None}
+    opts = base.with_(**changes) if changes else base
+    return Database(store if store is not None else _open_store(path), opts, path=path)
+
+
+class Database:
+    """A tensorql session: stored tensors, lazy expressions over them, and their plans."""
+
+    def __init__(self, store: ChunkStore, options: Options, path: str | None = None) -> None:
+        self.chunk_store = store
+        self.options = options
+        self.path = path
+        self._constants = itertools.count()
+        self._closed = False
+
+    # -- context management -----------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            self.chunk_store.close()
+            self._closed = True
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self.path or ":memory:"
+        return f"<tensorql.Database {where} tensors={len(self.tensors())}>"
+
+    # -- tensors at rest ----------------------------------------------------------------
+    def tensors(self) -> list[str]:
+        """Names of the stored tensors."""
+        return self.chunk_store.names()
+
+    def tensor(self, name: str) -> Tensor:
+        """A stored tensor, by name (UnknownTensorError if absent)."""
+        meta = self.chunk_store.meta(name)
+        return Tensor(Source(shape=meta.shape, dtype=meta.dtype, name=name, grid=meta.grid),
+                      self)
+
+    def drop(self, name: str) -> None:
+        self.chunk_store.drop(name)
+
+    def _tile(self, shape: Sequence[int], tile: Sequence[int] | None) -> tuple[int, ...]:
+        if tile is None:
+            return auto_tile(shape, self.options.tile_target_elems)
+        tile = tuple(int(t) for t in tile)
+        if len(tile) != len(shape):
+            raise ShapeError(f"tile {tile} has {len(tile)} dims but the tensor has "
+                             f"{len(shape)} {tuple(shape)}")
+        return tile
+
+    def from_numpy(self, name: str, array: np.ndarray, tile: Sequence[int] | None = None,
+                   *, replace: bool = False) -> Tensor:
+        """Store ``array`` under ``name`` as a chunk relation (chunks are sliced lazily, so a
+        memory-mapped array streams in chunk by chunk)."""
+        if not isinstance(array, np.ndarray):
+            array = np.asarray(array)
+        return self._put(name, array.shape, canonical_dtype(array.dtype), tile,
+                         lambda sl: np.ascontiguousarray(array[sl]), replace)
+
+    def from_torch(self, name: str, tensor: torch.Tensor, tile: Sequence[int] | None = None,
+                   *, replace: bool = False) -> Tensor:
+        """Store a torch tensor under ``name`` (moved to CPU chunk by chunk)."""
+        tensor = tensor.detach()
+        return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
+                         lambda sl: tensor[sl].cpu().contiguous(), replace)
+
+    def _put(self, name, shape, dtype, tile, slicer, replace) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+        grid = ChunkGrid(tuple(shape), self._tile(shape, tile))
+        meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
+        chunks = ((key, slicer(grid.slices(key))) for key in grid.keys())
+        self.chunk_store.put_tensor(meta, chunks, replace=replace)
+        return self.tensor(name)
+
+    def store(self, name: str, expr: Tensor, *, replace: bool = False,
+              progress: Any = None) -> Tensor:
+        """Compute ``expr`` and persist it under ``name``; returns the stored tensor."""
+        expr = self.constant(expr) if not isinstance(expr, Tensor) else expr
+        if not replace and self.chunk_store.has(name):
+            raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
+        compiled = expr.compile()
+        result = compiled.run(progress=progress)
+        rel = compiled.physical.result_step.node.relation
+        meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
+        self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
+        return self.tensor(name)
+
+    # -- expressions ------------------------------------------------------------------
+    def constant(self, value: Any) -> Tensor:
+        """An in-memory literal usable in expressions (not stored)."""
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu()
+        else:
+            array = np.asarray(value)
+            if array.dtype == np.float64 and not isinstance(value, np.ndarray):
+                array = array.astype(np.float32)  # Python floats become float32, like torch
+            data = torch.from_numpy(np.ascontiguousarray(array))
+        dtype = canonical_dtype(data.dtype)
+        grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, self.options.tile_target_elems))
+        return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
+
+    def explain_node(self, node: Node, analyze: bool = False) -> str:
+        from tensorql.api.query import CompiledQuery
+
+        return CompiledQuery.compile(node, self).explain(analyze=analyze)
+
+    def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:
+        meta = self.chunk_store.meta(name)
+        return self.chunk_store.read_chunks(name, meta.grid.keys())

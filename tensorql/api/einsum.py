@@ -1,0 +1,49 @@
+"""``tq.einsum``: the extended einsum as a lazy expression.
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> a = db.from_numpy("a", np.array([[1.0, 5.0], [2.0, 0.0]]))
+>>> tq.einsum("ij,jk->ik", a, a, join="add", agg="max").numpy().tolist()  # (max,+) semiring
+[[7.0, 6.0], [3.0, 7.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorql.api.tensor import Tensor
+from tensorql.einsum.graph import EinsumOp
+from tensorql.errors import ShapeError
+
+
+def einsum(equation: str, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
+    """``out = AGG over aggregated labels of JOIN(operands...)``, lazily.
+
+    Operands are tensorql Tensors, numpy arrays or torch tensors (at least one must be a
+    tensorql Tensor, or a default in-memory session is used). ``join`` is one of mul, add,
+    sub, div, max, min; ``agg`` one of sum, max, min, prod.
+    """
+    if not operands:
+        raise ShapeError(f"einsum {equation!r} needs at least one operand")
+    db = next((op.db for op in operands if isinstance(op, Tensor)), None)
+    if db is None:
+        db = _default_db()
+    tensors = [db.constant(op) if not isinstance(op, Tensor) else op for op in operands]
+    for n, t in enumerate(tensors):
+        if t.db is not db:
+            raise ShapeError(f"operand {n} belongs to another database")
+    node = EinsumOp.build(equation, [t.node for t in tensors], join=join, agg=agg)
+    return Tensor(node, db)
+
+
+_DEFAULT = None
+
+
+def _default_db():
+    global _DEFAULT
+    if _DEFAULT is None:
+        from tensorql.api.database import connect
+
+        _DEFAULT = connect(store=__import__("tensorql.storage.memory_store", fromlist=["x"])
+                           .MemoryChunkStore())
+    return _DEFAULT

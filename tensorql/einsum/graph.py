@@ -1,0 +1,160 @@
+"""The einsum graph: what a lazy tensor expression is before it is planned.
+
+Nodes are immutable and compared by identity, so a shared subexpression is one node and is
+computed once. ``Source`` is a stored tensor, ``Constant`` an in-memory literal, ``EinsumOp`` one
+extended einsum over other nodes, ``MapOp`` an elementwise function.
+
+>>> from tensorql.grid import ChunkGrid
+>>> a = Source(name="A", shape=(2, 3), dtype="float32", grid=ChunkGrid((2, 3), (2, 3)))
+>>> op = EinsumOp.build("ij->i", [a], agg="max")
+>>> op.shape, op.dtype
+((2,), 'float32')
+>>> [n.describe() for n in topological_order(op)]
+['scan A', 'einsum ij->i agg=max']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
+
+from tensorql.dtypes import canonical_dtype, torch_dtype
+from tensorql.einsum.spec import EinsumSpec
+from tensorql.errors import ShapeError
+from tensorql.grid import ChunkGrid
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """A tensor-valued node: its shape and dtype are known before anything runs."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class Source(Node):
+    """A tensor stored under ``name`` with chunk grid ``grid``."""
+
+    name: str = ""
+    grid: ChunkGrid | None = None
+
+    def describe(self) -> str:
+        return f"scan {self.name}"
+
+
+@dataclass(frozen=True, eq=False)
+class Constant(Node):
+    """An in-memory literal (a numpy array or torch tensor used in an expression)."""
+
+    value: torch.Tensor | None = None
+    grid: ChunkGrid | None = None
+
+    def describe(self) -> str:
+        return f"constant {tuple(self.shape)}"
+
+
+@dataclass(frozen=True, eq=False)
+class EinsumOp(Node):
+    """One extended einsum over ``operands``."""
+
+    spec: EinsumSpec | None = None
+    operands: tuple[Node, ...] = ()
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return self.operands
+
+    @classmethod
+    def build(cls, equation: str, operands: Sequence[Node], join: str = "mul",
+              agg: str = "sum") -> EinsumOp:
+        spec = EinsumSpec.parse(equation, [n.shape for n in operands], join=join, agg=agg)
+        return cls(shape=spec.output_shape, dtype=result_dtype(spec, operands), spec=spec,
+                   operands=tuple(operands))
+
+    def describe(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("join", self.spec.join),
+                                                  ("agg", self.spec.agg))
+                        if v not in ("mul", "sum"))
+        return f"einsum {self.spec.equation}{extra}"
+
+
+@dataclass(frozen=True, eq=False)
+class MapOp(Node):
+    """Elementwise ``fn`` (with ``scalar`` for the scalar maps) over ``operand``."""
+
+    fn: str = ""
+    operand: Node | None = None
+    scalar: float | None = None
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return (self.operand,)
+
+    @classmethod
+    def build(cls, fn: str, operand: Node, scalar: float | None = None) -> MapOp:
+        if fn not in MAP_FUNCTIONS:
+            raise ShapeError(f"unknown map {fn!r}; choose one of {', '.join(MAP_FUNCTIONS)}")
+        if (fn in SCALAR_MAPS) != (scalar is not None):
+            raise ShapeError(f"map {fn!r} {'needs' if fn in SCALAR_MAPS else 'takes no'} scalar")
+        dtype = operand.dtype
+        if fn in FLOAT_MAPS and dtype in ("int32", "int64", "bool"):
+            dtype = "float32"
+        elif scalar is not None and isinstance(scalar, float) and dtype in ("int32", "int64",
+                                                                            "bool"):
+            dtype = "float32"
+        return cls(shape=operand.shape, dtype=dtype, fn=fn, operand=operand, scalar=scalar)
+
+    def describe(self) -> str:
+        return f"map {self.fn}" + (f"({self.scalar:g})" if self.scalar is not None else "")
+
+
+def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
+    """The dtype an einsum yields, following torch's promotion rules."""
+    dtype = torch_dtype(operands[0].dtype)
+    for node in operands[1:]:
+        dtype = torch.promote_types(dtype, torch_dtype(node.dtype))
+    if spec.join == "div" and not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    if dtype == torch.bool and (len(operands) > 1 and spec.join in ("add", "sub")
+                                or spec.aggregated and spec.agg in ("sum", "prod")):
+        dtype = torch.int64
+    return canonical_dtype(dtype)
+
+
+def topological_order(*roots: Node) -> list[Node]:
+    """Every node reachable from ``roots``, inputs before users, each once."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots)]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in seen:
+            continue
+        if expanded:
+            seen.add(id(node))
+            order.append(node)
+            continue
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(node.inputs)
+                     if id(child) not in seen)
+    return order
+
+
+def iter_einsums(*roots: Node) -> Iterator[EinsumOp]:
+    """The einsum operations of the graph, in topological order."""
+    return (n for n in topological_order(*roots) if isinstance(n, EinsumOp))

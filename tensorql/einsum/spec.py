@@ -1,0 +1,247 @@
+"""Extended einsum specifications: parse, validate and infer label sizes.
+
+One operation is ``out[o] = AGG_{a} JOIN(in1[..], in2[..], ...)``: labels are either output
+labels or aggregated labels, JOIN folds the operands left to right with an elementwise
+function, AGG reduces the aggregated labels.
+
+>>> spec = EinsumSpec.parse("ij,jk->ik", [(2, 3), (3, 4)])
+>>> spec.inputs, spec.output, spec.aggregated, spec.sizes
+((('i', 'j'), ('j', 'k')), ('i', 'k'), ('j',), {'i': 2, 'j': 3, 'k': 4})
+>>> EinsumSpec.parse("ii->i", [(3, 3)]).inputs
+(('i', 'i'),)
+>>> EinsumSpec.parse("...j,j->...", [(5, 2, 3), (3,)]).output
+('…0', '…1')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tensorql.errors import ParseError, ShapeError, TensorQLError
+
+JOINS = ("mul", "add", "sub", "div", "max", "min")
+AGGS = ("sum", "max", "min", "prod")
+
+# Joins that are associative and commutative (operands may be reordered) ...
+COMMUTATIVE_JOINS = frozenset({"mul", "add", "max", "min"})
+# ... and (join, agg) pairs where join distributes over agg, so a label can be aggregated as
+# soon as no remaining operand needs it (the semirings).
+DISTRIBUTIVE = frozenset({
+    ("mul", "sum"), ("add", "max"), ("add", "min"), ("max", "max"), ("min", "min"),
+    ("max", "min"), ("min", "max"),
+})
+
+ELLIPSIS_PREFIX = "…"
+
+
+class UnknownOperatorError(TensorQLError, ValueError):
+    """A join or agg name that tensorql does not know."""
+
+
+def check_operators(join: str, agg: str) -> None:
+    """UnknownOperatorError unless ``join`` and ``agg`` are known names."""
+    if join not in JOINS:
+        raise UnknownOperatorError(f"unknown join {join!r}; choose one of {', '.join(JOINS)}")
+    if agg not in AGGS:
+        raise UnknownOperatorError(f"unknown agg {agg!r}; choose one of {', '.join(AGGS)}")
+
+
+@dataclass(frozen=True)
+class EinsumSpec:
+    """A validated extended einsum over concrete operand shapes.
+
+    ``inputs`` holds each operand's labels (ellipsis expanded into labels ``…0``, ``…1``, ...);
+    ``squeezed`` marks dims of size 1 broadcast against a larger size (the operand does not
+    carry that label); ``sizes`` is every label's size.
+    """
+
+    equation: str
+    inputs: tuple[tuple[str, ...], ...]
+    output: tuple[str, ...]
+    sizes: dict[str, int] = field(hash=False, compare=False)
+    squeezed: tuple[tuple[bool, ...], ...] = ()
+    join: str = "mul"
+    agg: str = "sum"
+
+    @property
+    def aggregated(self) -> tuple[str, ...]:
+        """Labels absent from the output, in order of first appearance."""
+        seen: list[str] = []
+        for labels in self.inputs:
+            for label in labels:
+                if label not in self.output and label not in seen:
+                    seen.append(label)
+        return tuple(seen)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[label] for label in self.output)
+
+    @property
+    def effective_inputs(self) -> tuple[tuple[str, ...], ...]:
+        """Each operand's labels without its broadcast (squeezed) dims."""
+        return tuple(
+            tuple(lab for lab, sq in zip(labels, squeeze) if not sq)
+            for labels, squeeze in zip(self.inputs, self.squeezed)
+        )
+
+    @property
+    def is_semiring(self) -> bool:
+        """True when labels may be aggregated early and operands reordered."""
+        return self.join in COMMUTATIVE_JOINS and (self.join, self.agg) in DISTRIBUTIVE
+
+    @classmethod
+    def parse(
+        cls,
+        equation: str,
+        shapes: Sequence[Sequence[int]],
+        join: str = "mul",
+        agg: str = "sum",
+    ) -> EinsumSpec:
+        """Parse ``equation`` against operand ``shapes``; ParseError / ShapeError on bad input."""
+        check_operators(join, agg)
+        raw_inputs, raw_output = _split(equation)
+        if len(raw_inputs) != len(shapes):
+            raise ShapeError(
+                f"equation {equation!r} names {len(raw_inputs)} operand(s) but "
+                f"{len(shapes)} were given"
+            )
+        inputs: list[tuple[str, ...]] = []
+        ell_ndim = 0
+        for n, ((labels, has_ell, pos), shape) in enumerate(zip(raw_inputs, shapes)):
+            if has_ell:
+                extra = len(shape) - (len(labels) - 1)
+                if extra < 0:
+                    raise ShapeError(
+                        f"operand {n} has {len(shape)} dims but equation {equation!r} names "
+                        f"{len(labels) - 1} labels for it (at position {pos})"
+                    )
+                ell_ndim = max(ell_ndim, extra)
+            elif len(labels) != len(shape):
+                raise ShapeError(
+                    f"operand {n} has {len(shape)} dim(s) {tuple(shape)} but equation "
+                    f"{equation!r} gives it {len(labels)} label(s) {''.join(labels)!r} "
+                    f"(at position {pos})"
+                )
+        ell_labels = tuple(f"{ELLIPSIS_PREFIX}{k}" for k in range(ell_ndim))
+        for (labels, has_ell, _), shape in zip(raw_inputs, shapes):
+            if has_ell:
+                head, tail = labels[: labels.index("...")], labels[labels.index("...") + 1:]
+                extra = len(shape) - len(head) - len(tail)
+                inputs.append(tuple(head) + ell_labels[ell_ndim - extra:] + tuple(tail))
+            else:
+                inputs.append(tuple(labels))
+        sizes, squeezed = _infer_sizes(equation, inputs, shapes)
+        output = _output_labels(equation, raw_output, inputs, ell_labels)
+        return cls(
+            equation=equation, inputs=tuple(inputs), output=output, sizes=sizes,
+            squeezed=squeezed, join=join, agg=agg,
+        )
+
+
+def _split(equation: str):
+    """Operands as (labels incl. '...', has_ellipsis, position) and the output part or None."""
+    if not isinstance(equation, str):
+        raise ParseError(f"einsum equation must be a string, got {type(equation).__name__}")
+    if equation.count("->") > 1:
+        raise ParseError("equation has more than one '->'", text=equation,
+                         position=equation.index("->", equation.index("->") + 2))
+    lhs, arrow, rhs = equation.partition("->")
+    operands = []
+    start = 0
+    for part in lhs.split(","):
+        operands.append((_labels(equation, part, start), start))
+        start += len(part) + 1
+    inputs = [(labels, "..." in labels, pos) for labels, pos in operands]
+    output = _labels(equation, rhs, len(lhs) + 2) if arrow else None
+    return inputs, output
+
+
+def _labels(equation: str, part: str, offset: int) -> list[str]:
+    labels: list[str] = []
+    i = 0
+    while i < len(part):
+        ch = part[i]
+        if ch == " ":
+            i += 1
+            continue
+        if part.startswith("...", i):
+            if "..." in labels:
+                raise ParseError("ellipsis '...' appears twice in one operand",
+                                 text=equation, position=offset + i)
+            labels.append("...")
+            i += 3
+            continue
+        if not (ch.isascii() and ch.isalpha()):
+            what = "'.' must be part of '...'" if ch == "." else f"unexpected character {ch!r}"
+            raise ParseError(f"{what}; labels are letters a-z, A-Z", text=equation,
+                             position=offset + i)
+        labels.append(ch)
+        i += 1
+    return labels
+
+
+def _infer_sizes(equation, inputs, shapes):
+    sizes: dict[str, int] = {}
+    where: dict[str, int] = {}
+    for n, (labels, shape) in enumerate(zip(inputs, shapes)):
+        for label, size in zip(labels, shape):
+            size = int(size)
+            if size < 1:
+                raise ShapeError(f"operand {n}: label {label!r} has size {size}; "
+                                 "sizes must be >= 1")
+            old = sizes.get(label)
+            if old is None or old == 1:
+                sizes[label] = size
+                where.setdefault(label, n)
+                if old == 1:
+                    where[label] = n
+            elif size not in (1, old):
+                raise ShapeError(
+                    f"label {label!r} has size {old} in operand {where[label]} but size {size} "
+                    f"in operand {n} (equation {equation!r})"
+                )
+    squeezed = []
+    for labels, shape in zip(inputs, shapes):
+        seen: dict[str, int] = {}
+        flags = []
+        for label, size in zip(labels, shape):
+            if label in seen and shape[seen[label]] != size:
+                raise ShapeError(
+                    f"label {label!r} repeats within one operand with sizes "
+                    f"{shape[seen[label]]} and {size} (equation {equation!r})"
+                )
+            seen.setdefault(label, len(flags))
+            flags.append(int(size) == 1 and sizes[label] > 1)
+        squeezed.append(tuple(flags))
+    return sizes, tuple(squeezed)
+
+
+def _output_labels(equation, raw_output, inputs, ell_labels) -> tuple[str, ...]:
+    present = {label for labels in inputs for label in labels}
+    if raw_output is None:  # implicit: ellipsis dims, then labels seen once, sorted
+        counts: dict[str, int] = {}
+        for labels in inputs:
+            for label in labels:
+                counts[label] = counts.get(label, 0) + 1
+        singles = sorted(lab for lab, c in counts.items()
+                         if c == 1 and not lab.startswith(ELLIPSIS_PREFIX))
+        return tuple(lab for lab in ell_labels if lab in present) + tuple(singles)
+    out: list[str] = []
+    arrow_end = equation.index("->") + 2
+    pos = arrow_end
+    for label in raw_output:
+        pos = equation.index(label, pos)
+        if label == "...":
+            out.extend(lab for lab in ell_labels if lab in present)
+        elif label in out:
+            raise ParseError(f"output label {label!r} appears twice", text=equation,
+                             position=pos)
+        elif label not in present:
+            raise ParseError(f"output label {label!r} does not appear in any operand",
+                             text=equation, position=pos)
+        else:
+            out.append(label)
+        pos += len(label)
+    return tuple(out)

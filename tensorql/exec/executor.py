@@ -1,0 +1,232 @@
+"""The CPU executor: worker threads run ready chunk tasks in priority order.
+
+There is no barrier between plan steps: a task becomes ready the moment its own input chunks are
+complete, so a consumer step starts while its producer is still running (fine-grained
+dataflow). Chunks are freed as soon as their last reader has run.
+
+Several tasks may add into one output chunk. A worker that finds that chunk free accumulates in
+place (a matrix product goes straight into it with ``addmm_``); one that finds it busy computes
+a partial aside and folds it in afterwards, so workers never wait for each other.
+
+>>> import torch
+>>> class Const:
+...     def __init__(self, v): self.v = v
+...     def run(self, inputs, acc): return torch.tensor(self.v)
+...     def combine(self, acc, partial): return acc.add_(partial)
+>>> graph = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Const(1.0)),
+...                          Task(1, (), ChunkRef(0, ()), Const(2.0))), retain=frozenset({0}))
+>>> Executor(workers=2).run(graph).outputs[ChunkRef(0, ())].item()
+3.0
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class StepStats:
+    """Measured figures of one plan step."""
+
+    tasks: int = 0
+    busy_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    bytes_read: int = 0
+    first_start: float = float("inf")
+    last_end: float = 0.0
+
+    @property
+    def span_s(self) -> float:
+        return max(0.0, self.last_end - self.first_start) if self.tasks else 0.0
+
+
+@dataclass
+class RunStats:
+    """Measured figures of one run."""
+
+    wall_s: float = 0.0
+    workers: int = 1
+    tasks: int = 0
+    peak_live_bytes: int = 0
+    steps: dict[int, StepStats] = field(default_factory=dict)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(s.bytes_read for s in self.steps.values())
+
+    @property
+    def busy_s(self) -> float:
+        return sum(s.busy_s for s in self.steps.values())
+
+
+@dataclass
+class RunResult:
+    outputs: dict[ChunkRef, torch.Tensor]
+    stats: RunStats
+
+
+class _Run:
+    """The mutable state of one execution (the executor itself stays reusable)."""
+
+    def __init__(self, graph: TaskGraph, progress: ProgressCallback | None) -> None:
+        self.graph = graph
+        self.progress = progress
+        self.contributions = graph.contributions()
+        self.remaining = dict(self.contributions)
+        self.uses: dict[ChunkRef, int] = {}
+        self.waiting: dict[ChunkRef, list[Task]] = {}
+        self.pending: dict[int, int] = {}
+        self.values: dict[ChunkRef, torch.Tensor] = {}
+        self.slot_locks = {ref: threading.Lock() for ref, n in self.contributions.items() if n > 1}
+        self.ready: list[tuple[float, int, Task]] = []
+        self.cond = threading.Condition()
+        self.done_tasks = 0
+        self.error: BaseException | None = None
+        self.failed_task: Task | None = None
+        self.live_bytes = 0
+        self.stats = RunStats(tasks=len(graph.tasks))
+        for task in graph.tasks:
+            distinct = set(task.inputs)
+            for ref in task.inputs:
+                self.uses[ref] = self.uses.get(ref, 0) + 1
+            for ref in distinct:
+                if ref not in self.contributions:
+                    raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
+                self.waiting.setdefault(ref, []).append(task)
+            self.pending[task.id] = len(distinct)
+            if not distinct:
+                self.ready.append((task.priority, task.id, task))
+        heapq.heapify(self.ready)
+
+    # -- called with self.cond held ------------------------------------------------------
+    def _complete_chunk(self, ref: ChunkRef) -> None:
+        for consumer in self.waiting.pop(ref, ()):
+            self.pending[consumer.id] -= 1
+            if self.pending[consumer.id] == 0:
+                heapq.heappush(self.ready, (consumer.priority, consumer.id, consumer))
+
+    def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> None:
+        stats = self.stats.steps.setdefault(task.output.step, StepStats())
+        stats.tasks += 1
+        stats.busy_s += ended - started
+        stats.first_start = min(stats.first_start, started)
+        stats.last_end = max(stats.last_end, ended)
+        stats.bytes_read += getattr(task.kernel, "bytes_read", 0)
+        stats.bytes_in += sum(self.values[r].nbytes for r in task.inputs)
+        self.live_bytes += new_bytes
+        self.remaining[task.output] -= 1
+        if self.remaining[task.output] == 0:
+            stats.bytes_out += self.values[task.output].nbytes
+            self._complete_chunk(task.output)
+        for ref in task.inputs:
+            self.uses[ref] -= 1
+            if self.uses[ref] == 0 and ref.step not in self.graph.retain:
+                self.live_bytes -= self.values.pop(ref).nbytes
+        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
+        self.done_tasks += 1
+        if self.progress is not None:
+            self.progress(self.done_tasks, len(self.graph.tasks))
+        self.cond.notify_all()
+
+
+class Executor:
+    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads each."""
+
+    def __init__(self, workers: int = 1, intra_op_threads: int = 1) -> None:
+        self.workers = max(1, int(workers))
+        self.intra_op_threads = max(1, int(intra_op_threads))
+
+    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None) -> RunResult:
+        state = _Run(graph, progress)
+        state.stats.workers = self.workers
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(self.intra_op_threads)
+        start = time.perf_counter()
+        try:
+            threads = [threading.Thread(target=self._work, args=(state,), daemon=True,
+                                        name=f"tensorql-worker-{n}")
+                       for n in range(min(self.workers, max(1, len(graph.tasks))))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            torch.set_num_threads(previous_threads)
+        state.stats.wall_s = time.perf_counter() - start
+        for step_stats in state.stats.steps.values():
+            step_stats.first_start -= start
+            step_stats.last_end -= start
+        if state.error is not None:
+            task = state.failed_task
+            name = graph.step_names.get(task.output.step, f"step {task.output.step}")
+            if isinstance(state.error, TensorQLError):
+                raise state.error
+            raise ExecutionError(
+                f"{name} failed on chunk {task.output.key}: "
+                f"{type(state.error).__name__}: {state.error}"
+            ) from state.error
+        if state.done_tasks != len(graph.tasks):
+            raise ExecutionError(
+                f"deadlock: {len(graph.tasks) - state.done_tasks} task(s) never became ready"
+            )
+        outputs = {ref: v for ref, v in state.values.items() if ref.step in graph.retain}
+        return RunResult(outputs=outputs, stats=state.stats)
+
+    @staticmethod
+    def _work(state: _Run) -> None:
+        total = len(state.graph.tasks)
+        while True:
+            with state.cond:
+                while not state.ready and state.error is None and state.done_tasks < total:
+                    state.cond.wait()
+                if state.error is not None or state.done_tasks >= total or not state.ready:
+                    return
+                _, _, task = heapq.heappop(state.ready)
+            started = time.perf_counter()
+            try:
+                new_bytes = _execute(state, task)
+            except BaseException as err:  # noqa: BLE001 - reported to the caller
+                with state.cond:
+                    if state.error is None:
+                        state.error, state.failed_task = err, task
+                    state.cond.notify_all()
+                return
+            ended = time.perf_counter()
+            with state.cond:
+                state.finish(task, started, ended, new_bytes)
+
+
+def _execute(state: _Run, task: Task) -> int:
+    """Run one task; returns the bytes newly allocated for its output chunk."""
+    inputs = [state.values[ref] for ref in task.inputs]
+    ref = task.output
+    lock = state.slot_locks.get(ref)
+    if lock is None:
+        value = task.kernel.run(inputs, None)
+        state.values[ref] = value
+        return value.nbytes
+    if lock.acquire(blocking=False):
+        try:
+            acc = state.values.get(ref)
+            value = task.kernel.run(inputs, acc)
+            state.values[ref] = value
+            return value.nbytes if acc is None else 0
+        finally:
+            lock.release()
+    partial = task.kernel.run(inputs, None)
+    with lock:
+        acc = state.values.get(ref)
+        state.values[ref] = partial if acc is None else task.kernel.combine(acc, partial)
+        return partial.nbytes if acc is None else 0

@@ -1,0 +1,68 @@
+"""The task graph the executor runs: chunk tasks linked by the chunks they read and write.
+
+A ``Task`` reads the chunks named by ``inputs`` and contributes to the chunk ``output``. Several
+tasks may contribute to one chunk (partial aggregates): the chunk is complete when all have
+run. The executor knows nothing of einsum; a task's ``kernel`` is any object with
+
+* ``run(inputs: list[Tensor], acc: Tensor | None) -> Tensor`` -- compute, folding into ``acc``
+  in place when given (the returned tensor must not alias an input), and
+* ``combine(acc: Tensor, partial: Tensor) -> Tensor`` -- fold a partial into ``acc``.
+
+>>> ref = ChunkRef(step=0, key=(1, 2))
+>>> ref
+ChunkRef(step=0, key=(1, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of one plan step's output."""
+
+    step: int
+    key: tuple[int, ...]
+
+
+class Kernel(Protocol):
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        ...
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+@dataclass(frozen=True)
+class Task:
+    """Run ``kernel`` on ``inputs`` and contribute the result to ``output``.
+
+    Lower ``priority`` runs first among ready tasks.
+    """
+
+    id: int
+    inputs: tuple[ChunkRef, ...]
+    output: ChunkRef
+    kernel: Any
+    priority: float = 0.0
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """All tasks of a plan; chunks of ``retain`` steps are returned, others freed when used."""
+
+    tasks: tuple[Task, ...]
+    retain: frozenset[int] = field(default_factory=frozenset)
+    step_names: dict[int, str] = field(default_factory=dict, compare=False)
+
+    def contributions(self) -> dict[ChunkRef, int]:
+        """How many tasks write each chunk."""
+        counts: dict[ChunkRef, int] = {}
+        for task in self.tasks:
+            counts[task.output] = counts.get(task.output, 0) + 1
+        return counts

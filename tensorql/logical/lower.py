@@ -1,0 +1,174 @@
+"""Lower an einsum graph to a logical plan of Scans, Rekeys, Joins, Aggregates and Maps.
+
+Each einsum becomes pairwise steps ``Aggregate(Join(left, right))``. For the semirings (join
+distributes over agg, e.g. mul/sum or add/max) the pairwise order comes from opt_einsum and a
+label is aggregated as soon as no remaining operand needs it; otherwise operands are joined
+left to right and every aggregated label is reduced at the end, which is what the extended
+einsum means for them.
+
+A label is tiled alike in every operand of a step: the first operand carrying it sets the tile,
+and other operands are retiled (``Rekey``) to match. A dim of size 1 broadcast against a larger
+size gets a private size-1 label (it joins nothing and aggregates to itself).
+
+>>> from tensorql.grid import ChunkGrid
+>>> from tensorql.einsum.graph import EinsumOp, Source
+>>> a = Source(shape=(4, 6), dtype="float32", name="A", grid=ChunkGrid((4, 6), (2, 3)))
+>>> b = Source(shape=(6, 2), dtype="float32", name="B", grid=ChunkGrid((6, 2), (3, 2)))
+>>> plan = lower(EinsumOp.build("ij,jk->ik", [a, b]))
+>>> type(plan).__name__, plan.over, plan.relation.grid.tile
+('Aggregate', ('j',), (2, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import opt_einsum
+
+from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
+from tensorql.errors import PlanError
+from tensorql.grid import ChunkGrid
+from tensorql.logical.plan import (
+    Aggregate,
+    Join,
+    LogicalNode,
+    Map,
+    Rekey,
+    Scan,
+    TensorRelation,
+)
+
+Operand = tuple[LogicalNode, tuple[str, ...]]
+
+
+def lower(root: Node) -> LogicalNode:
+    """The logical plan computing ``root`` (shared subgraphs stay shared)."""
+    return lower_many([root])[0]
+
+
+def lower_many(roots: Sequence[Node]) -> list[LogicalNode]:
+    """Logical plans of several roots, sharing every common subgraph."""
+    done: dict[int, LogicalNode] = {}
+    for node in topological_order(*roots):
+        done[id(node)] = _lower_node(node, done)
+    return [done[id(r)] for r in roots]
+
+
+def _positional(ndim: int) -> tuple[str, ...]:
+    return tuple(f"d{k}" for k in range(ndim))
+
+
+def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
+    if isinstance(node, Source):
+        return Scan(relation=TensorRelation(_positional(node.ndim), node.grid, node.dtype),
+                    source=node.name)
+    if isinstance(node, Constant):
+        return Scan(relation=TensorRelation(_positional(node.ndim), node.grid, node.dtype),
+                    source="<constant>", constant=node.value)
+    if isinstance(node, MapOp):
+        child = done[id(node.operand)]
+        rel = TensorRelation(child.relation.labels, child.relation.grid, node.dtype)
+        return Map(relation=rel, input=child, fn=node.fn, scalar=node.scalar)
+    if isinstance(node, EinsumOp):
+        return _lower_einsum(node, [done[id(n)] for n in node.operands])
+    raise PlanError(f"cannot plan node {type(node).__name__}")
+
+
+def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
+    spec = op.spec
+    labels = [
+        tuple(f"{lab}@{n}" if sq else lab for lab, sq in zip(op_labels, squeeze))
+        for n, (op_labels, squeeze) in enumerate(zip(spec.inputs, spec.squeezed))
+    ]
+    tiles = _choose_tiles(children, labels)
+    operands: list[Operand] = [
+        (_retile(child, lab, tiles), lab) for child, lab in zip(children, labels)
+    ]
+    if len(operands) > 2 and spec.is_semiring:
+        return _contract_by_path(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
+    result = operands[0]
+    for n in range(1, len(operands) - 1):  # left fold keeps every label until the end
+        joint = tuple(dict.fromkeys(result[1] + operands[n][1]))
+        result = (_step([result, operands[n]], joint, spec.join, spec.agg, tiles, op.dtype),
+                  joint)
+    final = [result] if len(operands) == 1 else [result, operands[-1]]
+    return _step(final, spec.output, spec.join, spec.agg, tiles, op.dtype)
+
+
+def _choose_tiles(children: list[LogicalNode], labels: list[tuple[str, ...]]) -> dict[str, int]:
+    tiles: dict[str, int] = {}
+    for child, lab in zip(children, labels):
+        for label, tile in zip(lab, child.relation.grid.tile):
+            tiles.setdefault(label, tile)
+    return tiles
+
+
+def _retile(child: LogicalNode, labels: tuple[str, ...], tiles: dict[str, int]) -> LogicalNode:
+    wanted = tuple(tiles[lab] for lab in labels)
+    grid = child.relation.grid
+    if ChunkGrid(grid.shape, wanted) == grid:
+        return child
+    rel = TensorRelation(labels, ChunkGrid(grid.shape, wanted), child.relation.dtype)
+    return Rekey(relation=rel, input=child)
+
+
+def _relation(labels: Sequence[str], sizes: dict[str, int], tiles: dict[str, int],
+              dtype: str) -> TensorRelation:
+    labels = tuple(labels)
+    grid = ChunkGrid(tuple(sizes[lab] for lab in labels), tuple(tiles[lab] for lab in labels))
+    return TensorRelation(labels, grid, dtype)
+
+
+def _sizes(operands: Sequence[Operand]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for node, labels in operands:
+        sizes.update(zip(labels, node.relation.shape))
+    return sizes
+
+
+def _step(operands: Sequence[Operand], out: Sequence[str], join: str, agg: str,
+          tiles: dict[str, int], dtype: str) -> LogicalNode:
+    """``Aggregate(Join(operands))`` keeping labels ``out`` (in that order)."""
+    out = tuple(out)
+    sizes = _sizes(operands)
+    joint = tuple(dict.fromkeys(lab for _, labels in operands for lab in labels))
+    over = tuple(lab for lab in joint if lab not in out)
+    if (len(operands) == 1 and not over and operands[0][1] == out
+            and operands[0][0].relation.dtype == dtype):
+        return operands[0][0]  # the identity: nothing to do
+    join_labels = out if not over else out + over
+    joined = Join(
+        relation=_relation(join_labels, sizes, tiles, dtype),
+        sources=tuple(node for node, _ in operands),
+        input_labels=tuple(labels for _, labels in operands),
+        join=join,
+    )
+    if not over:
+        return joined
+    return Aggregate(relation=_relation(out, sizes, tiles, dtype), input=joined, over=over,
+                     agg=agg)
+
+
+def _contract_by_path(operands: list[Operand], output: tuple[str, ...], join: str, agg: str,
+                      tiles: dict[str, int], dtype: str) -> LogicalNode:
+    """Pairwise steps in the order opt_einsum finds for the operand shapes."""
+    symbols: dict[str, str] = {}
+    for _, labels in operands:
+        for lab in labels:
+            symbols.setdefault(lab, opt_einsum.get_symbol(len(symbols)))
+    equation = ",".join("".join(symbols[lab] for lab in labels) for _, labels in operands)
+    equation += "->" + "".join(symbols[lab] for lab in output)
+    shapes = [node.relation.shape for node, _ in operands]
+    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto")
+    current = list(operands)
+    for position, pair in enumerate(path):
+        picked = [current[k] for k in sorted(pair)]
+        current = [op for k, op in enumerate(current) if k not in pair]
+        if position == len(path) - 1 and not current:
+            return _step(picked, output, join, agg, tiles, dtype)
+        needed = {lab for _, labels in current for lab in labels} | set(output)
+        kept = tuple(lab for lab in dict.fromkeys(
+            lab for _, labels in picked for lab in labels) if lab in needed)
+        current.append((_step(picked, kept, join, agg, tiles, dtype), kept))
+    (node, labels), = current
+    return _step([(node, labels)], output, join, agg, tiles, dtype)

@@ -1,0 +1,157 @@
+"""Logical plan nodes: a tensor-relational algebra over chunked tensors.
+
+A tensor tiled into blocks is a relation ``key -> chunk`` (:class:`TensorRelation`). An einsum
+becomes ``Join``s on the shared labels' keys (each pair of matching chunks runs the same einsum
+on chunk shapes) and an ``Aggregate`` over the keys of aggregated labels. ``Rekey`` retiles a
+relation so that a label is tiled alike in every operand; ``Map`` applies an elementwise
+function chunk by chunk; ``Scan`` reads a stored tensor or an in-memory constant.
+
+Plans are frozen and compared by identity: a shared subplan is one node.
+
+>>> from tensorql.grid import ChunkGrid
+>>> r = TensorRelation(labels=("i", "j"), grid=ChunkGrid((4, 6), (2, 3)), dtype="float32")
+>>> r.shape, r.tile_of("j"), r.nbytes
+((4, 6), 3, 96)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tensorql.dtypes import itemsize
+from tensorql.grid import ChunkGrid
+
+
+@dataclass(frozen=True)
+class TensorRelation:
+    """A chunked tensor seen as a relation: label names of its dims, grid and dtype."""
+
+    labels: tuple[str, ...]
+    grid: ChunkGrid
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.grid.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    def tile_of(self, label: str) -> int:
+        return self.grid.tile[self.labels.index(label)]
+
+    def blocks_of(self, label: str) -> int:
+        return self.grid.blocks[self.labels.index(label)]
+
+    def describe(self) -> str:
+        labels = ",".join(self.labels)
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        blocks = "x".join(map(str, self.grid.blocks)) or "1"
+        tiles = "x".join(map(str, self.grid.tile)) or "-"
+        return f"({labels}) {shape} {self.dtype} grid {blocks} of {tiles}"
+
+
+@dataclass(frozen=True, eq=False)
+class LogicalNode:
+    relation: TensorRelation
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return ()
+
+
+@dataclass(frozen=True, eq=False)
+class Scan(LogicalNode):
+    """Read a stored tensor (``source`` is its name) or a constant (``constant`` set)."""
+
+    source: str = ""
+    constant: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Rekey(LogicalNode):
+    """Retile ``input`` into ``relation.grid`` (same data, different chunk keys)."""
+
+    input: LogicalNode | None = None
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return (self.input,)
+
+
+@dataclass(frozen=True, eq=False)
+class Join(LogicalNode):
+    """Join 1 or 2 relations on shared label keys; each match runs ``join`` on its chunks.
+
+    ``input_labels[n]`` names the dims of input ``n`` (a repeated label is a diagonal).
+    The relation's labels are every distinct label of the inputs.
+    """
+
+    sources: tuple[LogicalNode, ...] = ()
+    input_labels: tuple[tuple[str, ...], ...] = ()
+    join: str = "mul"
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return self.sources
+
+    @property
+    def on(self) -> tuple[str, ...]:
+        """Labels the inputs share: the join keys."""
+        if len(self.input_labels) < 2:
+            return ()
+        first, second = self.input_labels
+        return tuple(lab for lab in dict.fromkeys(first) if lab in second)
+
+
+@dataclass(frozen=True, eq=False)
+class Aggregate(LogicalNode):
+    """Group ``input`` by ``relation.labels`` and reduce the labels ``over`` with ``agg``."""
+
+    input: LogicalNode | None = None
+    over: tuple[str, ...] = ()
+    agg: str = "sum"
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return (self.input,)
+
+
+@dataclass(frozen=True, eq=False)
+class Map(LogicalNode):
+    """Apply elementwise ``fn`` (with ``scalar`` for scalar maps) to every chunk."""
+
+    input: LogicalNode | None = None
+    fn: str = ""
+    scalar: float | None = None
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return (self.input,)
+
+
+def walk(*roots: LogicalNode) -> list[LogicalNode]:
+    """Every node reachable from ``roots`` once, inputs before users."""
+    order: list[LogicalNode] = []
+    seen: set[int] = set()
+
+    def visit(node: LogicalNode) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, done = stack.pop()
+            if id(current) in seen:
+                continue
+            if done:
+                seen.add(id(current))
+                order.append(current)
+                continue
+            stack.append((current, True))
+            stack.extend((child, False) for child in reversed(current.inputs))
+
+    for root in roots:
+        visit(root)
+    return order

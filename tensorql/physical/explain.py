@@ -1,0 +1,96 @@
+"""EXPLAIN: render a plan as a deterministic tree, with measured figures after a run.
+
+Each line is one physical step: what it does, its output relation (labels, shape, dtype,
+chunk grid), the number of chunk tasks and the estimates; ``analyze`` adds wall time spent in
+the step's tasks, bytes read from the store and bytes produced.
+
+>>> format_bytes(3 * 2**20), format_flops(2.5e9)
+('3.0 MiB', '2.50 GFLOP')
+"""
+
+from __future__ import annotations
+
+from tensorql.exec.executor import RunStats
+from tensorql.logical.plan import Aggregate, Join, LogicalNode
+from tensorql.physical.planner import PhysicalPlan, Step
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def format_flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
+                title: str | None = None, extra: list[str] | None = None) -> str:
+    """The plan as text; with ``stats`` it is EXPLAIN ANALYZE."""
+    lines: list[str] = []
+    if title:
+        lines.append(title)
+    total_bytes_in = sum(s.est_bytes_in for s in plan.steps)
+    lines.append(
+        f"estimate: {format_flops(plan.est_flops)}, {len(plan.steps)} steps, "
+        f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks, "
+        f"{format_bytes(total_bytes_in)} chunk reads"
+    )
+    if stats is not None:
+        lines.append(
+            f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.workers} worker(s), "
+            f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} from "
+            f"store, peak live chunks {format_bytes(stats.peak_live_bytes)}"
+        )
+    lines.extend(extra or [])
+    seen: set[int] = set()
+    _render(plan, plan.root, "", "", lines, stats, seen)
+    return "\n".join(lines)
+
+
+def _describe(step: Step, node: LogicalNode) -> str:
+    rel = step.node.relation.describe()
+    head = step.name
+    if isinstance(step.node, Aggregate) and isinstance(node, Aggregate):
+        join = node.input
+        if isinstance(join, Join) and len(join.sources) == 2:
+            head += f" <- Join {join.join} on [{', '.join(join.on)}]"
+        elif isinstance(join, Join) and len(set(join.input_labels[0])) < len(
+                join.input_labels[0]):
+            head += " <- diagonal"
+    return f"{head}  {rel}"
+
+
+def _render(plan: PhysicalPlan, node: LogicalNode, prefix: str, child_prefix: str,
+            lines: list[str], stats: RunStats | None, seen: set[int]) -> None:
+    step = plan.steps[plan.step_of[id(node)]]
+    text = f"{prefix}[{step.id}] {_describe(step, node)}"
+    figures = f"tasks={len(step.tasks)}"
+    if step.est_flops:
+        figures += f" est={format_flops(step.est_flops)}"
+    figures += f" in={format_bytes(step.est_bytes_in)} out={format_bytes(step.est_bytes_out)}"
+    if stats is not None:
+        st = stats.steps.get(step.id)
+        if st is not None:
+            figures += (f" | busy={st.busy_s * 1e3:.1f}ms span={st.span_s * 1e3:.1f}ms"
+                        f" [{st.first_start * 1e3:.1f}..{st.last_end * 1e3:.1f}ms]")
+            if st.bytes_read:
+                figures += f" read={format_bytes(st.bytes_read)}"
+    lines.append(f"{text}\n{child_prefix}    {figures}")
+    if step.id in seen:
+        lines[-1] = f"{prefix}[{step.id}] (shared, see above)"
+        return
+    seen.add(step.id)
+    children = list(node.inputs)
+    if isinstance(node, Aggregate) and isinstance(node.input, Join):
+        children = list(node.input.inputs)
+    for n, child in enumerate(children):
+        last = n == len(children) - 1
+        _render(plan, child, child_prefix + ("└─ " if last else "├─ "),
+                child_prefix + ("   " if last else "│  "), lines, stats, seen)

@@ -1,0 +1,107 @@
+"""Task kernels: small frozen objects binding a chunk kernel to its arguments.
+
+Each has ``run(inputs, acc)`` and ``combine(acc, partial)`` as the executor expects.
+
+>>> import torch
+>>> k = ContractChunk(in_labels=(("i", "j"), ("j", "k")), out_labels=("i", "k"))
+>>> acc = k.run([torch.ones(2, 2), torch.ones(2, 2)], None)
+>>> k.run([torch.ones(2, 2), torch.ones(2, 2)], acc)[0, 0].item()
+4.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tensorql_kernels.chunk_einsum import combine, contract_into
+from tensorql_kernels.elementwise import apply_map
+
+from tensorql.dtypes import torch_dtype
+from tensorql.grid import Key
+from tensorql.storage.chunk_store import ChunkStore
+
+
+class _NoCombine:
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError(f"{type(self).__name__} writes each chunk once")
+
+
+@dataclass(frozen=True, eq=False)
+class LoadChunk(_NoCombine):
+    """Read chunk ``key`` of stored tensor ``name``."""
+
+    store: ChunkStore
+    name: str
+    key: Key
+    nbytes: int = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.nbytes
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return self.store.read_chunk(self.name, self.key)
+
+
+@dataclass(frozen=True, eq=False)
+class ConstChunk(_NoCombine):
+    """A slice of an in-memory constant."""
+
+    value: torch.Tensor
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return self.value
+
+
+@dataclass(frozen=True, eq=False)
+class MapChunk(_NoCombine):
+    """Elementwise ``fn`` on one chunk."""
+
+    fn: str
+    scalar: float | None
+    dtype: str
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return apply_map(self.fn, inputs[0], self.scalar).to(torch_dtype(self.dtype))
+
+
+@dataclass(frozen=True, eq=False)
+class RekeyChunk(_NoCombine):
+    """Assemble one chunk of a new grid from slices of the old grid's chunks.
+
+    ``pieces[n]`` is ``(source slices, target slices)`` for input ``n``.
+    """
+
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        if len(inputs) == 1 and tuple(inputs[0].shape) == self.shape:
+            return inputs[0]
+        out = torch.empty(self.shape, dtype=inputs[0].dtype)
+        for chunk, (src, dst) in zip(inputs, self.pieces):
+            out[dst] = chunk[src]
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class ContractChunk:
+    """The chunk einsum of a Join (+ Aggregate) step, accumulating across chunks with agg."""
+
+    in_labels: tuple[tuple[str, ...], ...]
+    out_labels: tuple[str, ...]
+    join: str = "mul"
+    agg: str = "sum"
+    dtype: str = "float32"
+    max_temp_elems: int = 1 << 24
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        dtype = torch_dtype(self.dtype)
+        inputs = [x if x.dtype == dtype else x.to(dtype) for x in inputs]
+        return contract_into(acc, inputs, self.in_labels, self.out_labels, self.join, self.agg,
+                             max_temp_elems=self.max_temp_elems)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return combine(acc, partial, self.agg)

@@ -1,0 +1,223 @@
+"""Lower a logical plan to a task graph: one step per logical node, one task per chunk job.
+
+``Aggregate(Join(...))`` fuses into one step: a task per combination of the joined labels'
+blocks, each contributing a partial aggregate to its output chunk. Estimates (FLOPs, bytes in
+and out) are kept per step for EXPLAIN.
+
+>>> from tensorql.grid import ChunkGrid
+>>> from tensorql.einsum.graph import EinsumOp, Constant
+>>> import torch
+>>> a = Constant(shape=(4, 4), dtype="float32", value=torch.ones(4, 4),
+...              grid=ChunkGrid((4, 4), (2, 2)))
+>>> from tensorql.logical.lower import lower
+>>> plan = PhysicalPlan.build(lower(EinsumOp.build("ij,jk->ik", [a, a])), store=None)
+>>> [(s.name, len(s.tasks)) for s in plan.steps]
+[('Scan <constant>', 4), ('Aggregate sum over [j]', 8)]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from tensorql.dtypes import itemsize
+from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+from tensorql.grid import Key
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
+from tensorql.physical.kernels import ConstChunk, ContractChunk, LoadChunk, MapChunk, RekeyChunk
+from tensorql.storage.chunk_store import ChunkStore
+
+
+@dataclass(frozen=True)
+class Step:
+    """One physical step: the logical nodes it runs and its tasks, with estimates."""
+
+    id: int
+    name: str
+    nodes: tuple[LogicalNode, ...]
+    tasks: tuple[Task, ...]
+    est_flops: int
+    est_bytes_in: int
+    est_bytes_out: int
+
+    @property
+    def node(self) -> LogicalNode:
+        """The logical node whose result this step produces."""
+        return self.nodes[-1]
+
+
+@dataclass(frozen=True)
+class PhysicalPlan:
+    """Steps in dependency order; ``step_of`` maps a logical node (by id) to its step."""
+
+    root: LogicalNode
+    steps: tuple[Step, ...]
+    step_of: dict[int, int]
+
+    @property
+    def result_step(self) -> Step:
+        return self.steps[self.step_of[id(self.root)]]
+
+    @property
+    def est_flops(self) -> int:
+        return sum(s.est_flops for s in self.steps)
+
+    def task_graph(self) -> TaskGraph:
+        return TaskGraph(
+            tasks=tuple(t for s in self.steps for t in s.tasks),
+            retain=frozenset({self.result_step.id}),
+            step_names={s.id: s.name for s in self.steps},
+        )
+
+    @classmethod
+    def build(cls, root: LogicalNode, store: ChunkStore | None,
+              max_temp_elems: int = 1 << 24) -> PhysicalPlan:
+        builder = _Builder(store, max_temp_elems)
+        fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)
+                 and isinstance(n.input, Join)}
+        for node in walk(root):
+            if id(node) not in fused:
+                builder.add(node)
+        # a Join fused into its Aggregate answers for the same step
+        for node in walk(root):
+            if isinstance(node, Aggregate) and isinstance(node.input, Join):
+                builder.step_of[id(node.input)] = builder.step_of[id(node)]
+        steps = builder.finish()
+        return cls(root=root, steps=steps, step_of=builder.step_of)
+
+
+class _Builder:
+    def __init__(self, store: ChunkStore | None, max_temp_elems: int) -> None:
+        self.store = store
+        self.max_temp_elems = max_temp_elems
+        self.steps: list[Step] = []
+        self.step_of: dict[int, int] = {}
+        self.next_task = 0
+
+    def _new_task(self, inputs, output, kernel) -> Task:
+        task = Task(id=self.next_task, inputs=tuple(inputs), output=output, kernel=kernel,
+                    priority=float(self.next_task))
+        self.next_task += 1
+        return task
+
+    def _ref(self, node: LogicalNode, key: Key) -> ChunkRef:
+        return ChunkRef(self.step_of[id(node)], tuple(key))
+
+    def add(self, node: LogicalNode) -> None:
+        sid = len(self.steps)
+        if isinstance(node, Scan):
+            step = self._scan(sid, node)
+        elif isinstance(node, Map):
+            step = self._map(sid, node)
+        elif isinstance(node, Rekey):
+            step = self._rekey(sid, node)
+        elif isinstance(node, Aggregate):
+            step = self._contract(sid, node.input, node)
+        elif isinstance(node, Join):
+            step = self._contract(sid, node, None)
+        else:  # pragma: no cover - every logical node kind is handled above
+            raise TypeError(type(node).__name__)
+        self.steps.append(step)
+        self.step_of[id(node)] = sid
+
+    def finish(self) -> tuple[Step, ...]:
+        # Tasks without inputs (loads) run just before their first reader.
+        first_use: dict[ChunkRef, float] = {}
+        for step in self.steps:
+            for task in step.tasks:
+                for ref in task.inputs:
+                    first_use[ref] = min(first_use.get(ref, task.priority), task.priority)
+        steps = []
+        for step in self.steps:
+            tasks = tuple(
+                Task(t.id, t.inputs, t.output, t.kernel, first_use.get(t.output, t.priority) - 0.5)
+                if not t.inputs else t
+                for t in step.tasks
+            )
+            steps.append(Step(step.id, step.name, step.nodes, tasks, step.est_flops,
+                              step.est_bytes_in, step.est_bytes_out))
+        return tuple(steps)
+
+    def _scan(self, sid: int, node: Scan) -> Step:
+        grid = node.relation.grid
+        size = itemsize(node.relation.dtype)
+        tasks = []
+        for key in grid.keys():
+            if node.constant is not None:
+                kernel = ConstChunk(node.constant[grid.slices(key)])
+            else:
+                kernel = LoadChunk(self.store, node.source, key,
+                                   math.prod(grid.chunk_shape(key)) * size)
+            tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
+        return Step(sid, f"Scan {node.source}", (node,), tuple(tasks), 0, node.relation.nbytes,
+                    node.relation.nbytes)
+
+    def _map(self, sid: int, node: Map) -> Step:
+        kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
+        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel)
+                      for key in node.relation.grid.keys())
+        n = math.prod(node.relation.shape)
+        return Step(sid, f"Map {node.fn}", (node,), tasks, n, node.input.relation.nbytes,
+                    node.relation.nbytes)
+
+    def _rekey(self, sid: int, node: Rekey) -> Step:
+        old, new = node.input.relation.grid, node.relation.grid
+        tasks = []
+        bytes_in = 0
+        for key in new.keys():
+            inputs, pieces = [], []
+            spans = []
+            for dim, block in enumerate(key):
+                lo, hi = new.dim_extent(dim, block)
+                first, last = lo // old.tile[dim], (hi - 1) // old.tile[dim]
+                spans.append([(b, lo, hi) for b in range(first, last + 1)])
+            for combo in itertools.product(*spans):
+                src, dst = [], []
+                for dim, (b, lo, hi) in enumerate(combo):
+                    blo, bhi = old.dim_extent(dim, b)
+                    s, e = max(lo, blo), min(hi, bhi)
+                    src.append(slice(s - blo, e - blo))
+                    dst.append(slice(s - lo, e - lo))
+                inputs.append(self._ref(node.input, tuple(b for b, _, _ in combo)))
+                pieces.append((tuple(src), tuple(dst)))
+            bytes_in += sum(math.prod(old.chunk_shape(r.key)) for r in inputs)
+            tasks.append(self._new_task(inputs, ChunkRef(sid, key),
+                                        RekeyChunk(new.chunk_shape(key), tuple(pieces))))
+        size = itemsize(node.relation.dtype)
+        return Step(sid, f"Rekey to tiles {new.tile}", (node,), tuple(tasks), 0,
+                    bytes_in * size, node.relation.nbytes)
+
+    def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
+        out_rel = (aggregate or join).relation
+        agg = aggregate.agg if aggregate else "sum"
+        kernel_args = dict(in_labels=join.input_labels, out_labels=out_rel.labels,
+                           join=join.join, agg=agg, dtype=out_rel.dtype,
+                           max_temp_elems=self.max_temp_elems)
+        kernel = ContractChunk(**kernel_args)
+        joint = join.relation
+        blocks = {lab: joint.grid.blocks[n] for n, lab in enumerate(joint.labels)}
+        labels = list(blocks)
+        tasks = []
+        bytes_in = 0
+        in_grids = [src.relation.grid for src in join.sources]
+        for combo in itertools.product(*(range(blocks[lab]) for lab in labels)):
+            block = dict(zip(labels, combo))
+            inputs = []
+            for src, lab_set, grid in zip(join.sources, join.input_labels, in_grids):
+                key = tuple(block[lab] for lab in lab_set)
+                inputs.append(self._ref(src, key))
+                bytes_in += math.prod(grid.chunk_shape(key)) * itemsize(src.relation.dtype)
+            out_key = tuple(block[lab] for lab in out_rel.labels)
+            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), kernel))
+        flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
+        if aggregate is None:
+            n_in = len(join.sources)
+            name = (f"Join {join.join} on [{', '.join(join.on)}]" if n_in == 2
+                    else f"Project ({','.join(join.input_labels[0])})->"
+                         f"({','.join(join.relation.labels)})")
+            nodes: tuple[LogicalNode, ...] = (join,)
+        else:
+            name = f"Aggregate {agg} over [{', '.join(aggregate.over)}]"
+            nodes = (join, aggregate)
+        return Step(sid, name, nodes, tuple(tasks), flops, bytes_in, out_rel.nbytes)
