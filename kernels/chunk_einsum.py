@@ -77,7 +77,7 @@ def reduce(x: torch.Tensor, dims: Sequence[int], agg: str) -> torch.Tensor:
         return x.amin(dim=dims)
     if agg == "prod":
         keep = [d for d in range(x.ndim) if d not in dims]
-        flat = x.permute(*keep, *dims).reshape(*[x.shape[d] for d in keep], -1)
+        flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
         return flat.prod(dim=-1)
     raise ValueError(f"unknown agg {agg!r}")
 
@@ -148,7 +148,7 @@ def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
     expanded = []
     for x, lab_set in zip(xs, labs):
         order = [lab_set.index(lab) for lab in joint if lab in lab_set]
-        view = x.permute(*order)
+        view = x.permute(order)
         shape = [sizes[lab] if lab in lab_set else 1 for lab in joint]
         expanded.append(view.reshape(shape))
     value = expanded[0]

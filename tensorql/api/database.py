@@ -26,6 +26,12 @@ from tensorql.options import Options
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 
 
+def _contiguous(chunk: np.ndarray) -> np.ndarray:
+    """A C-contiguous array (``np.ascontiguousarray`` would turn 0-d into 1-d)."""
+    chunk = np.asarray(chunk)
+    return chunk if chunk.flags.c_contiguous else chunk.copy(order="C")
+
+
 def _open_store(path: str | None) -> ChunkStore:
     try:
         from tensorql.storage.duckdb_store import DuckDBChunkStore
@@ -115,7 +121,7 @@ class Database:
         if not isinstance(array, np.ndarray):
             array = np.asarray(array)
         return self._put(name, array.shape, canonical_dtype(array.dtype), tile,
-                         lambda sl: np.ascontiguousarray(array[sl]), replace)
+                         lambda sl: _contiguous(array[sl]), replace)
 
     def from_torch(self, name: str, tensor: torch.Tensor, tile: Sequence[int] | None = None,
                    *, replace: bool = False) -> Tensor:

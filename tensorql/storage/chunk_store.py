@@ -107,9 +107,11 @@ def as_chunk_tensor(data: np.ndarray | torch.Tensor, dtype: str) -> torch.Tensor
     from tensorql.dtypes import torch_dtype
 
     if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            data = data.copy(order="C")
         if dtype == "bfloat16" and data.dtype == np.uint16:
-            return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
-        data = torch.from_numpy(np.ascontiguousarray(data))
+            return torch.from_numpy(data).view(torch.bfloat16)
+        data = torch.from_numpy(data)
     return data.to(dtype=torch_dtype(dtype), device="cpu")
 
 

@@ -1,0 +1,116 @@
+"""Bad input gets a clear TensorQLError naming the problem and its place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+
+
+@pytest.fixture
+def ab(db):
+    return (db.from_numpy("A", np.ones((3, 4), dtype=np.float32)),
+            db.from_numpy("B", np.ones((4, 5), dtype=np.float32)))
+
+
+def test_output_label_not_in_inputs(ab):
+    with pytest.raises(tq.ParseError) as err:
+        tq.einsum("ij,jk->ix", *ab)
+    assert "'x'" in str(err.value) and err.value.position == 8
+
+
+def test_bad_character(ab):
+    with pytest.raises(tq.ParseError) as err:
+        tq.einsum("i1,jk->ik", *ab)
+    assert err.value.position == 1 and "'1'" in str(err.value)
+
+
+def test_repeated_output_label(ab):
+    with pytest.raises(tq.ParseError, match="appears twice"):
+        tq.einsum("ij,jk->ii", *ab)
+
+
+def test_size_mismatch_names_label_and_operands(ab):
+    a, _ = ab
+    with pytest.raises(tq.ShapeError) as err:
+        tq.einsum("ij,ij->i", a, ab[1])
+    message = str(err.value)
+    assert "label 'i'" in message and "operand 0" in message and "operand 1" in message
+
+
+def test_wrong_operand_count(ab):
+    with pytest.raises(tq.ShapeError, match="names 2 operand"):
+        tq.einsum("ij,jk->ik", ab[0])
+
+
+def test_wrong_rank(ab):
+    with pytest.raises(tq.ShapeError, match="operand 1 has 2 dim"):
+        tq.einsum("ij,j->i", *ab)
+
+
+@pytest.mark.parametrize("kwargs, word", [({"join": "pow"}, "join"), ({"agg": "mean"}, "agg")])
+def test_unknown_join_or_agg(ab, kwargs, word):
+    with pytest.raises(tq.UnknownOperatorError) as err:
+        tq.einsum("ij,jk->ik", *ab, **kwargs)
+    assert f"unknown {word}" in str(err.value) and "choose one of" in str(err.value)
+    assert isinstance(err.value, tq.TensorQLError)
+
+
+def test_unknown_tensor(db):
+    db.from_numpy("known", np.ones(2))
+    with pytest.raises(tq.UnknownTensorError) as err:
+        db.tensor("missing")
+    assert "'missing'" in str(err.value) and "'known'" in str(err.value)
+
+
+def test_broadcast_error(db):
+    a = db.from_numpy("a", np.ones((3, 4)))
+    b = db.from_numpy("b", np.ones((3,)))
+    with pytest.raises(tq.ShapeError, match="could not be broadcast"):
+        a + b
+
+
+def test_matmul_mismatch(ab):
+    with pytest.raises(tq.ShapeError, match="inner sizes"):
+        ab[1] @ ab[0]
+
+
+def test_store_existing_name_changes_nothing(db, ab):
+    with pytest.raises(tq.StorageError, match="already exists"):
+        db.store("A", ab[0] * 2)
+    np.testing.assert_array_equal(db.tensor("A").numpy(), np.ones((3, 4)))
+
+
+def test_bad_tile(db):
+    with pytest.raises(tq.ShapeError, match="tile"):
+        db.from_numpy("t", np.ones((3, 3)), tile=(2,))
+    assert "t" not in db.tensors()
+
+
+def test_kernel_failure_names_step(db):
+    a = db.from_numpy("a", np.ones((2, 2)))
+    expr = a.relu()
+    from tensorql.physical import kernels
+
+    class Broken(kernels.MapChunk):
+        def run(self, inputs, acc):
+            raise RuntimeError("boom")
+
+    plan = expr.compile()
+    graph = plan.physical.task_graph()
+    tasks = tuple(t if not isinstance(t.kernel, kernels.MapChunk) else
+                  type(t)(t.id, t.inputs, t.output, Broken("relu", None, "float64"), t.priority)
+                  for t in graph.tasks)
+    from tensorql.exec.executor import Executor
+    from tensorql.exec.taskgraph import TaskGraph
+
+    with pytest.raises(tq.ExecutionError, match=r"Map relu failed on chunk \(0, 0\).*boom"):
+        Executor(2).run(TaskGraph(tasks, graph.retain, graph.step_names))
+
+
+def test_options_errors():
+    with pytest.raises(tq.OptionError, match="memory size"):
+        tq.connect(memory_limit="lots")
+    with pytest.raises(tq.OptionError, match="backend"):
+        tq.connect(backend="spark")

@@ -1,0 +1,29 @@
+"""Shared fixtures: a fresh in-memory database per test and a seeded RNG."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tensorql as tq
+
+
+@pytest.fixture
+def db():
+    with tq.connect(workers=2) as database:
+        yield database
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
