@@ -36,8 +36,12 @@ class QueryResult:
     plan: PhysicalPlan
     chunks: dict[Key, torch.Tensor]
     stats: RunStats
+    assembled: torch.Tensor | None = None
 
     def dense(self) -> torch.Tensor:
+        """The whole result as one tensor (assembled during the run when it was asked for)."""
+        if self.assembled is not None:
+            return self.assembled
         rel = self.plan.result_step.node.relation
         out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
         for key, chunk in self.chunks.items():
@@ -68,13 +72,23 @@ class CompiledQuery:
         )
         return cls(node=node, logical=logical, physical=physical, db=db)
 
-    def run(self, progress: ProgressCallback | None = None) -> QueryResult:
+    def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
+        """Execute the plan; with ``dense=True`` worker threads copy each finished result chunk
+        into one dense tensor while the rest of the plan still runs."""
         options = self.db.options
         executor = Executor(options.workers, options.intra_op_threads)
-        result = executor.run(self.physical.task_graph(), progress=progress)
+        rel = self.physical.result_step.node.relation
+        out = sink = None
+        if dense and rel.grid.num_chunks > 1:
+            out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
+
+            def sink(ref, chunk):
+                out[rel.grid.slices(ref.key)] = chunk
+
+        result = executor.run(self.physical.task_graph(), progress=progress, sink=sink)
         sid = self.physical.result_step.id
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
-        return QueryResult(plan=self.physical, chunks=chunks, stats=result.stats)
+        return QueryResult(plan=self.physical, chunks=chunks, stats=result.stats, assembled=out)
 
     def explain(self, analyze: bool = False) -> str:
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {self.node.describe()} -> " \

@@ -67,7 +67,7 @@ class Tensor:
 
     def torch(self, progress: Any = None) -> torch.Tensor:
         """Compute and return a dense torch tensor."""
-        return self.compile().run(progress=progress).dense()
+        return self.compile().run(progress=progress, dense=True).dense()
 
     def numpy(self, progress: Any = None) -> np.ndarray:
         """Compute and return a dense numpy array (bfloat16 comes back as float32)."""

@@ -33,6 +33,7 @@ from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 ProgressCallback = Callable[[int, int], None]
+ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 
 
 @dataclass
@@ -80,9 +81,11 @@ class RunResult:
 class _Run:
     """The mutable state of one execution (the executor itself stays reusable)."""
 
-    def __init__(self, graph: TaskGraph, progress: ProgressCallback | None) -> None:
+    def __init__(self, graph: TaskGraph, progress: ProgressCallback | None,
+                 sink: ChunkSink | None = None) -> None:
         self.graph = graph
         self.progress = progress
+        self.sink = sink
         self.contributions = graph.contributions()
         self.remaining = dict(self.contributions)
         self.uses: dict[ChunkRef, int] = {}
@@ -91,6 +94,7 @@ class _Run:
         self.values: dict[ChunkRef, torch.Tensor] = {}
         self.slot_locks = {ref: threading.Lock() for ref, n in self.contributions.items() if n > 1}
         self.ready: list[tuple[float, int, Task]] = []
+        self.in_flight: dict[ChunkRef, int] = {}  # output chunk -> tasks writing it now
         self.cond = threading.Condition()
         self.done_tasks = 0
         self.error: BaseException | None = None
@@ -111,13 +115,32 @@ class _Run:
         heapq.heapify(self.ready)
 
     # -- called with self.cond held ------------------------------------------------------
+    def take(self, lookahead: int = 4) -> Task:
+        """The most urgent ready task, preferring one whose output no other worker is
+        writing (so accumulation rarely needs a partial computed aside)."""
+        skipped = []
+        task = None
+        while self.ready and len(skipped) < lookahead:
+            entry = heapq.heappop(self.ready)
+            if self.in_flight.get(entry[2].output, 0) == 0:
+                task = entry[2]
+                break
+            skipped.append(entry)
+        if task is None:
+            task = skipped.pop(0)[2] if skipped else heapq.heappop(self.ready)[2]
+        for entry in skipped:
+            heapq.heappush(self.ready, entry)
+        self.in_flight[task.output] = self.in_flight.get(task.output, 0) + 1
+        return task
+
     def _complete_chunk(self, ref: ChunkRef) -> None:
         for consumer in self.waiting.pop(ref, ()):
             self.pending[consumer.id] -= 1
             if self.pending[consumer.id] == 0:
                 heapq.heappush(self.ready, (consumer.priority, consumer.id, consumer))
 
-    def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> None:
+    def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> bool:
+        """Record a finished task; True when it completed its output chunk."""
         stats = self.stats.steps.setdefault(task.output.step, StepStats())
         stats.tasks += 1
         stats.busy_s += ended - started
@@ -126,8 +149,10 @@ class _Run:
         stats.bytes_read += getattr(task.kernel, "bytes_read", 0)
         stats.bytes_in += sum(self.values[r].nbytes for r in task.inputs)
         self.live_bytes += new_bytes
+        self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
-        if self.remaining[task.output] == 0:
+        completed = self.remaining[task.output] == 0
+        if completed:
             stats.bytes_out += self.values[task.output].nbytes
             self._complete_chunk(task.output)
         for ref in task.inputs:
@@ -139,6 +164,7 @@ class _Run:
         if self.progress is not None:
             self.progress(self.done_tasks, len(self.graph.tasks))
         self.cond.notify_all()
+        return completed
 
 
 class Executor:
@@ -148,8 +174,15 @@ class Executor:
         self.workers = max(1, int(workers))
         self.intra_op_threads = max(1, int(intra_op_threads))
 
-    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None) -> RunResult:
-        state = _Run(graph, progress)
+    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
+            sink: ChunkSink | None = None) -> RunResult:
+        """Run every task of ``graph``.
+
+        ``progress(done, total)`` is called after each task; ``sink(ref, chunk)`` is called on a
+        worker thread as each chunk of a retained step completes (e.g. to copy it into a dense
+        result while other tasks still run).
+        """
+        state = _Run(graph, progress, sink)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -193,7 +226,7 @@ class Executor:
                     state.cond.wait()
                 if state.error is not None or state.done_tasks >= total or not state.ready:
                     return
-                _, _, task = heapq.heappop(state.ready)
+                task = state.take()
             started = time.perf_counter()
             try:
                 new_bytes = _execute(state, task)
@@ -205,7 +238,15 @@ class Executor:
                 return
             ended = time.perf_counter()
             with state.cond:
-                state.finish(task, started, ended, new_bytes)
+                completed = state.finish(task, started, ended, new_bytes)
+            if completed and state.sink is not None and task.output.step in state.graph.retain:
+                try:
+                    state.sink(task.output, state.values[task.output])
+                except BaseException as err:  # noqa: BLE001 - reported to the caller
+                    with state.cond:
+                        state.error, state.failed_task = err, task
+                        state.cond.notify_all()
+                    return
 
 
 def _execute(state: _Run, task: Task) -> int:
