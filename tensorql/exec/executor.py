@@ -11,7 +11,8 @@ a partial aside and folds it in afterwards, so workers never wait for each other
 >>> import torch
 >>> class Const:
 ...     def __init__(self, v): self.v = v
-...     def run(self, inputs, acc): return torch.tensor(self.v)
+...     def run(self, inputs, acc):  # fold into acc when given
+...         return torch.tensor(self.v) if acc is None else acc.add_(self.v)
 ...     def combine(self, acc, partial): return acc.add_(partial)
 >>> graph = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Const(1.0)),
 ...                          Task(1, (), ChunkRef(0, ()), Const(2.0))), retain=frozenset({0}))
