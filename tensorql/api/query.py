@@ -79,7 +79,7 @@ class CompiledQuery:
         executor = Executor(options.workers, options.intra_op_threads)
         rel = self.physical.result_step.node.relation
         out = sink = None
-        if dense and rel.grid.num_chunks > 1:
+        if dense:  # always a fresh tensor: a stored chunk must never leak out by reference
             out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
 
             def sink(ref, chunk):

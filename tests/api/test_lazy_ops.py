@@ -151,3 +151,10 @@ def test_progress_callback(xy):
     seen = []
     (X @ Y).numpy(progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1]
+
+
+def test_results_never_alias_stored_chunks(db):
+    X = db.from_numpy("x", np.ones((2, 2), dtype=np.float32))
+    got = X.torch()
+    got += 5
+    np.testing.assert_array_equal(X.numpy(), np.ones((2, 2)))
