@@ -173,12 +173,14 @@ def contract_into(
 
     A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary).
     """
-    if acc is not None and join == "mul" and agg == "sum" and len(operands) == 2:
+    if join == "mul" and agg == "sum" and len(operands) == 2:
         mats = _as_matmul(operands, labels, out_labels)
-        if mats is not None:
+        if mats is not None and mats[0].dtype == mats[1].dtype:
             left, right, transposed = mats
+            if acc is None:  # a fresh product, laid out as the output wants it
+                return torch.mm(right.T, left.T) if transposed else torch.mm(left, right)
             target = acc.T if transposed else acc
-            if target.dtype == left.dtype == right.dtype:
+            if target.dtype == left.dtype:
                 target.addmm_(left, right)
                 return acc
     partial = chunk_einsum(operands, labels, out_labels, join, agg,
