@@ -35,6 +35,21 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def paired_times(baseline, candidate, repeat: int) -> tuple[float, float, float]:
+    """Alternate baseline and candidate runs; medians of each and of the per-pair ratios
+    (pairing cancels slow drifts in machine load)."""
+    baseline()
+    candidate()
+    base, cand = [], []
+    for _ in range(repeat):
+        for fn, times in ((baseline, base), (candidate, cand)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    ratios = [c / b for b, c in zip(base, cand)]
+    return statistics.median(base), statistics.median(cand), statistics.median(ratios)
+
+
 def workloads(small: bool):
     n = 768 if small else 3072
     b, d, h = (512, 256, 1024) if small else (2048, 1024, 4096)
@@ -60,7 +75,7 @@ def workloads(small: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--skip-dask", action="store_true")
     args = parser.parse_args(argv)
@@ -75,11 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = torch_fn(arrays).numpy()
         got = expr.numpy()
         err = float(np.abs(got - expected).max() / (np.abs(expected).max() + 1e-30))
-        t_torch = median_time(lambda fn=torch_fn: fn(arrays), args.repeat)
-        t_tq = median_time(lambda e=expr: e.numpy(), args.repeat)
-        t_torch = min(t_torch, median_time(lambda fn=torch_fn: fn(arrays), args.repeat))
+        t_torch, t_tq, ratio = paired_times(lambda fn=torch_fn: fn(arrays),
+                                            lambda e=expr: e.numpy(), args.repeat)
         row = {"workload": name, "size": size, "tile": tile, "torch_s": t_torch,
-               "tensorql_s": t_tq, "tq/torch": t_tq / t_torch, "rel_err": err}
+               "tensorql_s": t_tq, "tq/torch": ratio, "rel_err": err}
         if not args.skip_dask:
             import dask
             import dask.array as da

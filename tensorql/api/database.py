@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -72,8 +71,8 @@ class Database:
         self.chunk_store = store
         self.options = options
         self.path = path
-        self._constants = itertools.count()
         self._closed = False
+        self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
 
     # -- context management -----------------------------------------------------------
     def close(self) -> None:
@@ -104,6 +103,7 @@ class Database:
 
     def drop(self, name: str) -> None:
         self.chunk_store.drop(name)
+        self.generation += 1
 
     def _tile(self, shape: Sequence[int], tile: Sequence[int] | None) -> tuple[int, ...]:
         if tile is None:
@@ -137,6 +137,7 @@ class Database:
         meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
         chunks = ((key, slicer(grid.slices(key))) for key in grid.keys())
         self.chunk_store.put_tensor(meta, chunks, replace=replace)
+        self.generation += 1
         return self.tensor(name)
 
     def store(self, name: str, expr: Tensor, *, replace: bool = False,
@@ -150,6 +151,7 @@ class Database:
         rel = compiled.physical.result_step.node.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
         self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
+        self.generation += 1
         return self.tensor(name)
 
     # -- expressions ------------------------------------------------------------------

@@ -61,9 +61,15 @@ class Tensor:
 
     # -- running -----------------------------------------------------------------------
     def compile(self) -> CompiledQuery:
+        """The planned query (cached until the database's stored tensors or options change)."""
         from tensorql.api.query import CompiledQuery
 
-        return CompiledQuery.compile(self.node, self.db)
+        stamp = (self.db.generation, self.db.options)
+        cached = getattr(self, "_compiled", None)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, CompiledQuery.compile(self.node, self.db))
+            self._compiled = cached
+        return cached[1]
 
     def torch(self, progress: Any = None) -> torch.Tensor:
         """Compute and return a dense torch tensor."""

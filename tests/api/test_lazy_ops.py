@@ -158,3 +158,13 @@ def test_results_never_alias_stored_chunks(db):
     got = X.torch()
     got += 5
     np.testing.assert_array_equal(X.numpy(), np.ones((2, 2)))
+
+
+def test_plan_cache_follows_stored_tensors(db):
+    db.from_numpy("x", np.ones((4, 4), dtype=np.float32), tile=(2, 2))
+    expr = db.tensor("x").sum()
+    assert expr.compile() is expr.compile()
+    first = expr.compile()
+    db.from_numpy("other", np.ones(3))
+    assert expr.compile() is not first
+    assert expr.numpy() == 16.0
