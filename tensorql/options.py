@@ -53,6 +53,7 @@ class Options:
         memory_limit: bytes each device may hold (None: unlimited).
         tile_target_elems: element count auto-tiling aims at per chunk.
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
+        chunk_cache_bytes: decoded chunks the DuckDB store keeps in memory (LRU).
         backend: "native" (the executor) or "duckdb" (SQL backend).
         progress: show a progress bar on long runs (CLI).
     """
@@ -63,6 +64,7 @@ class Options:
     memory_limit: int | None = None
     tile_target_elems: int = 1 << 20
     kernel_temp_bytes: int = 64 << 20
+    chunk_cache_bytes: int = 1 << 30
     backend: str = "native"
     progress: bool = False
 
@@ -86,7 +88,7 @@ class Options:
             if raw is None:
                 continue
             if f.name in ("workers", "intra_op_threads", "tile_target_elems",
-                          "kernel_temp_bytes"):
+                          "kernel_temp_bytes", "chunk_cache_bytes"):
                 try:
                     values[f.name] = int(raw)
                 except ValueError as err:

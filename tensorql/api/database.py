@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,16 +32,10 @@ def _contiguous(chunk: np.ndarray) -> np.ndarray:
     return chunk if chunk.flags.c_contiguous else chunk.copy(order="C")
 
 
-def _open_store(path: str | None) -> ChunkStore:
-    try:
-        from tensorql.storage.duckdb_store import DuckDBChunkStore
-    except ImportError:  # the DuckDB store is optional until it lands
-        if path is not None:
-            raise StorageError("persistent databases need the DuckDB chunk store") from None
-        from tensorql.storage.memory_store import MemoryChunkStore
+def _open_store(path: str | None, options: Options, read_only: bool) -> ChunkStore:
+    from tensorql.storage.duckdb_store import DuckDBChunkStore
 
-        return MemoryChunkStore()
-    return DuckDBChunkStore(path)
+    return DuckDBChunkStore(path, read_only=read_only, cache_bytes=options.chunk_cache_bytes)
 
 
 def connect(
@@ -50,6 +45,7 @@ def connect(
     memory_limit: int | str | None = None,
     options: Options | None = None,
     store: ChunkStore | None = None,
+    read_only: bool = False,
     **settings: Any,
 ) -> Database:
     """Open a session: in-memory with no ``path``, else a DuckDB file (created if missing).
@@ -61,7 +57,11 @@ def connect(
     changes = {k: v for k, v in dict(devices=devices, memory_limit=memory_limit,
                                        **settings).items() if v is not None}
     opts = base.with_(**changes) if changes else base
-    return Database(store if store is not None else _open_store(path), opts, path=path)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise StorageError(f"database path must be a string or path, got {path!r}")
+    path = os.fspath(path) if path is not None else None
+    chunk_store = store if store is not None else _open_store(path, opts, read_only)
+    return Database(chunk_store, opts, path=path)
 
 
 class Database:

@@ -20,7 +20,6 @@ import torch
 
 from tensorql.dtypes import itemsize, numpy_dtype, torch_dtype
 
-
 _VIEW_AS = {"bfloat16": np.dtype(np.int16)}
 
 

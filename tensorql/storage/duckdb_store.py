@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 import duckdb
@@ -71,8 +72,10 @@ class DuckDBChunkStore(ChunkStore):
     """
 
     def __init__(self, path: str | None = None, *, read_only: bool = False,
-                 batch_bytes: int = 64 << 20, lock_timeout: float = 10.0) -> None:
+                 batch_bytes: int = 64 << 20, lock_timeout: float = 10.0,
+                 cache_bytes: int = 1 << 30) -> None:
         self.path = path
+        self.cache = ChunkCache(cache_bytes)
         self.read_only = read_only
         self.batch_bytes = batch_bytes
         self.connection = self._open(path, read_only, lock_timeout)
@@ -262,13 +265,18 @@ class DuckDBChunkStore(ChunkStore):
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:
         table, meta = self._entry(name)
         key = meta.grid.check_key(key)
+        cached = self.cache.get((table, key))
+        if cached is not None:
+            return cached
         where = " AND ".join(f"{quote_ident(f'k{d}')} = ?" for d in range(len(key))) or "TRUE"
         column = self._cursor().sql(
             f"SELECT payload FROM {quote_ident(table)} WHERE {where}", params=list(key)
         ).to_arrow_table().column(0)
         if len(column) != 1:
             raise StorageError(f"tensor {name!r}: chunk {key} is missing from {table}")
-        return decode_payloads(column, meta.dtype, [meta.grid.chunk_shape(key)])[0]
+        chunk = decode_payloads(column, meta.dtype, [meta.grid.chunk_shape(key)])[0]
+        self.cache.put((table, key), chunk)
+        return chunk
 
     def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:
         """The chunks ``keys``, streamed from one query in record batches."""
@@ -288,6 +296,44 @@ class DuckDBChunkStore(ChunkStore):
             for key, tensor in zip(batch_keys, tensors):
                 if key in wanted:
                     yield key, tensor
+
+
+class ChunkCache:
+    """A bounded LRU of decoded chunks, keyed by (chunk table, key).
+
+    A stored tensor's chunk table is never rewritten (a replace makes a new table), so entries
+    cannot go stale; dropped tables simply age out.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = max(0, int(capacity_bytes))
+        self.size = 0
+        self.hits = self.misses = 0
+        self._items: OrderedDict[tuple[str, Key], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ident: tuple[str, Key]) -> torch.Tensor | None:
+        with self._lock:
+            chunk = self._items.get(ident)
+            if chunk is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(ident)
+            self.hits += 1
+            return chunk
+
+    def put(self, ident: tuple[str, Key], chunk: torch.Tensor) -> None:
+        nbytes = chunk.nbytes
+        if nbytes > self.capacity:
+            return
+        with self._lock:
+            if ident in self._items:
+                return
+            self._items[ident] = chunk
+            self.size += nbytes
+            while self.size > self.capacity:
+                _, old = self._items.popitem(last=False)
+                self.size -= old.nbytes
 
 
 def _with_dtype(data: np.ndarray | torch.Tensor, dtype: str) -> np.ndarray | torch.Tensor:
