@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = torch_fn(arrays).numpy()
         got = expr.numpy()
         err = float(np.abs(got - expected).max() / (np.abs(expected).max() + 1e-30))
-        t_torch, t_tq, ratio = paired_times(lambda fn=torch_fn: fn(arrays),
+        t_torch, t_tq, ratio = paired_times(lambda fn=torch_fn, x=arrays: fn(x),
                                             lambda e=expr: e.numpy(), args.repeat)
         row = {"workload": name, "size": size, "tile": tile, "torch_s": t_torch,
                "tensorql_s": t_tq, "tq/torch": ratio, "rel_err": err}
@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
 
             chunks = {k: da.from_array(v, chunks=(tile, tile)) for k, v in arrays.items()}
             with dask.config.set(scheduler="threads", num_workers=args.threads):
-                t_dask = median_time(lambda: dask_fn(da, chunks, False).compute(), 1)
-                t_dask_opt = median_time(lambda: dask_fn(da, chunks, True).compute(),
-                                         args.repeat)
+                def run_dask(optimize, fn=dask_fn, c=chunks):
+                    return fn(da, c, optimize).compute()
+
+                t_dask = median_time(lambda: run_dask(False), 1)
+                t_dask_opt = median_time(lambda: run_dask(True), args.repeat)
             row.update({"dask_s": t_dask, "dask/tq": t_dask / t_tq,
                         "dask_opt_s": t_dask_opt, "dask_opt/tq": t_dask_opt / t_tq})
             ok &= row["dask/tq"] >= 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

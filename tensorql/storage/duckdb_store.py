@@ -73,7 +73,7 @@ class DuckDBChunkStore(ChunkStore):
 
     def __init__(self, path: str | None = None, *, read_only: bool = False,
                  batch_bytes: int = 64 << 20, lock_timeout: float = 10.0,
-                 cache_bytes: int = 1 << 30) -> None:
+                 cache_bytes: int = 1 << 30, duckdb_memory_bytes: int = 0) -> None:
         self.path = path
         self.cache = ChunkCache(cache_bytes)
         self.read_only = read_only
@@ -81,7 +81,10 @@ class DuckDBChunkStore(ChunkStore):
         self.connection = self._open(path, read_only, lock_timeout)
         register_functions(self.connection)
         if not read_only:
+            if duckdb_memory_bytes:
+                self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
             self.connection.execute(ddl("catalog.sql"))
+            self._remove_orphans()
         self._local = threading.local()
         self._write_lock = threading.RLock()
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
@@ -123,10 +126,10 @@ class DuckDBChunkStore(ChunkStore):
     def _lookup(self, name: str) -> tuple[str, TensorMeta] | None:
         row = self._cursor().execute(
             "SELECT chunk_table, dtype, shape, tile FROM tensorql_catalog WHERE name = ?",
-            [name]).fetchone()
-        if row is None:
+            [name]).fetchall()
+        if not row:
             return None
-        table, dtype, shape, tile = row
+        table, dtype, shape, tile = row[0]
         grid = ChunkGrid(tuple(shape), tuple(tile))
         return table, TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
 
@@ -146,6 +149,10 @@ class DuckDBChunkStore(ChunkStore):
     # -- writing ------------------------------------------------------------------------
     def put_tensor(self, meta: TensorMeta, chunks: Iterable[tuple[Key, np.ndarray | torch.Tensor]],
                    *, replace: bool = False) -> None:
+        """Store ``meta``'s chunks: staged into a fresh chunk table batch by batch (bounded
+        memory), then published by one transaction that adds the catalog row and the views.
+        Until that commit nobody sees the tensor; a crash leaves only an unreferenced staging
+        table, which the next writer removes."""
         if self.read_only:
             raise StorageError(f"cannot store {meta.name!r}: the database is open read-only")
         if not isinstance(meta.name, str) or not meta.name:
@@ -153,27 +160,40 @@ class DuckDBChunkStore(ChunkStore):
         quote_ident(meta.name)  # rejects NUL before anything is written
         with self._write_lock:
             con = self.connection
-            con.execute("BEGIN TRANSACTION")
-            try:
-                self._put_in_transaction(con, meta, chunks, replace)
-                con.execute("COMMIT")
-            except BaseException as err:
-                con.execute("ROLLBACK")
-                self._tables.pop(meta.name, None)
-                if isinstance(err, (StorageError, KeyboardInterrupt)) or not isinstance(
-                        err, duckdb.Error):
-                    raise
-                raise StorageError(f"storing tensor {meta.name!r} failed: {err}") from err
-            self._tables.pop(meta.name, None)
-
-    def _put_in_transaction(self, con, meta: TensorMeta, chunks, replace: bool) -> None:
-        old = self._lookup(meta.name)
-        if old is not None:
-            if not replace:
+            if not replace and self._lookup(meta.name) is not None:
                 raise StorageError(f"tensor {meta.name!r} already exists (pass replace=True)")
-            self._drop_objects(con, meta.name, old[0])
-        table_id = con.execute("SELECT nextval('tensorql_chunk_table_seq')").fetchone()[0]
-        table = f"tq_chunks_{table_id}"
+            table_id = con.execute("SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
+            table = f"tq_chunks_{table_id}"
+            try:
+                self._stage(con, meta, chunks, table)
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    old = self._lookup(meta.name)
+                    if old is not None:
+                        if not replace:
+                            raise StorageError(
+                                f"tensor {meta.name!r} already exists (pass replace=True)")
+                        self._drop_objects(con, meta.name, old[0])
+                    con.execute(
+                        "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, tile, "
+                        "nbytes) VALUES (?, ?, ?, ?, ?, ?)",
+                        [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile),
+                         meta.nbytes])
+                    self._create_views(con, meta, table)
+                    con.execute("COMMIT")
+                except BaseException:
+                    _rollback(con)
+                    raise
+            except BaseException as err:
+                _drop_table_quietly(con, table)
+                if isinstance(err, duckdb.Error):
+                    raise StorageError(f"storing tensor {meta.name!r} failed: {err}") from err
+                raise
+            finally:
+                self._tables.pop(meta.name, None)
+
+    def _stage(self, con, meta: TensorMeta, chunks, table: str) -> None:
+        """Write every chunk into ``table``, a new chunk table nothing references yet."""
         ndim = meta.grid.ndim
         keys = "".join(f"{quote_ident(f'k{d}')} INTEGER NOT NULL, " for d in range(ndim))
         con.execute(ddl("chunk_table.sql").format(table=quote_ident(table), key_columns=keys))
@@ -199,11 +219,15 @@ class DuckDBChunkStore(ChunkStore):
         if len(seen) != meta.grid.num_chunks:
             raise StorageError(f"tensor {meta.name!r}: got {len(seen)} chunks, grid has "
                                f"{meta.grid.num_chunks}")
-        con.execute(
-            "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, tile, nbytes) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile), meta.nbytes])
-        self._create_views(con, meta, table)
+
+    def _remove_orphans(self) -> None:
+        """Drop staging tables no catalog row references (left by an interrupted write)."""
+        rows = self.connection.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND "
+            "table_name LIKE 'tq_chunks_%' AND table_name NOT IN "
+            "(SELECT chunk_table FROM tensorql_catalog)").fetchall()
+        for (table,) in rows:
+            _drop_table_quietly(self.connection, table)
 
     @staticmethod
     def _insert(con, table: str, ndim: int, batch: list[tuple[Key, np.ndarray]]) -> None:
@@ -257,7 +281,7 @@ class DuckDBChunkStore(ChunkStore):
                 self._drop_objects(con, name, entry[0])
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                _rollback(con)
                 raise
             self._tables.pop(name, None)
 
@@ -286,7 +310,16 @@ class DuckDBChunkStore(ChunkStore):
         key_cols = ", ".join(quote_ident(f"k{d}") for d in range(ndim))
         select = f"SELECT {key_cols + ', ' if ndim else ''}payload FROM {quote_ident(table)}"
         rows = max(1, self.batch_bytes // max(1, meta.nbytes // max(1, meta.grid.num_chunks)))
-        reader = self._cursor().sql(select).to_arrow_reader(rows)
+        cursor = self.connection.cursor()  # its own: the caller may stop iterating early
+        try:
+            yield from self._iter_batches(cursor.sql(select).to_arrow_reader(rows), meta,
+                                          wanted)
+        finally:
+            cursor.close()
+
+    @staticmethod
+    def _iter_batches(reader, meta: TensorMeta, wanted: set[Key]):
+        ndim = meta.grid.ndim
         for batch in reader:
             batch_keys = list(zip(*(batch.column(d).to_numpy() for d in range(ndim)))) \
                 if ndim else [()] * batch.num_rows
@@ -334,6 +367,21 @@ class ChunkCache:
             while self.size > self.capacity:
                 _, old = self._items.popitem(last=False)
                 self.size -= old.nbytes
+
+
+def _drop_table_quietly(con: duckdb.DuckDBPyConnection, table: str) -> None:
+    try:
+        con.execute(f"DROP TABLE IF EXISTS {quote_ident(table)}")
+    except duckdb.Error:  # pragma: no cover - best effort; the next open retries
+        pass
+
+
+def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+    """Roll back if a transaction is still open (a failed COMMIT has already ended it)."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass
 
 
 def _with_dtype(data: np.ndarray | torch.Tensor, dtype: str) -> np.ndarray | torch.Tensor:

@@ -29,7 +29,7 @@ def einsum_problems(draw, max_operands=5, allow_broadcast=True):
     shapes = []
     for labels in operands:
         shape = []
-        for pos, lab in enumerate(labels):
+        for lab in labels:
             broadcast = (allow_broadcast and labels.count(lab) == 1
                          and draw(st.integers(0, 5)) == 0)
             shape.append(1 if broadcast else sizes[lab])
