@@ -119,8 +119,8 @@ def node_key(graph: OpGraph, node: OpNode, devices: int) -> tuple:
 def build_table(graph: OpGraph, node: OpNode, devices: int,
                 allowed: Sequence[tuple[int, ...]] | None = None) -> NodeTable:
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: all)."""
-    cands = np.array(allowed if allowed is not None else candidates(node.sizes, devices),
-                     dtype=np.int64).reshape(-1, len(node.sizes))
+    chosen = allowed if allowed is not None else candidates(node.sizes, devices)
+    cands = np.array(chosen, dtype=np.int64).reshape(len(chosen), len(node.sizes))
     n_out = node.n_out
     bounds = [[np.array(piece_bounds(n, p)) for p in range(1, min(n, devices) + 1)]
               for n in node.sizes]
@@ -136,8 +136,8 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
     work = max(1, len(node.inputs)) if node.kind in ("einsum", "map") else 0
     for c, cand in enumerate(cands):
-        idx = np.array(list(itertools.product(*(range(p) for p in cand))),
-                       dtype=np.int64).reshape(-1, len(cand))
+        combos = list(itertools.product(*(range(p) for p in cand)))
+        idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(cand))
         m = len(idx)
         st = np.zeros_like(idx)
         ln = np.zeros_like(idx)
@@ -172,7 +172,7 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
     reads minus the part of it held by the task's own device.
     """
     axes = [consumer_node.labels.index(a) for a in edge.axes]
-    kp, kc = len(producer.cands), len(consumer.cands)
+    kc = len(consumer.cands)
     m = max(len(d) for d in consumer.task_dev)
     r = len(axes)
     lo = np.zeros((kc, m, r), dtype=np.int64)

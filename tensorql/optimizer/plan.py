@@ -173,10 +173,13 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
             there = tuple(int(x) for x in q[: prod.n_out])
             replicas = int(np.prod([p for lab, p in zip(node.labels, pieces)
                                     if lab not in edge.axes]))
-            if here == there:
-                reason = ("already in place" if moved[(node.index, k)] == 0 else
-                          f"pieces {_vec(edge.axes, here)} match; replicated to "
-                          f"{replicas} task(s)")
+            if here == there and moved[(node.index, k)] == 0:
+                reason = "already in place"
+            elif here == there and replicas > 1:
+                reason = f"pieces {_vec(edge.axes, here)} match; replicated to {replicas} tasks"
+            elif here == there:
+                reason = (f"pieces {_vec(edge.axes, here)} match but are held by other devices "
+                          "(the axis order differs)")
             else:
                 reason = (f"repartitioned from {_vec(edge.axes, there)} to "
                           f"{_vec(edge.axes, here)}, replicated to {replicas} task(s)")
@@ -199,11 +202,20 @@ def _vec(labels, pieces) -> str:
 
 
 def explain_partitioning(node: Any, devices: Any) -> str:
-    """The EXPLAIN section "partitioning for N devices" (empty for a single device)."""
+    """The EXPLAIN section "partitioning for N devices" (empty unless N > 1).
+
+    ``devices`` is an int or a list of device names; anything else ("auto", "cpu") is one.
+
+    >>> explain_partitioning(None, "auto")
+    ''
+    """
     try:
         n = device_count(devices)
     except PlanError:
         return ""
     if n <= 1:
         return ""
-    return optimize(node, devices=n).explain()
+    try:
+        return optimize(node, devices=n).explain()
+    except PlanError as err:
+        return f"partitioning for {n} devices: not available ({err})"

@@ -12,8 +12,8 @@ for each (producer, consumer) candidate pair. A plan's bytes moved is then exact
 * ``data`` -- every node carrying the batch label (the result's leading label) puts as many
   pieces on it as it can; the rest is left to the DP;
 * ``model`` -- Megatron-style: every node carrying hidden/head labels (labels of weights, that
-  is of tensors contracted with the activations, except the result's own labels) puts as many
-  pieces on them as it can; the rest is left to the DP;
+  is of tensors contracted with the activations, except the labels of the result and of the
+  batch-carrying inputs) puts as many pieces on them as it can; the rest is left to the DP;
 * ``exhaustive`` -- every combination (small graphs only).
 
 >>> sorted(STRATEGIES)
@@ -230,7 +230,8 @@ def data_masks(problem: Problem) -> list[np.ndarray | None]:
 
 
 def model_classes(graph: OpGraph) -> set[int]:
-    """Classes of weight labels: tensors contracted with activations, minus the result's."""
+    """Hidden/head label classes: labels of weights (tensors contracted with activations) that
+    are neither the result's labels nor labels of the batch-carrying inputs."""
     classes = label_classes(graph)
     root = graph.nodes[graph.root]
     batch = classes[(root.index, root.out_labels[0])] if root.out_labels else -1
@@ -249,7 +250,9 @@ def model_classes(graph: OpGraph) -> set[int]:
                 weights.update(classes[(node.index, lab)] for lab in edge.axes
                                if (node.index, lab) in classes)
     result = {classes[(root.index, lab)] for lab in root.out_labels}
-    return weights - result - {batch}
+    inputs = {classes[(n.index, lab)] for n in graph.nodes
+              if not n.inputs and carries_batch[n.index] for lab in n.labels}
+    return weights - result - inputs - {batch}
 
 
 def model_masks(problem: Problem) -> list[np.ndarray | None]:
