@@ -21,12 +21,14 @@ from tensorql.errors import (
     TensorQLError,
     UnknownTensorError,
 )
+from tensorql.optimizer import Cost, PartitionPlan, optimize
 from tensorql.options import Options
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGS", "JOINS", "Database", "EinsumSpec", "ExecutionError", "OptionError", "Options",
-    "ParseError", "PlanError", "ShapeError", "StorageError", "Tensor", "TensorQLError",
-    "UnknownOperatorError", "UnknownTensorError", "connect", "einsum",
+    "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "OptionError",
+    "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
+    "Tensor", "TensorQLError",
+    "UnknownOperatorError", "UnknownTensorError", "connect", "einsum", "optimize",
 ]

@@ -22,6 +22,7 @@ from tensorql.exec.executor import Executor, ProgressCallback, RunStats
 from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
+from tensorql.optimizer.plan import explain_partitioning
 from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
 
@@ -94,4 +95,6 @@ class CompiledQuery:
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {self.node.describe()} -> " \
                 f"{'x'.join(map(str, self.node.shape)) or 'scalar'} {self.node.dtype}"
         stats = self.run().stats if analyze else None
-        return render_plan(self.physical, stats, title=title)
+        text = render_plan(self.physical, stats, title=title)
+        section = explain_partitioning(self.node, self.db.options.devices)  # "" for 1 device
+        return f"{text}\n{section}" if section else text

@@ -1,0 +1,68 @@
+"""Optimizer benchmark: planning time of a 32-layer LLaMA-7B-shaped graph, and bytes moved by
+the auto / data / model strategies at N = 8 for each workload.
+
+Run: ``.venv/bin/python bench/optimizer.py`` (prints a Markdown section for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import tensorql as tq
+from tensorql.models import attention, llama, llama_block, mlp
+from tensorql.optimizer.graph import OpGraph
+from tensorql.optimizer.plan import _bytes
+
+
+def plan_time(devices: int, repeats: int = 3) -> tuple[float, float, int, tq.PartitionPlan]:
+    """Median seconds to build + plan (fresh caches each time), graph build alone, op count."""
+    times, graph_times = [], []
+    plan = None
+    for _ in range(repeats):
+        db = tq.connect()
+        start = time.perf_counter()
+        w = llama(db, layers=32)  # LLaMA-7B: d 4096, 32 heads x 128, d_ff 11008, seq 2048
+        built = time.perf_counter()
+        plan = tq.optimize(w.output, devices=devices)
+        times.append(time.perf_counter() - built)
+        graph_times.append(built - start)
+    assert plan is not None
+    return statistics.median(times), statistics.median(graph_times), len(plan.ops), plan
+
+
+def main() -> None:
+    rows = []
+    for n in (8, 16):
+        seconds, build_s, ops, plan = plan_time(n)
+        rows.append(f"| {n} | {ops} | {build_s:.2f} | {seconds:.2f} | "
+                    f"{_bytes(plan.cost.bytes_moved)} |")
+    print("Planning a 32-layer LLaMA-7B-shaped graph (batch 1, seq 2048), strategy auto:\n")
+    print("| devices | graph nodes | build graph s | optimize s | bytes moved |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    db = tq.connect()
+    workloads = {
+        "MLP 256x4096x11008": mlp(db, batch=256, d_model=4096, d_ff=11008, materialize=False),
+        "attention b4 s512 d4096 h32": attention(db, batch=4, seq=512, d_model=4096, heads=32,
+                                                 head_dim=128, materialize=False),
+        "LLaMA-7B block b1 s2048": llama_block(db, batch=1, seq=2048, d_model=4096, heads=32,
+                                               head_dim=128, d_ff=11008, materialize=False),
+        "LLaMA-7B 32 layers b1 s2048": llama(db, layers=32),
+    }
+    print("\nBytes moved at N = 8 (cost model; equals the partitioned executor's count):\n")
+    print("| workload | auto | data | model | data/auto | model/auto |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, w in workloads.items():
+        graph_size = len(OpGraph.build(w.output.node).nodes)
+        cache: dict = {}
+        moved = {s: tq.optimize(w.output, devices=8, strategy=s, cache=cache).cost.bytes_moved
+                 for s in ("auto", "data", "model")}
+        print(f"| {name} ({graph_size} nodes) | {_bytes(moved['auto'])} | "
+              f"{_bytes(moved['data'])} | {_bytes(moved['model'])} | "
+              f"{moved['data'] / max(1, moved['auto']):.2f} | "
+              f"{moved['model'] / max(1, moved['auto']):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

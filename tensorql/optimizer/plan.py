@@ -1,0 +1,221 @@
+"""``tq.optimize``: the partition plan of an expression for N devices, and its EXPLAIN.
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> x = db.from_numpy("x", np.ones((8, 4), dtype=np.float32))
+>>> w = db.from_numpy("w", np.ones((4, 6), dtype=np.float32))
+>>> plan = tq.optimize(x @ w, devices=2)
+>>> plan.cost
+Cost(flops=192, bytes_moved=96, peak_bytes=256)
+>>> print(plan.explain().splitlines()[0])
+partitioning for 2 devices (strategy auto): 96 B moved, busiest device 192 FLOP, peak 256 B
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorql.einsum.graph import Node
+from tensorql.errors import PlanError
+from tensorql.optimizer.cost import Cost
+from tensorql.optimizer.graph import OpGraph
+from tensorql.optimizer.search import Problem, get_strategy
+from tensorql.options import parse_bytes
+
+
+@dataclass(frozen=True)
+class InputMove:
+    """Bytes moved into an operation for one operand, and why."""
+
+    producer: str
+    bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class OpPartition:
+    """The partitioning chosen for one node of the optimizer's graph."""
+
+    index: int
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    pieces: tuple[int, ...]
+    flops_per_device: int
+    inputs: tuple[InputMove, ...]
+    partial_bytes: int
+    peak_bytes: int
+    n_agg: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.partial_bytes + sum(m.bytes for m in self.inputs)
+
+    @property
+    def vector(self) -> str:
+        """The partition vector as ``label:pieces`` pairs."""
+        return " ".join(f"{lab}:{p}" for lab, p in zip(self.labels, self.pieces)) or "scalar"
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """How every operation of an expression is split across ``devices`` devices."""
+
+    devices: int
+    strategy: str
+    ops: tuple[OpPartition, ...]
+    cost: Cost
+    memory_limit: int | None = None
+    graph: OpGraph | None = field(default=None, compare=False, repr=False)
+
+    def pieces_of(self, index: int) -> tuple[int, ...]:
+        return self.ops[index].pieces
+
+    def explain(self) -> str:
+        """Per operation: partition vector, FLOPs per device, bytes moved and why."""
+        c = self.cost
+        lines = [f"partitioning for {self.devices} devices (strategy {self.strategy}): "
+                 f"{_bytes(c.bytes_moved)} moved, busiest device {_flops(c.flops)}, "
+                 f"peak {_bytes(c.peak_bytes)}"]
+        if self.memory_limit is not None:
+            lines[0] += f" (limit {_bytes(self.memory_limit)})"
+        for op in self.ops:
+            if op.kind in ("source", "constant"):
+                lines.append(f"[{op.index}] {op.name}  pieces {op.vector}")
+                continue
+            lines.append(f"[{op.index}] {op.name}  pieces {op.vector}  "
+                         f"{_flops(op.flops_per_device)}/device  moved {_bytes(op.bytes_moved)}")
+            for k, move in enumerate(op.inputs):
+                lines.append(f"    operand {k} <- {move.producer}: {_bytes(move.bytes)} "
+                             f"({move.reason})")
+            if op.partial_bytes:
+                agg = [f"{lab}:{p}" for lab, p in zip(op.labels, op.pieces)
+                       if p > 1 and lab in op.labels[len(op.labels) - op.n_agg:]]
+                lines.append(f"    partial aggregates: {_bytes(op.partial_bytes)} "
+                             f"(aggregated labels split {' '.join(agg)})")
+        return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def device_count(devices: Any) -> int:
+    """N from an int or a list of device names; PlanError otherwise."""
+    if isinstance(devices, bool):
+        raise PlanError(f"devices must be a positive int or a list of devices, got {devices!r}")
+    if isinstance(devices, int):
+        n = devices
+    elif isinstance(devices, (list, tuple)):
+        n = len(devices)
+    else:
+        raise PlanError(f"devices must be a positive int or a list of devices, got {devices!r}")
+    if n < 1:
+        raise PlanError(f"devices must be at least 1, got {n}")
+    return n
+
+
+def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
+             memory_limit: int | str | None = None, *, cache: dict | None = None
+             ) -> PartitionPlan:
+    """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
+
+    ``expr`` is a lazy Tensor (or an einsum-graph node); ``strategy`` one of auto, data,
+    model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds each device's working set
+    (InfeasiblePlanError when no partitioning of some operation fits).
+    """
+    node: Node = getattr(expr, "node", expr)
+    if not isinstance(node, Node):
+        raise PlanError(f"optimize needs a tensorql Tensor, got {type(expr).__name__}")
+    n_dev = device_count(devices)
+    search = get_strategy(strategy)
+    limit = parse_bytes(memory_limit)
+    graph = OpGraph.build(node)
+    problem = Problem.build(graph, n_dev, limit, cache=cache)
+    choice = search(problem)
+    return make_plan(problem, choice, strategy, limit)
+
+
+def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
+              memory_limit: int | None) -> PartitionPlan:
+    """Freeze a search result into a :class:`PartitionPlan` with its exact cost."""
+    graph, tables = problem.graph, problem.tables
+    moved: dict[tuple[int, int], int] = {}
+    for p, c, k, m in problem.edges:
+        moved[(c, k)] = int(m[choice[p], choice[c]])
+    ops = []
+    device_flops = np.zeros(problem.devices, dtype=np.int64)
+    peak = 0
+    for node, table, cand in zip(graph.nodes, tables, choice):
+        pieces = tuple(int(x) for x in table.cands[cand])
+        device_flops += table.flops_dev[cand]
+        peak = max(peak, int(table.peak[cand]))
+        inputs = []
+        for k, edge in enumerate(node.inputs):
+            prod = graph.nodes[edge.producer]
+            q = tables[edge.producer].cands[choice[edge.producer]]
+            here = tuple(pieces[node.labels.index(a)] for a in edge.axes)
+            there = tuple(int(x) for x in q[: prod.n_out])
+            replicas = int(np.prod([p for lab, p in zip(node.labels, pieces)
+                                    if lab not in edge.axes]))
+            if here == there and moved[(node.index, k)] == 0:
+                reason = "already in place"
+            elif here == there and replicas > 1:
+                reason = f"pieces {_vec(edge.axes, here)} match; replicated to {replicas} tasks"
+            elif here == there:
+                reason = (f"pieces {_vec(edge.axes, here)} match but are held by other devices "
+                          "(the axis order differs)")
+            else:
+                reason = (f"repartitioned from {_vec(edge.axes, there)} to "
+                          f"{_vec(edge.axes, here)}, replicated to {replicas} task(s)")
+            inputs.append(InputMove(f"[{edge.producer}] {prod.name}", moved[(node.index, k)],
+                                    reason))
+        op = OpPartition(index=node.index, name=node.name, kind=node.kind, labels=node.labels,
+                         sizes=node.sizes, pieces=pieces,
+                         flops_per_device=int(table.flops_dev[cand].max()),
+                         inputs=tuple(inputs), partial_bytes=int(table.partial_bytes[cand]),
+                         peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels))
+        ops.append(op)
+    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.total(choice),
+                peak_bytes=peak)
+    return PartitionPlan(devices=problem.devices, strategy=strategy, ops=tuple(ops), cost=cost,
+                         memory_limit=memory_limit, graph=graph)
+
+
+def _vec(labels, pieces) -> str:
+    return "(" + " ".join(f"{lab}:{p}" for lab, p in zip(labels, pieces)) + ")"
+
+
+def explain_partitioning(node: Any, devices: Any) -> str:
+    """The EXPLAIN section "partitioning for N devices" (empty unless N > 1).
+
+    ``devices`` is an int or a list of device names; anything else ("auto", "cpu") is one.
+
+    >>> explain_partitioning(None, "auto")
+    ''
+    """
+    try:
+        n = device_count(devices)
+    except PlanError:
+        return ""
+    if n <= 1:
+        return ""
+    try:
+        return optimize(node, devices=n).explain()
+    except PlanError as err:
+        return f"partitioning for {n} devices: not available ({err})"

@@ -1,0 +1,332 @@
+"""Search over partition vectors: dynamic programming over a tree cover of the DAG.
+
+A :class:`Problem` holds, for every node, its candidate partition vectors with their own costs
+(:class:`~tensorql.optimizer.cost.NodeTable`) and, for every edge, the matrix of bytes moved
+for each (producer, consumer) candidate pair. A plan's bytes moved is then exactly
+``sum(own) + sum(edge matrices)``, which the strategies minimise:
+
+* ``auto`` -- DP over a tree cover (shared nodes are cut out as roots of their own trees, both
+  frozen at their own optimum as in EinDecomp and left open to their consumers), each result
+  and the ``data`` / ``model`` plans then improved by coordinate descent on the exact total;
+  the cheapest wins, so ``auto`` is never worse than the baselines;
+* ``data`` -- every node carrying the batch label (the result's leading label) puts as many
+  pieces on it as it can; the rest is left to the DP;
+* ``model`` -- Megatron-style: every node carrying hidden/head labels (labels of weights, that
+  is of tensors contracted with the activations, except the labels of the result and of the
+  batch-carrying inputs) puts as many pieces on them as it can; the rest is left to the DP;
+* ``exhaustive`` -- every combination (small graphs only).
+
+>>> sorted(STRATEGIES)
+['auto', 'data', 'exhaustive', 'model']
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorql.errors import PlanError
+from tensorql.optimizer.cost import NodeTable, build_table, node_key, transition_matrix
+from tensorql.optimizer.graph import OpGraph
+
+EXHAUSTIVE_LIMIT = 20_000
+
+
+class UnknownStrategyError(PlanError, KeyError):
+    """A strategy name the optimizer does not know."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class InfeasiblePlanError(PlanError):
+    """No partitioning of some operation fits the per-device memory limit."""
+
+
+class SearchTooLargeError(PlanError):
+    """The exhaustive strategy was asked for a graph with too many combinations."""
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Candidates, own costs and edge matrices of one graph for ``devices`` devices."""
+
+    graph: OpGraph
+    devices: int
+    tables: tuple[NodeTable, ...]
+    allowed: tuple[np.ndarray, ...]          # per node: bool mask over its candidates
+    edges: tuple[tuple[int, int, int, np.ndarray], ...]  # (producer, consumer, k, matrix)
+
+    @classmethod
+    def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
+              cache: dict | None = None) -> Problem:
+        cache = {} if cache is None else cache
+        keys, tables = [], []
+        for node in graph.nodes:
+            key = node_key(graph, node, devices)
+            if ("node", key) not in cache:
+                cache[("node", key)] = build_table(graph, node, devices)
+            keys.append(key)
+            tables.append(cache[("node", key)])
+        allowed = []
+        for node, table in zip(graph.nodes, tables):
+            ok = np.ones(len(table.cands), dtype=bool)
+            if memory_limit is not None:
+                ok = table.peak <= memory_limit
+                if not ok.any():
+                    raise InfeasiblePlanError(
+                        f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, "
+                        f"sizes {node.sizes}) fits memory_limit={memory_limit} bytes on "
+                        f"{devices} devices; the smallest needs {int(table.peak.min())} bytes")
+            allowed.append(ok)
+        edges = []
+        for node in graph.nodes:
+            for k, edge in enumerate(node.inputs):
+                key = ("edge", keys[edge.producer], keys[node.index], k)
+                if key not in cache:
+                    cache[key] = transition_matrix(
+                        tables[edge.producer], tables[node.index], node, edge,
+                        graph.nodes[edge.producer].itemsize, devices)
+                edges.append((edge.producer, node.index, k, cache[key]))
+        return cls(graph, devices, tuple(tables), tuple(allowed), tuple(edges))
+
+    # -- evaluation ---------------------------------------------------------------------
+    def total(self, choice: tuple[int, ...]) -> int:
+        """Exact bytes moved of a choice (a candidate index per node)."""
+        own = sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
+        return own + sum(int(m[choice[p], choice[c]]) for p, c, _, m in self.edges)
+
+    def restrict(self, masks: list[np.ndarray | None]) -> Problem:
+        allowed = tuple(a & m if m is not None and (a & m).any() else a
+                        for a, m in zip(self.allowed, masks))
+        return Problem(self.graph, self.devices, self.tables, allowed, self.edges)
+
+
+# -- dynamic programming over a tree cover ------------------------------------------------
+def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
+    """A choice per node from DP over trees; shared nodes root their own trees."""
+    graph, tables = problem.graph, problem.tables
+    in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
+    out_degree = {n.index: 0 for n in graph.nodes}
+    for p, c, _, m in problem.edges:
+        in_edges[c].append((p, m))
+        out_degree[p] += 1
+    inf = np.inf
+    value: dict[int, np.ndarray] = {}
+    best_in: dict[int, list[tuple[int, np.ndarray]]] = {}
+    frozen: dict[int, int] = {}
+    choice: dict[int, int] = {}
+
+    def assign(node: int, cand: int) -> None:
+        stack = [(node, cand)]
+        while stack:
+            n, c = stack.pop()
+            if n in choice:
+                continue
+            choice[n] = c
+            for p, arg in best_in[n]:
+                if p not in frozen and p not in choice:
+                    stack.append((p, int(arg[c])))
+
+    for node in graph.nodes:
+        n = node.index
+        v = np.where(problem.allowed[n], tables[n].partial_bytes.astype(float), inf)
+        best_in[n] = []
+        for p, m in in_edges[n]:
+            if p in frozen:
+                vin = np.full(len(tables[p].cands), inf)
+                vin[frozen[p]] = 0.0
+            else:
+                vin = value[p]
+            total = vin[:, None] + m
+            arg = np.argmin(total, axis=0)
+            v = v + total[arg, np.arange(total.shape[1])]
+            best_in[n].append((p, arg))
+        value[n] = v
+        if freeze_shared and out_degree[n] > 1:
+            frozen[n] = int(np.argmin(v))
+            assign(n, frozen[n])
+    assign(graph.root, int(np.argmin(value[graph.root])))
+    for node in reversed(graph.nodes):  # nodes off every tree (unused outputs), if any
+        if node.index not in choice:
+            assign(node.index, int(np.argmin(value[node.index])))
+    return tuple(choice[n.index] for n in graph.nodes)
+
+
+def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[int, ...]:
+    """Coordinate descent: change one node's candidate at a time while the total drops."""
+    graph, tables = problem.graph, problem.tables
+    touching: dict[int, list[tuple[int, int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
+    for p, c, _, m in problem.edges:
+        touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
+        touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
+    current = list(choice)
+    for _ in range(passes):
+        improved = False
+        for node in graph.nodes:
+            n = node.index
+            cost = tables[n].partial_bytes.astype(float).copy()
+            for other, role, m in touching[n]:
+                cost += m[current[other], :] if role == 0 else m[:, current[other]]
+            cost[~problem.allowed[n]] = np.inf
+            best = int(np.argmin(cost))
+            if cost[best] < cost[current[n]]:
+                current[n] = best
+                improved = True
+        if not improved:
+            break
+    return tuple(current)
+
+
+# -- label classes for the baselines ------------------------------------------------------
+def label_classes(graph: OpGraph) -> dict[tuple[int, str], int]:
+    """Union-find of (node, label) pairs that are the same dimension across edges."""
+    parent: dict[tuple[int, str], tuple[int, str]] = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for node in graph.nodes:
+        for lab in node.labels:
+            find((node.index, lab))
+        for edge in node.inputs:
+            prod = graph.nodes[edge.producer]
+            for axis, lab in enumerate(edge.axes):
+                if not lab.count("@"):
+                    parent[find((edge.producer, prod.out_labels[axis]))] = find((node.index, lab))
+    roots = {}
+    return {key: roots.setdefault(find(key), len(roots)) for key in list(parent)}
+
+
+def _masks(problem: Problem, wanted: Callable[[int, str], bool]) -> list[np.ndarray | None]:
+    masks: list[np.ndarray | None] = []
+    for node, table in zip(problem.graph.nodes, problem.tables):
+        cols = [k for k, lab in enumerate(node.labels) if wanted(node.index, lab)]
+        if not cols:
+            masks.append(None)
+            continue
+        on = np.prod(table.cands[:, cols], axis=1)
+        on = np.where(problem.allowed[node.index], on, 0)
+        masks.append(on == on.max())
+    return masks
+
+
+def data_masks(problem: Problem) -> list[np.ndarray | None]:
+    graph = problem.graph
+    classes = label_classes(graph)
+    root = graph.nodes[graph.root]
+    if not root.out_labels:
+        return [None] * len(graph.nodes)
+    batch = classes[(root.index, root.out_labels[0])]
+    return _masks(problem, lambda n, lab: classes.get((n, lab)) == batch)
+
+
+def model_classes(graph: OpGraph) -> set[int]:
+    """Hidden/head label classes: labels of weights (tensors contracted with activations) that
+    are neither the result's labels nor labels of the batch-carrying inputs."""
+    classes = label_classes(graph)
+    root = graph.nodes[graph.root]
+    batch = classes[(root.index, root.out_labels[0])] if root.out_labels else -1
+    carries_batch: dict[int, bool] = {}
+    for node in graph.nodes:
+        carries_batch[node.index] = any(classes.get((node.index, lab)) == batch
+                                        for lab in node.out_labels)
+    weights: set[int] = set()
+    for node in graph.nodes:
+        if node.kind != "einsum" or len(node.inputs) != 2 or not node.agg_labels:
+            continue
+        for k, edge in enumerate(node.inputs):
+            other = node.inputs[1 - k]
+            shared_agg = set(edge.axes) & set(other.axes) & set(node.agg_labels)
+            if not carries_batch[edge.producer] and carries_batch[other.producer] and shared_agg:
+                weights.update(classes[(node.index, lab)] for lab in edge.axes
+                               if (node.index, lab) in classes)
+    result = {classes[(root.index, lab)] for lab in root.out_labels}
+    inputs = {classes[(n.index, lab)] for n in graph.nodes
+              if not n.inputs and carries_batch[n.index] for lab in n.labels}
+    return weights - result - inputs - {batch}
+
+
+def model_masks(problem: Problem) -> list[np.ndarray | None]:
+    classes = label_classes(problem.graph)
+    wanted = model_classes(problem.graph)
+    return _masks(problem, lambda n, lab: classes.get((n, lab)) in wanted)
+
+
+# -- strategies ---------------------------------------------------------------------------
+def _dp_best(problem: Problem) -> tuple[int, ...]:
+    options = [refine(problem, tree_dp(problem, freeze)) for freeze in (True, False)]
+    return min(options, key=problem.total)
+
+
+def search_data(problem: Problem) -> tuple[int, ...]:
+    return _dp_best(problem.restrict(data_masks(problem)))
+
+
+def search_model(problem: Problem) -> tuple[int, ...]:
+    return _dp_best(problem.restrict(model_masks(problem)))
+
+
+def search_auto(problem: Problem) -> tuple[int, ...]:
+    seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
+             search_model(problem)]
+    return min((refine(problem, s) for s in seeds), key=problem.total)
+
+
+def search_exhaustive(problem: Problem) -> tuple[int, ...]:
+    """Every combination of candidates; sources read by one operand are placed optimally."""
+    graph = problem.graph
+    out_edges: dict[int, list] = {n.index: [] for n in graph.nodes}
+    for p, c, _, m in problem.edges:
+        out_edges[p].append((c, m))
+    free = [n.index for n in graph.nodes if n.inputs or len(out_edges[n.index]) != 1]
+    leaves = [n.index for n in graph.nodes if not n.inputs and len(out_edges[n.index]) == 1]
+    options = [np.flatnonzero(problem.allowed[n]) for n in free]
+    count = math.prod(len(o) for o in options)
+    if count > EXHAUSTIVE_LIMIT:
+        raise SearchTooLargeError(
+            f"exhaustive search would try {count} combinations over {len(free)} nodes, more "
+            f"than the bound {EXHAUSTIVE_LIMIT}; use strategy='auto' for graphs this size")
+    leaf_best = {}
+    for leaf in leaves:
+        (consumer, m), = out_edges[leaf]
+        masked = np.where(problem.allowed[leaf][:, None], m, np.inf)
+        leaf_best[leaf] = (consumer, np.argmin(masked, axis=0))
+    best: tuple[int, tuple[int, ...]] | None = None
+    for combo in itertools.product(*options):
+        choice = [0] * len(graph.nodes)
+        for n, c in zip(free, combo):
+            choice[n] = int(c)
+        for leaf, (consumer, arg) in leaf_best.items():
+            choice[leaf] = int(arg[choice[consumer]])
+        total = problem.total(tuple(choice))
+        if best is None or total < best[0]:
+            best = (total, tuple(choice))
+    assert best is not None
+    return best[1]
+
+
+STRATEGIES: dict[str, Callable[[Problem], tuple[int, ...]]] = {
+    "auto": search_auto,
+    "data": search_data,
+    "model": search_model,
+    "exhaustive": search_exhaustive,
+}
+
+
+def get_strategy(name: str) -> Callable[[Problem], tuple[int, ...]]:
+    """The search function of strategy ``name``; UnknownStrategyError lists the valid ones."""
+    try:
+        return STRATEGIES[name]
+    except (KeyError, TypeError):
+        raise UnknownStrategyError(
+            f"unknown strategy {name!r}; choose one of {', '.join(sorted(STRATEGIES))}"
+        ) from None

@@ -1,0 +1,135 @@
+"""The cost model, candidates and the plan's public surface."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
+from tensorql.optimizer.cost import candidates, piece_bounds
+from tensorql.optimizer.graph import OpGraph
+from tensorql.optimizer.order import contraction_path
+
+
+@pytest.fixture
+def db():
+    with tq.connect(workers=2) as database:
+        yield database
+
+
+def _matmul(db, m=8, k=4, n=6):
+    x = db.from_numpy("x", np.ones((m, k), dtype=np.float32))
+    w = db.from_numpy("w", np.ones((k, n), dtype=np.float32))
+    return x @ w
+
+
+def test_exports_and_frozen(db):
+    plan = tq.optimize(_matmul(db), devices=2)
+    assert isinstance(plan, tq.PartitionPlan) and isinstance(plan.cost, tq.Cost)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.cost.flops = 0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.devices = 3  # type: ignore[misc]
+
+
+def test_matmul_costs_by_hand(db):
+    # 2 devices: split the rows of x; w (4x6 float32 = 96 B) is held half on each device and
+    # each task needs all of it -> 2 x 48 B move; FLOPs 8*4*6*2 / 2; peak = x half + w + out half
+    plan = tq.optimize(_matmul(db), devices=2)
+    assert plan.cost == tq.Cost(flops=192, bytes_moved=96, peak_bytes=64 + 96 + 96)
+    op = plan.ops[-1]
+    assert op.vector == "i:2 k:1 j:1"
+    text = plan.explain()
+    assert text.startswith("partitioning for 2 devices (strategy auto): 96 B moved")
+    assert "operand 1 <- [1] scan w: 96 B (repartitioned from (j:1 k:2) to (j:1 k:1)" in text
+
+
+def test_partial_aggregates_counted(db):
+    # only the aggregated label can be split: partials of the 1x1 output go to its owner
+    x = db.from_numpy("v", np.ones((1, 12), dtype=np.float32))
+    plan = tq.optimize(tq.einsum("ij,ij->i", x, x), devices=4)
+    op = plan.ops[-1]
+    assert op.pieces == (1, 4) and op.partial_bytes == 3 * 4
+    assert "partial aggregates: 12 B (aggregated labels split j:4)" in plan.explain()
+
+
+def test_piece_bounds_are_balanced():
+    assert piece_bounds(10, 4) == (0, 2, 5, 7, 10)
+    assert piece_bounds(7, 7) == tuple(range(8))
+    sizes = np.diff(piece_bounds(100, 6))
+    assert sizes.max() - sizes.min() <= 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 7, 12])
+def test_candidates_any_device_count(n):
+    cands = candidates((8, 9, 10), n)
+    assert cands and all(np.prod(c) == n for c in cands)
+    assert all(p <= s for c in cands for p, s in zip(c, (8, 9, 10)))
+
+
+def test_candidates_fall_back_when_sizes_are_small():
+    assert candidates((2, 1), 8) == ((2, 1),)
+    assert candidates((), 4) == ((),)
+
+
+def test_device_list_and_count(db):
+    expr = _matmul(db)
+    assert tq.optimize(expr, devices=["cuda:0", "cuda:1", "cuda:2"]).devices == 3
+    with pytest.raises(tq.PlanError, match="devices"):
+        tq.optimize(expr, devices=0)
+
+
+def test_unknown_strategy_lists_options(db):
+    with pytest.raises(UnknownStrategyError) as err:
+        tq.optimize(_matmul(db), devices=2, strategy="fastest")
+    assert "auto, data, exhaustive, model" in str(err.value)
+    assert isinstance(err.value, tq.PlanError) and isinstance(err.value, KeyError)
+
+
+def test_memory_limit(db):
+    expr = _matmul(db, 64, 64, 64)
+    free = tq.optimize(expr, devices=4)
+    tight = tq.optimize(expr, devices=4, memory_limit=free.cost.peak_bytes)
+    assert tight.cost.peak_bytes <= free.cost.peak_bytes
+    assert "limit" in tight.explain().splitlines()[0]
+    with pytest.raises(InfeasiblePlanError, match="memory_limit=100 bytes"):
+        tq.optimize(expr, devices=4, memory_limit=100)
+    with pytest.raises(tq.PlanError):
+        tq.optimize(expr, devices=4, memory_limit="1KiB")
+
+
+def test_exhaustive_bound(db):
+    from tensorql.models import llama_block
+
+    w = llama_block(db, batch=2, seq=8, d_model=16, heads=2, head_dim=8, d_ff=32,
+                    materialize=False)
+    with pytest.raises(SearchTooLargeError, match="use strategy='auto'"):
+        tq.optimize(w.output, devices=4, strategy="exhaustive")
+
+
+def test_contraction_order_prefers_small_intermediates():
+    sizes = {"i": 64, "j": 8, "k": 64, "l": 8}
+    assert contraction_path([("i", "j"), ("j", "k"), ("k", "l")], ("i", "l"), sizes) == \
+        [(1, 2), (0, 1)]
+
+
+def test_nary_einsum_binarized(db):
+    a = db.from_numpy("a", np.ones((4, 5), dtype=np.float32))
+    b = db.from_numpy("b", np.ones((5, 6), dtype=np.float32))
+    c = db.from_numpy("c", np.ones((6, 2), dtype=np.float32))
+    graph = OpGraph.build(tq.einsum("ij,jk,kl->il", a, b, c).node)
+    steps = [n for n in graph.nodes if n.kind == "einsum"]
+    assert len(steps) == 2 and all(len(n.inputs) == 2 for n in steps)
+    assert steps[-1].out_labels == ("i", "l")
+
+
+def test_explain_section_only_with_several_devices():
+    with tq.connect(devices=4) as many, tq.connect() as one:
+        for db, expect in ((many, True), (one, False)):
+            expr = _matmul(db)
+            text = expr.explain()
+            assert ("partitioning for 4 devices" in text) == expect
+            assert text.startswith("EXPLAIN einsum")
