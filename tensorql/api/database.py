@@ -72,11 +72,14 @@ class Database:
         self.options = options
         self.path = path
         self._closed = False
+        self._connection: Any = None  # a private DuckDB connection when the store has none
         self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
 
     # -- context management -----------------------------------------------------------
     def close(self) -> None:
         if not self._closed:
+            if self._connection is not None:
+                self._connection.close()
             self.chunk_store.close()
             self._closed = True
 
@@ -89,6 +92,26 @@ class Database:
     def __repr__(self) -> str:
         where = self.path or ":memory:"
         return f"<tensorql.Database {where} tensors={len(self.tensors())}>"
+
+    # -- SQL ----------------------------------------------------------------------------
+    @property
+    def connection(self) -> Any:
+        """The DuckDB connection SQL runs on: the chunk store's, else a private in-memory one."""
+        con = getattr(self.chunk_store, "connection", None)
+        if con is not None:
+            return con
+        if self._connection is None:
+            import duckdb
+
+            self._connection = duckdb.connect()
+        return self._connection
+
+    def sql(self, query: str, *, backend: str | None = None) -> Any:
+        """Run SQL (DuckDB's dialect plus EINSUM, CREATE/DROP TENSOR, EXPLAIN); the last
+        statement's result (see ``tensorql.sql.session.SQLResult``)."""
+        from tensorql.sql.session import run_sql
+
+        return run_sql(self, query, backend=backend)
 
     # -- tensors at rest ----------------------------------------------------------------
     def tensors(self) -> list[str]:

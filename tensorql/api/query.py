@@ -76,6 +76,10 @@ class CompiledQuery:
     def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
         """Execute the plan; with ``dense=True`` worker threads copy each finished result chunk
         into one dense tensor while the rest of the plan still runs."""
+        if self.db.options.backend == "duckdb":  # joins and GROUP BY inside DuckDB
+            from tensorql.sql.backend import run_compiled
+
+            return run_compiled(self)
         options = self.db.options
         executor = Executor(options.workers, options.intra_op_threads)
         rel = self.physical.result_step.node.relation
@@ -92,6 +96,10 @@ class CompiledQuery:
         return QueryResult(plan=self.physical, chunks=chunks, stats=result.stats, assembled=out)
 
     def explain(self, analyze: bool = False) -> str:
+        if self.db.options.backend == "duckdb":
+            from tensorql.sql.backend import explain_compiled
+
+            return explain_compiled(self, analyze=analyze)[0]
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {self.node.describe()} -> " \
                 f"{'x'.join(map(str, self.node.shape)) or 'scalar'} {self.node.dtype}"
         stats = self.run().stats if analyze else None

@@ -1,0 +1,481 @@
+"""The DuckDB execution backend: a logical plan as one SQL query over chunk relations.
+
+Every logical node becomes a CTE with columns ``k0, k1, ...`` (its chunk keys) and ``payload``
+(the chunk's bytes). Joins on chunk keys and GROUP BY run inside DuckDB as real SQL; the chunk
+kernels are vectorized Arrow UDFs (one Python call per batch of rows) that decode payloads
+without copying and run the same torch kernels as the native executor:
+
+- ``Scan``: the store's chunk view ``"<name>__chunks"`` (or a registered Arrow table of chunks);
+- ``Join`` (+ ``Aggregate``): ``FROM x0 JOIN x1 ON x0.k1 = x1.k0`` with a join kernel per
+  matching pair, then ``GROUP BY`` the output keys with an aggregate kernel over
+  ``list(partial)`` -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
+- ``Rekey``: a registered mapping of new to old keys, joined and grouped;
+- ``Map``: a kernel per chunk.
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> a = db.from_numpy("A", np.ones((4, 4), np.float32), tile=(2, 2))
+>>> plan = SQLPlan.build(tq.einsum("ij,jk->ik", a, a).compile().logical, db.chunk_store)
+>>> print(plan.sql.splitlines()[-1])
+SELECT "k0", "k1", "payload" FROM "s1"
+>>> run_compiled(tq.einsum("ij,jk->ik", a, a).compile(), db.connection).dense()[0].tolist()
+[4.0, 4.0, 4.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import torch
+from tensorql_kernels.chunk_einsum import combine
+
+from tensorql.errors import ExecutionError, PlanError
+from tensorql.exec.executor import RunStats
+from tensorql.grid import ChunkGrid, Key
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
+from tensorql.physical.kernels import ContractChunk, MapChunk
+from tensorql.storage.blob_codec import decode_payloads, encode_payloads
+from tensorql.storage.sql_text import quote_ident as q
+
+if TYPE_CHECKING:
+    from tensorql.api.query import CompiledQuery, QueryResult
+    from tensorql.api.tensor import Tensor
+    from tensorql.storage.chunk_store import ChunkStore
+
+__all__ = ["SQLPlan", "compiled_for", "explain_compiled", "run_compiled"]
+
+_IDS = itertools.count()
+
+
+@dataclass(frozen=True)
+class UDF:
+    """A vectorized Arrow scalar function the plan's SQL calls."""
+
+    name: str
+    fn: Callable[..., pa.Array]
+    params: tuple[str, ...]
+    returns: str = "BLOB"
+
+
+@dataclass(frozen=True)
+class SQLPlan:
+    """The SQL text of a logical plan, with the UDFs and Arrow tables it needs.
+
+    ``sql`` selects ``k0.., payload`` of the root relation; ``steps`` names each CTE's logical
+    node for EXPLAIN.
+    """
+
+    root: LogicalNode
+    sql: str
+    udfs: tuple[UDF, ...]
+    tables: dict[str, pa.Table] = field(hash=False)
+    steps: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def build(cls, root: LogicalNode, store: ChunkStore | None) -> SQLPlan:
+        builder = _Builder(store, next(_IDS))
+        names: dict[int, str] = {}
+        ctes = []
+        fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)}
+        for node in walk(root):
+            if id(node) in fused:
+                continue
+            name = f"s{len(ctes)}"
+            body, what = builder.step(node, names)
+            names[id(node)] = name
+            ctes.append((name, body, what))
+        keys = "".join(f"{q(f'k{d}')}, " for d in range(len(root.relation.labels)))
+        with_sql = ",\n".join(f"{q(n)} AS (\n  {body}\n)" for n, body, _ in ctes)
+        sql = f"WITH {with_sql}\nSELECT {keys}\"payload\" FROM {q(ctes[-1][0])}"
+        return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
+                   steps=tuple((n, what) for n, _, what in ctes))
+
+    def run(self, con: duckdb.DuckDBPyConnection) -> tuple[dict[Key, torch.Tensor], float]:
+        """Execute on ``con``; the result chunks by key and the wall time."""
+        registered = self._register(con)
+        try:
+            start = time.perf_counter()
+            try:
+                table = con.sql(self.sql).to_arrow_table()
+            except duckdb.Error as err:
+                raise ExecutionError(f"DuckDB backend failed: {str(err).splitlines()[0]}") \
+                    from None
+            chunks = self.decode(table)
+            return chunks, time.perf_counter() - start
+        finally:
+            self._unregister(con, registered)
+
+    def explain_analyze(self, con: duckdb.DuckDBPyConnection, analyze: bool) -> str:
+        registered = self._register(con)
+        try:
+            prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
+            rows = con.sql(prefix + self.sql).fetchall()
+            return "\n".join(r[1] for r in rows).rstrip()
+        finally:
+            self._unregister(con, registered)
+
+    def decode(self, table: pa.Table) -> dict[Key, torch.Tensor]:
+        rel = self.root.relation
+        ndim = len(rel.labels)
+        keys = list(zip(*(table.column(d).to_numpy() for d in range(ndim)))) if ndim \
+            else [()] * table.num_rows
+        keys = [tuple(int(k) for k in key) for key in keys]
+        shapes = [rel.grid.chunk_shape(k) for k in keys]
+        chunks = decode_payloads(table.column(ndim), rel.dtype, shapes)
+        return dict(zip(keys, chunks))
+
+    def _register(self, con) -> list[str]:
+        done: list[str] = []
+        try:
+            for udf in self.udfs:
+                con.create_function(udf.name, _with_arity(udf.fn, len(udf.params)),
+                                    [duckdb.sqltype(p) for p in udf.params],
+                                    duckdb.sqltype(udf.returns), type="arrow",
+                                    side_effects=False)
+                done.append("f:" + udf.name)
+            for name, table in self.tables.items():
+                con.register(name, table)
+                done.append("t:" + name)
+        except BaseException:
+            self._unregister(con, done)
+            raise
+        return done
+
+    @staticmethod
+    def _unregister(con, done: list[str]) -> None:
+        for item in done:
+            kind, name = item.split(":", 1)
+            try:
+                if kind == "f":
+                    con.remove_function(name)
+                else:
+                    con.unregister(name)
+            except duckdb.Error:  # pragma: no cover - already gone
+                pass
+
+
+def _with_arity(fn: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
+    """``fn(*cols)`` seen by DuckDB as a function of exactly ``n`` parameters."""
+
+    def call(*cols):
+        return fn(*cols)
+
+    kind = inspect.Parameter.POSITIONAL_ONLY
+    call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(f"a{i}", kind) for i in range(n)])
+    return call
+
+
+def _blobs(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return column
+
+
+def _ints(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    return np.asarray(column.to_numpy() if isinstance(column, pa.ChunkedArray)
+                      else column.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
+    return encode_payloads(list(tensors)).cast(pa.binary())
+
+
+class _Builder:
+    def __init__(self, store: ChunkStore | None, plan_id: int) -> None:
+        self.store = store
+        self.plan_id = plan_id
+        self.udfs: list[UDF] = []
+        self.tables: dict[str, pa.Table] = {}
+
+    def _name(self, kind: str) -> str:
+        return f"tq_{kind}_{self.plan_id}_{len(self.udfs) + len(self.tables)}"
+
+    def step(self, node: LogicalNode, names: dict[int, str]) -> tuple[str, str]:
+        if isinstance(node, Scan):
+            return self._scan(node)
+        if isinstance(node, Map):
+            return self._map(node, names)
+        if isinstance(node, Rekey):
+            return self._rekey(node, names)
+        if isinstance(node, Aggregate):
+            if not isinstance(node.input, Join):
+                raise PlanError("the DuckDB backend needs every Aggregate over a Join")
+            return self._contract(node.input, node, names)
+        if isinstance(node, Join):
+            return self._contract(node, None, names)
+        raise PlanError(f"the DuckDB backend cannot run {type(node).__name__}")
+
+    # -- scans --------------------------------------------------------------------------
+    def _scan(self, node: Scan) -> tuple[str, str]:
+        rel = node.relation
+        keys = ", ".join(q(f"k{d}") for d in range(len(rel.labels)))
+        keys = keys + ", " if keys else ""
+        if node.constant is None and self.store is not None and hasattr(self.store,
+                                                                         "connection"):
+            return (f"SELECT {keys}\"payload\" FROM {q(node.source + '__chunks')}",
+                    f"Scan {node.source} (chunk view)")
+        grid = rel.grid
+        key_list = list(grid.keys())
+        if node.constant is not None:
+            chunks = [node.constant[grid.slices(k)] for k in key_list]
+        else:
+            if self.store is None:
+                raise PlanError(f"no store to read {node.source!r} from")
+            got = dict(self.store.read_chunks(node.source, key_list))
+            chunks = [got[k] for k in key_list]
+        columns = {f"k{d}": pa.array([k[d] for k in key_list], pa.int32())
+                   for d in range(grid.ndim)}
+        columns["payload"] = encode_payloads(chunks)
+        name = self._name("chunks")
+        self.tables[name] = pa.table(columns)
+        return f"SELECT {keys}\"payload\" FROM {q(name)}", f"Scan {node.source} (Arrow chunks)"
+
+    # -- maps ---------------------------------------------------------------------------
+    def _map(self, node: Map, names: dict[int, str]) -> tuple[str, str]:
+        grid = node.input.relation.grid
+        in_dtype = node.input.relation.dtype
+        kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
+        ndim = grid.ndim
+
+        def run(*cols):
+            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
+                                                                cols[:ndim]))] \
+                if ndim else [()] * len(cols[-1])
+            chunks = decode_payloads(_blobs(cols[-1]), in_dtype,
+                                     [grid.chunk_shape(k) for k in keys])
+            return _out([kernel.run([c], None) for c in chunks])
+
+        name = self._name("map")
+        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB",)))
+        keys = [q(f"k{d}") for d in range(ndim)]
+        args = "".join(f"{k}, " for k in keys)
+        return (f"SELECT {args}{q(name)}({args}\"payload\") AS \"payload\" "
+                f"FROM {q(names[id(node.input)])}", f"Map {node.fn}")
+
+    # -- rekey --------------------------------------------------------------------------
+    def _rekey(self, node: Rekey, names: dict[int, str]) -> tuple[str, str]:
+        old, new = node.input.relation.grid, node.relation.grid
+        dtype = node.relation.dtype
+        ndim = new.ndim
+        plan: dict[Key, tuple[list[Key], list]] = {}
+        rows: dict[str, list[int]] = {f"n{d}": [] for d in range(ndim)}
+        rows.update({f"o{d}": [] for d in range(ndim)})
+        rows["piece"] = []
+        for key in new.keys():
+            spans = []
+            for dim, block in enumerate(key):
+                lo, hi = new.dim_extent(dim, block)
+                first, last = lo // old.tile[dim], (hi - 1) // old.tile[dim]
+                spans.append([(b, lo, hi) for b in range(first, last + 1)])
+            olds, pieces = [], []
+            for n, combo in enumerate(itertools.product(*spans)):
+                src, dst = [], []
+                for dim, (b, lo, hi) in enumerate(combo):
+                    blo, bhi = old.dim_extent(dim, b)
+                    s, e = max(lo, blo), min(hi, bhi)
+                    src.append(slice(s - blo, e - blo))
+                    dst.append(slice(s - lo, e - lo))
+                okey = tuple(b for b, _, _ in combo)
+                olds.append(okey)
+                pieces.append((tuple(src), tuple(dst)))
+                for d in range(ndim):
+                    rows[f"n{d}"].append(key[d])
+                    rows[f"o{d}"].append(okey[d])
+                rows["piece"].append(n)
+            plan[tuple(key)] = (olds, pieces)
+
+        def run(*cols):
+            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
+                                                                cols[:ndim]))] \
+                if ndim else [()] * len(cols[-1])
+            lists = _blobs(cols[-1])
+            out = []
+            for r, key in enumerate(keys):
+                olds, pieces = plan[key]
+                parts = decode_payloads(lists[r].values, dtype,
+                                        [old.chunk_shape(k) for k in olds])
+                chunk = torch.empty(new.chunk_shape(key), dtype=parts[0].dtype)
+                for part, (src, dst) in zip(parts, pieces):
+                    chunk[dst] = part[src]
+                out.append(chunk)
+            return _out(out)
+
+        table = self._name("rekeymap")
+        self.tables[table] = pa.table({k: pa.array(v, pa.int32()) for k, v in rows.items()})
+        name = self._name("rekey")
+        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB[]",)))
+        nk = [f"m.{q(f'n{d}')}" for d in range(ndim)]
+        on = " AND ".join(f"m.{q(f'o{d}')} = s.{q(f'k{d}')}" for d in range(ndim)) or "TRUE"
+        sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(nk))
+        args = "".join(f"{k}, " for k in nk)
+        group = f" GROUP BY {', '.join(nk)}" if nk else ""
+        return (f"SELECT {sel}{q(name)}({args}list(s.\"payload\" ORDER BY m.\"piece\")) AS "
+                f"\"payload\" FROM {q(table)} AS m JOIN {q(names[id(node.input)])} AS s ON "
+                f"{on}{group}", f"Rekey to tiles {new.tile}")
+
+    # -- join (+ aggregate) -------------------------------------------------------------
+    def _contract(self, join: Join, aggregate: Aggregate | None,
+                  names: dict[int, str]) -> tuple[str, str]:
+        out_rel = (aggregate or join).relation
+        agg = aggregate.agg if aggregate else "sum"
+        kernel = ContractChunk(in_labels=join.input_labels, out_labels=out_rel.labels,
+                               join=join.join, agg=agg, dtype=out_rel.dtype)
+        grids = [src.relation.grid for src in join.sources]
+        dtypes = [src.relation.dtype for src in join.sources]
+        ranks = [g.ndim for g in grids]
+        # where each label's key is found: the first (source, dim) carrying it
+        first: dict[str, str] = {}
+        conds: list[str] = []
+        for s, labels in enumerate(join.input_labels):
+            for d, label in enumerate(labels):
+                col = f"x{s}.{q(f'k{d}')}"
+                if label in first:
+                    conds.append(f"{first[label]} = {col}")
+                else:
+                    first[label] = col
+        key_args: list[str] = []
+        for s, labels in enumerate(join.input_labels):
+            key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
+        payloads = [f"x{s}.\"payload\"" for s in range(len(join.sources))]
+
+        def run_join(*cols):
+            n_rows = len(cols[-1])
+            pos = 0
+            keys_per_source = []
+            for rank in ranks:
+                if rank:
+                    ks = list(zip(*(_ints(c) for c in cols[pos:pos + rank])))
+                    keys_per_source.append([tuple(int(k) for k in key) for key in ks])
+                else:
+                    keys_per_source.append([()] * n_rows)
+                pos += rank
+            decoded = [decode_payloads(_blobs(cols[pos + s]), dtypes[s],
+                                       [grids[s].chunk_shape(k) for k in keys_per_source[s]])
+                       for s in range(len(ranks))]
+            return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
+
+        join_fn = self._name("join")
+        self.udfs.append(UDF(join_fn, run_join, ("INTEGER",) * sum(ranks)
+                             + ("BLOB",) * len(ranks)))
+        sources = [f"{q(names[id(src)])} AS x{s}" for s, src in enumerate(join.sources)]
+        from_sql = sources[0]
+        if len(sources) == 2:
+            on = [c for c in conds if c.startswith("x0.") and " = x1." in c]
+            inner = [c for c in conds if c not in on]
+            from_sql += (f" JOIN {sources[1]} ON {' AND '.join(on)}" if on
+                         else f" CROSS JOIN {sources[1]}")
+        else:
+            inner = conds
+        where = f" WHERE {' AND '.join(inner)}" if inner else ""
+        out_keys = [first[label] for label in out_rel.labels]
+        call = f"{q(join_fn)}({', '.join(key_args + payloads)})"
+        if aggregate is None:
+            sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(out_keys))
+            what = (f"Join {join.join} on [{', '.join(join.on)}]" if len(sources) == 2
+                    else f"Project ({','.join(join.input_labels[0])})")
+            return f"SELECT {sel}{call} AS \"payload\" FROM {from_sql}{where}", what
+
+        out_grid = out_rel.grid
+        out_dtype = out_rel.dtype
+        ndim = out_grid.ndim
+
+        def run_agg(*cols):
+            lists = _blobs(cols[-1])
+            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
+                                                                cols[:ndim]))] \
+                if ndim else [()] * len(lists)
+            out = []
+            for r, key in enumerate(keys):
+                part_list = lists[r].values
+                shape = out_grid.chunk_shape(key)
+                parts = decode_payloads(part_list, out_dtype, [shape] * len(part_list))
+                acc = parts[0].clone() if len(parts) > 1 else parts[0]
+                for part in parts[1:]:
+                    acc = combine(acc, part, agg)
+                out.append(acc)
+            return _out(out)
+
+        agg_fn = self._name("agg")
+        self.udfs.append(UDF(agg_fn, run_agg, ("INTEGER",) * ndim + ("BLOB[]",)))
+        over_keys = [first[label] for label in aggregate.over if label in first]
+        inner_sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(out_keys))
+        inner_sel += "".join(f"{k} AS {q(f'o{d}')}, " for d, k in enumerate(over_keys))
+        order = ", ".join(q(f"o{d}") for d in range(len(over_keys)))
+        order = f" ORDER BY {order}" if order else ""
+        keys = [q(f"k{d}") for d in range(ndim)]
+        sel = "".join(f"{k}, " for k in keys)
+        group = f" GROUP BY {', '.join(keys)}" if keys else ""
+        body = (f"SELECT {sel}{q(agg_fn)}({sel}list(\"partial\"{order})) AS \"payload\" FROM ("
+                f"SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group}")
+        what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
+        return body, what
+
+
+# -- entry points used by CompiledQuery and the SQL session -----------------------------
+
+def compiled_for(tensor: Tensor) -> CompiledQuery:
+    """The compiled plan of a lazy tensor."""
+    return tensor.compile()
+
+
+def _connection(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None):
+    return con if con is not None else compiled.db.connection
+
+
+def run_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None = None,
+                 dense: bool = False) -> QueryResult:
+    """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
+    from tensorql.api.query import QueryResult
+
+    plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
+    chunks, wall = plan.run(_connection(compiled, con))
+    rel = compiled.logical.relation
+    missing = [k for k in rel.grid.keys() if k not in chunks]
+    if missing:
+        raise ExecutionError(f"DuckDB backend returned no chunk for keys {missing[:3]}")
+    stats = RunStats(wall_s=wall, workers=1, tasks=len(chunks))
+    return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats)
+
+
+def explain_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None = None,
+                     analyze: bool = False) -> tuple[str, torch.Tensor | None]:
+    """EXPLAIN text of the DuckDB backend (the generated SQL, its steps and DuckDB's own plan);
+    with ``analyze`` the query also runs and its dense result comes back."""
+    con = _connection(compiled, con)
+    plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
+    node = compiled.node
+    shape = "x".join(map(str, node.shape)) or "scalar"
+    lines = [f"{'EXPLAIN ANALYZE' if analyze else 'EXPLAIN'} {node.describe()} -> {shape} "
+             f"{node.dtype} (DuckDB backend)"]
+    for name, what in plan.steps:
+        lines.append(f"  {name}: {what}")
+    lines.append("Generated SQL:")
+    lines += ["  " + line for line in plan.sql.splitlines()]
+    dense = None
+    if analyze:
+        chunks, wall = plan.run(con)
+        rel = compiled.logical.relation
+        dense = _assemble(rel.grid, rel.dtype, chunks)
+        lines.append(f"Measured: {wall * 1e3:.1f} ms wall, {len(chunks)} result chunk(s)")
+    lines.append("DuckDB plan:")
+    lines.append(plan.explain_analyze(con, analyze=analyze))
+    return "\n".join(lines), dense
+
+
+def _assemble(grid: ChunkGrid, dtype: str, chunks: dict[Key, torch.Tensor]) -> torch.Tensor:
+    from tensorql.dtypes import torch_dtype
+
+    out = torch.empty(grid.shape, dtype=torch_dtype(dtype))
+    for key, chunk in chunks.items():
+        out[grid.slices(key)] = chunk
+    return out
+

@@ -1,0 +1,260 @@
+"""The tensorql SQL dialect: DuckDB's, plus ``EINSUM``, ``CREATE/DROP TENSOR`` and ``EXPLAIN``.
+
+Parsing is sqlglot's DuckDB parser with a few additions, never a hand-written parser:
+
+- ``EINSUM('spec', operand, ... [, join := '...'] [, agg := '...'])`` parses as
+  :class:`Einsum` (a table function in ``FROM``);
+- ``CREATE [OR REPLACE] TENSOR name AS <query>`` as :class:`CreateTensor`,
+  ``DROP TENSOR [IF EXISTS] name`` as :class:`DropTensor`;
+- ``EXPLAIN [ANALYZE] <statement>`` as :class:`Explain` (sqlglot's DuckDB dialect keeps it as
+  an opaque command).
+
+:func:`parse_script` splits a script on ``;`` and keeps each statement's text and offset, so
+that statements without EINSUM go to DuckDB verbatim and errors point into the script.
+
+>>> [type(s.expression).__name__ for s in parse_script(
+...     "CREATE TENSOR C AS SELECT * FROM EINSUM('ij,jk->ik', A, B); DROP TENSOR C")]
+['CreateTensor', 'DropTensor']
+>>> parse_script("SELECT * FROM EINSUM('ij->j', A, agg := 'max')")[0].expression.sql(TensorQL)
+"SELECT * FROM EINSUM('ij->j', A, agg := 'max')"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.duckdb import DuckDB
+from sqlglot.errors import ParseError as SqlglotParseError
+from sqlglot.errors import TokenError
+from sqlglot.tokens import Token, TokenType
+
+from tensorql.errors import ParseError
+
+__all__ = [
+    "CreateTensor", "DropTensor", "Einsum", "Explain", "Statement", "TensorQL", "has_einsum",
+    "parse_script", "position_of",
+]
+
+
+class Einsum(exp.Expression, exp.Func):
+    """``EINSUM('spec', operands..., name := value ...)``: ``this`` is the spec literal,
+    ``expressions`` the operands and named arguments (``PropertyEQ``) in written order."""
+
+    arg_types = {"this": True, "expressions": False}
+    is_var_len_args = True
+    _sql_names = ["EINSUM"]
+
+
+class CreateTensor(exp.Expression):
+    """``CREATE [OR REPLACE] TENSOR this AS expression``."""
+
+    arg_types = {"this": True, "expression": True, "replace": False}
+
+
+class DropTensor(exp.Expression):
+    """``DROP TENSOR [IF EXISTS] this``."""
+
+    arg_types = {"this": True, "exists": False}
+
+
+class Explain(exp.Expression):
+    """``EXPLAIN [ANALYZE] this``."""
+
+    arg_types = {"this": True, "analyze": False}
+
+
+def _build_einsum(args: list[exp.Expr]) -> Einsum:
+    if not args:
+        return Einsum(this=exp.Null())
+    return Einsum(this=args[0], expressions=args[1:])
+
+
+class _Parser(DuckDB.Parser):
+    FUNCTIONS = {**DuckDB.Parser.FUNCTIONS, "EINSUM": _build_einsum}
+
+    def _parse_function_args(self, alias: bool = False) -> list[exp.Expr]:
+        # every argument remembers where it starts (errors about an operand point at it)
+        def argument() -> exp.Expr | None:
+            token = self._curr
+            arg = self._parse_lambda(alias=alias)
+            if arg is not None and token is not None:
+                arg.meta["arg_start"] = token.start
+            return arg
+
+        return self._parse_csv(argument)
+
+    def _parse_statement(self) -> exp.Expr | None:
+        if self._curr and self._curr.token_type == TokenType.VAR \
+                and self._curr.text.upper() == "EXPLAIN":
+            self._advance()
+            analyze = self._match(TokenType.ANALYZE)
+            inner = super()._parse_statement()
+            if inner is None:
+                self.raise_error("EXPLAIN needs a statement")
+            return self.expression(Explain(this=inner, analyze=bool(analyze)))
+        return super()._parse_statement()
+
+    def _parse_create(self) -> exp.Expr:
+        start = self._index
+        replace = self._match_pair(TokenType.OR, TokenType.REPLACE)
+        if self._match_text_seq("TENSOR"):
+            name = self._parse_id_var(any_token=False)
+            if name is None:
+                self.raise_error("CREATE TENSOR needs a tensor name")
+            self._match(TokenType.ALIAS) or self.raise_error("Expecting AS")
+            query = self._parse_select(nested=True)
+            if query is None:
+                self.raise_error("CREATE TENSOR ... AS needs a query")
+            return self.expression(CreateTensor(this=name, expression=query,
+                                                replace=bool(replace)))
+        self._retreat(start)
+        return super()._parse_create()
+
+    def _parse_drop(self, exists: bool = False, kind: str | None = None) -> exp.Expr:
+        start = self._index
+        if kind is None and self._match_text_seq("TENSOR"):
+            if_exists = self._match_text_seq("IF", "EXISTS")
+            name = self._parse_id_var(any_token=False)
+            if name is None:
+                self.raise_error("DROP TENSOR needs a tensor name")
+            return self.expression(DropTensor(this=name, exists=bool(if_exists)))
+        self._retreat(start)
+        return super()._parse_drop(exists=exists, kind=kind)
+
+
+class _Tokenizer(DuckDB.Tokenizer):
+    KEYWORDS = {**DuckDB.Tokenizer.KEYWORDS, "EXPLAIN": TokenType.VAR}
+
+
+def _einsum_sql(gen, e: Einsum) -> str:
+    return gen.func("EINSUM", e.this, *e.expressions)
+
+
+def _create_tensor_sql(gen, e: CreateTensor) -> str:
+    replace = "OR REPLACE " if e.args.get("replace") else ""
+    return f"CREATE {replace}TENSOR {gen.sql(e, 'this')} AS {gen.sql(e, 'expression')}"
+
+
+def _drop_tensor_sql(gen, e: DropTensor) -> str:
+    exists = "IF EXISTS " if e.args.get("exists") else ""
+    return f"DROP TENSOR {exists}{gen.sql(e, 'this')}"
+
+
+def _explain_sql(gen, e: Explain) -> str:
+    return f"EXPLAIN {'ANALYZE ' if e.args.get('analyze') else ''}{gen.sql(e, 'this')}"
+
+
+class _Generator(DuckDB.Generator):
+    TRANSFORMS = {
+        **DuckDB.Generator.TRANSFORMS,
+        Einsum: _einsum_sql,
+        CreateTensor: _create_tensor_sql,
+        DropTensor: _drop_tensor_sql,
+        Explain: _explain_sql,
+    }
+
+
+class TensorQL(DuckDB):
+    """DuckDB's dialect plus EINSUM, CREATE/DROP TENSOR and EXPLAIN [ANALYZE].
+
+    >>> import sqlglot
+    >>> sqlglot.parse_one("EXPLAIN ANALYZE SELECT 1", read=TensorQL).args["analyze"]
+    True
+    """
+
+    Parser = _Parser
+    Tokenizer = _Tokenizer
+    Generator = _Generator
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One statement of a script: its parsed form, its own text and where that text starts.
+
+    >>> s = parse_script("SELECT 1;  SELECT 2")[1]
+    >>> s.text, s.offset
+    ('SELECT 2', 11)
+    """
+
+    expression: exp.Expr
+    text: str
+    offset: int
+    script: str
+
+
+def _parse_error(err: Exception, script: str, offset: int) -> ParseError:
+    errors = getattr(err, "errors", None) or []
+    if errors:
+        first = errors[0]
+        line, col = first.get("line"), first.get("col")
+        highlight = first.get("highlight") or ""
+        message = first.get("description") or str(err)
+        if line is not None and col is not None:
+            # sqlglot reports the column where the offending token ends; point at its start
+            piece = script[offset:]
+            lines = piece.split("\n")
+            start = sum(len(x) + 1 for x in lines[: line - 1]) + max(0, col - len(highlight))
+            return ParseError(f"SQL syntax error: {message}", text=script,
+                              position=min(offset + start, len(script)))
+    return ParseError(f"SQL syntax error: {err}", text=script, position=offset)
+
+
+def _split(script: str) -> list[tuple[str, int]]:
+    """Statement texts and offsets, split at top-level ``;`` tokens (strings and comments are
+    the tokenizer's business, so a ``;`` inside them does not split)."""
+    try:
+        tokens: list[Token] = TensorQL().tokenize(script)
+    except TokenError as err:
+        raise ParseError(f"SQL syntax error: {err}", text=script, position=0) from None
+    pieces: list[tuple[str, int]] = []
+    start = 0
+    for tok in tokens:
+        if tok.token_type == TokenType.SEMICOLON:
+            pieces.append((script[start:tok.start], start))
+            start = tok.end + 1
+    pieces.append((script[start:], start))
+    out = []
+    for text, offset in pieces:
+        stripped = text.lstrip()
+        offset += len(text) - len(stripped)
+        text = stripped.rstrip()
+        if text:
+            out.append((text, offset))
+    return out
+
+
+def parse_script(script: str) -> list[Statement]:
+    """Every statement of ``script``; ParseError (with line and column) on a syntax error."""
+    if not isinstance(script, str):
+        raise ParseError(f"SQL must be a string, got {type(script).__name__}")
+    statements = []
+    for text, offset in _split(script):
+        try:
+            parsed = sqlglot.parse(text, read=TensorQL)
+        except (SqlglotParseError, TokenError) as err:
+            raise _parse_error(err, script, offset) from None
+        parsed = [p for p in parsed if p is not None]
+        if len(parsed) != 1:
+            raise ParseError("expected one statement", text=script, position=offset)
+        statements.append(Statement(parsed[0], text, offset, script))
+    return statements
+
+
+def has_einsum(expression: exp.Expr) -> bool:
+    """True when ``expression`` uses EINSUM anywhere (or is a tensorql statement)."""
+    if isinstance(expression, (CreateTensor, DropTensor)):
+        return True
+    return expression.find(Einsum) is not None
+
+
+def position_of(node: exp.Expr | None) -> int | None:
+    """The character offset (within its statement) where ``node`` starts, if known."""
+    if node is None:
+        return None
+    if node.meta_get("arg_start") is not None:
+        return node.meta_get("arg_start")
+    starts = [sub.meta_get("start") for sub in node.walk()]
+    starts = [s for s in starts if s is not None]
+    return min(starts) if starts else None

@@ -1,0 +1,104 @@
+"""Tensors as relations and back: element rows ``(label..., val)`` <-> dense tensors.
+
+A relation used as an EINSUM operand is a sparse tensor: one integer column per label plus
+``val``; missing rows are zeros and duplicate coordinates add up (the COO convention).
+
+>>> import torch
+>>> rows = tensor_rows(torch.tensor([[1.0, 0.0], [0.0, 2.0]]), ("i", "j"))
+>>> rows.column_names, rows.num_rows
+(['i', 'j', 'val'], 4)
+>>> rows_to_dense(rows.filter(rows["val"].to_numpy() != 0), ("i", "j"), (2, 2)).tolist()
+[[1.0, 0.0], [0.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from tensorql.errors import ShapeError
+
+__all__ = ["label_columns", "rows_to_dense", "tensor_rows", "value_dtype"]
+
+
+def tensor_rows(tensor: torch.Tensor, labels: Sequence[str]) -> pa.Table:
+    """One row per element of ``tensor``: int64 label columns in C order, then ``val``."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.to(torch.float32)
+    shape = tuple(tensor.shape)
+    if len(labels) != len(shape):
+        raise ShapeError(f"{len(labels)} label(s) {tuple(labels)} for a {len(shape)}-d tensor")
+    columns: dict[str, pa.Array] = {}
+    n = int(np.prod(shape, dtype=np.int64))
+    flat = np.arange(n, dtype=np.int64)
+    for d, label in enumerate(labels):
+        stride = int(np.prod(shape[d + 1:], dtype=np.int64))
+        columns[label] = pa.array((flat // stride) % shape[d])
+    columns["val"] = pa.array(tensor.contiguous().reshape(-1).numpy())
+    return pa.table(columns)
+
+
+def label_columns(table: pa.Table) -> list[str]:
+    """The columns of an element relation other than ``val`` (ShapeError if it has no val)."""
+    names = table.column_names
+    if not any(n.lower() == "val" for n in names):
+        raise ShapeError(f"a tensor relation needs a 'val' column; got columns {names}")
+    return [n for n in names if n.lower() != "val"]
+
+
+def value_dtype(column: pa.ChunkedArray | pa.Array) -> torch.dtype:
+    """The torch dtype a ``val`` column becomes (decimals and others become float64)."""
+    kind = column.type
+    if pa.types.is_float32(kind) or pa.types.is_float16(kind):
+        return torch.float32
+    if pa.types.is_floating(kind):
+        return torch.float64
+    if pa.types.is_integer(kind):
+        return torch.int64
+    if pa.types.is_boolean(kind):
+        return torch.bool
+    return torch.float64
+
+
+def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense tensor of an element relation whose label columns are ``labels`` (in the
+    tensor's dim order); missing coordinates are zero, duplicates add up, null ``val`` rows are
+    skipped. ShapeError for non-integer label columns, nulls in them or indices out of range."""
+    val_name = next(n for n in table.column_names if n.lower() == "val")
+    val = table.column(val_name)
+    dtype = dtype or value_dtype(val)
+    if val.null_count:
+        table = table.filter(pc.is_valid(val))
+        val = table.column(val_name)
+    index = []
+    for label, size in zip(labels, shape):
+        col = table.column(label)
+        if not pa.types.is_integer(col.type):
+            raise ShapeError(f"column {label!r} holds {col.type}, but label columns must be "
+                             "integers")
+        if col.null_count:
+            raise ShapeError(f"column {label!r} has NULL indices")
+        idx = col.to_numpy().astype(np.int64, copy=False)
+        if idx.size and (idx.min() < 0 or idx.max() >= size):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise ShapeError(f"column {label!r} has index {bad} outside 0..{size - 1} "
+                             f"(label size {size})")
+        index.append(torch.from_numpy(idx))
+    if pa.types.is_decimal(val.type) or not (pa.types.is_floating(val.type)
+                                              or pa.types.is_integer(val.type)
+                                              or pa.types.is_boolean(val.type)):
+        val = val.cast(pa.float64())
+    values = torch.from_numpy(np.asarray(val.to_numpy())).to(dtype)
+    out = torch.zeros(tuple(shape), dtype=dtype)
+    if values.numel():
+        if dtype == torch.bool:
+            out.index_put_(tuple(index), values)
+        else:
+            out.index_put_(tuple(index), values, accumulate=True)
+    return out
