@@ -93,7 +93,10 @@ class SQLPlan:
             names[id(node)] = name
             ctes.append((name, body, what))
         keys = "".join(f"{q(f'k{d}')}, " for d in range(len(root.relation.labels)))
-        with_sql = ",\n".join(f"{q(n)} AS (\n  {body}\n)" for n, body, _ in ctes)
+        # computed steps are MATERIALIZED: each chunk kernel runs once, whoever reads it
+        with_sql = ",\n".join(
+            f"{q(n)} AS {'' if what.startswith('Scan') else 'MATERIALIZED '}(\n  {body}\n)"
+            for n, body, what in ctes)
         sql = f"WITH {with_sql}\nSELECT {keys}\"payload\" FROM {q(ctes[-1][0])}"
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes))

@@ -428,9 +428,9 @@ class _Runner:
             raise ParseError(err.message, text=self.script,
                              position=self.pos(spec) + 1 + (err.position or 0)) from None
         except TensorQLError as err:
-            m = re.search(r"operand (\d+)", str(err))
-            where = operands[int(m.group(1))] if m and int(m.group(1)) < len(operands) \
-                else node
+            mentioned = [int(n) for n in re.findall(r"operand (\d+)", str(err))]
+            where = operands[mentioned[-1]] if mentioned and mentioned[-1] < len(operands) \
+                else node  # the last operand named is the one that disagrees
             raise located(err, self.script, self.pos(where)) from None
         labels = tuple(tensor.node.spec.output)
         return _Call(tensor=tensor, labels=labels, backend=backend, node=node)
