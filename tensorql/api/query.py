@@ -18,7 +18,8 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.exec.executor import Executor, ProgressCallback, RunStats
+from tensorql.exec.executor import ProgressCallback, RunStats
+from tensorql.exec.runtime import executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
@@ -70,7 +71,7 @@ class CompiledQuery:
 
     def run(self, progress: ProgressCallback | None = None) -> QueryResult:
         options = self.db.options
-        executor = Executor(options.workers, options.intra_op_threads)
+        executor = executor_for(options)  # the event-driven runtime for devices/memory_limit
         result = executor.run(self.physical.task_graph(), progress=progress)
         sid = self.physical.result_step.id
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
