@@ -112,9 +112,8 @@ class Program:
         """A short text summary of the memory plan.
 
         >>> plan = Program((), (DevicePlan(0, 100, 60, 1, 1, 10, 20, 0),), frozenset(), (), 0)
-        >>> print(plan.explain().replace(" evictions", "\n  evictions"))
-        memory plan: dev0 budget=100 B planned peak=60 B
-          evictions=1 (1 written back) h2d=10 B d2h=20 B
+        >>> plan.explain().split(" evictions")
+        ['memory plan: dev0 budget=100 B planned peak=60 B', '=1 (1 written back) h2d=10 B d2h=20 B']
         """
         from tensorql.exec.progress import format_bytes
 
