@@ -16,7 +16,8 @@ into ``Op`` records, one per unit of work on one device lane:
 The plan simulates one sequential order (tasks by ``Task.priority``) and decides evictions in
 it with Belady's rule: when a chunk must come in and the budget is full, the resident chunk used
 furthest in the future leaves (written back first only when the device copy is the only valid
-one). Loads for the next ``prefetch`` tasks are issued as soon as they fit without evicting.
+one). Loads for the next ``prefetch`` tasks are issued right after the current task, evicting
+only chunks whose next use is later still, so at run time they overlap the tasks before them.
 
 **Why the budget holds in any order.** Per device, allocations (``load``/``send``/``alloc``) and
 frees (``free``) are numbered in simulated order; frees form a chain (each depends on the
@@ -290,17 +291,22 @@ class _Planner:
         d.evictions += evict
 
     def make_room(self, d: _Device, nbytes: int, pinned: set[ChunkRef], pos: int,
-                  what: str) -> None:
-        if d.budget is None:
-            return
-        while d.live + nbytes > d.budget:
-            victims = [r for r in d.resident if r not in pinned]
-            if not victims:
-                raise PlanError(
-                    f"memory_limit too small on device {d.index}: {what} needs "
-                    f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}")
-            victim = max(victims, key=lambda r: (self._next_use(d, r, pos),
-                                                 not d.resident[r].dirty, r.step, r.key))
+                  what: str, sooner_than: float | None = None) -> bool:
+        """Evict (furthest next use first) until ``nbytes`` fit. With ``sooner_than`` (a
+        prefetch), only chunks next used after that position may go; returns False when that
+        is not enough, having evicted nothing."""
+        if d.budget is None or d.live + nbytes <= d.budget:
+            return True
+        victims = sorted((r for r in d.resident if r not in pinned),
+                         key=lambda r: (self._next_use(d, r, pos), not d.resident[r].dirty,
+                                        r.step, r.key), reverse=True)
+        if sooner_than is not None:
+            victims = [r for r in victims if self._next_use(d, r, pos) > sooner_than]
+            if d.live + nbytes - sum(d.resident[r].nbytes for r in victims) > d.budget:
+                return False
+        for victim in victims:
+            if d.live + nbytes <= d.budget:
+                break
             iv = d.resident[victim]
             needed_later = (self._next_use(d, victim, pos) < math.inf
                             or self._used_elsewhere(victim, d.index, pos)
@@ -308,6 +314,11 @@ class _Planner:
                                 and victim not in self.host_valid)
                             or self.remaining.get(victim, 0) > 0)
             self.free(d, victim, evict=True, writeback=iv.dirty and needed_later)
+        if d.live + nbytes > d.budget:
+            raise PlanError(
+                f"memory_limit too small on device {d.index}: {what} needs "
+                f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}")
+        return True
 
     def _used_elsewhere(self, ref: ChunkRef, dev: int, pos: int) -> bool:
         return any(self._next_use(o, ref, pos) < math.inf for o in self.devs if o.index != dev)
@@ -422,18 +433,24 @@ class _Planner:
         )
 
     def prefetch_for(self, order: list[Task], placed: list[int], pos: int) -> None:
-        """Issue loads of inputs of the next few tasks that fit without evicting anything."""
-        for ahead in range(pos + 1, min(len(order), pos + 1 + self.prefetch)):
+        """Issue loads for the inputs of the next ``prefetch`` tasks now, so they run while
+        earlier tasks compute. A prefetch may evict only chunks next used later than the
+        prefetched one (Belady's rule still holds), never the next tasks' chunks."""
+        end = min(len(order), pos + 1 + self.prefetch)
+        for ahead in range(pos + 1, end):
             t, d = order[ahead], self.devs[placed[ahead]]
+            pinned = {r for k in range(pos + 1, ahead + 1) if placed[k] == d.index
+                      for r in (*order[k].inputs, order[k].output)}
             for ref in t.inputs:
                 if ref in d.resident or self.remaining.get(ref, 0) > 0:
                     continue
                 if ref not in self.source and ref not in self.host_valid \
                         and self._holder(ref, d.index) is None:
                     continue
-                if d.budget is not None and d.live + self.size(ref) > d.budget:
+                if not self.make_room(d, self.size(ref), pinned, pos, "prefetch",
+                                      sooner_than=ahead):
                     return
-                self.bring(d, ref, set(), pos, "prefetch", output=False)
+                self.bring(d, ref, pinned, pos, "prefetch", output=False)
 
 
 def _task_cost(task: Task, sizes: dict[ChunkRef, int]) -> float:
@@ -457,7 +474,7 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
 
 
 def plan_program(graph: TaskGraph, n_devices: int = 1,
-                 budgets: Sequence[int | None] | None = None, prefetch: int = 4,
+                 budgets: Sequence[int | None] | None = None, prefetch: int = 2,
                  sizes: dict[ChunkRef, int] | None = None) -> Program:
     """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
 

@@ -157,7 +157,7 @@ class Runtime:
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
-                 workers: int = 1, intra_op_threads: int = 1, prefetch: int = 4,
+                 workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
