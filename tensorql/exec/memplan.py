@@ -158,8 +158,10 @@ class _Device:
 
 class _Planner:
     def __init__(self, graph: TaskGraph, n_devices: int, budgets: Sequence[int | None],
-                 prefetch: int, sizes: dict[ChunkRef, int]) -> None:
+                 prefetch: int, sizes: dict[ChunkRef, int],
+                 results_on_device: bool = False) -> None:
         self.graph = graph
+        self.results_on_device = results_on_device
         self.sizes = sizes
         self.prefetch = prefetch
         self.ops: list[Op] = []
@@ -400,7 +402,8 @@ class _Planner:
             self.host_valid.discard(t.output)
             self.writers.setdefault(t.output, []).append(op.id)
             self.remaining[t.output] -= 1
-            if self.remaining[t.output] == 0 and t.output.step in self.graph.retain:
+            if self.remaining[t.output] == 0 and t.output.step in self.graph.retain \
+                    and not self.results_on_device:
                 iv = d.resident[t.output]
                 wb = self.emit("d2h", dev, t.output, [*iv.users, iv.alloc],
                                nbytes=iv.nbytes, lane="d2h")
@@ -410,6 +413,8 @@ class _Planner:
                 self.host_valid.add(t.output)
                 self.host_d2h[t.output] = wb.id
             for ref in need:
+                if self.results_on_device and ref.step in self.graph.retain:
+                    continue  # results stay where they are
                 if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
                         self.remaining.get(ref, 0) == 0:
                     later = self._used_elsewhere(ref, dev, pos)
@@ -420,7 +425,8 @@ class _Planner:
                 self.emit("fetch", 0, ref, [], lane="h2d", task=task, from_rest=True)
         for d in self.devs:  # whatever is still resident (e.g. read only by other devices)
             for ref in list(d.resident):
-                self.free(d, ref)
+                if not (self.results_on_device and ref.step in self.graph.retain):
+                    self.free(d, ref)
         ops = tuple(self.ops)
         return Program(
             ops=ops,
@@ -475,12 +481,16 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
 
 def plan_program(graph: TaskGraph, n_devices: int = 1,
                  budgets: Sequence[int | None] | None = None, prefetch: int = 2,
-                 sizes: dict[ChunkRef, int] | None = None) -> Program:
+                 sizes: dict[ChunkRef, int] | None = None,
+                 results_on_device: bool = False) -> Program:
     """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
 
     ``sizes`` defaults to ``graph.chunk_bytes``; a budget needs every chunk's size (PlanError
     otherwise). Raises PlanError when one task alone needs more than its device's budget.
+    ``results_on_device`` leaves retained chunks in device memory (no budget allowed).
     """
+    if results_on_device and budgets and any(b is not None for b in budgets):
+        raise PlanError("results_on_device needs an unlimited budget")
     budgets = list(budgets) if budgets is not None else [None] * n_devices
     if len(budgets) != n_devices:
         raise PlanError(f"{len(budgets)} budgets for {n_devices} devices")
@@ -489,4 +499,4 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
         missing = [t.output for t in graph.tasks if t.output not in sizes]
         if missing:
             raise PlanError(f"a memory_limit needs chunk sizes; chunk {missing[0]} has none")
-    return _Planner(graph, n_devices, budgets, prefetch, sizes).run()
+    return _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device).run()

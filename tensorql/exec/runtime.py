@@ -153,13 +153,15 @@ class Runtime:
     back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
     ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
     takes host copies beyond it. ``timeline=True`` records every op for
-    :func:`tensorql.exec.timeline.timeline_html`.
+    :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
+    result chunks in device memory instead of copying them to the host.
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
-                 spill_store: Any = None, timeline: bool = False) -> None:
+                 spill_store: Any = None, timeline: bool = False,
+                 results_on_device: bool = False) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -171,6 +173,7 @@ class Runtime:
         self.host_pool_bytes = host_pool_bytes
         self.spill_store = spill_store
         self.timeline = timeline
+        self.results_on_device = results_on_device
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
 
@@ -187,7 +190,8 @@ class Runtime:
 
     def plan(self, graph: TaskGraph) -> Program:
         """The op program and memory plan for ``graph`` (PlanError if infeasible)."""
-        return plan_program(graph, len(self.devices), self.budgets(), prefetch=self.prefetch)
+        return plan_program(graph, len(self.devices), self.budgets(), prefetch=self.prefetch,
+                            results_on_device=self.results_on_device)
 
     def pool(self) -> PinnedPool | None:
         """The pinned host pool, created once per runtime when a device copies through it."""
@@ -283,6 +287,10 @@ class _Run:
                     and not op.evict and op.ref not in outputs:
                 outputs[op.ref] = (self.host.take_result(op.ref) if self.host.has(op.ref)
                                    else None)
+        if self.rt.results_on_device:
+            for values in self.values:
+                outputs.update({r: v for r, v in values.items()
+                                if r.step in self.graph.retain})
         self.host.close()
         if self.progress is not None and self.done_tasks < len(self.graph.tasks):
             self.progress(len(self.graph.tasks), len(self.graph.tasks))

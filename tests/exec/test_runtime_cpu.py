@@ -141,3 +141,10 @@ def test_unlimited_cpu_keeps_the_thread_executor(db):
 
     assert isinstance(executor_for(db.options.with_(devices="cpu")), Executor)
     assert isinstance(executor_for(db.options.with_(devices=["cpu:0", "cpu:1"])), Runtime)
+
+
+def test_results_on_device():
+    q, graph, a, b = matmul_graph(n=64, tile=32)
+    result = Runtime("cpu", None, results_on_device=True).run(graph)
+    torch.testing.assert_close(dense(q, result.outputs), torch.from_numpy(a @ b))
+    assert result.stats.devices[0].bytes_d2h == 0
