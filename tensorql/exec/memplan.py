@@ -113,8 +113,9 @@ class Program:
         """A short text summary of the memory plan.
 
         >>> plan = Program((), (DevicePlan(0, 100, 60, 1, 1, 10, 20, 0),), frozenset(), (), 0)
-        >>> plan.explain().split(" evictions")
-        ['memory plan: dev0 budget=100 B planned peak=60 B', '=1 (1 written back) h2d=10 B d2h=20 B']
+        >>> for part in plan.explain().split(" evictions"): print(part)
+        memory plan: dev0 budget=100 B planned peak=60 B
+        =1 (1 written back) h2d=10 B d2h=20 B
         """
         from tensorql.exec.progress import format_bytes
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from runtime_helpers import chunk, matmul_graph
 
 from tensorql.errors import PlanError
 from tensorql.exec.memplan import plan_program
-from runtime_helpers import chunk, matmul_graph
 
 
 def _replay(program, order_seed: int) -> list[int]:
