@@ -18,7 +18,8 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.exec.executor import Executor, ProgressCallback, RunStats
+from tensorql.exec.executor import ProgressCallback, RunStats
+from tensorql.exec.runtime import executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
@@ -81,7 +82,7 @@ class CompiledQuery:
 
             return run_compiled(self)
         options = self.db.options
-        executor = Executor(options.workers, options.intra_op_threads)
+        executor = executor_for(options)  # the event-driven runtime for devices/memory_limit
         rel = self.physical.result_step.node.relation
         out = sink = None
         if dense:  # always a fresh tensor: a stored chunk must never leak out by reference

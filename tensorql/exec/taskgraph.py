@@ -42,7 +42,10 @@ class Kernel(Protocol):
 class Task:
     """Run ``kernel`` on ``inputs`` and contribute the result to ``output``.
 
-    Lower ``priority`` runs first among ready tasks.
+    Lower ``priority`` runs first among ready tasks. ``flops`` is an optional cost estimate the
+    event-driven runtime uses for critical-path priorities (0: unknown, inputs' bytes are used).
+    ``device`` optionally pins the task to one device index of the runtime (None: placed by the
+    runtime's lowering).
     """
 
     id: int
@@ -50,15 +53,33 @@ class Task:
     output: ChunkRef
     kernel: Any
     priority: float = 0.0
+    flops: int = 0
+    device: int | None = None
+
+    @property
+    def is_source(self) -> bool:
+        """True for a task without inputs: it reads data at rest (a store or a constant)."""
+        return not self.inputs
 
 
 @dataclass(frozen=True)
 class TaskGraph:
-    """All tasks of a plan; chunks of ``retain`` steps are returned, others freed when used."""
+    """All tasks of a plan; chunks of ``retain`` steps are returned, others freed when used.
+
+    ``chunk_bytes`` gives the size of every chunk when the planner knows it (the memory plan of
+    the event-driven runtime needs it; the threaded executor does not).
+
+    >>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    >>> g = TaskGraph(tasks=(Task(0, (), a, None), Task(1, (a, a), b, None)),
+    ...               retain=frozenset({1}), chunk_bytes={a: 64, b: 64})
+    >>> g.contributions()[b], [t.id for t in g.readers()[a]]
+    (1, [1])
+    """
 
     tasks: tuple[Task, ...]
     retain: frozenset[int] = field(default_factory=frozenset)
     step_names: dict[int, str] = field(default_factory=dict, compare=False)
+    chunk_bytes: dict[ChunkRef, int] = field(default_factory=dict, compare=False)
 
     def contributions(self) -> dict[ChunkRef, int]:
         """How many tasks write each chunk."""
@@ -66,3 +87,14 @@ class TaskGraph:
         for task in self.tasks:
             counts[task.output] = counts.get(task.output, 0) + 1
         return counts
+
+    def readers(self) -> dict[ChunkRef, list[Task]]:
+        """The tasks reading each chunk (a task reading a chunk twice is listed once)."""
+        out: dict[ChunkRef, list[Task]] = {}
+        for task in self.tasks:
+            for ref in dict.fromkeys(task.inputs):
+                out.setdefault(ref, []).append(task)
+        return out
+
+    def step_name(self, step: int) -> str:
+        return self.step_names.get(step, f"step {step}")

@@ -2,7 +2,9 @@
 
 Each line is one physical step: what it does, its output relation (labels, shape, dtype,
 chunk grid), the number of chunk tasks and the estimates; ``analyze`` adds wall time spent in
-the step's tasks, bytes read from the store and bytes produced.
+the step's tasks, bytes read from the store and bytes produced. Runs on the event-driven runtime
+add a ``devices:`` section: per device busy time, bytes moved in and out of device memory, copy
+time overlapped with compute, peak memory against the budget, evictions and reloads.
 
 >>> format_bytes(3 * 2**20), format_flops(2.5e9)
 ('3.0 MiB', '2.50 GFLOP')
@@ -48,6 +50,10 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
             f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} from "
             f"store, peak live chunks {format_bytes(stats.peak_live_bytes)}"
         )
+    device_lines = getattr(stats, "device_lines", None)  # the event-driven runtime's figures
+    if device_lines is not None:
+        lines.append("devices:")
+        lines.extend(device_lines())
     lines.extend(extra or [])
     seen: set[int] = set()
     _render(plan, plan.root, "", "", lines, stats, seen)

@@ -80,7 +80,7 @@ class RekeyChunk(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         if len(inputs) == 1 and tuple(inputs[0].shape) == self.shape:
             return inputs[0]
-        out = torch.empty(self.shape, dtype=inputs[0].dtype)
+        out = torch.empty(self.shape, dtype=inputs[0].dtype, device=inputs[0].device)
         for chunk, (src, dst) in zip(inputs, self.pieces):
             out[dst] = chunk[src]
         return out

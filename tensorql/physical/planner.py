@@ -64,10 +64,18 @@ class PhysicalPlan:
         return sum(s.est_flops for s in self.steps)
 
     def task_graph(self) -> TaskGraph:
+        """The tasks of every step, with each chunk's size (for the runtime's memory plan)."""
+        sizes: dict[ChunkRef, int] = {}
+        for step in self.steps:
+            rel = step.node.relation
+            size = itemsize(rel.dtype)
+            for task in step.tasks:
+                sizes[task.output] = math.prod(rel.grid.chunk_shape(task.output.key)) * size
         return TaskGraph(
             tasks=tuple(t for s in self.steps for t in s.tasks),
             retain=frozenset({self.result_step.id}),
             step_names={s.id: s.name for s in self.steps},
+            chunk_bytes=sizes,
         )
 
     @classmethod
@@ -95,9 +103,9 @@ class _Builder:
         self.step_of: dict[int, int] = {}
         self.next_task = 0
 
-    def _new_task(self, inputs, output, kernel) -> Task:
+    def _new_task(self, inputs, output, kernel, flops: int = 0) -> Task:
         task = Task(id=self.next_task, inputs=tuple(inputs), output=output, kernel=kernel,
-                    priority=float(self.next_task))
+                    priority=float(self.next_task), flops=flops)
         self.next_task += 1
         return task
 
@@ -131,7 +139,8 @@ class _Builder:
         steps = []
         for step in self.steps:
             tasks = tuple(
-                Task(t.id, t.inputs, t.output, t.kernel, first_use.get(t.output, t.priority) - 0.5)
+                Task(t.id, t.inputs, t.output, t.kernel, first_use.get(t.output, t.priority) - 0.5,
+                     t.flops, t.device)
                 if not t.inputs else t
                 for t in step.tasks
             )
@@ -209,7 +218,8 @@ class _Builder:
                 inputs.append(self._ref(src, key))
                 bytes_in += math.prod(grid.chunk_shape(key)) * itemsize(src.relation.dtype)
             out_key = tuple(block[lab] for lab in out_rel.labels)
-            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), kernel))
+            task_flops = math.prod(joint.grid.chunk_shape(combo)) * len(join.sources)
+            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), kernel, task_flops))
         flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
         if aggregate is None:
             n_in = len(join.sources)

@@ -1,0 +1,99 @@
+"""CUDA device: a stream per compute thread, dedicated H2D, D2H and peer-copy streams.
+
+Each lane thread launches its work on its own stream, records a CUDA event after it and waits
+on that event before reporting completion, so the runtime reacts to real completion events while
+the copy streams overlap the compute streams. Host buffers come from the runtime's pinned pool
+(allocated once); ``to_device`` on a pinned tensor is an asynchronous copy.
+
+Needs ``torch.cuda.is_available()``; constructing one without CUDA raises ExecutionError.
+
+>>> CUDADevice.kind, CUDADevice.default_reserve(None, 1 << 30) == 64 << 20
+('cuda', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tensorql.errors import ExecutionError
+from tensorql.exec.devices.base import Device, LaneThreads, Post
+
+
+class _StreamContext:
+    """Runs work on ``stream``; the handle is the start event, ``finish`` waits for the end."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        self.device = device
+        self.stream = stream
+        self._ctx: Any = None
+        self._start: torch.cuda.Event | None = None
+
+    def __enter__(self) -> _StreamContext:
+        torch.cuda.set_device(self.device)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record(self.stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+    def finish(self) -> float:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        end.synchronize()
+        return self._start.elapsed_time(end) / 1e3
+
+
+class CUDADevice(Device):
+    kind = "cuda"
+
+    def __init__(self, name: str = "cuda:0", compute_streams: int = 2) -> None:
+        if not torch.cuda.is_available():
+            raise ExecutionError(f"device {name!r} needs CUDA, but torch.cuda.is_available() "
+                                 "is False; use devices='cpu'")
+        super().__init__(name, {"compute": compute_streams, "h2d": 1, "d2h": 1, "d2d": 1})
+        self.device = torch.device(name)
+        self._lanes: dict[str, LaneThreads] = {}
+
+    def open(self, post: Post) -> None:
+        def context_for() -> _StreamContext:
+            return _StreamContext(self.device, torch.cuda.Stream(self.device))
+
+        self._lanes = {lane: LaneThreads(f"{self.name}-{lane}", n, context_for, post,
+                                         finish=lambda ctx: ctx.finish())
+                       for lane, n in self.lanes.items()}
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes = {}
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        self._lanes[lane].submit(op_id, fn)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=host.is_pinned())
+
+    def to_host(self, value: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return value.to("cpu")
+        out.copy_(value, non_blocking=True)
+        return out
+
+    def from_peer(self, value: torch.Tensor) -> torch.Tensor:
+        return value.to(self.device, non_blocking=True)
+
+    def capacity(self) -> int | None:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    @property
+    def uses_pinned_host(self) -> bool:
+        return True
+
+    def default_reserve(self, budget: int) -> int:
+        return min(budget // 16, 512 << 20)

@@ -1,0 +1,503 @@
+"""Lower a task graph to device ops and plan every device's memory under a budget.
+
+The event-driven runtime does not run ``Task`` objects directly: :func:`plan_program` turns them
+into ``Op`` records, one per unit of work on one device lane:
+
+* ``load``    -- bring a chunk into device memory: from rest (re-run its source task, e.g. a
+  store read) or from the host tier (a copy written back earlier); lane ``h2d``;
+* ``send``    -- copy a complete chunk from another device (lane ``d2d``);
+* ``alloc``   -- reserve device memory for a chunk computed on the device;
+* ``compute`` -- run one chunk task (a kernel, or a partial-aggregate contribution);
+* ``d2h``     -- write a device chunk back to the host tier (an eviction of a dirty chunk, or a
+  result); lane ``d2h``;
+* ``free``    -- drop a device copy (after its last use, or as an eviction);
+* ``fetch``   -- read a source chunk that is itself a result straight into the host tier.
+
+The plan simulates one sequential order (tasks by ``Task.priority``) and decides evictions in
+it with Belady's rule: when a chunk must come in and the budget is full, the resident chunk used
+furthest in the future leaves (written back first only when the device copy is the only valid
+one). Loads for the next ``prefetch`` tasks are issued right after the current task, evicting
+only chunks whose next use is later still, so at run time they overlap the tasks before them.
+
+**Why the budget holds in any order.** Per device, allocations (``load``/``send``/``alloc``) and
+frees (``free``) are numbered in simulated order; frees form a chain (each depends on the
+previous). An allocation ``k`` depends on the first free ``j`` such that the bytes of
+allocations ``1..k`` minus frees ``1..j`` fit the budget. At run time, whatever has started,
+live bytes <= bytes of allocations up to the latest started one ``m`` minus frees ``1..j(m)``
+<= budget. The simulated order satisfies every dependency, so the graph is acyclic.
+
+>>> import torch
+>>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+>>> a, b, c = ChunkRef(0, (0,)), ChunkRef(0, (1,)), ChunkRef(1, ())
+>>> g = TaskGraph(tasks=(Task(0, (), a, None), Task(1, (), b, None),
+...                      Task(2, (a,), c, None, 2.0), Task(3, (b,), c, None, 3.0)),
+...               retain=frozenset({1}), chunk_bytes={a: 100, b: 100, c: 10})
+>>> prog = plan_program(g, n_devices=1, budgets=[110])
+>>> [op.kind for op in prog.ops]
+['load', 'alloc', 'compute', 'free', 'load', 'compute', 'd2h', 'free', 'free']
+>>> prog.devices[0].peak_bytes <= 110
+True
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tensorql.errors import PlanError
+from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+LANES = ("compute", "h2d", "d2h", "d2d", "none")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of work on one device lane; ``deps`` are op ids that must complete first."""
+
+    id: int
+    kind: str
+    device: int
+    ref: ChunkRef
+    deps: tuple[int, ...]
+    nbytes: int = 0
+    lane: str = "none"
+    task: Task | None = None
+    src_device: int | None = None
+    from_rest: bool = False
+    keep_host: bool = True
+    evict: bool = False
+    cost: float = 0.0
+    order: int = 0
+
+    def describe(self) -> str:
+        what = f"{self.kind} s{self.ref.step}{list(self.ref.key)} @dev{self.device}"
+        if self.kind == "load":
+            what += " from rest" if self.from_rest else " from host"
+        if self.kind == "send":
+            what += f" from dev{self.src_device}"
+        return what
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Planned figures of one device."""
+
+    index: int
+    budget: int | None
+    peak_bytes: int
+    evictions: int
+    writebacks: int
+    bytes_h2d: int
+    bytes_d2h: int
+    bytes_d2d: int
+
+
+@dataclass(frozen=True)
+class Program:
+    """The ops of a run in simulated order, with per-device plans and ranks for the runtime.
+
+    ``rank[op.id]`` is the op's critical-path length (the cost of the longest chain of ops it
+    starts); the runtime runs ready ops with the longest chain first.
+    """
+
+    ops: tuple[Op, ...]
+    devices: tuple[DevicePlan, ...]
+    retain: frozenset[int]
+    rank: tuple[float, ...]
+    graph_tasks: int
+    host_loads: dict[ChunkRef, int] = field(default_factory=dict, compare=False)
+
+    def explain(self) -> str:
+        """A short text summary of the memory plan.
+
+        >>> plan = Program((), (DevicePlan(0, 100, 60, 1, 1, 10, 20, 0),), frozenset(), (), 0)
+        >>> for part in plan.explain().split(" evictions"): print(part)
+        memory plan: dev0 budget=100 B planned peak=60 B
+        =1 (1 written back) h2d=10 B d2h=20 B
+        """
+        from tensorql.exec.progress import format_bytes
+
+        parts = []
+        for d in self.devices:
+            budget = format_bytes(d.budget) if d.budget is not None else "unlimited"
+            text = (f"dev{d.index} budget={budget} planned peak={format_bytes(d.peak_bytes)} "
+                    f"evictions={d.evictions} ({d.writebacks} written back) "
+                    f"h2d={format_bytes(d.bytes_h2d)} d2h={format_bytes(d.bytes_d2h)}")
+            if d.bytes_d2d:
+                text += f" d2d={format_bytes(d.bytes_d2d)}"
+            parts.append(text)
+        return "memory plan: " + "; ".join(parts)
+
+
+@dataclass
+class _Interval:
+    """A chunk's stay in one device's memory."""
+
+    alloc: int
+    nbytes: int
+    users: list[int]
+    dirty: bool = False
+
+
+class _Device:
+    def __init__(self, index: int, budget: int | None) -> None:
+        self.index = index
+        self.budget = budget
+        self.resident: dict[ChunkRef, _Interval] = {}
+        self.live = 0
+        self.peak = 0
+        self.alloc_total = 0
+        self.freed: list[int] = [0]  # prefix sums of freed bytes, by free number
+        self.free_ops: list[int] = []
+        self.evictions = self.writebacks = 0
+        self.h2d = self.d2h = self.d2d = 0
+        self.uses: dict[ChunkRef, list[int]] = {}  # sim positions using a chunk here
+        self.use_ptr: dict[ChunkRef, int] = {}
+
+
+class _Planner:
+    def __init__(self, graph: TaskGraph, n_devices: int, budgets: Sequence[int | None],
+                 prefetch: int, sizes: dict[ChunkRef, int],
+                 results_on_device: bool = False) -> None:
+        self.graph = graph
+        self.results_on_device = results_on_device
+        self.sizes = sizes
+        self.prefetch = prefetch
+        self.ops: list[Op] = []
+        self.devs = [_Device(i, budgets[i]) for i in range(n_devices)]
+        contributions = graph.contributions()
+        self.source: dict[ChunkRef, Task] = {
+            t.output: t for t in graph.tasks if t.is_source and contributions[t.output] == 1}
+        self.tasks = [t for t in graph.tasks if t.output not in self.source]
+        self.remaining = {ref: n for ref, n in contributions.items() if ref not in self.source}
+        self.writers: dict[ChunkRef, list[int]] = {}
+        self.host_valid: set[ChunkRef] = set()
+        self.host_d2h: dict[ChunkRef, int] = {}
+        self.host_loads: dict[ChunkRef, int] = {}
+        self.owner: dict[ChunkRef, int] = {}
+
+    # -- sizes, order, placement ------------------------------------------------------
+    def size(self, ref: ChunkRef) -> int:
+        return self.sizes.get(ref, 0)
+
+    def order(self) -> list[Task]:
+        """A topological order of the non-source tasks, by (priority, id) among ready ones."""
+        waiting: dict[ChunkRef, list[Task]] = {}
+        pending: dict[int, int] = {}
+        ready: list[tuple[float, int, Task]] = []
+        for t in self.tasks:
+            deps = {r for r in t.inputs if r not in self.source}
+            pending[t.id] = len(deps)
+            for r in deps:
+                waiting.setdefault(r, []).append(t)
+            if not deps:
+                ready.append((t.priority, t.id, t))
+        heapq.heapify(ready)
+        remaining = dict(self.remaining)
+        out = []
+        while ready:
+            _, _, t = heapq.heappop(ready)
+            out.append(t)
+            remaining[t.output] -= 1
+            if remaining[t.output] == 0:
+                for c in waiting.pop(t.output, ()):
+                    pending[c.id] -= 1
+                    if pending[c.id] == 0:
+                        heapq.heappush(ready, (c.priority, c.id, c))
+        if len(out) != len(self.tasks):
+            missing = sorted({r for t in self.tasks for r in t.inputs
+                              if r not in self.remaining and r not in self.source},
+                             key=lambda r: (r.step, r.key))
+            if missing:
+                raise PlanError(f"a task reads chunk {missing[0]} that no task writes")
+            raise PlanError("the task graph has a cycle")
+        return out
+
+    def place(self, order: list[Task]) -> list[int]:
+        """A device per task: every contribution to a chunk on the chunk's owner; owners chosen
+        by least load so far, preferring the device holding most of the inputs."""
+        n = len(self.devs)
+        load = [0.0] * n
+        placed = []
+        for t in order:
+            dev = t.device if t.device is not None else self.owner.get(t.output)
+            if dev is None:
+                if n == 1:
+                    dev = 0
+                else:
+                    votes = [0] * n
+                    for r in t.inputs:
+                        if r in self.owner:
+                            votes[self.owner[r]] += self.size(r)
+                    dev = min(range(n), key=lambda d: (load[d] - 0.25 * votes[d], d))
+            if not 0 <= dev < n:
+                raise PlanError(f"task {t.id} is pinned to device {dev}, but the run has {n}")
+            self.owner.setdefault(t.output, dev)
+            load[dev] += _task_cost(t, self.sizes)
+            placed.append(dev)
+        return placed
+
+    # -- op emission --------------------------------------------------------------------
+    def emit(self, kind: str, dev: int, ref: ChunkRef, deps, **kw) -> Op:
+        op = Op(id=len(self.ops), kind=kind, device=dev, ref=ref,
+                deps=tuple(sorted({d for d in deps if d is not None})), order=len(self.ops),
+                **kw)
+        self.ops.append(op)
+        return op
+
+    def _alloc_dep(self, d: _Device, nbytes: int) -> int | None:
+        """The free an allocation of ``nbytes`` (after all earlier ones) must wait for."""
+        d.alloc_total += nbytes
+        if d.budget is None:
+            return None
+        need = d.alloc_total - d.budget  # bytes that must have been freed
+        if need <= 0:
+            return None
+        # smallest j with freed[j] >= need; frees are chained, so waiting on free j suffices
+        lo, hi = 1, len(d.freed) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if d.freed[mid] >= need:
+                hi = mid
+            else:
+                lo = mid + 1
+        assert d.freed[lo] >= need, "memory simulation out of step"
+        return d.free_ops[lo - 1]
+
+    def _next_use(self, d: _Device, ref: ChunkRef, pos: int) -> float:
+        uses = d.uses.get(ref, ())
+        i = d.use_ptr.get(ref, 0)
+        while i < len(uses) and uses[i] <= pos:
+            i += 1
+        d.use_ptr[ref] = i
+        return uses[i] if i < len(uses) else math.inf
+
+    def free(self, d: _Device, ref: ChunkRef, evict: bool = False,
+             writeback: bool = False) -> None:
+        iv = d.resident.pop(ref)
+        deps = list(iv.users) + [iv.alloc]
+        if writeback:
+            wb = self.emit("d2h", d.index, ref, deps, nbytes=iv.nbytes, lane="d2h", evict=evict)
+            d.d2h += iv.nbytes
+            self.host_valid.add(ref)
+            self.host_d2h[ref] = wb.id
+            deps.append(wb.id)
+            d.writebacks += evict
+        if d.free_ops:
+            deps.append(d.free_ops[-1])  # frees form a chain (see the module docstring)
+        op = self.emit("free", d.index, ref, deps, nbytes=iv.nbytes, evict=evict)
+        d.free_ops.append(op.id)
+        d.freed.append(d.freed[-1] + iv.nbytes)
+        d.live -= iv.nbytes
+        d.evictions += evict
+
+    def make_room(self, d: _Device, nbytes: int, pinned: set[ChunkRef], pos: int,
+                  what: str, sooner_than: float | None = None) -> bool:
+        """Evict (furthest next use first) until ``nbytes`` fit. With ``sooner_than`` (a
+        prefetch), only chunks next used after that position may go; returns False when that
+        is not enough, having evicted nothing."""
+        if d.budget is None or d.live + nbytes <= d.budget:
+            return True
+        victims = sorted((r for r in d.resident if r not in pinned),
+                         key=lambda r: (self._next_use(d, r, pos), not d.resident[r].dirty,
+                                        r.step, r.key), reverse=True)
+        if sooner_than is not None:
+            victims = [r for r in victims if self._next_use(d, r, pos) > sooner_than]
+            if d.live + nbytes - sum(d.resident[r].nbytes for r in victims) > d.budget:
+                return False
+        for victim in victims:
+            if d.live + nbytes <= d.budget:
+                break
+            iv = d.resident[victim]
+            needed_later = (self._next_use(d, victim, pos) < math.inf
+                            or self._used_elsewhere(victim, d.index, pos)
+                            or (victim.step in self.graph.retain
+                                and victim not in self.host_valid)
+                            or self.remaining.get(victim, 0) > 0)
+            self.free(d, victim, evict=True, writeback=iv.dirty and needed_later)
+        if d.live + nbytes > d.budget:
+            raise PlanError(
+                f"memory_limit too small on device {d.index}: {what} needs "
+                f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}")
+        return True
+
+    def _used_elsewhere(self, ref: ChunkRef, dev: int, pos: int) -> bool:
+        return any(self._next_use(o, ref, pos) < math.inf for o in self.devs if o.index != dev)
+
+    def bring(self, d: _Device, ref: ChunkRef, pinned: set[ChunkRef], pos: int,
+              what: str, output: bool) -> None:
+        """Make ``ref`` resident on ``d`` (load, send or alloc)."""
+        if ref in d.resident:
+            return
+        nbytes = self.size(ref)
+        self.make_room(d, nbytes, pinned, pos, what)
+        mem = self._alloc_dep(d, nbytes)
+        d.live += nbytes
+        d.peak = max(d.peak, d.live)
+        if ref in self.source:
+            op = self.emit("load", d.index, ref, [mem], nbytes=nbytes, lane="h2d",
+                           task=self.source[ref], from_rest=True)
+            d.h2d += nbytes
+            dirty = False
+        elif output and ref not in self.host_valid:
+            op = self.emit("alloc", d.index, ref, [mem], nbytes=nbytes)
+            dirty = True
+        elif not output and (src := self._holder(ref, d.index)) is not None:
+            op = self.emit("send", d.index, ref, [mem, src.resident[ref].alloc,
+                                                  *self.writers.get(ref, ())],
+                           nbytes=nbytes, lane="d2d", src_device=src.index)
+            src.resident[ref].users.append(op.id)
+            d.d2d += nbytes
+            dirty = False
+        else:
+            if ref not in self.host_valid:  # pragma: no cover - guarded by the order
+                raise PlanError(f"chunk {ref} is needed on device {d.index} but is nowhere")
+            take = output  # a partial aggregate comes back to be added to: move it
+            op = self.emit("load", d.index, ref, [mem, self.host_d2h.get(ref)], nbytes=nbytes,
+                           lane="h2d", keep_host=not take)
+            self.host_loads[ref] = self.host_loads.get(ref, 0) + 1
+            d.h2d += nbytes
+            if take:
+                self.host_valid.discard(ref)
+            dirty = take
+        d.resident[ref] = _Interval(op.id, nbytes, [], dirty)
+
+    def _holder(self, ref: ChunkRef, dev: int) -> _Device | None:
+        if self.remaining.get(ref, 0) > 0:
+            return None
+        for o in self.devs:
+            if o.index != dev and ref in o.resident:
+                return o
+        return None
+
+    # -- the simulation -----------------------------------------------------------------
+    def run(self) -> Program:
+        order = self.order()
+        placed = self.place(order)
+        for pos, (t, dev) in enumerate(zip(order, placed)):
+            d = self.devs[dev]
+            for ref in dict.fromkeys((*t.inputs, t.output)):
+                d.uses.setdefault(ref, []).append(pos)
+        for pos, (t, dev) in enumerate(zip(order, placed)):
+            d = self.devs[dev]
+            need = list(dict.fromkeys((*t.inputs, t.output)))
+            pinned = set(need)
+            what = f"task {t.id} ({self.graph.step_name(t.output.step)}, chunk {t.output.key})"
+            total = sum(self.size(r) for r in need)
+            if d.budget is not None and total > d.budget:
+                raise PlanError(
+                    f"memory_limit too small on device {dev}: {what} needs {total} bytes "
+                    f"resident at once (inputs and output), the budget is {d.budget}")
+            for ref in need:
+                self.bring(d, ref, pinned, pos, what, output=ref == t.output)
+            deps = [d.resident[r].alloc for r in need]
+            for ref in t.inputs:
+                deps.extend(self.writers.get(ref, ()))
+            op = self.emit("compute", dev, t.output, deps, lane="compute", task=t,
+                           cost=_task_cost(t, self.sizes))
+            for ref in need:
+                d.resident[ref].users.append(op.id)
+            d.resident[t.output].dirty = True
+            self.host_valid.discard(t.output)
+            self.writers.setdefault(t.output, []).append(op.id)
+            self.remaining[t.output] -= 1
+            if self.remaining[t.output] == 0 and t.output.step in self.graph.retain \
+                    and not self.results_on_device:
+                iv = d.resident[t.output]
+                wb = self.emit("d2h", dev, t.output, [*iv.users, iv.alloc],
+                               nbytes=iv.nbytes, lane="d2h")
+                d.d2h += iv.nbytes
+                iv.users.append(wb.id)
+                iv.dirty = False
+                self.host_valid.add(t.output)
+                self.host_d2h[t.output] = wb.id
+            for ref in need:
+                if self.results_on_device and ref.step in self.graph.retain:
+                    continue  # results stay where they are
+                if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
+                        self.remaining.get(ref, 0) == 0:
+                    later = self._used_elsewhere(ref, dev, pos)
+                    self.free(d, ref, writeback=d.resident[ref].dirty and later)
+            self.prefetch_for(order, placed, pos)
+        for ref, task in self.source.items():  # results read straight from rest
+            if ref.step in self.graph.retain:
+                self.emit("fetch", 0, ref, [], lane="h2d", task=task, from_rest=True)
+        for d in self.devs:  # whatever is still resident (e.g. read only by other devices)
+            for ref in list(d.resident):
+                if not (self.results_on_device and ref.step in self.graph.retain):
+                    self.free(d, ref)
+        ops = tuple(self.ops)
+        return Program(
+            ops=ops,
+            devices=tuple(DevicePlan(d.index, d.budget, d.peak, d.evictions, d.writebacks,
+                                     d.h2d, d.d2h, d.d2d) for d in self.devs),
+            retain=self.graph.retain,
+            rank=_critical_path(ops),
+            graph_tasks=len(self.graph.tasks),
+            host_loads=self.host_loads,
+        )
+
+    def prefetch_for(self, order: list[Task], placed: list[int], pos: int) -> None:
+        """Issue loads for the inputs of the next ``prefetch`` tasks now, so they run while
+        earlier tasks compute. A prefetch may evict only chunks next used later than the
+        prefetched one (Belady's rule still holds), never the next tasks' chunks."""
+        end = min(len(order), pos + 1 + self.prefetch)
+        for ahead in range(pos + 1, end):
+            t, d = order[ahead], self.devs[placed[ahead]]
+            pinned = {r for k in range(pos + 1, ahead + 1) if placed[k] == d.index
+                      for r in (*order[k].inputs, order[k].output)}
+            for ref in t.inputs:
+                if ref in d.resident or self.remaining.get(ref, 0) > 0:
+                    continue
+                if ref not in self.source and ref not in self.host_valid \
+                        and self._holder(ref, d.index) is None:
+                    continue
+                if not self.make_room(d, self.size(ref), pinned, pos, "prefetch",
+                                      sooner_than=ahead):
+                    return
+                self.bring(d, ref, pinned, pos, "prefetch", output=False)
+
+
+def _task_cost(task: Task, sizes: dict[ChunkRef, int]) -> float:
+    """A task's relative cost: its FLOPs when known, else the bytes it reads (one per FLOP)."""
+    return float(task.flops) if task.flops else float(
+        sum(sizes.get(r, 1) for r in task.inputs) + 1)
+
+
+def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float, ...]:
+    """Longest cost path from each op to the end (ops are topologically ordered by id)."""
+    succ: list[list[int]] = [[] for _ in ops]
+    for op in ops:
+        for dep in op.deps:
+            succ[dep].append(op.id)
+    rank = [0.0] * len(ops)
+    for op in reversed(ops):
+        own = op.cost if op.kind == "compute" else copy_weight * op.nbytes \
+            if op.lane != "none" else 0.0
+        rank[op.id] = own + max((rank[s] for s in succ[op.id]), default=0.0)
+    return tuple(rank)
+
+
+def plan_program(graph: TaskGraph, n_devices: int = 1,
+                 budgets: Sequence[int | None] | None = None, prefetch: int = 2,
+                 sizes: dict[ChunkRef, int] | None = None,
+                 results_on_device: bool = False) -> Program:
+    """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
+
+    ``sizes`` defaults to ``graph.chunk_bytes``; a budget needs every chunk's size (PlanError
+    otherwise). Raises PlanError when one task alone needs more than its device's budget.
+    ``results_on_device`` leaves retained chunks in device memory (no budget allowed).
+    """
+    if results_on_device and budgets and any(b is not None for b in budgets):
+        raise PlanError("results_on_device needs an unlimited budget")
+    budgets = list(budgets) if budgets is not None else [None] * n_devices
+    if len(budgets) != n_devices:
+        raise PlanError(f"{len(budgets)} budgets for {n_devices} devices")
+    sizes = dict(graph.chunk_bytes if sizes is None else sizes)
+    if any(b is not None for b in budgets):
+        missing = [t.output for t in graph.tasks if t.output not in sizes]
+        if missing:
+            raise PlanError(f"a memory_limit needs chunk sizes; chunk {missing[0]} has none")
+    return _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device).run()

@@ -1,0 +1,554 @@
+"""The event-driven runtime: device ops run as soon as their own inputs are ready.
+
+:class:`Runtime` lowers a ``TaskGraph`` with :func:`~tensorql.exec.memplan.plan_program` (ops
+on devices, evictions and reloads decided at plan time under each device's ``memory_limit``),
+then drives it from completion events: each finished op releases its successors into a ready
+queue per device lane (compute, h2d, d2h, d2d), ordered by critical-path length. There is no
+barrier between operators, and copies overlap kernels because lanes are independent. Live bytes
+per device are tracked and checked against the budget (ExecutionError if ever exceeded).
+
+``Runtime.run(graph, progress, sink)`` returns the same ``RunResult`` as the threaded
+``Executor``; its ``stats`` is a :class:`RuntimeStats` with per-device figures.
+
+>>> import torch
+>>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+>>> class Const:
+...     def __init__(self, v): self.v = v
+...     def run(self, inputs, acc): return torch.full((4,), self.v)
+...     def combine(self, acc, partial): return acc.add_(partial)
+>>> class Add:
+...     def run(self, inputs, acc):
+...         return inputs[0].clone() if acc is None else acc.add_(inputs[0])
+...     def combine(self, acc, partial): return acc.add_(partial)
+>>> a, b, c = ChunkRef(0, (0,)), ChunkRef(0, (1,)), ChunkRef(1, ())
+>>> g = TaskGraph(tasks=(Task(0, (), a, Const(1.0)), Task(1, (), b, Const(2.0)),
+...                      Task(2, (a,), c, Add(), 2.0), Task(3, (b,), c, Add(), 3.0)),
+...               retain=frozenset({1}), chunk_bytes={a: 16, b: 16, c: 16})
+>>> result = Runtime("cpu", memory_limit=32).run(g)
+>>> result.outputs[c].tolist(), result.stats.devices[0].peak_bytes <= 32
+([3.0, 3.0, 3.0, 3.0], True)
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.devices import Completion, Device, resolve_devices, wants_runtime
+from tensorql.exec.executor import Executor, RunResult, RunStats, StepStats
+from tensorql.exec.hostpool import HostTier, PinnedPool
+from tensorql.exec.memplan import Op, Program, plan_program
+from tensorql.exec.progress import ProgressCallback, format_bytes
+from tensorql.exec.taskgraph import ChunkRef, TaskGraph
+
+ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
+COPY_LANES = ("h2d", "d2h", "d2d")
+
+
+@dataclass
+class DeviceStats:
+    """Measured figures of one device in one run (times in seconds from the run's start)."""
+
+    name: str
+    budget: int | None = None
+    busy_s: float = 0.0
+    copy_s: float = 0.0
+    overlap_s: float = 0.0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    bytes_d2d: int = 0
+    peak_bytes: int = 0
+    planned_peak_bytes: int = 0
+    evictions: int = 0
+    reloads: int = 0
+    ops: int = 0
+
+    def describe(self, cpu_like: bool) -> str:
+        into = "host->mem" if cpu_like else "H2D"
+        out = "mem->host" if cpu_like else "D2H"
+        budget = format_bytes(self.budget) if self.budget is not None else "unlimited"
+        text = (f"{self.name}: busy {self.busy_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms"
+                f" (overlapped with compute {self.overlap_s * 1e3:.1f} ms), "
+                f"{into} {format_bytes(self.bytes_h2d)}, {out} {format_bytes(self.bytes_d2h)}")
+        if self.bytes_d2d:
+            text += f", peer {format_bytes(self.bytes_d2d)}"
+        return text + (f", peak {format_bytes(self.peak_bytes)} of {budget} "
+                       f"(planned {format_bytes(self.planned_peak_bytes)}), "
+                       f"evictions {self.evictions}, reloads {self.reloads}")
+
+
+@dataclass
+class TimelineEvent:
+    device: str
+    lane: str
+    kind: str
+    label: str
+    start: float
+    end: float
+
+
+@dataclass
+class RuntimeStats(RunStats):
+    """``RunStats`` plus per-device figures, the memory plan and (optionally) a timeline."""
+
+    devices: list[DeviceStats] = field(default_factory=list)
+    device_kinds: list[str] = field(default_factory=list)
+    program: Program | None = None
+    timeline: list[TimelineEvent] = field(default_factory=list)
+    pinned_bytes: int = 0
+    spilled_bytes: int = 0
+
+    def device_lines(self) -> list[str]:
+        """Text lines for EXPLAIN ANALYZE, one per device."""
+        lines = []
+        for dev, kind in zip(self.devices, self.device_kinds):
+            lines.append("  " + dev.describe(cpu_like=kind != "cuda"))
+        if self.pinned_bytes or self.spilled_bytes:
+            lines.append(f"  host tier: {format_bytes(self.pinned_bytes)} written to the pinned "
+                         f"pool, {format_bytes(self.spilled_bytes)} to plain host memory or "
+                         "the spill store")
+        return lines
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class Runtime:
+    """Runs task graphs on ``devices`` under a per-device ``memory_limit`` (bytes or None).
+
+    ``devices`` is a ``devices`` option value ("cpu", "cuda", ["cpu:0", "cpu:1"], "null", ...)
+    or a list of :class:`~tensorql.exec.devices.Device`. ``reserve_bytes`` of the limit is kept
+    back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
+    ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
+    takes host copies beyond it. ``timeline=True`` records every op for
+    :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
+    result chunks in device memory instead of copying them to the host.
+    """
+
+    def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
+                 workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
+                 reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
+                 spill_store: Any = None, timeline: bool = False,
+                 results_on_device: bool = False) -> None:
+        if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
+            self.devices: list[Device] = list(devices)
+        else:
+            self.devices = resolve_devices(devices, workers)
+        self.memory_limit = memory_limit
+        self.intra_op_threads = max(1, int(intra_op_threads))
+        self.prefetch = prefetch
+        self.reserve_bytes = reserve_bytes
+        self.host_pool_bytes = host_pool_bytes
+        self.spill_store = spill_store
+        self.timeline = timeline
+        self.results_on_device = results_on_device
+        self._pool: PinnedPool | None = None
+        self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
+
+    def budgets(self) -> list[int | None]:
+        """The chunk budget of each device: memory_limit less the reserve."""
+        if self.memory_limit is None:
+            return [None] * len(self.devices)
+        out = []
+        for dev in self.devices:
+            reserve = (self.reserve_bytes if self.reserve_bytes is not None
+                       else dev.default_reserve(self.memory_limit))
+            out.append(max(0, self.memory_limit - reserve))
+        return out
+
+    def plan(self, graph: TaskGraph) -> Program:
+        """The op program and memory plan for ``graph`` (PlanError if infeasible)."""
+        return plan_program(graph, len(self.devices), self.budgets(), prefetch=self.prefetch,
+                            results_on_device=self.results_on_device)
+
+    def pool(self) -> PinnedPool | None:
+        """The pinned host pool, created once per runtime when a device copies through it."""
+        if self._pool is None and any(d.uses_pinned_host for d in self.devices):
+            self._pool = PinnedPool(self.host_pool_bytes, pin=True)
+        return self._pool
+
+    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
+            sink: ChunkSink | None = None) -> RunResult:
+        program = self.plan(graph)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.intra_op_threads)
+        try:
+            return _Run(self, graph, program, progress, sink).execute()
+        finally:
+            torch.set_num_threads(previous)
+
+
+class _Run:
+    """The mutable state of one run; the coordinator loop runs on the caller's thread."""
+
+    def __init__(self, rt: Runtime, graph: TaskGraph, program: Program,
+                 progress: ProgressCallback | None, sink: ChunkSink | None) -> None:
+        self.rt, self.graph, self.program = rt, graph, program
+        self.ops = program.ops
+        self.devices = rt.devices
+        self.progress, self.sink = progress, sink
+        self.events: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        null = [d for d in self.devices if d.is_null]
+        self.clock = null[0].clock if null else None  # type: ignore[attr-defined]
+        self.succ: list[list[int]] = [[] for _ in self.ops]
+        self.ndeps = [len(op.deps) for op in self.ops]
+        for op in self.ops:
+            for dep in op.deps:
+                self.succ[dep].append(op.id)
+        self.ready: dict[tuple[int, str], list[tuple[float, int]]] = {}
+        self.inflight: dict[tuple[int, str], int] = {}
+        self.busy_out: set[tuple[int, ChunkRef]] = set()
+        self.values: list[dict[ChunkRef, Any]] = [{} for _ in self.devices]
+        self.live = [0] * len(self.devices)
+        self.budgets = [d.budget for d in program.devices]
+        self.host = HostTier(rt.pool(), rt.spill_store, run_tag=f"{id(self):x}")
+        self.host_loads = dict(program.host_loads)
+        self.cleanup: dict[int, Callable[[], None]] = {}
+        self.done_ops = 0
+        self.done_tasks = 0
+        self.loaded_sources: set[ChunkRef] = set()
+        self.error: BaseException | None = None
+        self.failed: Op | None = None
+        self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        kinds = [d.kind for d in self.devices]
+        self.stats = RuntimeStats(tasks=len(graph.tasks), workers=rt.workers, program=program,
+                                  device_kinds=kinds)
+        self.stats.devices = [DeviceStats(d.name, budget=b.budget,
+                                          planned_peak_bytes=b.peak_bytes)
+                              for d, b in zip(self.devices, program.devices)]
+        self.start = 0.0
+        self.lock = threading.Lock()
+
+    # -- the coordinator ------------------------------------------------------------------
+    def execute(self) -> RunResult:
+        for dev in self.devices:
+            dev.open(self.events.put)
+        self.start = time.perf_counter()
+        try:
+            self._count_unused_sources()
+            for op in self.ops:
+                if self.ndeps[op.id] == 0:
+                    self._make_ready(op)
+            while self.done_ops < len(self.ops) and self.error is None:
+                self._dispatch()
+                if self.done_ops >= len(self.ops):
+                    break
+                if not any(self.inflight.values()):
+                    raise ExecutionError(f"deadlock: {len(self.ops) - self.done_ops} op(s) of "
+                                         "the memory plan never became ready")
+                self._handle(self._next_event())
+            while self.error is not None and any(self.inflight.values()):
+                self._handle(self._next_event())  # let in-flight work drain before raising
+        finally:
+            for dev in self.devices:
+                dev.close()
+        wall = (self.clock.now if self.clock is not None
+                else time.perf_counter() - self.start)
+        self.stats.wall_s = wall
+        if self.error is not None:
+            self.host.close()
+            self._raise()
+        self._finish_stats()
+        outputs = {}
+        for op in self.ops:
+            if op.kind in ("d2h", "fetch") and op.ref.step in self.graph.retain \
+                    and not op.evict and op.ref not in outputs:
+                outputs[op.ref] = (self.host.take_result(op.ref) if self.host.has(op.ref)
+                                   else None)
+        if self.rt.results_on_device:
+            for values in self.values:
+                outputs.update({r: v for r, v in values.items()
+                                if r.step in self.graph.retain})
+        self.host.close()
+        if self.progress is not None and self.done_tasks < len(self.graph.tasks):
+            self.progress(len(self.graph.tasks), len(self.graph.tasks))
+        return RunResult(outputs=outputs, stats=self.stats)
+
+    def _count_unused_sources(self) -> None:
+        used = {op.ref for op in self.ops if op.from_rest}
+        unused = sum(1 for t in self.graph.tasks if t.is_source and t.output not in used
+                     and self.graph.contributions()[t.output] == 1)
+        self.done_tasks += unused
+
+    def _next_event(self) -> Completion:
+        if self.clock is not None and self.clock.pending():
+            return self.clock.pop()
+        return self.events.get()
+
+    def _raise(self) -> None:
+        op, err = self.failed, self.error
+        if isinstance(err, TensorQLError):
+            raise err
+        where = ""
+        if op is not None:
+            where = (f"{self.graph.step_name(op.ref.step)} failed on chunk {op.ref.key} "
+                     f"({op.kind} on {self.devices[op.device].name})")
+        raise ExecutionError(f"{where}: {type(err).__name__}: {err}") from err
+
+    def _make_ready(self, op: Op) -> None:
+        work = [op]
+        while work:
+            op = work.pop()
+            if op.lane != "none":
+                key = (op.device, op.lane)
+                heapq.heappush(self.ready.setdefault(key, []),
+                               (-self.program.rank[op.id], op.id))
+                continue
+            # zero-cost bookkeeping ops run right here
+            if op.kind == "alloc":
+                self._allocate(op)
+            elif op.kind == "free":
+                self.values[op.device].pop(op.ref, None)
+                self.live[op.device] -= op.nbytes
+                if op.evict:
+                    self.stats.devices[op.device].evictions += 1
+            self.done_ops += 1
+            work.extend(self._release(op))
+
+    def _release(self, op: Op) -> list[Op]:
+        out = []
+        for s in self.succ[op.id]:
+            self.ndeps[s] -= 1
+            if self.ndeps[s] == 0:
+                out.append(self.ops[s])
+        return out
+
+    def _allocate(self, op: Op) -> None:
+        d = op.device
+        self.live[d] += op.nbytes
+        stats = self.stats.devices[d]
+        stats.peak_bytes = max(stats.peak_bytes, self.live[d])
+        budget = self.budgets[d]
+        if budget is not None and self.live[d] > budget:
+            raise ExecutionError(
+                f"{self.devices[d].name}: {self.live[d]} live bytes exceed the budget of "
+                f"{budget} ({op.describe()}); the memory plan was not followed")
+
+    def _dispatch(self) -> None:
+        for key, heap in self.ready.items():
+            dev_index, lane = key
+            slots = self.devices[dev_index].lanes.get(lane, 1)
+            aside = []
+            while heap and self.inflight.get(key, 0) < slots:
+                entry = heapq.heappop(heap)
+                op = self.ops[entry[1]]
+                if op.kind == "compute" and (dev_index, op.ref) in self.busy_out:
+                    aside.append(entry)  # another contribution to this chunk is running
+                    continue
+                self._submit(op)
+            for entry in aside:
+                heapq.heappush(heap, entry)
+
+    def _submit(self, op: Op) -> None:
+        key = (op.device, op.lane)
+        self.inflight[key] = self.inflight.get(key, 0) + 1
+        if op.kind in ("load", "send"):
+            self._allocate(op)
+        if op.kind == "compute":
+            self.busy_out.add((op.device, op.ref))
+        dev = self.devices[op.device]
+        cost = op.cost if op.kind == "compute" else float(op.nbytes)
+        dev.submit(op.lane, op.id, self._work(op, dev), cost)
+
+    def _work(self, op: Op, dev: Device) -> Callable[[], Any]:
+        values = self.values[op.device]
+        if dev.is_null:
+            return lambda: None
+        if op.kind == "compute":
+            task = op.task
+
+            def compute() -> None:
+                inputs = [values[r] for r in task.inputs]
+                values[op.ref] = task.kernel.run(inputs, values.get(op.ref))
+            return compute
+        if op.kind == "load":
+            return lambda: self._load(op, dev)
+        if op.kind == "fetch":
+            return lambda: self.host.put(op.ref, op.task.kernel.run([], None))
+        if op.kind == "send":
+            source = self.values[op.src_device]
+            return lambda: dev.from_peer(source[op.ref])
+        if op.kind == "d2h":
+            def d2h() -> None:
+                value = values[op.ref]
+                buf = self.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
+                self.host.put(op.ref, dev.to_host(value, buf))
+            return d2h
+        raise ExecutionError(f"unknown op kind {op.kind!r}")  # pragma: no cover
+
+    def _load(self, op: Op, dev: Device) -> torch.Tensor:
+        if op.from_rest:
+            host = op.task.kernel.run([], None)
+            pool = self.host.pool if dev.uses_pinned_host else None
+            if pool is not None and not host.is_pinned():
+                offset = pool.alloc(host.nbytes)
+                if offset is not None:  # stage through the pinned pool: an async copy
+                    staged = pool.view(offset, tuple(host.shape), host.dtype)
+                    staged.copy_(host)
+                    with self.lock:
+                        self.cleanup[op.id] = lambda: pool.free(offset)
+                    return dev.to_device(staged)
+            return dev.to_device(host)
+        return dev.to_device(self.host.get(op.ref))
+
+    def _handle(self, c: Completion) -> None:
+        op = self.ops[c.op_id]
+        key = (op.device, op.lane)
+        self.inflight[key] -= 1
+        with self.lock:
+            cleanup = self.cleanup.pop(op.id, None)
+        if cleanup is not None:
+            cleanup()
+        if op.kind == "compute":
+            self.busy_out.discard((op.device, op.ref))
+        if c.error is not None:
+            if self.error is None:
+                self.error, self.failed = c.error, op
+            return
+        if self.error is not None:
+            return
+        try:
+            self._complete(op, c)
+        except BaseException as err:  # noqa: BLE001 - reported to the caller
+            if self.error is None:
+                self.error, self.failed = err, op
+            return
+        self.done_ops += 1
+        for nxt in self._release(op):
+            self._make_ready(nxt)
+
+    def _complete(self, op: Op, c: Completion) -> None:
+        stats = self.stats.devices[op.device]
+        stats.ops += 1
+        start = c.started - (0.0 if self.clock is not None else self.start)
+        end = c.ended - (0.0 if self.clock is not None else self.start)
+        if c.device_s is not None:  # the device's own measure of the work
+            start = max(start, end - c.device_s)
+        self.lane_times.setdefault((op.device, op.lane), []).append((start, end))
+        if self.rt.timeline:
+            self.stats.timeline.append(TimelineEvent(
+                self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end))
+        task_done = False
+        if op.kind == "compute":
+            task_done = True
+            step = self.stats.steps.setdefault(op.ref.step, StepStats())
+            step.tasks += 1
+            step.busy_s += end - start
+            step.first_start = min(step.first_start, start)
+            step.last_end = max(step.last_end, end)
+            step.bytes_in += sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs)
+        elif op.kind in ("load", "send"):
+            if not self.devices[op.device].is_null:
+                self.values[op.device][op.ref] = c.value
+            if op.kind == "send":
+                stats.bytes_d2d += op.nbytes
+            else:
+                stats.bytes_h2d += op.nbytes
+            if op.kind == "load" and op.from_rest:
+                step = self.stats.steps.setdefault(op.ref.step, StepStats())
+                step.busy_s += end - start
+                step.first_start = min(step.first_start, start)
+                step.last_end = max(step.last_end, end)
+                step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
+                step.bytes_out += op.nbytes
+                if op.ref not in self.loaded_sources:
+                    self.loaded_sources.add(op.ref)
+                    step.tasks += 1
+                    task_done = True
+                else:
+                    stats.reloads += 1
+            elif op.kind == "load":
+                stats.reloads += 1
+                self._host_load_done(op)
+        elif op.kind == "fetch":
+            task_done = True
+            step = self.stats.steps.setdefault(op.ref.step, StepStats())
+            step.tasks += 1
+            step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
+            if self.sink is not None and self.host.has(op.ref):
+                self.sink(op.ref, self.host.get(op.ref))
+        elif op.kind == "d2h":
+            stats.bytes_d2h += op.nbytes
+            if op.ref.step in self.graph.retain and not op.evict:
+                step = self.stats.steps.setdefault(op.ref.step, StepStats())
+                step.bytes_out += op.nbytes
+                if self.sink is not None and not self.devices[op.device].is_null:
+                    self.sink(op.ref, self.host.get(op.ref))
+        if task_done:
+            self.done_tasks += 1
+            if self.progress is not None:
+                self.progress(self.done_tasks, len(self.graph.tasks))
+
+    def _host_load_done(self, op: Op) -> None:
+        left = self.host_loads.get(op.ref, 0) - 1
+        self.host_loads[op.ref] = left
+        if not op.keep_host or (left <= 0 and op.ref.step not in self.graph.retain):
+            self.host.drop(op.ref)
+
+    def _finish_stats(self) -> None:
+        for index, dev_stats in enumerate(self.stats.devices):
+            compute = _union(self.lane_times.get((index, "compute"), []))
+            copies = _union([iv for lane in COPY_LANES
+                             for iv in self.lane_times.get((index, lane), [])])
+            dev_stats.busy_s = _length(compute)
+            dev_stats.copy_s = _length(copies)
+            dev_stats.overlap_s = _intersection(compute, copies)
+        self.stats.peak_live_bytes = max((d.peak_bytes for d in self.stats.devices), default=0)
+        self.stats.pinned_bytes = self.host.pinned_bytes
+        self.stats.spilled_bytes = self.host.spilled_bytes
+
+
+def executor_for(options: Any, *, timeline: bool = False) -> Executor | Runtime:
+    """The executor a session's ``Options`` call for: the plain thread :class:`Executor` for
+    one unlimited CPU, else the event-driven :class:`Runtime` on the chosen devices.
+
+    >>> from tensorql.options import Options
+    >>> type(executor_for(Options(devices="cpu"))).__name__
+    'Executor'
+    >>> type(executor_for(Options(devices="cpu", memory_limit="1GiB"))).__name__
+    'Runtime'
+    """
+    devices = getattr(options, "devices", "auto")
+    limit = getattr(options, "memory_limit", None)
+    if not wants_runtime(devices, limit) and not timeline:
+        return Executor(options.workers, options.intra_op_threads)
+    return Runtime(devices, limit, workers=options.workers,
+                   intra_op_threads=options.intra_op_threads, timeline=timeline)
+
+
+def run_graph(graph: TaskGraph, devices: Sequence[Device] | str = "cpu",
+              memory_limit: int | None = None, **kw: Any) -> RunResult:
+    """Shorthand: ``Runtime(devices, memory_limit, **kw).run(graph)``."""
+    return Runtime(devices, memory_limit, **kw).run(graph)
