@@ -50,6 +50,8 @@ def _connect(args: argparse.Namespace):
     import tensorql as tq
 
     settings = {"backend": args.backend} if getattr(args, "backend", None) else {}
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    settings["progress"] = progress
     return tq.connect(args.db, **settings)
 
 
@@ -82,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--file", "-f", help="read the statements from this file")
         p.add_argument("--db", default=None, help="DuckDB database file (default: in memory)")
         p.add_argument("--backend", choices=("native", "duckdb"), default=None)
+        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="draw a progress bar on stderr while tensor queries run "
+                            "(default: when stderr is a terminal)")
         p.add_argument("--max-rows", type=int, default=40,
                        help="print at most this many rows (larger tensors are summarised)")
         if name == "explain":

@@ -19,6 +19,7 @@ import torch
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
 from tensorql.exec.executor import ProgressCallback, RunStats
+from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import lower
@@ -76,7 +77,12 @@ class CompiledQuery:
 
     def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
         """Execute the plan; with ``dense=True`` worker threads copy each finished result chunk
-        into one dense tensor while the rest of the plan still runs."""
+        into one dense tensor while the rest of the plan still runs. With no ``progress`` callback
+        and ``Options.progress`` set (``tensorql sql --progress``), a progress bar is drawn on
+        stderr."""
+        if progress is None and self.db.options.progress and self.db.options.backend != "duckdb":
+            with progress_bar(self.node.describe()) as bar:
+                return self.run(progress=bar, dense=dense)
         if self.db.options.backend == "duckdb":  # joins and GROUP BY inside DuckDB
             from tensorql.sql.backend import run_compiled
 

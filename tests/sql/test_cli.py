@@ -34,3 +34,23 @@ def test_sql_and_explain_commands(tmp_path, capsys, monkeypatch):
     assert main(["sql", "SELECT * FROM EINSUM('ij->i', nope)", "--db", path]) == 1
     err = capsys.readouterr().err
     assert "unknown tensor 'nope'" in err and "line 1, column 31" in err
+
+
+def test_progress_bar_on_stderr_when_asked(tmp_path, capsys):
+    path = str(tmp_path / "work.duckdb")
+    with tq.connect(path) as db:
+        db.from_numpy("A", np.ones((64, 64), np.float32), tile=(16, 16))
+    query = "SELECT sum(val) AS s FROM EINSUM('ij,jk->ik', A, A)"
+    assert main(["sql", query, "--db", path, "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "262144" in captured.out
+    assert "einsum ij,jk->ik" in captured.err and "(100%)" in captured.err
+    assert main(["sql", query, "--db", path, "--no-progress"]) == 0
+    assert "tasks" not in capsys.readouterr().err
+
+
+def test_progress_option_draws_a_bar_from_python(capsys):
+    with tq.connect(progress=True) as db:
+        a = db.from_numpy("A", np.ones((32, 32), np.float32), tile=(8, 8))
+        assert float((a @ a).numpy().sum()) == 32.0 ** 3
+    assert "/" in capsys.readouterr().err
