@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--chain-n", type=int, default=1024)
     ap.add_argument("--tile", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-coo", action="store_true", help="leave out (a) (a smoke run)")
     args = ap.parse_args()
     torch.manual_seed(0)
