@@ -12,7 +12,7 @@ import time
 import tensorql as tq
 from tensorql.models import attention, llama, llama_block, mlp
 from tensorql.optimizer.graph import OpGraph
-from tensorql.optimizer.plan import _bytes
+from tensorql.units import format_bytes
 
 
 def plan_time(devices: int, repeats: int = 3) -> tuple[float, float, int, tq.PartitionPlan]:
@@ -36,7 +36,7 @@ def main() -> None:
     for n in (8, 16):
         seconds, build_s, ops, plan = plan_time(n)
         rows.append(f"| {n} | {ops} | {build_s:.2f} | {seconds:.2f} | "
-                    f"{_bytes(plan.cost.bytes_moved)} |")
+                    f"{format_bytes(plan.cost.bytes_moved)} |")
     print("Planning a 32-layer LLaMA-7B-shaped graph (batch 1, seq 2048), strategy auto:\n")
     print("| devices | graph nodes | build graph s | optimize s | bytes moved |")
     print("| --- | --- | --- | --- | --- |")
@@ -58,8 +58,8 @@ def main() -> None:
         cache: dict = {}
         moved = {s: tq.optimize(w.output, devices=8, strategy=s, cache=cache).cost.bytes_moved
                  for s in ("auto", "data", "model")}
-        print(f"| {name} ({graph_size} nodes) | {_bytes(moved['auto'])} | "
-              f"{_bytes(moved['data'])} | {_bytes(moved['model'])} | "
+        print(f"| {name} ({graph_size} nodes) | {format_bytes(moved['auto'])} | "
+              f"{format_bytes(moved['data'])} | {format_bytes(moved['model'])} | "
               f"{moved['data'] / max(1, moved['auto']):.2f} | "
               f"{moved['model'] / max(1, moved['auto']):.2f} |")
 

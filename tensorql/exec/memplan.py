@@ -117,7 +117,7 @@ class Program:
         memory plan: dev0 budget=100 B planned peak=60 B
         =1 (1 written back) h2d=10 B d2h=20 B
         """
-        from tensorql.exec.progress import format_bytes
+        from tensorql.units import format_bytes
 
         parts = []
         for d in self.devices:

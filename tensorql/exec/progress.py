@@ -12,8 +12,6 @@ in :func:`progress_bar`, which draws with tqdm or rich when installed, else a pl
 ...         cb(n, 4)
 >>> out.getvalue().splitlines()[-1].strip()
 'matmul: 4/4 tasks (100%)'
->>> format_bytes(1536)
-'1.5 KiB'
 """
 
 from __future__ import annotations
@@ -26,15 +24,6 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 ProgressCallback = Callable[[int, int], None]
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units (B, KiB, MiB, ...)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def available_backend() -> str:

@@ -46,8 +46,9 @@ from tensorql.exec.devices import Completion, Device, resolve_devices, wants_run
 from tensorql.exec.executor import Executor, RunResult, RunStats, StepStats
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
-from tensorql.exec.progress import ProgressCallback, format_bytes
+from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
+from tensorql.units import format_bytes
 
 ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 COPY_LANES = ("h2d", "d2h", "d2d")

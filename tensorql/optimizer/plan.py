@@ -24,6 +24,7 @@ from tensorql.optimizer.cost import Cost
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import Problem, get_strategy
 from tensorql.options import parse_bytes
+from tensorql.units import format_bytes, format_flops
 
 
 @dataclass(frozen=True)
@@ -79,40 +80,26 @@ class PartitionPlan:
         """Per operation: partition vector, FLOPs per device, bytes moved and why."""
         c = self.cost
         lines = [f"partitioning for {self.devices} devices (strategy {self.strategy}): "
-                 f"{_bytes(c.bytes_moved)} moved, busiest device {_flops(c.flops)}, "
-                 f"peak {_bytes(c.peak_bytes)}"]
+                 f"{format_bytes(c.bytes_moved)} moved, busiest device {format_flops(c.flops)}, "
+                 f"peak {format_bytes(c.peak_bytes)}"]
         if self.memory_limit is not None:
-            lines[0] += f" (limit {_bytes(self.memory_limit)})"
+            lines[0] += f" (limit {format_bytes(self.memory_limit)})"
         for op in self.ops:
             if op.kind in ("source", "constant"):
                 lines.append(f"[{op.index}] {op.name}  pieces {op.vector}")
                 continue
             lines.append(f"[{op.index}] {op.name}  pieces {op.vector}  "
-                         f"{_flops(op.flops_per_device)}/device  moved {_bytes(op.bytes_moved)}")
+                         f"{format_flops(op.flops_per_device)}/device  "
+                         f"moved {format_bytes(op.bytes_moved)}")
             for k, move in enumerate(op.inputs):
-                lines.append(f"    operand {k} <- {move.producer}: {_bytes(move.bytes)} "
+                lines.append(f"    operand {k} <- {move.producer}: {format_bytes(move.bytes)} "
                              f"({move.reason})")
             if op.partial_bytes:
                 agg = [f"{lab}:{p}" for lab, p in zip(op.labels, op.pieces)
                        if p > 1 and lab in op.labels[len(op.labels) - op.n_agg:]]
-                lines.append(f"    partial aggregates: {_bytes(op.partial_bytes)} "
+                lines.append(f"    partial aggregates: {format_bytes(op.partial_bytes)} "
                              f"(aggregated labels split {' '.join(agg)})")
         return "\n".join(lines)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def _flops(n: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
 
 
 def device_count(devices: Any) -> int:

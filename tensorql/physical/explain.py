@@ -6,8 +6,6 @@ the step's tasks, bytes read from the store and bytes produced. Runs on the even
 add a ``devices:`` section: per device busy time, bytes moved in and out of device memory, copy
 time overlapped with compute, peak memory against the budget, evictions and reloads.
 
->>> format_bytes(3 * 2**20), format_flops(2.5e9)
-('3.0 MiB', '2.50 GFLOP')
 """
 
 from __future__ import annotations
@@ -15,21 +13,7 @@ from __future__ import annotations
 from tensorql.exec.executor import RunStats
 from tensorql.logical.plan import Aggregate, Join, LogicalNode
 from tensorql.physical.planner import PhysicalPlan, Step
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def format_flops(n: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
+from tensorql.units import format_bytes, format_flops
 
 
 def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
