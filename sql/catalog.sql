@@ -1,7 +1,8 @@
 -- tensorql catalog: one row per stored tensor. Applied by DuckDBChunkStore on open.
--- Each tensor's chunks live in their own table "tq_chunks_<id>" (k0..k{n-1} INTEGER keys +
--- payload BLOB: the chunk's C-contiguous bytes); a view named exactly as the tensor shows its
--- element rows (d0..d{n-1}, val) and "<name>__chunks" shows its chunks.
+-- Each tensor's chunks live in their own table "tq_chunks_<id>" (k0..k{n-1} INTEGER keys,
+-- page INTEGER, payload BLOB: page `page` of the chunk's C-contiguous bytes, page_bytes each);
+-- a view named exactly as the tensor shows its element rows (d0..d{n-1}, val) and
+-- "<name>__chunks" shows its chunks (k0..k{n-1}, payload: the whole chunk's bytes).
 CREATE SEQUENCE IF NOT EXISTS tensorql_chunk_table_seq START 1;
 
 CREATE TABLE IF NOT EXISTS tensorql_catalog (
@@ -11,5 +12,9 @@ CREATE TABLE IF NOT EXISTS tensorql_catalog (
     shape       BIGINT[] NOT NULL,
     tile        BIGINT[] NOT NULL,
     nbytes      BIGINT NOT NULL,
-    created     TIMESTAMP NOT NULL DEFAULT current_timestamp
+    created     TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    page_bytes  INTEGER NOT NULL DEFAULT 0
 );
+
+-- Catalogs written before chunks were paged: their chunk tables hold one row per chunk.
+ALTER TABLE tensorql_catalog ADD COLUMN IF NOT EXISTS page_bytes INTEGER DEFAULT 0;

@@ -54,6 +54,9 @@ class Options:
         tile_target_elems: element count auto-tiling aims at per chunk.
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
         chunk_cache_bytes: decoded chunks the DuckDB store keeps in memory (LRU).
+        store_memory_limit: DuckDB's memory limit for a file-backed store (bytes or "1GiB";
+            None: DuckDB's default of 80% of RAM). It bounds what a large write keeps resident;
+            bigger SQL joins spill to ``<file>.tmp``. In-memory stores are never limited.
         backend: "native" (the executor) or "duckdb" (SQL backend).
         progress: show a progress bar on long runs (CLI).
     """
@@ -65,6 +68,7 @@ class Options:
     tile_target_elems: int = 1 << 20
     kernel_temp_bytes: int = 64 << 20
     chunk_cache_bytes: int = 1 << 30
+    store_memory_limit: int | None = 1 << 30
     backend: str = "native"
     progress: bool = False
 
@@ -76,6 +80,7 @@ class Options:
                 self, "intra_op_threads", max(1, _default_workers() // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         if self.backend not in ("native", "duckdb"):
             raise OptionError(f"unknown backend {self.backend!r}; choose 'native' or 'duckdb'")
 

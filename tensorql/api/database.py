@@ -24,6 +24,7 @@ from tensorql.errors import ShapeError, StorageError
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
+from tensorql.storage.mapped import MappedPageReleaser
 
 
 def _contiguous(chunk: np.ndarray) -> np.ndarray:
@@ -35,7 +36,8 @@ def _contiguous(chunk: np.ndarray) -> np.ndarray:
 def _open_store(path: str | None, options: Options, read_only: bool) -> ChunkStore:
     from tensorql.storage.duckdb_store import DuckDBChunkStore
 
-    return DuckDBChunkStore(path, read_only=read_only, cache_bytes=options.chunk_cache_bytes)
+    return DuckDBChunkStore(path, read_only=read_only, cache_bytes=options.chunk_cache_bytes,
+                            duckdb_memory_bytes=options.store_memory_limit or 0)
 
 
 def connect(
@@ -143,8 +145,14 @@ class Database:
         memory-mapped array streams in chunk by chunk)."""
         if not isinstance(array, np.ndarray):
             array = np.asarray(array)
-        return self._put(name, array.shape, canonical_dtype(array.dtype), tile,
-                         lambda sl: _contiguous(array[sl]), replace)
+        releaser = MappedPageReleaser.for_array(array)
+
+        def chunk(sl):
+            piece = _contiguous(array[sl])
+            releaser.consumed(piece.nbytes)
+            return piece
+
+        return self._put(name, array.shape, canonical_dtype(array.dtype), tile, chunk, replace)
 
     def from_torch(self, name: str, tensor: torch.Tensor, tile: Sequence[int] | None = None,
                    *, replace: bool = False) -> Tensor:

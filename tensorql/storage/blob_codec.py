@@ -58,6 +58,20 @@ def _binary_parts(column: pa.Array | pa.ChunkedArray):
         yield offsets, arr.buffers()[2]
 
 
+def view_bytes(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A torch tensor of ``dtype`` and ``shape`` viewing the flat uint8 array ``raw`` (no copy;
+    the memory may be read-only: tensorql never writes into input chunks)."""
+    tdtype = torch_dtype(dtype)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=tdtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are fine here
+        flat = torch.from_numpy(raw.view(_VIEW_AS.get(dtype, numpy_dtype(dtype))))
+    if dtype == "bfloat16":
+        flat = flat.view(torch.bfloat16)
+    return flat.reshape(shape)
+
+
 def decode_payloads(column: pa.Array | pa.ChunkedArray, dtype: str,
                     shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Torch tensors viewing the Arrow buffers of ``column`` (zero-copy, read-only memory:

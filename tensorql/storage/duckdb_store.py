@@ -1,8 +1,9 @@
 """The DuckDB chunk store: tensors at rest as chunk relations in an embedded database.
 
 Each tensor is one catalog row (``tensorql_catalog``) plus one chunk table ``tq_chunks_<id>``
-with a key column per dimension and a BLOB payload (the chunk's bytes). Storing a tensor is one
-transaction; reads pull only the chunks asked for and view Arrow buffers without copying.
+with a key column per dimension, a page number and a BLOB payload: each chunk's bytes in 4 KiB
+pages (``tensorql.storage.pages``). Storing a tensor is one transaction; reads pull only the
+chunks asked for and view Arrow buffers without copying.
 Plain SQL sees every tensor as element rows through a view named exactly as the tensor
 (``d0, d1, ..., val``) and as chunks through ``"<name>__chunks"``.
 
@@ -31,9 +32,14 @@ import torch
 from tensorql.dtypes import SUPPORTED, itemsize
 from tensorql.errors import StorageError, UnknownTensorError
 from tensorql.grid import ChunkGrid, Key
-from tensorql.storage.blob_codec import chunk_bytes, decode_payloads, decode_values, encode_payloads
+from tensorql.storage.blob_codec import chunk_bytes, decode_values, view_bytes
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta, as_chunk_tensor, check_chunk
+from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
 from tensorql.storage.sql_text import ddl, quote_ident
+
+CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
+ROW_GROUP_ROWS = 16384  # 64 MiB of pages: a big write goes to the file row group by row group
+JOIN_PAGES = "tq_join_pages"
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
@@ -47,11 +53,15 @@ def values_function(dtype: str) -> str:
 
 
 def register_functions(con: duckdb.DuckDBPyConnection) -> None:
-    """Register the payload-decoding functions the element views use on ``con``."""
-    for dtype in SUPPORTED:
+    """Register on ``con`` the functions the views use: payload decoders for the element views
+    and ``tq_join_pages(list of pages)`` for the chunk views."""
+    blob = duckdb.sqltype("BLOB")
+    functions = [(values_function(dtype), _decoder(dtype), [blob],
+                  duckdb.sqltype(f"{_VALUE_SQL_TYPE[dtype]}[]")) for dtype in SUPPORTED]
+    functions.append((JOIN_PAGES, join_page_lists, [duckdb.list_type(blob)], blob))
+    for name, fn, params, returns in functions:
         try:
-            con.create_function(values_function(dtype), _decoder(dtype), [duckdb.sqltype("BLOB")],
-                                duckdb.sqltype(f"{_VALUE_SQL_TYPE[dtype]}[]"), type="arrow")
+            con.create_function(name, fn, params, returns, type="arrow")
         except duckdb.Error as err:
             if "already exists" not in str(err):
                 raise
@@ -68,7 +78,9 @@ class DuckDBChunkStore(ChunkStore):
     """A ``ChunkStore`` in a DuckDB database file (``path``) or in memory (``path=None``).
 
     Another process holding the file makes ``__init__`` retry for ``lock_timeout`` seconds
-    before raising StorageError: DuckDB allows one writing process per file.
+    before raising StorageError: DuckDB allows one writing process per file. A file is attached
+    as catalog ``tensorql`` with 16 Ki-row row groups, so a large write streams to the file
+    instead of collecting in memory; ``duckdb_memory_bytes`` caps DuckDB's memory for files.
     """
 
     def __init__(self, path: str | None = None, *, read_only: bool = False,
@@ -80,33 +92,59 @@ class DuckDBChunkStore(ChunkStore):
         self.batch_bytes = batch_bytes
         self.connection = self._open(path, read_only, lock_timeout)
         register_functions(self.connection)
+        if path is not None and duckdb_memory_bytes:
+            self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
         if not read_only:
-            if duckdb_memory_bytes:
-                self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
             self.connection.execute(ddl("catalog.sql"))
             self._remove_orphans()
+        self._paged_catalog = self._catalog_has_pages()
+        self._unpaged_tables: set[str] = set()  # written before paging: one page per chunk
         self._local = threading.local()
         self._write_lock = threading.RLock()
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
 
     @staticmethod
     def _open(path, read_only, lock_timeout) -> duckdb.DuckDBPyConnection:
+        if path is None:
+            return duckdb.connect(":memory:")
+        con = duckdb.connect(":memory:")
+        mode = "READ_ONLY, " if read_only else ""
         deadline = time.monotonic() + lock_timeout
         while True:
             try:
-                return duckdb.connect(path or ":memory:", read_only=read_only)
+                con.execute(f"ATTACH ? AS {quote_ident(CATALOG_ALIAS)} "
+                            f"({mode}ROW_GROUP_SIZE {ROW_GROUP_ROWS})", [path])
+                break
             except duckdb.Error as err:
                 locked = "lock" in str(err).lower()
                 if not locked or time.monotonic() > deadline:
+                    con.close()
                     raise StorageError(f"cannot open tensor database {path!r}: {err}") from err
                 time.sleep(0.05)
+        con.execute(f"USE {quote_ident(CATALOG_ALIAS)}")
+        con.execute("SET temp_directory = ?", [path + ".tmp"])
+        return con
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new cursor on the store's database (its own transaction, usable on one thread)."""
+        cursor = self.connection.cursor()
+        if self.path is not None:
+            cursor.execute(f"USE {quote_ident(CATALOG_ALIAS)}")
+        return cursor
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         cursor = getattr(self._local, "cursor", None)
         if cursor is None:
-            cursor = self.connection.cursor()
+            cursor = self.cursor()
             self._local.cursor = cursor
         return cursor
+
+    def _catalog_has_pages(self) -> bool:
+        """False for a catalog written before chunks were paged (then read as one page each)."""
+        rows = self.connection.execute(
+            "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
+            "AND table_name = 'tensorql_catalog' AND column_name = 'page_bytes'").fetchall()
+        return rows[0][0] > 0
 
     def close(self) -> None:
         try:
@@ -124,14 +162,20 @@ class DuckDBChunkStore(ChunkStore):
         return self._lookup(name) is not None
 
     def _lookup(self, name: str) -> tuple[str, TensorMeta] | None:
+        page_bytes = "page_bytes" if self._paged_catalog else "0"
         row = self._cursor().execute(
-            "SELECT chunk_table, dtype, shape, tile FROM tensorql_catalog WHERE name = ?",
-            [name]).fetchall()
+            f"SELECT chunk_table, dtype, shape, tile, {page_bytes} FROM tensorql_catalog "
+            "WHERE name = ?", [name]).fetchall()
         if not row:
             return None
-        table, dtype, shape, tile = row[0]
+        table, dtype, shape, tile, paged = row[0]
         grid = ChunkGrid(tuple(shape), tuple(tile))
+        if not paged:
+            self._unpaged_tables.add(table)
         return table, TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
+
+    def _is_paged(self, table: str) -> bool:
+        return table not in self._unpaged_tables
 
     def _entry(self, name: str) -> tuple[str, TensorMeta]:
         entry = self._tables.get(name)
@@ -176,9 +220,9 @@ class DuckDBChunkStore(ChunkStore):
                         self._drop_objects(con, meta.name, old[0])
                     con.execute(
                         "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, tile, "
-                        "nbytes) VALUES (?, ?, ?, ?, ?, ?)",
+                        "nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile),
-                         meta.nbytes])
+                         meta.nbytes, PAGE_BYTES])
                     self._create_views(con, meta, table)
                     con.execute("COMMIT")
                 except BaseException:
@@ -223,7 +267,8 @@ class DuckDBChunkStore(ChunkStore):
     def _remove_orphans(self) -> None:
         """Drop staging tables no catalog row references (left by an interrupted write)."""
         rows = self.connection.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND "
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND schema_name = 'main' AND "
             "table_name LIKE 'tq_chunks_%' AND table_name NOT IN "
             "(SELECT chunk_table FROM tensorql_catalog)").fetchall()
         for (table,) in rows:
@@ -231,10 +276,12 @@ class DuckDBChunkStore(ChunkStore):
 
     @staticmethod
     def _insert(con, table: str, ndim: int, batch: list[tuple[Key, np.ndarray]]) -> None:
+        pages = encode_pages([p for _, p in batch])
         columns = {f"k{d}": pa.array(np.fromiter((k[d] for k, _ in batch), dtype=np.int32,
-                                                 count=len(batch)))
+                                                 count=len(batch))[pages.chunk_index])
                    for d in range(ndim)}
-        columns["payload"] = encode_payloads([p for _, p in batch])
+        columns["page"] = pa.array(pages.page_numbers)
+        columns["payload"] = pages.payload
         arrow_batch = pa.table(columns)  # noqa: F841 - read by DuckDB through registration
         con.register("tq_insert_batch", arrow_batch)
         try:
@@ -254,12 +301,16 @@ class DuckDBChunkStore(ChunkStore):
             coords.append(f"{k} * {t} + (i // ({stride})) % {extents[d]} AS d{d}")
         select = "".join(f"{c}, " for c in coords)
         decode = values_function(meta.dtype)
+        per_page = PAGE_BYTES // itemsize(meta.dtype)
         con.execute(
             f"CREATE VIEW {quote_ident(meta.name)} AS SELECT {select}val FROM ("
-            f"SELECT {key_list}generate_subscripts(vals, 1) - 1 AS i, unnest(vals) AS val "
-            f"FROM (SELECT {key_list}{decode}(payload) AS vals FROM {quote_ident(table)}))")
+            f"SELECT {key_list}page * {per_page} + generate_subscripts(vals, 1) - 1 AS i, "
+            f"unnest(vals) AS val "
+            f"FROM (SELECT {key_list}page, {decode}(payload) AS vals FROM {quote_ident(table)}))")
+        group = f" GROUP BY {', '.join(keys)}" if keys else ""
         con.execute(f"CREATE VIEW {quote_ident(meta.name + '__chunks')} AS "
-                    f"SELECT * FROM {quote_ident(table)}")
+                    f"SELECT {key_list}{JOIN_PAGES}(list(payload ORDER BY page)) AS payload "
+                    f"FROM {quote_ident(table)}{group}")
 
     @staticmethod
     def _drop_objects(con, name: str, table: str) -> None:
@@ -293,42 +344,84 @@ class DuckDBChunkStore(ChunkStore):
         if cached is not None:
             return cached
         where = " AND ".join(f"{quote_ident(f'k{d}')} = ?" for d in range(len(key))) or "TRUE"
-        column = self._cursor().sql(
-            f"SELECT payload FROM {quote_ident(table)} WHERE {where}", params=list(key)
-        ).to_arrow_table().column(0)
-        if len(column) != 1:
+        page = "page" if self._is_paged(table) else "0 AS page"
+        result = self._cursor().sql(
+            f"SELECT {page}, payload FROM {quote_ident(table)} WHERE {where}", params=list(key)
+        ).to_arrow_table()
+        if result.num_rows == 0:
             raise StorageError(f"tensor {name!r}: chunk {key} is missing from {table}")
-        chunk = decode_payloads(column, meta.dtype, [meta.grid.chunk_shape(key)])[0]
+        chunk = self._decode(meta, key, result.column(0).to_numpy(), result.column(1))
         self.cache.put((table, key), chunk)
         return chunk
 
+    @staticmethod
+    def _decode(meta: TensorMeta, key: Key, page_numbers: np.ndarray,
+                payload: pa.ChunkedArray | pa.Array) -> torch.Tensor:
+        """One chunk from its page rows (in page order as scanned; re-sorted if not)."""
+        if np.any(page_numbers != np.arange(len(page_numbers))):
+            if isinstance(payload, pa.ChunkedArray):
+                payload = payload.combine_chunks()
+            order = np.argsort(page_numbers, kind="stable")
+            if np.any(page_numbers[order] != np.arange(len(order))):
+                raise StorageError(f"tensor {meta.name!r}: chunk {key} has pages "
+                                   f"{sorted(page_numbers.tolist())}, expected 0..n-1")
+            payload = payload.take(pa.array(order))
+        raw = join_pages(payload)
+        shape = meta.grid.chunk_shape(key)
+        expected = int(np.prod(shape, dtype=np.int64)) * itemsize(meta.dtype)
+        if raw.size != expected:
+            raise StorageError(f"tensor {meta.name!r}: chunk {key} holds {raw.size} bytes, "
+                               f"expected {expected}")
+        return view_bytes(raw, meta.dtype, shape)
+
     def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:
-        """The chunks ``keys``, streamed from one query in record batches."""
+        """The chunks ``keys``, streamed from one scan in record batches."""
         table, meta = self._entry(name)
         wanted = {meta.grid.check_key(k) for k in keys}
         ndim = meta.grid.ndim
-        key_cols = ", ".join(quote_ident(f"k{d}") for d in range(ndim))
-        select = f"SELECT {key_cols + ', ' if ndim else ''}payload FROM {quote_ident(table)}"
-        rows = max(1, self.batch_bytes // max(1, meta.nbytes // max(1, meta.grid.num_chunks)))
-        cursor = self.connection.cursor()  # its own: the caller may stop iterating early
+        key_cols = "".join(f"{quote_ident(f'k{d}')}, " for d in range(ndim))
+        page = "page" if self._is_paged(table) else "0 AS page"
+        select = f"SELECT {key_cols}{page}, payload FROM {quote_ident(table)}"
+        rows = max(1024, self.batch_bytes // PAGE_BYTES)
+        cursor = self.cursor()  # its own: the caller may stop iterating early
         try:
-            yield from self._iter_batches(cursor.sql(select).to_arrow_reader(rows), meta,
-                                          wanted)
+            yield from self._group_pages(cursor.sql(select).to_arrow_reader(rows), meta, wanted)
         finally:
             cursor.close()
 
-    @staticmethod
-    def _iter_batches(reader, meta: TensorMeta, wanted: set[Key]):
+    def _group_pages(self, reader, meta: TensorMeta, wanted: set[Key]):
+        """Chunks from a scan of page rows; a chunk's pages are consecutive rows (they were
+        inserted so), and a chunk cut by a record-batch boundary is joined across it."""
         ndim = meta.grid.ndim
+        carry_key: Key | None = None
+        carry: list[tuple[np.ndarray, pa.Array]] = []  # pages of carry_key seen so far
+
+        def finish():
+            pages = np.concatenate([p for p, _ in carry])
+            payload = pa.chunked_array([b for _, b in carry], type=carry[0][1].type)
+            return carry_key, self._decode(meta, carry_key, pages, payload)
+
         for batch in reader:
-            batch_keys = list(zip(*(batch.column(d).to_numpy() for d in range(ndim)))) \
-                if ndim else [()] * batch.num_rows
-            batch_keys = [tuple(int(k) for k in key) for key in batch_keys]
-            shapes = [meta.grid.chunk_shape(k) for k in batch_keys]
-            tensors = decode_payloads(batch.column(ndim), meta.dtype, shapes)
-            for key, tensor in zip(batch_keys, tensors):
+            if batch.num_rows == 0:
+                continue
+            key_arrays = [batch.column(d).to_numpy() for d in range(ndim)]
+            pages = batch.column(ndim).to_numpy()
+            payload = batch.column(ndim + 1)
+            change = np.zeros(batch.num_rows, dtype=bool)
+            change[0] = True
+            for arr in key_arrays:
+                change[1:] |= arr[1:] != arr[:-1]
+            starts = np.flatnonzero(change).tolist() + [batch.num_rows]
+            for lo, hi in zip(starts[:-1], starts[1:]):
+                key = tuple(int(arr[lo]) for arr in key_arrays)
+                if key != carry_key:
+                    if carry:
+                        yield finish()
+                    carry, carry_key = [], key
                 if key in wanted:
-                    yield key, tensor
+                    carry.append((pages[lo:hi], payload.slice(lo, hi - lo)))
+        if carry:
+            yield finish()
 
 
 class ChunkCache:
