@@ -190,6 +190,39 @@ def contract_into(
     return combine(acc, partial.to(acc.dtype), agg)
 
 
+def contract_to(
+    out: torch.Tensor,
+    operands: Sequence[torch.Tensor],
+    labels: Sequence[Labels],
+    out_labels: Labels,
+    join: str = "mul",
+    agg: str = "sum",
+    *,
+    max_temp_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """Write the chunk einsum into ``out`` (overwriting it; ``out`` may be a strided view, e.g.
+    a tile of a larger result) and return ``out``. A matrix product goes straight into it.
+
+    >>> out = torch.zeros(4, 6)
+    >>> a, b = torch.ones(2, 3), torch.ones(3, 2)
+    >>> contract_to(out[:2, 2:4], [a, b], [("i", "j"), ("j", "k")], ("i", "k")).sum().item()
+    12.0
+    >>> out.sum().item()
+    12.0
+    """
+    if join == "mul" and agg == "sum" and len(operands) == 2:
+        mats = _as_matmul(operands, labels, out_labels)
+        if mats is not None and mats[0].dtype == mats[1].dtype == out.dtype:
+            left, right, transposed = mats
+            if transposed:
+                torch.mm(right.T, left.T, out=out)
+            else:
+                torch.mm(left, right, out=out)
+            return out
+    value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
+    return out.copy_(value)
+
+
 def _as_matmul(operands, labels, out_labels):
     """(left, right, output_transposed) when the contraction is one 2-D matrix product."""
     (a, b), (la, lb) = operands, labels

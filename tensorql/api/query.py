@@ -90,15 +90,21 @@ class CompiledQuery:
         options = self.db.options
         executor = executor_for(options)  # the event-driven runtime for devices/memory_limit
         rel = self.physical.result_step.node.relation
-        out = sink = None
+        sid = self.physical.result_step.id
+        out = sink = destination = None
         if dense:  # always a fresh tensor: a stored chunk must never leak out by reference
             out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
 
-            def sink(ref, chunk):
-                out[rel.grid.slices(ref.key)] = chunk
+            def destination(ref):  # result tiles are computed straight into ``out``
+                return out[rel.grid.slices(ref.key)] if ref.step == sid else None
 
-        result = executor.run(self.physical.task_graph(), progress=progress, sink=sink)
-        sid = self.physical.result_step.id
+            def sink(ref, chunk):
+                tile = out[rel.grid.slices(ref.key)]
+                if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
+                    tile.copy_(chunk)
+
+        result = executor.run(self.physical.task_graph(), progress=progress, sink=sink,
+                              destination=destination)
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
         return QueryResult(plan=self.physical, chunks=chunks, stats=result.stats, assembled=out)
 

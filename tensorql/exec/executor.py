@@ -35,6 +35,9 @@ from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 ProgressCallback = Callable[[int, int], None]
 ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
+# Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
+# result) or None for "allocate one". Kernels write their first contribution straight into it.
+ChunkDestination = Callable[[ChunkRef], "torch.Tensor | None"]
 
 
 @dataclass
@@ -83,10 +86,12 @@ class _Run:
     """The mutable state of one execution (the executor itself stays reusable)."""
 
     def __init__(self, graph: TaskGraph, progress: ProgressCallback | None,
-                 sink: ChunkSink | None = None) -> None:
+                 sink: ChunkSink | None = None,
+                 destination: ChunkDestination | None = None) -> None:
         self.graph = graph
         self.progress = progress
         self.sink = sink
+        self.destination = destination
         self.contributions = graph.contributions()
         self.remaining = dict(self.contributions)
         self.uses: dict[ChunkRef, int] = {}
@@ -176,14 +181,17 @@ class Executor:
         self.intra_op_threads = max(1, int(intra_op_threads))
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
-            sink: ChunkSink | None = None) -> RunResult:
+            sink: ChunkSink | None = None,
+            destination: ChunkDestination | None = None) -> RunResult:
         """Run every task of ``graph``.
 
         ``progress(done, total)`` is called after each task; ``sink(ref, chunk)`` is called on a
         worker thread as each chunk of a retained step completes (e.g. to copy it into a dense
-        result while other tasks still run).
+        result while other tasks still run). ``destination(ref)`` may name a preallocated
+        tensor for a retained chunk (a view of a dense result): its tasks then write there
+        directly, and the chunk handed to ``sink`` is that tensor.
         """
-        state = _Run(graph, progress, sink)
+        state = _Run(graph, progress, sink, destination)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -250,19 +258,36 @@ class Executor:
                     return
 
 
+def _first(state: _Run, task: Task, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The first contribution to ``task.output``: written into its destination when the run
+    has one (by the kernel itself when it can write into a given tensor), else a new tensor."""
+    dest = None
+    if state.destination is not None and task.output.step in state.graph.retain:
+        dest = state.destination(task.output)
+    if dest is None:
+        return task.kernel.run(inputs, None)
+    run_into = getattr(task.kernel, "run_into", None)
+    if run_into is not None:
+        return run_into(inputs, dest)
+    value = task.kernel.run(inputs, None)
+    if value.shape != dest.shape or value.dtype != dest.dtype:
+        return value  # not what the destination holds: the sink copies it as usual
+    return dest.copy_(value)
+
+
 def _execute(state: _Run, task: Task) -> int:
     """Run one task; returns the bytes newly allocated for its output chunk."""
     inputs = [state.values[ref] for ref in task.inputs]
     ref = task.output
     lock = state.slot_locks.get(ref)
     if lock is None:
-        value = task.kernel.run(inputs, None)
+        value = _first(state, task, inputs)
         state.values[ref] = value
         return value.nbytes
     if lock.acquire(blocking=False):
         try:
             acc = state.values.get(ref)
-            value = task.kernel.run(inputs, acc)
+            value = _first(state, task, inputs) if acc is None else task.kernel.run(inputs, acc)
             state.values[ref] = value
             return value.nbytes if acc is None else 0
         finally:

@@ -201,7 +201,10 @@ class Runtime:
         return self._pool
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
-            sink: ChunkSink | None = None) -> RunResult:
+            sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
+        """Run ``graph`` under the memory plan. ``destination`` is accepted for interface
+        parity with :class:`Executor` and not used: result chunks live on devices and in the
+        host tier, and reach a dense result through ``sink``."""
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)

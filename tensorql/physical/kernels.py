@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tensorql_kernels.chunk_einsum import combine, contract_into
+from tensorql_kernels.chunk_einsum import combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
 from tensorql.dtypes import torch_dtype
@@ -102,6 +102,13 @@ class ContractChunk:
         inputs = [x if x.dtype == dtype else x.to(dtype) for x in inputs]
         return contract_into(acc, inputs, self.in_labels, self.out_labels, self.join, self.agg,
                              max_temp_elems=self.max_temp_elems)
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Like ``run(inputs, None)`` but written into ``out`` (a tile of a dense result)."""
+        dtype = torch_dtype(self.dtype)
+        inputs = [x if x.dtype == dtype else x.to(dtype) for x in inputs]
+        return contract_to(out, inputs, self.in_labels, self.out_labels, self.join, self.agg,
+                           max_temp_elems=self.max_temp_elems)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return combine(acc, partial, self.agg)
