@@ -6,6 +6,11 @@ Measured in the same run, on the same float32 array: np.save + np.load of a .npy
 page cache (the baseline), and tensorql's DuckDB store in memory and in a database file
 (write = from_numpy; read = every chunk back as torch tensors, cold chunk cache). Goals: read
 >= 0.5x and write >= 0.25x numpy's throughput. Exits 1 if the file-backed store misses them.
+
+Two "DuckDB floor" rows show what DuckDB itself does with the same bytes, with no tensorql code
+and no key columns, in a database file with the store's settings: the bytes as one uncompressed
+BLOB column of 4 KiB pages, and as one uncompressed FLOAT column (write = INSERT from Arrow +
+CHECKPOINT; read = the column scanned to an Arrow table). No store built on DuckDB can beat them.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ import sys
 import tempfile
 import time
 
+import duckdb
 import numpy as np
+import pyarrow as pa
 
 import tensorql as tq
+from tensorql.storage.duckdb_store import ROW_GROUP_ROWS
+from tensorql.storage.pages import PAGE_BYTES
 
 
 def _best(fn, repeat=3):
@@ -29,6 +38,36 @@ def _best(fn, repeat=3):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def duckdb_floor(array: np.ndarray, path: str, as_float: bool) -> tuple[float, float]:
+    """(write s, read s) of DuckDB alone storing ``array``'s bytes in one column."""
+    con = duckdb.connect()
+    con.execute(f"ATTACH '{path}' AS floor (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
+    con.execute("USE floor")
+    con.execute("SET memory_limit = '1GiB'")
+    if as_float:
+        column, sql_type = pa.array(array.reshape(-1)), "FLOAT"
+    else:
+        raw = array.reshape(-1).view(np.uint8)
+        offsets = np.arange(0, raw.size + PAGE_BYTES, PAGE_BYTES, dtype=np.int64)
+        offsets[-1] = min(offsets[-1], raw.size)
+        column = pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                       [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
+        sql_type = "BLOB"
+    con.register("source", pa.table({"v": column}))
+    runs = [0]
+
+    def write():
+        runs[0] += 1
+        con.execute(f"CREATE TABLE t{runs[0]} (v {sql_type} USING COMPRESSION uncompressed)")
+        con.execute(f"INSERT INTO t{runs[0]} SELECT v FROM source")
+        con.execute("CHECKPOINT")
+
+    t_w = _best(write)
+    t_r = _best(lambda: con.sql(f"SELECT v FROM t{runs[0]}").to_arrow_table())
+    con.close()
+    return t_w, t_r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             assert np.array_equal(got, array)
             db.close()
             rows.append((label, t_w, t_r))
+        for label, as_float in (("floor: BLOB pages", False), ("floor: FLOAT col", True)):
+            rows.append((label, *duckdb_floor(array, os.path.join(tmp, f"{as_float}.duckdb"),
+                                              as_float)))
     print(f"array {array.shape} float32 = {mib:.0f} MiB, tile {args.tile}")
     print(f"{'store':18} {'write MiB/s':>12} {'read MiB/s':>11} {'write/np':>9} {'read/np':>8}")
     ok = True
