@@ -173,16 +173,15 @@ def contract_into(
 
     A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary).
     """
-    if join == "mul" and agg == "sum" and len(operands) == 2:
-        mats = _as_matmul(operands, labels, out_labels)
-        if mats is not None and mats[0].dtype == mats[1].dtype:
-            left, right, transposed = mats
-            if acc is None:  # a fresh product, laid out as the output wants it
-                return torch.mm(right.T, left.T) if transposed else torch.mm(left, right)
-            target = acc.T if transposed else acc
-            if target.dtype == left.dtype:
-                target.addmm_(left, right)
-                return acc
+    mats = _matmul(operands, labels, out_labels, join, agg)
+    if mats is not None:
+        left, right, transposed = mats
+        if acc is None:  # a fresh product, laid out as the output wants it
+            return torch.mm(right.T, left.T) if transposed else torch.mm(left, right)
+        target = acc.T if transposed else acc
+        if target.dtype == left.dtype:
+            target.addmm_(left, right)
+            return acc
     partial = chunk_einsum(operands, labels, out_labels, join, agg,
                            max_temp_elems=max_temp_elems)
     if acc is None:
@@ -210,17 +209,27 @@ def contract_to(
     >>> out.sum().item()
     12.0
     """
-    if join == "mul" and agg == "sum" and len(operands) == 2:
-        mats = _as_matmul(operands, labels, out_labels)
-        if mats is not None and mats[0].dtype == mats[1].dtype == out.dtype:
-            left, right, transposed = mats
-            if transposed:
-                torch.mm(right.T, left.T, out=out)
-            else:
-                torch.mm(left, right, out=out)
-            return out
+    mats = _matmul(operands, labels, out_labels, join, agg)
+    if mats is not None and mats[0].dtype == out.dtype:
+        left, right, transposed = mats
+        if transposed:
+            torch.mm(right.T, left.T, out=out)
+        else:
+            torch.mm(left, right, out=out)
+        return out
     value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
     return out.copy_(value)
+
+
+def _matmul(operands, labels, out_labels, join, agg):
+    """(left, right, output_transposed) when the chunk einsum is one plain 2-D matrix product
+    of same-dtype floating matrices, else None."""
+    if join != "mul" or agg != "sum" or len(operands) != 2:
+        return None
+    mats = _as_matmul(operands, labels, out_labels)
+    if mats is None or mats[0].dtype != mats[1].dtype:
+        return None
+    return mats
 
 
 def _as_matmul(operands, labels, out_labels):

@@ -79,6 +79,42 @@ class ChunkGrid:
         return key
 
 
+@dataclass(frozen=True)
+class RegridPiece:
+    """One overlap between a chunk of a new grid and a chunk of an old grid of the same shape:
+    ``target[target_slices] = old_chunk(source_key)[source_slices]``."""
+
+    source_key: Key
+    source_slices: tuple[slice, ...]
+    target_slices: tuple[slice, ...]
+
+
+def regrid_pieces(old: ChunkGrid, new: ChunkGrid, key: Key) -> list[RegridPiece]:
+    """The pieces of old chunks that make up chunk ``key`` of ``new`` (row-major order).
+
+    >>> old, new = ChunkGrid((4, 4), (2, 4)), ChunkGrid((4, 4), (3, 3))
+    >>> [(p.source_key, p.target_slices[0]) for p in regrid_pieces(old, new, (0, 0))]
+    [((0, 0), slice(0, 2, None)), ((1, 0), slice(2, 3, None))]
+    """
+    if old.shape != new.shape:
+        raise ShapeError(f"cannot regrid shape {old.shape} to {new.shape}")
+    spans = []
+    for dim, block in enumerate(key):
+        lo, hi = new.dim_extent(dim, block)
+        first, last = lo // old.tile[dim], (hi - 1) // old.tile[dim]
+        spans.append([(b, lo, hi) for b in range(first, last + 1)])
+    pieces = []
+    for combo in itertools.product(*spans):
+        src, dst = [], []
+        for dim, (b, lo, hi) in enumerate(combo):
+            blo, bhi = old.dim_extent(dim, b)
+            start, stop = max(lo, blo), min(hi, bhi)
+            src.append(slice(start - blo, stop - blo))
+            dst.append(slice(start - lo, stop - lo))
+        pieces.append(RegridPiece(tuple(b for b, _, _ in combo), tuple(src), tuple(dst)))
+    return pieces
+
+
 def auto_tile(shape: Sequence[int], target_elems: int = 1 << 20, min_tile: int = 64) -> tuple:
     """A tile for ``shape`` whose chunks hold about ``target_elems`` elements at most.
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
 
+from tensorql.dag import inputs_first
 from tensorql.dtypes import canonical_dtype, torch_dtype
 from tensorql.einsum.spec import EinsumSpec
 from tensorql.errors import ShapeError
@@ -138,21 +139,7 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
 
 def topological_order(*roots: Node) -> list[Node]:
     """Every node reachable from ``roots``, inputs before users, each once."""
-    order: list[Node] = []
-    seen: set[int] = set()
-    stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots)]
-    while stack:
-        node, expanded = stack.pop()
-        if id(node) in seen:
-            continue
-        if expanded:
-            seen.add(id(node))
-            order.append(node)
-            continue
-        stack.append((node, True))
-        stack.extend((child, False) for child in reversed(node.inputs)
-                     if id(child) not in seen)
-    return order
+    return inputs_first(*roots)
 
 
 def iter_einsums(*roots: Node) -> Iterator[EinsumOp]:

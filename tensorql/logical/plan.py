@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorql.dag import inputs_first
 from tensorql.dtypes import itemsize
 from tensorql.grid import ChunkGrid
 
@@ -136,22 +137,4 @@ class Map(LogicalNode):
 
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
-    order: list[LogicalNode] = []
-    seen: set[int] = set()
-
-    def visit(node: LogicalNode) -> None:
-        stack = [(node, False)]
-        while stack:
-            current, done = stack.pop()
-            if id(current) in seen:
-                continue
-            if done:
-                seen.add(id(current))
-                order.append(current)
-                continue
-            stack.append((current, True))
-            stack.extend((child, False) for child in reversed(current.inputs))
-
-    for root in roots:
-        visit(root)
-    return order
+    return inputs_first(*roots)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
-from tensorql.grid import Key
+from tensorql.grid import Key, regrid_pieces
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
 from tensorql.physical.kernels import ConstChunk, ContractChunk, LoadChunk, MapChunk, RekeyChunk
 from tensorql.storage.chunk_store import ChunkStore
@@ -175,21 +175,9 @@ class _Builder:
         tasks = []
         bytes_in = 0
         for key in new.keys():
-            inputs, pieces = [], []
-            spans = []
-            for dim, block in enumerate(key):
-                lo, hi = new.dim_extent(dim, block)
-                first, last = lo // old.tile[dim], (hi - 1) // old.tile[dim]
-                spans.append([(b, lo, hi) for b in range(first, last + 1)])
-            for combo in itertools.product(*spans):
-                src, dst = [], []
-                for dim, (b, lo, hi) in enumerate(combo):
-                    blo, bhi = old.dim_extent(dim, b)
-                    s, e = max(lo, blo), min(hi, bhi)
-                    src.append(slice(s - blo, e - blo))
-                    dst.append(slice(s - lo, e - lo))
-                inputs.append(self._ref(node.input, tuple(b for b, _, _ in combo)))
-                pieces.append((tuple(src), tuple(dst)))
+            regrid = regrid_pieces(old, new, key)
+            inputs = [self._ref(node.input, piece.source_key) for piece in regrid]
+            pieces = [(piece.source_slices, piece.target_slices) for piece in regrid]
             bytes_in += sum(math.prod(old.chunk_shape(r.key)) for r in inputs)
             tasks.append(self._new_task(inputs, ChunkRef(sid, key),
                                         RekeyChunk(new.chunk_shape(key), tuple(pieces))))

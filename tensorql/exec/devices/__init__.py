@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from tensorql.errors import OptionError
-from tensorql.exec.devices.base import Completion, Device, LaneThreads
+from tensorql.exec.devices.base import Completion, Device, LaneThreads, ThreadedDevice
 from tensorql.exec.devices.cpu import CPUDevice
 from tensorql.exec.devices.null import NullDevice, SimClock
 
 __all__ = ["Completion", "CPUDevice", "Device", "LaneThreads", "NullDevice", "SimClock",
+           "ThreadedDevice",
            "resolve_devices", "wants_runtime"]
 
 _HINT = "devices is 'auto', 'cpu', 'cuda', 'null[:N]' or a list like ['cuda:0'] / ['cpu:0','cpu:1']"

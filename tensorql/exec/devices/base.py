@@ -145,3 +145,25 @@ class Device(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} lanes={self.lanes}>"
+
+
+class ThreadedDevice(Device):
+    """A device whose lanes are :class:`LaneThreads` (CPU and CUDA devices): subclasses say
+    how a lane thread sets up its context in :meth:`open` through :meth:`_start_lanes`."""
+
+    def __init__(self, name: str, lanes: dict[str, int]) -> None:
+        super().__init__(name, lanes)
+        self._lanes: dict[str, LaneThreads] = {}
+
+    def _start_lanes(self, post: Post, context: Callable[[], Any],
+                     finish: Callable[[Any], float | None] | None = None) -> None:
+        self._lanes = {lane: LaneThreads(f"{self.name}-{lane}", n, context, post, finish=finish)
+                       for lane, n in self.lanes.items()}
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes = {}
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        self._lanes[lane].submit(op_id, fn)

@@ -13,13 +13,12 @@ Needs ``torch.cuda.is_available()``; constructing one without CUDA raises Execut
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tensorql.errors import ExecutionError
-from tensorql.exec.devices.base import Device, LaneThreads, Post
+from tensorql.exec.devices.base import Post, ThreadedDevice
 
 
 class _StreamContext:
@@ -49,7 +48,7 @@ class _StreamContext:
         return self._start.elapsed_time(end) / 1e3
 
 
-class CUDADevice(Device):
+class CUDADevice(ThreadedDevice):
     kind = "cuda"
 
     def __init__(self, name: str = "cuda:0", compute_streams: int = 2) -> None:
@@ -58,23 +57,12 @@ class CUDADevice(Device):
                                  "is False; use devices='cpu'")
         super().__init__(name, {"compute": compute_streams, "h2d": 1, "d2h": 1, "d2d": 1})
         self.device = torch.device(name)
-        self._lanes: dict[str, LaneThreads] = {}
 
     def open(self, post: Post) -> None:
         def context_for() -> _StreamContext:
             return _StreamContext(self.device, torch.cuda.Stream(self.device))
 
-        self._lanes = {lane: LaneThreads(f"{self.name}-{lane}", n, context_for, post,
-                                         finish=lambda ctx: ctx.finish())
-                       for lane, n in self.lanes.items()}
-
-    def close(self) -> None:
-        for lane in self._lanes.values():
-            lane.close()
-        self._lanes = {}
-
-    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
-        self._lanes[lane].submit(op_id, fn)
+        self._start_lanes(post, context_for, finish=lambda ctx: ctx.finish())
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=host.is_pinned())
