@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import tensorql as tq
-from tensorql.sql.backend import run_compiled
+from tensorql.backend.duckdb_sql import run_compiled
 
 
 def timed(fn, repeat: int, warmup: bool = True) -> tuple[float, object]:

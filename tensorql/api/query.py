@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,43 +17,18 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.exec.executor import ProgressCallback, RunStats
+from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
-from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import explain_partitioning
 from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
+from tensorql.physical.result import QueryResult
 
 if TYPE_CHECKING:
     from tensorql.api.database import Database
-
-
-@dataclass(frozen=True)
-class QueryResult:
-    """The chunks of a computed tensor and the measured run."""
-
-    plan: PhysicalPlan
-    chunks: dict[Key, torch.Tensor]
-    stats: RunStats
-    assembled: torch.Tensor | None = None
-
-    def dense(self) -> torch.Tensor:
-        """The whole result as one tensor (assembled during the run when it was asked for)."""
-        if self.assembled is not None:
-            return self.assembled
-        rel = self.plan.result_step.node.relation
-        out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
-        for key, chunk in self.chunks.items():
-            out[rel.grid.slices(key)] = chunk
-        return out
-
-    def iter_chunks(self) -> Iterator[tuple[Key, torch.Tensor]]:
-        rel = self.plan.result_step.node.relation
-        for key in rel.grid.keys():
-            yield key, self.chunks[key]
 
 
 @dataclass(frozen=True)
@@ -84,7 +58,7 @@ class CompiledQuery:
             with progress_bar(self.node.describe()) as bar:
                 return self.run(progress=bar, dense=dense)
         if self.db.options.backend == "duckdb":  # joins and GROUP BY inside DuckDB
-            from tensorql.sql.backend import run_compiled
+            from tensorql.backend.duckdb_sql import run_compiled
 
             return run_compiled(self)
         options = self.db.options
@@ -110,7 +84,7 @@ class CompiledQuery:
 
     def explain(self, analyze: bool = False) -> str:
         if self.db.options.backend == "duckdb":
-            from tensorql.sql.backend import explain_compiled
+            from tensorql.backend.duckdb_sql import explain_compiled
 
             return explain_compiled(self, analyze=analyze)[0]
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {self.node.describe()} -> " \

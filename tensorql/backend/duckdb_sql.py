@@ -29,7 +29,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import duckdb
 import numpy as np
@@ -37,20 +37,49 @@ import pyarrow as pa
 import torch
 from tensorql_kernels.chunk_einsum import combine
 
+from tensorql.dtypes import torch_dtype
+from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError
 from tensorql.exec.executor import RunStats
-from tensorql.grid import ChunkGrid, Key
+from tensorql.grid import ChunkGrid, Key, regrid_pieces
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
 from tensorql.physical.kernels import ContractChunk, MapChunk
+from tensorql.physical.planner import PhysicalPlan
+from tensorql.physical.result import QueryResult
 from tensorql.storage.blob_codec import decode_payloads, encode_payloads
 from tensorql.storage.sql_text import quote_ident as q
 
 if TYPE_CHECKING:
-    from tensorql.api.query import CompiledQuery, QueryResult
-    from tensorql.api.tensor import Tensor
     from tensorql.storage.chunk_store import ChunkStore
 
-__all__ = ["SQLPlan", "compiled_for", "explain_compiled", "run_compiled"]
+
+class _Session(Protocol):
+    """What the backend needs of a database session."""
+
+    @property
+    def chunk_store(self) -> ChunkStore: ...
+
+    @property
+    def connection(self) -> duckdb.DuckDBPyConnection: ...
+
+
+class CompiledPlan(Protocol):
+    """What the backend needs of a compiled query (``tensorql.api.query.CompiledQuery``)."""
+
+    @property
+    def node(self) -> Node: ...
+
+    @property
+    def logical(self) -> LogicalNode: ...
+
+    @property
+    def physical(self) -> PhysicalPlan: ...
+
+    @property
+    def db(self) -> _Session: ...
+
+
+__all__ = ["CompiledPlan", "SQLPlan", "explain_compiled", "run_compiled"]
 
 _IDS = itertools.count()
 
@@ -274,22 +303,11 @@ class _Builder:
         rows.update({f"o{d}": [] for d in range(ndim)})
         rows["piece"] = []
         for key in new.keys():
-            spans = []
-            for dim, block in enumerate(key):
-                lo, hi = new.dim_extent(dim, block)
-                first, last = lo // old.tile[dim], (hi - 1) // old.tile[dim]
-                spans.append([(b, lo, hi) for b in range(first, last + 1)])
             olds, pieces = [], []
-            for n, combo in enumerate(itertools.product(*spans)):
-                src, dst = [], []
-                for dim, (b, lo, hi) in enumerate(combo):
-                    blo, bhi = old.dim_extent(dim, b)
-                    s, e = max(lo, blo), min(hi, bhi)
-                    src.append(slice(s - blo, e - blo))
-                    dst.append(slice(s - lo, e - lo))
-                okey = tuple(b for b, _, _ in combo)
+            for n, piece in enumerate(regrid_pieces(old, new, key)):
+                okey = piece.source_key
                 olds.append(okey)
-                pieces.append((tuple(src), tuple(dst)))
+                pieces.append((piece.source_slices, piece.target_slices))
                 for d in range(ndim):
                     rows[f"n{d}"].append(key[d])
                     rows[f"o{d}"].append(okey[d])
@@ -425,20 +443,13 @@ class _Builder:
 
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
 
-def compiled_for(tensor: Tensor) -> CompiledQuery:
-    """The compiled plan of a lazy tensor."""
-    return tensor.compile()
-
-
-def _connection(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None):
+def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
     return con if con is not None else compiled.db.connection
 
 
-def run_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None = None,
+def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
-    from tensorql.api.query import QueryResult
-
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
     chunks, wall = plan.run(_connection(compiled, con))
     rel = compiled.logical.relation
@@ -449,7 +460,7 @@ def run_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None 
     return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats)
 
 
-def explain_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | None = None,
+def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                      analyze: bool = False) -> tuple[str, torch.Tensor | None]:
     """EXPLAIN text of the DuckDB backend (the generated SQL, its steps and DuckDB's own plan);
     with ``analyze`` the query also runs and its dense result comes back."""
@@ -475,8 +486,6 @@ def explain_compiled(compiled: CompiledQuery, con: duckdb.DuckDBPyConnection | N
 
 
 def _assemble(grid: ChunkGrid, dtype: str, chunks: dict[Key, torch.Tensor]) -> torch.Tensor:
-    from tensorql.dtypes import torch_dtype
-
     out = torch.empty(grid.shape, dtype=torch_dtype(dtype))
     for key, chunk in chunks.items():
         out[grid.slices(key)] = chunk

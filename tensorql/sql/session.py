@@ -344,9 +344,9 @@ class _Runner:
 
     def compute(self, call: _Call) -> torch.Tensor:
         """Run the call's tensor on its backend (adding EXPLAIN text when explaining)."""
-        from tensorql.sql.backend import compiled_for, explain_compiled, run_compiled
+        from tensorql.backend.duckdb_sql import explain_compiled, run_compiled
 
-        compiled = compiled_for(call.tensor)
+        compiled = call.tensor.compile()
         sections = self.explain_sections
         if call.backend == "duckdb":
             if sections is not None:

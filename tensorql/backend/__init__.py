@@ -1,0 +1,1 @@
+"""Execution backends other than the native executor: the DuckDB SQL backend."""

@@ -1,0 +1,46 @@
+"""The result of running a physical plan: its chunks and the measured run.
+
+>>> import torch, tensorql as tq
+>>> db = tq.connect()
+>>> a = db.from_torch("a", torch.ones(3, 4), tile=(2, 2))
+>>> result = tq.einsum("ij->i", a).compile().run()
+>>> sorted(result.chunks), result.dense().tolist()
+([(0,), (1,)], [4.0, 4.0, 4.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tensorql.dtypes import torch_dtype
+from tensorql.exec.executor import RunStats
+from tensorql.grid import Key
+from tensorql.physical.planner import PhysicalPlan
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """The chunks of a computed tensor and the measured run."""
+
+    plan: PhysicalPlan
+    chunks: dict[Key, torch.Tensor]
+    stats: RunStats
+    assembled: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The whole result as one tensor (assembled during the run when it was asked for)."""
+        if self.assembled is not None:
+            return self.assembled
+        rel = self.plan.result_step.node.relation
+        out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
+        for key, chunk in self.chunks.items():
+            out[rel.grid.slices(key)] = chunk
+        return out
+
+    def iter_chunks(self) -> Iterator[tuple[Key, torch.Tensor]]:
+        rel = self.plan.result_step.node.relation
+        for key in rel.grid.keys():
+            yield key, self.chunks[key]
