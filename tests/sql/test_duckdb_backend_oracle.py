@@ -1,0 +1,54 @@
+"""Oracle tests for the DuckDB execution backend: the same random extended einsums as the
+native executor's oracle (tests/einsum/test_oracle.py), run as SQL inside DuckDB."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import tensorql as tq
+from tests.einsum.test_oracle import _store, einsum_problems
+from tests.reference import extended_einsum
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(einsum_problems(max_operands=4))
+def test_duckdb_backend_matches_numpy_einsum(problem):
+    equation, shapes, tiles, seed = problem
+    with tq.connect(backend="duckdb") as db:
+        arrays, tensors = _store(db, shapes, tiles, seed)
+        expected = np.einsum(equation, *arrays)
+        got = tq.einsum(equation, *tensors).numpy()
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("join", ["mul", "add", "max"])
+@pytest.mark.parametrize("agg", ["sum", "max", "min", "prod"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=einsum_problems(max_operands=3))
+def test_duckdb_backend_semirings(join, agg, problem):
+    equation, shapes, tiles, seed = problem
+    with tq.connect(backend="duckdb") as db:
+        arrays, tensors = _store(db, shapes, tiles, seed, positive=True)
+        expected = extended_einsum(equation, *arrays, join=join, agg=agg)
+        got = tq.einsum(equation, *tensors, join=join, agg=agg).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64])
+def test_duckdb_backend_dtypes(dtype):
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((9, 7)) * 4).astype(dtype)
+    b = (rng.standard_normal((7, 5)) * 4).astype(dtype)
+    with tq.connect(backend="duckdb") as db:
+        A, B = db.from_numpy("A", a, tile=(4, 3)), db.from_numpy("B", b, tile=(3, 2))
+        got = (A @ B).numpy()
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got.astype(np.float64),
+                                   a.astype(np.float64) @ b.astype(np.float64),
+                                   rtol=1e-2 if dtype == np.float16 else 1e-5)
+        np.testing.assert_allclose(tq.einsum("ij,jk->ki", A, B).numpy().astype(np.float64),
+                                   (a.astype(np.float64) @ b.astype(np.float64)).T,
+                                   rtol=1e-2 if dtype == np.float16 else 1e-5)
