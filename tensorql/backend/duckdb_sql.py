@@ -46,7 +46,7 @@ from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan
 from tensorql.physical.kernels import ContractChunk, MapChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
-from tensorql.storage.blob_codec import decode_payloads, empty_payloads, encode_payloads
+from tensorql.storage.blob_codec import decode_payloads, encode_payloads
 from tensorql.storage.sql_text import quote_ident as q
 
 if TYPE_CHECKING:
@@ -355,7 +355,6 @@ class _Builder:
         ranks = [g.ndim for g in grids]
         # where each label's key is found: the first (source, dim) carrying it
         first: dict[str, str] = {}
-        first_at: dict[str, tuple[int, int]] = {}
         conds: list[str] = []
         for s, labels in enumerate(join.input_labels):
             for d, label in enumerate(labels):
@@ -364,8 +363,6 @@ class _Builder:
                     conds.append(f"{first[label]} = {col}")
                 else:
                     first[label] = col
-                    first_at[label] = (s, d)
-        out_at = [first_at[label] for label in out_rel.labels]
         key_args: list[str] = []
         for s, labels in enumerate(join.input_labels):
             key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
@@ -385,14 +382,7 @@ class _Builder:
             decoded = [decode_payloads(_blobs(cols[pos + s]), dtypes[s],
                                        [grids[s].chunk_shape(k) for k in keys_per_source[s]])
                        for s in range(len(ranks))]
-            # each row's result is computed straight into the returned Arrow buffer
-            out_keys = [tuple(keys_per_source[s][r][d] for s, d in out_at)
-                        for r in range(n_rows)]
-            views, array = empty_payloads(out_rel.dtype,
-                                          [out_rel.grid.chunk_shape(k) for k in out_keys])
-            for r in range(n_rows):
-                kernel.run_into([d[r] for d in decoded], views[r])
-            return array
+            return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
 
         join_fn = self._name("join")
         self.udfs.append(UDF(join_fn, run_join, ("INTEGER",) * sum(ranks)
@@ -424,14 +414,16 @@ class _Builder:
             keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
                                                                 cols[:ndim]))] \
                 if ndim else [()] * len(lists)
-            views, array = empty_payloads(out_dtype, [out_grid.chunk_shape(k) for k in keys])
-            for r in range(len(keys)):  # each sum goes straight into the returned buffer
+            out = []
+            for r, key in enumerate(keys):
                 part_list = lists[r].values
-                parts = decode_payloads(part_list, out_dtype, [views[r].shape] * len(part_list))
-                acc = views[r].copy_(parts[0])
+                shape = out_grid.chunk_shape(key)
+                parts = decode_payloads(part_list, out_dtype, [shape] * len(part_list))
+                acc = parts[0].clone() if len(parts) > 1 else parts[0]
                 for part in parts[1:]:
-                    combine(acc, part, agg)
-            return array
+                    acc = combine(acc, part, agg)
+                out.append(acc)
+            return _out(out)
 
         agg_fn = self._name("agg")
         self.udfs.append(UDF(agg_fn, run_agg, ("INTEGER",) * ndim + ("BLOB[]",)))

@@ -49,34 +49,6 @@ def encode_payloads(chunks: Sequence[np.ndarray | torch.Tensor]) -> pa.LargeBina
     )
 
 
-def empty_payloads(dtype: str, shapes: Sequence[tuple[int, ...]]
-                   ) -> tuple[list[torch.Tensor], pa.BinaryArray | pa.LargeBinaryArray]:
-    """Writable tensors of ``shapes`` and the Arrow binary array whose bytes they are: fill the
-    tensors (e.g. a kernel writing its result into them), then hand the array on — no copy.
-
-    >>> views, array = empty_payloads("float32", [(2,), (1,)])
-    >>> _ = views[0].fill_(1.0), views[1].fill_(2.0)
-    >>> [c.tolist() for c in decode_payloads(array, "float32", [(2,), (1,)])]
-    [[1.0, 1.0], [2.0]]
-    """
-    size = itemsize(dtype)
-    sizes = np.fromiter((int(np.prod(shape, dtype=np.int64)) * size for shape in shapes),
-                        dtype=np.int64, count=len(shapes))
-    offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    data = np.empty(int(offsets[-1]), dtype=np.uint8)
-    views = [view_bytes(data[start:stop], dtype, tuple(shape))
-             for start, stop, shape in zip(offsets[:-1], offsets[1:], shapes)]
-    if offsets[-1] < 2**31:
-        array = pa.BinaryArray.from_buffers(
-            pa.binary(), len(shapes), [None, pa.py_buffer(offsets.astype(np.int32)),
-                                       pa.py_buffer(data)])
-    else:
-        array = pa.LargeBinaryArray.from_buffers(
-            pa.large_binary(), len(shapes), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    return views, array
-
-
 def _binary_parts(column: pa.Array | pa.ChunkedArray):
     """(offsets, data buffer) of each Arrow chunk of a binary column."""
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
