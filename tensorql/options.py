@@ -58,7 +58,7 @@ class Options:
             None: DuckDB's default of 80% of RAM). It bounds what a large write keeps resident;
             bigger SQL joins spill to ``<file>.tmp``. In-memory stores are never limited.
         backend: "native" (the executor) or "duckdb" (SQL backend).
-        progress: show a progress bar on long runs (CLI).
+        progress: show a progress bar on stderr for long runs and stores (the CLI sets it).
     """
 
     workers: int = 0

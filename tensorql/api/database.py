@@ -21,6 +21,7 @@ from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Constant, Node, Source
 from tensorql.errors import ShapeError, StorageError
+from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
@@ -140,9 +141,10 @@ class Database:
         return tile
 
     def from_numpy(self, name: str, array: np.ndarray, tile: Sequence[int] | None = None,
-                   *, replace: bool = False) -> Tensor:
+                   *, replace: bool = False, progress: ProgressCallback | None = None) -> Tensor:
         """Store ``array`` under ``name`` as a chunk relation (chunks are sliced lazily, so a
-        memory-mapped array streams in chunk by chunk)."""
+        memory-mapped array streams in chunk by chunk). ``progress(done, total)`` is called as
+        chunks are written; with ``Options.progress`` and no callback a bar is drawn."""
         if not isinstance(array, np.ndarray):
             array = np.asarray(array)
         releaser = MappedPageReleaser.for_array(array)
@@ -152,22 +154,34 @@ class Database:
             releaser.consumed(piece.nbytes)
             return piece
 
-        return self._put(name, array.shape, canonical_dtype(array.dtype), tile, chunk, replace)
+        return self._put(name, array.shape, canonical_dtype(array.dtype), tile, chunk, replace,
+                         progress)
 
     def from_torch(self, name: str, tensor: torch.Tensor, tile: Sequence[int] | None = None,
-                   *, replace: bool = False) -> Tensor:
-        """Store a torch tensor under ``name`` (moved to CPU chunk by chunk)."""
+                   *, replace: bool = False, progress: ProgressCallback | None = None) -> Tensor:
+        """Store a torch tensor under ``name`` (moved to CPU chunk by chunk); ``progress`` as
+        in :meth:`from_numpy`."""
         tensor = tensor.detach()
         return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
-                         lambda sl: tensor[sl].cpu().contiguous(), replace)
+                         lambda sl: tensor[sl].cpu().contiguous(), replace, progress)
 
-    def _put(self, name, shape, dtype, tile, slicer, replace) -> Tensor:
+    def _put(self, name, shape, dtype, tile, slicer, replace, progress=None) -> Tensor:
         if not isinstance(name, str) or not name:
             raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
         grid = ChunkGrid(tuple(shape), self._tile(shape, tile))
         meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
-        chunks = ((key, slicer(grid.slices(key))) for key in grid.keys())
-        self.chunk_store.put_tensor(meta, chunks, replace=replace)
+        if progress is None and self.options.progress:
+            with progress_bar(f"storing {name}", unit="chunk") as bar:
+                return self._put(name, shape, dtype, tile, slicer, replace, bar)
+        total = grid.num_chunks
+
+        def chunks():
+            for done, key in enumerate(grid.keys(), start=1):
+                yield key, slicer(grid.slices(key))
+                if progress is not None:  # the store has taken this chunk
+                    progress(done, total)
+
+        self.chunk_store.put_tensor(meta, chunks(), replace=replace)
         self.generation += 1
         return self.tensor(name)
 

@@ -38,8 +38,10 @@ def available_backend() -> str:
 
 
 class _Plain:
-    def __init__(self, label: str, stream: IO[str], min_interval: float) -> None:
+    def __init__(self, label: str, stream: IO[str], min_interval: float,
+                 unit: str = "task") -> None:
         self.label, self.stream, self.min_interval = label, stream, min_interval
+        self.unit = unit
         self.last = 0.0
         self.started = time.perf_counter()
         self.lock = threading.Lock()
@@ -55,7 +57,7 @@ class _Plain:
             eta = ""
             if 0 < done < total:
                 eta = f" eta {(now - self.started) * (total - done) / done:.1f}s"
-            self.stream.write(f"\r{self.label}: {done}/{total} tasks ({pct:.0f}%){eta}   ")
+            self.stream.write(f"\r{self.label}: {done}/{total} {self.unit}s ({pct:.0f}%){eta}   ")
             self.stream.flush()
             self.drawn = True
 
@@ -67,18 +69,19 @@ class _Plain:
 
 @contextlib.contextmanager
 def progress_bar(label: str = "running", *, stream: IO[str] | None = None,
-                 backend: str | None = None,
-                 min_interval: float = 0.1) -> Iterator[ProgressCallback]:
+                 backend: str | None = None, min_interval: float = 0.1,
+                 unit: str = "task") -> Iterator[ProgressCallback]:
     """A ``progress(done, total)`` callback drawing a bar for the duration of the block.
 
-    ``backend``: "tqdm" | "rich" | "plain" (default: the first one installed).
+    ``backend``: "tqdm" | "rich" | "plain" (default: the first one installed); ``unit`` names
+    what is counted ("task" for a run, "chunk" for a store).
     """
     stream = stream if stream is not None else sys.stderr
     backend = backend or available_backend()
     if backend == "tqdm":
         from tqdm import tqdm
 
-        bar = tqdm(total=0, desc=label, unit="task", file=stream)
+        bar = tqdm(total=0, desc=label, unit=unit, file=stream)
         lock = threading.Lock()
 
         def update(done: int, total: int) -> None:
@@ -99,7 +102,7 @@ def progress_bar(label: str = "running", *, stream: IO[str] | None = None,
             task = prog.add_task(label, total=None)
             yield lambda done, total: prog.update(task, completed=done, total=total)
     else:
-        plain = _Plain(label, stream, min_interval)
+        plain = _Plain(label, stream, min_interval, unit)
         try:
             yield plain
         finally:

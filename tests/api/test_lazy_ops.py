@@ -168,3 +168,31 @@ def test_plan_cache_follows_stored_tensors(db):
     db.from_numpy("other", np.ones(3))
     assert expr.compile() is not first
     assert expr.numpy() == 16.0
+
+
+def test_storing_reports_progress_per_chunk(rng):
+    import io
+
+    from tensorql.exec import progress as progress_module
+
+    calls = []
+    a = rng.standard_normal((10, 7)).astype(np.float32)
+    with tq.connect() as db:
+        db.from_numpy("a", a, tile=(4, 3), progress=lambda done, total: calls.append((done, total)))
+        assert calls == [(n, 9) for n in range(1, 10)]
+        calls.clear()
+        db.from_torch("t", torch.from_numpy(a), tile=(5, 7),
+                      progress=lambda done, total: calls.append((done, total)))
+        assert calls == [(1, 2), (2, 2)]
+    out = io.StringIO()
+    with tq.connect(progress=True) as db, \
+            progress_module.progress_bar("x", stream=out, backend="plain", min_interval=0) as cb:
+        cb(1, 2)
+        db.from_numpy("a", a, tile=(4, 3))  # draws its own bar on stderr; must not fail
+        np.testing.assert_array_equal(db.tensor("a").numpy(), a)
+    assert "1/2 tasks" in out.getvalue()
+    buf = io.StringIO()
+    with progress_module.progress_bar("storing a", stream=buf, backend="plain", unit="chunk",
+                                      min_interval=0) as cb:
+        cb(3, 9)
+    assert "storing a: 3/9 chunks" in buf.getvalue()
