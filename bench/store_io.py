@@ -43,7 +43,7 @@ def _best(fn, repeat=3):
 def duckdb_floor(array: np.ndarray, path: str, as_float: bool) -> tuple[float, float]:
     """(write s, read s) of DuckDB alone storing ``array``'s bytes in one column."""
     con = duckdb.connect()
-    con.execute(f"ATTACH '{path}' AS floor (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
+    con.execute(f"ATTACH ? AS floor (ROW_GROUP_SIZE {ROW_GROUP_ROWS})", [path])
     con.execute("USE floor")
     con.execute("SET memory_limit = '1GiB'")
     if as_float:

@@ -37,15 +37,14 @@ import pyarrow as pa
 import torch
 from tensorql_kernels.chunk_einsum import combine
 
-from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError
 from tensorql.exec.executor import RunStats
-from tensorql.grid import ChunkGrid, Key, regrid_pieces
+from tensorql.grid import Key, regrid_pieces
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
 from tensorql.physical.kernels import ContractChunk, MapChunk
 from tensorql.physical.planner import PhysicalPlan
-from tensorql.physical.result import QueryResult
+from tensorql.physical.result import QueryResult, assemble
 from tensorql.storage.blob_codec import decode_payloads, encode_payloads
 from tensorql.storage.sql_text import quote_ident as q
 
@@ -478,16 +477,8 @@ def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | No
     if analyze:
         chunks, wall = plan.run(con)
         rel = compiled.logical.relation
-        dense = _assemble(rel.grid, rel.dtype, chunks)
+        dense = assemble(rel.grid, rel.dtype, chunks)
         lines.append(f"Measured: {wall * 1e3:.1f} ms wall, {len(chunks)} result chunk(s)")
     lines.append("DuckDB plan:")
     lines.append(plan.explain_analyze(con, analyze=analyze))
     return "\n".join(lines), dense
-
-
-def _assemble(grid: ChunkGrid, dtype: str, chunks: dict[Key, torch.Tensor]) -> torch.Tensor:
-    out = torch.empty(grid.shape, dtype=torch_dtype(dtype))
-    for key, chunk in chunks.items():
-        out[grid.slices(key)] = chunk
-    return out
-

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
-ProgressCallback = Callable[[int, int], None]
 ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 # Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
 # result) or None for "allocate one". Kernels write their first contribution straight into it.

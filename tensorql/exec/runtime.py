@@ -43,14 +43,20 @@ import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices, wants_runtime
-from tensorql.exec.executor import Executor, RunResult, RunStats, StepStats
+from tensorql.exec.executor import (
+    ChunkDestination,
+    ChunkSink,
+    Executor,
+    RunResult,
+    RunStats,
+    StepStats,
+)
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
 
-ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 COPY_LANES = ("h2d", "d2h", "d2d")
 
 
@@ -201,7 +207,8 @@ class Runtime:
         return self._pool
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
-            sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
+            sink: ChunkSink | None = None,
+            destination: ChunkDestination | None = None) -> RunResult:
         """Run ``graph`` under the memory plan. ``destination`` is accepted for interface
         parity with :class:`Executor` and not used: result chunks live on devices and in the
         host tier, and reach a dense result through ``sink``."""

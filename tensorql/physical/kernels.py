@@ -97,18 +97,18 @@ class ContractChunk:
     dtype: str = "float32"
     max_temp_elems: int = 1 << 24
 
-    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+    def _cast(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dtype = torch_dtype(self.dtype)
-        inputs = [x if x.dtype == dtype else x.to(dtype) for x in inputs]
-        return contract_into(acc, inputs, self.in_labels, self.out_labels, self.join, self.agg,
-                             max_temp_elems=self.max_temp_elems)
+        return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return contract_into(acc, self._cast(inputs), self.in_labels, self.out_labels,
+                             self.join, self.agg, max_temp_elems=self.max_temp_elems)
 
     def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Like ``run(inputs, None)`` but written into ``out`` (a tile of a dense result)."""
-        dtype = torch_dtype(self.dtype)
-        inputs = [x if x.dtype == dtype else x.to(dtype) for x in inputs]
-        return contract_to(out, inputs, self.in_labels, self.out_labels, self.join, self.agg,
-                           max_temp_elems=self.max_temp_elems)
+        return contract_to(out, self._cast(inputs), self.in_labels, self.out_labels,
+                           self.join, self.agg, max_temp_elems=self.max_temp_elems)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return combine(acc, partial, self.agg)

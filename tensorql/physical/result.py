@@ -17,8 +17,16 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.exec.executor import RunStats
-from tensorql.grid import Key
+from tensorql.grid import ChunkGrid, Key
 from tensorql.physical.planner import PhysicalPlan
+
+
+def assemble(grid: ChunkGrid, dtype: str, chunks: dict[Key, torch.Tensor]) -> torch.Tensor:
+    """One dense tensor of ``grid``'s shape from its chunks by key."""
+    out = torch.empty(grid.shape, dtype=torch_dtype(dtype))
+    for key, chunk in chunks.items():
+        out[grid.slices(key)] = chunk
+    return out
 
 
 @dataclass(frozen=True)
@@ -35,10 +43,7 @@ class QueryResult:
         if self.assembled is not None:
             return self.assembled
         rel = self.plan.result_step.node.relation
-        out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
-        for key, chunk in self.chunks.items():
-            out[rel.grid.slices(key)] = chunk
-        return out
+        return assemble(rel.grid, rel.dtype, self.chunks)
 
     def iter_chunks(self) -> Iterator[tuple[Key, torch.Tensor]]:
         rel = self.plan.result_step.node.relation
