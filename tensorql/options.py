@@ -57,7 +57,8 @@ class Options:
         store_memory_limit: DuckDB's memory limit for a file-backed store (bytes or "1GiB";
             None: DuckDB's default of 80% of RAM). It bounds what a large write keeps resident;
             bigger SQL joins spill to ``<file>.tmp``. In-memory stores are never limited.
-        backend: "native" (the executor) or "duckdb" (SQL backend).
+        backend: a name in the pipeline's backend registry: "native" (the executor) or
+            "duckdb" (SQL backend); checked when a session opens.
         progress: show a progress bar on stderr for long runs and stores (the CLI sets it).
     """
 
@@ -81,8 +82,9 @@ class Options:
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
-        if self.backend not in ("native", "duckdb"):
-            raise OptionError(f"unknown backend {self.backend!r}; choose 'native' or 'duckdb'")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise OptionError(f"backend must be a name such as 'native' or 'duckdb', "
+                              f"got {self.backend!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Options:

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("exec",),
     ("physical",),
     ("optimizer", "backend"),
+    ("pipeline",),
     ("api", "sql"),
     ("models",),
     ("demo", "cli", "__init__"),

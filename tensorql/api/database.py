@@ -24,6 +24,7 @@ from tensorql.errors import ShapeError, StorageError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
+from tensorql.pipeline import CompiledQuery, get_backend
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 from tensorql.storage.mapped import MappedPageReleaser
 
@@ -60,6 +61,7 @@ def connect(
     changes = {k: v for k, v in dict(devices=devices, memory_limit=memory_limit,
                                        **settings).items() if v is not None}
     opts = base.with_(**changes) if changes else base
+    get_backend(opts.backend)  # UnknownBackendError names the registered ones
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise StorageError(f"database path must be a string or path, got {path!r}")
     path = os.fspath(path) if path is not None else None
@@ -216,8 +218,6 @@ class Database:
         return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
 
     def explain_node(self, node: Node, analyze: bool = False) -> str:
-        from tensorql.api.query import CompiledQuery
-
         return CompiledQuery.compile(node, self).explain(analyze=analyze)
 
     def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:

@@ -24,7 +24,7 @@ from tensorql.errors import ShapeError, TensorQLError
 
 if TYPE_CHECKING:
     from tensorql.api.database import Database
-    from tensorql.api.query import CompiledQuery
+    from tensorql.pipeline import CompiledQuery
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
 
@@ -62,7 +62,7 @@ class Tensor:
     # -- running -----------------------------------------------------------------------
     def compile(self) -> CompiledQuery:
         """The planned query (cached until the database's stored tensors or options change)."""
-        from tensorql.api.query import CompiledQuery
+        from tensorql.pipeline import CompiledQuery
 
         stamp = (self.db.generation, self.db.options)
         cached = getattr(self, "_compiled", None)

@@ -1,0 +1,185 @@
+"""The query pipeline below both faces: compile an einsum graph, run it, explain it.
+
+Python (``tensorql.api``) and SQL (``tensorql.sql``) both hand a graph node to
+:meth:`CompiledQuery.compile` and call ``run`` / ``explain`` on the result; neither knows how
+the stages are chained. Execution backends sit in a registry (:data:`BACKENDS`): ``native``
+(the event-driven runtime on the session's devices) and ``duckdb`` (the plan as one SQL query
+inside DuckDB).
+
+>>> import torch, tensorql as tq
+>>> db = tq.connect()
+>>> a = db.from_torch("a", torch.ones(3, 4), tile=(2, 2))
+>>> q = CompiledQuery.compile(tq.einsum("ij->i", a).node, db)
+>>> q.run().dense().tolist()
+[4.0, 4.0, 4.0]
+>>> sorted(BACKENDS)
+['duckdb', 'native']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tensorql.dtypes import torch_dtype
+from tensorql.einsum.graph import Node
+from tensorql.errors import OptionError
+from tensorql.exec.executor import ProgressCallback
+from tensorql.exec.progress import progress_bar
+from tensorql.exec.runtime import executor_for
+from tensorql.logical.lower import lower
+from tensorql.logical.plan import LogicalNode
+from tensorql.optimizer.plan import explain_partitioning
+from tensorql.options import Options
+from tensorql.physical.explain import render_plan
+from tensorql.physical.planner import PhysicalPlan
+from tensorql.physical.result import QueryResult
+from tensorql.storage.chunk_store import ChunkStore
+
+
+class Session(Protocol):
+    """What the pipeline needs of a session (``tensorql.Database`` is one)."""
+
+    @property
+    def chunk_store(self) -> ChunkStore: ...
+
+    @property
+    def options(self) -> Options: ...
+
+    @property
+    def connection(self) -> Any: ...
+
+
+class UnknownBackendError(OptionError):
+    """A backend name that is not in the registry."""
+
+
+class ExecutionBackend(Protocol):
+    """Runs and explains a compiled query."""
+
+    def run(self, query: CompiledQuery, progress: ProgressCallback | None,
+            dense: bool) -> QueryResult: ...
+
+    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
+        """The plan text; with ``analyze`` the query runs and its result comes back too."""
+        ...
+
+
+@dataclass(frozen=True)
+class CompiledQuery:
+    """A planned expression, ready to run or explain on its ``backend``."""
+
+    node: Node
+    logical: LogicalNode
+    physical: PhysicalPlan
+    db: Session
+    backend: str = "native"
+
+    @classmethod
+    def compile(cls, node: Node, db: Session, backend: str | None = None) -> CompiledQuery:
+        name = backend or db.options.backend
+        get_backend(name)
+        logical = lower(node)
+        physical = PhysicalPlan.build(
+            logical, db.chunk_store,
+            max_temp_elems=max(1, db.options.kernel_temp_bytes // 4),
+        )
+        return cls(node=node, logical=logical, physical=physical, db=db, backend=name)
+
+    @property
+    def title(self) -> str:
+        shape = "x".join(map(str, self.node.shape)) or "scalar"
+        return f"{self.node.describe()} -> {shape} {self.node.dtype}"
+
+    def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
+        """Execute the plan; with ``dense=True`` result chunks are written into one dense
+        tensor as they complete. With no ``progress`` callback and ``Options.progress`` set
+        (``tensorql sql --progress``), a progress bar is drawn on stderr."""
+        return get_backend(self.backend).run(self, progress, dense)
+
+    def explain(self, analyze: bool = False) -> str:
+        return self.explain_and_result(analyze)[0]
+
+    def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
+        """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
+        return get_backend(self.backend).explain(self, analyze)
+
+
+class NativeBackend:
+    """The engine's own executor on the session's devices."""
+
+    def run(self, query: CompiledQuery, progress: ProgressCallback | None,
+            dense: bool) -> QueryResult:
+        options = query.db.options
+        if progress is None and options.progress:
+            with progress_bar(query.node.describe()) as bar:
+                return self.run(query, bar, dense)
+        executor = executor_for(options)
+        step = query.physical.result_step
+        rel, sid = step.node.relation, step.id
+        out = sink = destination = None
+        if dense:  # always a fresh tensor: a stored chunk must never leak out by reference
+            out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
+
+            def destination(ref):  # result tiles are computed straight into ``out``
+                return out[rel.grid.slices(ref.key)] if ref.step == sid else None
+
+            def sink(ref, chunk):
+                tile = out[rel.grid.slices(ref.key)]
+                if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
+                    tile.copy_(chunk)
+
+        result = executor.run(query.physical.task_graph(), progress=progress, sink=sink,
+                              destination=destination)
+        chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
+        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
+
+    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
+        result = self.run(query, None, dense=True) if analyze else None
+        title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
+        text = render_plan(query.physical, result.stats if result else None, title=title)
+        section = explain_partitioning(query.node, query.db.options.devices)  # "" for 1 device
+        return (f"{text}\n{section}" if section else text), result
+
+
+class DuckDBBackend:
+    """Joins and GROUP BY inside DuckDB, chunk kernels as Arrow UDFs."""
+
+    def run(self, query: CompiledQuery, progress: ProgressCallback | None,
+            dense: bool) -> QueryResult:
+        from tensorql.backend.duckdb_sql import run_compiled
+
+        return run_compiled(query)
+
+    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
+        from tensorql.backend.duckdb_sql import explain_compiled
+
+        text, dense = explain_compiled(query, analyze=analyze)
+        result = None
+        if dense is not None:
+            result = QueryResult(plan=query.physical, chunks={}, stats=None,  # type: ignore
+                                 assembled=dense)
+        return text, result
+
+
+BACKENDS: dict[str, ExecutionBackend] = {"native": NativeBackend(), "duckdb": DuckDBBackend()}
+
+
+def get_backend(name: str) -> ExecutionBackend:
+    """The registered backend ``name``; UnknownBackendError lists the valid names."""
+    try:
+        return BACKENDS[name]
+    except (KeyError, TypeError):
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; choose one of {', '.join(sorted(BACKENDS))}") from None
+
+
+def register_backend(name: str, backend: ExecutionBackend) -> None:
+    """Add an execution backend under ``name`` (replacing one of that name)."""
+    BACKENDS[name] = backend
+
+
+Compile = Callable[[Node, Session], CompiledQuery]
