@@ -1,7 +1,8 @@
 """Lower an einsum graph to a logical plan of Scans, Rekeys, Joins, Aggregates and Maps.
 
 Each einsum becomes pairwise steps ``Aggregate(Join(left, right))``. For the semirings (join
-distributes over agg, e.g. mul/sum or add/max) the pairwise order comes from opt_einsum and a
+distributes over agg, e.g. mul/sum or add/max) the pairwise order comes from
+:mod:`tensorql.logical.path` (the one place a contraction order is chosen) and a
 label is aggregated as soon as no remaining operand needs it; otherwise operands are joined
 left to right and every aggregated label is reduced at the end, which is what the extended
 einsum means for them.
@@ -23,11 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import opt_einsum
-
+from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
 from tensorql.errors import PlanError
 from tensorql.grid import ChunkGrid
+from tensorql.logical.path import contraction_path
 from tensorql.logical.plan import (
     Aggregate,
     Join,
@@ -151,15 +152,10 @@ def _step(operands: Sequence[Operand], out: Sequence[str], join: str, agg: str,
 
 def _contract_by_path(operands: list[Operand], output: tuple[str, ...], join: str, agg: str,
                       tiles: dict[str, int], dtype: str) -> LogicalNode:
-    """Pairwise steps in the order opt_einsum finds for the operand shapes."""
-    symbols: dict[str, str] = {}
-    for _, labels in operands:
-        for lab in labels:
-            symbols.setdefault(lab, opt_einsum.get_symbol(len(symbols)))
-    equation = ",".join("".join(symbols[lab] for lab in labels) for _, labels in operands)
-    equation += "->" + "".join(symbols[lab] for lab in output)
-    shapes = [node.relation.shape for node, _ in operands]
-    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto")
+    """Pairwise steps in the order :mod:`tensorql.logical.path` chooses (chunk-aware)."""
+    sizes = _sizes(operands)
+    path = contraction_path([labels for _, labels in operands], output, sizes, tiles,
+                            itemsize(dtype))
     current = list(operands)
     for position, pair in enumerate(path):
         picked = [current[k] for k in sorted(pair)]

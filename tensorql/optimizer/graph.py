@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
 from tensorql.errors import PlanError
-from tensorql.optimizer.order import contraction_path
+from tensorql.logical.path import contraction_path
 
 
 @dataclass(frozen=True)

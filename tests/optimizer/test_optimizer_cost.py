@@ -11,7 +11,7 @@ import tensorql as tq
 from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
 from tensorql.optimizer.cost import candidates, piece_bounds
 from tensorql.optimizer.graph import OpGraph
-from tensorql.optimizer.order import contraction_path
+from tensorql.logical.path import contraction_path
 
 
 @pytest.fixture
