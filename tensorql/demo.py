@@ -57,10 +57,12 @@ def _attention(db, rng, seq, width, heads=4):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorql demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tensorql demo", description=_description())
     parser.add_argument("--db", help="DuckDB file (default: a temporary file)")
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=512,
+                        help="rows of the input batch (default: 512)")
+    parser.add_argument("--width", type=int, default=256,
+                        help="hidden width of the MLP and the attention (default: 256)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,3 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _description() -> str:
+    """The module docstring's first paragraph (argparse would cut it at the first line)."""
+    return " ".join(__doc__.split("\n\n")[0].split())

@@ -60,6 +60,9 @@ class Options:
         backend: a name in the pipeline's backend registry: "native" (the executor) or
             "duckdb" (SQL backend); checked when a session opens.
         progress: show a progress bar on stderr for long runs and stores (the CLI sets it).
+        relation_dense_bytes: the most memory a relation operand of SQL's EINSUM may take
+            once densified (bytes or "256MiB"; ``memory_limit`` lowers it); beyond it the query
+            is refused with a ShapeError instead of allocating.
     """
 
     workers: int = 0
@@ -72,6 +75,7 @@ class Options:
     store_memory_limit: int | None = 1 << 30
     backend: str = "native"
     progress: bool = False
+    relation_dense_bytes: int | None = 256 << 20
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -82,6 +86,8 @@ class Options:
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
+        object.__setattr__(self, "relation_dense_bytes",
+                           parse_bytes(self.relation_dense_bytes))
         if not isinstance(self.backend, str) or not self.backend:
             raise OptionError(f"backend must be a name such as 'native' or 'duckdb', "
                               f"got {self.backend!r}")

@@ -1,7 +1,8 @@
 """Lower layers never import upper ones (checked on the source, lazy imports included).
 
-The Python API and the SQL front end are one layer: ``db.sql`` runs the SQL session, and the
-session builds lazy tensors. Everything else imports strictly downwards.
+The SQL face sits below the Python API: ``tensorql/sql`` builds einsum-graph nodes and runs them
+through ``tensorql.pipeline``; ``Database.sql`` (api) calls into it. Everything imports strictly
+downwards.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("physical",),
     ("optimizer", "backend"),
     ("pipeline",),
-    ("api", "sql"),
+    ("sql",),
+    ("api",),
     ("models",),
     ("demo", "cli", "__init__"),
 ]

@@ -19,7 +19,8 @@ import torch
 
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
-from tensorql.einsum.graph import Constant, Node, Source
+from tensorql.einsum.graph import Node, Source
+from tensorql.einsum.literals import constant_node
 from tensorql.errors import ShapeError, StorageError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
@@ -111,12 +112,18 @@ class Database:
             self._connection = duckdb.connect()
         return self._connection
 
-    def sql(self, query: str, *, backend: str | None = None) -> Any:
+    def sql(self, query: str, params: Any = None, *, backend: str | None = None) -> Any:
         """Run SQL (DuckDB's dialect plus EINSUM, CREATE/DROP TENSOR, EXPLAIN); the last
-        statement's result (see ``tensorql.sql.session.SQLResult``)."""
+        statement's result (see ``tensorql.sql.result.SQLResult``). ``params`` binds DuckDB
+        query parameters (``?`` / ``$1`` from a sequence, ``$name`` from a dict).
+
+        >>> import tensorql as tq
+        >>> tq.connect().sql("SELECT ? + 1 AS x", [41]).fetchall()
+        [(42,)]
+        """
         from tensorql.sql.session import run_sql
 
-        return run_sql(self, query, backend=backend)
+        return run_sql(self, query, backend=backend, params=params)
 
     # -- tensors at rest ----------------------------------------------------------------
     def tensors(self) -> list[str]:
@@ -191,9 +198,16 @@ class Database:
               progress: Any = None) -> Tensor:
         """Compute ``expr`` and persist it under ``name``; returns the stored tensor."""
         expr = self.constant(expr) if not isinstance(expr, Tensor) else expr
+        return self.store_node(name, expr.node, replace=replace, progress=progress,
+                               compiled=expr.compile())
+
+    def store_node(self, name: str, node: Node, *, replace: bool = False, progress: Any = None,
+                   compiled: CompiledQuery | None = None) -> Tensor:
+        """Compute the graph ``node`` and persist it under ``name`` (what ``CREATE TENSOR``
+        calls); returns the stored tensor."""
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
-        compiled = expr.compile()
+        compiled = compiled or CompiledQuery.compile(node, self)
         result = compiled.run(progress=progress)
         rel = compiled.physical.result_step.node.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
@@ -206,16 +220,7 @@ class Database:
         """An in-memory literal usable in expressions (not stored)."""
         if isinstance(value, Tensor):
             return value
-        if isinstance(value, torch.Tensor):
-            data = value.detach().cpu()
-        else:
-            array = np.asarray(value)
-            if array.dtype == np.float64 and not isinstance(value, np.ndarray):
-                array = array.astype(np.float32)  # Python floats become float32, like torch
-            data = torch.from_numpy(np.ascontiguousarray(array))
-        dtype = canonical_dtype(data.dtype)
-        grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, self.options.tile_target_elems))
-        return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
+        return Tensor(constant_node(value, self.options.tile_target_elems), self)
 
     def explain_node(self, node: Node, analyze: bool = False) -> str:
         return CompiledQuery.compile(node, self).explain(analyze=analyze)

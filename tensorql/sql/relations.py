@@ -1,7 +1,10 @@
 """Tensors as relations and back: element rows ``(label..., val)`` <-> dense tensors.
 
-A relation used as an EINSUM operand is a sparse tensor: one integer column per label plus
-``val``; missing rows are zeros and duplicate coordinates add up (the COO convention).
+A relation used as an EINSUM operand is a sparse tensor with relational meaning: one integer
+column per label plus ``val``; an absent row does not join. It is densified with the semiring's
+zero in absent cells (:func:`absent_value`: 0 for sum of products, +inf for (min,+), -inf for
+(max,+)) plus a mask of the cells that have rows; duplicate coordinates combine with the
+aggregation (they are two rows that both join).
 
 >>> import torch
 >>> rows = tensor_rows(torch.tensor([[1.0, 0.0], [0.0, 2.0]]), ("i", "j"))
@@ -13,7 +16,9 @@ A relation used as an EINSUM operand is a sparse tensor: one integer column per 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -22,7 +27,127 @@ import torch
 
 from tensorql.errors import ShapeError
 
-__all__ = ["label_columns", "rows_to_dense", "tensor_rows", "value_dtype"]
+__all__ = ["DenseRelation", "absent_value", "densify", "label_columns", "order_columns",
+           "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
+
+# (join, agg) -> the value an absent row stands for when several operands join: the semiring's
+# zero, which the join maps to the aggregation's identity whatever the other operands hold.
+SEMIRING_ZERO: dict[tuple[str, str], float] = {
+    ("mul", "sum"): 0.0,
+    ("add", "min"): math.inf,
+    ("add", "max"): -math.inf,
+    ("max", "min"): math.inf,
+    ("min", "max"): -math.inf,
+}
+AGG_IDENTITY: dict[str, float] = {"sum": 0.0, "prod": 1.0, "max": -math.inf, "min": math.inf}
+_SCATTER = {"sum": "sum", "prod": "prod", "max": "amax", "min": "amin"}
+
+
+def absent_value(join: str, agg: str, operands: int) -> float | None:
+    """What an absent row stands for: the aggregation's identity for a lone operand, else the
+    semiring's zero; None when ``(join, agg)`` has no zero (an absent row could not be left
+    out by any fill value).
+
+    >>> absent_value("add", "min", 2), absent_value("mul", "sum", 2), absent_value("mul", "max", 1)
+    (inf, 0.0, -inf)
+    >>> absent_value("mul", "max", 2) is None
+    True
+    """
+    if operands == 1:
+        return AGG_IDENTITY[agg]
+    return SEMIRING_ZERO.get((join, agg))
+
+
+@dataclass(frozen=True)
+class DenseRelation:
+    """A relation operand made dense: ``values`` (absent cells hold the fill) and ``present``
+    (True where at least one row exists)."""
+
+    values: torch.Tensor
+    present: torch.Tensor
+
+
+def order_columns(table: pa.Table, labels: Sequence[str]) -> list[str]:
+    """The table's label columns in the order of ``labels``: matched by name when the names
+    are exactly the labels, else by position (ShapeError when the counts differ)."""
+    columns = label_columns(table)
+    if len(columns) != len(labels):
+        raise ShapeError(f"operand has {len(columns)} label column(s) {columns} but the "
+                         f"equation gives it {len(labels)} label(s) {''.join(labels)!r}")
+    lowered = [c.lower() for c in columns]
+    if len(set(labels)) == len(labels) and sorted(lowered) == sorted(labels):
+        by_label = {c.lower(): c for c in columns}
+        return [by_label[label] for label in labels]
+    return columns
+
+
+def validate_indices(table: pa.Table, columns: Sequence[str]) -> list[int]:
+    """Check that label columns hold non-negative integers without NULLs; the largest index of
+    each (-1 for an empty relation)."""
+    highest = []
+    for name in columns:
+        col = table.column(name)
+        if not pa.types.is_integer(col.type):
+            raise ShapeError(f"column {name!r} holds {col.type} values, but label columns must "
+                             "be integers (cast them, e.g. i::BIGINT)")
+        if col.null_count:
+            raise ShapeError(f"column {name!r} has NULL indices")
+        if len(col) == 0:
+            highest.append(-1)
+            continue
+        low, high = pc.min(col).as_py(), pc.max(col).as_py()
+        if low < 0:
+            raise ShapeError(f"column {name!r} has index {low}: indices start at 0")
+        highest.append(int(high))
+    return highest
+
+
+def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fill: float,
+            agg: str, max_bytes: int | None) -> DenseRelation:
+    """The relation as a dense tensor of ``shape`` with ``fill`` where no row exists and
+    duplicates combined by ``agg``; refused with a ShapeError beyond ``max_bytes``.
+
+    >>> t = pa.table({"i": [0, 2, 2], "val": [1.0, 5.0, 3.0]})
+    >>> d = densify(t, ["i"], [4], fill=math.inf, agg="min", max_bytes=None)
+    >>> d.values.tolist(), d.present.tolist()
+    ([1.0, inf, 3.0, inf], [True, False, True, False])
+    """
+    val_name = next(n for n in table.column_names if n.lower() == "val")
+    dtype = value_dtype(table.column(val_name))
+    if dtype == torch.bool or (math.isinf(fill) and not dtype.is_floating_point):
+        dtype = torch.float64  # +-inf for absent rows needs a float
+    cells = math.prod(shape)
+    need = cells * (torch.empty((), dtype=dtype).element_size() + 1)
+    if max_bytes is not None and need > max_bytes:
+        raise ShapeError(f"the relation operand would take {need:,} bytes once densified "
+                         f"(shape {tuple(shape)}, {table.num_rows} row(s)), more than the "
+                         f"limit of {max_bytes:,} bytes (Options.relation_dense_bytes / "
+                         "memory_limit); filter it, give smaller sizes := {...}, or store it "
+                         "as a tensor")
+    val = table.column(val_name)
+    if val.null_count:
+        table = table.filter(pc.is_valid(val))
+        val = table.column(val_name)
+    validate_indices(table, columns)
+    flat = np.zeros(table.num_rows, dtype=np.int64)
+    for name, size in zip(columns, shape):
+        idx = table.column(name).to_numpy().astype(np.int64, copy=False)
+        if idx.size and idx.max() >= size:
+            raise ShapeError(f"column {name!r} has index {int(idx.max())} outside "
+                             f"0..{size - 1} (label size {size})")
+        flat = flat * size + idx
+    if not (pa.types.is_floating(val.type) or pa.types.is_integer(val.type)
+            or pa.types.is_boolean(val.type)):
+        val = val.cast(pa.float64())
+    values = torch.from_numpy(np.array(val.to_numpy(zero_copy_only=False))).to(dtype)
+    out = torch.full((cells,), fill, dtype=dtype)
+    present = torch.zeros(cells, dtype=torch.bool)
+    if values.numel():
+        index = torch.from_numpy(flat)
+        out.scatter_reduce_(0, index, values, reduce=_SCATTER[agg], include_self=True)
+        present[index] = True
+    return DenseRelation(values=out.reshape(tuple(shape)),
+                         present=present.reshape(tuple(shape)))
 
 
 def tensor_rows(tensor: torch.Tensor, labels: Sequence[str]) -> pa.Table:
@@ -84,7 +209,7 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
                              "integers")
         if col.null_count:
             raise ShapeError(f"column {label!r} has NULL indices")
-        idx = col.to_numpy().astype(np.int64, copy=False)
+        idx = np.array(col.to_numpy(), dtype=np.int64)  # writable: torch needs that
         if idx.size and (idx.min() < 0 or idx.max() >= size):
             bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
             raise ShapeError(f"column {label!r} has index {bad} outside 0..{size - 1} "
@@ -94,7 +219,7 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
                                               or pa.types.is_integer(val.type)
                                               or pa.types.is_boolean(val.type)):
         val = val.cast(pa.float64())
-    values = torch.from_numpy(np.asarray(val.to_numpy())).to(dtype)
+    values = torch.from_numpy(np.array(val.to_numpy(zero_copy_only=False))).to(dtype)
     out = torch.zeros(tuple(shape), dtype=dtype)
     if values.numel():
         if dtype == torch.bool:

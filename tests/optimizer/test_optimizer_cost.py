@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import tensorql as tq
+from tensorql.logical.path import contraction_path
 from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
 from tensorql.optimizer.cost import candidates, piece_bounds
 from tensorql.optimizer.graph import OpGraph
-from tensorql.logical.path import contraction_path
 
 
 @pytest.fixture

@@ -16,10 +16,11 @@ def test_sql_and_explain_commands(tmp_path, capsys, monkeypatch):
         db.from_numpy("A", np.arange(6, dtype=np.float32).reshape(2, 3))
     assert main(["sql", "SELECT * FROM EINSUM('ij->i', A)", "--db", path]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["i", "|", "val"] and "12" in out
+    assert out.splitlines()[1].split() == ["│", "i", "│", "val", "│"] and "12" in out
     assert main(["sql", "SELECT * FROM EINSUM('ij->ij', A)", "--db", path,
                  "--max-rows", "3"]) == 0
-    assert "shape (2, 3) float32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "6 rows (3 shown)" in out and len([x for x in out.splitlines() if "│" in x]) == 5
     assert main(["explain", "SELECT * FROM EINSUM('ij->i', A)", "--db", path,
                  "--analyze"]) == 0
     assert "measured: wall" in capsys.readouterr().out

@@ -1,0 +1,231 @@
+"""What a SQL statement returns: element rows, a dense tensor or text, used like a DuckDB
+relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``arrow``, ``show``,
+``len``, iteration) and like a tensor (``numpy`` / ``torch``).
+
+>>> r = SQLResult(table=pa.table({"i": [0, 1], "val": [2.5, 4.0]}))
+>>> len(r), r.fetchone(), r.fetchmany(5)
+(2, (0, 2.5), [(1, 4.0)])
+>>> print(r)
+┌───────┬────────┐
+│   i   │  val   │
+│ int64 │ double │
+├───────┼────────┤
+│     0 │    2.5 │
+│     1 │      4 │
+└───────┴────────┘
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from tensorql.errors import ShapeError
+from tensorql.sql.relations import label_columns, rows_to_dense, tensor_rows
+
+__all__ = ["SQLResult", "format_table"]
+
+
+@dataclass(frozen=True)
+class SQLResult:
+    """A statement's result. A tensor result (``tensor`` with its output ``labels``) yields one
+    row per *present* element: with relation operands, cells nothing contributed to
+    (``present`` False) are left out of the rows and hold the aggregation's identity in the
+    dense tensor.
+
+    >>> SQLResult(text="ok").fetchall()
+    [('ok',)]
+    """
+
+    table: pa.Table | None = None
+    tensor: torch.Tensor | None = None
+    labels: tuple[str, ...] = ()
+    text: str | None = None
+    present: torch.Tensor | None = None
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- rows -----------------------------------------------------------------------------
+    @property
+    def columns(self) -> list[str]:
+        return self.arrow().column_names
+
+    def arrow(self) -> pa.Table:
+        """The result as an Arrow table (element rows for a tensor result)."""
+        if self.table is not None:
+            return self.table
+        if "arrow" not in self._cache:
+            if self.tensor is not None:
+                rows = tensor_rows(self.tensor, self.labels)
+                if self.present is not None:
+                    mask = self.present.expand(self.tensor.shape).reshape(-1).numpy()
+                    rows = rows.filter(pa.array(mask))
+                self._cache["arrow"] = rows
+            else:
+                self._cache["arrow"] = pa.table({"result": [self.text or ""]})
+        return self._cache["arrow"]
+
+    def fetchall(self) -> list[tuple]:
+        """Every remaining row as a tuple (all rows on a fresh result)."""
+        start = self._cache.get("cursor", 0)
+        rows = self._rows(start, None)
+        self._cache["cursor"] = start + len(rows)
+        return rows
+
+    def fetchmany(self, size: int = 1) -> list[tuple]:
+        """The next ``size`` rows."""
+        start = self._cache.get("cursor", 0)
+        rows = self._rows(start, max(0, int(size)))
+        self._cache["cursor"] = start + len(rows)
+        return rows
+
+    def fetchone(self) -> tuple | None:
+        """The next row, or None after the last."""
+        rows = self.fetchmany(1)
+        return rows[0] if rows else None
+
+    def _rows(self, start: int, count: int | None) -> list[tuple]:
+        table = self.arrow()
+        if not table.num_columns:
+            return []
+        piece = table.slice(start, count) if count is not None else table.slice(start)
+        return list(zip(*(col.to_pylist() for col in piece.columns)))
+
+    def fetchnumpy(self) -> dict[str, np.ndarray]:
+        """Columns as numpy arrays, by name (as DuckDB's ``fetchnumpy``)."""
+        table = self.arrow()
+        return {name: table.column(name).to_numpy() for name in table.column_names}
+
+    def __len__(self) -> int:
+        return self.arrow().num_rows
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._rows(0, None))
+
+    # -- tensors --------------------------------------------------------------------------
+    def torch(self) -> torch.Tensor:
+        """The dense tensor: label columns index it (sizes: max index + 1), missing rows are 0."""
+        if self.tensor is not None:
+            return self.tensor
+        if "dense" not in self._cache:
+            table = self.arrow()
+            try:
+                labels = label_columns(table)
+            except ShapeError:
+                raise ShapeError("the result is not tensor-valued: it has no 'val' column "
+                                 f"(columns {table.column_names})") from None
+            shape = []
+            for label in labels:
+                col = table.column(label)
+                if not pa.types.is_integer(col.type):
+                    raise ShapeError(f"the result is not tensor-valued: column {label!r} is "
+                                     f"{col.type}, not an integer index")
+                shape.append(int(col.to_numpy().max()) + 1 if table.num_rows else 0)
+            self._cache["dense"] = rows_to_dense(table, labels, shape)
+        return self._cache["dense"]
+
+    def numpy(self) -> np.ndarray:
+        return self.torch().numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out.astype(dtype) if dtype is not None else out
+
+    # -- text -----------------------------------------------------------------------------
+    def show(self, max_rows: int = 40) -> None:
+        """Print the result as a box of at most ``max_rows`` rows (like DuckDB's ``show``)."""
+        print(self.render(max_rows))
+
+    def render(self, max_rows: int = 40) -> str:
+        if self.text is not None:
+            return self.text
+        if self.tensor is not None and "arrow" not in self._cache:
+            head, total = self._tensor_head(max_rows)
+            return format_table(head, limit=max_rows, total=total)
+        return format_table(self.arrow(), limit=max_rows)
+
+    def _tensor_head(self, count: int) -> tuple[pa.Table, int]:
+        """The first ``count`` element rows of a tensor result and the number of rows in all,
+        without building the rest."""
+        tensor = self.tensor.detach().cpu()
+        if self.present is not None:
+            mask = self.present.expand(tensor.shape).reshape(-1)
+            flat = torch.nonzero(mask).reshape(-1)
+            total = int(flat.numel())
+            flat = flat[:count]
+        else:
+            total = tensor.numel()
+            flat = torch.arange(min(count, total))
+        columns: dict[str, Any] = {}
+        rest = flat.clone()
+        for label, size in reversed(list(zip(self.labels, tensor.shape))):
+            columns[label] = pa.array((rest % max(size, 1)).numpy())
+            rest = rest // max(size, 1)
+        rows = {label: columns[label] for label in self.labels}
+        values = tensor.reshape(-1)[flat]
+        if values.dtype in (torch.bfloat16, torch.float16):
+            values = values.to(torch.float32)
+        rows["val"] = pa.array(values.numpy())
+        return pa.table(rows), total
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:
+        if self.text is not None:
+            text = self.text if len(self.text) <= 200 else self.text[:200] + "..."
+            return f"<SQLResult text={text!r}>"
+        if self.tensor is not None:
+            shape = "x".join(map(str, self.tensor.shape)) or "scalar"
+            return (f"<SQLResult tensor ({', '.join(self.labels)}) {shape} "
+                    f"{str(self.tensor.dtype).removeprefix('torch.')}>")
+        return f"<SQLResult {len(self)} row(s), columns {self.columns}>\n" \
+               + format_table(self.arrow(), limit=10)
+
+
+def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> str:
+    """A box of the first ``limit`` rows (column names and types on top, as DuckDB's shell
+    prints), with a footer counting the rows (``total``, default the table's) when some are
+    left out.
+
+    >>> print(format_table(pa.table({"x": [1, 2, 3]}), limit=2))
+    ┌───────┐
+    │   x   │
+    │ int64 │
+    ├───────┤
+    │     1 │
+    │     2 │
+    └───────┘
+      3 rows (2 shown)
+    """
+    names = table.column_names
+    if not names:
+        return "(no columns)"
+    limit = max(0, int(limit))
+    shown = table.slice(0, limit)
+    rows = [[_cell(v) for v in row] for row in zip(*(c.to_pylist() for c in shown.columns))]
+    types = [str(t) for t in table.schema.types]
+    widths = [max([len(n), len(t)] + [len(r[k]) for r in rows])
+              for k, (n, t) in enumerate(zip(names, types))]
+    out = ["┌─" + "─┬─".join("─" * w for w in widths) + "─┐",
+           "│ " + " │ ".join(n.center(w) for n, w in zip(names, widths)) + " │",
+           "│ " + " │ ".join(t.center(w) for t, w in zip(types, widths)) + " │",
+           "├─" + "─┼─".join("─" * w for w in widths) + "─┤"]
+    out += ["│ " + " │ ".join(v.rjust(w) for v, w in zip(r, widths)) + " │" for r in rows]
+    out.append("└─" + "─┴─".join("─" * w for w in widths) + "─┘")
+    total = table.num_rows if total is None else total
+    if total > len(rows):
+        out.append(f"  {total} rows ({len(rows)} shown)")
+    return "\n".join(out)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)

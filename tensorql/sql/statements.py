@@ -1,0 +1,298 @@
+"""Run the statements of a script: DuckDB runs plain SQL, the engine computes each EINSUM.
+
+A statement without EINSUM goes to DuckDB verbatim. In a statement with EINSUM, each call
+becomes an einsum-graph node (:mod:`tensorql.sql.operands`) that the pipeline compiles and runs
+on the backend of the registry; its result is registered in DuckDB as an Arrow table of element
+rows under a temporary name, the sqlglot tree is rewritten to read that table, and DuckDB runs
+what is left. A statement that is exactly ``SELECT * FROM EINSUM(...)`` never leaves the
+engine: its result is the dense tensor.
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> _ = db.from_numpy("A", np.arange(6, dtype=np.float32).reshape(2, 3))
+>>> db.sql("SELECT * FROM EINSUM('ij->i', A)").numpy().tolist()
+[3.0, 12.0]
+>>> db.sql("SELECT i, val FROM EINSUM('ij->i', A) WHERE val > 5").fetchall()
+[(1, 12.0)]
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import torch
+from sqlglot import exp
+
+from tensorql.dtypes import torch_dtype
+from tensorql.errors import ParseError, TensorQLError
+from tensorql.pipeline import CompiledQuery
+from tensorql.sql.dialect import (
+    CreateTensor,
+    DropTensor,
+    Einsum,
+    Explain,
+    Statement,
+    has_einsum,
+    parse_script,
+    position_of,
+)
+from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
+from tensorql.sql.operands import EinsumCall, OperandResolver
+from tensorql.sql.result import SQLResult
+from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
+
+__all__ = ["ScriptRunner", "explain_each"]
+
+_TEMP = itertools.count()
+
+
+class ScriptRunner:
+    """Runs the statements of one script against a session (a ``tensorql.Database``: its
+    ``chunk_store``, ``options``, ``connection``, ``tensors()``, ``drop``, ``from_torch`` and
+    ``store_node``)."""
+
+    def __init__(self, session: Any, script: str, backend: str | None = None,
+                 params: Any = None) -> None:
+        self.session = session
+        self.script = script
+        self.params = params
+        self.con = session.connection
+        self.registered: list[str] = []
+        self.statement: Statement | None = None
+        self.explain_sections: list[str] | None = None
+        self.analyze = False
+        self.operands = OperandResolver(session, script, self.rows, self.fail, self.pos,
+                                        backend)
+
+    # -- positions --------------------------------------------------------------------
+    def pos(self, node: exp.Expr | None) -> int | None:
+        st = self.statement
+        p = position_of(node)
+        if st is None:
+            return p
+        return st.offset + (p if p is not None else 0)
+
+    def fail(self, cls, message: str, node: exp.Expr | None) -> TensorQLError:
+        return cls(message, text=self.script, position=self.pos(node))
+
+    # -- statements -------------------------------------------------------------------
+    def run(self) -> SQLResult:
+        statements = parse_script(self.script)
+        if not statements:
+            raise ParseError("no SQL statement given", text=self.script, position=0)
+        if self.params is not None and len(statements) > 1:
+            raise SQLExecutionError("query parameters need a single statement, but the script "
+                                    f"has {len(statements)}", text=self.script, position=0)
+        result = SQLResult(text="")
+        for st in statements:
+            self.statement = st
+            try:
+                result = self.statement_result(st)
+            finally:
+                self.unregister()
+        return result
+
+    def unregister(self) -> None:
+        for name in self.registered:
+            try:
+                self.con.unregister(name)
+            except duckdb.Error:  # pragma: no cover - already gone
+                pass
+        self.registered.clear()
+
+    def statement_result(self, st: Statement) -> SQLResult:
+        e = st.expression
+        if isinstance(e, Explain):
+            return self.explain(e)
+        if isinstance(e, CreateTensor):
+            return self.create_tensor(e)
+        if isinstance(e, DropTensor):
+            return self.drop_tensor(e)
+        if not has_einsum(e):
+            return self.duckdb(st.text, params=self.params)
+        if not isinstance(e, exp.Query):
+            raise self.fail(SQLExecutionError, "EINSUM may only appear in a query (SELECT, "
+                            "WITH, CREATE TENSOR ... AS, EXPLAIN)", e.find(Einsum))
+        return self.query(e, {}, params=self.params)
+
+    def duckdb(self, sql: str, params: Any = None) -> SQLResult:
+        try:
+            rel = self.con.sql(sql, params=params) if params is not None else self.con.sql(sql)
+            table = rel.to_arrow_table() if rel is not None else None
+        except duckdb.Error as err:
+            raise self._duckdb_error(err) from None
+        if table is None:
+            return SQLResult(text="OK")
+        return SQLResult(table=table)
+
+    def _duckdb_error(self, err: duckdb.Error) -> TensorQLError:
+        st = self.statement
+        message = str(err).split("\n")[0]
+        position = st.offset if st else 0
+        names = re.findall(r'(?:name|column) "?([A-Za-z_][\w]*)"?', message)
+        if st is not None:
+            for name in names:
+                m = re.search(rf"\b{re.escape(name)}\b", st.text)
+                if m:
+                    position = st.offset + m.start()
+                    break
+        return SQLExecutionError(f"DuckDB: {message}", text=self.script, position=position)
+
+    def create_tensor(self, e: CreateTensor) -> SQLResult:
+        name = e.this.name
+        replace = bool(e.args.get("replace"))
+        if not replace and self.session.chunk_store.has(name):
+            raise self.fail(SQLExecutionError, f"tensor {name!r} already exists "
+                            "(write CREATE OR REPLACE TENSOR)", e.this)
+        query = e.expression
+        call = self.pure_call(query, {})
+        if call is not None and call.backend in (None, "native") and call.present is None \
+                and self.session.options.backend == "native":
+            stored = self.session.store_node(name, call.node, replace=replace)
+        else:
+            dense = self.compute(call) if call is not None else self.query(query, {}).torch()
+            stored = self.session.from_torch(name, dense, replace=replace)
+        shape = "x".join(map(str, stored.shape)) or "scalar"
+        return SQLResult(text=f"CREATE TENSOR {name} {shape} {stored.dtype}")
+
+    def drop_tensor(self, e: DropTensor) -> SQLResult:
+        name = e.this.name
+        if not self.session.chunk_store.has(name):
+            if e.args.get("exists"):
+                return SQLResult(text=f"DROP TENSOR {name}: not present")
+            raise SQLUnknownTensorError(name, self.session.tensors(), text=self.script,
+                                        position=self.pos(e.this))
+        self.session.drop(name)
+        return SQLResult(text=f"DROP TENSOR {name}")
+
+    # -- EXPLAIN ----------------------------------------------------------------------
+    def explain(self, e: Explain) -> SQLResult:
+        inner = e.this
+        analyze = bool(e.args.get("analyze"))
+        head = f"EXPLAIN{' ANALYZE' if analyze else ''}"
+        if isinstance(inner, DropTensor):
+            return SQLResult(text=f"{head}\nDROP TENSOR {inner.this.name}: removes the stored "
+                                  "tensor, its chunk table and its views (one transaction)")
+        if isinstance(inner, CreateTensor):
+            inner = inner.expression
+        if not has_einsum(inner):
+            result = self.duckdb(self.statement.text)
+            if result.table is not None and "explain_value" in result.table.column_names:
+                text = "\n".join(result.table.column("explain_value").to_pylist())
+                return SQLResult(text=text.rstrip("\n"))
+            return result
+        self.explain_sections = []
+        self.analyze = analyze
+        try:
+            call = self.pure_call(inner, {})
+            if call is not None:
+                self.compute(call)
+            else:
+                self.query(inner, {}, explain=True)
+            sections = self.explain_sections
+        finally:
+            self.explain_sections = None
+            self.analyze = False
+        return SQLResult(text="\n".join([self.statement.text, *sections]))
+
+    # -- queries ----------------------------------------------------------------------
+    def query(self, query: exp.Expr, ctes: dict[str, exp.CTE], explain: bool = False,
+              params: Any = None) -> SQLResult:
+        call = self.pure_call(query, ctes)
+        if call is not None:
+            return SQLResult(tensor=self.compute(call), labels=call.labels,
+                             present=call.present)
+        tree = query.copy()
+        while True:
+            prune_ctes(tree)
+            calls = [node for node in tree.find_all(Einsum)
+                     if not any(isinstance(a, Einsum) for a in ancestors(node))]
+            if not calls:
+                break
+            node = calls[-1]  # the last first: CTEs it reads can still be fused into it
+            parent = node.parent
+            if not isinstance(parent, exp.Table):
+                raise self.fail(SQLExecutionError, "EINSUM is a table function: use it in "
+                                "FROM (or JOIN)", node)
+            resolved = self.operands.call(node, {**ctes, **scope_of(node)})
+            name = f"__tq_einsum_{next(_TEMP)}"
+            rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
+                             present=resolved.present).arrow()
+            self.con.register(name, rows)
+            self.registered.append(name)
+            parent.set("this", exp.to_identifier(name, quoted=True))
+        sql = tree.sql(dialect="duckdb")
+        if explain and self.explain_sections is not None:
+            prefix = "EXPLAIN ANALYZE " if self.analyze else "EXPLAIN "
+            plan = self.duckdb(prefix + sql)
+            text = "\n".join(plan.table.column("explain_value").to_pylist()) \
+                if plan.table is not None else str(plan)
+            self.explain_sections.append(f"-- DuckDB runs the rest: {sql}\n{text.rstrip()}")
+            return plan
+        return self.duckdb(sql, params=params)
+
+    def pure_call(self, query: exp.Expr, ctes: dict[str, exp.CTE]) -> EinsumCall | None:
+        """The call when ``query`` is exactly ``SELECT * FROM EINSUM(...)``."""
+        node = pure_einsum(query)
+        if node is None:
+            return None
+        return self.operands.call(node, {**ctes, **scope_of(node)})
+
+    def compute(self, call: EinsumCall) -> torch.Tensor:
+        """Run the call on its backend through the pipeline (adding EXPLAIN text when
+        explaining; plain EXPLAIN computes nothing and returns a placeholder)."""
+        compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
+        sections = self.explain_sections
+        if sections is None:
+            return compiled.run(dense=True).dense()
+        text, result = compiled.explain_and_result(analyze=self.analyze)
+        head = f"-- {call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
+        sections.append(f"{head}\n{text}")
+        if result is not None:
+            return result.dense()
+        return torch.zeros(call.node.shape, dtype=torch_dtype(call.node.dtype))
+
+    def rows(self, query: exp.Expr, scope: dict[str, exp.CTE],
+             missing: exp.Expr | None = None) -> pa.Table:
+        """The rows of ``query`` (with the CTEs it needs from ``scope``), run for real."""
+        query = with_ctes(query.copy(), scope)
+        saved, self.explain_sections = self.explain_sections, None
+        try:
+            result = self.query(query, {})
+        except SQLExecutionError as err:
+            if missing is not None and "does not exist" in str(err):
+                raise SQLUnknownTensorError(missing.sql(dialect="duckdb"),
+                                            self.session.tensors(), text=self.script,
+                                            position=self.pos(missing)) from None
+            raise
+        finally:
+            self.explain_sections = saved
+        return result.arrow()
+
+
+def _dialect():
+    from tensorql.sql.dialect import TensorQL
+
+    return TensorQL
+
+
+def explain_each(session: Any, script: str, analyze: bool = False,
+                 backend: str | None = None) -> list[SQLResult]:
+    """EXPLAIN (or EXPLAIN ANALYZE) every statement of ``script``, running none of them
+    (except what ANALYZE runs): the CLI's ``tensorql explain``."""
+    statements = parse_script(script)
+    if not statements:
+        raise ParseError("no SQL statement given", text=script, position=0)
+    prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
+    out = []
+    for st in statements:
+        if isinstance(st.expression, Explain):
+            text = st.text
+        else:
+            text = prefix + st.text
+        out.append(ScriptRunner(session, text, backend).run())
+    return out
