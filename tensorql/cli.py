@@ -86,7 +86,10 @@ def _cmd_demo(rest: list[str]) -> int:
     except ImportError:
         print("tensorql demo is not available in this build", file=sys.stderr)
         return EXIT_ERROR
-    return int(demo.main(rest) or 0)
+    try:
+        return int(demo.main(rest) or 0)
+    except SystemExit as done:  # its --help and usage errors
+        return int(done.code or 0)
 
 
 def _max_rows(text: str) -> int:

@@ -114,9 +114,8 @@ class ScriptRunner:
             return self.drop_tensor(e)
         if not has_einsum(e):
             return self.duckdb(st.text, params=self.params)
-        if not isinstance(e, exp.Query):
-            raise self.fail(SQLExecutionError, "EINSUM may only appear in a query (SELECT, "
-                            "WITH, CREATE TENSOR ... AS, EXPLAIN)", e.find(Einsum))
+        # queries, and statements around one (CREATE TABLE ... AS, INSERT ... SELECT): the
+        # EINSUMs become registered row tables and DuckDB runs the rewritten statement
         return self.query(e, {}, params=self.params)
 
     def duckdb(self, sql: str, params: Any = None) -> SQLResult:
