@@ -112,11 +112,29 @@ class ScriptRunner:
             return self.create_tensor(e)
         if isinstance(e, DropTensor):
             return self.drop_tensor(e)
+        self.check_name_free(e)
         if not has_einsum(e):
             return self.duckdb(st.text, params=self.params)
         # queries, and statements around one (CREATE TABLE ... AS, INSERT ... SELECT): the
         # EINSUMs become registered row tables and DuckDB runs the rewritten statement
         return self.query(e, {}, params=self.params)
+
+    def check_name_free(self, e: exp.Expr) -> None:
+        """``CREATE TABLE`` / ``CREATE VIEW`` may not take a stored tensor's name in any case:
+        DuckDB's identifiers are case-insensitive, and the tensor's view holds that name."""
+        if not isinstance(e, exp.Create) or str(e.args.get("kind", "")).upper() not in (
+                "TABLE", "VIEW"):
+            return
+        target = e.this.this if isinstance(e.this, exp.Schema) else e.this
+        if not isinstance(target, exp.Table) or target.args.get("db"):
+            return
+        name = target.name
+        clash = [t for t in self.session.tensors()
+                 if t.lower() in (name.lower(), name.lower().removesuffix("__chunks"))]
+        if clash:
+            raise self.fail(SQLExecutionError, f"{name!r} clashes with the stored tensor "
+                            f"{clash[0]!r} (names are case-insensitive, as in DuckDB); pick "
+                            f"another name or DROP TENSOR {clash[0]}", target)
 
     def duckdb(self, sql: str, params: Any = None) -> SQLResult:
         try:

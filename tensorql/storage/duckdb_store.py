@@ -206,6 +206,7 @@ class DuckDBChunkStore(ChunkStore):
             con = self.connection
             if not replace and self._lookup(meta.name) is not None:
                 raise StorageError(f"tensor {meta.name!r} already exists (pass replace=True)")
+            self._check_name_free(meta.name)
             table_id = con.execute("SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
             table = f"tq_chunks_{table_id}"
             try:
@@ -235,6 +236,27 @@ class DuckDBChunkStore(ChunkStore):
                 raise
             finally:
                 self._tables.pop(meta.name, None)
+
+    def _check_name_free(self, name: str) -> None:
+        """DuckDB's identifiers are case-insensitive: a tensor's views may not clash with
+        another tensor's name in another case, nor with a table or view of the user's."""
+        for other in self.names():
+            if other != name and other.lower() == name.lower():
+                raise StorageError(f"tensor name {name!r} clashes with the stored tensor "
+                                   f"{other!r}: names are case-insensitive, as in DuckDB")
+        for suffix in ("", "__chunks"):
+            rows = self._cursor().execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = "
+                "current_database() AND lower(table_name) = lower(?) UNION ALL "
+                "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name = "
+                "current_database() AND lower(view_name) = lower(?) AND view_name NOT IN "
+                "(SELECT name FROM tensorql_catalog UNION ALL "
+                " SELECT name || '__chunks' FROM tensorql_catalog)",
+                [name + suffix, name + suffix]).fetchall()
+            if rows:
+                raise StorageError(f"tensor name {name!r} clashes with the DuckDB table or view "
+                                   f"{rows[0][0]!r} (names are case-insensitive); pick "
+                                   "another name or drop that table")
 
     def _stage(self, con, meta: TensorMeta, chunks, table: str) -> None:
         """Write every chunk into ``table``, a new chunk table nothing references yet."""
