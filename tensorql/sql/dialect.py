@@ -236,6 +236,8 @@ def parse_script(script: str) -> list[Statement]:
         except (SqlglotParseError, TokenError) as err:
             raise _parse_error(err, script, offset) from None
         parsed = [p for p in parsed if p is not None]
+        if not parsed:  # only comments (e.g. after the last ';')
+            continue
         if len(parsed) != 1:
             raise ParseError("expected one statement", text=script, position=offset)
         statements.append(Statement(parsed[0], text, offset, script))
