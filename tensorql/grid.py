@@ -118,20 +118,22 @@ def regrid_pieces(old: ChunkGrid, new: ChunkGrid, key: Key) -> list[RegridPiece]
 def auto_tile(shape: Sequence[int], target_elems: int = 1 << 20, min_tile: int = 64) -> tuple:
     """A tile for ``shape`` whose chunks hold about ``target_elems`` elements at most.
 
-    Trailing dimensions stay whole when they can (contiguous chunks); leading ones are split in
-    powers of two.
+    The largest dimension is halved (rounding up, so pieces stay even) until the chunk fits,
+    the leading one first among equals: matrices get square-ish tiles, which fit a contraction
+    over either dimension (row stripes would make every matmul task a thin, slow product), and
+    small dimensions stay whole.
 
+    >>> auto_tile((8192, 8192))
+    (1024, 1024)
     >>> auto_tile((3072, 3072))
-    (256, 3072)
-    >>> auto_tile((10, 7))
-    (10, 7)
+    (768, 768)
+    >>> auto_tile((10, 7)), auto_tile((1 << 24,)), auto_tile((64, 1 << 20))
+    ((10, 7), (1048576,), (64, 16384))
     """
     tile = [int(n) for n in shape]
-    d = 0
-    while math.prod(tile) > target_elems and d < len(tile):
-        while tile[d] > min_tile and math.prod(tile) > target_elems:
-            tile[d] = max(min_tile, 1 << ((tile[d] - 1).bit_length() - 1))
-            if math.prod(tile) > target_elems and tile[d] > min_tile:
-                tile[d] //= 2
-        d += 1
+    while math.prod(tile) > target_elems:
+        d = max(range(len(tile)), key=lambda k: (tile[k], -k))
+        if tile[d] <= min_tile:
+            break
+        tile[d] = max(min_tile, (tile[d] + 1) // 2)
     return tuple(tile)
