@@ -116,24 +116,25 @@ def regrid_pieces(old: ChunkGrid, new: ChunkGrid, key: Key) -> list[RegridPiece]
 
 
 def auto_tile(shape: Sequence[int], target_elems: int = 1 << 20, min_tile: int = 64) -> tuple:
-    """A tile for ``shape`` whose chunks hold about ``target_elems`` elements at most.
+    """The largest square-ish tile for ``shape`` whose chunks hold at most ``target_elems``.
 
-    The largest dimension is halved (rounding up, so pieces stay even) until the chunk fits,
-    the leading one first among equals: matrices get square-ish tiles, which fit a contraction
-    over either dimension (row stripes would make every matmul task a thin, slow product), and
-    small dimensions stay whole.
+    Dimensions are cut into equal pieces, one more piece at a time for the dimension whose
+    tile is currently largest (the leading one first among equals), until the chunk fits:
+    matrices get square-ish tiles that fit a contraction over either dimension (row stripes
+    would make every matmul task a thin, slow product), and small dimensions stay whole.
 
-    >>> auto_tile((8192, 8192))
-    (1024, 1024)
-    >>> auto_tile((3072, 3072))
-    (768, 768)
+    >>> auto_tile((8192, 8192)), auto_tile((3072, 3072)), auto_tile((2048, 1024))
+    ((1024, 1024), (1024, 1024), (1024, 1024))
     >>> auto_tile((10, 7)), auto_tile((1 << 24,)), auto_tile((64, 1 << 20))
     ((10, 7), (1048576,), (64, 16384))
     """
-    tile = [int(n) for n in shape]
+    shape = [int(n) for n in shape]
+    pieces = [1] * len(shape)
+    tile = list(shape)
     while math.prod(tile) > target_elems:
         d = max(range(len(tile)), key=lambda k: (tile[k], -k))
         if tile[d] <= min_tile:
             break
-        tile[d] = max(min_tile, (tile[d] + 1) // 2)
+        pieces[d] += 1
+        tile[d] = max(min_tile, -(-shape[d] // pieces[d]))
     return tuple(tile)

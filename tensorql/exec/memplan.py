@@ -52,6 +52,10 @@ from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 LANES = ("compute", "h2d", "d2h", "d2d", "none")
 
 
+_HINT = ("; store the operands with smaller chunks (from_numpy(..., tile=(256, 256)) or "
+         "Options.tile_target_elems) or raise memory_limit")
+
+
 @dataclass(frozen=True)
 class Op:
     """One unit of work on one device lane; ``deps`` are op ids that must complete first."""
@@ -320,7 +324,7 @@ class _Planner:
         if d.live + nbytes > d.budget:
             raise PlanError(
                 f"memory_limit too small on device {d.index}: {what} needs "
-                f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}")
+                f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}{_HINT}")
         return True
 
     def _used_elsewhere(self, ref: ChunkRef, dev: int, pos: int) -> bool:
@@ -389,7 +393,7 @@ class _Planner:
             if d.budget is not None and total > d.budget:
                 raise PlanError(
                     f"memory_limit too small on device {dev}: {what} needs {total} bytes "
-                    f"resident at once (inputs and output), the budget is {d.budget}")
+                    f"resident at once (inputs and output), the budget is {d.budget}{_HINT}")
             for ref in need:
                 self.bring(d, ref, pinned, pos, what, output=ref == t.output)
             deps = [d.resident[r].alloc for r in need]
