@@ -87,6 +87,7 @@ class ScriptRunner:
         if self.params is not None and len(statements) > 1:
             raise SQLExecutionError("query parameters need a single statement, but the script "
                                     f"has {len(statements)}", text=self.script, position=0)
+        self.session.chunk_store.sync_views()  # another process may have stored tensors
         result = SQLResult(text="")
         for st in statements:
             self.statement = st

@@ -98,6 +98,10 @@ class ChunkStore(abc.ABC):
             out[meta.grid.slices(key)] = chunk
         return out
 
+    def sync_views(self) -> None:  # noqa: B027 - optional hook
+        """Bring any SQL views of the stored tensors up to date with the catalog (which another
+        process may have changed); stores without SQL views have nothing to do."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; the default store holds none."""
 

@@ -4,8 +4,11 @@ Each tensor is one catalog row (``tensorql_catalog``) plus one chunk table ``tq_
 with a key column per dimension, a page number and a BLOB payload: each chunk's bytes in 4 KiB
 pages (``tensorql.storage.pages``). Storing a tensor is one transaction; reads pull only the
 chunks asked for and view Arrow buffers without copying.
-Plain SQL sees every tensor as element rows through a view named exactly as the tensor
-(``d0, d1, ..., val``) and as chunks through ``"<name>__chunks"``.
+Plain SQL on a tensorql connection sees every tensor as element rows through a view named
+exactly as the tensor (``d0, d1, ..., val``) and as chunks through ``"<name>__chunks"``. Those
+views decode chunk pages with tensorql's functions, so they are TEMP views of the tensorql
+connection, never stored in the file: a plain DuckDB client opening the file sees only
+``tensorql_catalog`` and the raw page tables ``tq_chunks_<n>``, and no view that fails.
 
 >>> import numpy as np
 >>> from tensorql.grid import ChunkGrid
@@ -102,6 +105,10 @@ class DuckDBChunkStore(ChunkStore):
         self._local = threading.local()
         self._write_lock = threading.RLock()
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
+        self._views: dict[str, str] = {}  # tensor name -> chunk table its temp views read
+        if not read_only:
+            self._drop_stored_views()
+        self.sync_views()
 
     @staticmethod
     def _open(path, read_only, lock_timeout) -> duckdb.DuckDBPyConnection:
@@ -145,6 +152,38 @@ class DuckDBChunkStore(ChunkStore):
             "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
             "AND table_name = 'tensorql_catalog' AND column_name = 'page_bytes'").fetchall()
         return rows[0][0] > 0
+
+    def _drop_stored_views(self) -> None:
+        """Files written by earlier versions kept the tensor views in the file, where plain
+        DuckDB clients found views they could not read: drop them (they are temp views now)."""
+        rows = self.connection.execute(
+            "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() "
+            "AND NOT internal AND (view_name IN (SELECT name FROM tensorql_catalog) OR "
+            "view_name IN (SELECT name || '__chunks' FROM tensorql_catalog))").fetchall()
+        for (view,) in rows:
+            self.connection.execute(f"DROP VIEW IF EXISTS {quote_ident(view)}")
+
+    def sync_views(self) -> None:
+        """Create (or drop) this connection's temp views so they match the catalog, which
+        another process may have changed."""
+        page_bytes = "page_bytes" if self._paged_catalog else "0"
+        with self._write_lock:
+            rows = self.connection.execute(
+                f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
+                "FROM tensorql_catalog").fetchall()
+            current = {row[0]: row for row in rows}
+            for name in [n for n in self._views if n not in current]:
+                self._drop_views(self.connection, name)
+            for name, table, dtype, shape, tile, paged in current.values():
+                if self._views.get(name) == table:
+                    continue
+                if not paged:
+                    self._unpaged_tables.add(table)
+                grid = ChunkGrid(tuple(shape), tuple(tile))
+                self._create_views(self.connection,
+                                   TensorMeta(name=name, shape=grid.shape, dtype=dtype,
+                                              grid=grid), table, paged=bool(paged))
+                self._views[name] = table
 
     def close(self) -> None:
         try:
@@ -226,6 +265,7 @@ class DuckDBChunkStore(ChunkStore):
                          meta.nbytes, PAGE_BYTES])
                     self._create_views(con, meta, table)
                     con.execute("COMMIT")
+                    self._views[meta.name] = table
                 except BaseException:
                     _rollback(con)
                     raise
@@ -245,11 +285,12 @@ class DuckDBChunkStore(ChunkStore):
                 raise StorageError(f"tensor name {name!r} clashes with the stored tensor "
                                    f"{other!r}: names are case-insensitive, as in DuckDB")
         for suffix in ("", "__chunks"):
-            rows = self._cursor().execute(
-                "SELECT table_name FROM duckdb_tables() WHERE database_name = "
-                "current_database() AND lower(table_name) = lower(?) UNION ALL "
-                "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name = "
-                "current_database() AND lower(view_name) = lower(?) AND view_name NOT IN "
+            rows = self.connection.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name IN "
+                "(current_database(), 'temp') AND lower(table_name) = lower(?) UNION ALL "
+                "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name IN "
+                "(current_database(), 'temp') AND lower(view_name) = lower(?) AND view_name "
+                "NOT IN "
                 "(SELECT name FROM tensorql_catalog UNION ALL "
                 " SELECT name || '__chunks' FROM tensorql_catalog)",
                 [name + suffix, name + suffix]).fetchall()
@@ -312,8 +353,10 @@ class DuckDBChunkStore(ChunkStore):
             con.unregister("tq_insert_batch")
 
     @staticmethod
-    def _create_views(con, meta: TensorMeta, table: str) -> None:
+    def _create_views(con, meta: TensorMeta, table: str, paged: bool = True) -> None:
         grid = meta.grid
+        source = quote_ident(table) if paged else \
+            f"(SELECT *, 0 AS page FROM {quote_ident(table)})"  # written before paging
         keys = [quote_ident(f"k{d}") for d in range(grid.ndim)]
         key_list = "".join(f"{k}, " for k in keys)
         extents = [f"least({t}, {n} - {k} * {t})" for k, t, n in zip(keys, grid.tile, grid.shape)]
@@ -325,19 +368,22 @@ class DuckDBChunkStore(ChunkStore):
         decode = values_function(meta.dtype)
         per_page = PAGE_BYTES // itemsize(meta.dtype)
         con.execute(
-            f"CREATE VIEW {quote_ident(meta.name)} AS SELECT {select}val FROM ("
+            f"CREATE OR REPLACE TEMP VIEW {quote_ident(meta.name)} AS SELECT {select}val FROM ("
             f"SELECT {key_list}page * {per_page} + generate_subscripts(vals, 1) - 1 AS i, "
             f"unnest(vals) AS val "
-            f"FROM (SELECT {key_list}page, {decode}(payload) AS vals FROM {quote_ident(table)}))")
+            f"FROM (SELECT {key_list}page, {decode}(payload) AS vals FROM {source}))")
         group = f" GROUP BY {', '.join(keys)}" if keys else ""
-        con.execute(f"CREATE VIEW {quote_ident(meta.name + '__chunks')} AS "
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {quote_ident(meta.name + '__chunks')} AS "
                     f"SELECT {key_list}{JOIN_PAGES}(list(payload ORDER BY page)) AS payload "
-                    f"FROM {quote_ident(table)}{group}")
+                    f"FROM {source}{group}")
 
-    @staticmethod
-    def _drop_objects(con, name: str, table: str) -> None:
-        con.execute(f"DROP VIEW IF EXISTS {quote_ident(name)}")
-        con.execute(f"DROP VIEW IF EXISTS {quote_ident(name + '__chunks')}")
+    def _drop_views(self, con, name: str) -> None:
+        for view in (name, name + "__chunks"):
+            con.execute(f"DROP VIEW IF EXISTS temp.main.{quote_ident(view)}")
+        self._views.pop(name, None)
+
+    def _drop_objects(self, con, name: str, table: str) -> None:
+        self._drop_views(con, name)
         con.execute(f"DROP TABLE IF EXISTS {quote_ident(table)}")
         con.execute("DELETE FROM tensorql_catalog WHERE name = ?", [name])
 
