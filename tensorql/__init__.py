@@ -20,6 +20,7 @@ from tensorql.errors import (
     StorageError,
     TensorQLError,
     UnknownTensorError,
+    UnsupportedError,
 )
 from tensorql.optimizer import Cost, PartitionPlan, optimize
 from tensorql.options import Options
@@ -30,5 +31,6 @@ __all__ = [
     "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "OptionError",
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
     "Tensor", "TensorQLError",
-    "UnknownOperatorError", "UnknownTensorError", "connect", "einsum", "optimize",
+    "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "connect", "einsum",
+    "optimize",
 ]

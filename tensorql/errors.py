@@ -92,3 +92,7 @@ class UnknownTensorError(StorageError, KeyError):
 
 class OptionError(TensorQLError, ValueError):
     """A configuration value is invalid (names the option and the accepted values)."""
+
+
+class UnsupportedError(TensorQLError, TypeError):
+    """An operation or argument tensorql does not support (e.g. numpy's ``out=``)."""

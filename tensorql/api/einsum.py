@@ -21,8 +21,10 @@ def einsum(equation: str, *operands: Any, join: str = "mul", agg: str = "sum") -
 
     Operands are tensorql Tensors, numpy arrays or torch tensors (at least one must be a
     tensorql Tensor, or a default in-memory session is used). ``join`` is one of mul, add,
-    sub, div, max, min; ``agg`` one of sum, max, min, prod.
+    sub, div, max, min; ``agg`` one of sum, max, min, prod (in any case).
     """
+    join = join.lower() if isinstance(join, str) else join
+    agg = agg.lower() if isinstance(agg, str) else agg
     if not operands:
         raise ShapeError(f"einsum {equation!r} needs at least one operand")
     db = next((op.db for op in operands if isinstance(op, Tensor)), None)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import string
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ import torch
 
 from tensorql.dtypes import to_numpy
 from tensorql.einsum.graph import EinsumOp, MapOp, Node
-from tensorql.errors import ShapeError, TensorQLError
+from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
 if TYPE_CHECKING:
     from tensorql.api.database import Database
@@ -200,24 +201,59 @@ class Tensor:
             result = result.reshape(shape)
         return result
 
-    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    def sum(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
+            keepdims: bool = False) -> Tensor:
+        """Sum over ``axis`` (all axes by default); numpy's signature, so ``np.sum(t)`` works
+        (``dtype`` and ``out`` must be None)."""
+        _no_numpy_extras("sum", dtype, out)
         return self._reduce(axis, "sum", keepdims)
 
-    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    def max(self, axis: int | Sequence[int] | None = None, out: Any = None,
+            keepdims: bool = False) -> Tensor:
+        _no_numpy_extras("max", None, out)
         return self._reduce(axis, "max", keepdims)
 
-    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    def min(self, axis: int | Sequence[int] | None = None, out: Any = None,
+            keepdims: bool = False) -> Tensor:
+        _no_numpy_extras("min", None, out)
         return self._reduce(axis, "min", keepdims)
 
-    def prod(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    def prod(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
+             keepdims: bool = False) -> Tensor:
+        _no_numpy_extras("prod", dtype, out)
         return self._reduce(axis, "prod", keepdims)
 
-    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    def mean(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
+             keepdims: bool = False) -> Tensor:
+        _no_numpy_extras("mean", dtype, out)
         axes = _normalize_axes(axis, self.ndim)
         count = 1
         for d in axes:
             count *= self.shape[d]
         return self._reduce(axis, "sum", keepdims) * (1.0 / count)
+
+    def __float__(self) -> float:
+        return float(self._scalar("float"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int"))
+
+    def _scalar(self, what: str) -> Any:
+        if math.prod(self.shape) != 1:
+            raise ShapeError(f"only a one-element tensor converts to {what}; this one has "
+                             f"shape {self.shape}")
+        return self.numpy().reshape(()).item()
+
+    def log_softmax(self, axis: int = -1) -> Tensor:
+        """x - max - log(sum(exp(x - max))) along ``axis`` (stable, as torch's)."""
+        (axis,) = _normalize_axes(axis, self.ndim)
+        labels = _LETTERS[: self.ndim]
+        kept = labels.replace(labels[axis], "")
+        peak = EinsumOp.build(f"{labels}->{kept}", [self.node], agg="max")
+        shifted = EinsumOp.build(f"{labels},{kept}->{labels}", [self.node, peak], join="sub")
+        total = EinsumOp.build(f"{labels}->{kept}", [MapOp.build("exp", shifted)], agg="sum")
+        return self._wrap(EinsumOp.build(f"{labels},{kept}->{labels}",
+                                         [shifted, MapOp.build("log", total)], join="sub"))
 
     def softmax(self, axis: int = -1) -> Tensor:
         """exp(x - max) / sum(exp(x - max)) along ``axis``, as four einsums and a map."""
@@ -268,6 +304,15 @@ class Tensor:
         one_labels = "".join(c for c, n in zip(out, shape) if n == 1 and c not in big)
         return self._wrap(EinsumOp.build(f"{''.join(big)},{one_labels}->{out}",
                                          [squeeze_sum, _cast_const(ones, self.dtype, self.db)]))
+
+
+def _no_numpy_extras(name: str, dtype: Any, out: Any) -> None:
+    """numpy passes ``dtype`` / ``out`` to reductions; tensorql has neither."""
+    if out is not None:
+        raise UnsupportedError(f"{name}: out= is not supported (tensors are lazy; use the "
+                               "returned tensor)")
+    if dtype is not None:
+        raise UnsupportedError(f"{name}: dtype= is not supported")
 
 
 def _cast_const(node: Node, dtype: str, db: Database) -> Node:
