@@ -26,15 +26,16 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.errors import OptionError
+from tensorql.errors import ExecutionError, OptionError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
-from tensorql.optimizer.plan import explain_partitioning
-from tensorql.options import Options
+from tensorql.optimizer.plan import PartitionPlan, optimize
+from tensorql.options import Options, device_names
 from tensorql.physical.explain import render_plan
+from tensorql.physical.partitioned import build_partitioned
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.storage.chunk_store import ChunkStore
@@ -77,17 +78,27 @@ class CompiledQuery:
     physical: PhysicalPlan
     db: Session
     backend: str = "native"
+    partition: PartitionPlan | None = None
 
     @classmethod
     def compile(cls, node: Node, db: Session, backend: str | None = None) -> CompiledQuery:
-        name = backend or db.options.backend
+        """Lower ``node`` once, partition it when the session has several devices (that
+        partitioning is what runs), and build the physical plan."""
+        options = db.options
+        name = backend or options.backend
         get_backend(name)
         logical = lower(node)
-        physical = PhysicalPlan.build(
-            logical, db.chunk_store,
-            max_temp_elems=max(1, db.options.kernel_temp_bytes // 4),
-        )
-        return cls(node=node, logical=logical, physical=physical, db=db, backend=name)
+        max_temp = max(1, options.kernel_temp_bytes // 4)
+        devices = device_names(options.devices)
+        partition = None
+        if len(devices) > 1 and name == "native":
+            partition = optimize(logical, devices=len(devices), strategy=options.strategy,
+                                 memory_limit=options.memory_limit)
+            physical = build_partitioned(partition, db.chunk_store, max_temp_elems=max_temp)
+        else:
+            physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp)
+        return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
+                   partition=partition)
 
     @property
     def title(self) -> str:
@@ -117,9 +128,16 @@ class NativeBackend:
         if progress is None and options.progress:
             with progress_bar(query.node.describe()) as bar:
                 return self.run(query, bar, dense)
+        devices = device_names(options.devices)
+        null = any(d.startswith("null") for d in devices)
+        if null and dense:
+            raise ExecutionError(
+                f"devices={options.devices!r}: null devices run the scheduler only and compute "
+                "no values, so there is no result to return; use explain(analyze=True) for the "
+                "schedule, or devices='cpu' / N for values")
         executor = executor_for(options)
         step = query.physical.result_step
-        rel, sid = step.node.relation, step.id
+        rel, sid = step.relation, step.id
         out = sink = destination = None
         if dense:  # always a fresh tensor: a stored chunk must never leak out by reference
             out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
@@ -135,14 +153,17 @@ class NativeBackend:
         result = executor.run(query.physical.task_graph(), progress=progress, sink=sink,
                               destination=destination)
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
-        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
+        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out,
+                           computed=not null)
 
     def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
-        result = self.run(query, None, dense=True) if analyze else None
+        null = any(d.startswith("null") for d in device_names(query.db.options.devices))
+        result = self.run(query, None, dense=not null) if analyze else None
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
-        section = explain_partitioning(query.node, query.db.options.devices)  # "" for 1 device
-        return (f"{text}\n{section}" if section else text), result
+        if query.partition is not None:
+            text += "\n" + query.partition.explain()
+        return text, result
 
 
 class DuckDBBackend:

@@ -195,7 +195,7 @@ class Database:
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         compiled = expr.compile()
         result = compiled.run(progress=progress)
-        rel = compiled.physical.result_step.node.relation
+        rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
         self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
         self.generation += 1

@@ -15,7 +15,7 @@ extended einsum over other nodes, ``MapOp`` an elementwise function.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,8 +140,3 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
 def topological_order(*roots: Node) -> list[Node]:
     """Every node reachable from ``roots``, inputs before users, each once."""
     return inputs_first(*roots)
-
-
-def iter_einsums(*roots: Node) -> Iterator[EinsumOp]:
-    """The einsum operations of the graph, in topological order."""
-    return (n for n in topological_order(*roots) if isinstance(n, EinsumOp))

@@ -168,8 +168,11 @@ class _Planner:
         self.ops: list[Op] = []
         self.devs = [_Device(i, budgets[i]) for i in range(n_devices)]
         contributions = graph.contributions()
+        # data at rest is loaded onto whichever device reads it, unless its task is pinned to a
+        # device (a partitioned plan places every piece): then it is computed there
         self.source: dict[ChunkRef, Task] = {
-            t.output: t for t in graph.tasks if t.is_source and contributions[t.output] == 1}
+            t.output: t for t in graph.tasks
+            if t.is_source and contributions[t.output] == 1 and t.device is None}
         self.tasks = [t for t in graph.tasks if t.output not in self.source]
         self.remaining = {ref: n for ref, n in contributions.items() if ref not in self.source}
         self.writers: dict[ChunkRef, list[int]] = {}
@@ -351,6 +354,7 @@ class _Planner:
             src.resident[ref].users.append(op.id)
             d.d2d += nbytes
             dirty = False
+            self._release_after_send(src, ref, d, pos)
         else:
             if ref not in self.host_valid:  # pragma: no cover - guarded by the order
                 raise PlanError(f"chunk {ref} is needed on device {d.index} but is nowhere")
@@ -363,6 +367,21 @@ class _Planner:
                 self.host_valid.discard(ref)
             dirty = take
         d.resident[ref] = _Interval(op.id, nbytes, [], dirty)
+
+    def _release_after_send(self, src: _Device, ref: ChunkRef, dst: _Device, pos: int) -> None:
+        """Free ``ref`` on ``src`` (unlimited budget) once ``src`` no longer uses it and every
+        device that will read it holds it or is ``dst``, which has just been sent it."""
+        if src.budget is not None or self._next_use(src, ref, pos - 1) < math.inf:
+            return
+        if self.remaining.get(ref, 0) > 0 or (ref.step in self.graph.retain
+                                               and ref not in self.host_valid):
+            return
+        for other in self.devs:
+            if other.index in (src.index, dst.index) or ref in other.resident:
+                continue
+            if self._next_use(other, ref, pos - 1) < math.inf:
+                return
+        self.free(src, ref)
 
     def _holder(self, ref: ChunkRef, dev: int) -> _Device | None:
         if self.remaining.get(ref, 0) > 0:
@@ -419,6 +438,9 @@ class _Planner:
                 if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
                         self.remaining.get(ref, 0) == 0:
                     later = self._used_elsewhere(ref, dev, pos)
+                    if later and d.budget is None and not any(
+                            ref in o.resident for o in self.devs if o is not d):
+                        continue  # other devices will be sent it; freed after the last send
                     self.free(d, ref, writeback=d.resident[ref].dirty and later)
             self.prefetch_for(order, placed, pos)
         for ref, task in self.source.items():  # results read straight from rest

@@ -35,7 +35,7 @@ import heapq
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,12 @@ class RuntimeStats(RunStats):
     timeline: list[TimelineEvent] = field(default_factory=list)
     pinned_bytes: int = 0
     spilled_bytes: int = 0
+    moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the run copied from one device to another."""
+        return sum(map(sum, self.moved))
 
     def device_lines(self) -> list[str]:
         """Text lines for EXPLAIN ANALYZE, one per device."""
@@ -256,6 +262,7 @@ class _Run:
         kinds = [d.kind for d in self.devices]
         self.stats = RuntimeStats(tasks=len(graph.tasks), workers=rt.workers, program=program,
                                   device_kinds=kinds)
+        self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
                                           planned_peak_bytes=b.peak_bytes)
                               for d, b in zip(self.devices, program.devices)]
@@ -269,9 +276,10 @@ class _Run:
         self.start = time.perf_counter()
         try:
             self._count_unused_sources()
-            for op in self.ops:
-                if self.ndeps[op.id] == 0:
-                    self._make_ready(op)
+            # collected first: making one op ready may release others (zero-cost ops run at
+            # once), which must not be made ready a second time
+            for op in [op for op in self.ops if self.ndeps[op.id] == 0]:
+                self._make_ready(op)
             while self.done_ops < len(self.ops) and self.error is None:
                 self._dispatch()
                 if self.done_ops >= len(self.ops):
@@ -309,7 +317,8 @@ class _Run:
 
     def _count_unused_sources(self) -> None:
         used = {op.ref for op in self.ops if op.from_rest}
-        unused = sum(1 for t in self.graph.tasks if t.is_source and t.output not in used
+        unused = sum(1 for t in self.graph.tasks if t.is_source and t.device is None
+                     and t.output not in used
                      and self.graph.contributions()[t.output] == 1)
         self.done_tasks += unused
 
@@ -402,7 +411,8 @@ class _Run:
 
             def compute() -> None:
                 inputs = [values[r] for r in task.inputs]
-                values[op.ref] = task.kernel.run(inputs, values.get(op.ref))
+                value = task.kernel.run(inputs, values.get(op.ref))
+                values[op.ref] = dev.to_device(value) if not task.inputs else value
             return compute
         if op.kind == "load":
             return lambda: self._load(op, dev)
@@ -484,7 +494,9 @@ class _Run:
             if not self.devices[op.device].is_null:
                 self.values[op.device][op.ref] = c.value
             if op.kind == "send":
-                stats.bytes_d2d += op.nbytes
+                sent = c.value.nbytes if c.value is not None else op.nbytes
+                stats.bytes_d2d += sent
+                self.stats.moved[op.src_device][op.device] += sent
             else:
                 stats.bytes_h2d += op.nbytes
             if op.kind == "load" and op.from_rest:
@@ -557,9 +569,3 @@ def executor_for(options: Any, *, timeline: bool = False) -> Executor | Runtime:
         return Executor(options.workers, options.intra_op_threads)
     return Runtime(devices, limit, workers=options.workers,
                    intra_op_threads=options.intra_op_threads, timeline=timeline)
-
-
-def run_graph(graph: TaskGraph, devices: Sequence[Device] | str = "cpu",
-              memory_limit: int | None = None, **kw: Any) -> RunResult:
-    """Shorthand: ``Runtime(devices, memory_limit, **kw).run(graph)``."""
-    return Runtime(devices, memory_limit, **kw).run(graph)

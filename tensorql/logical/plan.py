@@ -39,14 +39,15 @@ class TensorRelation:
         return self.grid.shape
 
     @property
+    def ndim(self) -> int:
+        return len(self.labels)
+
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
 
     def tile_of(self, label: str) -> int:
         return self.grid.tile[self.labels.index(label)]
-
-    def blocks_of(self, label: str) -> int:
-        return self.grid.blocks[self.labels.index(label)]
 
     def describe(self) -> str:
         labels = ",".join(self.labels)

@@ -20,7 +20,8 @@ import numpy as np
 
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
-from tensorql.optimizer.cost import Cost
+from tensorql.logical.plan import LogicalNode
+from tensorql.optimizer.cost import Cost, Layout, layout, pair_bytes
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import Problem, get_strategy
 from tensorql.options import parse_bytes
@@ -73,8 +74,15 @@ class PartitionPlan:
     memory_limit: int | None = None
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
-    def pieces_of(self, index: int) -> tuple[int, ...]:
-        return self.ops[index].pieces
+    def layout(self, index: int) -> Layout:
+        """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
+        op, node = self.ops[index], self.graph.nodes[index]
+        return layout(node.sizes, op.pieces, node.n_out, self.devices)
+
+    def pair_bytes(self) -> np.ndarray:
+        """Predicted bytes sent from device ``src`` to ``dst``: an (N, N) matrix whose sum is
+        ``cost.bytes_moved``."""
+        return pair_bytes(self.graph, [self.layout(op.index) for op in self.ops], self.devices)
 
     def explain(self) -> str:
         """Per operation: partition vector, FLOPs per device, bytes moved and why."""
@@ -122,12 +130,15 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
              ) -> PartitionPlan:
     """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
 
-    ``expr`` is a lazy Tensor (or an einsum-graph node); ``strategy`` one of auto, data,
-    model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds each device's working set
-    (InfeasiblePlanError when no partitioning of some operation fits).
+    ``expr`` is a lazy Tensor, an einsum-graph node or a logical plan (the pipeline passes the
+    plan it lowered, so the partitioning is of exactly the steps that run); ``strategy`` one of
+    auto, data, model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds one task's working
+    set (an operation is cut into more pieces than devices when that is what fits, and what
+    stays resident beyond the limit is offloaded by the memory plan; InfeasiblePlanError names
+    the smallest limit that plans when none fits).
     """
-    node: Node = getattr(expr, "node", expr)
-    if not isinstance(node, Node):
+    node: Node | LogicalNode = getattr(expr, "node", expr)
+    if not isinstance(node, (Node, LogicalNode)):
         raise PlanError(f"optimize needs a tensorql Tensor, got {type(expr).__name__}")
     n_dev = device_count(devices)
     search = get_strategy(strategy)

@@ -32,6 +32,7 @@ import numpy as np
 from tensorql.errors import PlanError
 from tensorql.optimizer.cost import NodeTable, build_table, node_key, transition_matrix
 from tensorql.optimizer.graph import OpGraph
+from tensorql.units import format_bytes
 
 EXHAUSTIVE_LIMIT = 20_000
 
@@ -67,21 +68,14 @@ class Problem:
         cache = {} if cache is None else cache
         keys, tables = [], []
         for node in graph.nodes:
-            key = node_key(graph, node, devices)
-            if ("node", key) not in cache:
-                cache[("node", key)] = build_table(graph, node, devices)
+            key, table = _fitting_table(graph, node, devices, memory_limit, cache)
             keys.append(key)
-            tables.append(cache[("node", key)])
+            tables.append(table)
         allowed = []
-        for node, table in zip(graph.nodes, tables):
+        for table in tables:
             ok = np.ones(len(table.cands), dtype=bool)
             if memory_limit is not None:
                 ok = table.peak <= memory_limit
-                if not ok.any():
-                    raise InfeasiblePlanError(
-                        f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, "
-                        f"sizes {node.sizes}) fits memory_limit={memory_limit} bytes on "
-                        f"{devices} devices; the smallest needs {int(table.peak.min())} bytes")
             allowed.append(ok)
         edges = []
         for node in graph.nodes:
@@ -104,6 +98,50 @@ class Problem:
         allowed = tuple(a & m if m is not None and (a & m).any() else a
                         for a, m in zip(self.allowed, masks))
         return Problem(self.graph, self.devices, self.tables, allowed, self.edges)
+
+
+MAX_PIECES_PER_DEVICE = 64
+
+
+def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict):
+    key = node_key(graph, node, devices, pieces)
+    if ("node", key) not in cache:
+        cache[("node", key)] = build_table(graph, node, devices, pieces=pieces)
+    return key, cache[("node", key)]
+
+
+def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None, cache: dict):
+    """The node's table with ``devices`` pieces, or with 2x, 4x, ... pieces (several tasks a
+    device) when no piece of fewer fits ``memory_limit``; InfeasiblePlanError naming the
+    smallest limit that plans the whole graph when even the finest split does not fit."""
+    factor = 1
+    key, table = _table(graph, node, devices, devices, cache)
+    while memory_limit is not None and not (table.peak <= memory_limit).any():
+        made = int(np.prod(table.cands[0])) if len(table.cands[0]) else 1
+        if factor >= MAX_PIECES_PER_DEVICE or made < devices * factor:
+            need = max(_smallest_peak(graph, n, devices, cache) for n in graph.nodes)
+            raise InfeasiblePlanError(
+                f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, sizes "
+                f"{node.sizes}) fits memory_limit={memory_limit} bytes on {devices} devices, "
+                f"even cut into {made} pieces; the smallest memory_limit that plans this "
+                f"query is {need} bytes ({format_bytes(need)})")
+        factor *= 2
+        key, table = _table(graph, node, devices, devices * factor, cache)
+    return key, table
+
+
+def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
+    """The least working set of one task of ``node`` over every split the search offers."""
+    best = None
+    factor = 1
+    while True:
+        _, table = _table(graph, node, devices, devices * factor, cache)
+        low = int(table.peak.min())
+        best = low if best is None else min(best, low)
+        made = int(np.prod(table.cands[0])) if len(table.cands[0]) else 1
+        if factor >= MAX_PIECES_PER_DEVICE or made < devices * factor:
+            return best
+        factor *= 2
 
 
 # -- dynamic programming over a tree cover ------------------------------------------------
