@@ -25,13 +25,13 @@ from typing import Any, Protocol
 import torch
 
 from tensorql.dtypes import torch_dtype
-from tensorql.einsum.graph import Node
+from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, OptionError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
-from tensorql.exec.runtime import executor_for
+from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.logical.lower import lower
-from tensorql.logical.plan import LogicalNode
+from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.options import Options, device_names
 from tensorql.physical.explain import render_plan
@@ -111,12 +111,56 @@ class CompiledQuery:
         (``tensorql sql --progress``), a progress bar is drawn on stderr."""
         return get_backend(self.backend).run(self, progress, dense)
 
-    def explain(self, analyze: bool = False) -> str:
-        return self.explain_and_result(analyze)[0]
+    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+        """The plan as text. ``stage`` picks one stage of the chain (see :data:`STAGES`):
+        ``einsum`` (the graph as written), ``logical`` (the relational rewrite), ``partition``
+        (pieces and placement per operation), ``physical`` (steps and tasks), ``memory`` (the
+        runtime's memory plan); by default the physical plan and, on several devices, the
+        partitioning -- with ``analyze`` the query runs and measured figures are added."""
+        if stage is None:
+            return self.explain_and_result(analyze)[0]
+        if stage not in STAGES:
+            raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
+                                    f"{', '.join(STAGES)}")
+        if analyze:
+            raise OptionError("EXPLAIN ANALYZE shows the whole plan; leave stage unset")
+        return STAGES[stage](self)
 
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
         return get_backend(self.backend).explain(self, analyze)
+
+
+class UnknownStageError(OptionError):
+    """An EXPLAIN stage name that does not exist."""
+
+
+def _explain_partition(query: CompiledQuery) -> str:
+    if query.partition is None:
+        return (f"partitioning: one device ({', '.join(device_names(query.db.options.devices))})"
+                ", nothing to partition")
+    return query.partition.explain()
+
+
+def _explain_memory(query: CompiledQuery) -> str:
+    options = query.db.options
+    runtime = Runtime(options.devices, options.memory_limit, workers=options.workers,
+                      intra_op_threads=options.intra_op_threads)
+    program = runtime.plan(query.physical.task_graph())
+    kinds: dict[str, int] = {}
+    for op in program.ops:
+        kinds[op.kind] = kinds.get(op.kind, 0) + 1
+    counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+    return f"{program.explain()}\nops: {counts}"
+
+
+STAGES: dict[str, Callable[[CompiledQuery], str]] = {
+    "einsum": lambda q: explain_graph(q.node),
+    "logical": lambda q: explain_logical(q.logical),
+    "partition": _explain_partition,
+    "physical": lambda q: render_plan(q.physical, None, title=f"EXPLAIN {q.title}"),
+    "memory": _explain_memory,
+}
 
 
 class NativeBackend:
@@ -202,5 +246,3 @@ def register_backend(name: str, backend: ExecutionBackend) -> None:
     """Add an execution backend under ``name`` (replacing one of that name)."""
     BACKENDS[name] = backend
 
-
-Compile = Callable[[Node, Session], CompiledQuery]

@@ -20,6 +20,18 @@ def rng():
     return np.random.default_rng(1234)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite the golden plan files under tests/fixtures/explain")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same torch and numpy global seeds."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -22,15 +22,22 @@ for each (producer, consumer) candidate pair. A plan's bytes moved is then exact
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tensorql.errors import PlanError
-from tensorql.optimizer.cost import NodeTable, build_table, node_key, transition_matrix
+from tensorql.optimizer.cost import (
+    NodeTable,
+    build_table,
+    node_key,
+    read_bytes,
+    transition_matrix,
+)
 from tensorql.optimizer.graph import OpGraph
 from tensorql.units import format_bytes
 
@@ -61,6 +68,7 @@ class Problem:
     tables: tuple[NodeTable, ...]
     allowed: tuple[np.ndarray, ...]          # per node: bool mask over its candidates
     edges: tuple[tuple[int, int, int, np.ndarray], ...]  # (producer, consumer, k, matrix)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
@@ -94,10 +102,37 @@ class Problem:
         own = sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
         return own + sum(int(m[choice[p], choice[c]]) for p, c, _, m in self.edges)
 
+    def exact_total(self, choice: tuple[int, ...]) -> int:
+        """Bytes the chosen plan really moves: a device reads a producer's piece once however
+        many operations need it. Only producers read by several operations differ from the
+        per-edge sum (within one operation a device never needs a piece both whole and in
+        part), so only they are recounted (:func:`~tensorql.optimizer.cost.read_bytes`)."""
+        total = self.total(choice)
+        layouts = None
+        for p, edges in self.shared_edges.items():
+            # identical layers share tables and edge matrices: key on those, not on indices
+            key = (id(self.tables[p]), choice[p],
+                   tuple(sorted((id(m), choice[c]) for c, m in edges)))
+            if key not in self.memo:
+                if layouts is None:
+                    layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
+                per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
+                self.memo[key] = read_bytes(self.graph, layouts, p) - per_edge
+            total += self.memo[key]
+        return total
+
+    @functools.cached_property
+    def shared_edges(self) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Producers read by several operations -> [(consumer, edge matrix)]."""
+        out: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for p, c, _, m in self.edges:
+            out.setdefault(p, []).append((c, m))
+        return {p: e for p, e in out.items() if len(e) > 1}
+
     def restrict(self, masks: list[np.ndarray | None]) -> Problem:
         allowed = tuple(a & m if m is not None and (a & m).any() else a
                         for a, m in zip(self.allowed, masks))
-        return Problem(self.graph, self.devices, self.tables, allowed, self.edges)
+        return Problem(self.graph, self.devices, self.tables, allowed, self.edges, self.memo)
 
 
 MAX_PIECES_PER_DEVICE = 64
@@ -314,9 +349,12 @@ def search_model(problem: Problem) -> tuple[int, ...]:
 
 
 def search_auto(problem: Problem) -> tuple[int, ...]:
+    """The DP results and the two baselines, refined; the one that moves fewest bytes counted
+    exactly wins, so auto is never worse than data or model."""
     seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
              search_model(problem)]
-    return min((refine(problem, s) for s in seeds), key=problem.total)
+    refined = list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
+    return min(refined, key=lambda c: (problem.exact_total(c), problem.total(c)))
 
 
 def search_exhaustive(problem: Problem) -> tuple[int, ...]:
