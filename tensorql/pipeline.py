@@ -28,17 +28,20 @@ from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, OptionError
 from tensorql.exec.executor import ProgressCallback
+from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
+from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options, device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.partitioned import build_partitioned
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.storage.chunk_store import ChunkStore
+from tensorql.units import format_bytes
 
 
 class Session(Protocol):
@@ -92,9 +95,7 @@ class CompiledQuery:
         devices = device_names(options.devices)
         partition = None
         if len(devices) > 1 and name == "native":
-            partition = optimize(logical, devices=len(devices), strategy=options.strategy,
-                                 memory_limit=options.memory_limit)
-            physical = build_partitioned(partition, db.chunk_store, max_temp_elems=max_temp)
+            partition, physical = _partition(logical, db, len(devices), max_temp)
         else:
             physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
@@ -129,6 +130,57 @@ class CompiledQuery:
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
         return get_backend(self.backend).explain(self, analyze)
+
+
+def _partition(logical: LogicalNode, db: Session, devices: int,
+               max_temp: int) -> tuple[PartitionPlan, PhysicalPlan]:
+    """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
+    task's chunks (inputs and output) must fit the limit: when a task of the plan does not
+    (assembling a region needs its pieces too), the optimizer is asked again with a tighter
+    limit, so that it cuts finer; InfeasiblePlanError names the smallest limit found."""
+    options = db.options
+    limit = options.memory_limit
+    try:
+        return _plan_within(logical, db, devices, max_temp, limit)
+    except InfeasiblePlanError as err:
+        if limit is None:
+            raise
+        minimum = err.minimum if err.minimum is not None and err.minimum > limit else None
+        if minimum is None:
+            raise
+        for _ in range(8):  # find the limit the physical plan really needs
+            try:
+                _plan_within(logical, db, devices, max_temp, minimum)
+                break
+            except InfeasiblePlanError as again:
+                minimum = max(minimum + 1, again.minimum or minimum * 2)
+        raise InfeasiblePlanError(
+            f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
+            f"on {devices} devices: no partitioning fits every task (inputs and output) in "
+            f"it; the smallest memory_limit that plans it is "
+            f"{minimum} bytes ({format_bytes(minimum)})", minimum=minimum) from None
+
+
+def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
+                 limit: int | None) -> tuple[PartitionPlan, PhysicalPlan]:
+    target = limit
+    smallest = None
+    for _ in range(6):
+        try:
+            plan = optimize(logical, devices=devices, strategy=db.options.strategy,
+                            memory_limit=target)
+        except InfeasiblePlanError:
+            if smallest is None:
+                raise
+            break
+        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp)
+        need = largest_task_bytes(physical.task_graph())
+        smallest = need if smallest is None else min(smallest, need)
+        if limit is None or need <= limit:
+            return plan, physical
+        target = max(1, target * limit // need)
+    raise InfeasiblePlanError(
+        f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
 
 
 class UnknownStageError(OptionError):

@@ -505,6 +505,22 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
     return tuple(rank)
 
 
+def largest_task_bytes(graph: TaskGraph) -> int:
+    """Bytes the largest task needs resident at once: its distinct inputs and its output (no
+    memory limit can be smaller). Tasks without inputs that are not pinned are loaded where
+    they are read, so only their output counts where it is read.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+    >>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    >>> largest_task_bytes(TaskGraph((Task(0, (), a, None), Task(1, (a,), b, None)),
+    ...                              chunk_bytes={a: 40, b: 8}))
+    48
+    """
+    sizes = graph.chunk_bytes
+    return max((sum(sizes.get(r, 0) for r in {*t.inputs, t.output}) for t in graph.tasks),
+               default=0)
+
+
 def plan_program(graph: TaskGraph, n_devices: int = 1,
                  budgets: Sequence[int | None] | None = None, prefetch: int = 2,
                  sizes: dict[ChunkRef, int] | None = None,

@@ -52,7 +52,12 @@ class UnknownStrategyError(PlanError, KeyError):
 
 
 class InfeasiblePlanError(PlanError):
-    """No partitioning of some operation fits the per-device memory limit."""
+    """No partitioning of some operation fits the per-device memory limit; ``minimum`` is the
+    smallest limit that would plan (when known)."""
+
+    def __init__(self, message: str, minimum: int | None = None) -> None:
+        super().__init__(message)
+        self.minimum = minimum
 
 
 class SearchTooLargeError(PlanError):
@@ -159,7 +164,7 @@ def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None,
                 f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, sizes "
                 f"{node.sizes}) fits memory_limit={memory_limit} bytes on {devices} devices, "
                 f"even cut into {made} pieces; the smallest memory_limit that plans this "
-                f"query is {need} bytes ({format_bytes(need)})")
+                f"query is {need} bytes ({format_bytes(need)})", minimum=need)
         factor *= 2
         key, table = _table(graph, node, devices, devices * factor, cache)
     return key, table
