@@ -27,9 +27,9 @@ import torch
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, OptionError
-from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
+from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode, explain_logical

@@ -1,12 +1,18 @@
-"""Shared fixtures: a fresh in-memory database per test and a seeded RNG."""
+"""Shared fixtures: a fresh in-memory database per test, seeded RNGs, deterministic
+hypothesis examples."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 import tensorql as tq
+
+# every hypothesis test draws the same examples on every run (no example database either)
+settings.register_profile("tensorql", derandomize=True, database=None, deadline=None)
+settings.load_profile("tensorql")
 
 
 @pytest.fixture

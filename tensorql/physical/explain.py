@@ -10,7 +10,7 @@ time overlapped with compute, peak memory against the budget, evictions and relo
 
 from __future__ import annotations
 
-from tensorql.exec.executor import RunStats
+from tensorql.exec.run_types import RunStats
 from tensorql.logical.plan import Aggregate, Join, LogicalNode
 from tensorql.physical.planner import PhysicalPlan, Step
 from tensorql.units import format_bytes, format_flops

@@ -154,3 +154,13 @@ def test_devices_option_read_in_one_place():
     for bad in (0, True, "gpu", ["cpu:0", "cpu:0"], 1.5):
         with pytest.raises(tq.OptionError):
             tq.connect(devices=bad)
+
+
+def test_optimize_is_what_a_session_runs():
+    with tq.connect(devices=4, workers=2) as db:
+        w = mlp(db, batch=12, d_model=8, d_ff=16)
+        session_plan = w.output.compile().partition
+        assert tq.optimize(w.output, devices=4).explain() == session_plan.explain()
+        assert tq.optimize(w.output, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).cost == \
+            session_plan.cost
+        assert "partitioning for 4 devices" in w.output.explain()
