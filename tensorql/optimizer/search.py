@@ -126,6 +126,10 @@ class Problem:
             total += self.memo[key]
         return total
 
+    def partials(self, choice: tuple[int, ...]) -> int:
+        """Bytes of partial aggregates a choice sends."""
+        return sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
+
     @functools.cached_property
     def shared_edges(self) -> dict[int, list[tuple[int, np.ndarray]]]:
         """Producers read by several operations -> [(consumer, edge matrix)]."""
@@ -184,6 +188,13 @@ def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
         factor *= 2
 
 
+def own_cost(table: NodeTable) -> np.ndarray:
+    """A node's own bytes (partial aggregates) for the search, a hair heavier than bytes
+    moved by edges: between equal totals the plan without partials wins, since folding
+    partials is extra work on the owner (a matmul split by rows rather than by its sum)."""
+    return table.partial_bytes.astype(float) * (1.0 + 1e-9)
+
+
 # -- dynamic programming over a tree cover ------------------------------------------------
 def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     """A choice per node from DP over trees; shared nodes root their own trees."""
@@ -212,7 +223,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
     for node in graph.nodes:
         n = node.index
-        v = np.where(problem.allowed[n], tables[n].partial_bytes.astype(float), inf)
+        v = np.where(problem.allowed[n], own_cost(tables[n]), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
             if p in frozen:
@@ -247,7 +258,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
         improved = False
         for node in graph.nodes:
             n = node.index
-            cost = tables[n].partial_bytes.astype(float).copy()
+            cost = own_cost(tables[n])
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
             cost[~problem.allowed[n]] = np.inf
@@ -359,7 +370,8 @@ def search_auto(problem: Problem) -> tuple[int, ...]:
     seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
              search_model(problem)]
     refined = list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
-    return min(refined, key=lambda c: (problem.exact_total(c), problem.total(c)))
+    return min(refined, key=lambda c: (problem.exact_total(c), problem.partials(c),
+                                       problem.total(c)))
 
 
 def search_exhaustive(problem: Problem) -> tuple[int, ...]:
