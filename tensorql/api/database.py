@@ -209,7 +209,7 @@ class Database:
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         compiled = compiled or CompiledQuery.compile(node, self)
         result = compiled.run(progress=progress)
-        rel = compiled.physical.result_step.node.relation
+        rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
         self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
         self.generation += 1
@@ -222,8 +222,8 @@ class Database:
             return value
         return Tensor(constant_node(value, self.options.tile_target_elems), self)
 
-    def explain_node(self, node: Node, analyze: bool = False) -> str:
-        return CompiledQuery.compile(node, self).explain(analyze=analyze)
+    def explain_node(self, node: Node, analyze: bool = False, stage: str | None = None) -> str:
+        return CompiledQuery.compile(node, self).explain(analyze=analyze, stage=stage)
 
     def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:
         meta = self.chunk_store.meta(name)
