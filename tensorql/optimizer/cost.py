@@ -154,6 +154,54 @@ def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int
     return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out)
 
 
+def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int) -> Layout:
+    """``lay`` with each piece cut further into chunks of ``tiles`` (each must divide its
+    label's piece tile ``ceil(n / p)``): every chunk stays on its piece's device, so bytes moved
+    between devices are the same, and a device's work comes in cache-sized tasks that can
+    start as soon as their own chunks are in.
+
+    >>> fine = refine(layout((8, 6), (2, 1), 1, 2), (8, 6), (2, 6), 2)
+    >>> fine.pieces, fine.device.tolist()
+    ((4, 1), [0, 0, 1, 1])
+    """
+    piece_tiles = [-(-n // p) for n, p in zip(sizes, lay.pieces)]
+    for t, pt, n in zip(tiles, piece_tiles, sizes):
+        if pt % t and t < n:
+            raise ValueError(f"tile {t} does not divide the piece tile {pt}")
+    blocks = [-(-n // t) for n, t in zip(sizes, tiles)]
+    combos = list(itertools.product(*(range(b) for b in blocks)))
+    idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(blocks))
+    tile_arr = np.array(tiles, dtype=np.int64).reshape(1, len(blocks))
+    starts = idx * tile_arr
+    lens = np.minimum(starts + tile_arr, np.array(sizes, dtype=np.int64)) - starts
+    parent = starts // np.array(piece_tiles, dtype=np.int64)
+    m = math.prod(lay.pieces)
+    rank = np.ravel_multi_index(tuple(parent.T), lay.pieces) if len(blocks) else \
+        np.zeros(len(idx), dtype=np.int64)
+    device = np.asarray(rank, dtype=np.int64) * devices // m
+    return Layout(tuple(blocks), idx, starts, lens, device, lay.n_out)
+
+
+def sub_tile(piece_tile: int, target: int) -> int:
+    """The largest divisor of ``piece_tile`` that is at most ``target``; ``piece_tile`` itself
+    when that divisor is no more than half of ``target`` (cutting finer would only add tasks).
+
+    >>> sub_tile(1536, 512), sub_tile(1376, 512), sub_tile(7, 4), sub_tile(100, 500)
+    (512, 344, 7, 100)
+    """
+    if target >= piece_tile:
+        return piece_tile
+    best = 1
+    k = 1
+    while k * k <= piece_tile:
+        if piece_tile % k == 0:
+            for d in (k, piece_tile // k):
+                if d <= target:
+                    best = max(best, d)
+        k += 1
+    return best if 2 * best > target else piece_tile
+
+
 @dataclass(frozen=True, eq=False)
 class NodeTable:
     """Per-candidate figures of one node, in arrays over its candidates ``cands`` (K, L).
