@@ -108,6 +108,7 @@ class Layout:
     lens: np.ndarray     # (M, L)
     device: np.ndarray   # (M,)
     n_out: int
+    order: tuple[int, ...] = ()  # label positions, most significant first, for placement
 
     @property
     def owner_mask(self) -> np.ndarray:
@@ -134,12 +135,18 @@ class Layout:
         return out
 
 
-def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int) -> Layout:
+def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int,
+           order: Sequence[int] | None = None) -> Layout:
     """The :class:`Layout` of ``pieces`` over labels of ``sizes`` on ``devices`` devices.
 
-    >>> lay = layout((4, 6), (2, 1), 1, 2)
-    >>> lay.starts.tolist(), lay.device.tolist()
-    ([[0, 0], [2, 0]], [0, 1])
+    Tasks are ranked row-major over the labels taken in ``order`` (default: the labels'
+    own order) and task ``r`` of ``M`` runs on device ``r * N // M``; another order is
+    another placement of the same pieces (a transposing operation can then keep its
+    producer's pieces where they are).
+
+    >>> lay = layout((4, 6), (2, 2), 1, 4)
+    >>> lay.device.tolist(), layout((4, 6), (2, 2), 1, 4, order=(1, 0)).device.tolist()
+    ([0, 1, 2, 3], [0, 2, 1, 3])
     """
     combos = list(itertools.product(*(range(p) for p in pieces)))
     idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(pieces))
@@ -150,8 +157,18 @@ def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int
         st[:, lab] = b[idx[:, lab]]
         ln[:, lab] = b[idx[:, lab] + 1] - b[idx[:, lab]]
     m = len(idx)
-    dev = np.arange(m, dtype=np.int64) * devices // m
-    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out)
+    order = tuple(order) if order is not None else tuple(range(len(pieces)))
+    rank = _rank(idx, tuple(int(p) for p in pieces), order)
+    dev = rank * devices // m
+    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out, order)
+
+
+def _rank(idx: np.ndarray, pieces: tuple[int, ...], order: tuple[int, ...]) -> np.ndarray:
+    """Row-major rank of piece indices ``idx`` over the labels taken in ``order``."""
+    if not pieces:
+        return np.zeros(len(idx), dtype=np.int64)
+    return np.asarray(np.ravel_multi_index(tuple(idx[:, order].T),
+                                           tuple(pieces[k] for k in order)), dtype=np.int64)
 
 
 def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int) -> Layout:
@@ -176,10 +193,9 @@ def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int
     lens = np.minimum(starts + tile_arr, np.array(sizes, dtype=np.int64)) - starts
     parent = starts // np.array(piece_tiles, dtype=np.int64)
     m = math.prod(lay.pieces)
-    rank = np.ravel_multi_index(tuple(parent.T), lay.pieces) if len(blocks) else \
-        np.zeros(len(idx), dtype=np.int64)
-    device = np.asarray(rank, dtype=np.int64) * devices // m
-    return Layout(tuple(blocks), idx, starts, lens, device, lay.n_out)
+    order = lay.order or tuple(range(len(blocks)))
+    device = _rank(parent, lay.pieces, order) * devices // m
+    return Layout(tuple(blocks), idx, starts, lens, device, lay.n_out, order)
 
 
 def sub_tile(piece_tile: int, target: int) -> int:
@@ -213,6 +229,7 @@ class NodeTable:
 
     cands: np.ndarray
     layouts: list[Layout]
+    orders: list[tuple[int, ...]]   # the placement order of each candidate
     piece_lo: np.ndarray            # (K, N, S, n_out)
     piece_hi: np.ndarray
     has_piece: np.ndarray           # (K, N, S)
@@ -235,10 +252,19 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
     ``pieces`` pieces, ``devices`` by default)."""
     chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
-    cands = np.array(chosen, dtype=np.int64).reshape(len(chosen), len(node.sizes))
     n_out = node.n_out
+    plain = tuple(range(len(node.sizes)))
+    flipped = _transposed_order(graph, node)
+    options = []
+    for cand in chosen:
+        options.append((cand, plain))
+        if flipped is not None and sum(p > 1 for p in cand) > 1:
+            options.append((cand, flipped))
+    cands = np.array([c for c, _ in options], dtype=np.int64).reshape(len(options),
+                                                                      len(node.sizes))
+    orders = [o for _, o in options]
     K, N = len(cands), devices
-    layouts = [layout(node.sizes, cand, n_out, N) for cand in cands]
+    layouts = [layout(node.sizes, cand, n_out, N, order) for cand, order in options]
     per_dev = max(int(np.bincount(lay.device[lay.owner_mask], minlength=N).max())
                   for lay in layouts)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
@@ -269,7 +295,19 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
-    return NodeTable(cands, layouts, piece_lo, piece_hi, has_piece, partial, flops, peak)
+    return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops, peak)
+
+
+def _transposed_order(graph: OpGraph, node: OpNode) -> tuple[int, ...] | None:
+    """A placement order matching a producer whose axes this node reads in another order
+    (a transpose): the producer's label order first. None when every operand is read in
+    order, so the default placement already lines pieces up."""
+    for edge in node.inputs:
+        pos = [node.labels.index(a) for a in edge.axes]
+        if len(set(pos)) == len(pos) and pos != sorted(pos):
+            rest = [k for k in range(len(node.labels)) if k not in pos]
+            return tuple(pos + rest)
+    return None
 
 
 def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
