@@ -424,46 +424,61 @@ def device_reads(graph: OpGraph, layouts: Sequence[Layout],
     return out
 
 
-def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int) -> int:
-    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
-    (the sum of :func:`device_reads` for this producer, computed with arrays)."""
-    prod = layouts[producer]
+def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozenset, frozenset]:
+    """What the devices of consumer layout ``lay`` read from other devices of producer layout
+    ``prod`` through one operand whose labels are ``axes``: whole pieces ``(device, piece)``
+    and slices ``(device, piece, lo, hi)``; each device reads each once."""
     owners = np.flatnonzero(prod.owner_mask)
     plo = prod.starts[owners, :prod.n_out]                                # (P, r)
     phi = plo + prod.lens[owners, :prod.n_out]
     owner_dev = prod.device[owners]
-    whole_rows, slice_rows = [], []
+    tasks = np.flatnonzero(first_reads(lay, axes))
+    lo = lay.starts[tasks][:, list(axes)]
+    hi = lo + lay.lens[tasks][:, list(axes)]
+    olo = np.maximum(lo[:, None], plo[None])                              # (T, P, r)
+    ohi = np.minimum(hi[:, None], phi[None])
+    hit = np.all(ohi > olo, axis=2)
+    full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+    dev = lay.device[tasks][:, None]
+    remote = hit & (dev != owner_dev[None])
+    whole = set()
+    slices = set()
+    for t, q in zip(*np.nonzero(remote)):
+        if full[t, q]:
+            whole.add((int(dev[t, 0]), int(q)))
+        else:
+            slices.add((int(dev[t, 0]), int(q), tuple(olo[t, q].tolist()),
+                        tuple(ohi[t, q].tolist())))
+    return frozenset(whole), frozenset(slices)
+
+
+def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
+               cache: dict | None = None, keys: Sequence[object] | None = None) -> int:
+    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
+    (the sum of :func:`device_reads` for this producer). ``cache`` memoises per-operand reads
+    under ``keys[node]`` (what identifies a node's layout, e.g. its table and choice)."""
+    prod = layouts[producer]
+    whole: set = set()
+    slices: set = set()
     for consumer, k in graph.consumers[producer]:
-        node, lay = graph.nodes[consumer], layouts[consumer]
-        axes = [node.labels.index(a) for a in node.inputs[k].axes]
-        tasks = np.flatnonzero(first_reads(lay, axes))
-        lo = lay.starts[tasks][:, axes]
-        hi = lo + lay.lens[tasks][:, axes]
-        olo = np.maximum(lo[:, None], plo[None])                          # (T, P, r)
-        ohi = np.minimum(hi[:, None], phi[None])
-        hit = np.all(ohi > olo, axis=2)
-        full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
-        dev = np.broadcast_to(lay.device[tasks][:, None], hit.shape)
-        piece = np.broadcast_to(np.arange(len(owners))[None], hit.shape)
-        remote = hit & (dev != owner_dev[None])
-        w = full & remote
-        whole_rows.append(np.stack([dev[w], piece[w]], axis=1))
-        sl = remote & ~full
-        slice_rows.append(np.concatenate([dev[sl][:, None], piece[sl][:, None], olo[sl],
-                                          ohi[sl]], axis=1))
-    item = graph.nodes[producer].itemsize
-    whole = np.unique(np.concatenate(whole_rows), axis=0) if whole_rows else np.zeros((0, 2))
-    total = int(np.prod(phi - plo, axis=1)[whole[:, 1].astype(np.int64)].sum()) \
-        if len(whole) else 0
-    slices = np.unique(np.concatenate(slice_rows), axis=0) if slice_rows else None
-    if slices is not None and len(slices):
-        taken = {(int(d), int(q)) for d, q in whole}
-        keep = np.array([(int(d), int(q)) not in taken for d, q in slices[:, :2]])
-        if keep.any():
-            r = prod.n_out
-            kept = slices[keep]
-            total += int(np.prod(kept[:, 2 + r:] - kept[:, 2:2 + r], axis=1).sum())
-    return total * item
+        node = graph.nodes[consumer]
+        axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
+        key = None if cache is None or keys is None else \
+            ("reads", keys[producer], keys[consumer], axes)
+        if key is not None and key in cache:
+            w, sl = cache[key]
+        else:
+            w, sl = edge_reads(prod, layouts[consumer], axes)
+            if key is not None:
+                cache[key] = (w, sl)
+        whole |= w
+        slices |= sl
+    owners = np.flatnonzero(prod.owner_mask)
+    sizes = np.prod(prod.lens[owners, :prod.n_out], axis=1)
+    total = sum(int(sizes[q]) for _, q in whole)
+    total += sum(math.prod(b - a for a, b in zip(lo, hi))
+                 for d, q, lo, hi in slices if (d, q) not in whole)
+    return total * graph.nodes[producer].itemsize
 
 
 def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
