@@ -5,7 +5,10 @@ Both faces (the Python API and SQL) turn arrays into constants the same way.
 >>> import numpy as np
 >>> node = constant_node(np.ones((3, 2)))
 >>> node.shape, node.dtype, node.grid.tile
-((3, 2), 'float32', (3, 2))
+((3, 2), 'float64', (3, 2))
+>>> constant_node([[1.5, 2.0]]).dtype  # Python floats become float32, as in torch
+'float32'
+
 """
 
 from __future__ import annotations
