@@ -27,7 +27,7 @@ from tensorql.einsum.literals import constant_node
 from tensorql.einsum.spec import AGGS, JOINS
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 from tensorql.sql.dialect import Einsum
-from tensorql.sql.errors import SQLOperatorError, SQLShapeError, SQLUnknownTensorError, located
+from tensorql.sql.errors import SQLOperatorError, SQLShapeError, located
 from tensorql.sql.relations import (
     SEMIRING_ZERO,
     absent_value,
@@ -295,10 +295,3 @@ class OperandResolver:
             name = matches[0]
         meta = store.meta(name)
         return Source(shape=meta.shape, dtype=meta.dtype, name=name, grid=meta.grid)
-
-
-def unknown_operand(session: Any, missing: exp.Expr, script: str,
-                    position: int | None) -> SQLUnknownTensorError:
-    """The error for an operand that names neither a tensor nor a relation."""
-    return SQLUnknownTensorError(missing.sql(dialect="duckdb"), session.tensors(), text=script,
-                                 position=position)

@@ -168,9 +168,10 @@ class ScriptRunner:
                             "(write CREATE OR REPLACE TENSOR)", e.this)
         query = e.expression
         call = self.pure_call(query, {})
-        if call is not None and call.backend in (None, "native") and call.present is None \
-                and self.session.options.backend == "native":
-            stored = self.session.store_node(name, call.node, replace=replace)
+        if call is not None and call.present is None:  # chunks go to the store as computed
+            compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
+            stored = self.session.store_node(name, call.node, replace=replace,
+                                             compiled=compiled)
         else:
             dense = self.compute(call) if call is not None else self.query(query, {}).torch()
             stored = self.session.from_torch(name, dense, replace=replace)
