@@ -84,7 +84,8 @@ def workloads(small: bool):
 
 def tile_sweep(arrays, build, tiles, repeat: int, threads: int) -> dict:
     """Median seconds of ``build`` over the arrays stored with each manual tile and with the
-    automatic one, runs interleaved round-robin; keys are tiles and "auto"."""
+    automatic one, runs interleaved round-robin (rotating the order each round); keys are
+    tiles and "auto"."""
     db = tq.connect(workers=threads)
     exprs = {}
     for tile in [*tiles, "auto"]:
@@ -94,8 +95,10 @@ def tile_sweep(arrays, build, tiles, repeat: int, threads: int) -> dict:
         exprs[tile].numpy()  # warm up
     auto_tile = db.tensor(f"{next(iter(arrays))}_auto").node.grid.tile
     times: dict = {tile: [] for tile in exprs}
-    for _ in range(repeat):
-        for tile, expr in exprs.items():
+    order = list(exprs)
+    for round_ in range(repeat):  # the order rotates each round: no position is favoured
+        for tile in order[round_ % len(order):] + order[:round_ % len(order)]:
+            expr = exprs[tile]
             start = time.perf_counter()
             expr.numpy()
             times[tile].append(time.perf_counter() - start)
