@@ -120,6 +120,10 @@ class Options:
         backend: a name in the pipeline's backend registry: "native" (the executor) or
             "duckdb" (SQL backend); checked when a session opens.
         progress: show a progress bar on stderr for long runs and stores (the CLI sets it).
+        distributed: run as one rank of a torch.distributed job (launched with torchrun):
+            ``devices`` are then this rank's devices, and the job's devices are every rank's.
+        distributed_timeout_s: how long a rank waits for a peer before the run fails with a
+            DistributedError naming it (default 120 s).
     """
 
     workers: int = 0
@@ -133,6 +137,8 @@ class Options:
     store_memory_limit: int | None = 1 << 30
     backend: str = "native"
     progress: bool = False
+    distributed: bool = False
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -163,8 +169,14 @@ class Options:
                 except ValueError as err:
                     raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not an integer") \
                         from err
-            elif f.name == "progress":
+            elif f.name in ("progress", "distributed"):
                 values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            elif f.name == "distributed_timeout_s":
+                try:
+                    values[f.name] = float(raw)
+                except ValueError as err:
+                    raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not a number") \
+                        from err
             else:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
