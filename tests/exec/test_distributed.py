@@ -69,3 +69,29 @@ def test_a_dead_rank_is_named_not_waited_for(tmp_path):
     seen = json.loads((tmp_path / "rank0.json").read_text())
     assert seen["mlp"]["error"] == "DistributedError"
     assert "rank 1" in seen["mlp"]["message"]
+
+
+def test_each_rank_reads_only_its_own_chunks_of_a_file(tmp_path):
+    import tensorql as tq
+
+    rng = np.random.default_rng(4)
+    path = str(tmp_path / "job.duckdb")
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    np.save(path + ".X.npy", x)
+    np.save(path + ".W.npy", w)
+    with tq.connect(path) as db:
+        db.from_numpy("X", x, tile=(4, 8))
+        db.from_numpy("W", w, tile=(8, 4))
+    done = _launch(2, f"file:{path}", tmp_path)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for seen in ranks:
+        assert seen["max_err"] < 1e-4
+        assert sorted(map(str, seen["reads"])) == sorted(map(str, seen["expected"]))
+    # the job reads every stored chunk; no rank reads them all (a chunk that straddles two
+    # ranks' pieces is read by both, each keeping its part)
+    every = {str(r) for seen in ranks for r in seen["reads"]}
+    assert len(every) == 4 + 3
+    assert all(len({str(r) for r in seen["reads"]}) < 7 for seen in ranks)
