@@ -60,3 +60,61 @@ def test_greedy_generation_matches_transformers(name):
         theirs = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                 min_new_tokens=32, pad_token_id=0)[0].tolist()
     assert ours == theirs
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_logits_and_generation_under_half_the_weights_memory():
+    model = hf_model("gqa")
+    limit = weight_bytes(model) // 2
+    db = tq.connect(memory_limit=limit)
+    ours = Llama.from_transformers(db, model)
+    ids = prompt("gqa", 9, model.config.vocab_size)
+    result = ours.logits([ids]).compile().run(dense=True)
+    (device,) = result.stats.devices
+    assert device.peak_bytes <= limit
+    assert device.bytes_h2d >= weight_bytes(model)  # every weight streamed in from rest
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+        tokens = model.generate(torch.tensor([ids[:4]]), max_new_tokens=32, do_sample=False,
+                                min_new_tokens=32, pad_token_id=0)[0].tolist()
+    assert np.abs(result.dense().numpy() - theirs).max() <= 1e-4
+    assert ours.generate(ids[:4], max_new_tokens=32) == tokens
+
+
+def test_from_safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    model = hf_model("mha")
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    db = tq.connect(str(tmp_path / "weights.duckdb"))
+    ours = Llama.from_safetensors(db, model.config, str(path))
+    assert "llama_l0_wq" in db.tensors()
+    ids = prompt("mha", 6, model.config.vocab_size)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    assert np.abs(ours.logits([ids]).numpy() - theirs).max() <= 1e-4
+
+
+def test_generation_query_has_an_explain():
+    model = hf_model("gqa")
+    ours = Llama.from_transformers(tq.connect(), model)
+    text = ours.logits([[1, 2, 3]]).explain()
+    assert text.startswith("EXPLAIN") and "scan llama_l0_wq" in text.lower()
+
+
+def test_bad_token_ids_raise():
+    ours = Llama.from_transformers(tq.connect(), hf_model("mha"))
+    with pytest.raises(tq.TensorQLError, match="outside the vocabulary"):
+        ours.logits([[1, 500]])
+    with pytest.raises(tq.TensorQLError, match="integer"):
+        ours.logits([[0.5, 1.0]])
+
+
+def test_unsupported_config_is_refused():
+    config = transformers.LlamaConfig(**CONFIGS["mha"], attention_bias=True)
+    with pytest.raises(tq.TensorQLError, match="attention_bias"):
+        Llama.from_state_dict(tq.connect(), config, {})
