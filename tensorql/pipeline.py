@@ -30,7 +30,7 @@ from tensorql.errors import OptionError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
-from tensorql.logical.lower import lower
+from tensorql.logical.lower import contraction_paths, lower
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import explain_partitioning
 from tensorql.options import Options
@@ -142,7 +142,15 @@ class NativeBackend:
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
         section = explain_partitioning(query.node, query.db.options.devices)  # "" for 1 device
-        return (f"{text}\n{section}" if section else text), result
+        text = f"{text}\n{section}" if section else text
+        return _with_paths(text, query.node), result
+
+
+def _with_paths(text: str, node: Node) -> str:
+    """``text`` followed by the contraction path of each n-ary einsum (opt_einsum-style)."""
+    sections = [f"contraction of einsum {op.spec.equation}:\n{info.explain()}"
+                for op, info in contraction_paths(node)]
+    return "\n".join([text, *sections])
 
 
 class DuckDBBackend:

@@ -51,6 +51,7 @@ def path_cost(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
     464.0
     """
     tiles = tiles or {}
+    sizes = {lab: int(n) for lab, n in sizes.items()}
     blocks = {lab: -(-n // max(1, min(n, tiles.get(lab, n)))) for lab, n in sizes.items()}
     current = [tuple(labels) for labels in inputs]
     total = 0.0
@@ -263,6 +264,7 @@ def plan_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
 def describe_path(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
                   output: Sequence[str], sizes: Mapping[str, int]) -> PathInfo:
     """The :class:`PathInfo` of a given ``path``."""
+    sizes = {lab: int(n) for lab, n in sizes.items()}  # Python ints: no overflow
     current = [tuple(labels) for labels in inputs]
     steps = []
     for position, pair in enumerate(path):

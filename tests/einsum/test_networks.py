@@ -52,3 +52,44 @@ def test_network_matches_opt_einsum(name):
 def test_networks_cover_more_than_52_labels():
     wide = [name for name, make in NETWORKS.items() if len(_labels(make()[0])) > 52]
     assert {"matrix_chain", "tree", "mps", "lattice"} <= set(wide)
+
+
+def test_explain_shows_the_contraction_path():
+    equation, shapes, *_ = NETWORKS["mera"]()
+    db = tq.connect()
+    rng = np.random.default_rng(5)
+    tensors = [db.from_numpy(f"t{n}", rng.uniform(size=s)) for n, s in enumerate(shapes)]
+    text = tq.einsum(equation, *tensors).explain()
+    assert f"contraction of einsum {equation}:" in text
+    assert "naive" in text and "largest intermediate" in text
+    assert text.count("  step ") == len(shapes) - 1
+
+
+def test_repeated_query_reuses_its_path():
+    from tensorql.logical.path import PATH_CACHE
+
+    equation, shapes, *_ = NETWORKS["lattice"]()
+    db = tq.connect()
+    rng = np.random.default_rng(6)
+    tensors = [db.from_numpy(f"t{n}", rng.uniform(size=s)) for n, s in enumerate(shapes)]
+    tq.einsum(equation, *tensors).compile()
+    misses, hits = PATH_CACHE.misses, PATH_CACHE.hits
+    other = [db.from_numpy(f"u{n}", rng.uniform(size=s)) for n, s in enumerate(shapes)]
+    tq.einsum(equation, *other).compile()  # same spec, shapes and tiles: no new search
+    assert PATH_CACHE.misses == misses and PATH_CACHE.hits > hits
+
+
+def test_chosen_path_is_no_worse_than_opt_einsum_greedy():
+    from tensorql.logical.path import PathKey, describe_path, search_path
+
+    for name in ("lattice", "tree", "random_connected", "mps"):
+        equation, shapes, *_ = NETWORKS[name]()
+        lhs, output = equation.split("->")
+        inputs = [tuple(part) for part in lhs.split(",")]
+        sizes = {lab: n for labels, shape in zip(inputs, shapes) for lab, n in zip(labels, shape)}
+        key = PathKey.of(inputs, tuple(output), sizes, None, 8)
+        ours = describe_path(search_path(inputs, tuple(output), sizes), inputs, tuple(output),
+                             sizes)
+        greedy, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="greedy")
+        theirs = describe_path(greedy, inputs, tuple(output), sizes)
+        assert ours.flops <= theirs.flops, (name, key)
