@@ -149,11 +149,11 @@ OPTIMAL_MAX_OPERANDS = 5
 DP_MAX_OPERANDS = 10
 # The hyper-optimiser's time: this fraction of the greedy path's estimated run time at
 # ASSUMED_FLOPS_PER_S, within [MIN_SEARCH_S, MAX_SEARCH_S].
-SEARCH_FRACTION = 0.5
-ASSUMED_FLOPS_PER_S = 1e10
+SEARCH_FRACTION = 1.0
+ASSUMED_FLOPS_PER_S = 1e9
 MIN_SEARCH_S = 0.05
-MAX_SEARCH_S = 1.0
-HYPER_REPEATS = 64
+MAX_SEARCH_S = 2.0
+HYPER_REPEATS = 128
 
 
 def search_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
@@ -173,20 +173,42 @@ def search_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
     optimizers: list[object] = ["greedy"]
     if len(inputs) <= OPTIMAL_MAX_OPERANDS:
         optimizers.append("optimal")
-    elif len(inputs) <= DP_MAX_OPERANDS:
+    elif len(inputs) <= DP_MAX_OPERANDS or is_chain(inputs):
         optimizers += [opt_einsum.DynamicProgramming(minimize="flops"),
                        opt_einsum.DynamicProgramming(minimize="combo")]
     candidates = []
     for optimizer in optimizers:
         path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=optimizer)
         candidates.append([tuple(pair) for pair in path])
-    if len(inputs) > OPTIMAL_MAX_OPERANDS:
+    if len(inputs) > OPTIMAL_MAX_OPERANDS and not is_chain(inputs):  # dp is exact on chains
         greedy_flops = describe_path(candidates[0], inputs, output, sizes).flops
         budget = SEARCH_FRACTION * greedy_flops / ASSUMED_FLOPS_PER_S
         candidates.append(hyper_path(inputs, output, sizes,
                                      min(MAX_SEARCH_S, max(MIN_SEARCH_S, budget))))
     costs = [path_cost(path, inputs, output, sizes, tiles, itemsize) for path in candidates]
     return candidates[costs.index(min(costs))]
+
+
+def is_chain(inputs: Sequence[Sequence[str]]) -> bool:
+    """True when operands sharing labels form a simple path (matrix chains, MPS-like
+    trains): dynamic programming over its intervals is cheap there at any length.
+
+    >>> is_chain([("i", "j"), ("j", "k"), ("k", "l")]), is_chain([("i", "j"), ("i", "k"),
+    ...                                                            ("i", "l")])
+    (True, False)
+    """
+    holders: dict[str, set[int]] = {}
+    for n, labels in enumerate(inputs):
+        for lab in labels:
+            holders.setdefault(lab, set()).add(n)
+    edges = {frozenset(ops) for ops in holders.values() if len(ops) == 2}
+    if any(len(ops) > 2 for ops in holders.values()) or len(edges) != len(inputs) - 1:
+        return False
+    degree = [0] * len(inputs)
+    for edge in edges:
+        for n in edge:
+            degree[n] += 1
+    return max(degree, default=0) <= 2 and min(degree, default=0) >= 1
 
 
 def hyper_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
@@ -204,7 +226,7 @@ def hyper_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
         import cotengra
 
         optimizer = cotengra.HyperOptimizer(
-            methods=["greedy"], minimize="flops", max_repeats=HYPER_REPEATS,
+            minimize="flops", max_repeats=HYPER_REPEATS,
             max_time=max_time, parallel=False, progbar=False, optlib="random",
             optlib_opts={"seed": 0})
         symbols = _symbols(inputs, output)
