@@ -31,6 +31,7 @@ import opt_einsum
 import torch
 
 import tensorql as tq
+from tensorql.logical.lower import contraction_paths
 from tensorql.logical.path import PATH_CACHE, describe_path
 
 FULL = {
@@ -102,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         tensors = [torch.from_numpy(a) for a in arrays]
         stored = [db.from_numpy(f"{name}_{n}", a, replace=True) for n, a in enumerate(arrays)]
 
-        def ours():
+        def ours(equation=equation, stored=stored):
             PATH_CACHE.clear()
             return tq.einsum(equation, *stored).torch()
 
-        def theirs():
+        def theirs(equation=equation, tensors=tensors):
             return opt_einsum.contract(equation, *tensors, optimize="auto-hq", backend="torch")
 
         got, want = ours(), theirs()
@@ -115,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         t_ours = _median(ours, args.repeat)
         PATH_CACHE.clear()
         query = tq.einsum(equation, *stored)
-        from tensorql.logical.lower import contraction_paths
-
         ((_, info),) = contraction_paths(query.node)
         ctg = _cotengra_flops(inputs, output, sizes, args.cotengra_time)
         ratio = t_ours / t_theirs

@@ -37,6 +37,61 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_DEVICES_HINT = ("devices is 'auto', 'cpu', 'cuda', an int N (N CPU devices), 'null[:N]' "
+                 "(scheduler tests only), 'cuda:0,cuda:1' or a list like ['cuda:0', 'cuda:1']")
+
+
+def device_names(spec: Any) -> tuple[str, ...]:
+    """The devices a ``devices`` option names: the one place that option is read.
+
+    >>> device_names(3)
+    ('cpu:0', 'cpu:1', 'cpu:2')
+    >>> device_names("cpu"), device_names("cuda:0, cuda:1"), device_names("null:2")
+    (('cpu:0',), ('cuda:0', 'cuda:1'), ('null:0', 'null:1'))
+    """
+    import torch
+
+    if spec is None or spec == "auto":
+        if torch.cuda.is_available():
+            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+        return ("cpu:0",)
+    if isinstance(spec, bool):
+        raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
+        count = int(spec)
+        if count < 1:
+            raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
+        return tuple(f"cpu:{i}" for i in range(count))
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text == "cpu":
+            return ("cpu:0",)
+        if text == "cuda":
+            if not torch.cuda.is_available():
+                raise OptionError("devices='cuda' but no CUDA device is available; "
+                                  "use devices='cpu' or 'auto'")
+            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+        if text.startswith("null"):
+            count = text.split(":", 1)[1] if ":" in text else "1"
+            if not count.isdigit() or int(count) < 1:
+                raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
+            return tuple(f"null:{i}" for i in range(int(count)))
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+    elif isinstance(spec, (list, tuple)):
+        names = tuple(str(part).strip() for part in spec)
+    else:
+        raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
+    if not names:
+        raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
+    for name in names:
+        kind, _, index = name.partition(":")
+        if kind not in ("cpu", "cuda", "null") or (index and not index.isdigit()):
+            raise OptionError(f"unknown device {name!r} in devices={spec!r}; {_DEVICES_HINT}")
+    if len(set(names)) != len(names):
+        raise OptionError(f"devices={spec!r} names a device twice")
+    return names
+
+
 def _default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else (os.cpu_count() or 1))
@@ -49,7 +104,12 @@ class Options:
     Attributes:
         workers: worker threads running chunk tasks (default: the usable cores).
         intra_op_threads: torch threads inside one chunk kernel (default: cores // workers).
-        devices: "auto" | "cpu" | "cuda" | a list such as ["cuda:0", "cuda:1"].
+        devices: "auto" | "cpu" | "cuda" | N (N CPU devices) | "cuda:0,cuda:1" | a list
+            such as ["cuda:0", "cuda:1"] | "null[:N]" (scheduler tests); read by
+            :func:`device_names`. With several devices the optimizer partitions every
+            operation across them and that partitioning is what runs.
+        strategy: the optimizer's partitioning strategy on several devices (auto, data,
+            model, exhaustive).
         memory_limit: bytes each device may hold (None: unlimited).
         tile_target_elems: element count auto-tiling aims at per chunk.
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
@@ -65,6 +125,7 @@ class Options:
     workers: int = 0
     intra_op_threads: int = 0
     devices: Any = "auto"
+    strategy: str = "auto"
     memory_limit: int | None = None
     tile_target_elems: int = 1 << 20
     kernel_temp_bytes: int = 64 << 20
@@ -81,6 +142,7 @@ class Options:
                 self, "intra_op_threads", max(1, _default_workers() // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        device_names(self.devices)  # OptionError now rather than at the first query
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         if not isinstance(self.backend, str) or not self.backend:
             raise OptionError(f"backend must be a name such as 'native' or 'duckdb', "

@@ -195,7 +195,7 @@ class Database:
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         compiled = expr.compile()
         result = compiled.run(progress=progress)
-        rel = compiled.physical.result_step.node.relation
+        rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
         self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
         self.generation += 1
@@ -217,8 +217,8 @@ class Database:
         grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, self.options.tile_target_elems))
         return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
 
-    def explain_node(self, node: Node, analyze: bool = False) -> str:
-        return CompiledQuery.compile(node, self).explain(analyze=analyze)
+    def explain_node(self, node: Node, analyze: bool = False, stage: str | None = None) -> str:
+        return CompiledQuery.compile(node, self).explain(analyze=analyze, stage=stage)
 
     def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:
         meta = self.chunk_store.meta(name)

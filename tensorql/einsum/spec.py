@@ -90,14 +90,6 @@ class EinsumSpec:
         return tuple(self.sizes[label] for label in self.output)
 
     @property
-    def effective_inputs(self) -> tuple[tuple[str, ...], ...]:
-        """Each operand's labels without its broadcast (squeezed) dims."""
-        return tuple(
-            tuple(lab for lab, sq in zip(labels, squeeze) if not sq)
-            for labels, squeeze in zip(self.inputs, self.squeezed)
-        )
-
-    @property
     def is_semiring(self) -> bool:
         """True when labels may be aggregated early and operands reordered."""
         return self.join in COMMUTATIVE_JOINS and (self.join, self.agg) in DISTRIBUTIVE

@@ -168,8 +168,11 @@ class _Planner:
         self.ops: list[Op] = []
         self.devs = [_Device(i, budgets[i]) for i in range(n_devices)]
         contributions = graph.contributions()
+        # data at rest is loaded onto whichever device reads it, unless its task is pinned to a
+        # device (a partitioned plan places every piece): then it is computed there
         self.source: dict[ChunkRef, Task] = {
-            t.output: t for t in graph.tasks if t.is_source and contributions[t.output] == 1}
+            t.output: t for t in graph.tasks
+            if t.is_source and contributions[t.output] == 1 and t.device is None}
         self.tasks = [t for t in graph.tasks if t.output not in self.source]
         self.remaining = {ref: n for ref, n in contributions.items() if ref not in self.source}
         self.writers: dict[ChunkRef, list[int]] = {}
@@ -351,6 +354,7 @@ class _Planner:
             src.resident[ref].users.append(op.id)
             d.d2d += nbytes
             dirty = False
+            self._release_after_send(src, ref, d, pos)
         else:
             if ref not in self.host_valid:  # pragma: no cover - guarded by the order
                 raise PlanError(f"chunk {ref} is needed on device {d.index} but is nowhere")
@@ -364,9 +368,28 @@ class _Planner:
             dirty = take
         d.resident[ref] = _Interval(op.id, nbytes, [], dirty)
 
+    def _release_after_send(self, src: _Device, ref: ChunkRef, dst: _Device, pos: int) -> None:
+        """Free ``ref`` on ``src`` (unlimited budget) once ``src`` no longer uses it and no device
+        but ``dst``, which has just been sent it, will read it."""
+        if src.budget is not None or self._next_use(src, ref, pos - 1) < math.inf:
+            return
+        if self.remaining.get(ref, 0) > 0 or (ref.step in self.graph.retain
+                                               and ref not in self.host_valid):
+            return
+        for other in self.devs:
+            if other.index not in (src.index, dst.index) and \
+                    self._next_use(other, ref, pos - 1) < math.inf:
+                return
+        self.free(src, ref)
+
     def _holder(self, ref: ChunkRef, dev: int) -> _Device | None:
+        """A device holding ``ref`` to send it from: the one that computed it when it still
+        does (the plan's transfers are from owners), else any other."""
         if self.remaining.get(ref, 0) > 0:
             return None
+        owner = self.owner.get(ref)
+        if owner is not None and owner != dev and ref in self.devs[owner].resident:
+            return self.devs[owner]
         for o in self.devs:
             if o.index != dev and ref in o.resident:
                 return o
@@ -419,6 +442,8 @@ class _Planner:
                 if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
                         self.remaining.get(ref, 0) == 0:
                     later = self._used_elsewhere(ref, dev, pos)
+                    if later and d.budget is None and self.owner.get(ref, d.index) == d.index:
+                        continue  # other devices will be sent it; freed after the last send
                     self.free(d, ref, writeback=d.resident[ref].dirty and later)
             self.prefetch_for(order, placed, pos)
         for ref, task in self.source.items():  # results read straight from rest
@@ -478,6 +503,22 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
             if op.lane != "none" else 0.0
         rank[op.id] = own + max((rank[s] for s in succ[op.id]), default=0.0)
     return tuple(rank)
+
+
+def largest_task_bytes(graph: TaskGraph) -> int:
+    """Bytes the largest task needs resident at once: its distinct inputs and its output (no
+    memory limit can be smaller). Tasks without inputs that are not pinned are loaded where
+    they are read, so only their output counts where it is read.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+    >>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    >>> largest_task_bytes(TaskGraph((Task(0, (), a, None), Task(1, (a,), b, None)),
+    ...                              chunk_bytes={a: 40, b: 8}))
+    48
+    """
+    sizes = graph.chunk_bytes
+    return max((sum(sizes.get(r, 0) for r in {*t.inputs, t.output}) for t in graph.tasks),
+               default=0)
 
 
 def plan_program(graph: TaskGraph, n_devices: int = 1,

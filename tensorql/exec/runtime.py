@@ -35,25 +35,26 @@ import heapq
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
-from tensorql.exec.devices import Completion, Device, resolve_devices, wants_runtime
-from tensorql.exec.executor import (
-    ChunkDestination,
-    ChunkSink,
-    Executor,
-    RunResult,
-    RunStats,
-    StepStats,
-)
+from tensorql.exec.devices import Completion, Device, resolve_devices
+from tensorql.exec.executor import Executor
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.run_types import (
+    ChunkDestination,
+    ChunkSink,
+    RunResult,
+    RunStats,
+    StepStats,
+    record_task,
+)
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
 
@@ -112,6 +113,12 @@ class RuntimeStats(RunStats):
     timeline: list[TimelineEvent] = field(default_factory=list)
     pinned_bytes: int = 0
     spilled_bytes: int = 0
+    moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the run copied from one device to another."""
+        return sum(map(sum, self.moved))
 
     def device_lines(self) -> list[str]:
         """Text lines for EXPLAIN ANALYZE, one per device."""
@@ -161,14 +168,15 @@ class Runtime:
     ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
     takes host copies beyond it. ``timeline=True`` records every op for
     :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
-    result chunks in device memory instead of copying them to the host.
+    result chunks in device memory instead of copying them to the host. ``direct=True`` lets
+    a run on one CPU with no limit skip the memory plan (see :meth:`run`).
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
-                 results_on_device: bool = False) -> None:
+                 results_on_device: bool = False, direct: bool = False) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -183,6 +191,10 @@ class Runtime:
         self.results_on_device = results_on_device
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
+        # the fast path: one CPU, nothing to budget, nothing to record per op
+        self.direct = direct and (len(self.devices) == 1 and self.devices[0].kind == "cpu"
+                                  and memory_limit is None and not timeline
+                                  and not results_on_device)
 
     def budgets(self) -> list[int | None]:
         """The chunk budget of each device: memory_limit less the reserve."""
@@ -209,9 +221,14 @@ class Runtime:
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None) -> RunResult:
-        """Run ``graph`` under the memory plan. ``destination`` is accepted for interface
-        parity with :class:`Executor` and not used: result chunks live on devices and in the
-        host tier, and reach a dense result through ``sink``."""
+        """Run ``graph``. On one CPU device with no memory limit (and no timeline asked for)
+        the engine runs in its *direct* mode: worker threads take ready tasks straight from
+        the graph (:class:`~tensorql.exec.executor.Executor`), writing result tiles into
+        ``destination`` when given. Otherwise it runs the memory plan's ops on the devices'
+        lanes from completion events; result chunks then reach a dense result via ``sink``."""
+        if self.direct:
+            return Executor(self.workers, self.intra_op_threads).run(
+                graph, progress=progress, sink=sink, destination=destination)
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -256,6 +273,7 @@ class _Run:
         kinds = [d.kind for d in self.devices]
         self.stats = RuntimeStats(tasks=len(graph.tasks), workers=rt.workers, program=program,
                                   device_kinds=kinds)
+        self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
                                           planned_peak_bytes=b.peak_bytes)
                               for d, b in zip(self.devices, program.devices)]
@@ -269,9 +287,10 @@ class _Run:
         self.start = time.perf_counter()
         try:
             self._count_unused_sources()
-            for op in self.ops:
-                if self.ndeps[op.id] == 0:
-                    self._make_ready(op)
+            # collected first: making one op ready may release others (zero-cost ops run at
+            # once), which must not be made ready a second time
+            for op in [op for op in self.ops if self.ndeps[op.id] == 0]:
+                self._make_ready(op)
             while self.done_ops < len(self.ops) and self.error is None:
                 self._dispatch()
                 if self.done_ops >= len(self.ops):
@@ -309,7 +328,8 @@ class _Run:
 
     def _count_unused_sources(self) -> None:
         used = {op.ref for op in self.ops if op.from_rest}
-        unused = sum(1 for t in self.graph.tasks if t.is_source and t.output not in used
+        unused = sum(1 for t in self.graph.tasks if t.is_source and t.device is None
+                     and t.output not in used
                      and self.graph.contributions()[t.output] == 1)
         self.done_tasks += unused
 
@@ -402,7 +422,8 @@ class _Run:
 
             def compute() -> None:
                 inputs = [values[r] for r in task.inputs]
-                values[op.ref] = task.kernel.run(inputs, values.get(op.ref))
+                value = task.kernel.run(inputs, values.get(op.ref))
+                values[op.ref] = dev.to_device(value) if not task.inputs else value
             return compute
         if op.kind == "load":
             return lambda: self._load(op, dev)
@@ -474,29 +495,27 @@ class _Run:
         task_done = False
         if op.kind == "compute":
             task_done = True
-            step = self.stats.steps.setdefault(op.ref.step, StepStats())
-            step.tasks += 1
-            step.busy_s += end - start
-            step.first_start = min(step.first_start, start)
-            step.last_end = max(step.last_end, end)
-            step.bytes_in += sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs)
+            record_task(self.stats, op.ref.step, start, end,
+                        bytes_in=sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs),
+                        bytes_read=getattr(op.task.kernel, "bytes_read", 0)
+                        if not op.task.inputs else 0)
         elif op.kind in ("load", "send"):
             if not self.devices[op.device].is_null:
                 self.values[op.device][op.ref] = c.value
             if op.kind == "send":
-                stats.bytes_d2d += op.nbytes
+                sent = c.value.nbytes if c.value is not None else op.nbytes
+                stats.bytes_d2d += sent
+                self.stats.moved[op.src_device][op.device] += sent
             else:
                 stats.bytes_h2d += op.nbytes
             if op.kind == "load" and op.from_rest:
-                step = self.stats.steps.setdefault(op.ref.step, StepStats())
-                step.busy_s += end - start
-                step.first_start = min(step.first_start, start)
-                step.last_end = max(step.last_end, end)
-                step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
+                first = op.ref not in self.loaded_sources
+                step = record_task(self.stats, op.ref.step, start, end,
+                                   bytes_read=getattr(op.task.kernel, "bytes_read", 0),
+                                   tasks=int(first))
                 step.bytes_out += op.nbytes
-                if op.ref not in self.loaded_sources:
+                if first:
                     self.loaded_sources.add(op.ref)
-                    step.tasks += 1
                     task_done = True
                 else:
                     stats.reloads += 1
@@ -541,25 +560,15 @@ class _Run:
         self.stats.spilled_bytes = self.host.spilled_bytes
 
 
-def executor_for(options: Any, *, timeline: bool = False) -> Executor | Runtime:
-    """The executor a session's ``Options`` call for: the plain thread :class:`Executor` for
-    one unlimited CPU, else the event-driven :class:`Runtime` on the chosen devices.
+def executor_for(options: Any, *, timeline: bool = False) -> Runtime:
+    """The engine a session's ``Options`` call for: the runtime on the chosen devices, in its
+    direct mode for one unlimited CPU.
 
     >>> from tensorql.options import Options
-    >>> type(executor_for(Options(devices="cpu"))).__name__
-    'Executor'
-    >>> type(executor_for(Options(devices="cpu", memory_limit="1GiB"))).__name__
-    'Runtime'
+    >>> executor_for(Options(devices="cpu")).direct
+    True
+    >>> executor_for(Options(devices="cpu", memory_limit="1GiB")).direct
+    False
     """
-    devices = getattr(options, "devices", "auto")
-    limit = getattr(options, "memory_limit", None)
-    if not wants_runtime(devices, limit) and not timeline:
-        return Executor(options.workers, options.intra_op_threads)
-    return Runtime(devices, limit, workers=options.workers,
-                   intra_op_threads=options.intra_op_threads, timeline=timeline)
-
-
-def run_graph(graph: TaskGraph, devices: Sequence[Device] | str = "cpu",
-              memory_limit: int | None = None, **kw: Any) -> RunResult:
-    """Shorthand: ``Runtime(devices, memory_limit, **kw).run(graph)``."""
-    return Runtime(devices, memory_limit, **kw).run(graph)
+    return Runtime(options.devices, options.memory_limit, workers=options.workers,
+                   intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True)

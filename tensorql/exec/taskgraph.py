@@ -15,11 +15,8 @@ ChunkRef(step=0, key=(1, 2))
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,14 +25,6 @@ class ChunkRef:
 
     step: int
     key: tuple[int, ...]
-
-
-class Kernel(Protocol):
-    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        ...
-
-    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-        ...
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
     raise PlanError(f"cannot plan node {type(node).__name__}")
 
 
-def _operands(op: EinsumOp, children: list[LogicalNode]) -> tuple[list[Operand], dict[str, int]]:
+def _operands(op: EinsumOp,
+              children: list[LogicalNode]) -> tuple[list[Operand], dict[str, int]]:
     """Each operand (retiled) with its labels, and the tile of every label."""
     spec = op.spec
     labels = [

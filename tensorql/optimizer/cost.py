@@ -1,22 +1,27 @@
 """The cost model: FLOPs of the busiest device, bytes moved between devices, peak bytes.
 
-A partition vector gives every label of an operation a number of pieces; a label of size ``n``
-in ``p`` pieces has pieces ``[k*n//p, (k+1)*n//p)`` (sizes differ by at most one). The op runs
-one task per combination of pieces. Placement is fixed by a single rule, so that the model and
-the partitioned executor count exactly the same transfers:
+A partition vector gives every label of an operation a number of pieces. A label of size ``n``
+in ``p`` pieces is cut like a chunk grid: tiles of ``ceil(n / p)`` (the last one shorter), so a
+partitioned operation's pieces *are* the chunks of its physical step. Only counts that make
+exactly ``p`` non-empty pieces are candidates. The op runs one task per piece combination
+(``M`` tasks); task ``r`` (row-major over the labels, output labels first, aggregated last)
+runs on device ``r * N // M``. An output piece is *owned* by the device of its task whose
+aggregated pieces are all 0. ``M`` is normally the device count ``N``; when no piece fits a
+``memory_limit``, the search also offers ``2N``, ``4N``, ... pieces (several tasks a device).
 
-* a tensor (or op) cut into ``M`` pieces (row-major rank ``r`` over its labels, output labels
-  first, aggregated labels last) puts piece/task ``r`` on device ``r * N // M``;
-* so the output chunk of an op lives where its task with every aggregated piece index 0 runs.
+Bytes moved have two parts:
 
-Bytes moved then have three parts, all counted in :func:`transition_matrix` and
-:class:`NodeTable`:
+* **operand regions** -- a device reads, for every operand, the region each of its tasks
+  selects; every byte of it held by another device moves, once per device (tasks of one device
+  reading the same region share the copy, and so do operations reading the same producer);
+* **partial aggregates** -- a device holding a partial of an output piece it does not own
+  (it ran tasks with aggregated pieces != 0) folds its own partials together and sends one
+  partial to the owner: ``(devices contributing - 1) x piece bytes`` per output piece.
 
-* **input replication / repartition** -- each task reads, for every operand, the region its
-  pieces select; every byte of it held by another device moves (a producer partitioned like
-  the consumer moves only the replicas; a different partitioning moves the overlaps);
-* **partial aggregates** -- a task whose aggregated pieces are not all 0 sends its partial
-  output chunk to the chunk's owner, ``(A - 1) x output bytes`` for ``A`` aggregated pieces.
+The search sums per-edge figures (:func:`transition_matrix`, :class:`NodeTable`), which count
+a producer read by several operations once per operation: an upper bound it minimises. The
+chosen plan's ``bytes_moved`` is then counted exactly, per device pair, by :func:`pair_bytes`:
+the bytes the physical plan's copies move.
 
 FLOPs of a task are ``prod(piece sizes) x operands`` (one join and one agg op per joined
 element, as the physical planner estimates); ``Cost.flops`` is the busiest device's total.
@@ -24,10 +29,10 @@ element, as the physical planner estimates); ``Cost.flops`` is the busiest devic
 
 >>> Cost(flops=10, bytes_moved=4, peak_bytes=8) + Cost(flops=1, bytes_moved=1, peak_bytes=9)
 Cost(flops=11, bytes_moved=5, peak_bytes=9)
->>> piece_bounds(10, 4)
-(0, 2, 5, 7, 10)
+>>> piece_bounds(10, 4), splits(6, 4)
+((0, 3, 6, 9, 10), False)
 >>> candidates((4, 6, 1), 6)[:3]
-((1, 6, 1), (2, 3, 1), (3, 2, 1))
+((1, 6, 1), (2, 3, 1))
 """
 
 from __future__ import annotations
@@ -57,16 +62,20 @@ class Cost:
 
 
 def piece_bounds(n: int, p: int) -> tuple[int, ...]:
-    """Boundaries of ``p`` balanced pieces of ``range(n)``."""
-    return tuple((k * n) // p for k in range(p + 1))
+    """Boundaries of ``p`` pieces of ``range(n)`` cut like a chunk grid of tile ceil(n/p)."""
+    tile = -(-n // p)
+    return tuple(min(k * tile, n) for k in range(p + 1))
+
+
+def splits(n: int, p: int) -> bool:
+    """True when tiles of ``ceil(n / p)`` cut ``range(n)`` into exactly ``p`` pieces."""
+    return 1 <= p <= n and (p - 1) * -(-n // p) < n
 
 
 @lru_cache(maxsize=4096)
-def candidates(sizes: tuple[int, ...], devices: int) -> tuple[tuple[int, ...], ...]:
-    """Partition vectors with ``prod == devices`` and no empty piece (lexicographic order).
-
-    When the sizes cannot make ``devices`` pieces, those with the largest product instead.
-    """
+def candidates(sizes: tuple[int, ...], pieces: int) -> tuple[tuple[int, ...], ...]:
+    """Partition vectors with ``prod == pieces`` whose every count :func:`splits` its label
+    (lexicographic order). When none exists, those with the largest product below instead."""
     found: list[tuple[int, ...]] = []
 
     def extend(prefix: tuple[int, ...], left: int) -> None:
@@ -75,9 +84,10 @@ def candidates(sizes: tuple[int, ...], devices: int) -> tuple[tuple[int, ...], .
             found.append(prefix)
             return
         for p in range(1, min(sizes[d], left) + 1):
-            extend(prefix + (p,), left // p)
+            if splits(sizes[d], p):
+                extend(prefix + (p,), left // p)
 
-    extend((), devices)
+    extend((), pieces)
     best = max(math.prod(c) for c in found)
     return tuple(sorted(c for c in found if math.prod(c) == best))
 
@@ -88,107 +98,369 @@ def device_of(rank: int, pieces: int, devices: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
+class Layout:
+    """The tasks of one candidate partition vector: piece index, start, length and device of
+    every task (row-major), and which output piece each device owns."""
+
+    pieces: tuple[int, ...]
+    index: np.ndarray    # (M, L) piece index of each task along each label
+    starts: np.ndarray   # (M, L)
+    lens: np.ndarray     # (M, L)
+    device: np.ndarray   # (M,)
+    n_out: int
+
+    @property
+    def owner_mask(self) -> np.ndarray:
+        """Tasks whose aggregated pieces are all 0: they place their output piece."""
+        return np.all(self.index[:, self.n_out:] == 0, axis=1)
+
+    def owners(self) -> dict[tuple[int, ...], int]:
+        """Output piece index -> owning device."""
+        own = self.owner_mask
+        return {tuple(int(x) for x in self.index[t, :self.n_out]): int(self.device[t])
+                for t in np.flatnonzero(own)}
+
+    def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(from device, to device, output piece)`` for every partial sent to an owner."""
+        owners = self.owners()
+        seen = set()
+        out = []
+        for t in range(len(self.device)):
+            piece = tuple(int(x) for x in self.index[t, :self.n_out])
+            dev = int(self.device[t])
+            if dev != owners[piece] and (dev, piece) not in seen:
+                seen.add((dev, piece))
+                out.append((dev, owners[piece], piece))
+        return out
+
+
+def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int) -> Layout:
+    """The :class:`Layout` of ``pieces`` over labels of ``sizes`` on ``devices`` devices.
+
+    >>> lay = layout((4, 6), (2, 1), 1, 2)
+    >>> lay.starts.tolist(), lay.device.tolist()
+    ([[0, 0], [2, 0]], [0, 1])
+    """
+    combos = list(itertools.product(*(range(p) for p in pieces)))
+    idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(pieces))
+    st = np.zeros_like(idx)
+    ln = np.zeros_like(idx)
+    for lab, (n, p) in enumerate(zip(sizes, pieces)):
+        b = np.array(piece_bounds(n, p))
+        st[:, lab] = b[idx[:, lab]]
+        ln[:, lab] = b[idx[:, lab] + 1] - b[idx[:, lab]]
+    m = len(idx)
+    dev = np.arange(m, dtype=np.int64) * devices // m
+    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out)
+
+
+def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int) -> Layout:
+    """``lay`` with each piece cut further into chunks of ``tiles`` (each must divide its
+    label's piece tile ``ceil(n / p)``): every chunk stays on its piece's device, so bytes moved
+    between devices are the same, and a device's work comes in cache-sized tasks that can
+    start as soon as their own chunks are in.
+
+    >>> fine = refine(layout((8, 6), (2, 1), 1, 2), (8, 6), (2, 6), 2)
+    >>> fine.pieces, fine.device.tolist()
+    ((4, 1), [0, 0, 1, 1])
+    """
+    piece_tiles = [-(-n // p) for n, p in zip(sizes, lay.pieces)]
+    for t, pt, n in zip(tiles, piece_tiles, sizes):
+        if pt % t and t < n:
+            raise ValueError(f"tile {t} does not divide the piece tile {pt}")
+    blocks = [-(-n // t) for n, t in zip(sizes, tiles)]
+    combos = list(itertools.product(*(range(b) for b in blocks)))
+    idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(blocks))
+    tile_arr = np.array(tiles, dtype=np.int64).reshape(1, len(blocks))
+    starts = idx * tile_arr
+    lens = np.minimum(starts + tile_arr, np.array(sizes, dtype=np.int64)) - starts
+    parent = starts // np.array(piece_tiles, dtype=np.int64)
+    m = math.prod(lay.pieces)
+    rank = np.ravel_multi_index(tuple(parent.T), lay.pieces) if len(blocks) else \
+        np.zeros(len(idx), dtype=np.int64)
+    device = np.asarray(rank, dtype=np.int64) * devices // m
+    return Layout(tuple(blocks), idx, starts, lens, device, lay.n_out)
+
+
+def sub_tile(piece_tile: int, target: int) -> int:
+    """The largest divisor of ``piece_tile`` that is at most ``target``; ``piece_tile`` itself
+    when that divisor is no more than half of ``target`` (cutting finer would only add tasks).
+
+    >>> sub_tile(1536, 512), sub_tile(1376, 512), sub_tile(7, 4), sub_tile(100, 500)
+    (512, 344, 7, 100)
+    """
+    if target >= piece_tile:
+        return piece_tile
+    best = 1
+    k = 1
+    while k * k <= piece_tile:
+        if piece_tile % k == 0:
+            for d in (k, piece_tile // k):
+                if d <= target:
+                    best = max(best, d)
+        k += 1
+    return best if 2 * best > target else piece_tile
+
+
+@dataclass(frozen=True, eq=False)
 class NodeTable:
     """Per-candidate figures of one node, in arrays over its candidates ``cands`` (K, L).
 
-    ``tasks[c]`` lists the piece index of every task (row-major), ``task_dev[c]`` its device;
-    ``piece_lo/hi[c, d]`` the output piece device ``d`` owns (``has_piece[c, d]`` if any);
-    ``partial_bytes``, ``flops_dev`` (K, N) and ``peak`` are the node's own costs.
+    ``layouts[c]`` places candidate ``c``'s tasks; ``piece_lo/hi[c, d, s]`` is the ``s``-th
+    output piece device ``d`` owns (``has_piece[c, d, s]`` if any); ``partial_bytes``,
+    ``flops_dev`` (K, N) and ``peak`` are the node's own costs.
     """
 
     cands: np.ndarray
-    lens: list[np.ndarray]          # per candidate: (M, L) piece lengths of each task
-    starts: list[np.ndarray]        # per candidate: (M, L) piece starts of each task
-    task_dev: list[np.ndarray]      # per candidate: (M,)
-    piece_lo: np.ndarray            # (K, N, n_out)
+    layouts: list[Layout]
+    piece_lo: np.ndarray            # (K, N, S, n_out)
     piece_hi: np.ndarray
-    has_piece: np.ndarray           # (K, N)
+    has_piece: np.ndarray           # (K, N, S)
     partial_bytes: np.ndarray       # (K,)
     flops_dev: np.ndarray           # (K, N)
     peak: np.ndarray                # (K,)
 
 
-def node_key(graph: OpGraph, node: OpNode, devices: int) -> tuple:
+def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = None) -> tuple:
     """What a node's table depends on (equal keys share tables across identical layers)."""
     ins = tuple((tuple(node.labels.index(a) for a in e.axes),
                  graph.nodes[e.producer].itemsize) for e in node.inputs)
     return (node.kind == "einsum" or node.kind == "map", node.sizes, node.n_out, ins,
-            node.itemsize, devices)
+            node.itemsize, devices, pieces or devices)
 
 
 def build_table(graph: OpGraph, node: OpNode, devices: int,
-                allowed: Sequence[tuple[int, ...]] | None = None) -> NodeTable:
-    """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: all)."""
-    chosen = allowed if allowed is not None else candidates(node.sizes, devices)
+                allowed: Sequence[tuple[int, ...]] | None = None,
+                pieces: int | None = None) -> NodeTable:
+    """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
+    ``pieces`` pieces, ``devices`` by default)."""
+    chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
     cands = np.array(chosen, dtype=np.int64).reshape(len(chosen), len(node.sizes))
     n_out = node.n_out
-    bounds = [[np.array(piece_bounds(n, p)) for p in range(1, min(n, devices) + 1)]
-              for n in node.sizes]
     K, N = len(cands), devices
-    lens, starts, devs = [], [], []
-    piece_lo = np.zeros((K, N, n_out), dtype=np.int64)
-    piece_hi = np.zeros((K, N, n_out), dtype=np.int64)
-    has_piece = np.zeros((K, N), dtype=bool)
+    layouts = [layout(node.sizes, cand, n_out, N) for cand in cands]
+    per_dev = max(int(np.bincount(lay.device[lay.owner_mask], minlength=N).max())
+                  for lay in layouts)
+    piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
+    piece_hi = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
+    has_piece = np.zeros((K, N, per_dev), dtype=bool)
     partial = np.zeros(K, dtype=np.int64)
     flops = np.zeros((K, N), dtype=np.int64)
     peak = np.zeros(K, dtype=np.int64)
     in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
     work = max(1, len(node.inputs)) if node.kind in ("einsum", "map") else 0
-    for c, cand in enumerate(cands):
-        combos = list(itertools.product(*(range(p) for p in cand)))
-        idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(cand))
-        m = len(idx)
-        st = np.zeros_like(idx)
-        ln = np.zeros_like(idx)
-        for lab, p in enumerate(cand):
-            b = bounds[lab][p - 1]
-            st[:, lab] = b[idx[:, lab]]
-            ln[:, lab] = b[idx[:, lab] + 1] - b[idx[:, lab]]
-        dev = np.arange(m, dtype=np.int64) * N // m
-        lens.append(ln)
-        starts.append(st)
-        devs.append(dev)
-        rep = np.all(idx[:, n_out:] == 0, axis=1)
-        piece_lo[c, dev[rep]] = st[rep, :n_out]
-        piece_hi[c, dev[rep]] = st[rep, :n_out] + ln[rep, :n_out]
-        has_piece[c, dev[rep]] = True
+    for c, lay in enumerate(layouts):
+        st, ln, dev = lay.starts, lay.lens, lay.device
+        rep = lay.owner_mask
+        slot = np.zeros(N, dtype=np.int64)
+        for t in np.flatnonzero(rep):
+            d = dev[t]
+            piece_lo[c, d, slot[d]] = st[t, :n_out]
+            piece_hi[c, d, slot[d]] = st[t, :n_out] + ln[t, :n_out]
+            has_piece[c, d, slot[d]] = True
+            slot[d] += 1
         out_elems = np.prod(ln[:, :n_out], axis=1)
-        partial[c] = int(out_elems[~rep].sum()) * node.itemsize
+        piece_elems = {tuple(lay.index[t, :n_out]): int(out_elems[t]) for t in range(len(dev))}
+        partial[c] = sum(piece_elems[piece] for _, _, piece in lay.partial_sends()) \
+            * node.itemsize
         np.add.at(flops[c], dev, np.prod(ln, axis=1) * work)
         working = out_elems * node.itemsize
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
-    return NodeTable(cands, lens, starts, devs, piece_lo, piece_hi, has_piece, partial,
-                     flops, peak)
+    return NodeTable(cands, layouts, piece_lo, piece_hi, has_piece, partial, flops, peak)
+
+
+def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
+    """Mask of tasks that are the first on their device to read their region of an operand
+    whose axes are the labels ``axes`` (later ones share that copy)."""
+    keys = np.concatenate([lay.device[:, None], lay.index[:, list(axes)]], axis=1)
+    _, first = np.unique(keys, axis=0, return_index=True)
+    mask = np.zeros(len(lay.device), dtype=bool)
+    mask[first] = True
+    return mask
 
 
 def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
                       edge: Edge, itemsize: int, devices: int) -> np.ndarray:
-    """Bytes moved into ``consumer``'s tasks for operand ``edge``: (K_producer, K_consumer).
+    """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
 
-    Entry ``[q, p]`` sums, over the consumer's tasks, the bytes of the operand region the task
-    reads minus the part of it held by the task's own device.
+    Entry ``[q, p]`` sums, over the distinct regions each device reads, the bytes of the region
+    minus the part of it held by that device.
     """
     axes = [consumer_node.labels.index(a) for a in edge.axes]
     kc = len(consumer.cands)
-    m = max(len(d) for d in consumer.task_dev)
+    m = max(len(lay.device) for lay in consumer.layouts)
     r = len(axes)
     lo = np.zeros((kc, m, r), dtype=np.int64)
     hi = np.zeros((kc, m, r), dtype=np.int64)
     dev = np.zeros((kc, m), dtype=np.int64)
     mask = np.zeros((kc, m), dtype=bool)
-    for c in range(kc):
-        n = len(consumer.task_dev[c])
-        lo[c, :n] = consumer.starts[c][:, axes]
-        hi[c, :n] = consumer.starts[c][:, axes] + consumer.lens[c][:, axes]
-        dev[c, :n] = consumer.task_dev[c]
-        mask[c, :n] = True
-    region = np.prod(hi - lo, axis=2) * mask                          # (kc, m)
-    plo = producer.piece_lo[:, dev]                                    # (kp, kc, m, r)
+    for c, lay in enumerate(consumer.layouts):
+        n = len(lay.device)
+        lo[c, :n] = lay.starts[:, axes]
+        hi[c, :n] = lay.starts[:, axes] + lay.lens[:, axes]
+        dev[c, :n] = lay.device
+        mask[c, :n] = first_reads(lay, axes)
+    region = np.prod(hi - lo, axis=2) * mask                           # (kc, m)
+    plo = producer.piece_lo[:, dev]                                    # (kp, kc, m, S, r)
     phi = producer.piece_hi[:, dev]
-    has = producer.has_piece[:, dev] & mask[None]                      # (kp, kc, m)
-    overlap = np.clip(np.minimum(hi[None], phi) - np.maximum(lo[None], plo), 0, None)
-    local = np.prod(overlap, axis=3) * has
+    has = producer.has_piece[:, dev] & mask[None, :, :, None]          # (kp, kc, m, S)
+    overlap = np.clip(np.minimum(hi[None, :, :, None], phi)
+                      - np.maximum(lo[None, :, :, None], plo), 0, None)
+    local = (np.prod(overlap, axis=4) * has).sum(axis=3)
     return (region.sum(axis=1)[None, :] - local.sum(axis=2)) * itemsize
+
+
+def region_sources(producer: Layout, lo: Sequence[int], hi: Sequence[int]
+                   ) -> list[tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]]:
+    """The producer's output pieces overlapping region ``[lo, hi)``: ``(piece index, owner,
+    overlap lo, overlap hi)`` each."""
+    out = []
+    for t in np.flatnonzero(producer.owner_mask):
+        plo = producer.starts[t, :producer.n_out]
+        phi = plo + producer.lens[t, :producer.n_out]
+        olo = np.maximum(plo, lo)
+        ohi = np.minimum(phi, hi)
+        if np.all(ohi > olo):
+            out.append((tuple(int(x) for x in producer.index[t, :producer.n_out]),
+                        int(producer.device[t]), tuple(int(x) for x in olo),
+                        tuple(int(x) for x in ohi)))
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceReads:
+    """What one device reads of one producer's output, over all its consumers: the pieces it
+    needs whole, and slices ``(piece, lo, hi)`` of pieces it needs only part of."""
+
+    whole: frozenset[tuple[int, ...]]
+    slices: frozenset[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def device_reads(graph: OpGraph, layouts: Sequence[Layout],
+                 producers: Sequence[int] | None = None) -> dict[tuple[int, int], DeviceReads]:
+    """``(producer index, device) -> DeviceReads`` for a chosen layout per node (only for
+    ``producers`` when given).
+
+    A region a task reads is cut along the producer's pieces; a part that covers a whole piece
+    is a whole-piece read, else a slice. A device reads each piece or slice once, whichever
+    operations need it, and a slice of a piece it reads whole anyway is cut from that copy.
+    """
+    wanted = None if producers is None else set(producers)
+    readers = graph.nodes if wanted is None else [
+        graph.nodes[c] for c in sorted({c for p in wanted for c, _ in graph.consumers[p]})]
+    whole: dict[tuple[int, int], set] = {}
+    parts: dict[tuple[int, int], set] = {}
+    for node in readers:
+        lay = layouts[node.index]
+        for edge in node.inputs:
+            if wanted is not None and edge.producer not in wanted:
+                continue
+            prod = layouts[edge.producer]
+            axes = [node.labels.index(a) for a in edge.axes]
+            tasks = np.flatnonzero(first_reads(lay, axes))
+            lo = lay.starts[tasks][:, axes]                               # (T, r)
+            hi = lo + lay.lens[tasks][:, axes]
+            owners = np.flatnonzero(prod.owner_mask)
+            plo = prod.starts[owners, :prod.n_out]                        # (P, r)
+            phi = plo + prod.lens[owners, :prod.n_out]
+            olo = np.maximum(lo[:, None], plo[None])                      # (T, P, r)
+            ohi = np.minimum(hi[:, None], phi[None])
+            hit = np.all(ohi > olo, axis=2)
+            full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+            pieces = [tuple(int(x) for x in prod.index[o, :prod.n_out]) for o in owners]
+            for ti, pi in zip(*np.nonzero(hit)):
+                key = (edge.producer, int(lay.device[tasks[ti]]))
+                if full[ti, pi]:
+                    whole.setdefault(key, set()).add(pieces[pi])
+                else:
+                    parts.setdefault(key, set()).add(
+                        (pieces[pi], tuple(int(x) for x in olo[ti, pi]),
+                         tuple(int(x) for x in ohi[ti, pi])))
+    out = {}
+    for key in set(whole) | set(parts):
+        w = frozenset(whole.get(key, ()))
+        out[key] = DeviceReads(w, frozenset(p for p in parts.get(key, ()) if p[0] not in w))
+    return out
+
+
+def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int) -> int:
+    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
+    (the sum of :func:`device_reads` for this producer, computed with arrays)."""
+    prod = layouts[producer]
+    owners = np.flatnonzero(prod.owner_mask)
+    plo = prod.starts[owners, :prod.n_out]                                # (P, r)
+    phi = plo + prod.lens[owners, :prod.n_out]
+    owner_dev = prod.device[owners]
+    whole_rows, slice_rows = [], []
+    for consumer, k in graph.consumers[producer]:
+        node, lay = graph.nodes[consumer], layouts[consumer]
+        axes = [node.labels.index(a) for a in node.inputs[k].axes]
+        tasks = np.flatnonzero(first_reads(lay, axes))
+        lo = lay.starts[tasks][:, axes]
+        hi = lo + lay.lens[tasks][:, axes]
+        olo = np.maximum(lo[:, None], plo[None])                          # (T, P, r)
+        ohi = np.minimum(hi[:, None], phi[None])
+        hit = np.all(ohi > olo, axis=2)
+        full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+        dev = np.broadcast_to(lay.device[tasks][:, None], hit.shape)
+        piece = np.broadcast_to(np.arange(len(owners))[None], hit.shape)
+        remote = hit & (dev != owner_dev[None])
+        w = full & remote
+        whole_rows.append(np.stack([dev[w], piece[w]], axis=1))
+        sl = remote & ~full
+        slice_rows.append(np.concatenate([dev[sl][:, None], piece[sl][:, None], olo[sl],
+                                          ohi[sl]], axis=1))
+    item = graph.nodes[producer].itemsize
+    whole = np.unique(np.concatenate(whole_rows), axis=0) if whole_rows else np.zeros((0, 2))
+    total = int(np.prod(phi - plo, axis=1)[whole[:, 1].astype(np.int64)].sum()) \
+        if len(whole) else 0
+    slices = np.unique(np.concatenate(slice_rows), axis=0) if slice_rows else None
+    if slices is not None and len(slices):
+        taken = {(int(d), int(q)) for d, q in whole}
+        keep = np.array([(int(d), int(q)) not in taken for d, q in slices[:, :2]])
+        if keep.any():
+            r = prod.n_out
+            kept = slices[keep]
+            total += int(np.prod(kept[:, 2 + r:] - kept[:, 2:2 + r], axis=1).sum())
+    return total * item
+
+
+def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Output piece index -> (lo, hi) of that piece."""
+    out = {}
+    for t in np.flatnonzero(lay.owner_mask):
+        lo = lay.starts[t, :lay.n_out]
+        hi = lo + lay.lens[t, :lay.n_out]
+        out[tuple(int(x) for x in lay.index[t, :lay.n_out])] = (
+            tuple(int(x) for x in lo), tuple(int(x) for x in hi))
+    return out
+
+
+def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
+    """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
+    every piece or slice a device reads from another device once (see :func:`device_reads`),
+    and every partial aggregate sent to its owner. This is the prediction the physical plan's
+    copies are checked against."""
+    moved = np.zeros((devices, devices), dtype=np.int64)
+    for (producer, dev), reads in device_reads(graph, layouts).items():
+        prod = layouts[producer]
+        item = graph.nodes[producer].itemsize
+        owners = prod.owners()
+        extents = piece_extents(prod)
+        for piece in reads.whole:
+            if owners[piece] != dev:
+                lo, hi = extents[piece]
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        for piece, lo, hi in reads.slices:
+            if owners[piece] != dev:
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+    for node, lay in zip(graph.nodes, layouts):
+        if node.kind == "einsum" and node.n_out < len(node.labels):
+            elems = {tuple(int(x) for x in lay.index[t, :lay.n_out]):
+                     int(np.prod(lay.lens[t, :lay.n_out])) for t in range(len(lay.device))}
+            for src, dst, piece in lay.partial_sends():
+                moved[src, dst] += elems[piece] * node.itemsize
+    return moved

@@ -1,31 +1,39 @@
-"""The operation graph the optimizer partitions: every einsum with at most two operands.
+"""The operation graph the optimizer partitions, read off the logical plan.
 
-An einsum of three or more operands is split into pairwise steps (the contraction order of
-:mod:`tensorql.optimizer.order` for the semirings; a left fold otherwise, as the lowering does).
+The optimizer does not lower the einsum graph a second time: it walks the logical plan that
+:func:`tensorql.logical.lower.lower` produced (so its contraction order is the lowering's, the
+one :mod:`tensorql.logical.path` chose) and makes one :class:`OpNode` per physical step:
+
+* ``Scan`` -> a ``source`` / ``constant`` node;
+* ``Aggregate(Join)`` (or a ``Join`` alone) -> an ``einsum`` node over the joined relations;
+* ``Map`` -> a ``map`` node;
+* ``Rekey`` only retiles, and the partition stage picks its own pieces, so it is looked through.
+
 Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones;
-a dim of size 1 broadcast against a larger size gets a private size-1 label ``i@n``.
+labels are the logical plan's, so a dimension keeps its name from EXPLAIN's logical section to
+its partitioning. A dim of size 1 broadcast against a larger size has a private label ``i@n``.
 
 >>> import torch
 >>> from tensorql.grid import ChunkGrid
 >>> from tensorql.einsum.graph import Constant, EinsumOp
->>> a = Constant(shape=(4, 6), dtype="float32", value=torch.ones(4, 6),
-...              grid=ChunkGrid((4, 6), (4, 6)))
->>> g = OpGraph.build(EinsumOp.build("ij,jk,kl->il", [a, a.__class__(
-...     shape=(6, 4), dtype="float32", value=torch.ones(6, 4), grid=ChunkGrid((6, 4), (6, 4))),
-...     a]))
->>> [(n.kind, n.labels, n.out_labels) for n in g.nodes][2:]
+>>> def const(*shape):
+...     return Constant(shape=shape, dtype="float32", value=torch.ones(shape),
+...                     grid=ChunkGrid(shape, shape))
+>>> g = OpGraph.build(EinsumOp.build("ij,jk,kl->il", [const(4, 6), const(6, 4), const(4, 6)]))
+>>> [(n.kind, n.labels, n.out_labels) for n in g.nodes if n.kind == "einsum"]
 [('einsum', ('i', 'k', 'j'), ('i', 'k')), ('einsum', ('i', 'l', 'k'), ('i', 'l'))]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 
 from tensorql.dtypes import itemsize
-from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
+from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
-from tensorql.logical.path import contraction_path
+from tensorql.logical.lower import lower
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class OpNode:
     agg: str = "sum"
     fn: str = ""
     scalar: float | None = None
-    node: Node | None = None  # the einsum-graph node for sources, constants and final steps
+    logical: LogicalNode | None = None  # the logical node this step computes
 
     @property
     def out_labels(self) -> tuple[str, ...]:
@@ -74,9 +82,6 @@ class OpNode:
     def itemsize(self) -> int:
         return itemsize(self.dtype)
 
-    def size_of(self, label: str) -> int:
-        return self.sizes[self.labels.index(label)]
-
 
 @dataclass(frozen=True, eq=False)
 class OpGraph:
@@ -84,8 +89,9 @@ class OpGraph:
 
     nodes: tuple[OpNode, ...]
     root: int
+    logical: LogicalNode | None = None
 
-    @property
+    @functools.cached_property
     def consumers(self) -> dict[int, list[tuple[int, int]]]:
         """Producer index -> [(consumer index, operand position)]."""
         out: dict[int, list[tuple[int, int]]] = {n.index: [] for n in self.nodes}
@@ -95,15 +101,17 @@ class OpGraph:
         return out
 
     @classmethod
-    def build(cls, root: Node) -> OpGraph:
+    def build(cls, root: Node | LogicalNode) -> OpGraph:
+        """The graph of a logical plan (an einsum-graph node is lowered first)."""
+        logical = root if isinstance(root, LogicalNode) else lower(root)
         builder = _Builder()
-        for node in topological_order(root):
-            builder.add(node)
-        return cls(nodes=tuple(builder.nodes), root=builder.index_of[id(root)])
-
-
-def _positional(ndim: int) -> tuple[str, ...]:
-    return tuple(f"a{k}" for k in range(ndim))
+        fused = {id(n.input) for n in walk(logical)
+                 if isinstance(n, Aggregate) and isinstance(n.input, Join)}
+        for node in walk(logical):
+            if id(node) not in fused:  # a Join is planned with the Aggregate it feeds
+                builder.add(node)
+        return cls(nodes=tuple(builder.nodes), root=builder.index_of[id(logical)],
+                   logical=logical)
 
 
 class _Builder:
@@ -116,69 +124,55 @@ class _Builder:
         self.nodes.append(OpNode(index=index, **fields))
         return index
 
-    def add(self, node: Node) -> None:
-        if isinstance(node, (Source, Constant)):
-            labels = _positional(node.ndim)
-            kind = "source" if isinstance(node, Source) else "constant"
-            name = node.describe()
-            idx = self._append(kind=kind, labels=labels, sizes=tuple(node.shape),
-                               n_out=node.ndim, inputs=(), dtype=node.dtype, name=name, node=node)
-        elif isinstance(node, MapOp):
-            labels = _positional(node.ndim)
-            edge = Edge(self.index_of[id(node.operand)], labels)
-            idx = self._append(kind="map", labels=labels, sizes=tuple(node.shape),
-                               n_out=node.ndim, inputs=(edge,), dtype=node.dtype,
-                               name=node.describe(), fn=node.fn, scalar=node.scalar, node=node)
-        elif isinstance(node, EinsumOp):
-            idx = self._einsum(node)
+    def add(self, node: LogicalNode) -> None:
+        rel = node.relation
+        if isinstance(node, Rekey):  # looked through: the partition stage picks the pieces
+            self.index_of[id(node)] = self.index_of[id(node.input)]
+            return
+        if isinstance(node, Scan):
+            kind = "constant" if node.constant is not None else "source"
+            name = f"scan {node.source}"
+            idx = self._append(kind=kind, labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
+                               inputs=(), dtype=rel.dtype, name=name, logical=node)
+        elif isinstance(node, Map):
+            edge = Edge(self.index_of[id(node.input)], rel.labels)
+            name = f"map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
+            idx = self._append(kind="map", labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
+                               inputs=(edge,), dtype=rel.dtype, name=name, fn=node.fn,
+                               scalar=node.scalar, logical=node)
+        elif isinstance(node, Aggregate) and isinstance(node.input, Join):
+            idx = self._contraction(node.input, node)
+        elif isinstance(node, Join):
+            idx = self._contraction(node, None)
         else:
-            raise PlanError(f"the optimizer cannot plan node {type(node).__name__}")
+            raise PlanError(f"the optimizer cannot plan logical node {type(node).__name__}")
         self.index_of[id(node)] = idx
 
-    def _step(self, op: EinsumOp, operands: Sequence[tuple[int, tuple[str, ...]]],
-              out: tuple[str, ...], sizes: dict[str, int], final: bool) -> int:
-        joint = tuple(dict.fromkeys(lab for _, labels in operands for lab in labels))
-        agg = tuple(lab for lab in joint if lab not in out)
-        labels = tuple(out) + agg
-        name = op.describe() if final else f"{op.describe()} (step {''.join(out) or '-'})"
+    def _contraction(self, join: Join, aggregate: Aggregate | None) -> int:
+        out = (aggregate or join).relation
+        joint = join.relation
+        size = dict(zip(joint.labels, joint.shape))
+        over = aggregate.over if aggregate is not None else ()
+        labels = tuple(out.labels) + tuple(over)
+        inputs = tuple(Edge(self.index_of[id(src)], tuple(axes))
+                       for src, axes in zip(join.sources, join.input_labels))
+        name = describe_contraction(join.input_labels, out.labels, join.join,
+                                    aggregate.agg if aggregate else "sum")
         return self._append(kind="einsum", labels=labels,
-                            sizes=tuple(sizes[lab] for lab in labels), n_out=len(out),
-                            inputs=tuple(Edge(p, lab) for p, lab in operands),
-                            dtype=op.dtype, name=name, join=op.spec.join, agg=op.spec.agg,
-                            node=op if final else None)
+                            sizes=tuple(size[lab] for lab in labels), n_out=len(out.labels),
+                            inputs=inputs, dtype=out.dtype, name=name, join=join.join,
+                            agg=aggregate.agg if aggregate else "sum",
+                            logical=aggregate if aggregate is not None else join)
 
-    def _einsum(self, op: EinsumOp) -> int:
-        spec = op.spec
-        sizes = dict(spec.sizes)
-        operands: list[tuple[int, tuple[str, ...]]] = []
-        for n, (labels, squeeze, child) in enumerate(zip(spec.inputs, spec.squeezed,
-                                                         op.operands)):
-            named = tuple(f"{lab}@{n}" if sq else lab for lab, sq in zip(labels, squeeze))
-            for lab, sq in zip(labels, squeeze):
-                if sq:
-                    sizes[f"{lab}@{n}"] = 1
-            operands.append((self.index_of[id(child)], named))
-        output = tuple(spec.output)
-        if len(operands) <= 2:
-            return self._step(op, operands, output, sizes, True)
-        if spec.is_semiring:
-            itemsize_ = itemsize(op.dtype)
-            path = contraction_path([lab for _, lab in operands], output, sizes,
-                                    itemsize=itemsize_)
-            current = list(operands)
-            for position, pair in enumerate(path):
-                picked = [current[k] for k in sorted(pair)]
-                current = [o for k, o in enumerate(current) if k not in pair]
-                if position == len(path) - 1 and not current:
-                    return self._step(op, picked, output, sizes, True)
-                needed = {lab for _, labels in current for lab in labels} | set(output)
-                kept = tuple(lab for lab in dict.fromkeys(
-                    lab for _, labels in picked for lab in labels) if lab in needed)
-                current.append((self._step(op, picked, kept, sizes, False), kept))
-            ((last, labels),) = current
-            return self._step(op, [(last, labels)], output, sizes, True)
-        result = operands[0]
-        for n in range(1, len(operands) - 1):  # left fold keeps every label until the end
-            joint = tuple(dict.fromkeys(result[1] + operands[n][1]))
-            result = (self._step(op, [result, operands[n]], joint, sizes, False), joint)
-        return self._step(op, [result, operands[-1]], output, sizes, True)
+
+def describe_contraction(inputs: tuple[tuple[str, ...], ...], output: tuple[str, ...],
+                         join: str, agg: str) -> str:
+    """A contraction step as text, e.g. ``(i,j),(j,k)->(i,k)``, with non-default operators.
+
+    >>> describe_contraction((("i", "j"), ("j", "k")), ("i", "k"), "add", "max")
+    '(i,j),(j,k)->(i,k) join=add agg=max'
+    """
+    text = ",".join("(" + ",".join(labels) + ")" for labels in inputs)
+    text += "->(" + ",".join(output) + ")"
+    return text + "".join(f" {k}={v}" for k, v in (("join", join), ("agg", agg))
+                          if v not in ("mul", "sum"))

@@ -20,7 +20,8 @@ import numpy as np
 
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
-from tensorql.optimizer.cost import Cost
+from tensorql.logical.plan import LogicalNode
+from tensorql.optimizer.cost import Cost, Layout, layout, pair_bytes
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import Problem, get_strategy
 from tensorql.options import parse_bytes
@@ -73,8 +74,15 @@ class PartitionPlan:
     memory_limit: int | None = None
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
-    def pieces_of(self, index: int) -> tuple[int, ...]:
-        return self.ops[index].pieces
+    def layout(self, index: int) -> Layout:
+        """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
+        op, node = self.ops[index], self.graph.nodes[index]
+        return layout(node.sizes, op.pieces, node.n_out, self.devices)
+
+    def pair_bytes(self) -> np.ndarray:
+        """Predicted bytes sent from device ``src`` to ``dst``: an (N, N) matrix whose sum is
+        ``cost.bytes_moved``."""
+        return pair_bytes(self.graph, [self.layout(op.index) for op in self.ops], self.devices)
 
     def explain(self) -> str:
         """Per operation: partition vector, FLOPs per device, bytes moved and why."""
@@ -98,7 +106,8 @@ class PartitionPlan:
                 agg = [f"{lab}:{p}" for lab, p in zip(op.labels, op.pieces)
                        if p > 1 and lab in op.labels[len(op.labels) - op.n_agg:]]
                 lines.append(f"    partial aggregates: {format_bytes(op.partial_bytes)} "
-                             f"(aggregated labels split {' '.join(agg)})")
+                             f"(aggregated labels split {' '.join(agg)}; each device folds its "
+                             "own, then a reduce onto each output piece's owner)")
         return "\n".join(lines)
 
 
@@ -122,12 +131,15 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
              ) -> PartitionPlan:
     """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
 
-    ``expr`` is a lazy Tensor (or an einsum-graph node); ``strategy`` one of auto, data,
-    model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds each device's working set
-    (InfeasiblePlanError when no partitioning of some operation fits).
+    ``expr`` is a lazy Tensor, an einsum-graph node or a logical plan (the pipeline passes the
+    plan it lowered, so the partitioning is of exactly the steps that run); ``strategy`` one of
+    auto, data, model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds one task's working
+    set (an operation is cut into more pieces than devices when that is what fits, and what
+    stays resident beyond the limit is offloaded by the memory plan; InfeasiblePlanError names
+    the smallest limit that plans when none fits).
     """
-    node: Node = getattr(expr, "node", expr)
-    if not isinstance(node, Node):
+    node: Node | LogicalNode = getattr(expr, "node", expr)
+    if not isinstance(node, (Node, LogicalNode)):
         raise PlanError(f"optimize needs a tensorql Tensor, got {type(expr).__name__}")
     n_dev = device_count(devices)
     search = get_strategy(strategy)
@@ -163,13 +175,15 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
             if here == there and moved[(node.index, k)] == 0:
                 reason = "already in place"
             elif here == there and replicas > 1:
-                reason = f"pieces {_vec(edge.axes, here)} match; replicated to {replicas} tasks"
+                reason = (f"broadcast: pieces {_vec(edge.axes, here)} match; replicated to "
+                          f"{replicas} tasks")
             elif here == there:
-                reason = (f"pieces {_vec(edge.axes, here)} match but are held by other devices "
-                          "(the axis order differs)")
+                reason = (f"send: pieces {_vec(edge.axes, here)} match but are held by other "
+                          "devices (the axis order differs)")
             else:
-                reason = (f"repartitioned from {_vec(edge.axes, there)} to "
-                          f"{_vec(edge.axes, here)}, replicated to {replicas} task(s)")
+                reason = (f"{collective(there, here)}: repartitioned from "
+                          f"{_vec(edge.axes, there)} to {_vec(edge.axes, here)}, replicated to "
+                          f"{replicas} task(s)")
             inputs.append(InputMove(f"[{edge.producer}] {prod.name}", moved[(node.index, k)],
                                     reason))
         op = OpPartition(index=node.index, name=node.name, kind=node.kind, labels=node.labels,
@@ -178,10 +192,24 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
                          inputs=tuple(inputs), partial_bytes=int(table.partial_bytes[cand]),
                          peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels))
         ops.append(op)
-    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.total(choice),
+    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.exact_total(choice),
                 peak_bytes=peak)
     return PartitionPlan(devices=problem.devices, strategy=strategy, ops=tuple(ops), cost=cost,
                          memory_limit=memory_limit, graph=graph)
+
+
+def collective(there: tuple[int, ...], here: tuple[int, ...]) -> str:
+    """The collective a change of pieces amounts to (each consumer piece is a union of
+    producer pieces: all-gather; a part of one: slice; otherwise all-to-all).
+
+    >>> collective((4, 1), (1, 1)), collective((1, 2), (2, 2)), collective((2, 1), (1, 2))
+    ('all-gather', 'slice', 'all-to-all')
+    """
+    if all(t % h == 0 for h, t in zip(here, there)):
+        return "all-gather"
+    if all(h % t == 0 for h, t in zip(here, there)):
+        return "slice"
+    return "all-to-all"
 
 
 def _vec(labels, pieces) -> str:

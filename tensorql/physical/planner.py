@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 from tensorql.grid import Key, regrid_pieces
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
+from tensorql.logical.plan import (
+    Aggregate,
+    Join,
+    LogicalNode,
+    Map,
+    Rekey,
+    Scan,
+    TensorRelation,
+    walk,
+)
+from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import ConstChunk, ContractChunk, LoadChunk, MapChunk, RekeyChunk
 from tensorql.storage.chunk_store import ChunkStore
 
@@ -40,11 +50,17 @@ class Step:
     est_flops: int
     est_bytes_in: int
     est_bytes_out: int
+    output: TensorRelation | None = None  # set when no logical node carries it
 
     @property
     def node(self) -> LogicalNode:
         """The logical node whose result this step produces."""
         return self.nodes[-1]
+
+    @property
+    def relation(self) -> TensorRelation:
+        """The relation (labels, chunk grid, dtype) this step's chunks make up."""
+        return self.output if self.output is not None else self.nodes[-1].relation
 
 
 @dataclass(frozen=True)
@@ -54,10 +70,20 @@ class PhysicalPlan:
     root: LogicalNode
     steps: tuple[Step, ...]
     step_of: dict[int, int]
+    result_id: int | None = None          # the result's step when step_of does not say
+    partition: PartitionPlan | None = None  # set for a plan partitioned across devices
+    chunk_sizes: dict[ChunkRef, int] | None = None  # bytes of chunks without a grid
 
     @property
     def result_step(self) -> Step:
+        if self.result_id is not None:
+            return self.steps[self.result_id]
         return self.steps[self.step_of[id(self.root)]]
+
+    @property
+    def devices(self) -> int:
+        """How many devices the plan's tasks are placed on (1 when not partitioned)."""
+        return self.partition.devices if self.partition is not None else 1
 
     @property
     def est_flops(self) -> int:
@@ -65,12 +91,13 @@ class PhysicalPlan:
 
     def task_graph(self) -> TaskGraph:
         """The tasks of every step, with each chunk's size (for the runtime's memory plan)."""
-        sizes: dict[ChunkRef, int] = {}
+        sizes: dict[ChunkRef, int] = dict(self.chunk_sizes or {})
         for step in self.steps:
-            rel = step.node.relation
+            rel = step.relation
             size = itemsize(rel.dtype)
             for task in step.tasks:
-                sizes[task.output] = math.prod(rel.grid.chunk_shape(task.output.key)) * size
+                if task.output not in sizes:
+                    sizes[task.output] = math.prod(rel.grid.chunk_shape(task.output.key)) * size
         return TaskGraph(
             tasks=tuple(t for s in self.steps for t in s.tasks),
             retain=frozenset({self.result_step.id}),

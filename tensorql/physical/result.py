@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from tensorql.dtypes import torch_dtype
-from tensorql.exec.executor import RunStats
+from tensorql.errors import ExecutionError
+from tensorql.exec.run_types import RunStats
 from tensorql.grid import ChunkGrid, Key
 from tensorql.physical.planner import PhysicalPlan
 
@@ -37,15 +38,23 @@ class QueryResult:
     chunks: dict[Key, torch.Tensor]
     stats: RunStats
     assembled: torch.Tensor | None = None
+    computed: bool = True  # False after a run on null devices: there are no values
+
+    def _check_computed(self) -> None:
+        if not self.computed:
+            raise ExecutionError("this run was on null devices, which compute no values; "
+                                 "there is no result to read")
 
     def dense(self) -> torch.Tensor:
         """The whole result as one tensor (assembled during the run when it was asked for)."""
+        self._check_computed()
         if self.assembled is not None:
             return self.assembled
-        rel = self.plan.result_step.node.relation
+        rel = self.plan.result_step.relation
         return assemble(rel.grid, rel.dtype, self.chunks)
 
     def iter_chunks(self) -> Iterator[tuple[Key, torch.Tensor]]:
-        rel = self.plan.result_step.node.relation
+        self._check_computed()
+        rel = self.plan.result_step.relation
         for key in rel.grid.keys():
             yield key, self.chunks[key]

@@ -21,7 +21,7 @@ def matmul_graph(n: int = 128, tile: int = 32, seed: int = 0):
 
 def dense(q, outputs) -> torch.Tensor:
     sid = q.physical.result_step.id
-    rel = q.physical.result_step.node.relation
+    rel = q.physical.result_step.relation
     out = torch.empty(rel.shape, dtype=torch.float64)
     for ref, chunk in outputs.items():
         if ref.step == sid:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import tensorql as tq
-from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
-from tensorql.optimizer.cost import candidates, piece_bounds
-from tensorql.optimizer.graph import OpGraph
+from tensorql.grid import ChunkGrid
 from tensorql.logical.path import contraction_path
+from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
+from tensorql.optimizer.cost import candidates, piece_bounds, splits
+from tensorql.optimizer.graph import OpGraph
 
 
 @pytest.fixture
@@ -44,7 +45,8 @@ def test_matmul_costs_by_hand(db):
     assert op.vector == "i:2 k:1 j:1"
     text = plan.explain()
     assert text.startswith("partitioning for 2 devices (strategy auto): 96 B moved")
-    assert "operand 1 <- [1] scan w: 96 B (repartitioned from (j:1 k:2) to (j:1 k:1)" in text
+    assert "operand 1 <- [1] scan w: 96 B (all-gather: repartitioned from (j:1 k:2) to " \
+        "(j:1 k:1)" in text
 
 
 def test_partial_aggregates_counted(db):
@@ -53,21 +55,32 @@ def test_partial_aggregates_counted(db):
     plan = tq.optimize(tq.einsum("ij,ij->i", x, x), devices=4)
     op = plan.ops[-1]
     assert op.pieces == (1, 4) and op.partial_bytes == 3 * 4
-    assert "partial aggregates: 12 B (aggregated labels split j:4)" in plan.explain()
+    assert "partial aggregates: 12 B (aggregated labels split j:4;" in plan.explain()
 
 
-def test_piece_bounds_are_balanced():
-    assert piece_bounds(10, 4) == (0, 2, 5, 7, 10)
+def test_piece_bounds_are_chunk_grids():
+    # pieces are cut like a chunk grid so that a partitioned step's chunks are its pieces
+    assert piece_bounds(10, 4) == (0, 3, 6, 9, 10)
     assert piece_bounds(7, 7) == tuple(range(8))
-    sizes = np.diff(piece_bounds(100, 6))
-    assert sizes.max() - sizes.min() <= 1
+    assert splits(10, 4) and not splits(6, 4) and not splits(3, 4)
+    for n in range(1, 40):
+        for p in range(1, n + 1):
+            bounds = piece_bounds(n, p)
+            if splits(n, p):
+                assert all(b > a for a, b in zip(bounds, bounds[1:]))
+                assert bounds == tuple(ChunkGrid((n,), (-(-n // p),)).dim_extent(0, k)[0]
+                                       for k in range(p)) + (n,)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 6, 7, 12])
 def test_candidates_any_device_count(n):
     cands = candidates((8, 9, 10), n)
-    assert cands and all(np.prod(c) == n for c in cands)
-    assert all(p <= s for c in cands for p, s in zip(c, (8, 9, 10)))
+    assert cands and len({int(np.prod(c)) for c in cands}) == 1
+    assert all(splits(s, p) for c in cands for p, s in zip(c, (8, 9, 10)))
+    if n != 7:  # 7 pieces cannot be cut from 8, 9 or 10 as a grid: fewer are offered
+        assert all(np.prod(c) == n for c in cands)
+    else:
+        assert np.prod(cands[0]) < 7
 
 
 def test_candidates_fall_back_when_sizes_are_small():

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,43 +21,15 @@ from tensorql.errors import OptionError
 from tensorql.exec.devices.base import Completion, Device, LaneThreads, ThreadedDevice
 from tensorql.exec.devices.cpu import CPUDevice
 from tensorql.exec.devices.null import NullDevice, SimClock
+from tensorql.options import device_names
 
 __all__ = ["Completion", "CPUDevice", "Device", "LaneThreads", "NullDevice", "SimClock",
            "ThreadedDevice",
-           "resolve_devices", "wants_runtime"]
-
-_HINT = "devices is 'auto', 'cpu', 'cuda', 'null[:N]' or a list like ['cuda:0'] / ['cpu:0','cpu:1']"
-
-
-def _names(spec: Any) -> list[str]:
-    if spec is None or spec == "auto":
-        return ([f"cuda:{i}" for i in range(torch.cuda.device_count())]
-                if torch.cuda.is_available() else ["cpu:0"])
-    if isinstance(spec, str):
-        spec = spec.strip()
-        if spec == "cpu":
-            return ["cpu:0"]
-        if spec == "cuda":
-            if not torch.cuda.is_available():
-                raise OptionError("devices='cuda' but no CUDA device is available; "
-                                  "use devices='cpu' or 'auto'")
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        if spec.startswith("null"):
-            count = int(spec.split(":", 1)[1]) if ":" in spec else 1
-            return [f"null:{i}" for i in range(count)]
-        if "," in spec:
-            return [s.strip() for s in spec.split(",") if s.strip()]
-        return [spec]
-    if isinstance(spec, Sequence):
-        return [str(s) for s in spec]
-    raise OptionError(f"cannot read devices={spec!r}; {_HINT}")
-
+           "resolve_devices"]
 
 def resolve_devices(spec: Any = "auto", workers: int = 1) -> list[Device]:
     """Device objects for a ``devices`` option; CPU devices share ``workers`` threads."""
-    names = _names(spec)
-    if not names:
-        raise OptionError(f"devices={spec!r} names no device; {_HINT}")
+    names = device_names(spec)
     n_cpu = sum(n.startswith("cpu") for n in names)
     clock = SimClock()
     out: list[Device] = []
@@ -75,17 +46,4 @@ def resolve_devices(spec: Any = "auto", workers: int = 1) -> list[Device]:
             out.append(CUDADevice(name if ":" in name else "cuda:0"))
         elif kind == "null":
             out.append(NullDevice(name, clock=clock))
-        else:
-            raise OptionError(f"unknown device {name!r}; {_HINT}")
-    if len({d.name for d in out}) != len(out):
-        raise OptionError(f"devices={spec!r} names a device twice")
     return out
-
-
-def wants_runtime(spec: Any, memory_limit: int | None) -> bool:
-    """True when a run needs the event-driven runtime rather than the plain thread executor:
-    a memory limit, a GPU, several devices or a null device."""
-    if memory_limit is not None:
-        return True
-    names = _names(spec)
-    return names != ["cpu:0"]

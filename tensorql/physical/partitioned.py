@@ -1,0 +1,324 @@
+"""The physical plan of a partitioned query: every task on the device the optimizer chose.
+
+:func:`build_partitioned` turns a :class:`~tensorql.optimizer.plan.PartitionPlan` into a
+:class:`~tensorql.physical.planner.PhysicalPlan` whose tasks carry ``device``. A partitioned
+operation's chunks are its pieces (the cost model cuts pieces like a chunk grid), one task per
+piece combination, placed by the plan's layout. Data moves between devices only through the
+runtime's copies, and only the bytes the cost model predicts:
+
+* a task reading a producer's piece held by another device gets it sent whole (once per
+  device) when it needs all of it;
+* when it needs part of a remote piece, a **slice** task on the producer's device cuts that
+  part first, and only the slice is sent; an **assemble** task on the reader's device puts the
+  region together from local pieces and received slices (a repartition is thus slice +
+  all-to-all + concatenate, never a regather onto one owner);
+* a device holding **partial aggregates** of an output piece it does not own folds them
+  locally, and a **reduce** task on the owner folds in the one partial it receives;
+* stored pieces are read by the device that holds them (each reads only its own chunks).
+
+>>> import numpy as np, tensorql as tq
+>>> from tensorql.optimizer import optimize
+>>> db = tq.connect()
+>>> x = db.from_numpy("x", np.arange(12.0).reshape(3, 4))
+>>> plan = optimize(x @ x.T, devices=3)
+>>> physical = build_partitioned(plan, db.chunk_store)
+>>> sorted({t.device for s in physical.steps for t in s.tasks})
+[0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tensorql.dtypes import itemsize, torch_dtype
+from tensorql.exec.taskgraph import ChunkRef, Task
+from tensorql.grid import ChunkGrid
+from tensorql.logical.plan import Aggregate, TensorRelation
+from tensorql.optimizer.cost import (
+    Layout,
+    device_reads,
+    piece_extents,
+    refine,
+    region_sources,
+    sub_tile,
+)
+from tensorql.optimizer.plan import PartitionPlan
+from tensorql.physical.kernels import ConstChunk, ContractChunk, MapChunk, RekeyChunk
+from tensorql.physical.planner import PhysicalPlan, Step
+from tensorql.storage.chunk_store import ChunkStore
+
+
+@dataclass(frozen=True, eq=False)
+class LoadPiece:
+    """Assemble one piece ``[lo, hi)`` of a stored tensor from the chunks it overlaps."""
+
+    store: ChunkStore
+    name: str
+    grid: ChunkGrid
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    dtype: str
+
+    @property
+    def bytes_read(self) -> int:
+        return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        spans = [range(lo // t, (hi - 1) // t + 1)
+                 for lo, hi, t in zip(self.lo, self.hi, self.grid.tile)]
+        keys = list(itertools.product(*spans))
+        if len(keys) == 1 and self.grid.slices(keys[0]) == tuple(
+                slice(a, b) for a, b in zip(self.lo, self.hi)):
+            return self.store.read_chunk(self.name, keys[0])  # the piece is one stored chunk
+        out = torch.empty(tuple(b - a for a, b in zip(self.lo, self.hi)),
+                          dtype=torch_dtype(self.dtype))
+        for key in keys:
+            chunk = self.store.read_chunk(self.name, key)
+            src, dst = [], []
+            for d, b in enumerate(key):
+                blo, bhi = self.grid.dim_extent(d, b)
+                s, e = max(self.lo[d], blo), min(self.hi[d], bhi)
+                src.append(slice(s - blo, e - blo))
+                dst.append(slice(s - self.lo[d], e - self.lo[d]))
+            out[tuple(dst)] = chunk[tuple(src)]
+        return out
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a piece is loaded once")
+
+
+@dataclass(frozen=True, eq=False)
+class SliceChunk:
+    """Cut ``slices`` out of one chunk (on the device holding it, before it is sent)."""
+
+    slices: tuple[slice, ...]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return inputs[0][self.slices].contiguous().clone()
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a slice is cut once")
+
+
+@dataclass(frozen=True, eq=False)
+class FoldPartial:
+    """Fold a partial aggregate received from another device into its output chunk."""
+
+    agg: str
+    kernel: ContractChunk
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        if acc is None:
+            return inputs[0].clone()
+        return self.kernel.combine(acc, inputs[0])
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)
+
+
+class _Steps:
+    """Step ids and tasks of the plan being built."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, list[Task]] = {}
+        self.names: dict[int, str] = {}
+        self.relations: dict[int, TensorRelation] = {}
+        self.flops: dict[int, int] = {}
+        self.sizes: dict[ChunkRef, int] = {}
+        self.next_task = 0
+
+    def new_step(self, name: str, relation: TensorRelation) -> int:
+        sid = len(self.names)
+        self.names[sid] = name
+        self.relations[sid] = relation
+        self.tasks[sid] = []
+        self.flops[sid] = 0
+        return sid
+
+    def add(self, sid: int, inputs, key, kernel, device: int, flops: int = 0,
+            nbytes: int | None = None) -> ChunkRef:
+        ref = ChunkRef(sid, tuple(int(k) for k in key))
+        if nbytes is not None:
+            self.sizes[ref] = nbytes
+        self.tasks[sid].append(Task(id=self.next_task, inputs=tuple(inputs), output=ref,
+                                    kernel=kernel, priority=float(self.next_task), flops=flops,
+                                    device=device))
+        self.next_task += 1
+        self.flops[sid] += flops
+        return ref
+
+
+def _relation(labels, sizes, lay: Layout, dtype) -> TensorRelation:
+    """The relation a node's chunks make up: its output labels tiled like the layout."""
+    n_out = len(labels)
+    tiles = tuple(int(t) for t in lay.lens[:, :n_out].max(axis=0)) if len(lay.lens) else ()
+    return TensorRelation(tuple(labels), ChunkGrid(tuple(sizes), tiles), dtype)
+
+
+def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
+    """The node's pieces, each cut into chunks no larger than the logical plan's tiles (the
+    stored tiles for a scan), so that a device works in cache-sized tasks that start as their
+    own chunks arrive, and a stored piece is read chunk by chunk, without reassembly."""
+    lay = plan.layout(node.index)
+    if not sub_tiles or node.logical is None:
+        return lay
+    logical = node.logical.input if isinstance(node.logical, Aggregate) else node.logical
+    rel = logical.relation
+    target = dict(zip(rel.labels, rel.grid.tile))
+    for edge in node.inputs:  # a diagonal reads blocks of its pieces whole: keep those whole
+        for lab in edge.axes:
+            if edge.axes.count(lab) > 1:
+                target[lab] = 1 << 62
+    tiles = tuple(sub_tile(-(-n // p), target.get(lab, n))
+                  for lab, n, p in zip(node.labels, node.sizes, lay.pieces))
+    if tiles == tuple(-(-n // p) for n, p in zip(node.sizes, lay.pieces)):
+        return lay
+    return refine(lay, node.sizes, tiles, plan.devices)
+
+
+def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
+                      max_temp_elems: int = 1 << 24, sub_tiles: bool = True) -> PhysicalPlan:
+    """The physical plan running ``plan`` on its devices (see the module docstring); with
+    ``sub_tiles`` each piece is cut into the logical plan's tiles (same bytes moved)."""
+    graph = plan.graph
+    steps = _Steps()
+    layouts = {node.index: _chunked(plan, node, sub_tiles) for node in graph.nodes}
+    step_of_node: dict[int, int] = {}
+    reads = _Reads(steps, graph, layouts, step_of_node,
+                   device_reads(graph, [layouts[n.index] for n in graph.nodes]))
+    for node in graph.nodes:
+        lay = layouts[node.index]
+        rel = _relation(node.out_labels, node.out_shape, lay, node.dtype)
+        sid = steps.new_step(node.name, rel)
+        step_of_node[node.index] = sid
+        owners = lay.owners()
+        if node.kind in ("source", "constant"):
+            scan = node.logical
+            for t in range(len(lay.device)):
+                lo = tuple(int(x) for x in lay.starts[t])
+                hi = tuple(int(a + b) for a, b in zip(lay.starts[t], lay.lens[t]))
+                if node.kind == "constant":
+                    kernel = ConstChunk(scan.constant[tuple(slice(a, b) for a, b in zip(lo, hi))])
+                else:
+                    kernel = LoadPiece(store, scan.source, scan.relation.grid, lo, hi,
+                                       node.dtype)
+                steps.add(sid, (), lay.index[t], kernel, int(lay.device[t]))
+            continue
+        if node.kind == "map":
+            kernel = MapChunk(node.fn, node.scalar, node.dtype)
+        else:
+            kernel = ContractChunk(in_labels=tuple(e.axes for e in node.inputs),
+                                   out_labels=node.out_labels, join=node.join, agg=node.agg,
+                                   dtype=node.dtype, max_temp_elems=max_temp_elems)
+        partial_sid = None
+        work = max(1, len(node.inputs))
+        for t in range(len(lay.device)):
+            dev = int(lay.device[t])
+            refs = [reads.ref(node, k, lay, t) for k in range(len(node.inputs))]
+            piece = tuple(int(x) for x in lay.index[t, : node.n_out])
+            flops = int(np.prod(lay.lens[t])) * work
+            if owners[piece] == dev:
+                steps.add(sid, refs, piece, kernel, dev, flops)
+                continue
+            if partial_sid is None:
+                partial_sid = steps.new_step(f"partials of {node.name}", rel)
+            steps.add(partial_sid, refs, (dev, *piece), kernel, dev, flops,
+                      nbytes=int(np.prod(lay.lens[t, : node.n_out])) * itemsize(node.dtype))
+        for src, dst, piece in lay.partial_sends():
+            steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
+                      FoldPartial(node.agg, kernel), dst)
+    return _assemble(plan, steps, step_of_node[graph.root])
+
+
+class _Reads:
+    """The chunk a task reads for one operand: the producer's piece itself, or a region put
+    together on the task's device from its own pieces, whole pieces it is sent, and slices cut
+    by their holders (see :func:`~tensorql.optimizer.cost.device_reads`). Regions, whole pieces
+    and slices are shared by every operation on the device reading the same producer."""
+
+    def __init__(self, steps: _Steps, graph, layouts: dict[int, Layout],
+                 step_of_node: dict[int, int], reads: dict) -> None:
+        self.steps = steps
+        self.graph = graph
+        self.layouts = layouts
+        self.step_of_node = step_of_node
+        self.reads = reads
+        self.extents = {}
+        self.assembled: dict[tuple, ChunkRef] = {}
+        self.slices: dict[tuple, ChunkRef] = {}
+        self.assemble_sid: dict[int, int] = {}
+        self.slice_sid: dict[int, int] = {}
+
+    def ref(self, node, k: int, lay: Layout, t: int) -> ChunkRef:
+        edge = node.inputs[k]
+        producer = self.layouts[edge.producer]
+        if edge.producer not in self.extents:
+            self.extents[edge.producer] = piece_extents(producer)
+        extents = self.extents[edge.producer]
+        axes = [node.labels.index(a) for a in edge.axes]
+        dev = int(lay.device[t])
+        lo = tuple(int(x) for x in lay.starts[t, axes])
+        hi = tuple(int(a + b) for a, b in zip(lay.starts[t, axes], lay.lens[t, axes]))
+        pstep = self.step_of_node[edge.producer]
+        sources = region_sources(producer, lo, hi)
+        if len(sources) == 1 and extents[sources[0][0]] == (lo, hi):
+            return ChunkRef(pstep, sources[0][0])  # exactly one piece
+        key = (edge.producer, dev, lo, hi)
+        if key in self.assembled:
+            return self.assembled[key]
+        whole = self.reads[(edge.producer, dev)].whole
+        inputs, parts = [], []
+        for piece, owner, olo, ohi in sources:
+            plo = extents[piece][0]
+            src = tuple(slice(a - p, b - p) for a, b, p in zip(olo, ohi, plo))
+            dst = tuple(slice(a - r, b - r) for a, b, r in zip(olo, ohi, lo))
+            if owner == dev or piece in whole:  # held here, or sent here whole anyway
+                inputs.append(ChunkRef(pstep, piece))
+                parts.append((src, dst))
+            else:
+                inputs.append(self._slice(edge.producer, pstep, piece, owner, dev, olo, ohi,
+                                          src))
+                parts.append((tuple(slice(None) for _ in src), dst))
+        node_p = self.graph.nodes[edge.producer]
+        if edge.producer not in self.assemble_sid:
+            self.assemble_sid[edge.producer] = self.steps.new_step(
+                f"assemble regions of {node_p.name}", self.steps.relations[pstep])
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        ref = self.steps.add(self.assemble_sid[edge.producer], inputs,
+                             (dev, len(self.assembled)), RekeyChunk(shape, tuple(parts)), dev,
+                             nbytes=math.prod(shape) * itemsize(node_p.dtype))
+        self.assembled[key] = ref
+        return ref
+
+    def _slice(self, producer: int, pstep: int, piece, owner: int, dev: int, olo, ohi,
+               src) -> ChunkRef:
+        key = (producer, dev, piece, olo, ohi)
+        if key not in self.slices:
+            node_p = self.graph.nodes[producer]
+            if producer not in self.slice_sid:
+                self.slice_sid[producer] = self.steps.new_step(
+                    f"slices of {node_p.name}", self.steps.relations[pstep])
+            nbytes = math.prod(b - a for a, b in zip(olo, ohi)) * itemsize(node_p.dtype)
+            self.slices[key] = self.steps.add(
+                self.slice_sid[producer], (ChunkRef(pstep, piece),), (dev, len(self.slices)),
+                SliceChunk(src), owner, nbytes=nbytes)
+        return self.slices[key]
+
+
+def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int) -> PhysicalPlan:
+    out = []
+    for sid, name in steps.names.items():
+        rel = steps.relations[sid]
+        tasks = tuple(steps.tasks[sid])
+        out.append(Step(sid, name, (), tasks, steps.flops[sid], 0, rel.nbytes, output=rel))
+    return PhysicalPlan(root=plan.graph.logical, steps=tuple(out), step_of={},
+                        result_id=root_sid, partition=plan, chunk_sizes=steps.sizes)
+
+
+__all__ = ["FoldPartial", "LoadPiece", "SliceChunk", "build_partitioned"]
