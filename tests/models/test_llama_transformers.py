@@ -118,3 +118,25 @@ def test_unsupported_config_is_refused():
     config = transformers.LlamaConfig(**CONFIGS["mha"], attention_bias=True)
     with pytest.raises(tq.TensorQLError, match="attention_bias"):
         Llama.from_state_dict(tq.connect(), config, {})
+
+
+def test_logits_and_generation_on_two_devices():
+    model = hf_model("gqa")
+    db = tq.connect(devices=2)
+    ours = Llama.from_transformers(db, model)
+    ids = prompt("gqa", 9, model.config.vocab_size)
+    query = ours.logits([ids]).compile()
+    assert query.partition is not None
+    result = query.run(dense=True)
+    assert all(device.ops > 0 for device in result.stats.devices)  # both devices worked
+    assert len(result.stats.devices) == 2
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    assert np.abs(result.dense().numpy() - theirs).max() <= 1e-4
+
+    small = hf_model("mha")
+    ours = Llama.from_transformers(tq.connect(devices=2), small)
+    with torch.no_grad():
+        tokens = small.generate(torch.tensor([ids[:4]]), max_new_tokens=32, do_sample=False,
+                                min_new_tokens=32, pad_token_id=0)[0].tolist()
+    assert ours.generate(ids[:4], max_new_tokens=32) == tokens
