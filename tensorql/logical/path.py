@@ -149,9 +149,9 @@ OPTIMAL_MAX_OPERANDS = 5
 DP_MAX_OPERANDS = 10
 # The hyper-optimiser's time: this fraction of the greedy path's estimated run time at
 # ASSUMED_FLOPS_PER_S, within [MIN_SEARCH_S, MAX_SEARCH_S].
-SEARCH_FRACTION = 1.0
-ASSUMED_FLOPS_PER_S = 1e9
-MIN_SEARCH_S = 0.05
+SEARCH_FRACTION = 2.0
+ASSUMED_FLOPS_PER_S = 1e10
+MIN_SEARCH_S = 0.1
 MAX_SEARCH_S = 2.0
 HYPER_REPEATS = 128
 
