@@ -37,7 +37,7 @@ from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import Runtime, executor_for
-from tensorql.logical.lower import lower
+from tensorql.logical.lower import contraction_paths, lower
 from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
@@ -306,7 +306,14 @@ class NativeBackend:
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:
             text += "\n" + query.partition.explain()
-        return text, result
+        return _with_paths(text, query.node), result
+
+
+def _with_paths(text: str, node: Node) -> str:
+    """``text`` followed by the contraction path of each n-ary einsum (opt_einsum-style)."""
+    sections = [f"contraction of einsum {op.spec.equation}:\n{info.explain()}"
+                for op, info in contraction_paths(node)]
+    return "\n".join([text, *sections])
 
 
 class DuckDBBackend:

@@ -33,7 +33,7 @@ from sqlglot import exp
 from tensorql.api.einsum import einsum as lazy_einsum
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
-from tensorql.einsum.spec import AGGS, JOINS, UnknownOperatorError
+from tensorql.einsum.spec import AGGS, JOINS, UnknownOperatorError, operand_labels
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 from tensorql.sql.dialect import (
     CreateTensor,
@@ -584,26 +584,10 @@ def _zeros(call: _Call) -> torch.Tensor:
 
 def _operand_labels(equation: str) -> list[list[str]] | None:
     """Each operand's labels as written ('...' kept as one item); None if unreadable."""
-    if not isinstance(equation, str):
+    try:
+        return [labels for labels, _, _ in operand_labels(equation)]
+    except ParseError:
         return None
-    lhs = equation.split("->")[0]
-    parts = []
-    for part in lhs.split(","):
-        labels: list[str] = []
-        i = 0
-        while i < len(part):
-            if part.startswith("...", i):
-                labels.append("...")
-                i += 3
-            elif part[i].isalpha():
-                labels.append(part[i])
-                i += 1
-            elif part[i] == " ":
-                i += 1
-            else:
-                return None
-        parts.append(labels)
-    return parts
 
 
 def _ancestors(node: exp.Expr) -> Iterator[exp.Expr]:
