@@ -123,6 +123,10 @@ class Options:
         relation_dense_bytes: the most memory a relation operand of SQL's EINSUM may take
             once densified (bytes or "256MiB"; ``memory_limit`` lowers it); beyond it the query
             is refused with a ShapeError instead of allocating.
+        distributed: run as one rank of a torch.distributed job (launched with torchrun):
+            ``devices`` are then this rank's devices, and the job's devices are every rank's.
+        distributed_timeout_s: how long a rank waits for a peer before the run fails with a
+            DistributedError naming it (default 120 s).
     """
 
     workers: int = 0
@@ -137,6 +141,8 @@ class Options:
     backend: str = "native"
     progress: bool = False
     relation_dense_bytes: int | None = 256 << 20
+    distributed: bool = False
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -169,8 +175,14 @@ class Options:
                 except ValueError as err:
                     raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not an integer") \
                         from err
-            elif f.name == "progress":
+            elif f.name in ("progress", "distributed"):
                 values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            elif f.name == "distributed_timeout_s":
+                try:
+                    values[f.name] = float(raw)
+                except ValueError as err:
+                    raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not a number") \
+                        from err
             else:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})

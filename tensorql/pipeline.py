@@ -27,11 +27,17 @@ import torch
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, OptionError
+from tensorql.exec.distributed import (
+    DistributedRuntime,
+    check_same_plan,
+    gather_results,
+    join_process_group,
+)
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import Runtime, executor_for
-from tensorql.logical.lower import lower
+from tensorql.logical.lower import contraction_paths, lower
 from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
@@ -92,10 +98,10 @@ class CompiledQuery:
         get_backend(name)
         logical = lower(node)
         max_temp = max(1, options.kernel_temp_bytes // 4)
-        devices = device_names(options.devices)
+        count = job_devices(options)
         partition = None
-        if len(devices) > 1 and name == "native":
-            partition, physical = _partition(logical, db, len(devices), max_temp)
+        if count > 1 and name == "native":
+            partition, physical = _partition(logical, db, count, max_temp)
         else:
             physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
@@ -130,6 +136,45 @@ class CompiledQuery:
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
         return get_backend(self.backend).explain(self, analyze)
+
+
+def job_devices(options: Options) -> int:
+    """How many devices a query is planned for: the session's, times the ranks of the
+    torch.distributed job when the session is one rank of it."""
+    local = len(device_names(options.devices))
+    if not options.distributed:
+        return local
+    return join_process_group(local, options.distributed_timeout_s).devices
+
+
+def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) -> QueryResult:
+    """One rank's part of the query: check every rank has the same plan, run this rank's
+    tasks (transfers through torch.distributed), gather the result on rank 0 and send the
+    dense result back to every rank."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    options = query.db.options
+    layout = join_process_group(len(device_names(options.devices)),
+                                options.distributed_timeout_s)
+    text = render_plan(query.physical, None) + (query.partition.explain()
+                                                if query.partition else "")
+    check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
+    graph = query.physical.task_graph()
+    runtime = DistributedRuntime(layout, options.devices, options.memory_limit,
+                                 workers=options.workers,
+                                 intra_op_threads=options.intra_op_threads)
+    result = runtime.run(graph, progress=progress)
+    gathered = gather_results(graph, result.outputs, layout)
+    step = query.physical.result_step
+    rel = step.relation
+    out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
+    for ref, chunk in gathered.items():
+        out[rel.grid.slices(ref.key)] = chunk
+    dist.broadcast(out, src=0)
+    chunks = {ref.key: out[rel.grid.slices(ref.key)] for ref in gathered}
+    return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int,
@@ -231,6 +276,8 @@ class NativeBackend:
                 f"devices={options.devices!r}: null devices run the scheduler only and compute "
                 "no values, so there is no result to return; use explain(analyze=True) for the "
                 "schedule, or devices='cpu' / N for values")
+        if options.distributed:
+            return _run_distributed(query, progress)
         executor = executor_for(options)
         step = query.physical.result_step
         rel, sid = step.relation, step.id
@@ -259,7 +306,14 @@ class NativeBackend:
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:
             text += "\n" + query.partition.explain()
-        return text, result
+        return _with_paths(text, query.node), result
+
+
+def _with_paths(text: str, node: Node) -> str:
+    """``text`` followed by the contraction path of each n-ary einsum (opt_einsum-style)."""
+    sections = [f"contraction of einsum {op.spec.equation}:\n{info.explain()}"
+                for op, info in contraction_paths(node)]
+    return "\n".join([text, *sections])
 
 
 class DuckDBBackend:

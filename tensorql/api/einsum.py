@@ -5,6 +5,8 @@
 >>> a = db.from_numpy("a", np.array([[1.0, 5.0], [2.0, 0.0]]))
 >>> tq.einsum("ij,jk->ik", a, a, join="add", agg="max").numpy().tolist()  # (max,+) semiring
 [[7.0, 6.0], [3.0, 7.0]]
+>>> tq.einsum(a, [0, 1], a, [1, 2], [0, 2]).numpy().tolist()  # numpy's interleaved form
+[[11.0, 5.0], [2.0, 10.0]]
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ from typing import Any
 
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import EinsumOp
+from tensorql.einsum.spec import interleaved_equation
 from tensorql.errors import ShapeError
 
 
-def einsum(equation: str, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
+def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
     """``out = AGG over aggregated labels of JOIN(operands...)``, lazily.
 
     Operands are tensorql Tensors, numpy arrays or torch tensors (at least one must be a
     tensorql Tensor, or a default in-memory session is used). ``join`` is one of mul, add,
-    sub, div, max, min; ``agg`` one of sum, max, min, prod (in any case).
+    sub, div, max, min; ``agg`` one of sum, max, min, prod (in any case). A label is any character
+    opt_einsum accepts; numpy's interleaved form ``einsum(A, [0, 1], B, [1, 2], [0, 2])``
+    works too.
     """
-    join = join.lower() if isinstance(join, str) else join
+    join = join.lower() if isinstance(join, str) else join  # names in any case
     agg = agg.lower() if isinstance(agg, str) else agg
+    if not isinstance(equation, str):
+        equation, operands = _from_interleaved((equation, *operands))
     if not operands:
         raise ShapeError(f"einsum {equation!r} needs at least one operand")
     db = next((op.db for op in operands if isinstance(op, Tensor)), None)
@@ -36,6 +43,14 @@ def einsum(equation: str, *operands: Any, join: str = "mul", agg: str = "sum") -
             raise ShapeError(f"operand {n} belongs to another database")
     node = EinsumOp.build(equation, [t.node for t in tensors], join=join, agg=agg)
     return Tensor(node, db)
+
+
+def _from_interleaved(args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """``(A, [0, 1], B, [1, 2], [0, 2])`` -> ``("ab,bc->ac", (A, B))``."""
+    operands = args[0::2][: len(args) // 2]
+    subscripts = args[1::2][: len(args) // 2]
+    output = args[-1] if len(args) % 2 else None
+    return interleaved_equation(subscripts, output), tuple(operands)
 
 
 _DEFAULT = None

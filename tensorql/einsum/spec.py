@@ -11,11 +11,20 @@ function, AGG reduces the aggregated labels.
 (('i', 'i'),)
 >>> EinsumSpec.parse("...j,j->...", [(5, 2, 3), (3,)]).output
 ('…0', '…1')
+
+Any character opt_einsum accepts is a label (every symbol ``opt_einsum.get_symbol`` makes), so
+an einsum may have any number of labels; numpy's interleaved form is converted by
+:func:`interleaved_equation`:
+
+>>> EinsumSpec.parse("aÀ,Àb->ab", [(2, 3), (3, 4)]).aggregated
+('À',)
+>>> interleaved_equation([[0, 1], [1, 2]], [0, 2])
+'ab,bc->ac'
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tensorql.errors import ParseError, ShapeError, TensorQLError
@@ -33,6 +42,8 @@ DISTRIBUTIVE = frozenset({
 })
 
 ELLIPSIS_PREFIX = "…"
+# Characters with a meaning in an equation; every other non-space character is a label.
+RESERVED = frozenset(",->.…")
 
 
 class UnknownOperatorError(TensorQLError, ValueError):
@@ -132,6 +143,15 @@ class EinsumSpec:
         )
 
 
+def operand_labels(equation: str) -> list[tuple[list[str], bool, int]]:
+    """Each operand's labels as written ('...' one item), whether it has one, its position.
+
+    >>> operand_labels("ab,bÀ->aÀ")
+    [(['a', 'b'], False, 0), (['b', 'À'], False, 3)]
+    """
+    return _split(equation)[0]
+
+
 def _split(equation: str):
     """Operands as (labels incl. '...', has_ellipsis, position) and the output part or None."""
     if not isinstance(equation, str):
@@ -165,9 +185,10 @@ def _labels(equation: str, part: str, offset: int) -> list[str]:
             labels.append("...")
             i += 3
             continue
-        if not (ch.isascii() and ch.isalpha()):
+        if ch in RESERVED or ch.isspace() or not ch.isprintable():
             what = "'.' must be part of '...'" if ch == "." else f"unexpected character {ch!r}"
-            raise ParseError(f"{what}; labels are letters a-z, A-Z", text=equation,
+            raise ParseError(f"{what}; a label is any one printable character other than "
+                             "',', '-', '>', '.', '…' and spaces", text=equation,
                              position=offset + i)
         labels.append(ch)
         i += 1
@@ -237,3 +258,48 @@ def _output_labels(equation, raw_output, inputs, ell_labels) -> tuple[str, ...]:
             out.append(label)
         pos += len(label)
     return tuple(out)
+
+
+def interleaved_equation(subscripts: Sequence[Sequence[Hashable]],
+                         output: Sequence[Hashable] | None = None) -> str:
+    """The equation of numpy's interleaved form ``einsum(A, [0, 1], B, [1, 2], [0, 2])``.
+
+    Non-negative integers become ``opt_einsum.get_symbol(n)`` (0 -> 'a', 52 -> 'À'), as numpy
+    and opt_einsum name them; other hashable, sortable symbols (strings, ...) are numbered in
+    sorted order like opt_einsum does; ``...`` (Ellipsis) stays an ellipsis.
+
+    >>> interleaved_equation([[0, ..., 60]], [..., 60])
+    'a...È->...È'
+    >>> interleaved_equation([["x", "y"], ["y", "z"]])
+    'ab,bc'
+    """
+    from opt_einsum import get_symbol
+
+    every = [sym for subs in [*subscripts, output or ()] for sym in _sublist(subs)]
+    symbols = {sym for sym in every if sym is not Ellipsis}
+    if all(isinstance(sym, int) and not isinstance(sym, bool) and sym >= 0 for sym in symbols):
+        names = {sym: get_symbol(sym) for sym in symbols}
+    else:
+        try:
+            ordered = sorted(symbols)
+        except TypeError:
+            raise ParseError("interleaved einsum subscripts must be all non-negative integers or "
+                             "mutually sortable symbols (and ...); got "
+                             f"{sorted(map(repr, symbols))}") from None
+        names = {sym: get_symbol(n) for n, sym in enumerate(ordered)}
+
+    def text(subs: Sequence[Hashable]) -> str:
+        return "".join("..." if sym is Ellipsis else names[sym] for sym in _sublist(subs))
+
+    equation = ",".join(text(subs) for subs in subscripts)
+    return equation if output is None else f"{equation}->{text(output)}"
+
+
+def _sublist(subs: object) -> list[Hashable]:
+    if isinstance(subs, (str, bytes)) or not isinstance(subs, Sequence):
+        raise ParseError(f"interleaved einsum expects a list of subscripts after each operand, "
+                         f"got {type(subs).__name__} {subs!r}")
+    for sym in subs:
+        if sym is not Ellipsis and not isinstance(sym, Hashable):
+            raise ParseError(f"interleaved einsum subscript {sym!r} is not hashable")
+    return list(subs)

@@ -69,6 +69,10 @@ class TaskGraph:
     retain: frozenset[int] = field(default_factory=frozenset)
     step_names: dict[int, str] = field(default_factory=dict, compare=False)
     chunk_bytes: dict[ChunkRef, int] = field(default_factory=dict, compare=False)
+    # shape and dtype of every chunk when known (a receiver of a chunk sent between
+    # processes allocates its buffer from it)
+    chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] = field(default_factory=dict,
+                                                                     compare=False)
 
     def contributions(self) -> dict[ChunkRef, int]:
         """How many tasks write each chunk."""

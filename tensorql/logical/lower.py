@@ -28,7 +28,7 @@ from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
 from tensorql.errors import PlanError
 from tensorql.grid import ChunkGrid
-from tensorql.logical.path import contraction_path
+from tensorql.logical.path import PathInfo, contraction_path, describe_path
 from tensorql.logical.plan import (
     Aggregate,
     Join,
@@ -75,16 +75,44 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
     raise PlanError(f"cannot plan node {type(node).__name__}")
 
 
-def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
+def _operands(op: EinsumOp,
+              children: list[LogicalNode]) -> tuple[list[Operand], dict[str, int]]:
+    """Each operand (retiled) with its labels, and the tile of every label."""
     spec = op.spec
     labels = [
         tuple(f"{lab}@{n}" if sq else lab for lab, sq in zip(op_labels, squeeze))
         for n, (op_labels, squeeze) in enumerate(zip(spec.inputs, spec.squeezed))
     ]
     tiles = _choose_tiles(children, labels)
-    operands: list[Operand] = [
-        (_retile(child, lab, tiles), lab) for child, lab in zip(children, labels)
-    ]
+    return [(_retile(child, lab, tiles), lab) for child, lab in zip(children, labels)], tiles
+
+
+def contraction_paths(root: Node) -> list[tuple[EinsumOp, PathInfo]]:
+    """The :class:`PathInfo` of every n-ary (> 2 operands) semiring einsum under ``root``:
+    the order its lowering uses (searched once: the path cache answers here).
+
+    >>> a = Source(shape=(8, 2), dtype="float32", name="A", grid=ChunkGrid((8, 2), (8, 2)))
+    >>> b = Source(shape=(2, 8), dtype="float32", name="B", grid=ChunkGrid((2, 8), (2, 8)))
+    >>> ((op, info),) = contraction_paths(EinsumOp.build("ij,jk,kl->il", [a, b, a]))
+    >>> info.path, info.flops, info.naive_flops
+    (((1, 2), (0, 1)), 64, 512)
+    """
+    done: dict[int, LogicalNode] = {}
+    found = []
+    for node in topological_order(root):
+        done[id(node)] = _lower_node(node, done)
+        if isinstance(node, EinsumOp) and len(node.operands) > 2 and node.spec.is_semiring:
+            operands, tiles = _operands(node, [done[id(n)] for n in node.operands])
+            inputs = [labels for _, labels in operands]
+            sizes = _sizes(operands)
+            path = contraction_path(inputs, node.spec.output, sizes, tiles, itemsize(node.dtype))
+            found.append((node, describe_path(path, inputs, node.spec.output, sizes)))
+    return found
+
+
+def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
+    spec = op.spec
+    operands, tiles = _operands(op, children)
     if len(operands) > 2 and spec.is_semiring:
         return _contract_by_path(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
     result = operands[0]

@@ -22,6 +22,7 @@ path: 2 pairwise steps, 8.19 KFLOP (naive 524.29 KFLOP, 64.0x less), largest ...
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ def path_cost(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
     464.0
     """
     tiles = tiles or {}
+    sizes = {lab: int(n) for lab, n in sizes.items()}
     blocks = {lab: -(-n // max(1, min(n, tiles.get(lab, n)))) for lab, n in sizes.items()}
     current = [tuple(labels) for labels in inputs]
     total = 0.0
@@ -74,26 +76,165 @@ def path_cost(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
 def contraction_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
                      sizes: Mapping[str, int], tiles: Mapping[str, int] | None = None,
                      itemsize: int = 4) -> list[tuple[int, ...]]:
-    """Pairwise contraction order (opt_einsum's path format) with the lowest chunk-aware cost."""
+    """Pairwise contraction order (opt_einsum's path format) with the lowest chunk-aware cost.
+
+    Searched once per (labels, sizes, tiles, itemsize): repeated queries of the same shape
+    reuse the path from :data:`PATH_CACHE`.
+    """
+    if len(inputs) < 2:
+        return [tuple(range(len(inputs)))]
+    key = PathKey.of(inputs, output, sizes, tiles, itemsize)
+    return list(PATH_CACHE.get(key))
+
+
+@dataclass(frozen=True)
+class PathKey:
+    """What a path depends on: every operand's labels, the output, label sizes and tiles."""
+
+    inputs: tuple[tuple[str, ...], ...]
+    output: tuple[str, ...]
+    sizes: tuple[tuple[str, int], ...]
+    tiles: tuple[tuple[str, int], ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, inputs: Sequence[Sequence[str]], output: Sequence[str],
+           sizes: Mapping[str, int], tiles: Mapping[str, int] | None, itemsize: int) -> PathKey:
+        used = dict.fromkeys(lab for labels in [*inputs, output] for lab in labels)
+        tiles = tiles or {}
+        return cls(tuple(tuple(labels) for labels in inputs), tuple(output),
+                   tuple((lab, int(sizes[lab])) for lab in used),
+                   tuple((lab, int(tiles[lab])) for lab in used if lab in tiles), itemsize)
+
+
+class PathCache:
+    """Searched paths by :class:`PathKey`, least recently used dropped beyond ``capacity``.
+
+    >>> cache = PathCache(capacity=4)
+    >>> key = PathKey.of([("i", "j"), ("j", "k")], ("i", "k"), {"i": 2, "j": 3, "k": 4}, None, 4)
+    >>> cache.get(key), cache.get(key), cache.hits, cache.misses
+    (((0, 1),), ((0, 1),), 1, 1)
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._paths: OrderedDict[PathKey, tuple[tuple[int, ...], ...]] = OrderedDict()
+
+    def get(self, key: PathKey) -> tuple[tuple[int, ...], ...]:
+        path = self._paths.get(key)
+        if path is not None:
+            self.hits += 1
+            self._paths.move_to_end(key)
+            return path
+        self.misses += 1
+        path = tuple(search_path(key.inputs, key.output, dict(key.sizes), dict(key.tiles),
+                                 key.itemsize))
+        self._paths[key] = path
+        if len(self._paths) > self.capacity:
+            self._paths.popitem(last=False)
+        return path
+
+    def clear(self) -> None:
+        self._paths.clear()
+        self.hits = self.misses = 0
+
+
+PATH_CACHE = PathCache()
+
+# Exact search (opt_einsum "optimal") up to this many operands, dynamic programming up to the
+# next bound; beyond it cotengra's hyper-optimiser joins greedy, for a bounded time.
+OPTIMAL_MAX_OPERANDS = 5
+DP_MAX_OPERANDS = 10
+# The hyper-optimiser's time: this fraction of the greedy path's estimated run time at
+# ASSUMED_FLOPS_PER_S, within [MIN_SEARCH_S, MAX_SEARCH_S].
+SEARCH_FRACTION = 2.0
+ASSUMED_FLOPS_PER_S = 1e10
+MIN_SEARCH_S = 0.1
+MAX_SEARCH_S = 2.0
+HYPER_REPEATS = 128
+
+
+def search_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
+                sizes: Mapping[str, int], tiles: Mapping[str, int] | None = None,
+                itemsize: int = 4) -> list[tuple[int, ...]]:
+    """Search the paths (no cache): the cheapest by :func:`path_cost` among the candidates.
+
+    >>> search_path([("i", "j"), ("j", "k")], ("i", "k"), {"i": 2, "j": 3, "k": 4})
+    [(0, 1)]
+    """
     if len(inputs) < 2:
         return [tuple(range(len(inputs)))]
     symbols = _symbols(inputs, output)
     equation = ",".join("".join(symbols[lab] for lab in labels) for labels in inputs)
     equation += "->" + "".join(symbols[lab] for lab in output)
     shapes = [tuple(sizes[lab] for lab in labels) for labels in inputs]
-    optimizers: list[object] = ["greedy", opt_einsum.DynamicProgramming(minimize="flops"),
-                                opt_einsum.DynamicProgramming(minimize="combo")]
-    if len(inputs) <= 5:
-        optimizers.insert(0, "optimal")
-    best: tuple[float, list[tuple[int, ...]]] | None = None
+    optimizers: list[object] = ["greedy"]
+    if len(inputs) <= OPTIMAL_MAX_OPERANDS:
+        optimizers.append("optimal")
+    elif len(inputs) <= DP_MAX_OPERANDS or is_chain(inputs):
+        optimizers += [opt_einsum.DynamicProgramming(minimize="flops"),
+                       opt_einsum.DynamicProgramming(minimize="combo")]
+    candidates = []
     for optimizer in optimizers:
         path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=optimizer)
-        path = [tuple(pair) for pair in path]
-        cost = path_cost(path, inputs, output, sizes, tiles, itemsize)
-        if best is None or cost < best[0]:
-            best = (cost, path)
-    assert best is not None
-    return best[1]
+        candidates.append([tuple(pair) for pair in path])
+    if len(inputs) > OPTIMAL_MAX_OPERANDS and not is_chain(inputs):  # dp is exact on chains
+        greedy_flops = describe_path(candidates[0], inputs, output, sizes).flops
+        budget = SEARCH_FRACTION * greedy_flops / ASSUMED_FLOPS_PER_S
+        candidates.append(hyper_path(inputs, output, sizes,
+                                     min(MAX_SEARCH_S, max(MIN_SEARCH_S, budget))))
+    costs = [path_cost(path, inputs, output, sizes, tiles, itemsize) for path in candidates]
+    return candidates[costs.index(min(costs))]
+
+
+def is_chain(inputs: Sequence[Sequence[str]]) -> bool:
+    """True when operands sharing labels form a simple path (matrix chains, MPS-like
+    trains): dynamic programming over its intervals is cheap there at any length.
+
+    >>> is_chain([("i", "j"), ("j", "k"), ("k", "l")]), is_chain([("i", "j"), ("i", "k"),
+    ...                                                            ("i", "l")])
+    (True, False)
+    """
+    holders: dict[str, set[int]] = {}
+    for n, labels in enumerate(inputs):
+        for lab in labels:
+            holders.setdefault(lab, set()).add(n)
+    edges = {frozenset(ops) for ops in holders.values() if len(ops) == 2}
+    if any(len(ops) > 2 for ops in holders.values()) or len(edges) != len(inputs) - 1:
+        return False
+    degree = [0] * len(inputs)
+    for edge in edges:
+        for n in edge:
+            degree[n] += 1
+    return max(degree, default=0) <= 2 and min(degree, default=0) >= 1
+
+
+def hyper_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
+               sizes: Mapping[str, int], max_time: float) -> list[tuple[int, ...]]:
+    """cotengra's hyper-optimised path (fewest FLOPs), searched for at most ``max_time`` s.
+
+    >>> hyper_path([("i", "j"), ("j", "k"), ("k", "l")], ("i", "l"),
+    ...            {"i": 64, "j": 8, "k": 64, "l": 8}, 0.05)
+    [(1, 2), (0, 1)]
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # cotengra notes optional optimisers it lacks
+        import cotengra
+
+        optimizer = cotengra.HyperOptimizer(
+            minimize="flops", max_repeats=HYPER_REPEATS,
+            max_time=max_time, parallel=False, progbar=False, optlib="random",
+            optlib_opts={"seed": 0})
+        symbols = _symbols(inputs, output)
+        tree = optimizer.search([[symbols[lab] for lab in labels] for labels in inputs],
+                                [symbols[lab] for lab in output],
+                                {symbols[lab]: size for lab, size in sizes.items()
+                                 if lab in symbols})
+    return [tuple(pair) for pair in tree.get_path()]
 
 
 @dataclass(frozen=True)
@@ -145,6 +286,7 @@ def plan_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
 def describe_path(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
                   output: Sequence[str], sizes: Mapping[str, int]) -> PathInfo:
     """The :class:`PathInfo` of a given ``path``."""
+    sizes = {lab: int(n) for lab, n in sizes.items()}  # Python ints: no overflow
     current = [tuple(labels) for labels in inputs]
     steps = []
     for position, pair in enumerate(path):

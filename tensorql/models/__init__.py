@@ -7,6 +7,7 @@
 ((4, 6), True)
 """
 
+from tensorql.models.llama import KVCache, Llama, LlamaShape
 from tensorql.models.workloads import Workload, attention, llama, llama_block, mlp
 
-__all__ = ["Workload", "attention", "llama", "llama_block", "mlp"]
+__all__ = ["KVCache", "Llama", "LlamaShape", "Workload", "attention", "llama", "llama_block", "mlp"]

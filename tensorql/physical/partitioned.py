@@ -131,6 +131,7 @@ class _Steps:
         self.relations: dict[int, TensorRelation] = {}
         self.flops: dict[int, int] = {}
         self.sizes: dict[ChunkRef, int] = {}
+        self.meta: dict[ChunkRef, tuple[tuple[int, ...], str]] = {}
         self.next_task = 0
 
     def new_step(self, name: str, relation: TensorRelation) -> int:
@@ -142,10 +143,11 @@ class _Steps:
         return sid
 
     def add(self, sid: int, inputs, key, kernel, device: int, flops: int = 0,
-            nbytes: int | None = None) -> ChunkRef:
+            shape: tuple[int, ...] | None = None, dtype: str | None = None) -> ChunkRef:
         ref = ChunkRef(sid, tuple(int(k) for k in key))
-        if nbytes is not None:
-            self.sizes[ref] = nbytes
+        if shape is not None:
+            self.sizes[ref] = math.prod(shape) * itemsize(dtype)
+            self.meta[ref] = (tuple(int(n) for n in shape), dtype)
         self.tasks[sid].append(Task(id=self.next_task, inputs=tuple(inputs), output=ref,
                                     kernel=kernel, priority=float(self.next_task), flops=flops,
                                     device=device))
@@ -229,7 +231,7 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             if partial_sid is None:
                 partial_sid = steps.new_step(f"partials of {node.name}", rel)
             steps.add(partial_sid, refs, (dev, *piece), kernel, dev, flops,
-                      nbytes=int(np.prod(lay.lens[t, : node.n_out])) * itemsize(node.dtype))
+                      shape=tuple(lay.lens[t, : node.n_out]), dtype=node.dtype)
         for src, dst, piece in lay.partial_sends():
             steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
                       FoldPartial(node.agg, kernel), dst)
@@ -292,7 +294,7 @@ class _Reads:
         shape = tuple(b - a for a, b in zip(lo, hi))
         ref = self.steps.add(self.assemble_sid[edge.producer], inputs,
                              (dev, len(self.assembled)), RekeyChunk(shape, tuple(parts)), dev,
-                             nbytes=math.prod(shape) * itemsize(node_p.dtype))
+                             shape=shape, dtype=node_p.dtype)
         self.assembled[key] = ref
         return ref
 
@@ -304,10 +306,10 @@ class _Reads:
             if producer not in self.slice_sid:
                 self.slice_sid[producer] = self.steps.new_step(
                     f"slices of {node_p.name}", self.steps.relations[pstep])
-            nbytes = math.prod(b - a for a, b in zip(olo, ohi)) * itemsize(node_p.dtype)
             self.slices[key] = self.steps.add(
                 self.slice_sid[producer], (ChunkRef(pstep, piece),), (dev, len(self.slices)),
-                SliceChunk(src), owner, nbytes=nbytes)
+                SliceChunk(src), owner, shape=tuple(b - a for a, b in zip(olo, ohi)),
+                dtype=node_p.dtype)
         return self.slices[key]
 
 
@@ -318,7 +320,8 @@ def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int) -> PhysicalPlan
         tasks = tuple(steps.tasks[sid])
         out.append(Step(sid, name, (), tasks, steps.flops[sid], 0, rel.nbytes, output=rel))
     return PhysicalPlan(root=plan.graph.logical, steps=tuple(out), step_of={},
-                        result_id=root_sid, partition=plan, chunk_sizes=steps.sizes)
+                        result_id=root_sid, partition=plan, chunk_sizes=steps.sizes,
+                        chunk_meta=steps.meta)
 
 
 __all__ = ["FoldPartial", "LoadPiece", "SliceChunk", "build_partitioned"]

@@ -73,6 +73,7 @@ class PhysicalPlan:
     result_id: int | None = None          # the result's step when step_of does not say
     partition: PartitionPlan | None = None  # set for a plan partitioned across devices
     chunk_sizes: dict[ChunkRef, int] | None = None  # bytes of chunks without a grid
+    chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] | None = None  # their shapes
 
     @property
     def result_step(self) -> Step:
@@ -92,17 +93,21 @@ class PhysicalPlan:
     def task_graph(self) -> TaskGraph:
         """The tasks of every step, with each chunk's size (for the runtime's memory plan)."""
         sizes: dict[ChunkRef, int] = dict(self.chunk_sizes or {})
+        meta = dict(self.chunk_meta or {})
         for step in self.steps:
             rel = step.relation
             size = itemsize(rel.dtype)
             for task in step.tasks:
                 if task.output not in sizes:
-                    sizes[task.output] = math.prod(rel.grid.chunk_shape(task.output.key)) * size
+                    shape = rel.grid.chunk_shape(task.output.key)
+                    sizes[task.output] = math.prod(shape) * size
+                    meta[task.output] = (shape, rel.dtype)
         return TaskGraph(
             tasks=tuple(t for s in self.steps for t in s.tasks),
             retain=frozenset({self.result_step.id}),
             step_names={s.id: s.name for s in self.steps},
             chunk_bytes=sizes,
+            chunk_meta=meta,
         )
 
     @classmethod

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 from sqlglot import exp
 
+from tensorql.einsum.spec import operand_labels as spec_operand_labels
+from tensorql.errors import ParseError
 from tensorql.sql.dialect import Einsum
 
 __all__ = ["ancestors", "operand_labels", "prune_ctes", "pure_einsum", "references", "scope_of",
@@ -22,26 +24,10 @@ __all__ = ["ancestors", "operand_labels", "prune_ctes", "pure_einsum", "referenc
 
 def operand_labels(equation: str) -> list[list[str]] | None:
     """Each operand's labels as written ('...' kept as one item); None if unreadable."""
-    if not isinstance(equation, str):
+    try:
+        return [labels for labels, _, _ in spec_operand_labels(equation)]
+    except ParseError:
         return None
-    lhs = equation.split("->")[0]
-    parts = []
-    for part in lhs.split(","):
-        labels: list[str] = []
-        i = 0
-        while i < len(part):
-            if part.startswith("...", i):
-                labels.append("...")
-                i += 3
-            elif part[i].isalpha():
-                labels.append(part[i])
-                i += 1
-            elif part[i] == " ":
-                i += 1
-            else:
-                return None
-        parts.append(labels)
-    return parts
 
 
 def ancestors(node: exp.Expr) -> Iterator[exp.Expr]:

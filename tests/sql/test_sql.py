@@ -222,8 +222,8 @@ def test_bad_join_agg_names(db, mats):
 
 def test_bad_equation_points_into_the_string(db, mats):
     with pytest.raises(tq.ParseError) as info:
-        db.sql("SELECT * FROM EINSUM('i!,jk->ik', A, B)")
-    assert info.value.column == 24  # the '!'
+        db.sql("SELECT * FROM EINSUM('i.,jk->ik', A, B)")
+    assert info.value.column == 24  # the '.'
 
 
 def test_failed_statement_changes_nothing(db, mats):

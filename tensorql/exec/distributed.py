@@ -1,0 +1,276 @@
+"""Ranks of a ``torch.distributed`` job as devices of one runtime.
+
+Every rank compiles the same query into the same plan for all ``N = world x local`` devices of
+the job and lowers it to the same memory plan. A rank runs only the ops placed on its own
+devices; a chunk sent from a device of one rank to a device of another becomes a
+``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo on CPU,
+NCCL on GPU), tagged with the op's id so that transfers never pair up wrongly. Transfers run
+on their own threads, like any other op with dependencies: a receive completes when the
+chunk has arrived, and what waits for it becomes ready then. Result chunks are gathered on
+rank 0, which sends the dense result back to every rank (so a script runs unchanged on all).
+
+A rank that stops answering makes a transfer wait until the process group's timeout; the
+error names the peer rank.
+
+>>> RankLayout(rank=1, world=2, local=2).devices_of(1)
+[2, 3]
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.devices import Completion, Device, resolve_devices
+from tensorql.exec.devices.base import Post
+from tensorql.exec.memplan import Op
+from tensorql.exec.run_types import ChunkSink, ProgressCallback, RunResult
+from tensorql.exec.runtime import Runtime, _Run
+from tensorql.exec.taskgraph import ChunkRef, TaskGraph
+
+RESULT_TAG = 1 << 30  # tags of result chunks gathered on rank 0 start here
+
+
+class DistributedError(TensorQLError):
+    """A distributed run failed: a peer rank died or stopped answering, or ranks disagree."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which devices of the job belong to which rank: ``local`` consecutive devices each."""
+
+    rank: int
+    world: int
+    local: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.world * self.local
+
+    def rank_of(self, device: int) -> int:
+        return device // self.local
+
+    def devices_of(self, rank: int) -> list[int]:
+        return list(range(rank * self.local, (rank + 1) * self.local))
+
+    def is_local(self, device: int) -> bool:
+        return self.rank_of(device) == self.rank
+
+
+class RemoteDevice(Device):
+    """A device of another rank: this rank never runs work on it."""
+
+    kind = "remote"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, {"compute": 1, "h2d": 1, "d2h": 1, "d2d": 1})
+
+    def open(self, post: Post) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        raise ExecutionError(f"{self.name} belongs to another rank")  # pragma: no cover
+
+
+class DistributedRuntime(Runtime):
+    """The runtime of one rank: the job's memory plan, this rank's ops, transfers between
+    ranks through ``torch.distributed`` (``group`` or the default process group)."""
+
+    def __init__(self, layout: RankLayout, local_devices: Any = "cpu",
+                 memory_limit: int | None = None, *, workers: int = 1,
+                 intra_op_threads: int = 1, group: Any = None, **kw: Any) -> None:
+        local = resolve_devices(local_devices, workers)
+        if len(local) != layout.local:
+            raise ExecutionError(f"{len(local)} local devices but the layout says "
+                                 f"{layout.local} per rank")
+        devices: list[Device] = []
+        for g in range(layout.devices):
+            if layout.is_local(g):
+                dev = local[g - layout.rank * layout.local]
+                dev.name = f"rank{layout.rank}:{dev.name}"
+                devices.append(dev)
+            else:
+                devices.append(RemoteDevice(f"rank{layout.rank_of(g)}:dev{g}"))
+        super().__init__(devices, memory_limit, workers=workers,
+                         intra_op_threads=intra_op_threads, **kw)
+        self.layout = layout
+        self.group = group
+
+    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
+            sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
+        program = self.plan(graph)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.intra_op_threads)
+        try:
+            result = _RankRun(self, graph, program, progress, sink).execute()
+        finally:
+            torch.set_num_threads(previous)
+        return result
+
+
+class _RankRun(_Run):
+    """One rank's part of a run: the ops on its devices and its side of every transfer."""
+
+    def __init__(self, rt: DistributedRuntime, *args: Any) -> None:
+        super().__init__(rt, *args)
+        self.layout = rt.layout
+        self.mine = [self._is_mine(op) for op in self.ops]
+        for op in self.ops:  # what other ranks do is not waited for here: data arrival is
+            self.succ[op.id] = [s for s in self.succ[op.id] if self.mine[s]]
+            if not self.mine[op.id]:
+                self.ndeps[op.id] = -1
+                self.done_ops += 1
+        for op in self.ops:
+            if self.mine[op.id]:
+                self.ndeps[op.id] = sum(1 for d in op.deps if self.mine[d])
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    def _is_mine(self, op: Op) -> bool:
+        if self.layout.is_local(op.device):
+            return True
+        return op.kind == "send" and self.layout.is_local(op.src_device)
+
+    def _cross_rank(self, op: Op) -> bool:
+        return op.kind == "send" and self.layout.rank_of(op.src_device) != \
+            self.layout.rank_of(op.device)
+
+    def _dispatch(self) -> None:
+        """Transfers between ranks start as soon as they are ready, outside the lanes' slots:
+        a receive waits on a peer, and queueing transfers behind one another could make two
+        ranks wait on each other."""
+        for heap in self.ready.values():
+            if any(self._cross_rank(self.ops[entry[1]]) for entry in heap):
+                kept = []
+                for entry in heap:
+                    op = self.ops[entry[1]]
+                    if self._cross_rank(op):
+                        self._submit(op)
+                    else:
+                        kept.append(entry)
+                heap[:] = kept
+                heapq.heapify(heap)
+        super()._dispatch()
+
+    def _submit(self, op: Op) -> None:
+        if not self._cross_rank(op):
+            super()._submit(op)
+            return
+        key = (op.device, op.lane)  # counted in flight (the coordinator waits for it)
+        self.inflight[key] = self.inflight.get(key, 0) + 1
+        receiving = self.layout.is_local(op.device)
+        if receiving:
+            self._allocate(op)
+        threading.Thread(target=self._transfer, args=(op, receiving), daemon=True,
+                         name=f"tensorql-transfer-{op.id}").start()
+
+    def _transfer(self, op: Op, receiving: bool) -> None:
+        started = time.perf_counter()
+        value, error = None, None
+        peer = self.layout.rank_of(op.src_device if receiving else op.device)
+        try:
+            if receiving:
+                shape, dtype = self.graph.chunk_meta[op.ref]
+                from tensorql.dtypes import torch_dtype
+
+                value = torch.empty(shape, dtype=torch_dtype(dtype))
+                torch.distributed.recv(value, src=peer, tag=op.id, group=self.rt.group)
+            else:
+                chunk = self.values[op.src_device][op.ref].contiguous()
+                torch.distributed.send(chunk, dst=peer, tag=op.id, group=self.rt.group)
+                value = chunk.nbytes
+        except BaseException as err:  # noqa: BLE001 - reported to the coordinator
+            error = DistributedError(
+                f"rank {self.layout.rank}: {'receiving from' if receiving else 'sending to'} "
+                f"rank {peer} failed ({type(err).__name__}: {err}); rank {peer} died or "
+                "stopped answering within the timeout")
+        self.events.put(Completion(op.id, started, time.perf_counter(), value, error))
+
+    def _complete(self, op: Op, c: Completion) -> None:
+        if self._cross_rank(op) and not self.layout.is_local(op.device):
+            self.sent_bytes += int(c.value)
+            self.stats.moved[op.src_device][op.device] += int(c.value)
+            return  # the sender's side: nothing lands here
+        if self._cross_rank(op):
+            self.received_bytes += op.nbytes
+            self.values[op.device][op.ref] = c.value
+            self.stats.devices[op.device].bytes_d2d += op.nbytes
+            self.stats.devices[op.device].ops += 1
+            return
+        super()._complete(op, c)
+
+
+def gather_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
+                   layout: RankLayout, group: Any = None) -> dict[ChunkRef, torch.Tensor]:
+    """Every retained chunk on rank 0 (received from the rank that computed it), in a
+    deterministic order; other ranks send theirs and get an empty dict."""
+    where = {t.output: t.device for t in graph.tasks}
+    refs = sorted({t.output for t in graph.tasks if t.output.step in graph.retain},
+                  key=lambda r: (r.step, r.key))
+    out: dict[ChunkRef, torch.Tensor] = {}
+    from tensorql.dtypes import torch_dtype
+
+    for n, ref in enumerate(refs):
+        owner = layout.rank_of(where[ref])
+        if layout.rank == 0:
+            if owner == 0:
+                out[ref] = outputs[ref]
+            else:
+                shape, dtype = graph.chunk_meta[ref]
+                buf = torch.empty(shape, dtype=torch_dtype(dtype))
+                torch.distributed.recv(buf, src=owner, tag=RESULT_TAG + n, group=group)
+                out[ref] = buf
+        elif owner == layout.rank:
+            torch.distributed.send(outputs[ref].contiguous(), dst=0, tag=RESULT_TAG + n,
+                                   group=group)
+    return out
+
+
+def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
+    """This process's place in the ``torch.distributed`` job, joining the default process
+    group first when the script has not (``env://``: the ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK`` and ``WORLD_SIZE`` variables torchrun sets; gloo on CPU, NCCL on CUDA)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise DistributedError("this torch build has no torch.distributed")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except (ValueError, RuntimeError) as err:
+            raise DistributedError(
+                f"cannot join the torch.distributed job ({err}); launch the script with "
+                "torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE") from err
+    return RankLayout(rank=dist.get_rank(), world=dist.get_world_size(), local=local_devices)
+
+
+def check_same_plan(fingerprint: str, layout: RankLayout, group: Any = None) -> None:
+    """DistributedError unless every rank compiled the same plan (a mismatch would pair
+    transfers wrongly and hang)."""
+    import torch.distributed as dist
+
+    prints: list[Any] = [None] * layout.world
+    try:
+        dist.all_gather_object(prints, fingerprint, group=group)
+    except RuntimeError as err:
+        raise DistributedError(f"rank {layout.rank}: comparing plans with the other ranks "
+                               f"failed ({err}); a rank died or stopped answering") from err
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise DistributedError(
+            f"ranks built different plans (rank 0: {prints[0][:12]}, ranks "
+            f"{', '.join(map(str, differ))} differ): every rank must build the same expression "
+            "over the same stored tensors and options")

@@ -1,0 +1,328 @@
+"""A whole LLaMA decoder (Hugging Face ``transformers`` layout) as tensorql queries.
+
+:class:`Llama` takes a ``LlamaForCausalLM``'s config and ``state_dict()`` (or a safetensors
+file), stores every weight in the session's chunk store under ``prefix``, and builds token
+embedding, RMSNorm, rotary embeddings, grouped-query attention with a causal mask, SwiGLU and
+the LM head as extended einsums. :meth:`Llama.logits` is one lazy query (it has an EXPLAIN and
+runs under the session's ``memory_limit``); :meth:`Llama.generate` decodes greedily with a KV
+cache: per new token, each layer is one query for its keys/values and one for its output, the
+new token attending to the cached keys and values of every earlier position.
+
+Grouped-query attention needs no copies of the key heads: query head ``h = k * G + g`` (as
+transformers' ``repeat_kv`` orders them) carries labels ``k`` (its key/value head) and ``g``.
+
+>>> import numpy as np, tensorql as tq
+>>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+...                    head_dim=4)
+>>> model = Llama.random(tq.connect(), shape, seed=0)
+>>> model.logits([[1, 2, 3]]).shape
+(1, 3, 11)
+>>> len(model.generate([1, 2, 3], max_new_tokens=4))
+7
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorql.api.einsum import einsum
+from tensorql.api.tensor import Tensor
+from tensorql.errors import ShapeError
+
+MASK_VALUE = -1e9
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes of a LLaMA model (what a ``LlamaConfig`` says, under plain names)."""
+
+    vocab: int
+    d_model: int
+    d_ff: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    tied: bool = False
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaShape:
+        """From a ``transformers.LlamaConfig`` (default rotary embeddings only)."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling",
+                                                                   None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ShapeError(f"rope_type {kind!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise ShapeError("LLaMA configs with attention_bias or mlp_bias are not supported")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ShapeError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(vocab=config.vocab_size, d_model=config.hidden_size,
+                   d_ff=config.intermediate_size, layers=config.num_hidden_layers,
+                   heads=heads, kv_heads=kv_heads, head_dim=head_dim, rope_theta=float(theta),
+                   eps=float(config.rms_norm_eps),
+                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored weight's name and shape (transformers' layout, heads split out)."""
+        kv, g, e, d, f = self.kv_heads, self.groups, self.head_dim, self.d_model, self.d_ff
+        shapes: dict[str, tuple[int, ...]] = {"embed": (self.vocab, d), "norm": (d,)}
+        for n in range(self.layers):
+            shapes.update({
+                f"l{n}_attn_norm": (d,), f"l{n}_wq": (kv, g, e, d), f"l{n}_wkv": (2, kv, e, d),
+                f"l{n}_wo": (d, kv, g, e), f"l{n}_mlp_norm": (d,), f"l{n}_gate": (f, d),
+                f"l{n}_up": (f, d), f"l{n}_down": (d, f),
+            })
+        if not self.tied:
+            shapes["lm_head"] = (self.vocab, d)
+        return shapes
+
+
+def _hf_weights(shape: LlamaShape, state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """transformers' ``state_dict`` names -> this module's names, heads split, K/V stacked."""
+    def get(name: str) -> np.ndarray:
+        for key in (name, f"model.{name}"):
+            if key in state:
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().to(torch.float32).cpu().numpy()
+                return np.asarray(value, dtype=np.float32)
+        raise ShapeError(f"state_dict has no weight {name!r}")
+
+    kv, g, e, d = shape.kv_heads, shape.groups, shape.head_dim, shape.d_model
+    out = {"embed": get("embed_tokens.weight"), "norm": get("norm.weight")}
+    for n in range(shape.layers):
+        p = f"layers.{n}."
+        out[f"l{n}_attn_norm"] = get(p + "input_layernorm.weight")
+        out[f"l{n}_wq"] = get(p + "self_attn.q_proj.weight").reshape(kv, g, e, d)
+        out[f"l{n}_wkv"] = np.stack([get(p + "self_attn.k_proj.weight").reshape(kv, e, d),
+                                     get(p + "self_attn.v_proj.weight").reshape(kv, e, d)])
+        out[f"l{n}_wo"] = get(p + "self_attn.o_proj.weight").reshape(d, kv, g, e)
+        out[f"l{n}_mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        out[f"l{n}_gate"] = get(p + "mlp.gate_proj.weight")
+        out[f"l{n}_up"] = get(p + "mlp.up_proj.weight")
+        out[f"l{n}_down"] = get(p + "mlp.down_proj.weight")
+    if not shape.tied:
+        out["lm_head"] = get("lm_head.weight")
+    for name, want in shape.weight_shapes().items():
+        if out[name].shape != want:
+            raise ShapeError(f"weight {name!r} has shape {out[name].shape}, expected {want}")
+    return out
+
+
+def rope_tables(shape: LlamaShape, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every (position, head-dim) pair, as transformers computes them.
+
+    >>> cos, sin = rope_tables(LlamaShape(5, 4, 4, 1, 1, 1, 4), [0, 1])
+    >>> cos.shape, float(cos[0, 0]), float(sin[0, 0])
+    ((2, 4), 1.0, 0.0)
+    """
+    e = shape.head_dim
+    inv = 1.0 / (shape.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32)
+                                      / e))
+    angles = np.outer(np.asarray(positions, dtype=np.float32), inv.astype(np.float32))
+    angles = np.concatenate([angles, angles], axis=1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate_half_matrix(e: int) -> np.ndarray:
+    """R with ``x @ R == rotate_half(x) == cat(-x[half:], x[:half])``."""
+    half = e // 2
+    rot = np.zeros((e, e), dtype=np.float32)
+    for j in range(half):
+        rot[j + half, j] = -1.0
+        rot[j, j + half] = 1.0
+    return rot
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys (rotated) and values of every earlier position, per layer: (2, B, T, KV, E)."""
+
+    layers: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0].shape[2]) if self.layers else 0
+
+    def extend(self, new: Sequence[torch.Tensor]) -> KVCache:
+        return KVCache(tuple(torch.cat([old, add], dim=2) for old, add in zip(self.layers, new))
+                       if self.layers else tuple(new))
+
+
+class Llama:
+    """A LLaMA model whose weights live in a tensorql session (see the module docstring)."""
+
+    def __init__(self, db: Any, shape: LlamaShape, prefix: str = "llama_") -> None:
+        self.db = db
+        self.shape = shape
+        self.prefix = prefix
+        self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
+        self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_weights(cls, db: Any, shape: LlamaShape, weights: Mapping[str, np.ndarray],
+                     prefix: str = "llama_") -> Llama:
+        """Store ``weights`` (this module's names) in ``db`` and build the model over them."""
+        for name in shape.weight_shapes():
+            db.from_numpy(prefix + name, np.ascontiguousarray(weights[name]), replace=True)
+        return cls(db, shape, prefix)
+
+    @classmethod
+    def from_transformers(cls, db: Any, model: Any, prefix: str = "llama_") -> Llama:
+        """From a ``transformers.LlamaForCausalLM`` (its ``config`` and ``state_dict()``)."""
+        return cls.from_state_dict(db, model.config, model.state_dict(), prefix)
+
+    @classmethod
+    def from_state_dict(cls, db: Any, config: Any, state: Mapping[str, Any],
+                        prefix: str = "llama_") -> Llama:
+        """From a ``LlamaConfig`` and a state dict in transformers' names."""
+        shape = LlamaShape.from_config(config)
+        return cls.from_weights(db, shape, _hf_weights(shape, state), prefix)
+
+    @classmethod
+    def from_safetensors(cls, db: Any, config: Any, path: str,
+                         prefix: str = "llama_") -> Llama:
+        """From a ``LlamaConfig`` and a safetensors file of the model's weights."""
+        from safetensors.numpy import load_file
+
+        return cls.from_state_dict(db, config, load_file(path), prefix)
+
+    @classmethod
+    def random(cls, db: Any, shape: LlamaShape, seed: int = 0,
+               prefix: str = "llama_") -> Llama:
+        """Random weights (normal, std 0.02; norms at 1), seeded."""
+        rng = np.random.default_rng(seed)
+        weights = {name: (np.ones(dims, np.float32) if name.endswith("norm") else
+                          (rng.standard_normal(dims) * 0.02).astype(np.float32))
+                   for name, dims in shape.weight_shapes().items()}
+        return cls.from_weights(db, shape, weights, prefix)
+
+    # ---- the pieces, as lazy einsums ----------------------------------------------------
+    def _w(self, name: str) -> Tensor:
+        return self.weights[name]
+
+    def _rmsnorm(self, x: Tensor, gain: str) -> Tensor:
+        inv = ((x ** 2).mean(-1) + self.shape.eps).rsqrt()
+        return einsum("bsd,bs,d->bsd", x, inv, self._w(gain))
+
+    def embed(self, tokens: np.ndarray) -> Tensor:
+        """Token embeddings (B, S, D): the one-hot tokens joined with the embedding table."""
+        onehot = np.zeros((*tokens.shape, self.shape.vocab), dtype=np.float32)
+        np.put_along_axis(onehot, tokens[..., None], 1.0, axis=-1)
+        return einsum("bsv,vd->bsd", self.db.constant(onehot), self._w("embed"))
+
+    def keys_values(self, x: Tensor, layer: int, positions: Sequence[int]) -> Tensor:
+        """Layer ``layer``'s rotated keys and values of hidden states ``x``: (2, B, S, KV, E)."""
+        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+        kv = einsum("bsd,pked->pbske", xn, self._w(f"l{layer}_wkv"))
+        cos, sin = rope_tables(self.shape, positions)
+        # rotary embedding on the keys (p = 0) only: values get cos = 1, sin = 0
+        cos_p = self.db.constant(np.stack([cos, np.ones_like(cos)]))
+        sin_p = self.db.constant(np.stack([sin, np.zeros_like(sin)]))
+        return (einsum("pbske,pse->pbske", kv, cos_p)
+                + einsum("pbske,ef,psf->pbskf", kv, self._rot, sin_p))
+
+    def block(self, x: Tensor, layer: int, positions: Sequence[int], kv: Tensor) -> Tensor:
+        """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
+        to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal)."""
+        s = self.shape
+        n = f"l{layer}_"
+        xn = self._rmsnorm(x, n + "attn_norm")
+        q = einsum("bsd,kged->bskge", xn, self._w(n + "wq"))
+        cos, sin = (self.db.constant(t) for t in rope_tables(s, positions))
+        q = einsum("bskge,se->bskge", q, cos) + einsum("bskge,ef,sf->bskgf", q, self._rot, sin)
+        pick_k = self.db.constant(np.array([1.0, 0.0], dtype=np.float32))
+        pick_v = self.db.constant(np.array([0.0, 1.0], dtype=np.float32))
+        keys = einsum("pbtke,p->btke", kv, pick_k)
+        values = einsum("pbtke,p->btke", kv, pick_v)
+        scores = einsum("bskge,btke->bkgst", q, keys) * (1.0 / math.sqrt(s.head_dim))
+        total = kv.shape[2]
+        mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
+                        np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
+        if mask.any():
+            scores = scores + self.db.constant(mask)
+        probs = scores.softmax(-1)
+        attn = einsum("bkgst,btke->bskge", probs, values)
+        h = x + einsum("bskge,dkge->bsd", attn, self._w(n + "wo"))
+        hn = self._rmsnorm(h, n + "mlp_norm")
+        gate = einsum("bsd,fd->bsf", hn, self._w(n + "gate")).silu()
+        up = einsum("bsd,fd->bsf", hn, self._w(n + "up"))
+        return h + einsum("bsf,bsf,df->bsd", gate, up, self._w(n + "down"))
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final RMSNorm and LM head: logits (B, S, V)."""
+        table = self._w("embed") if self.shape.tied else self._w("lm_head")
+        return einsum("bsd,vd->bsv", self._rmsnorm(x, "norm"), table)
+
+    # ---- queries ------------------------------------------------------------------------
+    def logits(self, tokens: Any) -> Tensor:
+        """The logits (B, S, V) of token ids ``tokens`` (B, S), as one lazy query."""
+        ids = self._tokens(tokens)
+        positions = list(range(ids.shape[1]))
+        x = self.embed(ids)
+        for layer in range(self.shape.layers):
+            x = self.block(x, layer, positions, self.keys_values(x, layer, positions))
+        return self.head(x)
+
+    def step(self, tokens: Any, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+        """Run ``tokens`` (B, S) after the ``cache``'s positions: last-position logits (B, V)
+        and the cache extended by these tokens. Two queries per layer, one for the head."""
+        ids = self._tokens(tokens)
+        start = cache.length
+        positions = list(range(start, start + ids.shape[1]))
+        x = self.embed(ids).torch()
+        new = []
+        for layer in range(self.shape.layers):
+            hidden = self.db.constant(x)
+            kv = self.keys_values(hidden, layer, positions).torch()
+            new.append(kv)
+            past = cache.layers[layer] if cache.layers else None
+            everything = kv if past is None else torch.cat([past, kv], dim=2)
+            x = self.block(hidden, layer, positions, self.db.constant(everything)).torch()
+        last = self.db.constant(x[:, -1:, :])
+        return self.head(last).torch()[:, 0, :], cache.extend(new)
+
+    def generate(self, tokens: Iterable[int], max_new_tokens: int) -> list[int]:
+        """Greedy decoding with a KV cache: the prompt then ``max_new_tokens`` new tokens."""
+        prompt = [int(t) for t in tokens]
+        out = list(prompt)
+        logits, cache = self.step([prompt], KVCache(()))
+        for _ in range(max_new_tokens):
+            token = int(torch.argmax(logits[0]))
+            out.append(token)
+            if len(out) == len(prompt) + max_new_tokens:
+                break
+            logits, cache = self.step([[token]], cache)
+        return out
+
+    def _tokens(self, tokens: Any) -> np.ndarray:
+        ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ShapeError(f"token ids must be a non-empty (batch, seq) integer array, got "
+                             f"shape {ids.shape} of {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.shape.vocab)]
+        if bad.size:
+            raise ShapeError(f"token id {int(bad[0])} outside the vocabulary "
+                             f"0..{self.shape.vocab - 1}")
+        return ids.astype(np.int64)

@@ -1,0 +1,97 @@
+"""One rank of the distributed tests (run by torchrun from tests/exec/test_distributed.py).
+
+Every rank builds the same workloads from the same seeded arrays, runs them through
+``tq.connect(distributed=True)`` and writes what it saw to ``<out>/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import tensorql as tq
+from tensorql.models import attention, llama_block, mlp
+
+
+def build(db, name):
+    if name == "mlp":
+        return mlp(db, batch=10, d_model=12, d_ff=20)
+    if name == "attention":
+        return attention(db, batch=2, seq=6, d_model=12, heads=3, head_dim=4)
+    return llama_block(db, batch=2, seq=6, d_model=12, heads=3, head_dim=4, d_ff=20)
+
+
+def from_file(out: str, path: str) -> None:
+    """Every rank opens the same DuckDB file read-only and reads only its own pieces."""
+    import itertools
+
+    from tensorql.physical.partitioned import LoadPiece
+    from tensorql.storage.duckdb_store import DuckDBChunkStore
+
+    rank = int(os.environ["RANK"])
+    reads: list[list] = []
+    original = DuckDBChunkStore.read_chunk
+
+    def counting(self, name, key):
+        reads.append([name, list(key)])
+        return original(self, name, key)
+
+    DuckDBChunkStore.read_chunk = counting
+    with tq.connect(path, read_only=True, distributed=True, workers=1) as db:
+        x, w = db.tensor("X"), db.tensor("W")
+        query = (x @ w).relu().compile()
+        value = query.run(dense=True).dense().numpy()
+        mine = set(range(rank * 1, rank * 1 + 1))
+        expected = []
+        for step in query.physical.steps:
+            for task in step.tasks:
+                kernel = task.kernel
+                if isinstance(kernel, LoadPiece) and task.device in mine:
+                    spans = [range(lo // t, (hi - 1) // t + 1)
+                             for lo, hi, t in zip(kernel.lo, kernel.hi, kernel.grid.tile)]
+                    expected += [[kernel.name, list(k)] for k in itertools.product(*spans)]
+    want = np.maximum(np.load(path + ".X.npy") @ np.load(path + ".W.npy"), 0)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"max_err": float(np.abs(value - want).max()), "reads": reads,
+                   "expected": expected}, f)
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2]
+    if names.startswith("file:"):
+        return from_file(out, names[len("file:"):])
+    names = names.split(",")
+    rank = int(os.environ["RANK"])
+    dies = int(os.environ.get("TQ_TEST_DIE_RANK", "-1"))
+    if rank == dies:  # dies as its part of the run starts: the others must not hang
+        from tensorql.exec.distributed import DistributedRuntime
+
+        DistributedRuntime.run = lambda *args, **kw: os._exit(3)
+    results = {}
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20) as db:
+        for name in names:
+            try:
+                w = build(db, name)
+                query = w.output.compile()
+                run = query.run(dense=True)
+            except tq.TensorQLError as err:
+                results[name] = {"error": type(err).__name__, "message": str(err)}
+                continue
+            w = build(db, name)
+            query = w.output.compile()
+            run = query.run(dense=True)
+            results[name] = {
+                "max_err": float(np.abs(run.dense().numpy() - w.reference()).max()),
+                "moved": run.stats.moved,
+                "predicted": query.partition.pair_bytes().tolist(),
+                "devices": query.partition.devices,
+            }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

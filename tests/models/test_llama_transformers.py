@@ -1,0 +1,142 @@
+"""LLaMA from Hugging Face ``transformers`` as the oracle: logits and greedy generation.
+
+Random-weight models are built from small ``LlamaConfig``s (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tensorql as tq
+from tensorql.models import Llama
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "mha": dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0),
+    "gqa": dict(vocab_size=89, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                num_attention_heads=6, num_key_value_heads=2, rope_theta=500000.0),
+    "mqa_tied": dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=1, rope_theta=1000.0,
+                     tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+
+
+def hf_model(name: str):
+    torch.manual_seed(sum(map(ord, name)))
+    config = transformers.LlamaConfig(**CONFIGS[name], max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger than the default init, so logits differ visibly
+        for param in model.parameters():
+            if param.ndim > 1:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def prompt(name: str, length: int, vocab: int) -> list[int]:
+    return np.random.default_rng(len(name)).integers(0, vocab, size=length).tolist()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers(name):
+    model = hf_model(name)
+    ids = prompt(name, 9, model.config.vocab_size)
+    ours = Llama.from_transformers(tq.connect(), model).logits([ids]).numpy()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_generation_matches_transformers(name):
+    model = hf_model(name)
+    ids = prompt(name, 5, model.config.vocab_size)
+    ours = Llama.from_transformers(tq.connect(), model).generate(ids, max_new_tokens=32)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                min_new_tokens=32, pad_token_id=0)[0].tolist()
+    assert ours == theirs
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_logits_and_generation_under_half_the_weights_memory():
+    model = hf_model("gqa")
+    limit = weight_bytes(model) // 2
+    db = tq.connect(memory_limit=limit)
+    ours = Llama.from_transformers(db, model)
+    ids = prompt("gqa", 9, model.config.vocab_size)
+    result = ours.logits([ids]).compile().run(dense=True)
+    (device,) = result.stats.devices
+    assert device.peak_bytes <= limit
+    assert device.bytes_h2d >= weight_bytes(model)  # every weight streamed in from rest
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+        tokens = model.generate(torch.tensor([ids[:4]]), max_new_tokens=32, do_sample=False,
+                                min_new_tokens=32, pad_token_id=0)[0].tolist()
+    assert np.abs(result.dense().numpy() - theirs).max() <= 1e-4
+    assert ours.generate(ids[:4], max_new_tokens=32) == tokens
+
+
+def test_from_safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    model = hf_model("mha")
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    db = tq.connect(str(tmp_path / "weights.duckdb"))
+    ours = Llama.from_safetensors(db, model.config, str(path))
+    assert "llama_l0_wq" in db.tensors()
+    ids = prompt("mha", 6, model.config.vocab_size)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    assert np.abs(ours.logits([ids]).numpy() - theirs).max() <= 1e-4
+
+
+def test_generation_query_has_an_explain():
+    model = hf_model("gqa")
+    ours = Llama.from_transformers(tq.connect(), model)
+    text = ours.logits([[1, 2, 3]]).explain()
+    assert text.startswith("EXPLAIN") and "scan llama_l0_wq" in text.lower()
+
+
+def test_bad_token_ids_raise():
+    ours = Llama.from_transformers(tq.connect(), hf_model("mha"))
+    with pytest.raises(tq.TensorQLError, match="outside the vocabulary"):
+        ours.logits([[1, 500]])
+    with pytest.raises(tq.TensorQLError, match="integer"):
+        ours.logits([[0.5, 1.0]])
+
+
+def test_unsupported_config_is_refused():
+    config = transformers.LlamaConfig(**CONFIGS["mha"], attention_bias=True)
+    with pytest.raises(tq.TensorQLError, match="attention_bias"):
+        Llama.from_state_dict(tq.connect(), config, {})
+
+
+def test_logits_and_generation_on_two_devices():
+    model = hf_model("gqa")
+    db = tq.connect(devices=2)
+    ours = Llama.from_transformers(db, model)
+    ids = prompt("gqa", 9, model.config.vocab_size)
+    query = ours.logits([ids]).compile()
+    assert query.partition is not None
+    result = query.run(dense=True)
+    assert all(device.ops > 0 for device in result.stats.devices)  # both devices worked
+    assert len(result.stats.devices) == 2
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    assert np.abs(result.dense().numpy() - theirs).max() <= 1e-4
+
+    small = hf_model("mha")
+    ours = Llama.from_transformers(tq.connect(devices=2), small)
+    with torch.no_grad():
+        tokens = small.generate(torch.tensor([ids[:4]]), max_new_tokens=32, do_sample=False,
+                                min_new_tokens=32, pad_token_id=0)[0].tolist()
+    assert ours.generate(ids[:4], max_new_tokens=32) == tokens
