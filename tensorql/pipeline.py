@@ -30,6 +30,7 @@ from tensorql.errors import ExecutionError, OptionError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
+from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan, optimize
@@ -110,6 +111,37 @@ class CompiledQuery:
         tensor as they complete. With no ``progress`` callback and ``Options.progress`` set
         (``tensorql sql --progress``), a progress bar is drawn on stderr."""
         return get_backend(self.backend).run(self, progress, dense)
+
+    def stream(self, sink: Callable[[Key, torch.Tensor], None],
+               progress: ProgressCallback | None = None) -> None:
+        """Run the plan handing each result chunk to ``sink(key, chunk)`` as it completes;
+        the run keeps no result chunk once the sink has it (``db.store`` writes them through).
+        Backends other than ``native`` compute the whole result, then hand it over."""
+        if self.backend != "native":
+            for key, chunk in self.run(progress=progress).iter_chunks():
+                sink(key, chunk)
+            return
+        options = self.db.options
+        if progress is None and options.progress:
+            with progress_bar(self.node.describe()) as bar:
+                return self.stream(sink, bar)
+        if any(d.startswith("null") for d in device_names(options.devices)):
+            raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
+                                 "so there is no result to stream")
+        sid = self.physical.result_step.id
+        sent: set[Key] = set()
+
+        def result_sink(ref, chunk):
+            if ref.step == sid and ref.key not in sent:
+                sent.add(ref.key)
+                sink(ref.key, chunk)
+
+        result = executor_for(options).run(self.physical.task_graph(), progress=progress,
+                                           sink=result_sink, keep_outputs=False)
+        for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
+            if ref.step == sid and chunk is not None and ref.key not in sent:
+                sink(ref.key, chunk)
+        return None
 
     def explain(self, analyze: bool = False) -> str:
         return self.explain_and_result(analyze)[0]

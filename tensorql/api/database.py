@@ -27,6 +27,7 @@ from tensorql.options import Options
 from tensorql.pipeline import CompiledQuery, get_backend
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 from tensorql.storage.mapped import MappedPageReleaser
+from tensorql.storage.stream_write import StreamingWrite
 
 
 def _contiguous(chunk: np.ndarray) -> np.ndarray:
@@ -189,15 +190,21 @@ class Database:
 
     def store(self, name: str, expr: Tensor, *, replace: bool = False,
               progress: Any = None) -> Tensor:
-        """Compute ``expr`` and persist it under ``name``; returns the stored tensor."""
+        """Compute ``expr`` and persist it under ``name``; returns the stored tensor.
+
+        Result chunks stream into the store as the run completes them, so memory stays
+        bounded by the session's limits, not by the result's size; the tensor appears only
+        once every chunk is written (an error or interrupt stores nothing)."""
         expr = self.constant(expr) if not isinstance(expr, Tensor) else expr
+        if not isinstance(name, str) or not name:
+            raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         compiled = expr.compile()
-        result = compiled.run(progress=progress)
         rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
-        self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
+        with StreamingWrite(self.chunk_store, meta, replace=replace) as write:
+            compiled.stream(write.put, progress=progress)
         self.generation += 1
         return self.tensor(name)
 
