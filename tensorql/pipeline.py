@@ -18,15 +18,16 @@ inside DuckDB).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from tensorql.dtypes import torch_dtype
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, OptionError
+from tensorql.errors import ExecutionError, MemoryLimitError, OptionError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
@@ -34,12 +35,13 @@ from tensorql.grid import Key
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan, optimize
-from tensorql.options import Options, device_names
+from tensorql.options import Options, available_memory_bytes, device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.partitioned import build_partitioned
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.storage.chunk_store import ChunkStore
+from tensorql.units import format_bytes
 
 
 class Session(Protocol):
@@ -109,7 +111,10 @@ class CompiledQuery:
     def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
         """Execute the plan; with ``dense=True`` result chunks are written into one dense
         tensor as they complete. With no ``progress`` callback and ``Options.progress`` set
-        (``tensorql sql --progress``), a progress bar is drawn on stderr."""
+        (``tensorql sql --progress``), a progress bar is drawn on stderr. A dense result
+        that cannot fit in the process's memory raises MemoryLimitError before anything runs."""
+        if dense:
+            check_dense_fits(self.physical.result_step.relation, self.db.options)
         return get_backend(self.backend).run(self, progress, dense)
 
     def stream(self, sink: Callable[[Key, torch.Tensor], None],
@@ -183,7 +188,7 @@ class NativeBackend:
                     tile.copy_(chunk)
 
         result = executor.run(query.physical.task_graph(), progress=progress, sink=sink,
-                              destination=destination)
+                              destination=destination, keep_outputs=not dense)
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
         return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out,
                            computed=not null)
@@ -236,3 +241,28 @@ def register_backend(name: str, backend: ExecutionBackend) -> None:
 
 
 Compile = Callable[[Node, Session], CompiledQuery]
+
+
+def check_dense_fits(relation: Any, options: Options) -> None:
+    """MemoryLimitError, before any allocation, when a dense result of ``relation`` (shape and
+    dtype) is larger than :meth:`Options.dense_result_budget`.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> from tensorql.logical.plan import TensorRelation
+    >>> big = TensorRelation(("i", "j"), ChunkGrid((2**20, 2**20), (4096, 4096)), "float32")
+    >>> check_dense_fits(big, Options())
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.MemoryLimitError: the result is 4.0 TiB (1048576x1048576 float32) ...
+    """
+    nbytes = math.prod(relation.shape) * itemsize(relation.dtype)
+    budget = options.dense_result_budget()
+    if nbytes > budget:
+        shape = "x".join(map(str, relation.shape))
+        raise MemoryLimitError(
+            f"the result is {format_bytes(nbytes)} ({shape} {relation.dtype}) but this process "
+            f"may hold {format_bytes(budget)} more (Options.process_memory_limit "
+            f"{format_bytes(options.process_memory_bytes)}, less the chunk cache, DuckDB's "
+            f"memory and device budgets; {format_bytes(available_memory_bytes())} available "
+            "on the system); store it with db.store(name, expr) and read it chunk by chunk "
+            "(db.iter_chunks), or compute a slice of it")

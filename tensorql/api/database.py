@@ -36,6 +36,53 @@ def _contiguous(chunk: np.ndarray) -> np.ndarray:
     return chunk if chunk.flags.c_contiguous else chunk.copy(order="C")
 
 
+def literal_array(value: Any) -> np.ndarray:
+    """``value`` (a scalar, nested lists, an array) as a numpy array of a supported dtype;
+    ShapeError for None, ragged lists and dtypes tensorql cannot compute with (str, object,
+    datetime, ...).
+
+    >>> literal_array(2.0).shape, literal_array([[1, 2], [3, 4]]).dtype.name
+    ((), 'int64')
+    >>> literal_array([[1], [1, 2]])
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.ShapeError: cannot read [[1], [1, 2]] as an array: ragged nested sequences...
+    """
+    if value is None:
+        raise ShapeError("None is not a tensor; pass an array, a number or a tensorql Tensor")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as err:
+        raise ShapeError(f"cannot read {_short(value)} as an array: ragged nested sequences "
+                         f"or mixed types ({err})") from None
+    if array.dtype == object:
+        raise ShapeError(f"cannot read {_short(value)} as an array of numbers: it holds "
+                         "Python objects (None, strings or ragged sequences)")
+    canonical_dtype(array.dtype)  # ShapeError names the unsupported dtype
+    return array
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _tile_sizes(tile: Any) -> tuple[int, ...]:
+    """A tile as positive integers; ShapeError for strings, fractions and other junk."""
+    if isinstance(tile, (str, bytes)) or not isinstance(tile, Sequence | np.ndarray):
+        raise ShapeError(f"tile must be a sequence of positive integers, got {tile!r}")
+    sizes = []
+    for dim, size in enumerate(tile):
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+            raise ShapeError(f"tile {tuple(tile)!r}: dimension {dim} is {size!r}, "
+                             "not a positive integer")
+        if size < 1:
+            raise ShapeError(f"tile {tuple(tile)!r}: dimension {dim} is {size}; tiles must "
+                             "be >= 1")
+        sizes.append(int(size))
+    return tuple(sizes)
+
+
 def _open_store(path: str | None, options: Options, read_only: bool) -> ChunkStore:
     from tensorql.storage.duckdb_store import DuckDBChunkStore
 
@@ -137,7 +184,7 @@ class Database:
     def _tile(self, shape: Sequence[int], tile: Sequence[int] | None) -> tuple[int, ...]:
         if tile is None:
             return auto_tile(shape, self.options.tile_target_elems)
-        tile = tuple(int(t) for t in tile)
+        tile = _tile_sizes(tile)
         if len(tile) != len(shape):
             raise ShapeError(f"tile {tile} has {len(tile)} dims but the tensor has "
                              f"{len(shape)} {tuple(shape)}")
@@ -149,7 +196,8 @@ class Database:
         memory-mapped array streams in chunk by chunk). ``progress(done, total)`` is called as
         chunks are written; with ``Options.progress`` and no callback a bar is drawn."""
         if not isinstance(array, np.ndarray):
-            array = np.asarray(array)
+            array = literal_array(array)
+        canonical_dtype(array.dtype)  # ShapeError names an unsupported dtype before any write
         releaser = MappedPageReleaser.for_array(array)
 
         def chunk(sl):
@@ -216,10 +264,10 @@ class Database:
         if isinstance(value, torch.Tensor):
             data = value.detach().cpu()
         else:
-            array = np.asarray(value)
+            array = literal_array(value)
             if array.dtype == np.float64 and not isinstance(value, np.ndarray):
                 array = array.astype(np.float32)  # Python floats become float32, like torch
-            data = torch.from_numpy(np.ascontiguousarray(array))
+            data = torch.from_numpy(_contiguous(array))  # a 0-d value stays 0-d
         dtype = canonical_dtype(data.dtype)
         grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, self.options.tile_target_elems))
         return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
