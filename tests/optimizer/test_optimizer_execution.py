@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensorql.optimizer.partitioned import build, execute
 
 import tensorql as tq
 from tensorql.models import attention, llama, llama_block, mlp
-from tensorql.optimizer.partitioned import build, execute
 
 
 @pytest.fixture(scope="module")
