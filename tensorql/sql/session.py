@@ -108,9 +108,8 @@ class SQLResult:
             table = self.arrow()
             try:
                 labels = label_columns(table)
-            except ShapeError:
-                raise ShapeError("the result is not tensor-valued: it has no 'val' column "
-                                 f"(columns {table.column_names})") from None
+            except ShapeError as err:
+                raise ShapeError(f"the result is not tensor-valued: {err}") from None
             shape = []
             for label in labels:
                 col = table.column(label)
@@ -172,6 +171,7 @@ class _Runner:
         self.statement: Statement | None = None
         self.explain_sections: list[str] | None = None
         self.analyze = False
+        self.expanding: set[str] = set()  # CTEs being read as rows (a cycle is an error)
 
     # -- positions --------------------------------------------------------------------
     def pos(self, node: exp.Expr | None) -> int | None:
@@ -462,7 +462,11 @@ class _Runner:
                     item.expression, exp.Literal) or item.expression.is_string:
                 raise self.fail(SQLShapeError, "sizes := takes a struct such as {'i': 10}",
                                 item)
-            size = int(item.expression.this)
+            text = item.expression.this
+            if not text.isdigit() or int(text) > 2**62:
+                raise self.fail(SQLShapeError, f"size of label {item.this.name!r} must be a "
+                                f"whole number from 1 to 2**62, got {text}", item)
+            size = int(text)
             if size < 1:
                 raise self.fail(SQLShapeError, f"size of label {item.this.name!r} must be "
                                 ">= 1", item)
@@ -479,12 +483,20 @@ class _Runner:
             key = name.lower()
             cte = scope.get(key)
             if cte is not None:
+                expanding = self.expanding
+                if key in seen or key in expanding:
+                    raise self.fail(SQLShapeError, f"CTE {name!r} refers to itself through "
+                                    "EINSUM; recursive tensor CTEs are not supported (iterate "
+                                    "from Python instead)", arg)
                 inner = _pure_einsum(cte.this)
-                if inner is not None and key not in seen:
+                if inner is not None:
                     return self.call(inner, {**scope, **_scope(inner)}, seen | {key}).tensor
-                return self.rows(exp.select("*").from_(
-                    exp.Table(this=exp.to_identifier(name, quoted=True))),
-                                 scope)
+                expanding.add(key)
+                try:
+                    return self.rows(exp.select("*").from_(
+                        exp.Table(this=exp.to_identifier(name, quoted=True))), scope)
+                finally:
+                    expanding.discard(key)
             tensor = self._stored(name, arg.this.quoted)
             if tensor is not None:
                 return tensor
@@ -563,11 +575,14 @@ class _Runner:
                                     f"{{'{label}': n}}", arg)
                 known[label] = size
             shape.append(size)
-        dtype = value_dtype(table.column(next(c for c in table.column_names
-                                              if c.lower() == "val")))
         try:
-            return rows_to_dense(table, columns, shape, dtype)
-        except ShapeError as err:
+            dtype = value_dtype(table.column(next(c for c in table.column_names
+                                                  if c.lower() == "val")))
+            return rows_to_dense(table, columns, shape, dtype,
+                                 max_bytes=self.db.options.dense_result_budget())
+        except TensorQLError as err:
+            if not isinstance(err, ShapeError):
+                raise located(err, self.script, self.pos(arg)) from None
             raise self.fail(SQLShapeError, str(err), arg) from None
 
 
