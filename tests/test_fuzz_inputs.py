@@ -87,7 +87,8 @@ def statements(draw):
     call = f"EINSUM({draw(PIECES['equation'])}{', ' if operands else ''}{operands}" \
            f"{draw(PIECES['named'])})"
     form = draw(st.sampled_from([
-        "SELECT * FROM {c}", "CREATE TENSOR t_{n} AS SELECT * FROM {c}", "EXPLAIN SELECT * FROM {c}",
+        "SELECT * FROM {c}", "CREATE TENSOR t_{n} AS SELECT * FROM {c}",
+        "EXPLAIN SELECT * FROM {c}",
         "WITH r AS (SELECT * FROM {c}) SELECT * FROM r", "SELECT count(*) FROM {c}",
         "WITH RECURSIVE r AS (SELECT * FROM {c}) SELECT * FROM r", "SELEC * FROM {c}",
         "SELECT * FROM {c} WHERE", "DROP TENSOR nothing_{n}", "SELECT * FROM {c}; SELECT 1",
