@@ -27,7 +27,7 @@ import torch
 
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, MemoryLimitError, OptionError
+from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError
 from tensorql.exec.executor import ProgressCallback
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.runtime import executor_for
@@ -91,6 +91,7 @@ class CompiledQuery:
         name = backend or options.backend
         get_backend(name)
         logical = lower(node)
+        check_task_count(logical)
         max_temp = max(1, options.kernel_temp_bytes // 4)
         devices = device_names(options.devices)
         partition = None
@@ -241,6 +242,42 @@ def register_backend(name: str, backend: ExecutionBackend) -> None:
 
 
 Compile = Callable[[Node, Session], CompiledQuery]
+
+
+MANY_TASKS = 100_000  # beyond this many chunk tasks, per-task overhead (~100 µs) is seconds
+TINY_TASK_ELEMS = 1 << 16  # ... and is what the run spends when tasks are this small
+
+
+def check_task_count(logical: LogicalNode) -> None:
+    """PlanError when tiles are so small that per-task overhead swamps the work: more than
+    ``MANY_TASKS`` chunk tasks doing fewer than ``TINY_TASK_ELEMS`` element operations each
+    (a 300x300 matmul with 1x1 tiles is 27 million tasks, minutes for 54 MFLOP).
+
+    >>> import numpy as np, tensorql as tq
+    >>> from tensorql.logical.lower import lower
+    >>> db = tq.connect()
+    >>> a = db.from_numpy("a", np.ones((300, 300), np.float32), tile=(1, 1))
+    >>> check_task_count(lower((a @ a).node))
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.PlanError: this plan has 27,180,000 chunk tasks of ~1 element operations ...
+    """
+    from tensorql.logical.plan import walk
+
+    tasks = work = 0
+    smallest: tuple[int, ...] = ()
+    for node in walk(logical):
+        grid = node.relation.grid
+        tasks += grid.num_chunks
+        work += math.prod(grid.shape)
+        if not smallest or math.prod(grid.tile) < math.prod(smallest):
+            smallest = grid.tile
+    if tasks > MANY_TASKS and work < tasks * TINY_TASK_ELEMS:
+        raise PlanError(
+            f"this plan has {tasks:,} chunk tasks of ~{work // tasks:,} element operations "
+            f"each (tiles as small as {smallest}); at ~100 µs of overhead per task it would "
+            f"spend ~{tasks * 1e-4:,.0f} s on overhead alone. Store the operands with larger "
+            "tiles (tile=None picks them automatically) or rechunk them with db.store")
 
 
 def check_dense_fits(relation: Any, options: Options) -> None:

@@ -72,3 +72,11 @@ def test_int32_sums_accumulate_in_int64_like_torch_sum(db):
     rows = db.sql("SELECT * FROM EINSUM('i->', big)").fetchall()
     assert rows == [(4 * 2**30,)]
     assert tq.einsum("i->i", big).numpy().dtype == np.int32  # no aggregation: no widening
+
+
+def test_absurd_task_counts_are_refused_with_the_reason(db):
+    a = db.from_numpy("a", np.ones((300, 300), np.float32), tile=(1, 1))
+    with pytest.raises(tq.PlanError, match=r"27,\d{3},\d{3} chunk tasks .* larger tiles"):
+        (a @ a).numpy()
+    small = db.from_numpy("s", np.ones((8, 8), np.float32), tile=(1, 1))  # few tasks: runs
+    np.testing.assert_allclose((small @ small).numpy(), np.full((8, 8), 8.0))
