@@ -80,3 +80,21 @@ def test_absurd_task_counts_are_refused_with_the_reason(db):
         (a @ a).numpy()
     small = db.from_numpy("s", np.ones((8, 8), np.float32), tile=(1, 1))  # few tasks: runs
     np.testing.assert_allclose((small @ small).numpy(), np.full((8, 8), 8.0))
+
+
+@pytest.mark.parametrize("equation, agg", [("ij,j->i", "sum"), ("ij->j", "sum"),
+                                           ("ij->j", "max"), ("ij->j", "prod"),
+                                           ("ij,ij->ij", "sum"), ("ij->", "sum")])
+def test_zero_size_dimensions_like_numpy(db, equation, agg):
+    z = np.zeros((0, 3), np.float32)
+    Z = db.from_numpy("z", z, tile=(2, 2))
+    operands = [Z, db.from_numpy("w", np.arange(3, dtype=np.float32))] \
+        if "," in equation and equation.split(",")[1].startswith("j") else [Z] * (
+            equation.count(",") + 1)
+    arrays = [o.numpy() for o in operands]
+    got = tq.einsum(equation, *operands, agg=agg).numpy()
+    identity = {"sum": 0.0, "prod": 1.0, "max": -np.inf}[agg]
+    expected_shape = np.einsum(equation, *arrays).shape
+    assert got.shape == expected_shape and got.dtype == np.float32
+    assert np.all(got == identity)  # nothing contributes: the aggregation's identity
+    assert db.store("s", tq.einsum(equation, *operands, agg=agg)).shape == expected_shape
