@@ -26,15 +26,17 @@ from typing import Any, Protocol
 import torch
 
 from tensorql.dtypes import itemsize, torch_dtype
-from tensorql.einsum.graph import Node
+from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError
-from tensorql.exec.executor import ProgressCallback
+from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
-from tensorql.exec.runtime import executor_for
+from tensorql.exec.run_types import ProgressCallback
+from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import lower
-from tensorql.logical.plan import LogicalNode
+from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
+from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options, available_memory_bytes, device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.partitioned import build_partitioned
@@ -96,9 +98,7 @@ class CompiledQuery:
         devices = device_names(options.devices)
         partition = None
         if len(devices) > 1 and name == "native":
-            partition = optimize(logical, devices=len(devices), strategy=options.strategy,
-                                 memory_limit=options.memory_limit)
-            physical = build_partitioned(partition, db.chunk_store, max_temp_elems=max_temp)
+            partition, physical = _partition(logical, db, len(devices), max_temp)
         else:
             physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
@@ -149,12 +149,107 @@ class CompiledQuery:
                 sink(ref.key, chunk)
         return None
 
-    def explain(self, analyze: bool = False) -> str:
-        return self.explain_and_result(analyze)[0]
+    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+        """The plan as text. ``stage`` picks one stage of the chain (see :data:`STAGES`):
+        ``einsum`` (the graph as written), ``logical`` (the relational rewrite), ``partition``
+        (pieces and placement per operation), ``physical`` (steps and tasks), ``memory`` (the
+        runtime's memory plan); by default the physical plan and, on several devices, the
+        partitioning -- with ``analyze`` the query runs and measured figures are added."""
+        if stage is None:
+            return self.explain_and_result(analyze)[0]
+        if stage not in STAGES:
+            raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
+                                    f"{', '.join(STAGES)}")
+        if analyze:
+            raise OptionError("EXPLAIN ANALYZE shows the whole plan; leave stage unset")
+        return STAGES[stage](self)
 
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
         return get_backend(self.backend).explain(self, analyze)
+
+
+def _partition(logical: LogicalNode, db: Session, devices: int,
+               max_temp: int) -> tuple[PartitionPlan, PhysicalPlan]:
+    """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
+    task's chunks (inputs and output) must fit the limit: when a task of the plan does not
+    (assembling a region needs its pieces too), the optimizer is asked again with a tighter
+    limit, so that it cuts finer; InfeasiblePlanError names the smallest limit found."""
+    options = db.options
+    limit = options.memory_limit
+    try:
+        return _plan_within(logical, db, devices, max_temp, limit)
+    except InfeasiblePlanError as err:
+        if limit is None:
+            raise
+        minimum = err.minimum if err.minimum is not None and err.minimum > limit else None
+        if minimum is None:
+            raise
+        for _ in range(8):  # find the limit the physical plan really needs
+            try:
+                _plan_within(logical, db, devices, max_temp, minimum)
+                break
+            except InfeasiblePlanError as again:
+                minimum = max(minimum + 1, again.minimum or minimum * 2)
+        raise InfeasiblePlanError(
+            f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
+            f"on {devices} devices: no partitioning fits every task (inputs and output) in "
+            f"it; the smallest memory_limit that plans it is "
+            f"{minimum} bytes ({format_bytes(minimum)})", minimum=minimum) from None
+
+
+def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
+                 limit: int | None) -> tuple[PartitionPlan, PhysicalPlan]:
+    target = limit
+    smallest = None
+    for _ in range(6):
+        try:
+            plan = optimize(logical, devices=devices, strategy=db.options.strategy,
+                            memory_limit=target)
+        except InfeasiblePlanError:
+            if smallest is None:
+                raise
+            break
+        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp)
+        need = largest_task_bytes(physical.task_graph())
+        smallest = need if smallest is None else min(smallest, need)
+        if limit is None or need <= limit:
+            return plan, physical
+        target = max(1, target * limit // need)
+    raise InfeasiblePlanError(
+        f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
+
+
+class UnknownStageError(OptionError):
+    """An EXPLAIN stage name that does not exist."""
+
+
+def _explain_partition(query: CompiledQuery) -> str:
+    if query.partition is None:
+        return (f"partitioning: one device ({', '.join(device_names(query.db.options.devices))})"
+                ", nothing to partition")
+    return query.partition.explain()
+
+
+def _explain_memory(query: CompiledQuery) -> str:
+    options = query.db.options
+    runtime = Runtime(options.devices, options.memory_limit, workers=options.workers,
+                      intra_op_threads=options.intra_op_threads)
+    program = runtime.plan(query.physical.task_graph())
+    kinds: dict[str, int] = {}
+    for op in program.ops:
+        kinds[op.kind] = kinds.get(op.kind, 0) + 1
+    counts = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+    return f"{program.explain()}\nops: {counts}"
+
+
+STAGES: dict[str, Callable[[CompiledQuery], str]] = {
+    "einsum": lambda q: explain_graph(q.node),
+    "logical": lambda q: explain_logical(q.logical),
+    "partition": _explain_partition,
+    "physical": lambda q: render_plan(q.physical, None, title=f"EXPLAIN {q.title}"),
+    "memory": _explain_memory,
+}
 
 
 class NativeBackend:
@@ -240,8 +335,6 @@ def register_backend(name: str, backend: ExecutionBackend) -> None:
     """Add an execution backend under ``name`` (replacing one of that name)."""
     BACKENDS[name] = backend
 
-
-Compile = Callable[[Node, Session], CompiledQuery]
 
 
 MANY_TASKS = 100_000  # beyond this many chunk tasks, per-task overhead (~100 µs) is seconds

@@ -1,12 +1,18 @@
-"""Shared fixtures: a fresh in-memory database per test and a seeded RNG."""
+"""Shared fixtures: a fresh in-memory database per test, seeded RNGs, deterministic
+hypothesis examples."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 import tensorql as tq
+
+# every hypothesis test draws the same examples on every run (no example database either)
+settings.register_profile("tensorql", derandomize=True, database=None, deadline=None)
+settings.load_profile("tensorql")
 
 
 @pytest.fixture
@@ -18,6 +24,18 @@ def db():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite the golden plan files under tests/fixtures/explain")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same torch and numpy global seeds."""
+    torch.manual_seed(0)
+    np.random.seed(0)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -272,8 +272,8 @@ class Database:
         grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, self.options.tile_target_elems))
         return Tensor(Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid), self)
 
-    def explain_node(self, node: Node, analyze: bool = False) -> str:
-        return CompiledQuery.compile(node, self).explain(analyze=analyze)
+    def explain_node(self, node: Node, analyze: bool = False, stage: str | None = None) -> str:
+        return CompiledQuery.compile(node, self).explain(analyze=analyze, stage=stage)
 
     def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:
         meta = self.chunk_store.meta(name)

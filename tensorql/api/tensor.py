@@ -83,9 +83,11 @@ class Tensor:
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
-    def explain(self, analyze: bool = False) -> str:
-        """The plan as text; ``analyze=True`` runs it and adds measured figures."""
-        return self.db.explain_node(self.node, analyze=analyze)
+    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+        """The plan as text; ``analyze=True`` runs it and adds measured figures. ``stage``
+        shows one stage of the chain: "einsum", "logical", "partition", "physical" or
+        "memory" (see ``tensorql.pipeline.STAGES``)."""
+        return self.compile().explain(analyze=analyze, stage=stage)
 
     # -- building blocks -----------------------------------------------------------------
     def _wrap(self, node: Node) -> Tensor:

@@ -39,7 +39,7 @@ from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError
-from tensorql.exec.executor import RunStats
+from tensorql.exec.run_types import RunStats
 from tensorql.grid import Key, regrid_pieces
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
 from tensorql.physical.kernels import ContractChunk, MapChunk

@@ -141,3 +141,25 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
 def topological_order(*roots: Node) -> list[Node]:
     """Every node reachable from ``roots``, inputs before users, each once."""
     return inputs_first(*roots)
+
+
+def explain_graph(root: Node) -> str:
+    """The einsum graph as text, one node a line, inputs first (the EXPLAIN stage "einsum").
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> a = Source(name="A", shape=(2, 3), dtype="float32", grid=ChunkGrid((2, 3), (2, 3)))
+    >>> print(explain_graph(EinsumOp.build("ij,kj->ik", [a, a])))
+    einsum graph: 2 nodes
+    [0] scan A  2x3 float32
+    [1] einsum ij,kj->ik  2x2 float32 <- [0], [0]
+    """
+    order = topological_order(root)
+    index = {id(n): k for k, n in enumerate(order)}
+    lines = [f"einsum graph: {len(order)} nodes"]
+    for k, node in enumerate(order):
+        shape = "x".join(map(str, node.shape)) or "scalar"
+        text = f"[{k}] {node.describe()}  {shape} {node.dtype}"
+        if node.inputs:
+            text += " <- " + ", ".join(f"[{index[id(i)]}]" for i in node.inputs)
+        lines.append(text)
+    return "\n".join(lines)

@@ -25,61 +25,20 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.run_types import (
+    ChunkDestination,
+    ChunkSink,
+    RunResult,
+    RunStats,
+    StepStats,
+    record_task,
+)
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
-
-ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
-# Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
-# result) or None for "allocate one". Kernels write their first contribution straight into it.
-ChunkDestination = Callable[[ChunkRef], "torch.Tensor | None"]
-
-
-@dataclass
-class StepStats:
-    """Measured figures of one plan step."""
-
-    tasks: int = 0
-    busy_s: float = 0.0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    bytes_read: int = 0
-    first_start: float = float("inf")
-    last_end: float = 0.0
-
-    @property
-    def span_s(self) -> float:
-        return max(0.0, self.last_end - self.first_start) if self.tasks else 0.0
-
-
-@dataclass
-class RunStats:
-    """Measured figures of one run."""
-
-    wall_s: float = 0.0
-    workers: int = 1
-    tasks: int = 0
-    peak_live_bytes: int = 0
-    steps: dict[int, StepStats] = field(default_factory=dict)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(s.bytes_read for s in self.steps.values())
-
-    @property
-    def busy_s(self) -> float:
-        return sum(s.busy_s for s in self.steps.values())
-
-
-@dataclass
-class RunResult:
-    outputs: dict[ChunkRef, torch.Tensor]
-    stats: RunStats
 
 
 class _Run:
@@ -154,13 +113,9 @@ class _Run:
 
     def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> bool:
         """Record a finished task; True when it completed its output chunk."""
-        stats = self.stats.steps.setdefault(task.output.step, StepStats())
-        stats.tasks += 1
-        stats.busy_s += ended - started
-        stats.first_start = min(stats.first_start, started)
-        stats.last_end = max(stats.last_end, ended)
-        stats.bytes_read += getattr(task.kernel, "bytes_read", 0)
-        stats.bytes_in += sum(self.values[r].nbytes for r in task.inputs)
+        stats = record_task(self.stats, task.output.step, started, ended,
+                            bytes_in=sum(self.values[r].nbytes for r in task.inputs),
+                            bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
@@ -310,3 +265,6 @@ def _execute(state: _Run, task: Task) -> int:
         acc = state.values.get(ref)
         state.values[ref] = partial if acc is None else task.kernel.combine(acc, partial)
         return partial.nbytes if acc is None else 0
+
+
+__all__ = ["ChunkDestination", "ChunkSink", "Executor", "RunResult", "RunStats", "StepStats"]

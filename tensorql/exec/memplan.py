@@ -369,23 +369,27 @@ class _Planner:
         d.resident[ref] = _Interval(op.id, nbytes, [], dirty)
 
     def _release_after_send(self, src: _Device, ref: ChunkRef, dst: _Device, pos: int) -> None:
-        """Free ``ref`` on ``src`` (unlimited budget) once ``src`` no longer uses it and every
-        device that will read it holds it or is ``dst``, which has just been sent it."""
+        """Free ``ref`` on ``src`` (unlimited budget) once ``src`` no longer uses it and no device
+        but ``dst``, which has just been sent it, will read it."""
         if src.budget is not None or self._next_use(src, ref, pos - 1) < math.inf:
             return
         if self.remaining.get(ref, 0) > 0 or (ref.step in self.graph.retain
                                                and ref not in self.host_valid):
             return
         for other in self.devs:
-            if other.index in (src.index, dst.index) or ref in other.resident:
-                continue
-            if self._next_use(other, ref, pos - 1) < math.inf:
+            if other.index not in (src.index, dst.index) and \
+                    self._next_use(other, ref, pos - 1) < math.inf:
                 return
         self.free(src, ref)
 
     def _holder(self, ref: ChunkRef, dev: int) -> _Device | None:
+        """A device holding ``ref`` to send it from: the one that computed it when it still
+        does (the plan's transfers are from owners), else any other."""
         if self.remaining.get(ref, 0) > 0:
             return None
+        owner = self.owner.get(ref)
+        if owner is not None and owner != dev and ref in self.devs[owner].resident:
+            return self.devs[owner]
         for o in self.devs:
             if o.index != dev and ref in o.resident:
                 return o
@@ -438,8 +442,7 @@ class _Planner:
                 if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
                         self.remaining.get(ref, 0) == 0:
                     later = self._used_elsewhere(ref, dev, pos)
-                    if later and d.budget is None and not any(
-                            ref in o.resident for o in self.devs if o is not d):
+                    if later and d.budget is None and self.owner.get(ref, d.index) == d.index:
                         continue  # other devices will be sent it; freed after the last send
                     self.free(d, ref, writeback=d.resident[ref].dirty and later)
             self.prefetch_for(order, placed, pos)
@@ -500,6 +503,22 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
             if op.lane != "none" else 0.0
         rank[op.id] = own + max((rank[s] for s in succ[op.id]), default=0.0)
     return tuple(rank)
+
+
+def largest_task_bytes(graph: TaskGraph) -> int:
+    """Bytes the largest task needs resident at once: its distinct inputs and its output (no
+    memory limit can be smaller). Tasks without inputs that are not pinned are loaded where
+    they are read, so only their output counts where it is read.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+    >>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    >>> largest_task_bytes(TaskGraph((Task(0, (), a, None), Task(1, (a,), b, None)),
+    ...                              chunk_bytes={a: 40, b: 8}))
+    48
+    """
+    sizes = graph.chunk_bytes
+    return max((sum(sizes.get(r, 0) for r in {*t.inputs, t.output}) for t in graph.tasks),
+               default=0)
 
 
 def plan_program(graph: TaskGraph, n_devices: int = 1,

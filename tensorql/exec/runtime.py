@@ -42,18 +42,19 @@ from typing import Any
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
-from tensorql.exec.devices import Completion, Device, resolve_devices, wants_runtime
-from tensorql.exec.executor import (
-    ChunkDestination,
-    ChunkSink,
-    Executor,
-    RunResult,
-    RunStats,
-    StepStats,
-)
+from tensorql.exec.devices import Completion, Device, resolve_devices
+from tensorql.exec.executor import Executor
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.run_types import (
+    ChunkDestination,
+    ChunkSink,
+    RunResult,
+    RunStats,
+    StepStats,
+    record_task,
+)
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
 
@@ -167,14 +168,15 @@ class Runtime:
     ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
     takes host copies beyond it. ``timeline=True`` records every op for
     :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
-    result chunks in device memory instead of copying them to the host.
+    result chunks in device memory instead of copying them to the host. ``direct=True`` lets
+    a run on one CPU with no limit skip the memory plan (see :meth:`run`).
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
-                 results_on_device: bool = False) -> None:
+                 results_on_device: bool = False, direct: bool = False) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -189,6 +191,10 @@ class Runtime:
         self.results_on_device = results_on_device
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
+        # the fast path: one CPU, nothing to budget, nothing to record per op
+        self.direct = direct and (len(self.devices) == 1 and self.devices[0].kind == "cpu"
+                                  and memory_limit is None and not timeline
+                                  and not results_on_device)
 
     def budgets(self) -> list[int | None]:
         """The chunk budget of each device: memory_limit less the reserve."""
@@ -216,10 +222,17 @@ class Runtime:
             sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None,
             keep_outputs: bool = True) -> RunResult:
-        """Run ``graph`` under the memory plan. ``destination`` is accepted for interface
-        parity with :class:`Executor` and not used: result chunks live on devices and in the
-        host tier, and reach a dense result through ``sink``. With ``keep_outputs=False`` a
-        result chunk's host copy is dropped once ``sink`` has taken it."""
+        """Run ``graph``. On one CPU device with no memory limit (and no timeline asked for)
+        the engine runs in its *direct* mode: worker threads take ready tasks straight from
+        the graph (:class:`~tensorql.exec.executor.Executor`), writing result tiles into
+        ``destination`` when given. Otherwise it runs the memory plan's ops on the devices'
+        lanes from completion events; result chunks then reach a dense result via ``sink``.
+        With ``keep_outputs=False`` a result chunk is released once ``sink`` has taken it
+        (a streamed run keeps none)."""
+        if self.direct:
+            return Executor(self.workers, self.intra_op_threads).run(
+                graph, progress=progress, sink=sink, destination=destination,
+                keep_outputs=keep_outputs)
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -489,12 +502,10 @@ class _Run:
         task_done = False
         if op.kind == "compute":
             task_done = True
-            step = self.stats.steps.setdefault(op.ref.step, StepStats())
-            step.tasks += 1
-            step.busy_s += end - start
-            step.first_start = min(step.first_start, start)
-            step.last_end = max(step.last_end, end)
-            step.bytes_in += sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs)
+            record_task(self.stats, op.ref.step, start, end,
+                        bytes_in=sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs),
+                        bytes_read=getattr(op.task.kernel, "bytes_read", 0)
+                        if not op.task.inputs else 0)
         elif op.kind in ("load", "send"):
             if not self.devices[op.device].is_null:
                 self.values[op.device][op.ref] = c.value
@@ -505,15 +516,13 @@ class _Run:
             else:
                 stats.bytes_h2d += op.nbytes
             if op.kind == "load" and op.from_rest:
-                step = self.stats.steps.setdefault(op.ref.step, StepStats())
-                step.busy_s += end - start
-                step.first_start = min(step.first_start, start)
-                step.last_end = max(step.last_end, end)
-                step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
+                first = op.ref not in self.loaded_sources
+                step = record_task(self.stats, op.ref.step, start, end,
+                                   bytes_read=getattr(op.task.kernel, "bytes_read", 0),
+                                   tasks=int(first))
                 step.bytes_out += op.nbytes
-                if op.ref not in self.loaded_sources:
+                if first:
                     self.loaded_sources.add(op.ref)
-                    step.tasks += 1
                     task_done = True
                 else:
                     stats.reloads += 1
@@ -565,19 +574,15 @@ class _Run:
         self.stats.spilled_bytes = self.host.spilled_bytes
 
 
-def executor_for(options: Any, *, timeline: bool = False) -> Executor | Runtime:
-    """The executor a session's ``Options`` call for: the plain thread :class:`Executor` for
-    one unlimited CPU, else the event-driven :class:`Runtime` on the chosen devices.
+def executor_for(options: Any, *, timeline: bool = False) -> Runtime:
+    """The engine a session's ``Options`` call for: the runtime on the chosen devices, in its
+    direct mode for one unlimited CPU.
 
     >>> from tensorql.options import Options
-    >>> type(executor_for(Options(devices="cpu"))).__name__
-    'Executor'
-    >>> type(executor_for(Options(devices="cpu", memory_limit="1GiB"))).__name__
-    'Runtime'
+    >>> executor_for(Options(devices="cpu")).direct
+    True
+    >>> executor_for(Options(devices="cpu", memory_limit="1GiB")).direct
+    False
     """
-    devices = getattr(options, "devices", "auto")
-    limit = getattr(options, "memory_limit", None)
-    if not wants_runtime(devices, limit) and not timeline:
-        return Executor(options.workers, options.intra_op_threads)
-    return Runtime(devices, limit, workers=options.workers,
-                   intra_op_threads=options.intra_op_threads, timeline=timeline)
+    return Runtime(options.devices, options.memory_limit, workers=options.workers,
+                   intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True)

@@ -139,3 +139,49 @@ class Map(LogicalNode):
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
     return inputs_first(*roots)
+
+
+def explain_logical(root: LogicalNode) -> str:
+    """The logical plan as a tree (the EXPLAIN stage "logical"): relational operators over
+    chunk relations, each with its labels, shape, dtype and chunk grid. A label keeps its name
+    from here to the partitioning and the physical plan.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> scan = Scan(relation=TensorRelation(("i", "j"), ChunkGrid((4, 6), (2, 6)), "float32"),
+    ...             source="A")
+    >>> print(explain_logical(Map(relation=scan.relation, input=scan, fn="exp")))
+    Map exp  (i,j) 4x6 float32 grid 2x1 of 2x6
+    └─ Scan A  (i,j) 4x6 float32 grid 2x1 of 2x6
+    """
+    lines: list[str] = []
+    seen: dict[int, int] = {}
+
+    def head(node: LogicalNode) -> str:
+        if isinstance(node, Scan):
+            return f"Scan {node.source}"
+        if isinstance(node, Rekey):
+            return f"Rekey to tiles {node.relation.grid.tile}"
+        if isinstance(node, Join):
+            ins = ",".join("(" + ",".join(labels) + ")" for labels in node.input_labels)
+            on = f" on [{', '.join(node.on)}]" if node.on else ""
+            return f"Join {node.join}{on} {ins}"
+        if isinstance(node, Aggregate):
+            return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
+        if isinstance(node, Map):
+            return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
+        return type(node).__name__
+
+    def render(node: LogicalNode, prefix: str, child_prefix: str) -> None:
+        if id(node) in seen:
+            lines.append(f"{prefix}{head(node)} (shared, #{seen[id(node)]} above)")
+            return
+        seen[id(node)] = len(seen)
+        lines.append(f"{prefix}{head(node)}  {node.relation.describe()}")
+        children = node.inputs
+        for n, child in enumerate(children):
+            last = n == len(children) - 1
+            render(child, child_prefix + ("└─ " if last else "├─ "),
+                   child_prefix + ("   " if last else "│  "))
+
+    render(root, "", "")
+    return "\n".join(lines)

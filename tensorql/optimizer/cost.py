@@ -9,15 +9,19 @@ runs on device ``r * N // M``. An output piece is *owned* by the device of its t
 aggregated pieces are all 0. ``M`` is normally the device count ``N``; when no piece fits a
 ``memory_limit``, the search also offers ``2N``, ``4N``, ... pieces (several tasks a device).
 
-Bytes moved have two parts, counted in :func:`transition_matrix` and :class:`NodeTable`, and
-per device pair by :func:`pair_bytes` — exactly what the physical plan's copies move:
+Bytes moved have two parts:
 
 * **operand regions** -- a device reads, for every operand, the region each of its tasks
   selects; every byte of it held by another device moves, once per device (tasks of one device
-  reading the same region share the copy);
+  reading the same region share the copy, and so do operations reading the same producer);
 * **partial aggregates** -- a device holding a partial of an output piece it does not own
   (it ran tasks with aggregated pieces != 0) folds its own partials together and sends one
   partial to the owner: ``(devices contributing - 1) x piece bytes`` per output piece.
+
+The search sums per-edge figures (:func:`transition_matrix`, :class:`NodeTable`), which count
+a producer read by several operations once per operation: an upper bound it minimises. The
+chosen plan's ``bytes_moved`` is then counted exactly, per device pair, by :func:`pair_bytes`:
+the bytes the physical plan's copies move.
 
 FLOPs of a task are ``prod(piece sizes) x operands`` (one join and one agg op per joined
 element, as the physical planner estimates); ``Cost.flops`` is the busiest device's total.
@@ -278,26 +282,134 @@ def region_sources(producer: Layout, lo: Sequence[int], hi: Sequence[int]
     return out
 
 
-def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
-    """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node.
+@dataclass(frozen=True)
+class DeviceReads:
+    """What one device reads of one producer's output, over all its consumers: the pieces it
+    needs whole, and slices ``(piece, lo, hi)`` of pieces it needs only part of."""
 
-    The sum equals the search's total for the same choice; this is the per-pair prediction
-    the physical plan's copies are checked against.
+    whole: frozenset[tuple[int, ...]]
+    slices: frozenset[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def device_reads(graph: OpGraph, layouts: Sequence[Layout],
+                 producers: Sequence[int] | None = None) -> dict[tuple[int, int], DeviceReads]:
+    """``(producer index, device) -> DeviceReads`` for a chosen layout per node (only for
+    ``producers`` when given).
+
+    A region a task reads is cut along the producer's pieces; a part that covers a whole piece
+    is a whole-piece read, else a slice. A device reads each piece or slice once, whichever
+    operations need it, and a slice of a piece it reads whole anyway is cut from that copy.
     """
-    moved = np.zeros((devices, devices), dtype=np.int64)
-    for node, lay in zip(graph.nodes, layouts):
+    wanted = None if producers is None else set(producers)
+    readers = graph.nodes if wanted is None else [
+        graph.nodes[c] for c in sorted({c for p in wanted for c, _ in graph.consumers[p]})]
+    whole: dict[tuple[int, int], set] = {}
+    parts: dict[tuple[int, int], set] = {}
+    for node in readers:
+        lay = layouts[node.index]
         for edge in node.inputs:
+            if wanted is not None and edge.producer not in wanted:
+                continue
             prod = layouts[edge.producer]
-            item = graph.nodes[edge.producer].itemsize
             axes = [node.labels.index(a) for a in edge.axes]
-            first = first_reads(lay, axes)
-            for t in np.flatnonzero(first):
-                lo = lay.starts[t, axes]
-                hi = lo + lay.lens[t, axes]
-                d = int(lay.device[t])
-                for _, owner, olo, ohi in region_sources(prod, lo, hi):
-                    if owner != d:
-                        moved[owner, d] += math.prod(b - a for a, b in zip(olo, ohi)) * item
+            tasks = np.flatnonzero(first_reads(lay, axes))
+            lo = lay.starts[tasks][:, axes]                               # (T, r)
+            hi = lo + lay.lens[tasks][:, axes]
+            owners = np.flatnonzero(prod.owner_mask)
+            plo = prod.starts[owners, :prod.n_out]                        # (P, r)
+            phi = plo + prod.lens[owners, :prod.n_out]
+            olo = np.maximum(lo[:, None], plo[None])                      # (T, P, r)
+            ohi = np.minimum(hi[:, None], phi[None])
+            hit = np.all(ohi > olo, axis=2)
+            full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+            pieces = [tuple(int(x) for x in prod.index[o, :prod.n_out]) for o in owners]
+            for ti, pi in zip(*np.nonzero(hit)):
+                key = (edge.producer, int(lay.device[tasks[ti]]))
+                if full[ti, pi]:
+                    whole.setdefault(key, set()).add(pieces[pi])
+                else:
+                    parts.setdefault(key, set()).add(
+                        (pieces[pi], tuple(int(x) for x in olo[ti, pi]),
+                         tuple(int(x) for x in ohi[ti, pi])))
+    out = {}
+    for key in set(whole) | set(parts):
+        w = frozenset(whole.get(key, ()))
+        out[key] = DeviceReads(w, frozenset(p for p in parts.get(key, ()) if p[0] not in w))
+    return out
+
+
+def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int) -> int:
+    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
+    (the sum of :func:`device_reads` for this producer, computed with arrays)."""
+    prod = layouts[producer]
+    owners = np.flatnonzero(prod.owner_mask)
+    plo = prod.starts[owners, :prod.n_out]                                # (P, r)
+    phi = plo + prod.lens[owners, :prod.n_out]
+    owner_dev = prod.device[owners]
+    whole_rows, slice_rows = [], []
+    for consumer, k in graph.consumers[producer]:
+        node, lay = graph.nodes[consumer], layouts[consumer]
+        axes = [node.labels.index(a) for a in node.inputs[k].axes]
+        tasks = np.flatnonzero(first_reads(lay, axes))
+        lo = lay.starts[tasks][:, axes]
+        hi = lo + lay.lens[tasks][:, axes]
+        olo = np.maximum(lo[:, None], plo[None])                          # (T, P, r)
+        ohi = np.minimum(hi[:, None], phi[None])
+        hit = np.all(ohi > olo, axis=2)
+        full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+        dev = np.broadcast_to(lay.device[tasks][:, None], hit.shape)
+        piece = np.broadcast_to(np.arange(len(owners))[None], hit.shape)
+        remote = hit & (dev != owner_dev[None])
+        w = full & remote
+        whole_rows.append(np.stack([dev[w], piece[w]], axis=1))
+        sl = remote & ~full
+        slice_rows.append(np.concatenate([dev[sl][:, None], piece[sl][:, None], olo[sl],
+                                          ohi[sl]], axis=1))
+    item = graph.nodes[producer].itemsize
+    whole = np.unique(np.concatenate(whole_rows), axis=0) if whole_rows else np.zeros((0, 2))
+    total = int(np.prod(phi - plo, axis=1)[whole[:, 1].astype(np.int64)].sum()) \
+        if len(whole) else 0
+    slices = np.unique(np.concatenate(slice_rows), axis=0) if slice_rows else None
+    if slices is not None and len(slices):
+        taken = {(int(d), int(q)) for d, q in whole}
+        keep = np.array([(int(d), int(q)) not in taken for d, q in slices[:, :2]])
+        if keep.any():
+            r = prod.n_out
+            kept = slices[keep]
+            total += int(np.prod(kept[:, 2 + r:] - kept[:, 2:2 + r], axis=1).sum())
+    return total * item
+
+
+def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Output piece index -> (lo, hi) of that piece."""
+    out = {}
+    for t in np.flatnonzero(lay.owner_mask):
+        lo = lay.starts[t, :lay.n_out]
+        hi = lo + lay.lens[t, :lay.n_out]
+        out[tuple(int(x) for x in lay.index[t, :lay.n_out])] = (
+            tuple(int(x) for x in lo), tuple(int(x) for x in hi))
+    return out
+
+
+def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
+    """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
+    every piece or slice a device reads from another device once (see :func:`device_reads`),
+    and every partial aggregate sent to its owner. This is the prediction the physical plan's
+    copies are checked against."""
+    moved = np.zeros((devices, devices), dtype=np.int64)
+    for (producer, dev), reads in device_reads(graph, layouts).items():
+        prod = layouts[producer]
+        item = graph.nodes[producer].itemsize
+        owners = prod.owners()
+        extents = piece_extents(prod)
+        for piece in reads.whole:
+            if owners[piece] != dev:
+                lo, hi = extents[piece]
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        for piece, lo, hi in reads.slices:
+            if owners[piece] != dev:
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+    for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
             elems = {tuple(int(x) for x in lay.index[t, :lay.n_out]):
                      int(np.prod(lay.lens[t, :lay.n_out])) for t in range(len(lay.device))}

@@ -26,6 +26,7 @@ its partitioning. A dim of size 1 broadcast against a larger size has a private 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tensorql.dtypes import itemsize
@@ -90,7 +91,7 @@ class OpGraph:
     root: int
     logical: LogicalNode | None = None
 
-    @property
+    @functools.cached_property
     def consumers(self) -> dict[int, list[tuple[int, int]]]:
         """Producer index -> [(consumer index, operand position)]."""
         out: dict[int, list[tuple[int, int]]] = {n.index: [] for n in self.nodes}

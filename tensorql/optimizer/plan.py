@@ -106,7 +106,8 @@ class PartitionPlan:
                 agg = [f"{lab}:{p}" for lab, p in zip(op.labels, op.pieces)
                        if p > 1 and lab in op.labels[len(op.labels) - op.n_agg:]]
                 lines.append(f"    partial aggregates: {format_bytes(op.partial_bytes)} "
-                             f"(aggregated labels split {' '.join(agg)})")
+                             f"(aggregated labels split {' '.join(agg)}; each device folds its "
+                             "own, then a reduce onto each output piece's owner)")
         return "\n".join(lines)
 
 
@@ -174,13 +175,15 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
             if here == there and moved[(node.index, k)] == 0:
                 reason = "already in place"
             elif here == there and replicas > 1:
-                reason = f"pieces {_vec(edge.axes, here)} match; replicated to {replicas} tasks"
+                reason = (f"broadcast: pieces {_vec(edge.axes, here)} match; replicated to "
+                          f"{replicas} tasks")
             elif here == there:
-                reason = (f"pieces {_vec(edge.axes, here)} match but are held by other devices "
-                          "(the axis order differs)")
+                reason = (f"send: pieces {_vec(edge.axes, here)} match but are held by other "
+                          "devices (the axis order differs)")
             else:
-                reason = (f"repartitioned from {_vec(edge.axes, there)} to "
-                          f"{_vec(edge.axes, here)}, replicated to {replicas} task(s)")
+                reason = (f"{collective(there, here)}: repartitioned from "
+                          f"{_vec(edge.axes, there)} to {_vec(edge.axes, here)}, replicated to "
+                          f"{replicas} task(s)")
             inputs.append(InputMove(f"[{edge.producer}] {prod.name}", moved[(node.index, k)],
                                     reason))
         op = OpPartition(index=node.index, name=node.name, kind=node.kind, labels=node.labels,
@@ -189,10 +192,24 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
                          inputs=tuple(inputs), partial_bytes=int(table.partial_bytes[cand]),
                          peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels))
         ops.append(op)
-    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.total(choice),
+    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.exact_total(choice),
                 peak_bytes=peak)
     return PartitionPlan(devices=problem.devices, strategy=strategy, ops=tuple(ops), cost=cost,
                          memory_limit=memory_limit, graph=graph)
+
+
+def collective(there: tuple[int, ...], here: tuple[int, ...]) -> str:
+    """The collective a change of pieces amounts to (each consumer piece is a union of
+    producer pieces: all-gather; a part of one: slice; otherwise all-to-all).
+
+    >>> collective((4, 1), (1, 1)), collective((1, 2), (2, 2)), collective((2, 1), (1, 2))
+    ('all-gather', 'slice', 'all-to-all')
+    """
+    if all(t % h == 0 for h, t in zip(here, there)):
+        return "all-gather"
+    if all(h % t == 0 for h, t in zip(here, there)):
+        return "slice"
+    return "all-to-all"
 
 
 def _vec(labels, pieces) -> str:

@@ -22,15 +22,22 @@ for each (producer, consumer) candidate pair. A plan's bytes moved is then exact
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tensorql.errors import PlanError
-from tensorql.optimizer.cost import NodeTable, build_table, node_key, transition_matrix
+from tensorql.optimizer.cost import (
+    NodeTable,
+    build_table,
+    node_key,
+    read_bytes,
+    transition_matrix,
+)
 from tensorql.optimizer.graph import OpGraph
 from tensorql.units import format_bytes
 
@@ -45,7 +52,12 @@ class UnknownStrategyError(PlanError, KeyError):
 
 
 class InfeasiblePlanError(PlanError):
-    """No partitioning of some operation fits the per-device memory limit."""
+    """No partitioning of some operation fits the per-device memory limit; ``minimum`` is the
+    smallest limit that would plan (when known)."""
+
+    def __init__(self, message: str, minimum: int | None = None) -> None:
+        super().__init__(message)
+        self.minimum = minimum
 
 
 class SearchTooLargeError(PlanError):
@@ -61,6 +73,7 @@ class Problem:
     tables: tuple[NodeTable, ...]
     allowed: tuple[np.ndarray, ...]          # per node: bool mask over its candidates
     edges: tuple[tuple[int, int, int, np.ndarray], ...]  # (producer, consumer, k, matrix)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
@@ -94,10 +107,41 @@ class Problem:
         own = sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
         return own + sum(int(m[choice[p], choice[c]]) for p, c, _, m in self.edges)
 
+    def exact_total(self, choice: tuple[int, ...]) -> int:
+        """Bytes the chosen plan really moves: a device reads a producer's piece once however
+        many operations need it. Only producers read by several operations differ from the
+        per-edge sum (within one operation a device never needs a piece both whole and in
+        part), so only they are recounted (:func:`~tensorql.optimizer.cost.read_bytes`)."""
+        total = self.total(choice)
+        layouts = None
+        for p, edges in self.shared_edges.items():
+            # identical layers share tables and edge matrices: key on those, not on indices
+            key = (id(self.tables[p]), choice[p],
+                   tuple(sorted((id(m), choice[c]) for c, m in edges)))
+            if key not in self.memo:
+                if layouts is None:
+                    layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
+                per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
+                self.memo[key] = read_bytes(self.graph, layouts, p) - per_edge
+            total += self.memo[key]
+        return total
+
+    def partials(self, choice: tuple[int, ...]) -> int:
+        """Bytes of partial aggregates a choice sends."""
+        return sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
+
+    @functools.cached_property
+    def shared_edges(self) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Producers read by several operations -> [(consumer, edge matrix)]."""
+        out: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for p, c, _, m in self.edges:
+            out.setdefault(p, []).append((c, m))
+        return {p: e for p, e in out.items() if len(e) > 1}
+
     def restrict(self, masks: list[np.ndarray | None]) -> Problem:
         allowed = tuple(a & m if m is not None and (a & m).any() else a
                         for a, m in zip(self.allowed, masks))
-        return Problem(self.graph, self.devices, self.tables, allowed, self.edges)
+        return Problem(self.graph, self.devices, self.tables, allowed, self.edges, self.memo)
 
 
 MAX_PIECES_PER_DEVICE = 64
@@ -124,7 +168,7 @@ def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None,
                 f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, sizes "
                 f"{node.sizes}) fits memory_limit={memory_limit} bytes on {devices} devices, "
                 f"even cut into {made} pieces; the smallest memory_limit that plans this "
-                f"query is {need} bytes ({format_bytes(need)})")
+                f"query is {need} bytes ({format_bytes(need)})", minimum=need)
         factor *= 2
         key, table = _table(graph, node, devices, devices * factor, cache)
     return key, table
@@ -142,6 +186,13 @@ def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
         if factor >= MAX_PIECES_PER_DEVICE or made < devices * factor:
             return best
         factor *= 2
+
+
+def own_cost(table: NodeTable) -> np.ndarray:
+    """A node's own bytes (partial aggregates) for the search, a hair heavier than bytes
+    moved by edges: between equal totals the plan without partials wins, since folding
+    partials is extra work on the owner (a matmul split by rows rather than by its sum)."""
+    return table.partial_bytes.astype(float) * (1.0 + 1e-9)
 
 
 # -- dynamic programming over a tree cover ------------------------------------------------
@@ -172,7 +223,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
     for node in graph.nodes:
         n = node.index
-        v = np.where(problem.allowed[n], tables[n].partial_bytes.astype(float), inf)
+        v = np.where(problem.allowed[n], own_cost(tables[n]), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
             if p in frozen:
@@ -207,7 +258,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
         improved = False
         for node in graph.nodes:
             n = node.index
-            cost = tables[n].partial_bytes.astype(float).copy()
+            cost = own_cost(tables[n])
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
             cost[~problem.allowed[n]] = np.inf
@@ -314,9 +365,13 @@ def search_model(problem: Problem) -> tuple[int, ...]:
 
 
 def search_auto(problem: Problem) -> tuple[int, ...]:
+    """The DP results and the two baselines, refined; the one that moves fewest bytes counted
+    exactly wins, so auto is never worse than data or model."""
     seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
              search_model(problem)]
-    return min((refine(problem, s) for s in seeds), key=problem.total)
+    refined = list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
+    return min(refined, key=lambda c: (problem.exact_total(c), problem.partials(c),
+                                       problem.total(c)))
 
 
 def search_exhaustive(problem: Problem) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ time overlapped with compute, peak memory against the budget, evictions and relo
 
 from __future__ import annotations
 
-from tensorql.exec.executor import RunStats
+from tensorql.exec.run_types import RunStats
 from tensorql.logical.plan import Aggregate, Join, LogicalNode
 from tensorql.physical.planner import PhysicalPlan, Step
 from tensorql.units import format_bytes, format_flops
@@ -19,6 +19,8 @@ from tensorql.units import format_bytes, format_flops
 def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
                 title: str | None = None, extra: list[str] | None = None) -> str:
     """The plan as text; with ``stats`` it is EXPLAIN ANALYZE."""
+    if plan.partition is not None:
+        return render_partitioned(plan, stats, title, extra)
     lines: list[str] = []
     if title:
         lines.append(title)
@@ -84,3 +86,63 @@ def _render(plan: PhysicalPlan, node: LogicalNode, prefix: str, child_prefix: st
         last = n == len(children) - 1
         _render(plan, child, child_prefix + ("└─ " if last else "├─ "),
                 child_prefix + ("   " if last else "│  "), lines, stats, seen)
+
+
+def step_transfers(plan: PhysicalPlan) -> dict[int, dict[tuple[int, int], int]]:
+    """Bytes each step's chunks are sent between devices, ``{step: {(src, dst): bytes}}``: a
+    chunk read on a device other than the one computing it is sent there once."""
+    where = {t.output: t.device for s in plan.steps for t in s.tasks}
+    sizes = plan.task_graph().chunk_bytes
+    out: dict[int, dict[tuple[int, int], int]] = {}
+    seen: set = set()
+    for step in plan.steps:
+        for task in step.tasks:
+            for ref in task.inputs:
+                src = where[ref]
+                if src != task.device and (ref, task.device) not in seen:
+                    seen.add((ref, task.device))
+                    pair = out.setdefault(ref.step, {})
+                    pair[(src, task.device)] = pair.get((src, task.device), 0) + sizes[ref]
+    return out
+
+
+def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
+                       title: str | None = None, extra: list[str] | None = None) -> str:
+    """A partitioned plan: per step its tasks by device and the bytes its chunks are sent
+    between devices; with ``stats`` the measured run and the bytes really copied per pair."""
+    n = plan.devices
+    moves = step_transfers(plan)
+    predicted = sum(sum(pairs.values()) for pairs in moves.values())
+    lines = [title] if title else []
+    lines.append(f"estimate: {format_flops(plan.est_flops)}, {len(plan.steps)} steps, "
+                 f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks on {n} devices, "
+                 f"{format_bytes(predicted)} sent between devices")
+    if stats is not None:
+        moved = getattr(stats, "moved", None) or [[0] * n for _ in range(n)]
+        lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.workers} worker(s), "
+                     f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} "
+                     f"from store, {format_bytes(sum(map(sum, moved)))} copied between devices")
+        device_lines = getattr(stats, "device_lines", None)
+        if device_lines is not None:
+            lines.append("devices:")
+            lines.extend(device_lines())
+        lines.append("bytes copied (row: from device, column: to device):")
+        lines.extend("  dev" + str(src) + ": " + " ".join(format_bytes(b) for b in row)
+                     for src, row in enumerate(moved))
+    lines.extend(extra or [])
+    for step in plan.steps:
+        per_dev: dict[int, int] = {}
+        for task in step.tasks:
+            per_dev[task.device] = per_dev.get(task.device, 0) + 1
+        placed = " ".join(f"dev{d}:{c}" for d, c in sorted(per_dev.items()))
+        figures = f"tasks={len(step.tasks)} ({placed})"
+        if step.est_flops:
+            figures += f" est={format_flops(step.est_flops)}"
+        sent = moves.get(step.id)
+        if sent:
+            figures += " sent " + ", ".join(f"dev{a}->dev{b} {format_bytes(v)}"
+                                            for (a, b), v in sorted(sent.items()))
+        if stats is not None and (st := stats.steps.get(step.id)) is not None:
+            figures += f" | busy={st.busy_s * 1e3:.1f}ms span={st.span_s * 1e3:.1f}ms"
+        lines.append(f"[{step.id}] {step.name}  {step.relation.describe()}\n    {figures}")
+    return "\n".join(lines)

@@ -40,7 +40,7 @@ from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.exec.taskgraph import ChunkRef, Task
 from tensorql.grid import ChunkGrid
 from tensorql.logical.plan import TensorRelation
-from tensorql.optimizer.cost import Layout, region_sources
+from tensorql.optimizer.cost import Layout, device_reads, piece_extents, region_sources
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import ConstChunk, ContractChunk, MapChunk, RekeyChunk
 from tensorql.physical.planner import PhysicalPlan, Step
@@ -157,11 +157,12 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
     """The physical plan running ``plan`` on its devices (see the module docstring)."""
     graph = plan.graph
     steps = _Steps()
-    layouts: dict[int, Layout] = {}
+    layouts = {node.index: plan.layout(node.index) for node in graph.nodes}
     step_of_node: dict[int, int] = {}
+    reads = _Reads(steps, graph, layouts, step_of_node,
+                   device_reads(graph, [layouts[n.index] for n in graph.nodes]))
     for node in graph.nodes:
-        lay = plan.layout(node.index)
-        layouts[node.index] = lay
+        lay = layouts[node.index]
         out_pieces = lay.pieces[: node.n_out]
         rel = _relation(node.out_labels, node.out_shape, out_pieces, node.dtype)
         sid = steps.new_step(node.name, rel)
@@ -185,14 +186,11 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             kernel = ContractChunk(in_labels=tuple(e.axes for e in node.inputs),
                                    out_labels=node.out_labels, join=node.join, agg=node.agg,
                                    dtype=node.dtype, max_temp_elems=max_temp_elems)
-        readers = [_OperandReader(steps, graph, node, k, layouts[e.producer],
-                                  step_of_node[e.producer])
-                   for k, e in enumerate(node.inputs)]
         partial_sid = None
         work = max(1, len(node.inputs))
         for t in range(len(lay.device)):
             dev = int(lay.device[t])
-            refs = [reader.ref(lay, t) for reader in readers]
+            refs = [reads.ref(node, k, lay, t) for k in range(len(node.inputs))]
             piece = tuple(int(x) for x in lay.index[t, : node.n_out])
             flops = int(np.prod(lay.lens[t])) * work
             if owners[piece] == dev:
@@ -208,79 +206,77 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
     return _assemble(plan, steps, step_of_node[graph.root])
 
 
-class _OperandReader:
+class _Reads:
     """The chunk a task reads for one operand: the producer's piece itself, or a region put
-    together on the task's device from local pieces and slices sent by their holders."""
+    together on the task's device from its own pieces, whole pieces it is sent, and slices cut
+    by their holders (see :func:`~tensorql.optimizer.cost.device_reads`). Regions, whole pieces
+    and slices are shared by every operation on the device reading the same producer."""
 
-    def __init__(self, steps: _Steps, graph, node, k: int, producer: Layout,
-                 producer_step: int) -> None:
+    def __init__(self, steps: _Steps, graph, layouts: dict[int, Layout],
+                 step_of_node: dict[int, int], reads: dict) -> None:
         self.steps = steps
-        self.node = node
-        self.edge = node.inputs[k]
-        self.axes = [node.labels.index(a) for a in self.edge.axes]
-        self.producer = producer
-        self.producer_step = producer_step
-        prod_node = graph.nodes[self.edge.producer]
-        self.dtype = prod_node.dtype
-        self.what = f"operand {k} of {node.name}"
+        self.graph = graph
+        self.layouts = layouts
+        self.step_of_node = step_of_node
+        self.reads = reads
+        self.extents = {}
         self.assembled: dict[tuple, ChunkRef] = {}
         self.slices: dict[tuple, ChunkRef] = {}
-        self.assemble_sid: int | None = None
-        self.slice_sid: int | None = None
-        self.piece_bounds = {tuple(int(x) for x in producer.index[t, :producer.n_out]):
-                             (producer.starts[t, :producer.n_out],
-                              producer.starts[t, :producer.n_out]
-                              + producer.lens[t, :producer.n_out])
-                             for t in np.flatnonzero(producer.owner_mask)}
+        self.assemble_sid: dict[int, int] = {}
+        self.slice_sid: dict[int, int] = {}
 
-    def ref(self, lay: Layout, t: int) -> ChunkRef:
+    def ref(self, node, k: int, lay: Layout, t: int) -> ChunkRef:
+        edge = node.inputs[k]
+        producer = self.layouts[edge.producer]
+        if edge.producer not in self.extents:
+            self.extents[edge.producer] = piece_extents(producer)
+        extents = self.extents[edge.producer]
+        axes = [node.labels.index(a) for a in edge.axes]
         dev = int(lay.device[t])
-        lo = lay.starts[t, self.axes]
-        hi = lo + lay.lens[t, self.axes]
-        region = tuple(int(x) for x in lay.index[t, self.axes])
-        sources = region_sources(self.producer, lo, hi)
-        if len(sources) == 1:
-            piece, _, olo, ohi = sources[0]
-            plo, phi = self.piece_bounds[piece]
-            if tuple(olo) == tuple(int(x) for x in plo) and \
-                    tuple(ohi) == tuple(int(x) for x in phi) and \
-                    tuple(olo) == tuple(int(x) for x in lo) and \
-                    tuple(ohi) == tuple(int(x) for x in hi):
-                return ChunkRef(self.producer_step, piece)  # exactly one piece
-        key = (dev, *region)
+        lo = tuple(int(x) for x in lay.starts[t, axes])
+        hi = tuple(int(a + b) for a, b in zip(lay.starts[t, axes], lay.lens[t, axes]))
+        pstep = self.step_of_node[edge.producer]
+        sources = region_sources(producer, lo, hi)
+        if len(sources) == 1 and extents[sources[0][0]] == (lo, hi):
+            return ChunkRef(pstep, sources[0][0])  # exactly one piece
+        key = (edge.producer, dev, lo, hi)
         if key in self.assembled:
             return self.assembled[key]
+        whole = self.reads[(edge.producer, dev)].whole
         inputs, parts = [], []
         for piece, owner, olo, ohi in sources:
-            plo, phi = self.piece_bounds[piece]
-            src = tuple(slice(a - int(p), b - int(p)) for a, b, p in zip(olo, ohi, plo))
-            dst = tuple(slice(a - int(r), b - int(r)) for a, b, r in zip(olo, ohi, lo))
-            whole = tuple(olo) == tuple(int(x) for x in plo) and \
-                tuple(ohi) == tuple(int(x) for x in phi)
-            if owner == dev or whole:
-                inputs.append(ChunkRef(self.producer_step, piece))
+            plo = extents[piece][0]
+            src = tuple(slice(a - p, b - p) for a, b, p in zip(olo, ohi, plo))
+            dst = tuple(slice(a - r, b - r) for a, b, r in zip(olo, ohi, lo))
+            if owner == dev or piece in whole:  # held here, or sent here whole anyway
+                inputs.append(ChunkRef(pstep, piece))
                 parts.append((src, dst))
-                continue
-            inputs.append(self._slice(piece, owner, dev, region, src))
-            parts.append((tuple(slice(None) for _ in src), dst))
-        if self.assemble_sid is None:
-            rel = self.steps.relations[self.producer_step]
-            self.assemble_sid = self.steps.new_step(f"assemble {self.what}", rel)
-        shape = tuple(int(b - a) for a, b in zip(lo, hi))
-        ref = self.steps.add(self.assemble_sid, inputs, key, RekeyChunk(shape, tuple(parts)),
-                             dev, nbytes=math.prod(shape) * itemsize(self.dtype))
+            else:
+                inputs.append(self._slice(edge.producer, pstep, piece, owner, dev, olo, ohi,
+                                          src))
+                parts.append((tuple(slice(None) for _ in src), dst))
+        node_p = self.graph.nodes[edge.producer]
+        if edge.producer not in self.assemble_sid:
+            self.assemble_sid[edge.producer] = self.steps.new_step(
+                f"assemble regions of {node_p.name}", self.steps.relations[pstep])
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        ref = self.steps.add(self.assemble_sid[edge.producer], inputs,
+                             (dev, len(self.assembled)), RekeyChunk(shape, tuple(parts)), dev,
+                             nbytes=math.prod(shape) * itemsize(node_p.dtype))
         self.assembled[key] = ref
         return ref
 
-    def _slice(self, piece, owner: int, dev: int, region, src) -> ChunkRef:
-        key = (dev, *region, *piece)
+    def _slice(self, producer: int, pstep: int, piece, owner: int, dev: int, olo, ohi,
+               src) -> ChunkRef:
+        key = (producer, dev, piece, olo, ohi)
         if key not in self.slices:
-            if self.slice_sid is None:
-                rel = self.steps.relations[self.producer_step]
-                self.slice_sid = self.steps.new_step(f"slice for {self.what}", rel)
-            nbytes = math.prod(s.stop - s.start for s in src) * itemsize(self.dtype)
+            node_p = self.graph.nodes[producer]
+            if producer not in self.slice_sid:
+                self.slice_sid[producer] = self.steps.new_step(
+                    f"slices of {node_p.name}", self.steps.relations[pstep])
+            nbytes = math.prod(b - a for a, b in zip(olo, ohi)) * itemsize(node_p.dtype)
             self.slices[key] = self.steps.add(
-                self.slice_sid, (ChunkRef(self.producer_step, piece),), key,
+                self.slice_sid[producer], (ChunkRef(pstep, piece),), (dev, len(self.slices)),
                 SliceChunk(src), owner, nbytes=nbytes)
         return self.slices[key]
 

@@ -17,7 +17,7 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.errors import ExecutionError
-from tensorql.exec.executor import RunStats
+from tensorql.exec.run_types import RunStats
 from tensorql.grid import ChunkGrid, Key
 from tensorql.physical.planner import PhysicalPlan
 

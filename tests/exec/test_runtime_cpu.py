@@ -135,12 +135,12 @@ def test_stats_and_timeline():
     assert html.count("<rect") == len(stats.timeline) > 0
 
 
-def test_unlimited_cpu_keeps_the_thread_executor(db):
-    from tensorql.exec.executor import Executor
+def test_unlimited_cpu_runs_the_engine_in_direct_mode(db):
     from tensorql.exec.runtime import executor_for
 
-    assert isinstance(executor_for(db.options.with_(devices="cpu")), Executor)
-    assert isinstance(executor_for(db.options.with_(devices=["cpu:0", "cpu:1"])), Runtime)
+    assert executor_for(db.options.with_(devices="cpu")).direct
+    assert not executor_for(db.options.with_(devices=["cpu:0", "cpu:1"])).direct
+    assert not executor_for(db.options.with_(devices="cpu", memory_limit="1GiB")).direct
 
 
 def test_results_on_device():

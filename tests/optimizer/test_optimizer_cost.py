@@ -45,7 +45,8 @@ def test_matmul_costs_by_hand(db):
     assert op.vector == "i:2 k:1 j:1"
     text = plan.explain()
     assert text.startswith("partitioning for 2 devices (strategy auto): 96 B moved")
-    assert "operand 1 <- [1] scan w: 96 B (repartitioned from (j:1 k:2) to (j:1 k:1)" in text
+    assert "operand 1 <- [1] scan w: 96 B (all-gather: repartitioned from (j:1 k:2) to " \
+        "(j:1 k:1)" in text
 
 
 def test_partial_aggregates_counted(db):
@@ -54,7 +55,7 @@ def test_partial_aggregates_counted(db):
     plan = tq.optimize(tq.einsum("ij,ij->i", x, x), devices=4)
     op = plan.ops[-1]
     assert op.pieces == (1, 4) and op.partial_bytes == 3 * 4
-    assert "partial aggregates: 12 B (aggregated labels split j:4)" in plan.explain()
+    assert "partial aggregates: 12 B (aggregated labels split j:4;" in plan.explain()
 
 
 def test_piece_bounds_are_chunk_grids():

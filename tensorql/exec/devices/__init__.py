@@ -25,7 +25,7 @@ from tensorql.options import device_names
 
 __all__ = ["Completion", "CPUDevice", "Device", "LaneThreads", "NullDevice", "SimClock",
            "ThreadedDevice",
-           "resolve_devices", "wants_runtime"]
+           "resolve_devices"]
 
 def resolve_devices(spec: Any = "auto", workers: int = 1) -> list[Device]:
     """Device objects for a ``devices`` option; CPU devices share ``workers`` threads."""
@@ -47,11 +47,3 @@ def resolve_devices(spec: Any = "auto", workers: int = 1) -> list[Device]:
         elif kind == "null":
             out.append(NullDevice(name, clock=clock))
     return out
-
-
-def wants_runtime(spec: Any, memory_limit: int | None) -> bool:
-    """True when a run needs the event-driven runtime rather than the plain thread executor:
-    a memory limit, a GPU, several devices or a null device."""
-    if memory_limit is not None:
-        return True
-    return device_names(spec) != ("cpu:0",)

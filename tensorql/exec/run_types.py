@@ -1,0 +1,85 @@
+"""The records every run produces, whichever mode of the engine ran it.
+
+``StepStats`` per plan step, ``RunStats`` per run (the runtime's ``RuntimeStats`` adds
+per-device figures), ``RunResult`` the retained chunks with the stats; :func:`record_task`
+is the one place a finished chunk task is added to a step's figures.
+
+>>> stats = RunStats(tasks=1)
+>>> _ = record_task(stats, step=0, started=0.5, ended=1.5, bytes_in=64, bytes_read=16)
+>>> stats.steps[0].busy_s, stats.bytes_read, stats.steps[0].span_s
+(1.0, 16, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.taskgraph import ChunkRef
+
+__all__ = ["ChunkDestination", "ChunkSink", "ProgressCallback", "RunResult", "RunStats",
+           "StepStats", "record_task"]
+
+ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
+# Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
+# result) or None for "allocate one". Kernels write their first contribution straight into it.
+ChunkDestination = Callable[[ChunkRef], "torch.Tensor | None"]
+
+
+@dataclass
+class StepStats:
+    """Measured figures of one plan step."""
+
+    tasks: int = 0
+    busy_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    bytes_read: int = 0
+    first_start: float = float("inf")
+    last_end: float = 0.0
+
+    @property
+    def span_s(self) -> float:
+        return max(0.0, self.last_end - self.first_start) if self.tasks else 0.0
+
+
+@dataclass
+class RunStats:
+    """Measured figures of one run."""
+
+    wall_s: float = 0.0
+    workers: int = 1
+    tasks: int = 0
+    peak_live_bytes: int = 0
+    steps: dict[int, StepStats] = field(default_factory=dict)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(s.bytes_read for s in self.steps.values())
+
+    @property
+    def busy_s(self) -> float:
+        return sum(s.busy_s for s in self.steps.values())
+
+
+@dataclass
+class RunResult:
+    outputs: dict[ChunkRef, torch.Tensor]
+    stats: RunStats
+
+
+def record_task(stats: RunStats, step: int, started: float, ended: float, bytes_in: int = 0,
+                bytes_read: int = 0, tasks: int = 1) -> StepStats:
+    """Add one finished task (or a load from rest, ``tasks=0`` when already counted) to the
+    figures of its ``step``."""
+    st = stats.steps.setdefault(step, StepStats())
+    st.tasks += tasks
+    st.busy_s += ended - started
+    st.first_start = min(st.first_start, started)
+    st.last_end = max(st.last_end, ended)
+    st.bytes_in += bytes_in
+    st.bytes_read += bytes_read
+    return st

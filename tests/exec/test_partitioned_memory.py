@@ -1,0 +1,64 @@
+"""Memory-aware partitioning: under a per-device memory_limit below a model's share of the
+weights the plan still forms (finer pieces, weights streamed from rest and freed after use),
+the memory plan never exceeds the limit, and below the true minimum the error names it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+from tensorql.exec.memplan import largest_task_bytes, plan_program
+from tensorql.models import llama, mlp
+from tensorql.optimizer.search import InfeasiblePlanError
+from tensorql.physical.partitioned import build_partitioned
+
+
+def _weights(plan) -> int:
+    return sum(int(np.prod(n.sizes)) * n.itemsize for n in plan.graph.nodes
+               if n.kind == "source")
+
+
+def test_llama_7b_layers_plan_below_their_share_of_weights():
+    db = tq.connect()
+    w = llama(db, layers=2)  # LLaMA-7B shapes: d 4096, 32 heads x 128, d_ff 11008, seq 2048
+    limit = 150 << 20
+    plan = tq.optimize(w.output, devices=8, memory_limit=limit)
+    assert _weights(plan) / 8 > limit  # the share of the weights alone exceeds the limit
+    graph = build_partitioned(plan, None).task_graph()
+    program = plan_program(graph, 8, [limit] * 8)
+    assert all(d.peak_bytes <= limit for d in program.devices)
+    assert max(d.peak_bytes for d in program.devices) > 0
+
+
+def test_more_pieces_than_devices_when_a_piece_does_not_fit():
+    db = tq.connect()
+    w = mlp(db, batch=256, d_model=1024, d_ff=4096, materialize=False)
+    free = tq.optimize(w.output, devices=2)
+    tight = tq.optimize(w.output, devices=2, memory_limit=free.cost.peak_bytes // 3)
+    assert tight.cost.peak_bytes <= free.cost.peak_bytes // 3
+    assert any(np.prod(op.pieces) > 2 for op in tight.ops)
+
+
+def test_runs_under_a_limit_and_names_the_minimum():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 48)).astype(np.float32)
+    y = rng.standard_normal((48, 40)).astype(np.float32)
+    want = np.maximum(x @ y, 0).sum(axis=1)
+    with tq.connect(devices=2, workers=2, memory_limit=6 << 10) as db:
+        a, b = db.from_numpy("a", x), db.from_numpy("b", y)
+        query = (a @ b).relu().sum(axis=1).compile()
+        result = query.run(dense=True)
+        np.testing.assert_allclose(result.dense().numpy(), want, rtol=1e-4, atol=1e-3)
+        assert all(d.peak_bytes <= 6 << 10 for d in result.stats.devices)
+        assert largest_task_bytes(query.physical.task_graph()) <= 6 << 10
+    with tq.connect(devices=2, workers=2, memory_limit=64) as db:
+        a, b = db.from_numpy("a", x), db.from_numpy("b", y)
+        with pytest.raises(InfeasiblePlanError, match="smallest memory_limit") as err:
+            (a @ b).numpy()
+        need = err.value.minimum
+        assert need > 64 and f"the smallest memory_limit that plans it is {need} bytes" in \
+            str(err.value)
+    with tq.connect(devices=2, workers=2, memory_limit=need) as db:
+        a, b = db.from_numpy("a", x), db.from_numpy("b", y)
+        np.testing.assert_allclose((a @ b).numpy(), x @ y, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,166 @@
+"""The optimizer's partitioning is what runs: ``tq.connect(devices=N)`` places every task on the
+device the plan chose, moves data only by real copies, and those copies move exactly the bytes
+the cost model predicts, per device pair."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorql as tq
+from tensorql.models import attention, llama, llama_block, mlp
+
+
+def _workload(db, name):
+    if name == "mlp":
+        return mlp(db, batch=10, d_model=12, d_ff=20)
+    if name == "attention":
+        return attention(db, batch=2, seq=6, d_model=12, heads=3, head_dim=4)
+    if name == "llama_block":
+        return llama_block(db, batch=2, seq=6, d_model=12, heads=3, head_dim=4, d_ff=20)
+    return llama(db, layers=2, batch=1, seq=5, d_model=8, heads=2, head_dim=4, d_ff=12,
+                 materialize=True)
+
+
+def _check_run(expr, want, n, rtol=1e-4, atol=1e-4):
+    query = expr.compile()
+    assert query.partition is not None and query.partition.devices == n
+    result = query.run(dense=True)
+    np.testing.assert_allclose(result.dense().numpy(), want, rtol=rtol, atol=atol)
+    predicted = query.partition.pair_bytes()
+    measured = np.array(result.stats.moved)
+    np.testing.assert_array_equal(measured, predicted)
+    assert measured.sum() == query.partition.cost.bytes_moved
+    assert all(measured[d, d] == 0 for d in range(n))
+    placed = {t.device for s in query.physical.steps for t in s.tasks}
+    assert placed <= set(range(n))
+    return query, result
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "llama_block", "llama2"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_workloads_run_as_partitioned(name, n):
+    with tq.connect(devices=n, workers=2) as db:
+        w = _workload(db, name)
+        _check_run(w.output, w.reference(), n)
+
+
+@pytest.mark.parametrize("strategy", ["data", "model"])
+def test_strategies_are_what_runs(strategy):
+    with tq.connect(devices=4, workers=2, strategy=strategy) as db:
+        w = _workload(db, "llama_block")
+        query, _ = _check_run(w.output, w.reference(), 4)
+        assert query.partition.strategy == strategy
+
+
+def test_semirings_and_broadcast_partitioned():
+    rng = np.random.default_rng(3)
+    for n in (2, 3, 5):
+        with tq.connect(devices=n, workers=2) as db:
+            a = db.from_numpy("pa", rng.standard_normal((5, 7)).astype(np.float32), tile=(2, 3))
+            b = db.from_numpy("pb", rng.standard_normal((7, 1)).astype(np.float32))
+            c = db.from_numpy("pc", rng.standard_normal((1, 4)).astype(np.float32))
+            na, nb, nc = a.numpy(), b.numpy(), c.numpy()
+            cases = [
+                (tq.einsum("ij,jk->ik", a, b * c, join="add", agg="max"),
+                 (na[:, :, None] + (nb * nc)[None]).max(axis=1)),
+                (tq.einsum("ii->i", tq.einsum("ij,kj->ik", a, a)), np.einsum("ij,ij->i", na, na)),
+                ((a - a.max(axis=1, keepdims=True)).exp().sum(axis=0),
+                 np.exp(na - na.max(axis=1, keepdims=True)).sum(axis=0)),
+            ]
+            for expr, want in cases:
+                _check_run(expr, want, n, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_aggregates_reduced_on_owner():
+    # only the aggregated label can be split: partial sums travel to the output's owner
+    rng = np.random.default_rng(0)
+    with tq.connect(devices=4, workers=2) as db:
+        v = db.from_numpy("v", rng.standard_normal((1, 64)).astype(np.float32))
+        query, result = _check_run(tq.einsum("ij,ij->i", v, v), (v.numpy() ** 2).sum(1), 4)
+        op = query.partition.ops[-1]
+        assert op.pieces == (1, 4)
+        assert query.partition.cost.bytes_moved == op.partial_bytes + sum(
+            m.bytes for m in op.inputs)
+        assert "partials of" in " ".join(s.name for s in query.physical.steps)
+
+
+ops = st.sampled_from([("mul", "sum"), ("add", "max"), ("add", "min"), ("max", "max"),
+                       ("mul", "max"), ("sub", "sum")])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 7), min_size=4, max_size=4), pair=ops,
+       n=st.sampled_from([2, 3, 4, 8]), seed=st.integers(0, 2**16))
+def test_random_einsum_graphs_match_torch(sizes, pair, n, seed):
+    """A random two-level graph: an extended einsum feeding a map and a second einsum."""
+    i, j, k, m = sizes
+    join, agg = pair
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(i, j, generator=gen, dtype=torch.float64)
+    y = torch.randn(j, k, generator=gen, dtype=torch.float64)
+    z = torch.randn(k, m, generator=gen, dtype=torch.float64)
+    with tq.connect(devices=n, workers=2) as db:
+        tx, ty, tz = (db.from_torch(name, t) for name, t in (("x", x), ("y", y), ("z", z)))
+        first = tq.einsum("ij,jk->ik", tx, ty, join=join, agg=agg)
+        expr = tq.einsum("ik,km->im", first.relu(), tz)
+        want = torch.relu(_torch_extended(x, y, join, agg)) @ z
+        _check_run(expr, want.numpy(), n, rtol=1e-9, atol=1e-9)
+
+
+def _torch_extended(x, y, join, agg):
+    a, b = x[:, :, None], y[None]
+    joined = {"mul": a * b, "add": a + b, "sub": a - b, "max": torch.maximum(a, b)}[join]
+    return {"sum": joined.sum(1), "max": joined.amax(1), "min": joined.amin(1)}[agg]
+
+
+def test_same_order_in_lowering_and_optimizer():
+    """The optimizer's operations are the lowering's steps, in the lowering's order."""
+    from tensorql.logical.plan import Aggregate, Join, walk
+
+    rng = np.random.default_rng(1)
+    with tq.connect(devices=2) as db:
+        names = "abcde"
+        shapes = [(4, 30), (30, 2), (2, 40), (40, 3), (3, 5)]
+        ts = [db.from_numpy(nm, rng.standard_normal(s).astype(np.float32))
+              for nm, s in zip(names, shapes)]
+        query = tq.einsum("ab,bc,cd,de,ef->af", *ts).compile()
+        lowered = [n for n in walk(query.logical) if isinstance(n, Aggregate)
+                   or (isinstance(n, Join) and not any(
+                       isinstance(m, Aggregate) and m.input is n for m in walk(query.logical)))]
+        planned = [n.logical for n in query.partition.graph.nodes if n.kind == "einsum"]
+        assert planned == lowered
+        assert [s.name for s in query.physical.steps if s.name.startswith("(")][:4] == \
+            [n.name for n in query.partition.graph.nodes if n.kind == "einsum"]
+
+
+def test_null_devices_refuse_to_return_values():
+    with tq.connect(devices="null:2") as db:
+        a = db.from_numpy("a", np.ones((4, 4), np.float32))
+        with pytest.raises(tq.ExecutionError, match="null devices"):
+            (a @ a).numpy()
+        assert "devices:" in (a @ a).explain(analyze=True)
+
+
+def test_devices_option_read_in_one_place():
+    from tensorql.options import device_names
+
+    assert device_names(8) == tuple(f"cpu:{i}" for i in range(8))
+    assert device_names("2") == ("cpu:0", "cpu:1")
+    for bad in (0, True, "gpu", ["cpu:0", "cpu:0"], 1.5):
+        with pytest.raises(tq.OptionError):
+            tq.connect(devices=bad)
+
+
+def test_optimize_is_what_a_session_runs():
+    with tq.connect(devices=4, workers=2) as db:
+        w = mlp(db, batch=12, d_model=8, d_ff=16)
+        session_plan = w.output.compile().partition
+        assert tq.optimize(w.output, devices=4).explain() == session_plan.explain()
+        assert tq.optimize(w.output, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).cost == \
+            session_plan.cost
+        assert "partitioning for 4 devices" in w.output.explain()
