@@ -77,7 +77,9 @@ PIECES = {
         ", backend := 'duckdb'", ", backend := 'gpu'", ", sizes := {'i': 4}",
         ", sizes := {'i': 2.5}", ", sizes := {'i': -1}", ", sizes := 7", ", foo := 1",
         ", sizes := {'i': 100000000000000000000}"]),
-    "equation": EQUATIONS.map(lambda e: "'" + e + "'") | st.sampled_from(["1", "x", "NULL"]),
+    "equation": st.sampled_from(["'i->i'", "'i->'", "'ij->i'", "'ij,j->i'", "'ij,jk->ik'",
+                                 "'->'", "'i,i->i'"])
+    | EQUATIONS.map(lambda e: "'" + e + "'") | st.sampled_from(["1", "x", "NULL"]),
 }
 
 
@@ -102,12 +104,13 @@ def test_fuzzed_sql_raises_only_tensorql_errors(fuzz_db, query, dense):
     before = {name: fuzz_db.tensor(name).numpy().copy() for name in ("x", "m", "b", "n")}
     try:
         result = fuzz_db.sql(query)
-        if dense:
-            result.numpy()
-        else:
-            result.fetchall()
-    except tq.TensorQLError:
-        pass
+    except tq.TensorQLError as err:  # every SQL error points at its place
+        assert getattr(err, "position", None) is not None, f"{query}: {err}"
+    else:
+        try:
+            result.numpy() if dense else result.fetchall()
+        except tq.TensorQLError:
+            pass
     for name, values in before.items():  # no statement changes the stored operands
         np.testing.assert_array_equal(fuzz_db.tensor(name).numpy(), values)
     for name in fuzz_db.tensors():
