@@ -127,3 +127,12 @@ def test_process_memory_limit_is_one_figure():
     assert Options().process_memory_bytes > 0
     assert Options(process_memory_limit="1GiB", chunk_cache_bytes=1 << 20).chunk_cache_bytes \
         == 1 << 20
+
+
+@pytest.mark.parametrize("settings", [dict(backend="duckdb"), dict(devices=2)],
+                         ids=["duckdb-backend", "two-devices"])
+def test_store_on_other_backends_and_devices(settings):
+    rng = np.random.default_rng(4)
+    with tq.connect(**settings) as db:
+        a, b, A, B = _operands(db, rng)
+        np.testing.assert_allclose(db.store("C", A @ B).numpy(), a @ b, rtol=1e-5, atol=1e-5)
