@@ -108,6 +108,7 @@ class Layout:
     lens: np.ndarray     # (M, L)
     device: np.ndarray   # (M,)
     n_out: int
+    order: tuple[int, ...] = ()  # label positions, most significant first, for placement
 
     @property
     def owner_mask(self) -> np.ndarray:
@@ -134,12 +135,18 @@ class Layout:
         return out
 
 
-def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int) -> Layout:
+def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int,
+           order: Sequence[int] | None = None) -> Layout:
     """The :class:`Layout` of ``pieces`` over labels of ``sizes`` on ``devices`` devices.
 
-    >>> lay = layout((4, 6), (2, 1), 1, 2)
-    >>> lay.starts.tolist(), lay.device.tolist()
-    ([[0, 0], [2, 0]], [0, 1])
+    Tasks are ranked row-major over the labels taken in ``order`` (default: the labels'
+    own order) and task ``r`` of ``M`` runs on device ``r * N // M``; another order is
+    another placement of the same pieces (a transposing operation can then keep its
+    producer's pieces where they are).
+
+    >>> lay = layout((4, 6), (2, 2), 1, 4)
+    >>> lay.device.tolist(), layout((4, 6), (2, 2), 1, 4, order=(1, 0)).device.tolist()
+    ([0, 1, 2, 3], [0, 2, 1, 3])
     """
     combos = list(itertools.product(*(range(p) for p in pieces)))
     idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(pieces))
@@ -150,8 +157,65 @@ def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int
         st[:, lab] = b[idx[:, lab]]
         ln[:, lab] = b[idx[:, lab] + 1] - b[idx[:, lab]]
     m = len(idx)
-    dev = np.arange(m, dtype=np.int64) * devices // m
-    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out)
+    order = tuple(order) if order is not None else tuple(range(len(pieces)))
+    rank = _rank(idx, tuple(int(p) for p in pieces), order)
+    dev = rank * devices // m
+    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out, order)
+
+
+def _rank(idx: np.ndarray, pieces: tuple[int, ...], order: tuple[int, ...]) -> np.ndarray:
+    """Row-major rank of piece indices ``idx`` over the labels taken in ``order``."""
+    if not pieces:
+        return np.zeros(len(idx), dtype=np.int64)
+    return np.asarray(np.ravel_multi_index(tuple(idx[:, order].T),
+                                           tuple(pieces[k] for k in order)), dtype=np.int64)
+
+
+def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int) -> Layout:
+    """``lay`` with each piece cut further into chunks of ``tiles`` (each must divide its
+    label's piece tile ``ceil(n / p)``): every chunk stays on its piece's device, so bytes moved
+    between devices are the same, and a device's work comes in cache-sized tasks that can
+    start as soon as their own chunks are in.
+
+    >>> fine = refine(layout((8, 6), (2, 1), 1, 2), (8, 6), (2, 6), 2)
+    >>> fine.pieces, fine.device.tolist()
+    ((4, 1), [0, 0, 1, 1])
+    """
+    piece_tiles = [-(-n // p) for n, p in zip(sizes, lay.pieces)]
+    for t, pt, n in zip(tiles, piece_tiles, sizes):
+        if pt % t and t < n:
+            raise ValueError(f"tile {t} does not divide the piece tile {pt}")
+    blocks = [-(-n // t) for n, t in zip(sizes, tiles)]
+    combos = list(itertools.product(*(range(b) for b in blocks)))
+    idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(blocks))
+    tile_arr = np.array(tiles, dtype=np.int64).reshape(1, len(blocks))
+    starts = idx * tile_arr
+    lens = np.minimum(starts + tile_arr, np.array(sizes, dtype=np.int64)) - starts
+    parent = starts // np.array(piece_tiles, dtype=np.int64)
+    m = math.prod(lay.pieces)
+    order = lay.order or tuple(range(len(blocks)))
+    device = _rank(parent, lay.pieces, order) * devices // m
+    return Layout(tuple(blocks), idx, starts, lens, device, lay.n_out, order)
+
+
+def sub_tile(piece_tile: int, target: int) -> int:
+    """The largest divisor of ``piece_tile`` that is at most ``target``; ``piece_tile`` itself
+    when that divisor is no more than half of ``target`` (cutting finer would only add tasks).
+
+    >>> sub_tile(1536, 512), sub_tile(1376, 512), sub_tile(7, 4), sub_tile(100, 500)
+    (512, 344, 7, 100)
+    """
+    if target >= piece_tile:
+        return piece_tile
+    best = 1
+    k = 1
+    while k * k <= piece_tile:
+        if piece_tile % k == 0:
+            for d in (k, piece_tile // k):
+                if d <= target:
+                    best = max(best, d)
+        k += 1
+    return best if 2 * best > target else piece_tile
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,6 +229,7 @@ class NodeTable:
 
     cands: np.ndarray
     layouts: list[Layout]
+    orders: list[tuple[int, ...]]   # the placement order of each candidate
     piece_lo: np.ndarray            # (K, N, S, n_out)
     piece_hi: np.ndarray
     has_piece: np.ndarray           # (K, N, S)
@@ -187,10 +252,19 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
     ``pieces`` pieces, ``devices`` by default)."""
     chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
-    cands = np.array(chosen, dtype=np.int64).reshape(len(chosen), len(node.sizes))
     n_out = node.n_out
+    plain = tuple(range(len(node.sizes)))
+    flipped = _transposed_order(graph, node)
+    options = []
+    for cand in chosen:
+        options.append((cand, plain))
+        if flipped is not None and sum(p > 1 for p in cand) > 1:
+            options.append((cand, flipped))
+    cands = np.array([c for c, _ in options], dtype=np.int64).reshape(len(options),
+                                                                      len(node.sizes))
+    orders = [o for _, o in options]
     K, N = len(cands), devices
-    layouts = [layout(node.sizes, cand, n_out, N) for cand in cands]
+    layouts = [layout(node.sizes, cand, n_out, N, order) for cand, order in options]
     per_dev = max(int(np.bincount(lay.device[lay.owner_mask], minlength=N).max())
                   for lay in layouts)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
@@ -221,7 +295,19 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
-    return NodeTable(cands, layouts, piece_lo, piece_hi, has_piece, partial, flops, peak)
+    return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops, peak)
+
+
+def _transposed_order(graph: OpGraph, node: OpNode) -> tuple[int, ...] | None:
+    """A placement order matching a producer whose axes this node reads in another order
+    (a transpose): the producer's label order first. None when every operand is read in
+    order, so the default placement already lines pieces up."""
+    for edge in node.inputs:
+        pos = [node.labels.index(a) for a in edge.axes]
+        if len(set(pos)) == len(pos) and pos != sorted(pos):
+            rest = [k for k in range(len(node.labels)) if k not in pos]
+            return tuple(pos + rest)
+    return None
 
 
 def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
@@ -338,46 +424,61 @@ def device_reads(graph: OpGraph, layouts: Sequence[Layout],
     return out
 
 
-def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int) -> int:
-    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
-    (the sum of :func:`device_reads` for this producer, computed with arrays)."""
-    prod = layouts[producer]
+def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozenset, frozenset]:
+    """What the devices of consumer layout ``lay`` read from other devices of producer layout
+    ``prod`` through one operand whose labels are ``axes``: whole pieces ``(device, piece)``
+    and slices ``(device, piece, lo, hi)``; each device reads each once."""
     owners = np.flatnonzero(prod.owner_mask)
     plo = prod.starts[owners, :prod.n_out]                                # (P, r)
     phi = plo + prod.lens[owners, :prod.n_out]
     owner_dev = prod.device[owners]
-    whole_rows, slice_rows = [], []
+    tasks = np.flatnonzero(first_reads(lay, axes))
+    lo = lay.starts[tasks][:, list(axes)]
+    hi = lo + lay.lens[tasks][:, list(axes)]
+    olo = np.maximum(lo[:, None], plo[None])                              # (T, P, r)
+    ohi = np.minimum(hi[:, None], phi[None])
+    hit = np.all(ohi > olo, axis=2)
+    full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+    dev = lay.device[tasks][:, None]
+    remote = hit & (dev != owner_dev[None])
+    whole = set()
+    slices = set()
+    for t, q in zip(*np.nonzero(remote)):
+        if full[t, q]:
+            whole.add((int(dev[t, 0]), int(q)))
+        else:
+            slices.add((int(dev[t, 0]), int(q), tuple(olo[t, q].tolist()),
+                        tuple(ohi[t, q].tolist())))
+    return frozenset(whole), frozenset(slices)
+
+
+def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
+               cache: dict | None = None, keys: Sequence[object] | None = None) -> int:
+    """Bytes other devices read of ``producer``'s output, each piece or slice once a device
+    (the sum of :func:`device_reads` for this producer). ``cache`` memoises per-operand reads
+    under ``keys[node]`` (what identifies a node's layout, e.g. its table and choice)."""
+    prod = layouts[producer]
+    whole: set = set()
+    slices: set = set()
     for consumer, k in graph.consumers[producer]:
-        node, lay = graph.nodes[consumer], layouts[consumer]
-        axes = [node.labels.index(a) for a in node.inputs[k].axes]
-        tasks = np.flatnonzero(first_reads(lay, axes))
-        lo = lay.starts[tasks][:, axes]
-        hi = lo + lay.lens[tasks][:, axes]
-        olo = np.maximum(lo[:, None], plo[None])                          # (T, P, r)
-        ohi = np.minimum(hi[:, None], phi[None])
-        hit = np.all(ohi > olo, axis=2)
-        full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
-        dev = np.broadcast_to(lay.device[tasks][:, None], hit.shape)
-        piece = np.broadcast_to(np.arange(len(owners))[None], hit.shape)
-        remote = hit & (dev != owner_dev[None])
-        w = full & remote
-        whole_rows.append(np.stack([dev[w], piece[w]], axis=1))
-        sl = remote & ~full
-        slice_rows.append(np.concatenate([dev[sl][:, None], piece[sl][:, None], olo[sl],
-                                          ohi[sl]], axis=1))
-    item = graph.nodes[producer].itemsize
-    whole = np.unique(np.concatenate(whole_rows), axis=0) if whole_rows else np.zeros((0, 2))
-    total = int(np.prod(phi - plo, axis=1)[whole[:, 1].astype(np.int64)].sum()) \
-        if len(whole) else 0
-    slices = np.unique(np.concatenate(slice_rows), axis=0) if slice_rows else None
-    if slices is not None and len(slices):
-        taken = {(int(d), int(q)) for d, q in whole}
-        keep = np.array([(int(d), int(q)) not in taken for d, q in slices[:, :2]])
-        if keep.any():
-            r = prod.n_out
-            kept = slices[keep]
-            total += int(np.prod(kept[:, 2 + r:] - kept[:, 2:2 + r], axis=1).sum())
-    return total * item
+        node = graph.nodes[consumer]
+        axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
+        key = None if cache is None or keys is None else \
+            ("reads", keys[producer], keys[consumer], axes)
+        if key is not None and key in cache:
+            w, sl = cache[key]
+        else:
+            w, sl = edge_reads(prod, layouts[consumer], axes)
+            if key is not None:
+                cache[key] = (w, sl)
+        whole |= w
+        slices |= sl
+    owners = np.flatnonzero(prod.owner_mask)
+    sizes = np.prod(prod.lens[owners, :prod.n_out], axis=1)
+    total = sum(int(sizes[q]) for _, q in whole)
+    total += sum(math.prod(b - a for a, b in zip(lo, hi))
+                 for d, q, lo, hi in slices if (d, q) not in whole)
+    return total * graph.nodes[producer].itemsize
 
 
 def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:

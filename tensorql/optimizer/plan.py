@@ -52,6 +52,7 @@ class OpPartition:
     partial_bytes: int
     peak_bytes: int
     n_agg: int = 0
+    order: tuple[int, ...] = ()  # placement order of the labels (empty: their own order)
 
     @property
     def bytes_moved(self) -> int:
@@ -77,7 +78,7 @@ class PartitionPlan:
     def layout(self, index: int) -> Layout:
         """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
         op, node = self.ops[index], self.graph.nodes[index]
-        return layout(node.sizes, op.pieces, node.n_out, self.devices)
+        return layout(node.sizes, op.pieces, node.n_out, self.devices, op.order or None)
 
     def pair_bytes(self) -> np.ndarray:
         """Predicted bytes sent from device ``src`` to ``dst``: an (N, N) matrix whose sum is
@@ -96,7 +97,9 @@ class PartitionPlan:
             if op.kind in ("source", "constant"):
                 lines.append(f"[{op.index}] {op.name}  pieces {op.vector}")
                 continue
-            lines.append(f"[{op.index}] {op.name}  pieces {op.vector}  "
+            placed = (f"  placed by {','.join(op.labels[k] for k in op.order)}"
+                      if op.order else "")
+            lines.append(f"[{op.index}] {op.name}  pieces {op.vector}{placed}  "
                          f"{format_flops(op.flops_per_device)}/device  "
                          f"moved {format_bytes(op.bytes_moved)}")
             for k, move in enumerate(op.inputs):
@@ -162,6 +165,7 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
     peak = 0
     for node, table, cand in zip(graph.nodes, tables, choice):
         pieces = tuple(int(x) for x in table.cands[cand])
+        order = table.orders[cand]
         device_flops += table.flops_dev[cand]
         peak = max(peak, int(table.peak[cand]))
         inputs = []
@@ -190,7 +194,8 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
                          sizes=node.sizes, pieces=pieces,
                          flops_per_device=int(table.flops_dev[cand].max()),
                          inputs=tuple(inputs), partial_bytes=int(table.partial_bytes[cand]),
-                         peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels))
+                         peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels),
+                         order=order if order != tuple(range(len(pieces))) else ())
         ops.append(op)
     cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.exact_total(choice),
                 peak_bytes=peak)

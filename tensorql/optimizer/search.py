@@ -122,7 +122,8 @@ class Problem:
                 if layouts is None:
                     layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
                 per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
-                self.memo[key] = read_bytes(self.graph, layouts, p) - per_edge
+                keys = [(id(t), k) for t, k in zip(self.tables, choice)]
+                self.memo[key] = read_bytes(self.graph, layouts, p, self.memo, keys) - per_edge
             total += self.memo[key]
         return total
 

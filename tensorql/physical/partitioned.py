@@ -39,8 +39,15 @@ import torch
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.exec.taskgraph import ChunkRef, Task
 from tensorql.grid import ChunkGrid
-from tensorql.logical.plan import TensorRelation
-from tensorql.optimizer.cost import Layout, device_reads, piece_extents, region_sources
+from tensorql.logical.plan import Aggregate, TensorRelation
+from tensorql.optimizer.cost import (
+    Layout,
+    device_reads,
+    piece_extents,
+    refine,
+    region_sources,
+    sub_tile,
+)
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import ConstChunk, ContractChunk, MapChunk, RekeyChunk
 from tensorql.physical.planner import PhysicalPlan, Step
@@ -147,24 +154,47 @@ class _Steps:
         return ref
 
 
-def _relation(labels, sizes, pieces, dtype) -> TensorRelation:
-    tiles = tuple(-(-n // p) for n, p in zip(sizes, pieces))
+def _relation(labels, sizes, lay: Layout, dtype) -> TensorRelation:
+    """The relation a node's chunks make up: its output labels tiled like the layout."""
+    n_out = len(labels)
+    tiles = tuple(int(t) for t in lay.lens[:, :n_out].max(axis=0)) if len(lay.lens) else ()
     return TensorRelation(tuple(labels), ChunkGrid(tuple(sizes), tiles), dtype)
 
 
+def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
+    """The node's pieces, each cut into chunks no larger than the logical plan's tiles (the
+    stored tiles for a scan), so that a device works in cache-sized tasks that start as their
+    own chunks arrive, and a stored piece is read chunk by chunk, without reassembly."""
+    lay = plan.layout(node.index)
+    if not sub_tiles or node.logical is None:
+        return lay
+    logical = node.logical.input if isinstance(node.logical, Aggregate) else node.logical
+    rel = logical.relation
+    target = dict(zip(rel.labels, rel.grid.tile))
+    for edge in node.inputs:  # a diagonal reads blocks of its pieces whole: keep those whole
+        for lab in edge.axes:
+            if edge.axes.count(lab) > 1:
+                target[lab] = 1 << 62
+    tiles = tuple(sub_tile(-(-n // p), target.get(lab, n))
+                  for lab, n, p in zip(node.labels, node.sizes, lay.pieces))
+    if tiles == tuple(-(-n // p) for n, p in zip(node.sizes, lay.pieces)):
+        return lay
+    return refine(lay, node.sizes, tiles, plan.devices)
+
+
 def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
-                      max_temp_elems: int = 1 << 24) -> PhysicalPlan:
-    """The physical plan running ``plan`` on its devices (see the module docstring)."""
+                      max_temp_elems: int = 1 << 24, sub_tiles: bool = True) -> PhysicalPlan:
+    """The physical plan running ``plan`` on its devices (see the module docstring); with
+    ``sub_tiles`` each piece is cut into the logical plan's tiles (same bytes moved)."""
     graph = plan.graph
     steps = _Steps()
-    layouts = {node.index: plan.layout(node.index) for node in graph.nodes}
+    layouts = {node.index: _chunked(plan, node, sub_tiles) for node in graph.nodes}
     step_of_node: dict[int, int] = {}
     reads = _Reads(steps, graph, layouts, step_of_node,
                    device_reads(graph, [layouts[n.index] for n in graph.nodes]))
     for node in graph.nodes:
         lay = layouts[node.index]
-        out_pieces = lay.pieces[: node.n_out]
-        rel = _relation(node.out_labels, node.out_shape, out_pieces, node.dtype)
+        rel = _relation(node.out_labels, node.out_shape, lay, node.dtype)
         sid = steps.new_step(node.name, rel)
         step_of_node[node.index] = sid
         owners = lay.owners()

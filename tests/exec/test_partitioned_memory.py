@@ -25,7 +25,7 @@ def test_llama_7b_layers_plan_below_their_share_of_weights():
     limit = 150 << 20
     plan = tq.optimize(w.output, devices=8, memory_limit=limit)
     assert _weights(plan) / 8 > limit  # the share of the weights alone exceeds the limit
-    graph = build_partitioned(plan, None).task_graph()
+    graph = build_partitioned(plan, None, sub_tiles=False).task_graph()
     program = plan_program(graph, 8, [limit] * 8)
     assert all(d.peak_bytes <= limit for d in program.devices)
     assert max(d.peak_bytes for d in program.devices) > 0

@@ -164,3 +164,25 @@ def test_optimize_is_what_a_session_runs():
         assert tq.optimize(w.output, devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).cost == \
             session_plan.cost
         assert "partitioning for 4 devices" in w.output.explain()
+
+
+def test_placement_follows_a_transposed_producer():
+    """An operation reading its input transposed is placed label-swapped, so pieces that
+    match stay where they are instead of being sent to the devices of a row-major rule."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((8, 12)).astype(np.float32)
+    with tq.connect(devices=4, workers=2) as db:
+        t = db.from_numpy("t", x)
+        expr = tq.einsum("ij->ji", t.exp())
+        query, _ = _check_run(expr, np.exp(x).T, 4)
+        assert query.partition.ops[-1].bytes_moved == 0
+        # with both labels split 2 ways, only the label-swapped placement moves nothing
+        from tensorql.optimizer.search import Problem
+
+        problem = Problem.build(query.partition.graph, 4)
+        (producer, consumer, _, matrix), = [e for e in problem.edges if e[1] == 2]
+        prod_table, cons_table = problem.tables[producer], problem.tables[consumer]
+        q = next(k for k, c in enumerate(prod_table.cands) if tuple(c) == (2, 2))
+        costs = {(tuple(c), o): int(matrix[q, k])
+                 for k, (c, o) in enumerate(zip(cons_table.cands, cons_table.orders))}
+        assert costs[((2, 2), (1, 0))] == 0 < costs[((2, 2), (0, 1))]
