@@ -13,6 +13,7 @@ from tensorql.api.tensor import Tensor
 from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec, UnknownOperatorError
 from tensorql.errors import (
     ExecutionError,
+    MemoryLimitError,
     OptionError,
     ParseError,
     PlanError,
@@ -28,7 +29,8 @@ from tensorql.options import Options
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "OptionError",
+    "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "MemoryLimitError",
+    "OptionError",
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "connect", "einsum",

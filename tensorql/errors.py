@@ -71,6 +71,11 @@ class ExecutionError(TensorQLError):
     """A chunk task failed while running; names the plan node and chunk key."""
 
 
+class MemoryLimitError(ExecutionError):
+    """A result cannot fit in the memory the process may use; says how big it is and what
+    to do instead (store it, read it chunk by chunk, compute a slice)."""
+
+
 class StorageError(TensorQLError):
     """The chunk store could not read or write what was asked."""
 

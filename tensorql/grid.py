@@ -34,13 +34,13 @@ class ChunkGrid:
             raise ShapeError(f"tile {self.tile} has {len(self.tile)} dims, shape {self.shape} "
                              f"has {len(self.shape)}")
         for dim, (n, t) in enumerate(zip(self.shape, self.tile)):
-            if n < 1:
-                raise ShapeError(f"dimension {dim} has size {n}; sizes must be >= 1")
-            if t < 1:
+            if n < 0:
+                raise ShapeError(f"dimension {dim} has size {n}; sizes must be >= 0")
+            if t < 1 and n > 0:
                 raise ShapeError(f"tile of dimension {dim} is {t}; tiles must be >= 1")
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
-        object.__setattr__(
-            self, "tile", tuple(min(int(t), n) for t, n in zip(self.tile, self.shape))
+        object.__setattr__(  # a zero-size dimension has no blocks, hence no chunks
+            self, "tile", tuple(max(1, min(int(t), n)) for t, n in zip(self.tile, self.shape))
         )
 
     @property

@@ -127,6 +127,12 @@ class Options:
             ``devices`` are then this rank's devices, and the job's devices are every rank's.
         distributed_timeout_s: how long a rank waits for a peer before the run fails with a
             DistributedError naming it (default 120 s).
+        process_memory_limit: the one figure bounding the process's own memory: device
+            budgets of CPU devices (``memory_limit`` each) + the chunk cache + DuckDB's memory
+            + a dense result read with ``.numpy()``/``.torch()``. None (the default): 80% of
+            the machine's physical memory. When given, the chunk cache is capped at 1/8 of it
+            and DuckDB's memory at 1/4; a dense result that cannot fit in what is left (or in
+            the memory the system has available) fails up front with MemoryLimitError.
     """
 
     workers: int = 0
@@ -143,6 +149,7 @@ class Options:
     relation_dense_bytes: int | None = 256 << 20
     distributed: bool = False
     distributed_timeout_s: float = 120.0
+    process_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.workers <= 0:
@@ -156,6 +163,12 @@ class Options:
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
                            parse_bytes(self.relation_dense_bytes))
+        total = parse_bytes(self.process_memory_limit)
+        object.__setattr__(self, "process_memory_limit", total)
+        if total is not None:  # the one figure: the cache and DuckDB take their shares of it
+            object.__setattr__(self, "chunk_cache_bytes", min(self.chunk_cache_bytes, total // 8))
+            object.__setattr__(self, "store_memory_limit",
+                               min(self.store_memory_limit or total, max(1, total // 4)))
         if not isinstance(self.backend, str) or not self.backend:
             raise OptionError(f"backend must be a name such as 'native' or 'duckdb', "
                               f"got {self.backend!r}")
@@ -193,3 +206,51 @@ class Options:
 
     def with_(self, **changes: Any) -> Options:
         return replace(self, **changes)
+
+    @property
+    def process_memory_bytes(self) -> int:
+        """The process's memory figure: ``process_memory_limit``, else 80% of physical RAM.
+
+        >>> Options(process_memory_limit="8GiB").process_memory_bytes
+        8589934592
+        """
+        if self.process_memory_limit is not None:
+            return self.process_memory_limit
+        return int(physical_memory_bytes() * 0.8)
+
+    def dense_result_budget(self) -> int:
+        """Bytes a dense result may take: the process figure less the chunk cache, DuckDB's
+        memory and the CPU devices' budgets, and never more than the system has available.
+
+        >>> Options(process_memory_limit="8GiB").dense_result_budget() <= 6 * 2**30  # 8 - 1 - 1
+        True
+        """
+        cpu_devices = sum(1 for d in device_names(self.devices) if d.startswith("cpu"))
+        reserved = (self.chunk_cache_bytes + (self.store_memory_limit or 0)
+                    + cpu_devices * (self.memory_limit or 0))
+        return max(0, min(self.process_memory_bytes - reserved, available_memory_bytes()))
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def physical_memory_bytes() -> int:
+    """The machine's physical memory (``/proc/meminfo`` MemTotal, else sysconf)."""
+    total = _meminfo("MemTotal")
+    if total is None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total
+
+
+def available_memory_bytes() -> int:
+    """Memory the system can give without swapping (MemAvailable; else physical memory)."""
+    available = _meminfo("MemAvailable")
+    return available if available is not None else physical_memory_bytes()

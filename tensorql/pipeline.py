@@ -18,15 +18,16 @@ inside DuckDB).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from tensorql.dtypes import torch_dtype
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
-from tensorql.errors import ExecutionError, OptionError
+from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError
 from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
@@ -37,11 +38,12 @@ from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import Runtime, executor_for
+from tensorql.grid import Key
 from tensorql.logical.lower import contraction_paths, lower
 from tensorql.logical.plan import LogicalNode, explain_logical
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
-from tensorql.options import Options, device_names
+from tensorql.options import Options, available_memory_bytes, device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.partitioned import build_partitioned
 from tensorql.physical.planner import PhysicalPlan
@@ -97,6 +99,7 @@ class CompiledQuery:
         name = backend or options.backend
         get_backend(name)
         logical = lower(node)
+        check_task_count(logical)
         max_temp = max(1, options.kernel_temp_bytes // 4)
         count = job_devices(options)
         partition = None
@@ -115,8 +118,42 @@ class CompiledQuery:
     def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
         """Execute the plan; with ``dense=True`` result chunks are written into one dense
         tensor as they complete. With no ``progress`` callback and ``Options.progress`` set
-        (``tensorql sql --progress``), a progress bar is drawn on stderr."""
+        (``tensorql sql --progress``), a progress bar is drawn on stderr. A dense result
+        that cannot fit in the process's memory raises MemoryLimitError before anything runs."""
+        if dense:
+            check_dense_fits(self.physical.result_step.relation, self.db.options)
         return get_backend(self.backend).run(self, progress, dense)
+
+    def stream(self, sink: Callable[[Key, torch.Tensor], None],
+               progress: ProgressCallback | None = None) -> None:
+        """Run the plan handing each result chunk to ``sink(key, chunk)`` as it completes;
+        the run keeps no result chunk once the sink has it (``db.store`` writes them through).
+        Backends other than ``native`` compute the whole result, then hand it over."""
+        if self.backend != "native":
+            for key, chunk in self.run(progress=progress).iter_chunks():
+                sink(key, chunk)
+            return
+        options = self.db.options
+        if progress is None and options.progress:
+            with progress_bar(self.node.describe()) as bar:
+                return self.stream(sink, bar)
+        if any(d.startswith("null") for d in device_names(options.devices)):
+            raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
+                                 "so there is no result to stream")
+        sid = self.physical.result_step.id
+        sent: set[Key] = set()
+
+        def result_sink(ref, chunk):
+            if ref.step == sid and ref.key not in sent:
+                sent.add(ref.key)
+                sink(ref.key, chunk)
+
+        result = executor_for(options).run(self.physical.task_graph(), progress=progress,
+                                           sink=result_sink, keep_outputs=False)
+        for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
+            if ref.step == sid and chunk is not None and ref.key not in sent:
+                sink(ref.key, chunk)
+        return None
 
     def explain(self, analyze: bool = False, stage: str | None = None) -> str:
         """The plan as text. ``stage`` picks one stage of the chain (see :data:`STAGES`):
@@ -294,7 +331,7 @@ class NativeBackend:
                     tile.copy_(chunk)
 
         result = executor.run(query.physical.task_graph(), progress=progress, sink=sink,
-                              destination=destination)
+                              destination=destination, keep_outputs=not dense)
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
         return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out,
                            computed=not null)
@@ -352,3 +389,64 @@ def register_backend(name: str, backend: ExecutionBackend) -> None:
     """Add an execution backend under ``name`` (replacing one of that name)."""
     BACKENDS[name] = backend
 
+
+
+MANY_TASKS = 100_000  # beyond this many chunk tasks, per-task overhead (~100 µs) is seconds
+TINY_TASK_ELEMS = 1 << 16  # ... and is what the run spends when tasks are this small
+
+
+def check_task_count(logical: LogicalNode) -> None:
+    """PlanError when tiles are so small that per-task overhead swamps the work: more than
+    ``MANY_TASKS`` chunk tasks doing fewer than ``TINY_TASK_ELEMS`` element operations each
+    (a 300x300 matmul with 1x1 tiles is 27 million tasks, minutes for 54 MFLOP).
+
+    >>> import numpy as np, tensorql as tq
+    >>> from tensorql.logical.lower import lower
+    >>> db = tq.connect()
+    >>> a = db.from_numpy("a", np.ones((300, 300), np.float32), tile=(1, 1))
+    >>> check_task_count(lower((a @ a).node))
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.PlanError: this plan has 27,180,000 chunk tasks of ~1 element operations ...
+    """
+    from tensorql.logical.plan import walk
+
+    tasks = work = 0
+    smallest: tuple[int, ...] = ()
+    for node in walk(logical):
+        grid = node.relation.grid
+        tasks += grid.num_chunks
+        work += math.prod(grid.shape)
+        if not smallest or math.prod(grid.tile) < math.prod(smallest):
+            smallest = grid.tile
+    if tasks > MANY_TASKS and work < tasks * TINY_TASK_ELEMS:
+        raise PlanError(
+            f"this plan has {tasks:,} chunk tasks of ~{work // tasks:,} element operations "
+            f"each (tiles as small as {smallest}); at ~100 µs of overhead per task it would "
+            f"spend ~{tasks * 1e-4:,.0f} s on overhead alone. Store the operands with larger "
+            "tiles (tile=None picks them automatically) or rechunk them with db.store")
+
+
+def check_dense_fits(relation: Any, options: Options) -> None:
+    """MemoryLimitError, before any allocation, when a dense result of ``relation`` (shape and
+    dtype) is larger than :meth:`Options.dense_result_budget`.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> from tensorql.logical.plan import TensorRelation
+    >>> big = TensorRelation(("i", "j"), ChunkGrid((2**20, 2**20), (4096, 4096)), "float32")
+    >>> check_dense_fits(big, Options())
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.MemoryLimitError: the result is 4.0 TiB (1048576x1048576 float32) ...
+    """
+    nbytes = math.prod(relation.shape) * itemsize(relation.dtype)
+    budget = options.dense_result_budget()
+    if nbytes > budget:
+        shape = "x".join(map(str, relation.shape))
+        raise MemoryLimitError(
+            f"the result is {format_bytes(nbytes)} ({shape} {relation.dtype}) but this process "
+            f"may hold {format_bytes(budget)} more (Options.process_memory_limit "
+            f"{format_bytes(options.process_memory_bytes)}, less the chunk cache, DuckDB's "
+            f"memory and device budgets; {format_bytes(available_memory_bytes())} available "
+            "on the system); store it with db.store(name, expr) and read it chunk by chunk "
+            "(db.iter_chunks), or compute a slice of it")

@@ -20,7 +20,7 @@ import torch
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Node, Source
-from tensorql.einsum.literals import constant_node
+from tensorql.einsum.literals import constant_node, literal_array
 from tensorql.errors import ShapeError, StorageError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
@@ -28,12 +28,29 @@ from tensorql.options import Options
 from tensorql.pipeline import CompiledQuery, get_backend
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 from tensorql.storage.mapped import MappedPageReleaser
+from tensorql.storage.stream_write import StreamingWrite
 
 
 def _contiguous(chunk: np.ndarray) -> np.ndarray:
     """A C-contiguous array (``np.ascontiguousarray`` would turn 0-d into 1-d)."""
     chunk = np.asarray(chunk)
     return chunk if chunk.flags.c_contiguous else chunk.copy(order="C")
+
+
+def _tile_sizes(tile: Any) -> tuple[int, ...]:
+    """A tile as positive integers; ShapeError for strings, fractions and other junk."""
+    if isinstance(tile, (str, bytes)) or not isinstance(tile, Sequence | np.ndarray):
+        raise ShapeError(f"tile must be a sequence of positive integers, got {tile!r}")
+    sizes = []
+    for dim, size in enumerate(tile):
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+            raise ShapeError(f"tile {tuple(tile)!r}: dimension {dim} is {size!r}, "
+                             "not a positive integer")
+        if size < 1:
+            raise ShapeError(f"tile {tuple(tile)!r}: dimension {dim} is {size}; tiles must "
+                             "be >= 1")
+        sizes.append(int(size))
+    return tuple(sizes)
 
 
 def _open_store(path: str | None, options: Options, read_only: bool) -> ChunkStore:
@@ -143,7 +160,7 @@ class Database:
     def _tile(self, shape: Sequence[int], tile: Sequence[int] | None) -> tuple[int, ...]:
         if tile is None:
             return auto_tile(shape, self.options.tile_target_elems)
-        tile = tuple(int(t) for t in tile)
+        tile = _tile_sizes(tile)
         if len(tile) != len(shape):
             raise ShapeError(f"tile {tile} has {len(tile)} dims but the tensor has "
                              f"{len(shape)} {tuple(shape)}")
@@ -155,7 +172,8 @@ class Database:
         memory-mapped array streams in chunk by chunk). ``progress(done, total)`` is called as
         chunks are written; with ``Options.progress`` and no callback a bar is drawn."""
         if not isinstance(array, np.ndarray):
-            array = np.asarray(array)
+            array = literal_array(array)
+        canonical_dtype(array.dtype)  # ShapeError names an unsupported dtype before any write
         releaser = MappedPageReleaser.for_array(array)
 
         def chunk(sl):
@@ -196,7 +214,11 @@ class Database:
 
     def store(self, name: str, expr: Tensor, *, replace: bool = False,
               progress: Any = None) -> Tensor:
-        """Compute ``expr`` and persist it under ``name``; returns the stored tensor."""
+        """Compute ``expr`` and persist it under ``name``; returns the stored tensor.
+
+        Result chunks stream into the store as the run completes them, so memory stays
+        bounded by the session's limits, not by the result's size; the tensor appears only
+        once every chunk is written (an error or interrupt stores nothing)."""
         expr = self.constant(expr) if not isinstance(expr, Tensor) else expr
         return self.store_node(name, expr.node, replace=replace, progress=progress,
                                compiled=expr.compile())
@@ -204,14 +226,16 @@ class Database:
     def store_node(self, name: str, node: Node, *, replace: bool = False, progress: Any = None,
                    compiled: CompiledQuery | None = None) -> Tensor:
         """Compute the graph ``node`` and persist it under ``name`` (what ``CREATE TENSOR``
-        calls); returns the stored tensor."""
+        calls), streaming result chunks into the store; returns the stored tensor."""
+        if not isinstance(name, str) or not name:
+            raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         compiled = compiled or CompiledQuery.compile(node, self)
-        result = compiled.run(progress=progress)
         rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)
-        self.chunk_store.put_tensor(meta, result.iter_chunks(), replace=replace)
+        with StreamingWrite(self.chunk_store, meta, replace=replace) as write:
+            compiled.stream(write.put, progress=progress)
         self.generation += 1
         return self.tensor(name)
 

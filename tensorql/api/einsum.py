@@ -37,7 +37,7 @@ def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -
     db = next((op.db for op in operands if isinstance(op, Tensor)), None)
     if db is None:
         db = _default_db()
-    tensors = [db.constant(op) if not isinstance(op, Tensor) else op for op in operands]
+    tensors = [_operand(db, n, op) for n, op in enumerate(operands)]
     for n, t in enumerate(tensors):
         if t.db is not db:
             raise ShapeError(f"operand {n} belongs to another database")
@@ -51,6 +51,14 @@ def _from_interleaved(args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
     subscripts = args[1::2][: len(args) // 2]
     output = args[-1] if len(args) % 2 else None
     return interleaved_equation(subscripts, output), tuple(operands)
+def _operand(db: Any, n: int, value: Any) -> Tensor:
+    """Operand ``n`` as a Tensor (a literal becomes a constant); errors name the operand."""
+    if isinstance(value, Tensor):
+        return value
+    try:
+        return db.constant(value)
+    except ShapeError as err:
+        raise ShapeError(f"operand {n}: {err}") from None
 
 
 _DEFAULT = None

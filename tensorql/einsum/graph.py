@@ -131,9 +131,10 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
         dtype = torch.promote_types(dtype, torch_dtype(node.dtype))
     if spec.join == "div" and not dtype.is_floating_point:
         dtype = torch.get_default_dtype()
-    if dtype == torch.bool and (len(operands) > 1 and spec.join in ("add", "sub")
-                                or spec.aggregated and spec.agg in ("sum", "prod")):
+    if dtype == torch.bool and len(operands) > 1 and spec.join in ("add", "sub"):
         dtype = torch.int64
+    if dtype in (torch.bool, torch.int32) and spec.aggregated and spec.agg in ("sum", "prod"):
+        dtype = torch.int64  # sums accumulate in int64, as torch.sum does (no silent wrap)
     return canonical_dtype(dtype)
 
 

@@ -20,9 +20,41 @@ import torch
 
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Constant
+from tensorql.errors import ShapeError
 from tensorql.grid import ChunkGrid, auto_tile
 
-__all__ = ["constant_node"]
+__all__ = ["constant_node", "literal_array"]
+
+
+def literal_array(value: Any) -> np.ndarray:
+    """``value`` (a scalar, nested lists, an array) as a numpy array of a supported dtype;
+    ShapeError for None, ragged lists and dtypes tensorql cannot compute with (str, object,
+    datetime, ...).
+
+    >>> literal_array(2.0).shape, literal_array([[1, 2], [3, 4]]).dtype.name
+    ((), 'int64')
+    >>> literal_array([[1], [1, 2]])
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.ShapeError: cannot read [[1], [1, 2]] as an array: ragged nested sequences...
+    """
+    if value is None:
+        raise ShapeError("None is not a tensor; pass an array, a number or a tensorql Tensor")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as err:
+        raise ShapeError(f"cannot read {_short(value)} as an array: ragged nested sequences "
+                         f"or mixed types ({err})") from None
+    if array.dtype == object:
+        raise ShapeError(f"cannot read {_short(value)} as an array of numbers: it holds "
+                         "Python objects (None, strings or ragged sequences)")
+    canonical_dtype(array.dtype)  # ShapeError names the unsupported dtype
+    return array
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def constant_node(value: Any, tile_target_elems: int = 1 << 20) -> Constant:
@@ -34,7 +66,7 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20) -> Constant:
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
     else:
-        array = np.asarray(value)
+        array = literal_array(value)
         if array.dtype == np.float64 and not isinstance(value, np.ndarray):
             array = array.astype(np.float32)  # Python floats become float32, like torch
         if not array.flags.writeable or not array.flags.c_contiguous:

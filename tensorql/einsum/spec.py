@@ -201,9 +201,9 @@ def _infer_sizes(equation, inputs, shapes):
     for n, (labels, shape) in enumerate(zip(inputs, shapes)):
         for label, size in zip(labels, shape):
             size = int(size)
-            if size < 1:
+            if size < 0:
                 raise ShapeError(f"operand {n}: label {label!r} has size {size}; "
-                                 "sizes must be >= 1")
+                                 "sizes must be >= 0")
             old = sizes.get(label)
             if old is None or old == 1:
                 sizes[label] = size

@@ -46,11 +46,13 @@ class _Run:
 
     def __init__(self, graph: TaskGraph, progress: ProgressCallback | None,
                  sink: ChunkSink | None = None,
-                 destination: ChunkDestination | None = None) -> None:
+                 destination: ChunkDestination | None = None,
+                 keep_outputs: bool = True) -> None:
         self.graph = graph
         self.progress = progress
         self.sink = sink
         self.destination = destination
+        self.keep_outputs = keep_outputs
         self.contributions = graph.contributions()
         self.remaining = dict(self.contributions)
         self.uses: dict[ChunkRef, int] = {}
@@ -104,6 +106,11 @@ class _Run:
             if self.pending[consumer.id] == 0:
                 heapq.heappush(self.ready, (consumer.priority, consumer.id, consumer))
 
+    def release(self, ref: ChunkRef) -> None:
+        """Forget a retained chunk the sink has taken, unless a task still reads it."""
+        if self.uses.get(ref, 0) == 0 and ref in self.values:
+            self.live_bytes -= self.values.pop(ref).nbytes
+
     def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> bool:
         """Record a finished task; True when it completed its output chunk."""
         stats = record_task(self.stats, task.output.step, started, ended,
@@ -137,16 +144,19 @@ class Executor:
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
-            destination: ChunkDestination | None = None) -> RunResult:
+            destination: ChunkDestination | None = None,
+            keep_outputs: bool = True) -> RunResult:
         """Run every task of ``graph``.
 
         ``progress(done, total)`` is called after each task; ``sink(ref, chunk)`` is called on a
         worker thread as each chunk of a retained step completes (e.g. to copy it into a dense
         result while other tasks still run). ``destination(ref)`` may name a preallocated
         tensor for a retained chunk (a view of a dense result): its tasks then write there
-        directly, and the chunk handed to ``sink`` is that tensor.
+        directly, and the chunk handed to ``sink`` is that tensor. With ``keep_outputs=False``
+        a retained chunk is released once ``sink`` has taken it (the run streams its result
+        and ``outputs`` holds only chunks the sink never saw).
         """
-        state = _Run(graph, progress, sink, destination)
+        state = _Run(graph, progress, sink, destination, keep_outputs)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -211,6 +221,9 @@ class Executor:
                         state.error, state.failed_task = err, task
                         state.cond.notify_all()
                     return
+                if not state.keep_outputs:
+                    with state.cond:
+                        state.release(task.output)
 
 
 def _first(state: _Run, task: Task, inputs: list[torch.Tensor]) -> torch.Tensor:

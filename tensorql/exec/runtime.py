@@ -220,20 +220,26 @@ class Runtime:
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
-            destination: ChunkDestination | None = None) -> RunResult:
+            destination: ChunkDestination | None = None,
+            keep_outputs: bool = True) -> RunResult:
         """Run ``graph``. On one CPU device with no memory limit (and no timeline asked for)
         the engine runs in its *direct* mode: worker threads take ready tasks straight from
         the graph (:class:`~tensorql.exec.executor.Executor`), writing result tiles into
         ``destination`` when given. Otherwise it runs the memory plan's ops on the devices'
-        lanes from completion events; result chunks then reach a dense result via ``sink``."""
+        lanes from completion events; result chunks then reach a dense result via ``sink``.
+        With ``keep_outputs=False`` a result chunk is released once ``sink`` has taken it
+        (a streamed run keeps none)."""
         if self.direct:
             return Executor(self.workers, self.intra_op_threads).run(
-                graph, progress=progress, sink=sink, destination=destination)
+                graph, progress=progress, sink=sink, destination=destination,
+                keep_outputs=keep_outputs)
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
         try:
-            return _Run(self, graph, program, progress, sink).execute()
+            run = _Run(self, graph, program, progress, sink)
+            run.keep_outputs = keep_outputs
+            return run.execute()
         finally:
             torch.set_num_threads(previous)
 
@@ -279,6 +285,7 @@ class _Run:
                               for d, b in zip(self.devices, program.devices)]
         self.start = 0.0
         self.lock = threading.Lock()
+        self.keep_outputs = True
 
     # -- the coordinator ------------------------------------------------------------------
     def execute(self) -> RunResult:
@@ -528,18 +535,25 @@ class _Run:
             step.tasks += 1
             step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
             if self.sink is not None and self.host.has(op.ref):
-                self.sink(op.ref, self.host.get(op.ref))
+                self.sink(op.ref, self._sunk(op.ref))
         elif op.kind == "d2h":
             stats.bytes_d2h += op.nbytes
             if op.ref.step in self.graph.retain and not op.evict:
                 step = self.stats.steps.setdefault(op.ref.step, StepStats())
                 step.bytes_out += op.nbytes
                 if self.sink is not None and not self.devices[op.device].is_null:
-                    self.sink(op.ref, self.host.get(op.ref))
+                    self.sink(op.ref, self._sunk(op.ref))
         if task_done:
             self.done_tasks += 1
             if self.progress is not None:
                 self.progress(self.done_tasks, len(self.graph.tasks))
+
+    def _sunk(self, ref: ChunkRef) -> torch.Tensor:
+        """The host copy of a result chunk for the sink; a streamed run (``keep_outputs``
+        False) hands it over and keeps none, unless a later op loads it again."""
+        if not self.keep_outputs and self.host_loads.get(ref, 0) <= 0:
+            return self.host.take_result(ref)
+        return self.host.get(ref)
 
     def _host_load_done(self, op: Op) -> None:
         left = self.host_loads.get(op.ref, 0) - 1

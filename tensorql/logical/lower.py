@@ -11,7 +11,7 @@ A label is tiled alike in every operand of a step: the first operand carrying it
 and other operands are retiled (``Rekey``) to match. A dim of size 1 broadcast against a larger
 size gets a private size-1 label (it joins nothing and aggregates to itself).
 
->>> from tensorql.grid import ChunkGrid
+>>> from tensorql.grid import ChunkGrid, auto_tile
 >>> from tensorql.einsum.graph import EinsumOp, Source
 >>> a = Source(shape=(4, 6), dtype="float32", name="A", grid=ChunkGrid((4, 6), (2, 3)))
 >>> b = Source(shape=(6, 2), dtype="float32", name="B", grid=ChunkGrid((6, 2), (3, 2)))
@@ -22,12 +22,15 @@ size gets a private size-1 label (it joins nothing and aggregates to itself).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-from tensorql.dtypes import itemsize
+import torch
+
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
 from tensorql.errors import PlanError
-from tensorql.grid import ChunkGrid
+from tensorql.grid import ChunkGrid, auto_tile
 from tensorql.logical.path import PathInfo, contraction_path, describe_path
 from tensorql.logical.plan import (
     Aggregate,
@@ -71,8 +74,28 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
         rel = TensorRelation(child.relation.labels, child.relation.grid, node.dtype)
         return Map(relation=rel, input=child, fn=node.fn, scalar=node.scalar)
     if isinstance(node, EinsumOp):
+        if any(0 in n.shape for n in node.operands):
+            return _empty_einsum(node)
         return _lower_einsum(node, [done[id(n)] for n in node.operands])
     raise PlanError(f"cannot plan node {type(node).__name__}")
+
+
+_IDENTITY = {"sum": 0, "prod": 1, "max": -math.inf, "min": math.inf}
+
+
+def _empty_einsum(op: EinsumOp) -> LogicalNode:
+    """An einsum with a zero-size operand, as numpy computes it: no elements when the output
+    has a zero-size dimension, else the aggregation's identity everywhere (nothing
+    contributes to any cell)."""
+    dtype = torch_dtype(op.dtype)
+    fill = _IDENTITY[op.spec.agg]
+    if not dtype.is_floating_point and math.isinf(fill):
+        info = torch.iinfo(dtype) if dtype != torch.bool else None
+        fill = (info.min if fill < 0 else info.max) if info else fill > 0
+    value = torch.full(op.shape, fill, dtype=dtype)
+    grid = ChunkGrid(op.shape, auto_tile(op.shape))
+    return Scan(relation=TensorRelation(_positional(len(op.shape)), grid, op.dtype),
+                source="<constant>", constant=value)
 
 
 def _operands(op: EinsumOp,

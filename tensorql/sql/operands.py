@@ -102,6 +102,7 @@ class OperandResolver:
         self.fail = fail
         self.pos = pos
         self.backend = backend
+        self.expanding: set[str] = set()  # CTEs being read as rows (a cycle is an error)
 
     # -- one call -----------------------------------------------------------------------
     def call(self, node: Einsum, scope: dict[str, exp.CTE],
@@ -247,7 +248,11 @@ class OperandResolver:
                     item.expression, exp.Literal) or item.expression.is_string:
                 raise self.fail(SQLShapeError, "sizes := takes a struct such as {'i': 10}",
                                 item)
-            size = int(item.expression.this)
+            text = item.expression.this
+            if not text.isdigit() or int(text) > 2**62:
+                raise self.fail(SQLShapeError, f"size of label {item.this.name!r} must be a "
+                                f"whole number from 0 to 2**62, got {text}", item)
+            size = int(text)
             if size < 0:
                 raise self.fail(SQLShapeError, f"size of label {item.this.name!r} must be "
                                 ">= 0", item)
@@ -266,12 +271,20 @@ class OperandResolver:
             key = name.lower()
             cte = scope.get(key)
             if cte is not None:
+                if key in seen or key in self.expanding:
+                    raise self.fail(SQLShapeError, f"CTE {name!r} refers to itself through "
+                                    "EINSUM; recursive tensor CTEs are not supported (iterate "
+                                    "from Python instead)", arg)
                 inner = pure_einsum(cte.this)
-                if inner is not None and key not in seen:
+                if inner is not None:
                     call = self.call(inner, {**scope, **scope_of(inner)}, seen | {key})
                     return call.node, call.present
-                return self.rows(exp.select("*").from_(
-                    exp.Table(this=exp.to_identifier(name, quoted=True))), scope)
+                self.expanding.add(key)  # CTEs being read as rows: a cycle is an error
+                try:
+                    return self.rows(exp.select("*").from_(
+                        exp.Table(this=exp.to_identifier(name, quoted=True))), scope)
+                finally:
+                    self.expanding.discard(key)
             source = self.stored(name, arg.this.quoted)
             if source is not None:
                 return source, None

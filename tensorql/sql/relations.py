@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from tensorql.errors import ShapeError
+from tensorql.errors import MemoryLimitError, ShapeError
 
 __all__ = ["DenseRelation", "absent_value", "densify", "label_columns", "order_columns",
            "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
@@ -173,12 +173,28 @@ def label_columns(table: pa.Table) -> list[str]:
     names = table.column_names
     if not any(n.lower() == "val" for n in names):
         raise ShapeError(f"a tensor relation needs a 'val' column; got columns {names}")
+    lowered = [n.lower() for n in names]
+    twice = sorted({n for n in lowered if lowered.count(n) > 1})
+    if twice:
+        raise ShapeError(f"column {twice[0]!r} appears {lowered.count(twice[0])} times in "
+                         f"{names}; give every label column and 'val' one distinct name")
     return [n for n in names if n.lower() != "val"]
 
 
 def value_dtype(column: pa.ChunkedArray | pa.Array) -> torch.dtype:
-    """The torch dtype a ``val`` column becomes (decimals and others become float64)."""
+    """The torch dtype a ``val`` column becomes (decimals become float64); ShapeError for a
+    column that holds no numbers (text, dates, lists, intervals, ...) and for unsigned 64-bit
+    values beyond int64."""
     kind = column.type
+    if pa.types.is_uint64(kind) and len(column) and column.null_count < len(column) and \
+            pc.max(column).as_py() > np.iinfo(np.int64).max:
+        raise ShapeError(f"'val' holds the UBIGINT value {pc.max(column).as_py()}, beyond "
+                         "int64; cast it to DOUBLE or keep values below 2**63")
+    if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)
+            or pa.types.is_boolean(kind) or pa.types.is_decimal(kind)
+            or pa.types.is_null(kind)):
+        raise ShapeError(f"'val' holds {kind}, not numbers; a tensor's values must be "
+                         "numeric (cast it, e.g. val::DOUBLE)")
     if pa.types.is_float32(kind) or pa.types.is_float16(kind):
         return torch.float32
     if pa.types.is_floating(kind):
@@ -191,13 +207,22 @@ def value_dtype(column: pa.ChunkedArray | pa.Array) -> torch.dtype:
 
 
 def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+                  dtype: torch.dtype | None = None, max_bytes: int | None = None) -> torch.Tensor:
     """The dense tensor of an element relation whose label columns are ``labels`` (in the
     tensor's dim order); missing coordinates are zero, duplicates add up, null ``val`` rows are
-    skipped. ShapeError for non-integer label columns, nulls in them or indices out of range."""
+    skipped. ShapeError for non-integer label columns, nulls in them or indices out of range;
+    MemoryLimitError, before allocating, when the dense tensor would exceed ``max_bytes``."""
     val_name = next(n for n in table.column_names if n.lower() == "val")
     val = table.column(val_name)
     dtype = dtype or value_dtype(val)
+    nbytes = math.prod(int(n) for n in shape) * torch.empty((), dtype=dtype).element_size()
+    if max_bytes is not None and nbytes > max_bytes:
+        raise MemoryLimitError(
+            f"densifying this relation takes {nbytes / 2**30:.1f} GiB (shape "
+            f"{tuple(int(n) for n in shape)}) but this process may hold "
+            f"{max_bytes / 2**30:.1f} GiB (Options.process_memory_limit); give smaller "
+            "sizes := or filter the rows (indices are positions, so a large index makes a "
+            "large tensor)")
     if val.null_count:
         table = table.filter(pc.is_valid(val))
         val = table.column(val_name)
@@ -221,6 +246,9 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
         val = val.cast(pa.float64())
     values = torch.from_numpy(np.array(val.to_numpy(zero_copy_only=False))).to(dtype)
     out = torch.zeros(tuple(shape), dtype=dtype)
+    if not index:  # no label columns: a scalar, the rows added up
+        return (values.any() if dtype == torch.bool else values.sum()).to(dtype) \
+            if values.numel() else out
     if values.numel():
         if dtype == torch.bool:
             out.index_put_(tuple(index), values)

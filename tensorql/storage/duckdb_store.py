@@ -241,8 +241,8 @@ class DuckDBChunkStore(ChunkStore):
         if not isinstance(meta.name, str) or not meta.name:
             raise StorageError(f"tensor name must be a non-empty string, got {meta.name!r}")
         quote_ident(meta.name)  # rejects NUL before anything is written
-        with self._write_lock:
-            con = self.connection
+        with self._write_lock, self.cursor() as con:  # its own connection: a streamed
+            # write runs on a writer thread while the query may use the main connection
             if not replace and self._lookup(meta.name) is not None:
                 raise StorageError(f"tensor {meta.name!r} already exists (pass replace=True)")
             self._check_name_free(meta.name)

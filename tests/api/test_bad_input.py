@@ -1,0 +1,100 @@
+"""Issue 17, the einsum API: each class of hostile input found by fuzzing gets a clear
+TensorQLError (or, for well-formed input, numpy's answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+
+
+@pytest.fixture
+def db():
+    with tq.connect() as session:
+        yield session
+
+
+@pytest.fixture
+def x(db):
+    return db.from_numpy("x", np.arange(3, dtype=np.float32))
+
+
+def test_zero_d_literals_stay_zero_d(db, x):
+    xs = np.arange(3, dtype=np.float32)
+    np.testing.assert_allclose(tq.einsum(",i->i", 2.0, x).numpy(), np.einsum(",i->i", 2.0, xs))
+    got = tq.einsum("...,i->...i", np.array(2.0), x).numpy()
+    assert got.shape == np.einsum("...,i->...i", np.array(2.0), xs).shape == (3,)
+    with pytest.raises(tq.ShapeError, match="operand 0 has 0 dim"):
+        tq.einsum("j,i->ij", np.array(2.0), x)
+    assert db.constant(np.float32(3)).shape == ()
+
+
+@pytest.mark.parametrize("value, words", [
+    (np.array(["a", "b", "c"]), "unsupported dtype"),
+    (np.array([1, None, 3], dtype=object), "Python objects"),
+    (np.array(["2020-01-01"] * 3, dtype="datetime64[D]"), "unsupported dtype"),
+    (None, "None is not a tensor"),
+    ([[1], [1, 2]], "ragged"),
+    (np.ones(3, np.uint8), "unsupported dtype"),
+])
+def test_unusable_literals_name_the_operand(x, value, words):
+    with pytest.raises(tq.ShapeError, match=f"operand 1: .*{words}"):
+        tq.einsum("i,i->i", x, value)
+
+
+@pytest.mark.parametrize("tile, words", [("ab", "sequence of positive integers"),
+                                         ((1.5,), "1.5, not a positive integer"),
+                                         ((0,), "tiles must be >= 1"),
+                                         ((True,), "not a positive integer")])
+def test_bad_tiles_are_refused_before_storing(db, tile, words):
+    with pytest.raises(tq.ShapeError, match=words):
+        db.from_numpy("t", np.ones(4, np.float32), tile=tile)
+    assert db.tensors() == []
+    with pytest.raises(tq.ShapeError):
+        db.from_numpy("s", np.array(["a", "b"]))
+    assert db.tensors() == []
+
+
+def test_bool_times_int32_with_tiled_aggregated_label(db):
+    rng = np.random.default_rng(0)
+    b = rng.random((5, 6)) > 0.5
+    i = rng.integers(-50, 50, 6, dtype=np.int32)
+    B, Ii = db.from_numpy("b", b, tile=(2, 2)), db.from_numpy("i", i, tile=(3,))
+    got = tq.einsum("ac,c->", B, Ii).numpy()
+    assert got == np.einsum("ac,c->", b.astype(np.int64), i.astype(np.int64))
+
+
+def test_int32_sums_accumulate_in_int64_like_torch_sum(db):
+    big = db.from_numpy("big", np.full(4, 2**30, dtype=np.int32), tile=(2,))
+    got = tq.einsum("i->", big).numpy()
+    assert got.dtype == np.int64 and int(got) == 4 * 2**30  # numpy's int32 einsum wraps to 0
+    rows = db.sql("SELECT * FROM EINSUM('i->', big)").fetchall()
+    assert rows == [(4 * 2**30,)]
+    assert tq.einsum("i->i", big).numpy().dtype == np.int32  # no aggregation: no widening
+
+
+def test_absurd_task_counts_are_refused_with_the_reason(db):
+    a = db.from_numpy("a", np.ones((300, 300), np.float32), tile=(1, 1))
+    with pytest.raises(tq.PlanError, match=r"27,\d{3},\d{3} chunk tasks .* larger tiles"):
+        (a @ a).numpy()
+    small = db.from_numpy("s", np.ones((8, 8), np.float32), tile=(1, 1))  # few tasks: runs
+    np.testing.assert_allclose((small @ small).numpy(), np.full((8, 8), 8.0))
+
+
+@pytest.mark.parametrize("equation, agg", [("ij,j->i", "sum"), ("ij->j", "sum"),
+                                           ("ij->j", "max"), ("ij->j", "prod"),
+                                           ("ij,ij->ij", "sum"), ("ij->", "sum")])
+def test_zero_size_dimensions_like_numpy(db, equation, agg):
+    z = np.zeros((0, 3), np.float32)
+    Z = db.from_numpy("z", z, tile=(2, 2))
+    operands = [Z, db.from_numpy("w", np.arange(3, dtype=np.float32))] \
+        if "," in equation and equation.split(",")[1].startswith("j") else [Z] * (
+            equation.count(",") + 1)
+    arrays = [o.numpy() for o in operands]
+    got = tq.einsum(equation, *operands, agg=agg).numpy()
+    identity = {"sum": 0.0, "prod": 1.0, "max": -np.inf}[agg]
+    expected_shape = np.einsum(equation, *arrays).shape
+    assert got.shape == expected_shape and got.dtype == np.float32
+    assert np.all(got == identity)  # nothing contributes: the aggregation's identity
+    assert db.store("s", tq.einsum(equation, *operands, agg=agg)).shape == expected_shape

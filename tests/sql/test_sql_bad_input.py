@@ -1,0 +1,64 @@
+"""Issue 17, the SQL face: each class of hostile statement found by fuzzing gets a TensorQLError
+pointing at its place (or the right answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+
+
+@pytest.fixture
+def db():
+    with tq.connect() as session:
+        session.from_numpy("A", np.arange(6, dtype=np.float32).reshape(2, 3))
+        session.from_numpy("I", np.arange(6, dtype=np.int32).reshape(2, 3), tile=(1, 2))
+        session.sql("CREATE TABLE v AS SELECT range::BIGINT AS i, range * 1.0 AS val "
+                    "FROM range(3)")
+        yield session
+
+
+def test_relations_without_labels_are_scalars(db):
+    assert db.sql("SELECT * FROM EINSUM('->', (SELECT 2.0 AS val))").fetchall() == [(2.0,)]
+    db.sql("CREATE TENSOR c AS SELECT 2.5 AS val")
+    assert db.tensor("c").shape == () and float(db.tensor("c").numpy()) == 2.5
+    assert float(db.sql("SELECT * FROM EINSUM('ij->', A)").numpy()) == 15.0
+
+
+@pytest.mark.parametrize("query, words", [
+    ("SELECT * FROM EINSUM('i->', (SELECT i, val, val FROM v))", "'val' appears 2 times"),
+    ("SELECT * FROM EINSUM('i->i', (SELECT i, val FROM v), sizes := {'i': 2.5})",
+     "whole number"),
+    ("SELECT * FROM EINSUM('i->i', (SELECT i, val FROM v), sizes := "
+     "{'i': 100000000000000000000})", "whole number"),
+    ("SELECT * FROM EINSUM('i->', (SELECT i, 'x' AS val FROM v))", "holds string"),
+    ("SELECT * FROM EINSUM('i->', (SELECT i, DATE '2020-01-01' AS val FROM v))", "holds date"),
+    ("SELECT * FROM EINSUM('i->', (SELECT i, [1, 2] AS val FROM v))", "holds list"),
+    ("SELECT * FROM EINSUM('i->', (SELECT i, INTERVAL 1 DAY AS val FROM v))", "interval"),
+    ("SELECT * FROM EINSUM('i->i', (SELECT 0::BIGINT AS i, "
+     "18446744073709551615::UBIGINT AS val))", "beyond int64"),
+    ("WITH RECURSIVE r AS (SELECT * FROM EINSUM('i->i', r)) SELECT * FROM r", "itself"),
+    ("WITH RECURSIVE r(i, val) AS (SELECT 0::BIGINT, 1.0 UNION ALL "
+     "SELECT * FROM EINSUM('i->i', r)) SELECT * FROM r", "itself"),
+    ("SELECT * FROM EINSUM('i->', (SELECT 10000000000::BIGINT AS i, 1.0 AS val))",
+     "process_memory_limit"),
+])
+def test_bad_statements_raise_positioned_errors(db, query, words):
+    with pytest.raises(tq.TensorQLError, match=words) as err:
+        db.sql(query)
+    assert getattr(err.value, "position", None) is not None, str(err.value)
+
+
+def test_duplicate_result_columns_are_not_a_tensor(db):
+    with pytest.raises(tq.ShapeError, match="'x' appears 2 times"):
+        db.sql("SELECT i AS x, i AS x, val FROM v").numpy()
+
+
+def test_ubigint_in_range_and_int32_reductions_on_duckdb(db):
+    rows = db.sql("SELECT * FROM EINSUM('i->i', (SELECT 0::BIGINT AS i, "
+                  "9223372036854775807::UBIGINT AS val))").fetchall()
+    assert rows == [(0, 2**63 - 1)]
+    for backend in ("duckdb", "native"):
+        got = db.sql(f"SELECT * FROM EINSUM('ij->i', I, backend := '{backend}')").fetchall()
+        assert got == [(0, 3), (1, 12)], backend

@@ -1,0 +1,118 @@
+"""A hostile user, fuzzed (issue 17): random ``tq.einsum`` calls and SQL statements built from
+hostile pieces either give numpy's answer or raise a ``TensorQLError`` subclass; never a raw
+Python, numpy, torch, pyarrow or DuckDB exception (the one documented exception: ``TypeError``
+for a keyword argument that does not exist). Derandomized and bounded so CI stays fast."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorql as tq
+
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+LITERALS = [
+    2.0, 3, True, np.array(2.0), np.float32(1.5), None, "abc", [[1], [1, 2]], [1.0, 2.0, 3.0],
+    np.array(["a", "b", "c"]), np.array([1, None, 3], dtype=object), np.ones(3, np.uint8),
+    np.array(["2020-01-01"] * 3, dtype="datetime64[D]"), np.ones((3, 3), np.float32),
+    np.arange(3, dtype=np.int32), np.ones((2, 3), bool), np.zeros((0, 3), np.float32),
+    {"a": 1}, np.full(3, 2**30, np.int32), np.ones((3, 1, 3), np.float64),
+]
+EQUATIONS = st.text(alphabet="ijk,->. ", min_size=0, max_size=9) | st.sampled_from(
+    ["i,i->i", "ij,j->i", ",i->i", "...,i->...i", "ij->", "ii->i", "i,j->ij", "ij,jk->ik",
+     "j,i->ij", "->", "i->j", "ij,ij->ij"])
+
+
+@pytest.fixture(scope="module")
+def fuzz_db():
+    with tq.connect(workers=1) as db:
+        db.from_numpy("x", np.arange(3, dtype=np.float32), tile=(2,))
+        db.from_numpy("m", np.arange(9, dtype=np.float32).reshape(3, 3), tile=(2, 2))
+        db.from_numpy("b", np.eye(3, dtype=bool), tile=(2, 1))
+        db.from_numpy("n", np.arange(9, dtype=np.int32).reshape(3, 3), tile=(1, 3))
+        db.sql("CREATE TABLE v AS SELECT range::BIGINT AS i, range * 1.5 AS val FROM range(3)")
+        yield db
+
+
+@FUZZ
+@given(equation=EQUATIONS, picks=st.lists(st.integers(0, len(LITERALS) + 3), min_size=1,
+                                          max_size=3),
+       join=st.sampled_from(["mul", "add", "max", "nope", 3]),
+       agg=st.sampled_from(["sum", "min", "prod", "avg", None]))
+def test_fuzzed_einsum_calls_raise_only_tensorql_errors(fuzz_db, equation, picks, join, agg):
+    stored = [fuzz_db.tensor(n) for n in ("x", "m", "b", "n")]
+    operands = [stored[p - len(LITERALS)] if p >= len(LITERALS) else LITERALS[p]
+                for p in picks]
+    if not any(isinstance(o, tq.Tensor) for o in operands):
+        operands[0] = stored[0]
+    try:
+        got = tq.einsum(equation, *operands, join=join, agg=agg).numpy()
+    except tq.TensorQLError:
+        return
+    if join == "mul" and agg == "sum":  # well-formed: numpy's answer
+        arrays = [o.numpy() if isinstance(o, tq.Tensor) else np.asarray(o) for o in operands]
+        expected = np.einsum(equation, *[a.astype(np.float64) for a in arrays])
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_wrong_keyword_is_a_type_error(fuzz_db):
+    with pytest.raises(TypeError):
+        tq.einsum("i->", fuzz_db.tensor("x"), aggregate="sum")
+
+
+PIECES = {
+    "operand": st.sampled_from([
+        "x", "m", "b", "n", "v", "missing_table", '"x"', "(SELECT i, val FROM v)",
+        "(SELECT 2.0 AS val)", "(SELECT i, val, val FROM v)", "(SELECT i, 'a' AS val FROM v)",
+        "(SELECT i, DATE '2020-01-01' AS val FROM v)", "(SELECT i, [1] AS val FROM v)",
+        "(SELECT i::DOUBLE AS i, val FROM v)", "(SELECT -1::BIGINT AS i, 1.0 AS val)",
+        "(SELECT NULL::BIGINT AS i, 1.0 AS val)", "(SELECT i FROM v)", "(SELECT * FROM v LIMIT 0)",
+        "(SELECT 18446744073709551615::UBIGINT AS val)", "(SELECT 1)", "r"]),
+    "named": st.sampled_from([
+        "", ", join := 'add'", ", agg := 'max'", ", join := 'nope'", ", agg := 3",
+        ", backend := 'duckdb'", ", backend := 'gpu'", ", sizes := {'i': 4}",
+        ", sizes := {'i': 2.5}", ", sizes := {'i': -1}", ", sizes := 7", ", foo := 1",
+        ", sizes := {'i': 100000000000000000000}"]),
+    "equation": st.sampled_from(["'i->i'", "'i->'", "'ij->i'", "'ij,j->i'", "'ij,jk->ik'",
+                                 "'->'", "'i,i->i'"])
+    | EQUATIONS.map(lambda e: "'" + e + "'") | st.sampled_from(["1", "x", "NULL"]),
+}
+
+
+@st.composite
+def statements(draw):
+    operands = ", ".join(draw(st.lists(PIECES["operand"], min_size=0, max_size=3)))
+    call = f"EINSUM({draw(PIECES['equation'])}{', ' if operands else ''}{operands}" \
+           f"{draw(PIECES['named'])})"
+    form = draw(st.sampled_from([
+        "SELECT * FROM {c}", "CREATE TENSOR t_{n} AS SELECT * FROM {c}",
+        "EXPLAIN SELECT * FROM {c}",
+        "WITH r AS (SELECT * FROM {c}) SELECT * FROM r", "SELECT count(*) FROM {c}",
+        "WITH RECURSIVE r AS (SELECT * FROM {c}) SELECT * FROM r", "SELEC * FROM {c}",
+        "SELECT * FROM {c} WHERE", "DROP TENSOR nothing_{n}", "SELECT * FROM {c}; SELECT 1",
+        "CREATE TENSOR x AS SELECT * FROM {c}"]))
+    return form.format(c=call, n=draw(st.integers(0, 9)))
+
+
+@FUZZ
+@given(query=statements(), dense=st.booleans())
+def test_fuzzed_sql_raises_only_tensorql_errors(fuzz_db, query, dense):
+    before = {name: fuzz_db.tensor(name).numpy().copy() for name in ("x", "m", "b", "n")}
+    try:
+        result = fuzz_db.sql(query)
+    except tq.TensorQLError as err:  # every SQL error points at its place
+        assert getattr(err, "position", None) is not None, f"{query}: {err}"
+    else:
+        try:
+            result.numpy() if dense else result.fetchall()
+        except tq.TensorQLError:
+            pass
+    for name, values in before.items():  # no statement changes the stored operands
+        np.testing.assert_array_equal(fuzz_db.tensor(name).numpy(), values)
+    for name in fuzz_db.tensors():
+        if name.startswith("t_"):
+            fuzz_db.drop(name)
