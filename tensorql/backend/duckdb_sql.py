@@ -443,6 +443,11 @@ class _Builder:
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
 
 def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
+    """The connection the plan's SQL runs on, with the store's tensor views in step with its
+    catalog (they are temp views of that connection; a write may have added tensors)."""
+    sync = getattr(compiled.db.chunk_store, "sync_views", None)
+    if sync is not None:
+        sync()
     return con if con is not None else compiled.db.connection
 
 

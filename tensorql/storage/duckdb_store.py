@@ -263,9 +263,11 @@ class DuckDBChunkStore(ChunkStore):
                         "nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile),
                          meta.nbytes, PAGE_BYTES])
-                    self._create_views(con, meta, table)
                     con.execute("COMMIT")
-                    self._views[meta.name] = table
+                    # the views are temp views of the main connection, made there by
+                    # sync_views (before each SQL script and backend query): this write may
+                    # run on another thread, on its own connection
+                    self._views.pop(meta.name, None)
                 except BaseException:
                     _rollback(con)
                     raise
