@@ -104,6 +104,7 @@ class DuckDBChunkStore(ChunkStore):
         self._unpaged_tables: set[str] = set()  # written before paging: one page per chunk
         self._local = threading.local()
         self._write_lock = threading.RLock()
+        self._views_lock = threading.RLock()  # the main connection's temp views
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
         self._views: dict[str, str] = {}  # tensor name -> chunk table its temp views read
         if not read_only:
@@ -163,11 +164,23 @@ class DuckDBChunkStore(ChunkStore):
         for (view,) in rows:
             self.connection.execute(f"DROP VIEW IF EXISTS {quote_ident(view)}")
 
+    def _publish_views(self, meta: TensorMeta, table: str) -> None:
+        """The views of a tensor just committed. They are temp views of the main connection:
+        made there at once on the main thread; a streamed write runs on a writer thread while
+        the main connection may be busy, so its views wait for :meth:`sync_views` (run before
+        each SQL script and backend query)."""
+        if threading.current_thread() is threading.main_thread():
+            with self._views_lock:
+                self._create_views(self.connection, meta, table)
+                self._views[meta.name] = table
+        else:
+            self._views.pop(meta.name, None)
+
     def sync_views(self) -> None:
         """Create (or drop) this connection's temp views so they match the catalog, which
-        another process may have changed."""
+        another process or a writer thread may have changed."""
         page_bytes = "page_bytes" if self._paged_catalog else "0"
-        with self._write_lock:
+        with self._views_lock:
             rows = self.connection.execute(
                 f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
                 "FROM tensorql_catalog").fetchall()
@@ -245,7 +258,7 @@ class DuckDBChunkStore(ChunkStore):
             # write runs on a writer thread while the query may use the main connection
             if not replace and self._lookup(meta.name) is not None:
                 raise StorageError(f"tensor {meta.name!r} already exists (pass replace=True)")
-            self._check_name_free(meta.name)
+            self._check_name_free(meta.name, con)
             table_id = con.execute("SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
             table = f"tq_chunks_{table_id}"
             try:
@@ -264,10 +277,7 @@ class DuckDBChunkStore(ChunkStore):
                         [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile),
                          meta.nbytes, PAGE_BYTES])
                     con.execute("COMMIT")
-                    # the views are temp views of the main connection, made there by
-                    # sync_views (before each SQL script and backend query): this write may
-                    # run on another thread, on its own connection
-                    self._views.pop(meta.name, None)
+                    self._publish_views(meta, table)
                 except BaseException:
                     _rollback(con)
                     raise
@@ -279,7 +289,7 @@ class DuckDBChunkStore(ChunkStore):
             finally:
                 self._tables.pop(meta.name, None)
 
-    def _check_name_free(self, name: str) -> None:
+    def _check_name_free(self, name: str, con: duckdb.DuckDBPyConnection | None = None) -> None:
         """DuckDB's identifiers are case-insensitive: a tensor's views may not clash with
         another tensor's name in another case, nor with a table or view of the user's."""
         for other in self.names():
@@ -287,7 +297,8 @@ class DuckDBChunkStore(ChunkStore):
                 raise StorageError(f"tensor name {name!r} clashes with the stored tensor "
                                    f"{other!r}: names are case-insensitive, as in DuckDB")
         for suffix in ("", "__chunks"):
-            rows = self.connection.execute(
+            rows = (con or self.connection).execute(  # a writer's own connection: the
+                # main one may be running the query whose result is being stored
                 "SELECT table_name FROM duckdb_tables() WHERE database_name IN "
                 "(current_database(), 'temp') AND lower(table_name) = lower(?) UNION ALL "
                 "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name IN "
