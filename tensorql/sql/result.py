@@ -115,9 +115,8 @@ class SQLResult:
             table = self.arrow()
             try:
                 labels = label_columns(table)
-            except ShapeError:
-                raise ShapeError("the result is not tensor-valued: it has no 'val' column "
-                                 f"(columns {table.column_names})") from None
+            except ShapeError as err:
+                raise ShapeError(f"the result is not tensor-valued: {err}") from None
             shape = []
             for label in labels:
                 col = table.column(label)
