@@ -255,7 +255,10 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
             if smallest is None:
                 raise
             break
-        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp)
+        # a device's contributions to one output chunk run as one task, within a quarter
+        # of the memory limit
+        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
+                                     fuse_bytes=None if limit is None else limit // 4)
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:

@@ -36,6 +36,7 @@ from tensorql.exec.run_types import (
     RunResult,
     RunStats,
     StepStats,
+    first_contribution,
     record_task,
 )
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -227,20 +228,11 @@ class Executor:
 
 
 def _first(state: _Run, task: Task, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The first contribution to ``task.output``: written into its destination when the run
-    has one (by the kernel itself when it can write into a given tensor), else a new tensor."""
+    """The first contribution to ``task.output``, into its destination when the run has one."""
     dest = None
     if state.destination is not None and task.output.step in state.graph.retain:
         dest = state.destination(task.output)
-    if dest is None:
-        return task.kernel.run(inputs, None)
-    run_into = getattr(task.kernel, "run_into", None)
-    if run_into is not None:
-        return run_into(inputs, dest)
-    value = task.kernel.run(inputs, None)
-    if value.shape != dest.shape or value.dtype != dest.dtype:
-        return value  # not what the destination holds: the sink copies it as usual
-    return dest.copy_(value)
+    return first_contribution(task.kernel, inputs, dest)
 
 
 def _execute(state: _Run, task: Task) -> int:

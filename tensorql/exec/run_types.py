@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.taskgraph import ChunkRef
 
 __all__ = ["ChunkDestination", "ChunkSink", "ProgressCallback", "RunResult", "RunStats",
-           "StepStats", "record_task"]
+           "StepStats", "first_contribution", "record_task"]
 
 ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 # Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
@@ -83,3 +84,27 @@ def record_task(stats: RunStats, step: int, started: float, ended: float, bytes_
     st.bytes_in += bytes_in
     st.bytes_read += bytes_read
     return st
+
+
+def first_contribution(kernel: Any, inputs: list[torch.Tensor],
+                       dest: torch.Tensor | None) -> torch.Tensor:
+    """The first contribution to a chunk: written into ``dest`` (a preallocated tile of a dense
+    result) when given -- by the kernel itself when it can write into a given tensor -- else a
+    new tensor. A kernel whose value does not fit ``dest`` returns its own tensor (the run's
+    sink then copies it).
+
+    >>> class Ones:
+    ...     def run(self, inputs, acc): return torch.ones(2)
+    >>> out = torch.zeros(4)
+    >>> first_contribution(Ones(), [], out[:2]).data_ptr() == out.data_ptr(), out.tolist()
+    (True, [1.0, 1.0, 0.0, 0.0])
+    """
+    if dest is None:
+        return kernel.run(inputs, None)
+    run_into = getattr(kernel, "run_into", None)
+    if run_into is not None:
+        return run_into(inputs, dest)
+    value = kernel.run(inputs, None)
+    if value.shape != dest.shape or value.dtype != dest.dtype:
+        return value
+    return dest.copy_(value)

@@ -53,6 +53,7 @@ from tensorql.exec.run_types import (
     RunResult,
     RunStats,
     StepStats,
+    first_contribution,
     record_task,
 )
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
@@ -208,9 +209,17 @@ class Runtime:
         return out
 
     def plan(self, graph: TaskGraph) -> Program:
-        """The op program and memory plan for ``graph`` (PlanError if infeasible)."""
-        return plan_program(graph, len(self.devices), self.budgets(), prefetch=self.prefetch,
-                            results_on_device=self.results_on_device)
+        """The op program and memory plan for ``graph`` (PlanError if infeasible), made once
+        per graph and device set: a query run again reuses it."""
+        budgets = self.budgets()
+        key = (tuple(d.name for d in self.devices), tuple(budgets), self.prefetch,
+               self.results_on_device)
+        program = graph.programs.get(key)
+        if program is None:
+            program = plan_program(graph, len(self.devices), budgets, prefetch=self.prefetch,
+                                   results_on_device=self.results_on_device)
+            graph.programs[key] = program
+        return program
 
     def pool(self) -> PinnedPool | None:
         """The pinned host pool, created once per runtime when a device copies through it."""
@@ -239,6 +248,8 @@ class Runtime:
         try:
             run = _Run(self, graph, program, progress, sink)
             run.keep_outputs = keep_outputs
+            if self.memory_limit is None:  # a budgeted chunk is never a view of the result
+                run.destination = destination
             return run.execute()
         finally:
             torch.set_num_threads(previous)
@@ -286,6 +297,7 @@ class _Run:
         self.start = 0.0
         self.lock = threading.Lock()
         self.keep_outputs = True
+        self.destination: ChunkDestination | None = None
 
     # -- the coordinator ------------------------------------------------------------------
     def execute(self) -> RunResult:
@@ -397,12 +409,17 @@ class _Run:
     def _dispatch(self) -> None:
         for key, heap in self.ready.items():
             dev_index, lane = key
-            slots = self.devices[dev_index].lanes.get(lane, 1)
+            dev = self.devices[dev_index]
+            slots = dev.lanes.get(lane, 1)
+            # a lane may hold ``lookahead`` ready ops beyond what it runs at once, so its
+            # threads go straight on to the next op instead of waiting for this loop
+            depth = slots + dev.lookahead
+            serial = slots == 1  # one thread runs the lane's ops in the order submitted
             aside = []
-            while heap and self.inflight.get(key, 0) < slots:
+            while heap and self.inflight.get(key, 0) < depth:
                 entry = heapq.heappop(heap)
                 op = self.ops[entry[1]]
-                if op.kind == "compute" and (dev_index, op.ref) in self.busy_out:
+                if op.kind == "compute" and not serial and (dev_index, op.ref) in self.busy_out:
                     aside.append(entry)  # another contribution to this chunk is running
                     continue
                 self._submit(op)
@@ -427,9 +444,15 @@ class _Run:
         if op.kind == "compute":
             task = op.task
 
+            dest = self._destination(op, dev)
+
             def compute() -> None:
                 inputs = [values[r] for r in task.inputs]
-                value = task.kernel.run(inputs, values.get(op.ref))
+                acc = values.get(op.ref)
+                if acc is None and dest is not None:  # straight into the dense result
+                    values[op.ref] = first_contribution(task.kernel, inputs, dest)
+                    return
+                value = task.kernel.run(inputs, acc)
                 values[op.ref] = dev.to_device(value) if not task.inputs else value
             return compute
         if op.kind == "load":
@@ -446,6 +469,13 @@ class _Run:
                 self.host.put(op.ref, dev.to_host(value, buf))
             return d2h
         raise ExecutionError(f"unknown op kind {op.kind!r}")  # pragma: no cover
+
+    def _destination(self, op: Op, dev: Device) -> torch.Tensor | None:
+        """The tile of the dense result a CPU device computes a result chunk into, if any."""
+        if (self.destination is None or dev.kind != "cpu" or op.task.inputs == ()
+                or op.ref.step not in self.graph.retain):
+            return None
+        return self.destination(op.ref)
 
     def _load(self, op: Op, dev: Device) -> torch.Tensor:
         if op.from_rest:

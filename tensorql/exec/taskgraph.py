@@ -73,6 +73,10 @@ class TaskGraph:
     # processes allocates its buffer from it)
     chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] = field(default_factory=dict,
                                                                      compare=False)
+    # memory plans made for this graph, by (devices, budgets, prefetch, results on device):
+    # a query run again skips planning (see :meth:`Runtime.plan`)
+    programs: dict[tuple, Any] = field(default_factory=dict, init=False, compare=False,
+                                       repr=False)
 
     def contributions(self) -> dict[ChunkRef, int]:
         """How many tasks write each chunk."""

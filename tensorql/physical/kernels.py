@@ -112,3 +112,38 @@ class ContractChunk:
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return combine(acc, partial, self.agg)
+
+
+@dataclass(frozen=True, eq=False)
+class ContractSeries:
+    """Several contributions to one output chunk as one task: ``kernel`` runs on each
+    consecutive group of ``arity`` inputs (one tile of the contracted labels each), folding
+    into one accumulator -- the products separate tasks would compute, with one scheduling
+    round trip instead of one per tile.
+
+    >>> k = ContractSeries(ContractChunk((("i", "j"), ("j", "k")), ("i", "k")), arity=2)
+    >>> k.run([torch.ones(2, 2)] * 4, None)[0, 0].item()
+    4.0
+    """
+
+    kernel: ContractChunk
+    arity: int
+
+    def _groups(self, inputs: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
+        return [inputs[i:i + self.arity] for i in range(0, len(inputs), self.arity)]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        for group in self._groups(inputs):
+            acc = self.kernel.run(group, acc)
+        return acc
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Like ``run(inputs, None)`` but the first product is written into ``out``."""
+        first, *rest = self._groups(inputs)
+        acc = self.kernel.run_into(first, out)
+        for group in rest:
+            acc = self.kernel.run(group, acc)
+        return acc
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -74,6 +74,10 @@ class PhysicalPlan:
     partition: PartitionPlan | None = None  # set for a plan partitioned across devices
     chunk_sizes: dict[ChunkRef, int] | None = None  # bytes of chunks without a grid
     chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] | None = None  # their shapes
+    # the task graph, made once on first use (a query run again reuses it, and with it the
+    # memory plans the runtime keeps on it)
+    _graph_memo: list[TaskGraph] = field(default_factory=list, init=False, compare=False,
+                                         repr=False)
 
     @property
     def result_step(self) -> Step:
@@ -91,7 +95,13 @@ class PhysicalPlan:
         return sum(s.est_flops for s in self.steps)
 
     def task_graph(self) -> TaskGraph:
-        """The tasks of every step, with each chunk's size (for the runtime's memory plan)."""
+        """The tasks of every step, with each chunk's size (for the runtime's memory plan);
+        made once per plan."""
+        if not self._graph_memo:
+            self._graph_memo.append(self._make_task_graph())
+        return self._graph_memo[0]
+
+    def _make_task_graph(self) -> TaskGraph:
         sizes: dict[ChunkRef, int] = dict(self.chunk_sizes or {})
         meta = dict(self.chunk_meta or {})
         for step in self.steps:

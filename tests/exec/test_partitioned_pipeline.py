@@ -186,3 +186,67 @@ def test_placement_follows_a_transposed_producer():
         costs = {(tuple(c), o): int(matrix[q, k])
                  for k, (c, o) in enumerate(zip(cons_table.cands, cons_table.orders))}
         assert costs[((2, 2), (1, 0))] == 0 < costs[((2, 2), (0, 1))]
+
+
+@pytest.mark.parametrize("join,agg", [("mul", "sum"), ("add", "max")])
+def test_contributions_to_a_chunk_run_as_one_task_per_device(join, agg):
+    """A device's products over the tiles of a contracted label fold into its output chunk in
+    one task (a series), with the same result and the same bytes moved as one task each."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((48, 40), dtype=np.float32)
+    b = rng.standard_normal((40, 32), dtype=np.float32)
+    with tq.connect(devices=2, workers=2) as db:
+        x = db.from_numpy("x", a, tile=(8, 8))
+        y = db.from_numpy("y", b, tile=(8, 8))
+        expr = tq.einsum("ij,jk->ik", x, y, join=join, agg=agg)
+        want = torch.einsum("ij,jk->ik", torch.from_numpy(a), torch.from_numpy(b)).numpy() \
+            if join == "mul" else (a[:, :, None] + b[None, :, :]).max(axis=1)
+        query, _ = _check_run(expr, want, 2)
+        series = [t for s in query.physical.steps for t in s.tasks
+                  if type(t.kernel).__name__ == "ContractSeries"]
+        assert series, "the contracted tiles were not grouped"
+        outputs = [(t.output, t.device) for s in query.physical.steps for t in s.tasks
+                   if type(t.kernel).__name__ in ("ContractSeries", "ContractChunk")]
+        assert len(outputs) == len(set(outputs))  # one task per output chunk and device
+
+
+def test_series_stay_within_a_quarter_of_the_memory_limit():
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((64, 64), dtype=np.float32)
+    with tq.connect(devices=2, workers=2, memory_limit="24KiB") as db:
+        x = db.from_numpy("x", a, tile=(8, 8))
+        query, _ = _check_run(x @ x, a @ a, 2)
+        from tensorql.exec.memplan import largest_task_bytes
+
+        graph = query.physical.task_graph()
+        for task in graph.tasks:
+            if type(task.kernel).__name__ == "ContractSeries":
+                assert sum(graph.chunk_bytes[r] for r in task.inputs) <= 24 * 1024 // 4
+        assert largest_task_bytes(graph) <= 24 * 1024
+
+
+def test_result_chunks_are_computed_into_the_dense_result():
+    """On CPU devices with no limit a result chunk's first product is written straight into
+    its tile of the dense result: what reaches the sink is that tile, nothing is copied."""
+    from tensorql.exec.runtime import Runtime
+
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal((32, 32), dtype=np.float32)
+    with tq.connect(devices=2, workers=2) as db:
+        x = db.from_numpy("x", a, tile=(8, 8))
+        physical = (x @ x).compile().physical
+        step = physical.result_step
+        out = torch.empty(step.relation.shape)
+        tiles = {}
+
+        def destination(ref):
+            return out[step.relation.grid.slices(ref.key)] if ref.step == step.id else None
+
+        def sink(ref, chunk):
+            tiles[ref.key] = chunk.data_ptr() == out[step.relation.grid.slices(ref.key)] \
+                .data_ptr()
+
+        Runtime(["cpu:0", "cpu:1"]).run(physical.task_graph(), sink=sink,
+                                        destination=destination, keep_outputs=False)
+        np.testing.assert_allclose(out.numpy(), a @ a, rtol=1e-4, atol=1e-4)
+        assert len(tiles) == 16 and all(tiles.values())

@@ -98,6 +98,9 @@ class Device(abc.ABC):
 
     kind: str = "abstract"
     is_null: bool = False
+    #: ready ops a lane may be handed beyond its threads (queued in order), so a thread that
+    #: finishes one op starts the next without a round trip through the runtime's loop
+    lookahead: int = 0
 
     def __init__(self, name: str, lanes: dict[str, int]) -> None:
         self.name = name

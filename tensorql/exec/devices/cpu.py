@@ -21,6 +21,7 @@ from tensorql.exec.devices.base import Post, ThreadedDevice
 
 class CPUDevice(ThreadedDevice):
     kind = "cpu"
+    lookahead = 1
 
     def __init__(self, name: str = "cpu:0", workers: int = 1) -> None:
         super().__init__(name, {"compute": max(1, workers), "h2d": 1, "d2h": 1, "d2d": 1})
