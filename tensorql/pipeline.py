@@ -106,7 +106,9 @@ class CompiledQuery:
         if count > 1 and name == "native":
             partition, physical = _partition(logical, db, count, max_temp)
         else:
-            physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp)
+            physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp,
+                                          fuse_bytes=_fuse_bytes(options.memory_limit),
+                                          min_tasks=2 * options.workers)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
                    partition=partition)
 
@@ -243,6 +245,11 @@ def _partition(logical: LogicalNode, db: Session, devices: int,
             f"{minimum} bytes ({format_bytes(minimum)})", minimum=minimum) from None
 
 
+def _fuse_bytes(memory_limit: int | None) -> int | None:
+    """The input bytes one task may fold in series: a quarter of the memory limit."""
+    return None if memory_limit is None else max(1, memory_limit // 4)
+
+
 def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
                  limit: int | None) -> tuple[PartitionPlan, PhysicalPlan]:
     target = limit
@@ -255,10 +262,9 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
             if smallest is None:
                 raise
             break
-        # a device's contributions to one output chunk run as one task, within a quarter
-        # of the memory limit
         physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
-                                     fuse_bytes=None if limit is None else limit // 4)
+                                     fuse_bytes=_fuse_bytes(limit),
+                                     min_tasks=2 * max(1, db.options.workers // devices))
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:

@@ -52,11 +52,10 @@ from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
-    ContractSeries,
     MapChunk,
     RekeyChunk,
 )
-from tensorql.physical.planner import PhysicalPlan, Step
+from tensorql.physical.planner import ContributionSeries, PhysicalPlan, Step
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -192,13 +191,14 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
 
 def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                       max_temp_elems: int = 1 << 24, sub_tiles: bool = True,
-                      fuse_bytes: int | None = None) -> PhysicalPlan:
+                      fuse_bytes: int | None = None, min_tasks: int = 2) -> PhysicalPlan:
     """The physical plan running ``plan`` on its devices (see the module docstring); with
     ``sub_tiles`` each piece is cut into the logical plan's tiles (same bytes moved).
 
     The contributions of one device to one output chunk (the tiles of a contracted label)
     run as one task (:class:`ContractSeries`) while its inputs total at most ``fuse_bytes``
-    (None: no bound): the same products, far fewer tasks for the runtime to schedule."""
+    (None: no bound), keeping ``min_tasks`` tasks a device (see
+    :class:`~tensorql.physical.planner.ContributionSeries`)."""
     graph = plan.graph
     steps = _Steps()
     layouts = {node.index: _chunked(plan, node, sub_tiles) for node in graph.nodes}
@@ -231,7 +231,7 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                                    dtype=node.dtype, max_temp_elems=max_temp_elems)
         partial_sid = None
         work = max(1, len(node.inputs))
-        series = _Series(kernel, fuse_bytes)
+        series = ContributionSeries(kernel, fuse_bytes, min_tasks)
         for t in range(len(lay.device)):
             dev = int(lay.device[t])
             refs = [reads.ref(node, k, lay, t) for k in range(len(node.inputs))]
@@ -240,47 +240,19 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             in_bytes = sum(math.prod(int(lay.lens[t, node.labels.index(a)]) for a in e.axes)
                            for e in node.inputs) * itemsize(node.dtype)
             if owners[piece] == dev:
-                series.add(sid, piece, dev, refs, flops, in_bytes)
+                series.add((sid, piece, None), dev, refs, flops, in_bytes)
                 continue
             if partial_sid is None:
                 partial_sid = steps.new_step(f"partials of {node.name}", rel)
-            series.add(partial_sid, (dev, *piece), dev, refs, flops, in_bytes,
-                       shape=tuple(int(n) for n in lay.lens[t, : node.n_out]))
-        series.emit(steps, node.dtype)
+            shape = tuple(int(n) for n in lay.lens[t, : node.n_out])
+            series.add((partial_sid, (dev, *piece), shape), dev, refs, flops, in_bytes)
+        for (task_sid, key, shape), dev, inputs, task_kernel, flops in series.tasks():
+            steps.add(task_sid, inputs, key, task_kernel, dev, flops, shape=shape,
+                      dtype=node.dtype if shape is not None else None)
         for src, dst, piece in lay.partial_sends():
             steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
                       FoldPartial(node.agg, kernel), dst)
     return _assemble(plan, steps, step_of_node[graph.root])
-
-
-class _Series:
-    """Groups the contributions to each output chunk on one device into series of at most
-    ``fuse_bytes`` of inputs, then adds one task per series (see :class:`ContractSeries`)."""
-
-    def __init__(self, kernel, fuse_bytes: int | None) -> None:
-        self.kernel = kernel
-        self.fuse_bytes = fuse_bytes
-        self.groups: dict[tuple, list[list]] = {}
-
-    def add(self, sid: int, key: tuple, dev: int, refs: list[ChunkRef], flops: int,
-            in_bytes: int, shape: tuple[int, ...] | None = None) -> None:
-        runs = self.groups.setdefault((sid, key, dev, shape), [])
-        fits = (runs and isinstance(self.kernel, ContractChunk)
-                and (self.fuse_bytes is None or runs[-1][2] + in_bytes <= self.fuse_bytes))
-        if not fits:
-            runs.append([[], 0, 0])
-        run = runs[-1]
-        run[0].append(refs)
-        run[1] += flops
-        run[2] += in_bytes
-
-    def emit(self, steps: _Steps, dtype: str) -> None:
-        for (sid, key, dev, shape), runs in self.groups.items():
-            for parts, flops, _ in runs:
-                kernel = (self.kernel if len(parts) == 1
-                          else ContractSeries(self.kernel, len(parts[0])))
-                steps.add(sid, [r for refs in parts for r in refs], key, kernel, dev, flops,
-                          shape=shape, dtype=dtype if shape is not None else None)
 
 
 class _Reads:

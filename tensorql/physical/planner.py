@@ -1,8 +1,9 @@
 """Lower a logical plan to a task graph: one step per logical node, one task per chunk job.
 
-``Aggregate(Join(...))`` fuses into one step: a task per combination of the joined labels'
-blocks, each contributing a partial aggregate to its output chunk. Estimates (FLOPs, bytes in
-and out) are kept per step for EXPLAIN.
+``Aggregate(Join(...))`` fuses into one step: each combination of the joined labels' blocks
+contributes a partial aggregate to its output chunk, and the contributions to one output chunk
+run in series as one task (:class:`ContributionSeries`; below, 4 output chunks of 2
+contributions each). Estimates (FLOPs, bytes in and out) are kept per step for EXPLAIN.
 
 >>> from tensorql.grid import ChunkGrid
 >>> from tensorql.einsum.graph import EinsumOp, Constant
@@ -12,7 +13,7 @@ and out) are kept per step for EXPLAIN.
 >>> from tensorql.logical.lower import lower
 >>> plan = PhysicalPlan.build(lower(EinsumOp.build("ij,jk->ik", [a, a])), store=None)
 >>> [(s.name, len(s.tasks)) for s in plan.steps]
-[('Scan <constant>', 4), ('Aggregate sum over [j]', 8)]
+[('Scan <constant>', 4), ('Aggregate sum over [j]', 4)]
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from tensorql.logical.plan import (
     walk,
 )
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.physical.kernels import ConstChunk, ContractChunk, LoadChunk, MapChunk, RekeyChunk
+from tensorql.physical.kernels import (
+    ConstChunk,
+    ContractChunk,
+    ContractSeries,
+    LoadChunk,
+    MapChunk,
+    RekeyChunk,
+)
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -122,8 +130,12 @@ class PhysicalPlan:
 
     @classmethod
     def build(cls, root: LogicalNode, store: ChunkStore | None,
-              max_temp_elems: int = 1 << 24) -> PhysicalPlan:
-        builder = _Builder(store, max_temp_elems)
+              max_temp_elems: int = 1 << 24, fuse_bytes: int | None = None,
+              min_tasks: int = 4) -> PhysicalPlan:
+        """The plan of ``root``; contributions to one output chunk are grouped into series
+        (see :class:`ContributionSeries`) of at most ``fuse_bytes`` of inputs, keeping at
+        least ``min_tasks`` tasks a step where there are that many contributions."""
+        builder = _Builder(store, max_temp_elems, fuse_bytes, min_tasks)
         fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)
                  and isinstance(n.input, Join)}
         for node in walk(root):
@@ -137,10 +149,69 @@ class PhysicalPlan:
         return cls(root=root, steps=steps, step_of=builder.step_of)
 
 
+class ContributionSeries:
+    """Groups the contributions to each output chunk (on each device) into *series*: one task
+    runs a series as consecutive products folded into one accumulator
+    (:class:`~tensorql.physical.kernels.ContractSeries`) -- the same products as one task
+    each, with one scheduling round trip instead of one per tile of the contracted labels,
+    the accumulator hot in cache, and no two tasks racing for one chunk.
+
+    A series holds at most ``fuse_bytes`` of inputs (None: no bound); where a device has
+    fewer output chunks than ``min_tasks``, their contributions are cut into more series so
+    that the device's threads still have ``min_tasks`` tasks to share.
+
+    >>> series = ContributionSeries(ContractChunk((("i", "j"), ("j",)), ("i",)), None, 1)
+    >>> for j in range(3):
+    ...     series.add(("out", 0), device=0, refs=[f"a{j}", f"b{j}"], flops=8, in_bytes=64)
+    >>> [(key, inputs, type(kernel).__name__, flops)
+    ...  for key, _, inputs, kernel, flops in series.tasks()]
+    [(('out', 0), ['a0', 'b0', 'a1', 'b1', 'a2', 'b2'], 'ContractSeries', 24)]
+    """
+
+    def __init__(self, kernel: ContractChunk, fuse_bytes: int | None, min_tasks: int) -> None:
+        self.kernel = kernel
+        self.fuse_bytes = fuse_bytes
+        self.min_tasks = max(1, min_tasks)
+        self.parts: dict[tuple, list[tuple[list, int, int]]] = {}
+
+    def add(self, key: tuple, device: int | None, refs: list, flops: int, in_bytes: int) -> None:
+        """One contribution to output chunk ``key`` on ``device``."""
+        self.parts.setdefault((key, device), []).append((refs, flops, in_bytes))
+
+    def tasks(self):
+        """``(key, device, inputs, kernel, flops)`` of each series, in order of first use."""
+        outputs: dict[int | None, int] = {}
+        for _, device in self.parts:
+            outputs[device] = outputs.get(device, 0) + 1
+        for (key, device), parts in self.parts.items():
+            cuts = -(-self.min_tasks // outputs[device])  # series wanted per output chunk
+            longest = max(1, -(-len(parts) // cuts))
+            run: list = []
+            run_bytes = 0
+            for part in parts:
+                over = self.fuse_bytes is not None and run_bytes + part[2] > self.fuse_bytes
+                if run and (len(run) >= longest or over):
+                    yield self._task(key, device, run)
+                    run, run_bytes = [], 0
+                run.append(part)
+                run_bytes += part[2]
+            if run:
+                yield self._task(key, device, run)
+
+    def _task(self, key: tuple, device: int | None, run: list):
+        inputs = [r for refs, _, _ in run for r in refs]
+        kernel = (self.kernel if len(run) == 1
+                  else ContractSeries(self.kernel, len(run[0][0])))
+        return key, device, inputs, kernel, sum(f for _, f, _ in run)
+
+
 class _Builder:
-    def __init__(self, store: ChunkStore | None, max_temp_elems: int) -> None:
+    def __init__(self, store: ChunkStore | None, max_temp_elems: int,
+                 fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
         self.store = store
         self.max_temp_elems = max_temp_elems
+        self.fuse_bytes = fuse_bytes
+        self.min_tasks = min_tasks
         self.steps: list[Step] = []
         self.step_of: dict[int, int] = {}
         self.next_task = 0
@@ -240,16 +311,22 @@ class _Builder:
         tasks = []
         bytes_in = 0
         in_grids = [src.relation.grid for src in join.sources]
+        series = ContributionSeries(kernel, self.fuse_bytes, self.min_tasks)
         for combo in itertools.product(*(range(blocks[lab]) for lab in labels)):
             block = dict(zip(labels, combo))
             inputs = []
+            task_bytes = 0
             for src, lab_set, grid in zip(join.sources, join.input_labels, in_grids):
                 key = tuple(block[lab] for lab in lab_set)
                 inputs.append(self._ref(src, key))
-                bytes_in += math.prod(grid.chunk_shape(key)) * itemsize(src.relation.dtype)
+                task_bytes += math.prod(grid.chunk_shape(key)) * itemsize(src.relation.dtype)
+            bytes_in += task_bytes
             out_key = tuple(block[lab] for lab in out_rel.labels)
             task_flops = math.prod(joint.grid.chunk_shape(combo)) * len(join.sources)
-            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), kernel, task_flops))
+            series.add(out_key, None, inputs, task_flops, task_bytes)
+        for out_key, _, inputs, task_kernel, task_flops in series.tasks():
+            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), task_kernel,
+                                        task_flops))
         flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
         if aggregate is None:
             n_in = len(join.sources)
