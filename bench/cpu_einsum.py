@@ -16,6 +16,11 @@ against the same workload stored with each manual tile of ``--tiles`` (default 2
 round-robin in the same run; goal: auto / best manual <= 1.1. ``--big`` adds an 8192^3 matmul
 to this table (manual tiles 1024 and 2048).
 
+A ``devices=2`` row also times the floor of any two-device split on this machine: two torch
+threads with one intra-op thread each, each computing its half (printed as floor/torch and
+tq/floor): one two-thread matrix product shares packed panels between its threads, two
+one-thread products cannot.
+
 Baselines: torch (same thread count) and ``dask.array.einsum`` (same chunks, threaded scheduler
 with the same number of workers; dask's default ``optimize=False``). A second dask column with
 ``optimize=True`` is printed for information. Goals: tensorql/torch <= 1.1 and
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -80,6 +86,38 @@ def workloads(small: bool):
            lambda da, x, opt: da.einsum(
                "ij,jk->ik", da.maximum(da.einsum("ij,jk->ik", x["X"], x["W1"], optimize=opt),
                                        0), x["W2"], optimize=opt))
+
+
+def two_thread_floor(name: str, x: dict) -> None:
+    """What any split over two one-thread devices can at best do: two torch threads (one
+    intra-op thread each), each computing its half -- B's columns for a matmul, the Megatron
+    split of the MLP (W1's columns and W2's rows, partial sums added)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t = {k: torch.from_numpy(v) for k, v in x.items()}
+    halves: list = [None, None]
+    if name == "matmul":
+        cut = t["B"].shape[1] // 2
+        parts = [t["B"][:, :cut].contiguous(), t["B"][:, cut:].contiguous()]
+        out = torch.empty(t["A"].shape[0], t["B"].shape[1])
+
+        def work(i):
+            torch.mm(t["A"], parts[i], out=out[:, i * cut:(i + 1) * cut])
+    else:
+        cut = t["W1"].shape[1] // 2
+        w1 = [t["W1"][:, :cut].contiguous(), t["W1"][:, cut:].contiguous()]
+        w2 = [t["W2"][:cut].contiguous(), t["W2"][cut:].contiguous()]
+
+        def work(i):
+            halves[i] = torch.relu(t["X"] @ w1[i]) @ w2[i]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if name != "matmul":
+        halves[0].add_(halves[1])
+    torch.set_num_threads(previous)
 
 
 def tile_sweep(arrays, build, tiles, repeat: int, threads: int) -> dict:
@@ -160,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         row = {"workload": name, "size": size, "tile": tile, "devices": devices,
                "torch_s": t_torch,
                "tensorql_s": t_tq, "tq/torch": ratio, "rel_err": err}
+        if devices == 2:
+            _, t_floor, floor = paired_times(lambda fn=torch_fn, x=arrays: fn(x),
+                                             lambda n=name, x=arrays: two_thread_floor(n, x),
+                                             args.repeat)
+            row.update({"floor_s": t_floor, "floor/torch": floor, "tq/floor": t_tq / t_floor})
+            print(f"  {name} devices=2: two one-thread halves in plain torch take "
+                  f"{t_floor:.3f} s ({floor:.2f}x torch); tensorql {t_tq / t_floor:.2f}x that",
+                  file=sys.stderr)
         if not args.skip_dask and devices == 1:
             import dask
             import dask.array as da
@@ -185,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'workload':8} {'size':>15} {'tile':>5} {'dev':>3} {'torch s':>8} "
               f"{'tensorql s':>10} "
               f"{'tq/torch':>8} {'dask s':>8} {'dask/tq':>8} {'dask-opt s':>10} "
-              f"{'dask-opt/tq':>11} {'rel err':>8}")
+              f"{'dask-opt/tq':>11} {'rel err':>8} {'floor/torch':>11} {'tq/floor':>8}")
     print(header)
     for r in rows:
         dask_cols = (f"{r['dask_s']:8.3f} {r['dask/tq']:8.1f} {r['dask_opt_s']:10.3f} "
@@ -193,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{'-':>10} {'-':>11}")
         print(f"{r['workload']:8} {r['size']:>15} {r['tile']:5d} {r['devices']:3d} "
               f"{r['torch_s']:8.3f} "
-              f"{r['tensorql_s']:10.3f} {r['tq/torch']:8.2f} {dask_cols} {r['rel_err']:8.1e}")
+              f"{r['tensorql_s']:10.3f} {r['tq/torch']:8.2f} {dask_cols} {r['rel_err']:8.1e} "
+              + (f"{r['floor/torch']:11.2f} {r['tq/floor']:8.2f}" if "floor_s" in r
+                 else f"{'-':>11} {'-':>8}"))
     tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else \
         ([64, 128] if args.small else [256, 512, 1024])
     print("automatic tiles against the best manual tile (same run):")
