@@ -25,6 +25,7 @@ SMOKE_RUNS = {
     "gpu_offload": (["--device", "cpu", "--n", "512", "--tile", "128"], "speed-up"),
     "llama": (["--tiny", "--repeat", "1", "--new", "2"], "goals:"),
     "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5"], "goals:"),
+    "distributed": (["--tiny", "--ranks", "2", "--repeat", "1"], "goals at 2 ranks"),
 }
 
 

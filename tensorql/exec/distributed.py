@@ -221,7 +221,8 @@ def gather_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     from tensorql.dtypes import torch_dtype
 
     for n, ref in enumerate(refs):
-        owner = layout.rank_of(where[ref])
+        # an unplaced task (a job of one device: nothing was partitioned) ran on rank 0
+        owner = layout.rank_of(where[ref]) if where[ref] is not None else 0
         if layout.rank == 0:
             if owner == 0:
                 out[ref] = outputs[ref]

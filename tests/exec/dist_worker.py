@@ -86,8 +86,9 @@ def main() -> None:
             results[name] = {
                 "max_err": float(np.abs(run.dense().numpy() - w.reference()).max()),
                 "moved": run.stats.moved,
-                "predicted": query.partition.pair_bytes().tolist(),
-                "devices": query.partition.devices,
+                "predicted": (query.partition.pair_bytes().tolist() if query.partition
+                              else [[0]]),
+                "devices": query.partition.devices if query.partition else 1,
             }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -62,6 +62,15 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world):
         assert predicted.sum() > 0
 
 
+def test_a_job_of_one_rank_runs_unpartitioned(tmp_path):
+    """``distributed=True`` under a launcher with one process: nothing to partition, the
+    result still comes back (it was lost looking up the rank of an unplaced task)."""
+    done = _launch(1, "mlp", tmp_path)
+    assert done[0].returncode == 0, done[0].stderr[-3000:]
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["mlp"]["devices"] == 1 and seen["mlp"]["max_err"] < 1e-4
+
+
 def test_a_dead_rank_is_named_not_waited_for(tmp_path):
     done = _launch(2, "mlp", tmp_path, {"TQ_TEST_DIE_RANK": "1"}, timeout=120)
     assert done[1].returncode == 3
