@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo distributed-demo bench lint clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ test: setup
 
 demo: setup
 	$(BIN)/tensorql demo
+
+distributed-demo: setup
+	$(BIN)/tensorql distributed-demo --ranks $(or $(RANKS),2)
 
 bench: setup
 	$(BIN)/python bench/cpu_einsum.py

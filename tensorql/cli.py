@@ -4,6 +4,7 @@
     tensorql sql --file script.sql --db work.duckdb      # or: ... | tensorql sql -
     tensorql explain "SELECT * FROM EINSUM('ij,jk->ik', A, B)" --db work.duckdb [--analyze]
     tensorql demo [--help]
+    tensorql distributed-demo [--ranks K] [--help]
     tensorql --version
 
 Results print as a box of rows (like DuckDB's shell), at most ``--max-rows`` of them with a
@@ -126,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="run the statements and add measured times and bytes")
     sub.add_parser("demo", help="run the demo workload and check it against torch "
                    "(tensorql demo --help lists its options)", add_help=False)
+    sub.add_parser("distributed-demo", help="run a LLaMA block on K local torch.distributed "
+                   "ranks and print rank 0's EXPLAIN ANALYZE (--help lists its options)",
+                   add_help=False)
     return ap
 
 
@@ -139,6 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     if args.command == "demo":  # its own options pass through
         return _cmd_demo(rest)
+    if args.command == "distributed-demo":
+        from tensorql import distributed_demo
+
+        try:
+            return distributed_demo.main(rest)
+        except SystemExit as done:  # its --help and usage errors
+            return int(done.code or 0)
     if rest:
         print(f"tensorql: error: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
         return EXIT_USAGE

@@ -31,6 +31,7 @@ from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanE
 from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
+    gather_rank_stats,
     gather_results,
     join_process_group,
 )
@@ -212,6 +213,12 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
     for ref, chunk in gathered.items():
         out[rel.grid.slices(ref.key)] = chunk
     dist.broadcast(out, src=0)
+    sent_result = 0 if layout.rank == 0 else sum(
+        chunk.nbytes for ref, chunk in result.outputs.items()
+        if ref.step in graph.retain and chunk is not None)
+    result.stats.ranks = gather_rank_stats(
+        result.stats, layout, runtime.sent_bytes, runtime.received_bytes, sent_result,
+        out.nbytes * (layout.world - 1) if layout.rank == 0 else 0)
     chunks = {ref.key: out[rel.grid.slices(ref.key)] for ref in gathered}
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 

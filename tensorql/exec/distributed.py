@@ -34,6 +34,7 @@ from tensorql.exec.memplan import Op
 from tensorql.exec.run_types import ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime, _Run
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
+from tensorql.units import format_bytes
 
 RESULT_TAG = 1 << 30  # tags of result chunks gathered on rank 0 start here
 
@@ -62,6 +63,50 @@ class RankLayout:
 
     def is_local(self, device: int) -> bool:
         return self.rank_of(device) == self.rank
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """What one rank measured in a distributed run, for EXPLAIN ANALYZE on rank 0.
+
+    Bytes are those of the tensors the rank passed to torch.distributed, by call:
+    ``transfers`` (point-to-point sends of the plan's copies), ``result`` (its result chunks
+    sent to rank 0), ``broadcast`` (rank 0 sending the dense result to the others).
+
+    >>> RankStats(1, 0.5, 0.25, 0.2, 2048, 1024, 4096, 0, 8192).describe().split(", ")[:4]
+    ['rank 1: wall 500.0 ms', 'busy 250.0 ms', 'copies 200.0 ms', 'sent 2.0 KiB (transfers)']
+    """
+
+    rank: int
+    wall_s: float
+    busy_s: float
+    copy_s: float
+    sent_bytes: int
+    received_bytes: int
+    result_bytes: int
+    broadcast_bytes: int
+    peak_bytes: int
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: wall {self.wall_s * 1e3:.1f} ms, busy "
+                f"{self.busy_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms, sent "
+                f"{format_bytes(self.sent_bytes)} (transfers), received "
+                f"{format_bytes(self.received_bytes)}, sent {format_bytes(self.result_bytes)} "
+                f"(result to rank 0), {format_bytes(self.broadcast_bytes)} (broadcast), peak "
+                f"{format_bytes(self.peak_bytes)}")
+
+
+def gather_rank_stats(stats: Any, layout: RankLayout, sent: int, received: int,
+                      result_bytes: int, broadcast_bytes: int,
+                      group: Any = None) -> list[RankStats]:
+    """Every rank's :class:`RankStats` of this run, on every rank (an all-gather)."""
+    local = [d for d, kind in zip(stats.devices, stats.device_kinds) if kind != "remote"]
+    mine = RankStats(layout.rank, stats.wall_s, sum(d.busy_s for d in local),
+                     sum(d.copy_s for d in local), sent, received, result_bytes,
+                     broadcast_bytes, max((d.peak_bytes for d in local), default=0))
+    out: list[Any] = [None] * layout.world
+    torch.distributed.all_gather_object(out, mine, group=group)
+    return out
 
 
 class RemoteDevice(Device):
@@ -111,10 +156,12 @@ class DistributedRuntime(Runtime):
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
+        run = _RankRun(self, graph, program, progress, sink)
         try:
-            result = _RankRun(self, graph, program, progress, sink).execute()
+            result = run.execute()
         finally:
             torch.set_num_threads(previous)
+        self.sent_bytes, self.received_bytes = run.sent_bytes, run.received_bytes
         return result
 
 

@@ -115,6 +115,8 @@ class RuntimeStats(RunStats):
     pinned_bytes: int = 0
     spilled_bytes: int = 0
     moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
+    # one record per rank of a distributed run (a RankStats each), gathered after it
+    ranks: list[Any] = field(default_factory=list)
 
     @property
     def bytes_moved(self) -> int:
@@ -125,11 +127,15 @@ class RuntimeStats(RunStats):
         """Text lines for EXPLAIN ANALYZE, one per device."""
         lines = []
         for dev, kind in zip(self.devices, self.device_kinds):
-            lines.append("  " + dev.describe(cpu_like=kind != "cuda"))
+            if kind != "remote":  # another rank's device: its figures are in ``ranks``
+                lines.append("  " + dev.describe(cpu_like=kind != "cuda"))
         if self.pinned_bytes or self.spilled_bytes:
             lines.append(f"  host tier: {format_bytes(self.pinned_bytes)} written to the pinned "
                          f"pool, {format_bytes(self.spilled_bytes)} to plain host memory or "
                          "the spill store")
+        if self.ranks:
+            lines.append("ranks (bytes handed to torch.distributed):")
+            lines += ["  " + rank.describe() for rank in self.ranks]
         return lines
 
 

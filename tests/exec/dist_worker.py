@@ -59,10 +59,28 @@ def from_file(out: str, path: str) -> None:
                    "expected": expected}, f)
 
 
+def explain(out: str, name: str) -> None:
+    """EXPLAIN ANALYZE on every rank, with the per-rank figures gathered after the run."""
+    from dataclasses import asdict
+
+    rank = int(os.environ["RANK"])
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=60) as db:
+        w = build(db, name)
+        text = w.output.explain(analyze=True)
+        query = w.output.compile()
+        run = query.run(dense=True)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"text": text, "ranks": [asdict(r) for r in run.stats.ranks],
+                       "plan_bytes": int(query.partition.cost.bytes_moved),
+                       "result_bytes": int(run.dense().nbytes)}, f)
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2]
     if names.startswith("file:"):
         return from_file(out, names[len("file:"):])
+    if names.startswith("explain:"):
+        return explain(out, names[len("explain:"):])
     names = names.split(",")
     rank = int(os.environ["RANK"])
     dies = int(os.environ.get("TQ_TEST_DIE_RANK", "-1"))
