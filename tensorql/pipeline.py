@@ -143,6 +143,10 @@ class CompiledQuery:
         if any(d.startswith("null") for d in device_names(options.devices)):
             raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
                                  "so there is no result to stream")
+        if options.distributed:  # every rank takes part; each gets the whole result
+            for key, chunk in _run_distributed(self, progress).iter_chunks():
+                sink(key, chunk)
+            return None
         sid = self.physical.result_step.id
         sent: set[Key] = set()
 
@@ -219,7 +223,7 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
     result.stats.ranks = gather_rank_stats(
         result.stats, layout, runtime.sent_bytes, runtime.received_bytes, sent_result,
         out.nbytes * (layout.world - 1) if layout.rank == 0 else 0)
-    chunks = {ref.key: out[rel.grid.slices(ref.key)] for ref in gathered}
+    chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 
 

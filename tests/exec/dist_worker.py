@@ -75,10 +75,36 @@ def explain(out: str, name: str) -> None:
                        "result_bytes": int(run.dense().nbytes)}, f)
 
 
+def store(out: str, path: str) -> None:
+    """``db.store`` in a distributed job: every rank takes part in the run and stores the
+    result in its own session's database -- rank 0 the file at ``path``, the others in
+    memory. With TQ_TEST_DIE_RANK set that rank dies as the run starts."""
+    rank = int(os.environ["RANK"])
+    if rank == int(os.environ.get("TQ_TEST_DIE_RANK", "-1")):
+        from tensorql.exec.distributed import DistributedRuntime
+
+        DistributedRuntime.run = lambda *args, **kw: os._exit(3)
+    outcome = {}
+    with tq.connect(path if rank == 0 else None, distributed=True, workers=1,
+                    distributed_timeout_s=15) as db:
+        w = build(db, "mlp")
+        try:
+            db.store("y", w.output)
+            outcome["stored"] = True
+            outcome["max_err"] = float(np.abs(db.tensor("y").numpy() - w.reference()).max())
+        except tq.TensorQLError as err:
+            outcome["error"] = type(err).__name__
+        outcome["exists"] = "y" in db.tensors()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2]
     if names.startswith("file:"):
         return from_file(out, names[len("file:"):])
+    if names.startswith("store:"):
+        return store(out, names[len("store:"):])
     if names.startswith("explain:"):
         return explain(out, names[len("explain:"):])
     names = names.split(",")

@@ -134,3 +134,32 @@ def test_distributed_demo_runs_under_torchrun():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1: wall" in done.stdout
     assert "max abs difference against torch" in done.stdout
+
+
+def test_store_of_a_distributed_result(tmp_path):
+    """Each rank stores the result in its own session (rank 0: a DuckDB file); the stored
+    tensor equals the reference, and reopening the file finds it."""
+    import tensorql as tq
+
+    path = str(tmp_path / "out.duckdb")
+    done = _launch(2, f"store:{path}", tmp_path)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen["stored"] and seen["exists"] and seen["max_err"] < 1e-4
+    with tq.connect(path, read_only=True) as db:
+        assert db.tensor("y").shape == (10, 12)
+
+
+def test_a_dead_rank_leaves_nothing_stored(tmp_path):
+    import tensorql as tq
+
+    path = str(tmp_path / "out.duckdb")
+    done = _launch(2, f"store:{path}", tmp_path, {"TQ_TEST_DIE_RANK": "1"}, timeout=120)
+    assert done[1].returncode == 3
+    assert done[0].returncode == 0, done[0].stderr[-3000:]
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["error"] == "DistributedError" and not seen["exists"]
+    with tq.connect(path, read_only=True) as db:
+        assert "y" not in db.tensors()
