@@ -29,6 +29,13 @@ _JOIN = {
     "div": torch.div,
     "max": torch.maximum,
     "min": torch.minimum,
+    "pow": torch.pow,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
 }
 
 
@@ -152,9 +159,12 @@ def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
         shape = [sizes[lab] if lab in lab_set else 1 for lab in joint]
         expanded.append(view.reshape(shape))
     value = expanded[0]
-    fn = _JOIN[join]
-    for other in expanded[1:]:
-        value = fn(value, other)
+    if join == "where":  # condition, value where true, value where false
+        value = torch.where(value.bool(), expanded[1], expanded[2])
+    else:
+        fn = _JOIN[join]
+        for other in expanded[1:]:
+            value = fn(value, other)
     value = value.expand([sizes[lab] for lab in joint])
     return reduce(value, range(len(out_labels), len(joint)), agg)
 

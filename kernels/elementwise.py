@@ -13,6 +13,7 @@ import torch
 
 # name -> (function of (x, scalar), needs a scalar)
 _MAPS = {
+    "cast": (lambda x, c: x, False),  # the value as is; the map's dtype converts it
     "exp": (lambda x, c: torch.exp(x), False),
     "log": (lambda x, c: torch.log(x), False),
     "relu": (lambda x, c: torch.relu(x), False),

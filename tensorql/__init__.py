@@ -9,9 +9,10 @@
 
 from tensorql.api.database import Database, connect
 from tensorql.api.einsum import einsum
-from tensorql.api.tensor import Tensor
+from tensorql.api.tensor import Tensor, where
 from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec, UnknownOperatorError
 from tensorql.errors import (
+    DTypeError,
     ExecutionError,
     MemoryLimitError,
     OptionError,
@@ -33,6 +34,6 @@ __all__ = [
     "OptionError",
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
     "Tensor", "TensorQLError",
-    "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "connect", "einsum",
-    "optimize",
+    "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
+    "einsum", "optimize", "where",
 ]

@@ -16,15 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorql.errors import ShapeError
+from tensorql.errors import DTypeError
 
-SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
+SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
+             "bool")
 
 _TORCH = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,
@@ -34,7 +37,7 @@ _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in _TORCH.items
 
 
 def canonical_dtype(dtype: Any) -> str:
-    """The canonical name of a numpy / torch dtype or dtype string; ShapeError if unsupported."""
+    """The canonical name of a numpy / torch dtype or dtype string; DTypeError if unsupported."""
     if isinstance(dtype, torch.dtype):
         name = _FROM_TORCH.get(dtype)
     elif isinstance(dtype, str) and dtype in _TORCH:
@@ -45,7 +48,7 @@ def canonical_dtype(dtype: Any) -> str:
         except TypeError:
             name = None
     if name not in _TORCH:
-        raise ShapeError(
+        raise DTypeError(
             f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED)}"
         )
     return name

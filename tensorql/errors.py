@@ -101,3 +101,8 @@ class OptionError(TensorQLError, ValueError):
 
 class UnsupportedError(TensorQLError, TypeError):
     """An operation or argument tensorql does not support (e.g. numpy's ``out=``)."""
+
+
+class DTypeError(TensorQLError, TypeError):
+    """A dtype tensorql does not hold (names it and the supported ones); not a shape problem."""
+

@@ -16,7 +16,7 @@ from typing import Any
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import EinsumOp
 from tensorql.einsum.spec import interleaved_equation
-from tensorql.errors import ShapeError
+from tensorql.errors import DTypeError, ShapeError
 
 
 def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
@@ -57,8 +57,8 @@ def _operand(db: Any, n: int, value: Any) -> Tensor:
         return value
     try:
         return db.constant(value)
-    except ShapeError as err:
-        raise ShapeError(f"operand {n}: {err}") from None
+    except (ShapeError, DTypeError) as err:
+        raise type(err)(f"operand {n}: {err}") from None
 
 
 _DEFAULT = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tensorql.dtypes import to_numpy
+from tensorql.dtypes import canonical_dtype, to_numpy
 from tensorql.einsum.graph import EinsumOp, MapOp, Node
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
@@ -148,10 +148,72 @@ class Tensor:
     def __neg__(self) -> Tensor:
         return self._map("neg")
 
-    def __pow__(self, exponent: float) -> Tensor:
-        if not isinstance(exponent, numbers.Number):
-            raise ShapeError("only scalar exponents are supported")
-        return self._map("square") if exponent == 2 else self._map("pow", float(exponent))
+    def __pow__(self, exponent: Any) -> Tensor:
+        """``self ** exponent``: a number (a map), or a tensor / array broadcast against
+        ``self`` (the ``pow`` join)."""
+        if isinstance(exponent, numbers.Number) and not isinstance(exponent, bool):
+            return self._map("square") if exponent == 2 else self._map("pow", float(exponent))
+        return broadcast_binary(self, self._operand(exponent), "pow")
+
+    def __rpow__(self, base: Any) -> Tensor:
+        return broadcast_binary(self._operand(base), self, "pow")
+
+    # comparisons, elementwise as numpy's (bool results); ``==`` and ``!=`` keep Python's
+    # identity meaning (tensors are used as keys), elementwise equality is ``eq`` / ``ne``
+    def _compare(self, other: Any, join: str) -> Tensor:
+        return broadcast_binary(self, self._operand(other), join)
+
+    def __lt__(self, other: Any) -> Tensor:
+        return self._compare(other, "lt")
+
+    def __le__(self, other: Any) -> Tensor:
+        return self._compare(other, "le")
+
+    def __gt__(self, other: Any) -> Tensor:
+        return self._compare(other, "gt")
+
+    def __ge__(self, other: Any) -> Tensor:
+        return self._compare(other, "ge")
+
+    def eq(self, other: Any) -> Tensor:
+        """Elementwise ``self == other`` (bool), as ``numpy.equal`` / ``torch.eq``."""
+        return self._compare(other, "eq")
+
+    def ne(self, other: Any) -> Tensor:
+        """Elementwise ``self != other`` (bool), as ``numpy.not_equal`` / ``torch.ne``."""
+        return self._compare(other, "ne")
+
+    def astype(self, dtype: Any) -> Tensor:
+        """The values converted to ``dtype`` (numpy's and torch's conversion rules).
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([1.7, -2.2]))
+        >>> x.astype("int32").numpy().tolist(), x.astype(np.float32).dtype
+        ([1, -2], 'float32')
+        """
+        return self._wrap(MapOp.build("cast", self.node, dtype=canonical_dtype(dtype)))
+
+    def argmax(self, axis: int | None = None) -> Tensor:
+        """Index of the largest value along ``axis`` (the first one on ties, as numpy)."""
+        return self._arg_extreme(axis, "max")
+
+    def argmin(self, axis: int | None = None) -> Tensor:
+        """Index of the smallest value along ``axis`` (the first one on ties, as numpy)."""
+        return self._arg_extreme(axis, "min")
+
+    def _arg_extreme(self, axis: int | None, agg: str) -> Tensor:
+        if axis is None:
+            if self.ndim != 1:
+                raise UnsupportedError(f"arg{agg} over all axes of a {self.ndim}-d tensor "
+                                       "(numpy flattens it first) is not supported; give axis=")
+            axis = 0
+        (axis,) = _normalize_axes(axis, self.ndim)
+        extreme = self._reduce(axis, agg, keepdims=True)
+        n = self.shape[axis]
+        index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
+                                                      for d in range(self.ndim)])
+        hits = where(self.eq(extreme), index, n)  # n where it is not the extreme
+        return hits._reduce(axis, "min", keepdims=False)
 
     def __matmul__(self, other: Any) -> Tensor:
         return matmul(self, self._operand(other))
@@ -339,16 +401,36 @@ def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, .
 
 def broadcast_binary(left: Tensor, right: Tensor, join: str) -> Tensor:
     """``left JOIN right`` elementwise with numpy broadcasting, as one einsum."""
-    ndim = max(left.ndim, right.ndim)
+    return broadcast_join([left, right], join)
+
+
+def broadcast_join(operands: Sequence[Tensor], join: str) -> Tensor:
+    """``JOIN`` of ``operands`` elementwise with numpy broadcasting, as one einsum."""
+    ndim = max(t.ndim for t in operands)
     labels = _LETTERS[:ndim]
     for dim in range(1, ndim + 1):
-        a = left.shape[-dim] if dim <= left.ndim else 1
-        b = right.shape[-dim] if dim <= right.ndim else 1
-        if a != b and 1 not in (a, b):
-            raise ShapeError(f"operands could not be broadcast together with shapes "
-                             f"{left.shape} and {right.shape} (dim -{dim}: {a} vs {b})")
-    eq = f"{labels[ndim - left.ndim:]},{labels[ndim - right.ndim:]}->{labels}"
-    return left._wrap(EinsumOp.build(eq, [left.node, right.node], join=join))
+        sizes = {t.shape[-dim] for t in operands if dim <= t.ndim} - {1}
+        if len(sizes) > 1:
+            shapes = " and ".join(str(t.shape) for t in operands)
+            raise ShapeError(f"operands could not be broadcast together with shapes {shapes} "
+                             f"(dim -{dim}: sizes {sorted(sizes)})")
+    eq = ",".join(labels[ndim - t.ndim:] for t in operands) + f"->{labels}"
+    return operands[0]._wrap(EinsumOp.build(eq, [t.node for t in operands], join=join))
+
+
+def where(condition: Any, x: Any, y: Any) -> Tensor:
+    """``x`` where ``condition`` holds, else ``y``, with numpy broadcasting (numpy.where).
+
+    >>> import numpy as np, tensorql as tq
+    >>> a = tq.connect().constant(np.array([-1.0, 2.0]))
+    >>> tq.where(a > 0, a, 0.0).numpy().tolist()
+    [0.0, 2.0]
+    """
+    anchor = next((v for v in (condition, x, y) if isinstance(v, Tensor)), None)
+    if anchor is None:
+        raise UnsupportedError("where needs at least one tensorql Tensor among its arguments")
+    operands = [anchor._operand(v) for v in (condition, x, y)]
+    return broadcast_join(operands, "where")
 
 
 def matmul(left: Tensor, right: Tensor) -> Tensor:

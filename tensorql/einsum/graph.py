@@ -23,7 +23,7 @@ from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
 
 from tensorql.dag import inputs_first
 from tensorql.dtypes import canonical_dtype, torch_dtype
-from tensorql.einsum.spec import EinsumSpec
+from tensorql.einsum.spec import COMPARISON_JOINS, EinsumSpec
 from tensorql.errors import ShapeError
 from tensorql.grid import ChunkGrid
 
@@ -84,6 +84,9 @@ class EinsumOp(Node):
     def build(cls, equation: str, operands: Sequence[Node], join: str = "mul",
               agg: str = "sum") -> EinsumOp:
         spec = EinsumSpec.parse(equation, [n.shape for n in operands], join=join, agg=agg)
+        if join == "where" and len(operands) != 3:
+            raise ShapeError(f"join 'where' takes 3 operands (condition, value where true, "
+                             f"value where false), got {len(operands)}")
         return cls(shape=spec.output_shape, dtype=result_dtype(spec, operands), spec=spec,
                    operands=tuple(operands))
 
@@ -107,33 +110,47 @@ class MapOp(Node):
         return (self.operand,)
 
     @classmethod
-    def build(cls, fn: str, operand: Node, scalar: float | None = None) -> MapOp:
+    def build(cls, fn: str, operand: Node, scalar: float | None = None,
+              dtype: str | None = None) -> MapOp:
+        """The map node; ``dtype`` (the ``cast`` map's target) overrides the result dtype."""
+        target = dtype
         if fn not in MAP_FUNCTIONS:
             raise ShapeError(f"unknown map {fn!r}; choose one of {', '.join(MAP_FUNCTIONS)}")
         if (fn in SCALAR_MAPS) != (scalar is not None):
             raise ShapeError(f"map {fn!r} {'needs' if fn in SCALAR_MAPS else 'takes no'} scalar")
         dtype = operand.dtype
-        if fn in FLOAT_MAPS and dtype in ("int32", "int64", "bool"):
+        if fn in FLOAT_MAPS and dtype in INTEGRAL_DTYPES:
             dtype = "float32"
-        elif scalar is not None and isinstance(scalar, float) and dtype in ("int32", "int64",
-                                                                            "bool"):
+        elif scalar is not None and isinstance(scalar, float) and dtype in INTEGRAL_DTYPES:
             dtype = "float32"
+        if fn == "cast":
+            if target is None:
+                raise ShapeError("map 'cast' needs the dtype to convert to")
+            dtype = canonical_dtype(target)
         return cls(shape=operand.shape, dtype=dtype, fn=fn, operand=operand, scalar=scalar)
 
     def describe(self) -> str:
         return f"map {self.fn}" + (f"({self.scalar:g})" if self.scalar is not None else "")
 
 
+INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
+
+
 def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
     """The dtype an einsum yields, following torch's promotion rules."""
+    if spec.join == "where":  # the condition's dtype does not count
+        operands = operands[1:]
     dtype = torch_dtype(operands[0].dtype)
     for node in operands[1:]:
         dtype = torch.promote_types(dtype, torch_dtype(node.dtype))
+    if spec.join in COMPARISON_JOINS and len(spec.inputs) > 1:
+        dtype = torch.bool
     if spec.join == "div" and not dtype.is_floating_point:
         dtype = torch.get_default_dtype()
     if dtype == torch.bool and len(operands) > 1 and spec.join in ("add", "sub"):
         dtype = torch.int64
-    if dtype in (torch.bool, torch.int32) and spec.aggregated and spec.agg in ("sum", "prod"):
+    if dtype in (torch.bool, torch.int8, torch.uint8, torch.int32) and spec.aggregated \
+            and spec.agg in ("sum", "prod"):
         dtype = torch.int64  # sums accumulate in int64, as torch.sum does (no silent wrap)
     return canonical_dtype(dtype)
 

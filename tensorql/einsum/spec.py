@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 
-JOINS = ("mul", "add", "sub", "div", "max", "min")
+JOINS = ("mul", "add", "sub", "div", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
+         "where")
+# Joins whose value is a comparison (bool, as numpy's ``<`` ...).
+COMPARISON_JOINS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 AGGS = ("sum", "max", "min", "prod")
 
 # Joins that are associative and commutative (operands may be reordered) ...

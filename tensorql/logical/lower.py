@@ -138,6 +138,8 @@ def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
     operands, tiles = _operands(op, children)
     if len(operands) > 2 and spec.is_semiring:
         return _contract_by_path(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
+    if spec.join == "where":  # a ternary join: one step over all three operands
+        return _step(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
     result = operands[0]
     for n in range(1, len(operands) - 1):  # left fold keeps every label until the end
         joint = tuple(dict.fromkeys(result[1] + operands[n][1]))

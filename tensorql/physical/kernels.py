@@ -11,6 +11,7 @@ Each has ``run(inputs, acc)`` and ``combine(acc, partial)`` as the executor expe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from tensorql_kernels.chunk_einsum import combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
 from tensorql.dtypes import torch_dtype
+from tensorql.einsum.spec import COMPARISON_JOINS
 from tensorql.grid import Key
 from tensorql.storage.chunk_store import ChunkStore
 
@@ -99,6 +101,8 @@ class ContractChunk:
 
     def _cast(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dtype = torch_dtype(self.dtype)
+        if self.join in COMPARISON_JOINS:  # compared in the operands' common dtype
+            dtype = functools.reduce(torch.promote_types, (x.dtype for x in inputs))
         return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:

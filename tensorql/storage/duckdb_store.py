@@ -46,7 +46,8 @@ JOIN_PAGES = "tq_join_pages"
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
-    "int32": "INTEGER", "int64": "BIGINT", "bool": "BOOLEAN",
+    "int8": "TINYINT", "uint8": "UTINYINT", "int32": "INTEGER", "int64": "BIGINT",
+    "bool": "BOOLEAN",
 }
 
 

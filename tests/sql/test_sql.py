@@ -214,7 +214,7 @@ def test_size_mismatch_error_points_at_operand(db, mats):
 
 def test_bad_join_agg_names(db, mats):
     with pytest.raises(tq.UnknownOperatorError) as info:
-        db.sql("SELECT * FROM EINSUM('ij,jk->ik', A, B, join := 'pow')")
+        db.sql("SELECT * FROM EINSUM('ij,jk->ik', A, B, join := 'xor')")
     assert info.value.column == 49 and "choose one of" in str(info.value)
     with pytest.raises(tq.UnknownOperatorError, match="unknown EINSUM argument"):
         db.sql("SELECT * FROM EINSUM('ij->i', A, how := 'x')")
