@@ -41,7 +41,7 @@ from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import contraction_paths, lower
-from tensorql.logical.plan import LogicalNode, explain_logical
+from tensorql.logical.plan import LogicalNode, explain_logical, walk
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options, available_memory_bytes, device_names
@@ -104,7 +104,9 @@ class CompiledQuery:
         max_temp = max(1, options.kernel_temp_bytes // 4)
         count = job_devices(options)
         partition = None
-        if count > 1 and name == "native":
+        # an empty tensor anywhere: nothing to partition (and no piece to place)
+        empty = any(0 in n.relation.shape for n in walk(logical))
+        if count > 1 and name == "native" and not empty:
             partition, physical = _partition(logical, db, count, max_temp)
         else:
             physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, to_numpy
-from tensorql.einsum.graph import EinsumOp, MapOp, Node
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -182,6 +182,63 @@ class Tensor:
     def ne(self, other: Any) -> Tensor:
         """Elementwise ``self != other`` (bool), as ``numpy.not_equal`` / ``torch.ne``."""
         return self._compare(other, "ne")
+
+    def __getitem__(self, index: Any) -> Tensor:
+        """Basic numpy indexing of a stored tensor: ints, slices with step 1 (negative and
+        open ends as numpy), ``...`` and ``None``. The result reads only the stored chunks the
+        region overlaps.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> a = db.from_numpy("a", np.arange(20.0).reshape(4, 5), tile=(2, 2))
+        >>> a[1:3, -2:].numpy().tolist(), a[2].numpy().tolist(), a[..., 0].shape
+        ([[8.0, 9.0], [13.0, 14.0]], [10.0, 11.0, 12.0, 13.0, 14.0], (4,))
+        """
+        items = list(index) if isinstance(index, tuple) else [index]
+        if sum(item is Ellipsis for item in items) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        used = sum(1 for item in items if item is not None and item is not Ellipsis)
+        if used > self.ndim:
+            raise IndexError(f"too many indices for a tensor of {self.ndim} dimension(s): "
+                             f"{used} were given")
+        at = items.index(Ellipsis) if Ellipsis in items else len(items)
+        items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
+        starts, sizes, shape = [], [], []  # the region; then the result's shape
+        dim = 0
+        for item in items:
+            if item is None:
+                shape.append(1)
+                continue
+            n = self.shape[dim]
+            if isinstance(item, slice):
+                start, stop, step = item.indices(n)
+                if step != 1:
+                    raise UnsupportedError(f"index {item} of dimension {dim}: only step 1 "
+                                           "slices are supported")
+                starts.append(start)
+                sizes.append(max(0, stop - start))
+                shape.append(sizes[-1])
+            elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
+                k = int(item) + (n if item < 0 else 0)
+                if not 0 <= k < n:
+                    raise IndexError(f"index {int(item)} is out of bounds for dimension "
+                                     f"{dim} of size {n}")
+                starts.append(k)
+                sizes.append(1)
+            else:
+                raise UnsupportedError(f"index {item!r} of dimension {dim}: only ints, "
+                                       "slices, '...' and None are supported")
+            dim += 1
+        node = self.node
+        if not isinstance(node, Source):
+            raise UnsupportedError("indexing works on stored tensors (it reads only their "
+                                   "chunks in the region); store the expression first "
+                                   "(db.store) or index its stored operands")
+        base = node.offset or (0,) * len(starts)
+        region = Source(shape=tuple(sizes), dtype=node.dtype, name=node.name, grid=node.grid,
+                        offset=tuple(b + s for b, s in zip(base, starts)))
+        out = self._wrap(region)
+        return out if tuple(shape) == out.shape else out.reshape(shape)
 
     def astype(self, dtype: Any) -> Tensor:
         """The values converted to ``dtype`` (numpy's and torch's conversion rules).

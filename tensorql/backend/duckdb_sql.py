@@ -38,7 +38,7 @@ import torch
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, PlanError
+from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
 from tensorql.grid import Key, regrid_pieces
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
@@ -247,6 +247,9 @@ class _Builder:
 
     # -- scans --------------------------------------------------------------------------
     def _scan(self, node: Scan) -> tuple[str, str]:
+        if node.offset is not None:
+            raise UnsupportedError(f"the DuckDB backend does not read a region of "
+                                   f"{node.source!r} (a slice); use the native backend")
         rel = node.relation
         keys = ", ".join(q(f"k{d}") for d in range(len(rel.labels)))
         keys = keys + ", " if keys else ""

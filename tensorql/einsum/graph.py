@@ -49,13 +49,19 @@ class Node:
 
 @dataclass(frozen=True, eq=False)
 class Source(Node):
-    """A tensor stored under ``name`` with chunk grid ``grid``."""
+    """A tensor stored under ``name`` with chunk grid ``grid``; with ``offset`` set, the
+    region of it starting there with this node's ``shape`` (a slice: ``grid`` stays the
+    stored tensor's, and only the stored chunks the region overlaps are read)."""
 
     name: str = ""
     grid: ChunkGrid | None = None
+    offset: tuple[int, ...] | None = None
 
     def describe(self) -> str:
-        return f"scan {self.name}"
+        if self.offset is None:
+            return f"scan {self.name}"
+        region = ",".join(f"{o}:{o + n}" for o, n in zip(self.offset, self.shape))
+        return f"scan {self.name}[{region}]"
 
 
 @dataclass(frozen=True, eq=False)

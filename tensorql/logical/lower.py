@@ -64,6 +64,11 @@ def _positional(ndim: int) -> tuple[str, ...]:
 
 def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
     if isinstance(node, Source):
+        if node.offset is not None:  # a region: the stored tiles, over the region's shape
+            grid = ChunkGrid(node.shape, tuple(min(t, max(1, n)) for t, n in
+                                               zip(node.grid.tile, node.shape)))
+            return Scan(relation=TensorRelation(_positional(node.ndim), grid, node.dtype),
+                        source=node.name, offset=node.offset, stored_grid=node.grid)
         return Scan(relation=TensorRelation(_positional(node.ndim), node.grid, node.dtype),
                     source=node.name)
     if isinstance(node, Constant):

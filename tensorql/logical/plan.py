@@ -72,6 +72,9 @@ class Scan(LogicalNode):
 
     source: str = ""
     constant: torch.Tensor | None = None
+    # a region of the stored tensor: where it starts, and the stored tensor's own grid
+    offset: tuple[int, ...] | None = None
+    stored_grid: ChunkGrid | None = None
 
 
 @dataclass(frozen=True, eq=False)

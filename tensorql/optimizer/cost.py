@@ -83,6 +83,9 @@ def candidates(sizes: tuple[int, ...], pieces: int) -> tuple[tuple[int, ...], ..
         if d == len(sizes):
             found.append(prefix)
             return
+        if sizes[d] == 0:  # an empty label is one (empty) piece
+            extend(prefix + (1,), left)
+            return
         for p in range(1, min(sizes[d], left) + 1):
             if splits(sizes[d], p):
                 extend(prefix + (p,), left // p)

@@ -12,6 +12,8 @@ Each has ``run(inputs, acc)`` and ``combine(acc, partial)`` as the executor expe
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +21,9 @@ import torch
 from tensorql_kernels.chunk_einsum import combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
-from tensorql.dtypes import torch_dtype
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.spec import COMPARISON_JOINS
-from tensorql.grid import Key
+from tensorql.grid import ChunkGrid, Key
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -45,6 +47,55 @@ class LoadChunk(_NoCombine):
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return self.store.read_chunk(self.name, self.key)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadPiece:
+    """Assemble one piece ``[lo, hi)`` of a stored tensor from the chunks it overlaps."""
+
+    store: ChunkStore
+    name: str
+    grid: ChunkGrid
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    dtype: str
+
+    @property
+    def bytes_read(self) -> int:
+        return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        spans = [range(lo // t, (hi - 1) // t + 1)
+                 for lo, hi, t in zip(self.lo, self.hi, self.grid.tile)]
+        keys = list(itertools.product(*spans))
+        if len(keys) == 1 and self.grid.slices(keys[0]) == tuple(
+                slice(a, b) for a, b in zip(self.lo, self.hi)):
+            return self.store.read_chunk(self.name, keys[0])  # the piece is one stored chunk
+        out = torch.empty(tuple(b - a for a, b in zip(self.lo, self.hi)),
+                          dtype=torch_dtype(self.dtype))
+        for key in keys:
+            chunk = self.store.read_chunk(self.name, key)
+            src, dst = [], []
+            for d, b in enumerate(key):
+                blo, bhi = self.grid.dim_extent(d, b)
+                s, e = max(self.lo[d], blo), min(self.hi[d], bhi)
+                src.append(slice(s - blo, e - blo))
+                dst.append(slice(s - self.lo[d], e - self.lo[d]))
+            out[tuple(dst)] = chunk[tuple(src)]
+        return out
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a piece is loaded once")
+
+    @classmethod
+    def of_region(cls, store: ChunkStore, scan, lo: Sequence[int],
+                  hi: Sequence[int]) -> LoadPiece:
+        """The piece ``[lo, hi)`` of a logical Scan of a stored tensor (of the region it
+        reads, when the scan is a slice)."""
+        offset = scan.offset or (0,) * len(lo)
+        grid = scan.stored_grid or scan.relation.grid
+        return cls(store, scan.source, grid, tuple(int(a + o) for a, o in zip(lo, offset)),
+                   tuple(int(b + o) for b, o in zip(hi, offset)), scan.relation.dtype)
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,7 +28,6 @@ runtime's copies, and only the bytes the cost model predicts:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tensorql.dtypes import itemsize, torch_dtype
+from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task
 from tensorql.grid import ChunkGrid
 from tensorql.logical.plan import Aggregate, TensorRelation
@@ -52,50 +51,12 @@ from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
+    LoadPiece,
     MapChunk,
     RekeyChunk,
 )
 from tensorql.physical.planner import ContributionSeries, PhysicalPlan, Step
 from tensorql.storage.chunk_store import ChunkStore
-
-
-@dataclass(frozen=True, eq=False)
-class LoadPiece:
-    """Assemble one piece ``[lo, hi)`` of a stored tensor from the chunks it overlaps."""
-
-    store: ChunkStore
-    name: str
-    grid: ChunkGrid
-    lo: tuple[int, ...]
-    hi: tuple[int, ...]
-    dtype: str
-
-    @property
-    def bytes_read(self) -> int:
-        return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
-
-    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        spans = [range(lo // t, (hi - 1) // t + 1)
-                 for lo, hi, t in zip(self.lo, self.hi, self.grid.tile)]
-        keys = list(itertools.product(*spans))
-        if len(keys) == 1 and self.grid.slices(keys[0]) == tuple(
-                slice(a, b) for a, b in zip(self.lo, self.hi)):
-            return self.store.read_chunk(self.name, keys[0])  # the piece is one stored chunk
-        out = torch.empty(tuple(b - a for a, b in zip(self.lo, self.hi)),
-                          dtype=torch_dtype(self.dtype))
-        for key in keys:
-            chunk = self.store.read_chunk(self.name, key)
-            src, dst = [], []
-            for d, b in enumerate(key):
-                blo, bhi = self.grid.dim_extent(d, b)
-                s, e = max(self.lo[d], blo), min(self.hi[d], bhi)
-                src.append(slice(s - blo, e - blo))
-                dst.append(slice(s - self.lo[d], e - self.lo[d]))
-            out[tuple(dst)] = chunk[tuple(src)]
-        return out
-
-    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("a piece is loaded once")
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,8 +180,7 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                 if node.kind == "constant":
                     kernel = ConstChunk(scan.constant[tuple(slice(a, b) for a, b in zip(lo, hi))])
                 else:
-                    kernel = LoadPiece(store, scan.source, scan.relation.grid, lo, hi,
-                                       node.dtype)
+                    kernel = LoadPiece.of_region(store, scan, lo, hi)
                 steps.add(sid, (), lay.index[t], kernel, int(lay.device[t]))
             continue
         if node.kind == "map":

@@ -41,6 +41,7 @@ from tensorql.physical.kernels import (
     ContractChunk,
     ContractSeries,
     LoadChunk,
+    LoadPiece,
     MapChunk,
     RekeyChunk,
 )
@@ -268,6 +269,10 @@ class _Builder:
         for key in grid.keys():
             if node.constant is not None:
                 kernel = ConstChunk(node.constant[grid.slices(key)])
+            elif node.offset is not None:  # a region: only the stored chunks it overlaps
+                lo = [sl.start for sl in grid.slices(key)]
+                hi = [sl.stop for sl in grid.slices(key)]
+                kernel = LoadPiece.of_region(self.store, node, lo, hi)
             else:
                 kernel = LoadChunk(self.store, node.source, key,
                                    math.prod(grid.chunk_shape(key)) * size)

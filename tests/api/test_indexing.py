@@ -1,0 +1,83 @@
+"""Indexing a stored tensor as numpy does: the region is read from only the stored chunks it
+overlaps, on one device and partitioned on two; checked against numpy on seeded indices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorql as tq
+from tensorql.storage.duckdb_store import DuckDBChunkStore
+
+A = np.arange(9 * 10 * 4, dtype=np.float32).reshape(9, 10, 4)
+
+
+def _indices(n: int = 40, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+
+    def one(size):
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            return int(rng.integers(-size, size))
+        if kind == 1:
+            return slice(None)
+        lo, hi = sorted(int(v) for v in rng.integers(-size - 2, size + 2, 2))
+        return slice(lo, hi) if kind == 2 else slice(lo, None)
+
+    out = []
+    for _ in range(n):
+        out.append(tuple(one(s) for s in A.shape[: int(rng.integers(1, 4))]))
+    return out + [(Ellipsis, 1), (None, 2, Ellipsis), (slice(1, 3), None, -1), 3, (),
+                  (slice(5, 5),)]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_indexing_matches_numpy(devices):
+    with tq.connect(devices=devices, workers=2) as db:
+        a = db.from_numpy("a", A, tile=(4, 3, 2))
+        for index in _indices():
+            want = A[index]
+            got = a[index]
+            assert got.shape == want.shape, index
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=str(index))
+
+
+def test_a_slice_reads_only_the_chunks_it_overlaps(monkeypatch):
+    reads = []
+    original = DuckDBChunkStore.read_chunk
+
+    def counting(self, name, key):
+        reads.append(key)
+        return original(self, name, key)
+
+    with tq.connect() as db:
+        a = db.from_numpy("a", A, tile=(4, 3, 2))  # 3 x 4 x 2 stored chunks
+        monkeypatch.setattr(DuckDBChunkStore, "read_chunk", counting)
+        got = a[5:7, 1:2, :].numpy()
+        np.testing.assert_array_equal(got, A[5:7, 1:2, :])
+        assert sorted(set(reads)) == [(1, 0, 0), (1, 0, 1)]
+
+
+def test_slices_compose_with_queries_and_with_each_other():
+    b = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+    with tq.connect(devices=2, workers=2) as db:
+        a, w = db.from_numpy("a", A, tile=(4, 3, 2)), db.from_numpy("w", b, tile=(2, 3))
+        np.testing.assert_allclose((a[2:8, 3] @ w[:, 1:5]).numpy(), A[2:8, 3] @ b[:, 1:5],
+                                   rtol=1e-5)
+        np.testing.assert_array_equal(a[1:][2:6, ::1][1].numpy(), A[1:][2:6][1])
+        assert "scan a[" in (a[1:3] * 2).explain(stage="einsum")
+
+
+def test_bad_indices_say_why():
+    with tq.connect() as db:
+        a = db.from_numpy("a", A, tile=(4, 3, 2))
+        with pytest.raises(IndexError, match="out of bounds for dimension 1 of size 10"):
+            a[0, 10]
+        with pytest.raises(IndexError, match="too many indices"):
+            a[0, 0, 0, 0]
+        with pytest.raises(tq.UnsupportedError, match="only step 1"):
+            a[::2]
+        with pytest.raises(tq.UnsupportedError, match="store the expression first"):
+            (a * 2)[0]
+        with pytest.raises(tq.UnsupportedError, match="only ints, slices"):
+            a[[0, 1]]
