@@ -1,0 +1,444 @@
+"""Reverse-mode autodiff of the einsum graph: gradients are lazy einsum graphs too.
+
+``grad(loss, [W1, W2])`` walks the graph from ``loss`` back to the tensors asked for and
+builds, for each, an expression of extended einsums and maps -- so a gradient is lowered,
+partitioned, explained and run like any other query (and a training step is just another
+graph).
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> w = db.from_numpy("w", np.array([1.0, 2.0, 3.0]))
+>>> x = db.from_numpy("x", np.array([[1.0, 0.0, 2.0], [0.5, 1.0, 1.0]]))
+>>> loss = ((x @ w) ** 2).sum()
+>>> (g,) = tq.grad(loss, [w])
+>>> g.numpy().tolist()                 # 2 * x.T @ (x @ w)
+[19.5, 11.0, 39.0]
+
+The rules, per node (``g`` the adjoint of the node's value):
+
+- einsum with join ``mul`` and agg ``sum``: the adjoint of an operand is one einsum of ``g``
+  with the other operands (the classic rule; no intermediate over all labels is built);
+- any other (join, agg): the adjoint of the joined values over all labels is ``g`` broadcast
+  (sum), ``g`` routed to the extremum with ties sharing it evenly (max / min, as ``torch.amax``
+  / ``torch.amin``), or ``g`` times the product of the other values (prod, zeros handled: a
+  single zero gets the product of the rest, several zeros give 0, as ``torch.prod``); then the
+  join, folded left to right, is differentiated operand by operand (``max`` / ``min`` joins
+  split ties in half as ``torch.maximum``; ``pow`` follows ``torch.pow``'s masking at zero);
+  comparisons and the condition of ``where`` carry no gradient (their values are bool);
+- maps: the derivative of each function (relu's is 0 at 0, as torch's).
+
+Broadcast (size-1) dims are summed back to size 1 and repeated labels (``ii``) put the
+gradient on the diagonal. Integer and bool values carry no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from opt_einsum import get_symbol
+
+from tensorql.api.tensor import Tensor
+from tensorql.dtypes import torch_dtype
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, topological_order
+from tensorql.errors import DTypeError, ShapeError, TensorQLError
+
+__all__ = ["grad"]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class GradientError(TensorQLError, ValueError):
+    """A gradient that cannot be taken: an input the output does not depend on, or an output
+    that is not a single value and no ``grad_output`` was given."""
+
+
+def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
+         allow_unused: bool = False) -> list[Tensor]:
+    """The gradients of ``output`` with respect to each of ``inputs``, as lazy tensors.
+
+    ``output`` must hold one value (a loss) unless ``grad_output`` -- the adjoint of the
+    output, an array or tensor of its shape -- is given (a vector-Jacobian product, as
+    ``torch.autograd.grad``'s ``grad_outputs``). An input the output does not depend on raises
+    GradientError, or with ``allow_unused=True`` gets a zero gradient. Inputs may be stored
+    tensors, constants or any intermediate expression of the graph.
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> a = db.from_numpy("a", np.array([[1.0, -2.0], [3.0, 0.5]]))
+    >>> ga, = tq.grad(a.relu().max(axis=1).sum(), [a])
+    >>> ga.numpy().tolist()
+    [[1.0, 0.0], [1.0, 0.0]]
+    """
+    if not isinstance(output, Tensor):
+        raise GradientError(f"grad: the output must be a tensorql Tensor, got "
+                            f"{type(output).__name__}")
+    inputs = list(inputs)
+    for n, t in enumerate(inputs):
+        if not isinstance(t, Tensor):
+            raise GradientError(f"grad: input {n} is a {type(t).__name__}, not a tensorql "
+                                "Tensor")
+        if t.db is not output.db:
+            raise GradientError(f"grad: input {n} belongs to another database")
+        if t.dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"grad: input {n} has dtype {t.dtype}; only floating tensors "
+                             "have gradients")
+    if output.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"grad: the output has dtype {output.dtype}; only a floating output "
+                         "can be differentiated")
+    db = output.db
+    seed = _seed(output, grad_output)
+    adjoints = _backward(output.node, seed, {id(t.node) for t in inputs}, db)
+    grads = []
+    for n, t in enumerate(inputs):
+        g = adjoints.get(id(t.node))
+        if g is None:
+            if not allow_unused:
+                raise GradientError(f"grad: the output does not depend on input {n} "
+                                    f"({t.node.describe()}); pass allow_unused=True for a "
+                                    "zero gradient")
+            g = _constant(db, np.zeros(t.shape), t.dtype)
+        grads.append(g)
+    return grads
+
+
+def _seed(output: Tensor, grad_output: Any) -> Tensor:
+    if grad_output is None:
+        if math.prod(output.shape) != 1:
+            raise GradientError(f"grad: the output has shape {output.shape}; differentiate a "
+                                "single value (e.g. .sum()) or pass grad_output")
+        return _constant(output.db, np.ones(output.shape), output.dtype)
+    seed = output._operand(grad_output)
+    if seed.shape != output.shape:
+        raise ShapeError(f"grad: grad_output has shape {seed.shape} but the output has shape "
+                         f"{output.shape}")
+    return seed if seed.dtype == output.dtype else seed.astype(output.dtype)
+
+
+def _constant(db: Any, value: Any, dtype: str) -> Tensor:
+    return db.constant(torch.as_tensor(np.asarray(value)).to(torch_dtype(dtype)))
+
+
+def _backward(root: Node, seed: Tensor, wanted: set[int], db: Any) -> dict[int, Tensor]:
+    """Adjoints (by node id) of every node on a path from a ``wanted`` node to ``root``."""
+    order = topological_order(root)
+    on_path: set[int] = set()
+    for node in order:  # inputs first: a node is on a path when it or an input is
+        if node.dtype in FLOAT_DTYPES and (id(node) in wanted
+                                           or any(id(i) in on_path for i in node.inputs)):
+            on_path.add(id(node))
+    pending: dict[int, list[Tensor]] = {id(root): [seed]} if id(root) in on_path else {}
+    adjoints: dict[int, Tensor] = {}
+    for node in reversed(order):
+        parts = pending.pop(id(node), None)
+        if parts is None:
+            continue
+        g = parts[0]
+        for part in parts[1:]:
+            g = g + part
+        adjoints[id(node)] = g
+        needs = [k for k, i in enumerate(node.inputs) if id(i) in on_path]
+        if not needs:
+            continue
+        if isinstance(node, EinsumOp):
+            found = _einsum_adjoints(node, g, needs, db)
+        elif isinstance(node, MapOp):
+            found = {0: _map_adjoint(node, g, db)}
+        else:  # pragma: no cover - leaves have no inputs
+            found = {}
+        for k, part in found.items():
+            if part is not None:
+                pending.setdefault(id(node.inputs[k]), []).append(part)
+    return {k: v for k, v in adjoints.items() if k in wanted}
+
+
+# -- einsums ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Factor:
+    """A tensor whose dims carry ``labels`` (one character each), one term of a product."""
+
+    tensor: Tensor
+    labels: str
+
+
+@dataclass(frozen=True)
+class _Einsum:
+    """An einsum node with its labels renamed to single characters."""
+
+    node: EinsumOp
+    operands: tuple[Factor, ...]
+    output: str
+    every: str              # all labels, in order of first appearance
+    sizes: dict[str, int]
+    squeezed: tuple[tuple[bool, ...], ...]
+    db: Any
+
+    @classmethod
+    def of(cls, node: EinsumOp, db: Any) -> _Einsum:
+        spec = node.spec
+        names: dict[str, str] = {}
+        for labels in spec.inputs:
+            for label in labels:
+                names.setdefault(label, get_symbol(len(names)))
+        operands = tuple(Factor(Tensor(x, db), "".join(names[lab] for lab in labels))
+                         for x, labels in zip(node.operands, spec.inputs))
+        return cls(node=node, operands=operands,
+                   output="".join(names[lab] for lab in spec.output),
+                   every="".join(names.values()),
+                   sizes={names[lab]: n for lab, n in spec.sizes.items()},
+                   squeezed=spec.squeezed, db=db)
+
+    @property
+    def dtype(self) -> str:
+        return self.node.dtype
+
+    def fresh(self, used: str) -> str:
+        """A label not among ``self.every`` nor ``used``."""
+        k = len(self.every)
+        while get_symbol(k) in used:
+            k += 1
+        return get_symbol(k)
+
+    def const(self, value: Any) -> Tensor:
+        return _constant(self.db, value, self.dtype)
+
+    def full_labels(self, factor: Factor) -> set[str]:
+        """The labels a factor carries at their full size (not broadcast from size 1)."""
+        return {lab for lab, n in zip(factor.labels, factor.tensor.shape)
+                if n == self.sizes[lab]}
+
+    def einsum(self, factors: Sequence[Factor], out: str, join: str = "mul",
+               agg: str = "sum") -> Tensor:
+        from tensorql.api.einsum import einsum
+
+        equation = ",".join(f.labels for f in factors) + "->" + out
+        return einsum(equation, *[f.tensor for f in factors], join=join, agg=agg)
+
+    def contract(self, factors: Sequence[Factor], keep: str, scale: float = 1.0) -> Tensor:
+        """The product of ``factors`` (each broadcast over all labels) summed over every label
+        not in ``keep``; a label no factor carries at full size counts its size."""
+        full: set[str] = set()
+        for f in factors:
+            full |= self.full_labels(f)
+        terms = list(factors)
+        for lab in keep:
+            if lab not in full:
+                terms.append(Factor(self.const(np.ones(self.sizes[lab])), lab))
+        count = math.prod(self.sizes[lab] for lab in self.every
+                          if lab not in full and lab not in keep)
+        if len(terms) == 1 and terms[0].labels == keep:
+            result = terms[0].tensor
+        elif not terms:
+            result = self.const(np.ones(()))
+        else:
+            result = self.einsum(terms, keep)
+        factor = scale * count
+        return result if factor == 1 else result * float(factor)
+
+    def to_operand(self, k: int, factors: Sequence[Factor], scale: float = 1.0) -> Tensor:
+        """The adjoint of operand ``k``: ``factors`` contracted onto its labels, then shaped
+        as the operand (size-1 dims where it was broadcast, values on the diagonal of a
+        repeated label)."""
+        labels, squeezed = self.operands[k].labels, self.squeezed[k]
+        keep = "".join(dict.fromkeys(lab for lab, sq in zip(labels, squeezed) if not sq))
+        result = self.contract(factors, keep, scale)
+        dtype = self.node.operands[k].dtype
+        if keep != labels:
+            result = self._shape_as(k, result, keep)
+        return result if result.dtype == dtype else result.astype(dtype)
+
+    def _shape_as(self, k: int, result: Tensor, keep: str) -> Tensor:
+        """``result`` over ``keep`` shaped as operand ``k``: size-1 dims where it was
+        broadcast, values on the diagonal of a repeated label."""
+        labels, squeezed = self.operands[k].labels, self.squeezed[k]
+        terms, out, seen, used = [Factor(result, keep)], "", set(), labels
+        for lab, sq in zip(labels, squeezed):
+            if sq:
+                extra = self.fresh(used)
+                terms.append(Factor(self.const(np.ones(1)), extra))
+            elif lab in seen:
+                extra = self.fresh(used)
+                terms.append(Factor(self.const(np.eye(self.sizes[lab])), lab + extra))
+            else:
+                seen.add(lab)
+                extra = lab
+            used += extra
+            out += extra
+        return self.einsum(terms, out)
+
+
+def _unique(labels: str) -> str:
+    return "".join(dict.fromkeys(labels))
+
+
+def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
+                     db: Any) -> dict[int, Tensor]:
+    e = _Einsum.of(node, db)
+    spec = node.spec
+    grads: dict[int, Tensor] = {}
+    out = Factor(g, e.output)
+    if spec.join == "mul" and spec.agg == "sum":  # the classic rule, one einsum per operand
+        for k in needs:
+            others = [f for j, f in enumerate(e.operands) if j != k]
+            grads[k] = e.to_operand(k, [out, *others])
+        return grads
+    adjoint = _aggregate_adjoint(e, out)  # of the joined values, over all labels
+    if spec.join == "where":
+        cond = e.operands[0]
+        true = cond.tensor.astype(e.dtype)
+        picks = {1: Factor(true, cond.labels), 2: Factor(1.0 - true, cond.labels)}
+        for k in needs:
+            if k in picks:
+                grads[k] = e.to_operand(k, [*adjoint, picks[k]])
+        return grads
+    if len(e.operands) == 1:
+        return {0: e.to_operand(0, adjoint)}
+    # the join folded left to right: prefix[j] = JOIN(x0 .. xj) over the labels seen so far
+    prefix = [e.operands[0]]
+    for j in range(1, len(e.operands)):
+        labels = _unique(prefix[-1].labels + e.operands[j].labels)
+        if j == len(e.operands) - 1 and not spec.aggregated:
+            prefix.append(Factor(Tensor(node, db), e.output))  # the node itself
+        else:
+            prefix.append(Factor(e.einsum([prefix[-1], e.operands[j]], labels, join=spec.join),
+                                 labels))
+    scale = 1.0
+    for j in range(len(e.operands) - 1, 0, -1):
+        (da, sa), (db_, sb) = _join_partials(e, spec.join, prefix[j - 1], e.operands[j],
+                                             prefix[j])
+        if j in needs:
+            grads[j] = e.to_operand(j, [*adjoint, *db_], scale * sb)
+        adjoint = [*adjoint, *da]
+        scale *= sa
+    if 0 in needs:
+        grads[0] = e.to_operand(0, adjoint, scale)
+    return grads
+
+
+def _joined(e: _Einsum) -> Factor:
+    """The joined values over every label (before aggregation)."""
+    if not e.node.spec.aggregated:
+        return Factor(Tensor(e.node, e.db), e.output)
+    return Factor(e.einsum(e.operands, e.every, join=e.node.spec.join), e.every)
+
+
+def _aggregate_adjoint(e: _Einsum, out: Factor) -> list[Factor]:
+    """Factors whose product is the adjoint of the joined values (over all labels)."""
+    spec = e.node.spec
+    if not spec.aggregated or spec.agg == "sum":
+        return [out]
+    z = _joined(e)
+    value = Factor(Tensor(e.node, e.db), e.output)
+    if spec.agg in ("max", "min"):  # ties share the gradient evenly (torch.amax / amin)
+        hit = Factor(e.einsum([z, value], e.every, join="eq").astype(e.dtype), e.every)
+        count = e.einsum([hit], e.output)
+        return [out, hit, Factor(count._map("rdiv", 1.0), e.output)]
+    # prod: d/dz_i = product of the others; with one zero only that zero gets the product of
+    # the rest, with two or more every derivative is 0
+    zero = z.tensor.eq(0.0).astype(e.dtype)
+    nonzero = z.tensor + zero  # zeros read as 1
+    product = e.einsum([Factor(nonzero, e.every)], e.output, agg="prod")
+    zeros = e.einsum([Factor(zero, e.every)], e.output)
+    none_zero = Factor(zeros.eq(0.0).astype(e.dtype), e.output)
+    one_zero = Factor(zeros.eq(1.0).astype(e.dtype), e.output)
+    rest = Factor(product, e.output)
+    without = e.einsum([rest, none_zero, Factor(nonzero._map("rdiv", 1.0), e.every)], e.every)
+    at_zero = e.einsum([rest, one_zero, Factor(zero, e.every)], e.every)
+    return [out, Factor(without + at_zero, e.every)]
+
+
+Partial = tuple[list[Factor], float]
+
+
+def _join_partials(e: _Einsum, join: str, a: Factor, b: Factor,
+                   out: Factor) -> tuple[Partial, Partial]:
+    """d JOIN(a, b) / da and / db as factor lists with a scale (the local derivatives of one
+    step of the fold; ``out`` is its value)."""
+    labels = out.labels
+    if join == "add":
+        return ([], 1.0), ([], 1.0)
+    if join == "sub":
+        return ([], 1.0), ([], -1.0)
+    if join == "mul":
+        return ([b], 1.0), ([a], 1.0)
+    if join == "div":
+        inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
+        return ([inverse], 1.0), ([out, inverse], -1.0)
+    if join in ("max", "min"):  # torch.maximum / minimum: a tie gives each half
+        wins = "gt" if join == "max" else "lt"
+        tie = e.einsum([a, b], labels, join="eq").astype(e.dtype) * 0.5
+        a_wins = e.einsum([a, b], labels, join=wins).astype(e.dtype)
+        b_wins = e.einsum([b, a], labels, join=wins).astype(e.dtype)
+        return ([Factor(a_wins + tie, labels)], 1.0), ([Factor(b_wins + tie, labels)], 1.0)
+    if join == "pow":  # as torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)
+        lower = Factor(b.tensor - 1.0, b.labels)
+        da = e.einsum([b, Factor(e.einsum([a, lower], labels, join="pow"), labels)], labels)
+        da = _zero_where(e, [Factor(b.tensor.eq(0.0), b.labels)], da, labels)
+        db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
+        db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
+                              Factor(b.tensor >= 0.0, b.labels)], db_, labels)
+        return ([Factor(da, labels)], 1.0), ([Factor(db_, labels)], 1.0)
+    raise GradientError(f"no gradient for join {join!r}")  # pragma: no cover - bool joins
+
+
+def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str) -> Tensor:
+    """0 where every one of ``conditions`` holds, else ``value`` (so a NaN or inf of
+    ``value`` there is dropped, not multiplied by 0)."""
+    cond = conditions[0] if len(conditions) == 1 else \
+        Factor(e.einsum(conditions, labels, join="min"), labels)  # min of bools: and
+    zero = Factor(e.const(np.zeros(())), "")
+    return e.einsum([cond, zero, Factor(value, labels)], labels, join="where")
+
+
+# -- maps ------------------------------------------------------------------------------------
+def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
+    x, out, dtype = Tensor(node.operand, db), Tensor(node, db), node.dtype
+    fn, c = node.fn, node.scalar
+
+    def step(cond: Tensor) -> Tensor:
+        return cond.astype(dtype)
+
+    if fn == "cast":
+        return g.astype(x.dtype)
+    if fn in ("shift",):
+        return g
+    if fn in ("neg", "rsub"):
+        return -g
+    if fn == "scale":
+        return g * float(c)
+    if fn == "exp":
+        return g * out
+    if fn == "log":
+        return g / x
+    if fn == "relu":
+        return g * step(x > 0.0)
+    if fn == "abs":
+        return g * (step(x > 0.0) - step(x < 0.0))
+    if fn == "sqrt":
+        return (g / out) * 0.5
+    if fn == "rsqrt":
+        return g * (out * out * out) * -0.5
+    if fn == "square":
+        return g * x * 2.0
+    if fn == "tanh":
+        return g * (1.0 - out * out)
+    if fn == "sigmoid":
+        return g * out * (1.0 - out)
+    if fn == "silu":
+        s = x.sigmoid()
+        return g * s * (x * (1.0 - s) + 1.0)
+    if fn == "rdiv":
+        return -(g * out / x)
+    if fn == "pow":
+        if c == 0:
+            return g * 0.0
+        return g * x._map("pow", float(c) - 1.0) * float(c)
+    if fn == "maximum":
+        return g * step(x >= float(c))
+    if fn == "minimum":
+        return g * step(x <= float(c))
+    raise GradientError(f"no gradient for map {fn!r}")
