@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo distributed-demo bench lint clean
+.PHONY: setup test demo distributed-demo train-demo bench lint clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ demo: setup
 
 distributed-demo: setup
 	$(BIN)/tensorql distributed-demo --ranks $(or $(RANKS),2)
+
+train-demo: setup
+	$(BIN)/tensorql train-demo --steps $(or $(STEPS),200)
 
 bench: setup
 	$(BIN)/python bench/cpu_einsum.py

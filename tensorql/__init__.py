@@ -7,6 +7,7 @@
 [4.0, 4.0, 4.0]
 """
 
+from tensorql.api import optim
 from tensorql.api.autodiff import GradientError, grad
 from tensorql.api.database import Database, connect
 from tensorql.api.einsum import einsum
@@ -36,5 +37,5 @@ __all__ = [
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
-    "einsum", "optimize", "where", "grad", "GradientError",
+    "einsum", "optimize", "where", "grad", "GradientError", "optim",
 ]

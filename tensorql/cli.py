@@ -5,6 +5,7 @@
     tensorql explain "SELECT * FROM EINSUM('ij,jk->ik', A, B)" --db work.duckdb [--analyze]
     tensorql demo [--help]
     tensorql distributed-demo [--ranks K] [--help]
+    tensorql train-demo [--steps N] [--db FILE] [--help]
     tensorql --version
 
 Results print as a box of rows (like DuckDB's shell), at most ``--max-rows`` of them with a
@@ -130,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("distributed-demo", help="run a LLaMA block on K local torch.distributed "
                    "ranks and print rank 0's EXPLAIN ANALYZE (--help lists its options)",
                    add_help=False)
+    sub.add_parser("train-demo", help="train an MLP on scikit-learn's digits with tensorql "
+                   "(autodiff + Adam, checkpoints in the store) next to PyTorch "
+                   "(--help lists its options)", add_help=False)
     return ap
 
 
@@ -143,11 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     if args.command == "demo":  # its own options pass through
         return _cmd_demo(rest)
-    if args.command == "distributed-demo":
-        from tensorql import distributed_demo
+    if args.command in ("distributed-demo", "train-demo"):
+        from tensorql import distributed_demo, train_demo
 
+        demo = distributed_demo if args.command == "distributed-demo" else train_demo
         try:
-            return distributed_demo.main(rest)
+            return demo.main(rest)
         except SystemExit as done:  # its --help and usage errors
             return int(done.code or 0)
     if rest:

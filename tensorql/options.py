@@ -133,6 +133,12 @@ class Options:
             the machine's physical memory. When given, the chunk cache is capped at 1/8 of it
             and DuckDB's memory at 1/4; a dense result that cannot fit in what is left (or in
             the memory the system has available) fails up front with MemoryLimitError.
+        deterministic: bit-identical results run after run (as
+            ``torch.use_deterministic_algorithms``): every contribution to an output chunk is
+            accumulated by one task in a fixed order, and tasks run on one worker thread
+            whose kernels use every core (``intra_op_threads``); concurrent chunk kernels
+            were seen to round differently from run to run. Costs the overlap of tasks.
+            Training resumed from a checkpoint then ends with identical weights.
     """
 
     workers: int = 0
@@ -150,8 +156,11 @@ class Options:
     distributed: bool = False
     distributed_timeout_s: float = 120.0
     process_memory_limit: int | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.deterministic:
+            object.__setattr__(self, "workers", 1)
         if self.workers <= 0:
             object.__setattr__(self, "workers", _default_workers())
         if self.intra_op_threads <= 0:
@@ -188,7 +197,7 @@ class Options:
                 except ValueError as err:
                     raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not an integer") \
                         from err
-            elif f.name in ("progress", "distributed"):
+            elif f.name in ("progress", "distributed", "deterministic"):
                 values[f.name] = raw.lower() in ("1", "true", "yes", "on")
             elif f.name == "distributed_timeout_s":
                 try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,10 +37,10 @@ from tensorql.exec.distributed import (
 )
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
-from tensorql.exec.run_types import ProgressCallback
+from tensorql.exec.run_types import ProgressCallback, RunStats
 from tensorql.exec.runtime import Runtime, executor_for
 from tensorql.grid import Key
-from tensorql.logical.lower import contraction_paths, lower
+from tensorql.logical.lower import contraction_paths, lower, lower_many
 from tensorql.logical.plan import LogicalNode, explain_logical, walk
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
@@ -110,8 +110,7 @@ class CompiledQuery:
             partition, physical = _partition(logical, db, count, max_temp)
         else:
             physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp,
-                                          fuse_bytes=_fuse_bytes(options.memory_limit),
-                                          min_tasks=2 * options.workers)
+                                          **_series(options, options.memory_limit, 1))
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
                    partition=partition)
 
@@ -182,6 +181,96 @@ class CompiledQuery:
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
         return get_backend(self.backend).explain(self, analyze)
+
+
+@dataclass(frozen=True)
+class CompiledGroup:
+    """Several expressions planned and run as one query: a subgraph they share is computed
+    once (a training step's forward pass feeds the loss and every gradient and update).
+
+    On one device (native backend) the outputs are the results of one physical plan. With
+    several devices the optimizer plans one root at a time, so each output is its own
+    partitioned query (shared work is then recomputed per output; ``explain`` says so).
+
+    >>> import torch, tensorql as tq
+    >>> db = tq.connect()
+    >>> a = db.from_torch("a", torch.ones(3, 4), tile=(2, 2))
+    >>> group = CompiledGroup.compile([tq.einsum("ij->i", a).node, (a * 2).node], db)
+    >>> [t.tolist() for t in group.run()][0], len(group.physical.steps)
+    ([4.0, 4.0, 4.0], 3)
+    """
+
+    nodes: tuple[Node, ...]
+    db: Session
+    physical: PhysicalPlan | None = None       # the one plan of every output (one device)
+    queries: tuple[CompiledQuery, ...] = ()    # else a query per output
+    last_stats: list[RunStats] = field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def compile(cls, nodes: list[Node], db: Session) -> CompiledGroup:
+        options = db.options
+        if not nodes:
+            raise PlanError("a group of queries needs at least one expression")
+        if job_devices(options) > 1 or options.backend != "native" or options.distributed:
+            return cls(nodes=tuple(nodes), db=db,
+                       queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
+        roots = lower_many(nodes)
+        for root in roots:
+            check_task_count(root)
+        physical = PhysicalPlan.build(roots[0], db.chunk_store,
+                                      max_temp_elems=max(1, options.kernel_temp_bytes // 4),
+                                      **_series(options, options.memory_limit, 1),
+                                      also=tuple(roots[1:]))
+        return cls(nodes=tuple(nodes), db=db, physical=physical)
+
+    def run(self, progress: ProgressCallback | None = None) -> list[torch.Tensor]:
+        """Every output as a dense tensor, in the order given."""
+        if self.physical is None:
+            return [q.run(progress=progress, dense=True).dense() for q in self.queries]
+        db = self.db
+        if any(d.startswith("null") for d in device_names(db.options.devices)):
+            raise ExecutionError(f"devices={db.options.devices!r}: null devices compute no "
+                                 "values, so there are no results to return")
+        steps = self.physical.output_steps
+        outs = {}
+        for step in steps:
+            rel = step.relation
+            check_dense_fits(rel, db.options)
+            outs.setdefault(step.id, (rel, torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))))
+
+        def destination(ref):
+            if ref.step in outs:
+                rel, out = outs[ref.step]
+                return out[rel.grid.slices(ref.key)]
+            return None
+
+        def sink(ref, chunk):
+            rel, out = outs[ref.step]
+            tile = out[rel.grid.slices(ref.key)]
+            if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
+                tile.copy_(chunk)
+
+        self.last_stats.clear()
+        result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
+                                              sink=sink, destination=destination,
+                                              keep_outputs=False)
+        self.last_stats.append(result.stats)
+        return [outs[step.id][1] for step in steps]
+
+    def explain(self, analyze: bool = False) -> str:
+        """The plan of the whole group (one plan on one device, else one per output)."""
+        if self.physical is None:
+            parts = [f"-- output {k} of {len(self.queries)} (planned on its own: the "
+                     "optimizer partitions one root at a time)\n" + q.explain(analyze=analyze)
+                     for k, q in enumerate(self.queries)]
+            return "\n".join(parts)
+        stats = None
+        if analyze:
+            self.run()
+            stats = self.last_stats[0]
+        names = ", ".join(f"[{k}] {n.describe()}" for k, n in enumerate(self.nodes))
+        title = f"EXPLAIN{' ANALYZE' if analyze else ''} {len(self.nodes)} outputs: {names}"
+        return render_plan(self.physical, stats, title=title)
 
 
 def job_devices(options: Options) -> int:
@@ -258,6 +347,17 @@ def _partition(logical: LogicalNode, db: Session, devices: int,
             f"{minimum} bytes ({format_bytes(minimum)})", minimum=minimum) from None
 
 
+def _series(options: Options, limit: int | None, devices: int) -> dict[str, Any]:
+    """How contributions to one output chunk are grouped into tasks: by default in series
+    of at most ``memory_limit // 4`` bytes of inputs and at least two tasks per worker of a
+    device; with ``Options.deterministic`` one task per output chunk (one accumulation
+    order, so a run gives the same bits every time)."""
+    if options.deterministic:
+        return {"fuse_bytes": None, "min_tasks": 1}
+    return {"fuse_bytes": _fuse_bytes(limit),
+            "min_tasks": 2 * max(1, options.workers // devices)}
+
+
 def _fuse_bytes(memory_limit: int | None) -> int | None:
     """The input bytes one task may fold in series: a quarter of the memory limit."""
     return None if memory_limit is None else max(1, memory_limit // 4)
@@ -276,8 +376,7 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
                 raise
             break
         physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
-                                     fuse_bytes=_fuse_bytes(limit),
-                                     min_tasks=2 * max(1, db.options.workers // devices))
+                                     **_series(db.options, limit, devices))
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:

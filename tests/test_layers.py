@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sql",),
     ("api",),
     ("models",),
-    ("demo", "distributed_demo", "cli", "__init__"),
+    ("demo", "distributed_demo", "train_demo", "cli", "__init__"),
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 

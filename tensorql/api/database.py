@@ -239,6 +239,54 @@ class Database:
         self.generation += 1
         return self.tensor(name)
 
+    def compute(self, *exprs: Tensor) -> list[torch.Tensor]:
+        """Several expressions computed by one query (a subgraph they share runs once), as
+        dense torch tensors in the order given.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> a = db.from_numpy("a", np.arange(4.0))
+        >>> [t.tolist() for t in db.compute(a.sum(), a * 2)]
+        [6.0, [0.0, 2.0, 4.0, 6.0]]
+        """
+        from tensorql.pipeline import CompiledGroup
+
+        tensors = [self.constant(e) if not isinstance(e, Tensor) else e for e in exprs]
+        return CompiledGroup.compile([t.node for t in tensors], self).run()
+
+    def store_many(self, items: dict[str, Any], *, replace: bool = False) -> list[Tensor]:
+        """Compute every expression (one query, shared work once) and store them all in one
+        commit: after a crash either all are stored or none (a training checkpoint). Values may
+        be expressions, arrays or torch tensors; a name already stored keeps its tiling.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> a = db.from_numpy("a", np.arange(4.0))
+        >>> [t.shape for t in db.store_many({"s": a.sum(), "d": a * 2})]
+        [(), (4,)]
+        """
+        names = list(items)
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+            if not replace and self.chunk_store.has(name):
+                raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
+        values = self.compute(*items.values())
+        writes = []
+        for name, value in zip(names, values):
+            tile = None
+            if self.chunk_store.has(name):
+                old = self.chunk_store.meta(name)
+                tile = old.grid.tile if old.shape == tuple(value.shape) else None
+            grid = ChunkGrid(tuple(value.shape), self._tile(value.shape, tile))
+            meta = TensorMeta(name=name, shape=grid.shape,
+                              dtype=canonical_dtype(value.dtype), grid=grid)
+            writes.append((meta, [(key, value[grid.slices(key)].contiguous())
+                                  for key in grid.keys()]))
+        self.chunk_store.put_tensors(writes, replace=replace)
+        self.generation += 1
+        return [self.tensor(name) for name in names]
+
     # -- expressions ------------------------------------------------------------------
     def constant(self, value: Any) -> Tensor:
         """An in-memory literal usable in expressions (not stored)."""

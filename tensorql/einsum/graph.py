@@ -166,6 +166,38 @@ def topological_order(*roots: Node) -> list[Node]:
     return inputs_first(*roots)
 
 
+def substitute(root: Node, leaves: dict[str, Node]) -> Node:
+    """``root``'s graph with every whole stored tensor named in ``leaves`` replaced by the
+    node given for it (e.g. a weight read from the store by an in-memory copy being trained);
+    nodes that do not depend on a replaced one are kept as they are.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> a = Source(name="A", shape=(2,), dtype="float32", grid=ChunkGrid((2,), (2,)))
+    >>> b = Source(name="B", shape=(2,), dtype="float32", grid=ChunkGrid((2,), (2,)))
+    >>> new = substitute(EinsumOp.build("i,i->", [a, a]), {"A": b})
+    >>> [n.describe() for n in topological_order(new)]
+    ['scan B', 'einsum i,i->']
+    """
+    import dataclasses
+
+    done: dict[int, Node] = {}
+    for node in topological_order(root):
+        if isinstance(node, Source) and node.offset is None and node.name in leaves:
+            new = leaves[node.name]
+            if new.shape != node.shape or new.dtype != node.dtype:
+                raise ShapeError(f"cannot put a {new.shape} {new.dtype} tensor in place of "
+                                 f"{node.name!r} ({node.shape} {node.dtype})")
+            done[id(node)] = new
+        elif isinstance(node, EinsumOp) and any(done[id(i)] is not i for i in node.operands):
+            done[id(node)] = dataclasses.replace(
+                node, operands=tuple(done[id(i)] for i in node.operands))
+        elif isinstance(node, MapOp) and done[id(node.operand)] is not node.operand:
+            done[id(node)] = dataclasses.replace(node, operand=done[id(node.operand)])
+        else:
+            done[id(node)] = node
+    return done[id(root)]
+
+
 def explain_graph(root: Node) -> str:
     """The einsum graph as text, one node a line, inputs first (the EXPLAIN stage "einsum").
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,12 +38,24 @@ class Workload:
     output: Tensor
     arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     reference_fn: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    params: Any = field(default=None, repr=False, compare=False)
 
     def reference(self) -> np.ndarray:
         """The result computed with plain torch (materialized workloads only)."""
         if self.reference_fn is None:
             raise ValueError(f"workload {self.name!r} was built without data")
         return self.reference_fn().numpy()
+
+    def reference_with(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The torch reference computed from ``tensors`` (stored name -> torch tensor, e.g.
+        leaves with ``requires_grad`` for a training step) in place of the stored arrays."""
+        if self.reference_fn is None or self.params is None:
+            raise ValueError(f"workload {self.name!r} was built without data")
+        self.params.overrides = dict(tensors)
+        try:
+            return self.reference_fn()
+        finally:
+            self.params.overrides = {}
 
 
 class _Params:
@@ -54,6 +67,7 @@ class _Params:
         self.materialize = materialize
         self.rng = np.random.default_rng(seed)
         self.arrays: dict[str, np.ndarray] = {}
+        self.overrides: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...], scale: float = 1.0,
                  value: np.ndarray | None = None) -> Tensor:
@@ -67,7 +81,10 @@ class _Params:
         return self.db.from_numpy(full, value, replace=True)
 
     def t(self, name: str) -> torch.Tensor:
-        return torch.from_numpy(self.arrays[f"{self.prefix}{name}"])
+        full = f"{self.prefix}{name}"
+        if full in self.overrides:
+            return self.overrides[full]
+        return torch.from_numpy(self.arrays[full])
 
 
 def _reference(params: _Params, fn: Callable[[], torch.Tensor]) -> Callable | None:
@@ -83,7 +100,7 @@ def mlp(db, batch: int = 64, d_model: int = 512, d_ff: int = 2048, *, materializ
     w2 = p("w2", (d_ff, d_model), 1 / math.sqrt(d_ff))
     out = (x @ w1).relu() @ w2
     return Workload("mlp", out, p.arrays, _reference(
-        p, lambda: torch.relu(p.t("x") @ p.t("w1")) @ p.t("w2")))
+        p, lambda: torch.relu(p.t("x") @ p.t("w1")) @ p.t("w2")), p)
 
 
 def _causal_mask(seq: int) -> np.ndarray:
@@ -126,7 +143,7 @@ def attention(db, batch: int = 4, seq: int = 128, d_model: int = 512, heads: int
     mask = p("mask", (seq, seq), value=mask_np)
     out = _attention(x, *ws, wo, mask, head_dim)
     return Workload("attention", out, p.arrays, _reference(p, lambda: _torch_attention(
-        p.t("x"), p.t("wq"), p.t("wk"), p.t("wv"), p.t("wo"), p.t("mask"), head_dim)))
+        p.t("x"), p.t("wq"), p.t("wk"), p.t("wv"), p.t("wo"), p.t("mask"), head_dim)), p)
 
 
 def _rope_tables(seq: int, head_dim: int, base: float = 10000.0):
@@ -227,7 +244,7 @@ def llama(db, layers: int = 32, batch: int = 1, seq: int = 2048, d_model: int = 
             y = _torch_block(p, y, layer, eps, head_dim)
         return y
 
-    return Workload(f"llama{layers}", out, p.arrays, _reference(p, reference))
+    return Workload(f"llama{layers}", out, p.arrays, _reference(p, reference), p)
 
 
 def llama_block(db, batch: int = 2, seq: int = 64, d_model: int = 256, heads: int = 4,
@@ -236,4 +253,4 @@ def llama_block(db, batch: int = 2, seq: int = 64, d_model: int = 256, heads: in
     """One LLaMA decoder block (see :func:`llama`)."""
     w = llama(db, 1, batch, seq, d_model, heads, head_dim, d_ff, eps, materialize=materialize,
               seed=seed, prefix=prefix)
-    return Workload("llama_block", w.output, w.arrays, w.reference_fn)
+    return Workload("llama_block", w.output, w.arrays, w.reference_fn, w.params)

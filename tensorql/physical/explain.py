@@ -42,7 +42,11 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
         lines.extend(device_lines())
     lines.extend(extra or [])
     seen: set[int] = set()
-    _render(plan, plan.root, "", "", lines, stats, seen)
+    roots = (plan.root, *plan.also)
+    for k, root in enumerate(roots):
+        if len(roots) > 1:
+            lines.append(f"output {k}:")
+        _render(plan, root, "", "", lines, stats, seen)
     return "\n".join(lines)
 
 
@@ -79,13 +83,26 @@ def _render(plan: PhysicalPlan, node: LogicalNode, prefix: str, child_prefix: st
         lines[-1] = f"{prefix}[{step.id}] (shared, see above)"
         return
     seen.add(step.id)
-    children = list(node.inputs)
-    if isinstance(node, Aggregate) and isinstance(node.input, Join):
-        children = list(node.input.inputs)
+    children = _children(plan, node, step.id)
     for n, child in enumerate(children):
         last = n == len(children) - 1
         _render(plan, child, child_prefix + ("└─ " if last else "├─ "),
                 child_prefix + ("   " if last else "│  "), lines, stats, seen)
+
+
+def _children(plan: PhysicalPlan, node: LogicalNode, sid: int) -> list[LogicalNode]:
+    """The inputs of ``node``'s step: a join fused into its aggregate, or a pointwise node
+    fused into this step, shows its own inputs instead."""
+    children = list(node.inputs)
+    if isinstance(node, Aggregate) and isinstance(node.input, Join):
+        children = list(node.input.inputs)
+    out: list[LogicalNode] = []
+    for child in children:
+        if plan.step_of.get(id(child)) == sid and child is not node:
+            out.extend(c for c in _children(plan, child, sid) if c not in out)
+        elif child not in out:
+            out.append(child)
+    return out
 
 
 def step_transfers(plan: PhysicalPlan) -> dict[int, dict[tuple[int, int], int]]:

@@ -202,3 +202,90 @@ class ContractSeries:
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return self.kernel.combine(acc, partial)
+
+
+@dataclass(frozen=True)
+class FusedArg:
+    """One argument of a fused op: external input ``index`` (>= 0) or the result of op
+    ``-index - 1``; ``dim`` is the dim sliced into row blocks (None: taken whole, a
+    broadcast input without the blocked label)."""
+
+    index: int
+    dim: int | None
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """A pointwise kernel (a map, or a join with no aggregation) inside a fused chain."""
+
+    kernel: MapChunk | ContractChunk
+    args: tuple[FusedArg, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class FusedPointwise(_NoCombine):
+    """A chain of pointwise kernels over one output chunk, evaluated block by block of rows
+    (along output dim ``dim``) so that the intermediates stay in cache: one pass over memory
+    instead of one per op, one task instead of one per op and chunk.
+
+    >>> m = MapChunk("exp", None, "float32")
+    >>> j = ContractChunk((("i", "j"), ("i", "j")), ("i", "j"), join="add")
+    >>> k = FusedPointwise((FusedOp(m, (FusedArg(0, 0),)),
+    ...                     FusedOp(j, (FusedArg(-1, 0), FusedArg(1, 0)))), dim=0,
+    ...                    block_elems=2)
+    >>> k.run([torch.zeros(3, 2), torch.ones(3, 2)], None).tolist()
+    [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+    """
+
+    ops: tuple[FusedOp, ...]
+    dim: int | None
+    block_elems: int = 1 << 18
+
+    def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        results: list[torch.Tensor] = []
+        for op in self.ops:
+            args = []
+            for arg in op.args:
+                if arg.index < 0:
+                    args.append(results[-arg.index - 1])
+                elif arg.dim is None or self.dim is None:
+                    args.append(inputs[arg.index])
+                else:
+                    args.append(inputs[arg.index].narrow(arg.dim, lo, hi - lo))
+            results.append(op.kernel.run(args, None))
+        return results[-1]
+
+    def _rows(self, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """The blocked dim's size and the rows of a block."""
+        for op in self.ops:
+            for arg in op.args:
+                if arg.index >= 0 and arg.dim is not None:
+                    x = inputs[arg.index]
+                    n = x.shape[arg.dim]
+                    return n, max(1, self.block_elems // max(1, x.numel() // max(1, n)))
+        return 1, 1
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        n, rows = self._rows(inputs)
+        if self.dim is None or rows >= n:
+            return self._eval(inputs, 0, n)
+        first = self._eval(inputs, 0, rows)
+        shape = list(first.shape)
+        shape[self.dim] = n
+        out = torch.empty(shape, dtype=first.dtype)
+        out.narrow(self.dim, 0, rows).copy_(first)
+        self._fill(out, inputs, rows, n, rows)
+        return out
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Like ``run(inputs, None)`` but written into ``out`` block by block."""
+        n, rows = self._rows(inputs)
+        if self.dim is None or out.dim() == 0:
+            return out.copy_(self._eval(inputs, 0, n))
+        self._fill(out, inputs, 0, n, rows)
+        return out
+
+    def _fill(self, out, inputs, start: int, n: int, rows: int) -> None:
+        for lo in range(start, n, rows):
+            hi = min(n, lo + rows)
+            out.narrow(self.dim, lo, hi - lo).copy_(self._eval(inputs, lo, hi))

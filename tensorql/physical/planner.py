@@ -40,6 +40,9 @@ from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
     ContractSeries,
+    FusedArg,
+    FusedOp,
+    FusedPointwise,
     LoadChunk,
     LoadPiece,
     MapChunk,
@@ -83,6 +86,7 @@ class PhysicalPlan:
     partition: PartitionPlan | None = None  # set for a plan partitioned across devices
     chunk_sizes: dict[ChunkRef, int] | None = None  # bytes of chunks without a grid
     chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] | None = None  # their shapes
+    also: tuple[LogicalNode, ...] = ()  # further results of a multi-output plan
     # the task graph, made once on first use (a query run again reuses it, and with it the
     # memory plans the runtime keeps on it)
     _graph_memo: list[TaskGraph] = field(default_factory=list, init=False, compare=False,
@@ -93,6 +97,12 @@ class PhysicalPlan:
         if self.result_id is not None:
             return self.steps[self.result_id]
         return self.steps[self.step_of[id(self.root)]]
+
+    @property
+    def output_steps(self) -> tuple[Step, ...]:
+        """The step of each result: the root's, then each of ``also`` (a multi-output plan:
+        a training step's loss, new weights and optimizer state, computed together)."""
+        return (self.result_step,) + tuple(self.steps[self.step_of[id(n)]] for n in self.also)
 
     @property
     def devices(self) -> int:
@@ -123,7 +133,7 @@ class PhysicalPlan:
                     meta[task.output] = (shape, rel.dtype)
         return TaskGraph(
             tasks=tuple(t for s in self.steps for t in s.tasks),
-            retain=frozenset({self.result_step.id}),
+            retain=frozenset(s.id for s in self.output_steps),
             step_names={s.id: s.name for s in self.steps},
             chunk_bytes=sizes,
             chunk_meta=meta,
@@ -132,22 +142,87 @@ class PhysicalPlan:
     @classmethod
     def build(cls, root: LogicalNode, store: ChunkStore | None,
               max_temp_elems: int = 1 << 24, fuse_bytes: int | None = None,
-              min_tasks: int = 4) -> PhysicalPlan:
-        """The plan of ``root``; contributions to one output chunk are grouped into series
+              min_tasks: int = 4, also: tuple[LogicalNode, ...] = (),
+              fuse_pointwise: bool = True) -> PhysicalPlan:
+        """The plan of ``root`` (and of ``also``, further results sharing its steps where
+        their graphs do); contributions to one output chunk are grouped into series
         (see :class:`ContributionSeries`) of at most ``fuse_bytes`` of inputs, keeping at
         least ``min_tasks`` tasks a step where there are that many contributions."""
         builder = _Builder(store, max_temp_elems, fuse_bytes, min_tasks)
-        fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)
-                 and isinstance(n.input, Join)}
-        for node in walk(root):
-            if id(node) not in fused:
+        nodes = walk(root, *also)
+        fused = {id(n.input) for n in nodes if isinstance(n, Aggregate)
+                 and isinstance(n.input, Join)} - {id(n) for n in (root, *also)}
+        groups = pointwise_groups(nodes, (root, *also), fused) if fuse_pointwise else {}
+        members = {id(m) for group in groups.values() for m in group[:-1]}
+        for node in nodes:
+            if id(node) in groups:
+                builder.add_fused(groups[id(node)])
+            elif id(node) not in fused and id(node) not in members:
                 builder.add(node)
         # a Join fused into its Aggregate answers for the same step
-        for node in walk(root):
-            if isinstance(node, Aggregate) and isinstance(node.input, Join):
+        for node in nodes:
+            if isinstance(node, Aggregate) and id(node.input) in fused:
                 builder.step_of[id(node.input)] = builder.step_of[id(node)]
+        for group in groups.values():  # a fused member answers for its group's step
+            for member in group[:-1]:
+                builder.step_of[id(member)] = builder.step_of[id(group[-1])]
         steps = builder.finish()
-        return cls(root=root, steps=steps, step_of=builder.step_of)
+        return cls(root=root, steps=steps, step_of=builder.step_of, also=tuple(also))
+
+
+def _pointwise(node: LogicalNode, joins_in_aggregates: set[int]) -> bool:
+    """A map, or a join with no aggregation over it and no diagonal (repeated label)."""
+    if isinstance(node, Map):
+        return True
+    return (isinstance(node, Join) and id(node) not in joins_in_aggregates
+            and all(len(set(labels)) == len(labels) for labels in node.input_labels))
+
+
+def _labels_in(consumer: LogicalNode, k: int) -> tuple[str, ...]:
+    """The labels ``consumer`` gives its input ``k``'s dims."""
+    return consumer.relation.labels if isinstance(consumer, Map) else consumer.input_labels[k]
+
+
+def _aligned(consumer: LogicalNode, k: int, producer: LogicalNode) -> bool:
+    """Whether each chunk of ``producer`` is exactly what one chunk of ``consumer`` reads
+    (the same labels, none broadcast, tiled alike)."""
+    labels, rel = _labels_in(consumer, k), consumer.relation
+    if sorted(labels) != sorted(rel.labels):
+        return False
+    grid = rel.grid
+    shape = tuple(grid.shape[rel.labels.index(lab)] for lab in labels)
+    tile = tuple(grid.tile[rel.labels.index(lab)] for lab in labels)
+    return producer.relation.grid.shape == shape and producer.relation.grid.tile == tile
+
+
+def pointwise_groups(nodes: list[LogicalNode], roots: tuple[LogicalNode, ...],
+                     joins_in_aggregates: set[int]) -> dict[int, list[LogicalNode]]:
+    """Chains of pointwise steps to fuse: a map or join whose only reader is another
+    pointwise step over the same chunks is computed inside that reader's task (see
+    :class:`~tensorql.physical.kernels.FusedPointwise`). Returns, by the id of each group's
+    last node, its members in dependency order (last node last); groups of two or more."""
+    readers: dict[int, set[int]] = {}
+    for node in nodes:
+        for child in node.inputs:
+            readers.setdefault(id(child), set()).add(id(node))
+    results = {id(r) for r in roots}
+    into: dict[int, int] = {}  # producer -> the consumer it is fused into
+    for node in nodes:
+        if not _pointwise(node, joins_in_aggregates):
+            continue
+        for k, child in enumerate(node.inputs):
+            if (_pointwise(child, joins_in_aggregates) and id(child) not in results
+                    and readers.get(id(child)) == {id(node)} and _aligned(node, k, child)):
+                into[id(child)] = id(node)
+    consumers = set(into.values())
+    groups: dict[int, list[LogicalNode]] = {}
+    for node in nodes:
+        if id(node) in into or id(node) in consumers:
+            top = id(node)
+            while top in into:
+                top = into[top]
+            groups.setdefault(top, []).append(node)
+    return groups
 
 
 class ContributionSeries:
@@ -206,6 +281,12 @@ class ContributionSeries:
         return key, device, inputs, kernel, sum(f for _, f, _ in run)
 
 
+def _pointwise_name(node: LogicalNode) -> str:
+    if isinstance(node, Map):
+        return node.fn
+    return node.join
+
+
 class _Builder:
     def __init__(self, store: ChunkStore | None, max_temp_elems: int,
                  fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
@@ -242,6 +323,71 @@ class _Builder:
             raise TypeError(type(node).__name__)
         self.steps.append(step)
         self.step_of[id(node)] = sid
+
+    def add_fused(self, group: list[LogicalNode]) -> None:
+        """One step computing a chain of pointwise nodes (``group``, last node last) chunk by
+        chunk in one task each, reading only the chunks of the chain's outside inputs."""
+        sid = len(self.steps)
+        root = group[-1]
+        position = {id(n): k for k, n in enumerate(group)}
+        # the dim of each member's output cut into row blocks: the root's first label
+        dim_of: dict[int, int | None] = {id(root): 0 if root.relation.labels else None}
+        for node in reversed(group):
+            dim = dim_of[id(node)]
+            for k, child in enumerate(node.inputs):
+                if id(child) in position:
+                    label = node.relation.labels[dim] if dim is not None else None
+                    dim_of[id(child)] = (None if label is None
+                                         else _labels_in(node, k).index(label))
+        externals: list[tuple[LogicalNode, int, int]] = []  # (node, input k, op)
+        ops = []
+        for op_index, node in enumerate(group):
+            dim = dim_of[id(node)]
+            label = node.relation.labels[dim] if dim is not None else None
+            args = []
+            for k, child in enumerate(node.inputs):
+                if id(child) in position:
+                    args.append(FusedArg(-position[id(child)] - 1, None))
+                    continue
+                labels = _labels_in(node, k)
+                args.append(FusedArg(len(externals),
+                                     labels.index(label) if label in labels else None))
+                externals.append((node, k, op_index))
+            if isinstance(node, Map):
+                kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
+            else:
+                kernel = ContractChunk(in_labels=node.input_labels,
+                                       out_labels=node.relation.labels, join=node.join,
+                                       dtype=node.relation.dtype,
+                                       max_temp_elems=self.max_temp_elems)
+            ops.append(FusedOp(kernel, tuple(args)))
+        kernel = FusedPointwise(tuple(ops), dim_of[id(root)])
+        tasks = []
+        bytes_in = 0
+        for key in root.relation.grid.keys():
+            blocks = {id(root): dict(zip(root.relation.labels, key))}
+            for node in reversed(group):
+                for k, child in enumerate(node.inputs):
+                    if id(child) in position:
+                        labels = _labels_in(node, k)
+                        blocks[id(child)] = dict(zip(child.relation.labels,
+                                                     (blocks[id(node)][lab] for lab in labels)))
+            inputs = []
+            for node, k, _ in externals:
+                child = node.inputs[k]
+                block = blocks[id(node)]
+                child_key = tuple(block[lab] for lab in _labels_in(node, k))
+                inputs.append(self._ref(child, child_key))
+                bytes_in += (math.prod(child.relation.grid.chunk_shape(child_key))
+                             * itemsize(child.relation.dtype))
+            tasks.append(self._new_task(inputs, ChunkRef(sid, key), kernel,
+                                        math.prod(root.relation.grid.chunk_shape(key))
+                                        * len(group)))
+        names = " <- ".join(_pointwise_name(n) for n in reversed(group))
+        flops = math.prod(root.relation.shape) * len(group)
+        self.steps.append(Step(sid, f"Pointwise {names}", tuple(group), tuple(tasks), flops,
+                               bytes_in, root.relation.nbytes))
+        self.step_of[id(root)] = sid
 
     def finish(self) -> tuple[Step, ...]:
         # Tasks without inputs (loads) run just before their first reader.

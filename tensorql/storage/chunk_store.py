@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, itemsize
-from tensorql.errors import ShapeError
+from tensorql.errors import ShapeError, StorageError
 from tensorql.grid import ChunkGrid, Key
 
 ChunkData = "np.ndarray | torch.Tensor"
@@ -63,6 +64,11 @@ class ChunkStore(abc.ABC):
         generator so large tensors stream through. Raises StorageError if the name exists and
         ``replace`` is False; on any error nothing stored changes.
         """
+
+    def put_tensors(self, items: Sequence[tuple[TensorMeta, Iterable[tuple[Key, Any]]]], *,
+                    replace: bool = False) -> None:
+        """Store several tensors in one commit (all or none; e.g. a training checkpoint)."""
+        raise StorageError(f"{type(self).__name__} cannot store several tensors atomically")
 
     @abc.abstractmethod
     def meta(self, name: str) -> TensorMeta:

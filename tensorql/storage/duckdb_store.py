@@ -25,7 +25,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -250,45 +251,74 @@ class DuckDBChunkStore(ChunkStore):
         memory), then published by one transaction that adds the catalog row and the views.
         Until that commit nobody sees the tensor; a crash leaves only an unreferenced staging
         table, which the next writer removes."""
-        if self.read_only:
-            raise StorageError(f"cannot store {meta.name!r}: the database is open read-only")
-        if not isinstance(meta.name, str) or not meta.name:
-            raise StorageError(f"tensor name must be a non-empty string, got {meta.name!r}")
-        quote_ident(meta.name)  # rejects NUL before anything is written
+        self.put_tensors([(meta, chunks)], replace=replace)
+
+    def put_tensors(self, items: Sequence[tuple[TensorMeta, Iterable[tuple[Key, Any]]]], *,
+                    replace: bool = False) -> None:
+        """Store several tensors in one commit: each is staged into its own chunk table, then
+        one transaction publishes all of them (a training step's weights and optimizer state:
+        after a crash either every tensor is of the new step or none is)."""
+        names = [meta.name for meta, _ in items]
+        for name in names:
+            if self.read_only:
+                raise StorageError(f"cannot store {name!r}: the database is open read-only")
+            if not isinstance(name, str) or not name:
+                raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+            quote_ident(name)  # rejects NUL before anything is written
+        if len(set(names)) != len(names):
+            raise StorageError(f"tensor names given twice in one write: {names}")
         with self._write_lock, self.cursor() as con:  # its own connection: a streamed
             # write runs on a writer thread while the query may use the main connection
-            if not replace and self._lookup(meta.name) is not None:
-                raise StorageError(f"tensor {meta.name!r} already exists (pass replace=True)")
-            self._check_name_free(meta.name, con)
-            table_id = con.execute("SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
-            table = f"tq_chunks_{table_id}"
+            staged: list[tuple[TensorMeta, str]] = []
             try:
-                self._stage(con, meta, chunks, table)
+                for meta, chunks in items:
+                    if not replace and self._lookup(meta.name) is not None:
+                        raise StorageError(
+                            f"tensor {meta.name!r} already exists (pass replace=True)")
+                    self._check_name_free(meta.name, con)
+                    table_id = con.execute(
+                        "SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
+                    table = f"tq_chunks_{table_id}"
+                    staged.append((meta, table))
+                    self._stage(con, meta, chunks, table)
                 con.execute("BEGIN TRANSACTION")
                 try:
-                    old = self._lookup(meta.name)
-                    if old is not None:
-                        if not replace:
-                            raise StorageError(
-                                f"tensor {meta.name!r} already exists (pass replace=True)")
-                        self._drop_objects(con, meta.name, old[0])
-                    con.execute(
-                        "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, tile, "
-                        "nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        [meta.name, table, meta.dtype, list(meta.shape), list(meta.grid.tile),
-                         meta.nbytes, PAGE_BYTES])
+                    for meta, table in staged:
+                        old = self._lookup(meta.name)
+                        if old is not None:
+                            if not replace:
+                                raise StorageError(
+                                    f"tensor {meta.name!r} already exists (pass replace=True)")
+                            self._drop_objects(con, meta.name, old[0])
+                        con.execute(
+                            "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, "
+                            "tile, nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            [meta.name, table, meta.dtype, list(meta.shape),
+                             list(meta.grid.tile), meta.nbytes, PAGE_BYTES])
                     con.execute("COMMIT")
-                    self._publish_views(meta, table)
                 except BaseException:
                     _rollback(con)
                     raise
+                for meta, table in staged:
+                    self._publish_views(meta, table)
             except BaseException as err:
-                _drop_table_quietly(con, table)
+                if not self._committed(staged):
+                    for _, table in staged:
+                        _drop_table_quietly(con, table)
                 if isinstance(err, duckdb.Error):
-                    raise StorageError(f"storing tensor {meta.name!r} failed: {err}") from err
+                    raise StorageError(f"storing tensor(s) {', '.join(names)} failed: "
+                                       f"{err}") from err
                 raise
             finally:
-                self._tables.pop(meta.name, None)
+                for name in names:
+                    self._tables.pop(name, None)
+
+    def _committed(self, staged: list[tuple[TensorMeta, str]]) -> bool:
+        """Whether the catalog already points at the staged tables (the commit happened)."""
+        if not staged:
+            return False
+        found = self._lookup(staged[0][0].name)
+        return found is not None and found[0] == staged[0][1]
 
     def _check_name_free(self, name: str, con: duckdb.DuckDBPyConnection | None = None) -> None:
         """DuckDB's identifiers are case-insensitive: a tensor's views may not clash with

@@ -37,25 +37,36 @@ class MemoryChunkStore(ChunkStore):
         *,
         replace: bool = False,
     ) -> None:
-        if not replace and meta.name in self._metas:
-            raise StorageError(f"tensor {meta.name!r} already exists")
-        staged: dict[Key, torch.Tensor] = {}
-        for key, data in chunks:
-            tensor = as_chunk_tensor(data, meta.dtype)
-            key = meta.grid.check_key(key)
-            check_chunk(meta, key, tensor)
-            if key in staged:
-                raise StorageError(f"tensor {meta.name!r}: chunk {key} given twice")
-            staged[key] = tensor
-        if len(staged) != meta.grid.num_chunks:
-            raise StorageError(
-                f"tensor {meta.name!r}: got {len(staged)} chunks, grid has {meta.grid.num_chunks}"
-            )
-        with self._lock:
+        self.put_tensors([(meta, chunks)], replace=replace)
+
+    def put_tensors(self, items, *, replace: bool = False) -> None:
+        """Several tensors at once: all staged aside, then swapped in under one lock."""
+        staged_all = []
+        for meta, chunks in items:
             if not replace and meta.name in self._metas:
                 raise StorageError(f"tensor {meta.name!r} already exists")
-            self._metas[meta.name] = meta
-            self._chunks[meta.name] = staged
+            staged: dict[Key, torch.Tensor] = {}
+            for key, data in chunks:
+                tensor = as_chunk_tensor(data, meta.dtype)
+                key = meta.grid.check_key(key)
+                check_chunk(meta, key, tensor)
+                if key in staged:
+                    raise StorageError(f"tensor {meta.name!r}: chunk {key} given twice")
+                staged[key] = tensor
+            if len(staged) != meta.grid.num_chunks:
+                raise StorageError(f"tensor {meta.name!r}: got {len(staged)} chunks, grid has "
+                                   f"{meta.grid.num_chunks}")
+            staged_all.append((meta, staged))
+        names = [meta.name for meta, _ in staged_all]
+        if len(set(names)) != len(names):
+            raise StorageError(f"tensor names given twice in one write: {names}")
+        with self._lock:
+            for meta, _ in staged_all:
+                if not replace and meta.name in self._metas:
+                    raise StorageError(f"tensor {meta.name!r} already exists")
+            for meta, staged in staged_all:
+                self._metas[meta.name] = meta
+                self._chunks[meta.name] = staged
 
     def meta(self, name: str) -> TensorMeta:
         try:

@@ -1,0 +1,248 @@
+"""Training: SGD (momentum) and Adam / AdamW as einsum updates, checkpointed in the store.
+
+An optimizer owns a set of stored weights. :meth:`Optimizer.params` hands them out as lazy
+tensors; a loss built from them goes to :meth:`Optimizer.step`, which builds ONE graph -- the
+forward pass, the gradients (:func:`tensorql.grad`) and the update of every weight and of the
+optimizer's state -- plans it as one query and runs it (the forward pass is computed once and
+feeds every gradient). Between steps the weights stay in memory; every ``checkpoint_every``
+steps they are stored with the optimizer's state and step count in one commit
+(``db.store_many``), so a process killed at any point resumes from the last committed step:
+an optimizer opened on a database holding a checkpoint continues from it, with the same
+results as a run that was never interrupted.
+
+Memory: activations are freed after their last use within the step (the memory plan of the
+one query); nothing is recomputed.
+
+>>> import numpy as np, tensorql as tq
+>>> db = tq.connect()
+>>> _ = db.from_numpy("w", np.array([3.0, -2.0]))
+>>> opt = tq.optim.SGD(db, ["w"], lr=0.25)
+>>> w = opt.params()["w"]
+>>> loss = (w * w).sum()                 # built once, stepped many times
+>>> [round(opt.step(loss), 4) for _ in range(3)]
+[13.0, 3.25, 0.8125]
+>>> db.tensor("w").numpy().tolist(), opt.step_count
+([0.375, -0.25], 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorql.api.autodiff import FLOAT_DTYPES, grad
+from tensorql.api.tensor import Tensor
+from tensorql.einsum.graph import substitute
+from tensorql.errors import OptionError, ShapeError
+
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+
+
+class Optimizer:
+    """Weights stored under ``params`` (names), updated by :meth:`step`.
+
+    ``name`` prefixes the state stored with each checkpoint (``{name}.step`` and one tensor per
+    weight and slot, e.g. ``adam.m.W1``); ``checkpoint_every`` is how many steps run between
+    checkpoints (1: every step is committed).
+    """
+
+    slots: tuple[str, ...] = ()
+
+    def __init__(self, db: Any, params: Sequence[str], *, name: str = "optim",
+                 checkpoint_every: int = 1) -> None:
+        if isinstance(params, str):
+            params = [params]
+        self.db, self.names, self.name = db, list(params), name
+        if not self.names:
+            raise OptionError("an optimizer needs at least one weight to train")
+        if int(checkpoint_every) < 1:
+            raise OptionError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.checkpoint_every = int(checkpoint_every)
+        self.values: dict[str, torch.Tensor] = {}
+        for n in self.names:
+            value = db.tensor(n).torch()
+            if canonical(value) not in FLOAT_DTYPES:
+                raise ShapeError(f"weight {n!r} has dtype {canonical(value)}; only floating "
+                                 "weights can be trained")
+            self.values[n] = value.clone()
+        counter = f"{name}.step"
+        self.step_count = int(db.tensor(counter).numpy()) if db.chunk_store.has(counter) else 0
+        self.state: dict[tuple[str, str], torch.Tensor] = {}
+        for slot in self.slots:
+            for n in self.names:
+                stored = self._state_name(slot, n)
+                self.state[(slot, n)] = (db.tensor(stored).torch().clone()
+                                         if self.step_count and db.chunk_store.has(stored)
+                                         else torch.zeros_like(self.values[n]))
+        # the in-memory leaves every step's graph reads; updated in place after each step
+        self._params = {n: db.constant(v) for n, v in self.values.items()}
+        self._slots = {k: db.constant(v) for k, v in self.state.items()}
+        self._scalars: dict[str, torch.Tensor] = {}
+        self._plans: dict[int, Any] = {}
+
+    def _state_name(self, slot: str, param: str) -> str:
+        return f"{self.name}.{slot}.{param}"
+
+    def params(self) -> dict[str, Tensor]:
+        """The weights as lazy tensors (the same ones every step: build the loss once). A
+        loss may as well be written over the stored weights, ``db.tensor(name)``: ``step``
+        puts the optimizer's copies in their place."""
+        return dict(self._params)
+
+    def _scalar(self, key: str, dtype: str) -> Tensor:
+        """A 0-d constant whose value changes per step (set in ``_set_scalars``)."""
+        k = f"{key}:{dtype}"
+        if k not in self._scalars:
+            from tensorql.dtypes import torch_dtype
+
+            self._scalars[k] = torch.zeros((), dtype=torch_dtype(dtype))
+        return self.db.constant(self._scalars[k])
+
+    def _set_scalars(self, step: int) -> None:
+        values = self.scalars(step)
+        for k, tensor in self._scalars.items():
+            tensor.fill_(values[k.split(":")[0]])
+
+    def scalars(self, step: int) -> dict[str, float]:
+        """Values of the per-step scalars for step number ``step`` (1-based)."""
+        return {}
+
+    def update(self, param: str, weight: Tensor, gradient: Tensor,
+               state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The new weight and slots of one weight, as lazy tensors."""
+        raise NotImplementedError
+
+    def _plan(self, loss: Tensor) -> Any:
+        from tensorql.pipeline import CompiledGroup
+
+        key = id(loss.node)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is loss.node and cached[1] == self.db.options:
+            return cached[2]
+        given = loss.node
+        # a loss written over the stored weights (db.tensor(name)) trains the in-memory ones
+        loss = Tensor(substitute(loss.node, {n: self._params[n].node for n in self.names}),
+                      self.db)
+        params = [self._params[n] for n in self.names]
+        grads = grad(loss, params, allow_unused=True)
+        outputs = [loss]
+        for n, g in zip(self.names, grads):
+            slots = {slot: self._slots[(slot, n)] for slot in self.slots}
+            new_weight, new_slots = self.update(n, self._params[n], g, slots)
+            outputs.append(new_weight)
+            outputs.extend(new_slots[slot] for slot in self.slots)
+        group = CompiledGroup.compile([t.node for t in outputs], self.db)
+        self._plans = {key: (given, self.db.options, group)}
+        return group
+
+    def explain(self, loss: Tensor, analyze: bool = False) -> str:
+        """The plan of one training step (forward, backward and update as one query)."""
+        group = self._plan(loss)
+        self._set_scalars(self.step_count + 1)
+        return group.explain(analyze=analyze)
+
+    def step(self, loss: Tensor) -> float:
+        """One training step: compute the loss, the gradients and the updates in one query,
+        apply them, checkpoint when due; returns the loss (before the update)."""
+        if not isinstance(loss, Tensor) or loss.db is not self.db:
+            raise ShapeError("step() takes the loss as a tensorql Tensor of this database")
+        group = self._plan(loss)
+        self._set_scalars(self.step_count + 1)
+        results = group.run()
+        loss_value = float(results[0].reshape(()).item())
+        it = iter(results[1:])
+        for n in self.names:
+            self.values[n].copy_(next(it))
+            for slot in self.slots:
+                self.state[(slot, n)].copy_(next(it))
+        self.step_count += 1
+        if self.step_count % self.checkpoint_every == 0:
+            self.checkpoint()
+        return loss_value
+
+    def checkpoint(self) -> None:
+        """Store the weights, the optimizer's state and the step count in one commit."""
+        items: dict[str, Any] = {n: self.values[n] for n in self.names}
+        for (slot, n), value in self.state.items():
+            items[self._state_name(slot, n)] = value
+        items[f"{self.name}.step"] = torch.tensor(self.step_count, dtype=torch.int64)
+        self.db.store_many(items, replace=True)
+
+
+def canonical(value: torch.Tensor) -> str:
+    from tensorql.dtypes import canonical_dtype
+
+    return canonical_dtype(value.dtype)
+
+
+class SGD(Optimizer):
+    """``w -= lr * g`` with optional momentum (torch.optim.SGD with dampening 0):
+    ``buf = momentum * buf + g``; the step uses ``buf`` (or ``g + momentum * buf`` with
+    ``nesterov``). ``weight_decay`` adds ``weight_decay * w`` to the gradient."""
+
+    def __init__(self, db: Any, params: Sequence[str], lr: float = 1e-3, *,
+                 momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+                 name: str = "sgd", checkpoint_every: int = 1) -> None:
+        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), bool(nesterov)
+        self.weight_decay = float(weight_decay)
+        self.slots = ("momentum",) if self.momentum else ()
+        super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
+
+    def update(self, param, weight, gradient, state):
+        if self.weight_decay:
+            gradient = gradient + weight * self.weight_decay
+        if not self.momentum:
+            return weight - gradient * self.lr, {}
+        buf = state["momentum"] * self.momentum + gradient
+        direction = gradient + buf * self.momentum if self.nesterov else buf
+        return weight - direction * self.lr, {"momentum": buf}
+
+
+class Adam(Optimizer):
+    """Adam as torch.optim.Adam computes it: ``m = b1 m + (1 - b1) g``, ``v = b2 v +
+    (1 - b2) g^2``, ``w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``;
+    ``weight_decay`` adds ``weight_decay * w`` to the gradient (see :class:`AdamW` for the
+    decoupled form)."""
+
+    slots = ("m", "v")
+    decoupled = False
+
+    def __init__(self, db: Any, params: Sequence[str], lr: float = 1e-3, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, name: str = "adam",
+                 checkpoint_every: int = 1) -> None:
+        self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
+        self.beta1, self.beta2 = (float(b) for b in betas)
+        super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
+
+    def scalars(self, step: int) -> dict[str, float]:
+        return {"step_size": self.lr / (1.0 - self.beta1 ** step),
+                "bias2_sqrt": float(np.sqrt(1.0 - self.beta2 ** step))}
+
+    def update(self, param, weight, gradient, state):
+        dtype = weight.dtype
+        if self.weight_decay and self.decoupled:
+            weight = weight * (1.0 - self.lr * self.weight_decay)
+        elif self.weight_decay:
+            gradient = gradient + weight * self.weight_decay
+        m = state["m"] * self.beta1 + gradient * (1.0 - self.beta1)
+        v = state["v"] * self.beta2 + (gradient * gradient) * (1.0 - self.beta2)
+        denom = v.sqrt() / self._scalar("bias2_sqrt", dtype) + self.eps
+        new = weight - (m / denom) * self._scalar("step_size", dtype)
+        return new, {"m": m, "v": v}
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (torch.optim.AdamW; default weight_decay 0.01)."""
+
+    decoupled = True
+
+    def __init__(self, db: Any, params: Sequence[str], lr: float = 1e-3, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, name: str = "adamw",
+                 checkpoint_every: int = 1) -> None:
+        super().__init__(db, params, lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         name=name, checkpoint_every=checkpoint_every)
