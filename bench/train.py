@@ -14,7 +14,9 @@ timed; the checkpoint's cost is printed apart). torch's step is ``zero_grad``, f
 ``backward`` and ``torch.optim.Adam.step``. Each side warms up one step, then the median of
 ``--repeat`` steps is reported; the two losses after the steps are compared.
 
-Peak memory: the process's peak resident set above what it held before the step (Linux
+Both sides run in one process with the C allocator tuned by tensorql
+(``tensorql.exec.host_malloc``: freed buffers are reused rather than unmapped), set before
+either runs. Peak memory: the process's peak resident set above what it held before the step (Linux
 ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), for each side.
 
 Goals (this CPU): MLP tq/torch <= 1.2, LLaMA block tq/torch <= 1.3.
@@ -34,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tensorql as tq  # noqa: E402
+from tensorql.exec.host_malloc import tune_malloc  # noqa: E402
 from tensorql.models import llama_block  # noqa: E402
 
 SIZES = {
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlp-only", action="store_true")
     parser.add_argument("--block-only", action="store_true")
     args = parser.parse_args(argv)
+    tune_malloc()  # before either side runs: both reuse freed buffers alike
     size = "tiny" if args.tiny else "default"
     rows = []
     if not args.block_only:

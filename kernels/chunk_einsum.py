@@ -39,6 +39,10 @@ _JOIN = {
 }
 
 
+# The joins' torch functions, for callers that apply them to aligned operands directly.
+ELEMENTWISE_JOINS = dict(_JOIN)
+
+
 def diagonalize(x: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, tuple[str, ...]]:
     """Take diagonals of repeated labels: ``(ii) -> (i)``. Returns a view and its labels."""
     labels = list(labels)

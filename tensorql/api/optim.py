@@ -27,6 +27,7 @@ one query); nothing is recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 
 from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
-from tensorql.einsum.graph import substitute
+from tensorql.einsum.graph import Node, substitute
 from tensorql.errors import OptionError, ShapeError
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
@@ -80,6 +81,9 @@ class Optimizer:
         # the in-memory leaves every step's graph reads; updated in place after each step
         self._params = {n: db.constant(v) for n, v in self.values.items()}
         self._slots = {k: db.constant(v) for k, v in self.state.items()}
+        # the very tensors the constants hold: a step gives them the new values' storage
+        self.values = {n: t.node.value for n, t in self._params.items()}
+        self.state = {k: t.node.value for k, t in self._slots.items()}
         self._scalars: dict[str, torch.Tensor] = {}
         self._plans: dict[int, Any] = {}
 
@@ -124,8 +128,9 @@ class Optimizer:
             return cached[2]
         given = loss.node
         # a loss written over the stored weights (db.tensor(name)) trains the in-memory ones
-        loss = Tensor(substitute(loss.node, {n: self._params[n].node for n in self.names}),
-                      self.db)
+        node = substitute(given, {n: self._params[n].node for n in self.names})
+        self._tile_like_gradients(node)
+        loss = Tensor(node, self.db)
         params = [self._params[n] for n in self.names]
         grads = grad(loss, params, allow_unused=True)
         outputs = [loss]
@@ -137,6 +142,26 @@ class Optimizer:
         group = CompiledGroup.compile([t.node for t in outputs], self.db)
         self._plans = {key: (given, self.db.options, group)}
         return group
+
+    def _tile_like_gradients(self, loss: Node) -> None:
+        """Give each weight's slots (momentum, Adam's m and v) the chunk tiles its gradient
+        comes out with; the updates put the gradient first, so gradient and slots are read
+        chunk for chunk and only the weight itself may be retiled. (Retiling the weights
+        too would change the gradients' tiles in turn.)"""
+        from tensorql.grid import ChunkGrid
+        from tensorql.logical.lower import lower_many
+
+        if not self.slots:
+            return
+        params = [self._params[n] for n in self.names]
+        grads = grad(Tensor(loss, self.db), params, allow_unused=True)
+        for n, root in zip(self.names, lower_many([g.node for g in grads])):
+            grid = root.relation.grid
+            for slot in self.slots:
+                state = self._slots[(slot, n)].node
+                if grid.shape == state.shape and grid.tile != state.grid.tile:
+                    self._slots[(slot, n)] = Tensor(dataclasses.replace(
+                        state, grid=ChunkGrid(grid.shape, grid.tile)), self.db)
 
     def explain(self, loss: Tensor, analyze: bool = False) -> str:
         """The plan of one training step (forward, backward and update as one query)."""
@@ -154,10 +179,10 @@ class Optimizer:
         results = group.run()
         loss_value = float(results[0].reshape(()).item())
         it = iter(results[1:])
-        for n in self.names:
-            self.values[n].copy_(next(it))
+        for n in self.names:  # the constants the plan reads take the new values' storage
+            self.values[n].set_(next(it))
             for slot in self.slots:
-                self.state[(slot, n)].copy_(next(it))
+                self.state[(slot, n)].set_(next(it))
         self.step_count += 1
         if self.step_count % self.checkpoint_every == 0:
             self.checkpoint()
@@ -194,11 +219,12 @@ class SGD(Optimizer):
     def update(self, param, weight, gradient, state):
         if self.weight_decay:
             gradient = gradient + weight * self.weight_decay
+        # the gradient's terms come first: their chunk tiles are the update's
         if not self.momentum:
-            return weight - gradient * self.lr, {}
-        buf = state["momentum"] * self.momentum + gradient
+            return gradient * -self.lr + weight, {}
+        buf = gradient + state["momentum"] * self.momentum
         direction = gradient + buf * self.momentum if self.nesterov else buf
-        return weight - direction * self.lr, {"momentum": buf}
+        return direction * -self.lr + weight, {"momentum": buf}
 
 
 class Adam(Optimizer):
@@ -228,10 +254,11 @@ class Adam(Optimizer):
             weight = weight * (1.0 - self.lr * self.weight_decay)
         elif self.weight_decay:
             gradient = gradient + weight * self.weight_decay
-        m = state["m"] * self.beta1 + gradient * (1.0 - self.beta1)
-        v = state["v"] * self.beta2 + (gradient * gradient) * (1.0 - self.beta2)
+        # the gradient's terms come first: their chunk tiles are the update's
+        m = gradient * (1.0 - self.beta1) + state["m"] * self.beta1
+        v = (gradient * gradient) * (1.0 - self.beta2) + state["v"] * self.beta2
         denom = v.sqrt() / self._scalar("bias2_sqrt", dtype) + self.eps
-        new = weight - (m / denom) * self._scalar("step_size", dtype)
+        new = -((m / denom) * self._scalar("step_size", dtype)) + weight
         return new, {"m": m, "v": v}
 
 

@@ -166,10 +166,12 @@ def topological_order(*roots: Node) -> list[Node]:
     return inputs_first(*roots)
 
 
-def substitute(root: Node, leaves: dict[str, Node]) -> Node:
+def substitute(root: Node, leaves: dict[str, Node], nodes: dict[int, Node] | None = None
+               ) -> Node:
     """``root``'s graph with every whole stored tensor named in ``leaves`` replaced by the
-    node given for it (e.g. a weight read from the store by an in-memory copy being trained);
-    nodes that do not depend on a replaced one are kept as they are.
+    node given for it (e.g. a weight read from the store by an in-memory copy being trained),
+    and every node whose id is in ``nodes`` by the node given there; nodes that do not depend
+    on a replaced one are kept as they are.
 
     >>> from tensorql.grid import ChunkGrid
     >>> a = Source(name="A", shape=(2,), dtype="float32", grid=ChunkGrid((2,), (2,)))
@@ -181,12 +183,16 @@ def substitute(root: Node, leaves: dict[str, Node]) -> Node:
     import dataclasses
 
     done: dict[int, Node] = {}
+    nodes = nodes or {}
     for node in topological_order(root):
-        if isinstance(node, Source) and node.offset is None and node.name in leaves:
-            new = leaves[node.name]
+        replacement = nodes.get(id(node))
+        if replacement is None and isinstance(node, Source) and node.offset is None:
+            replacement = leaves.get(node.name)
+        if replacement is not None:
+            new = replacement
             if new.shape != node.shape or new.dtype != node.dtype:
                 raise ShapeError(f"cannot put a {new.shape} {new.dtype} tensor in place of "
-                                 f"{node.name!r} ({node.shape} {node.dtype})")
+                                 f"{node.describe()} ({node.shape} {node.dtype})")
             done[id(node)] = new
         elif isinstance(node, EinsumOp) and any(done[id(i)] is not i for i in node.operands):
             done[id(node)] = dataclasses.replace(

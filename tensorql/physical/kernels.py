@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tensorql_kernels.chunk_einsum import combine, contract_into, contract_to
+from tensorql_kernels.chunk_einsum import ELEMENTWISE_JOINS, combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
 from tensorql.dtypes import itemsize, torch_dtype
@@ -100,12 +100,21 @@ class LoadPiece:
 
 @dataclass(frozen=True, eq=False)
 class ConstChunk(_NoCombine):
-    """A slice of an in-memory constant."""
+    """A slice of an in-memory constant, taken when the task runs (so a constant whose
+    storage is replaced between runs -- a weight being trained -- is read afresh).
+
+    >>> c = torch.arange(4.0)
+    >>> k = ConstChunk(c, (slice(2, 4),))
+    >>> _ = c.set_(torch.ones(4))
+    >>> k.run([], None).tolist()
+    [1.0, 1.0]
+    """
 
     value: torch.Tensor
+    slices: tuple[slice, ...] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        return self.value
+        return self.value if self.slices is None else self.value[self.slices]
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,7 +165,25 @@ class ContractChunk:
             dtype = functools.reduce(torch.promote_types, (x.dtype for x in inputs))
         return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
 
+    @functools.cached_property
+    def _elementwise(self):
+        """The torch function of a join whose operands all have the output's labels (or are
+        scalars): then the chunk einsum is that function folded over them, called directly."""
+        fn = ELEMENTWISE_JOINS.get(self.join)
+        if fn is None or len(self.in_labels) < 2 or not all(
+                labels in (self.out_labels, ()) for labels in self.in_labels):
+            return None
+        return fn
+
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        fn = self._elementwise
+        if fn is not None and acc is None:
+            values = self._cast(inputs)
+            out = fn(values[0], values[1])
+            for value in values[2:]:
+                out = fn(out, value)
+            dtype = torch_dtype(self.dtype)
+            return out if out.dtype == dtype else out.to(dtype)
         return contract_into(acc, self._cast(inputs), self.in_labels, self.out_labels,
                              self.join, self.agg, max_temp_elems=self.max_temp_elems)
 

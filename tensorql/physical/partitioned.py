@@ -178,7 +178,8 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                 lo = tuple(int(x) for x in lay.starts[t])
                 hi = tuple(int(a + b) for a, b in zip(lay.starts[t], lay.lens[t]))
                 if node.kind == "constant":
-                    kernel = ConstChunk(scan.constant[tuple(slice(a, b) for a, b in zip(lo, hi))])
+                    kernel = ConstChunk(scan.constant,
+                                        tuple(slice(a, b) for a, b in zip(lo, hi)))
                 else:
                     kernel = LoadPiece.of_region(store, scan, lo, hi)
                 steps.add(sid, (), lay.index[t], kernel, int(lay.device[t]))

@@ -414,7 +414,7 @@ class _Builder:
         tasks = []
         for key in grid.keys():
             if node.constant is not None:
-                kernel = ConstChunk(node.constant[grid.slices(key)])
+                kernel = ConstChunk(node.constant, tuple(grid.slices(key)))
             elif node.offset is not None:  # a region: only the stored chunks it overlaps
                 lo = [sl.start for sl in grid.slices(key)]
                 hi = [sl.stop for sl in grid.slices(key)]
