@@ -11,7 +11,7 @@ from tensorql.api import optim
 from tensorql.api.autodiff import GradientError, grad
 from tensorql.api.database import Database, connect
 from tensorql.api.einsum import einsum
-from tensorql.api.tensor import Tensor, where
+from tensorql.api.tensor import Tensor, substitute, where
 from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec, UnknownOperatorError
 from tensorql.errors import (
     DTypeError,
@@ -37,5 +37,5 @@ __all__ = [
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
-    "einsum", "optimize", "where", "grad", "GradientError", "optim",
+    "einsum", "optimize", "where", "grad", "GradientError", "optim", "substitute",
 ]

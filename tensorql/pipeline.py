@@ -188,9 +188,9 @@ class CompiledGroup:
     """Several expressions planned and run as one query: a subgraph they share is computed
     once (a training step's forward pass feeds the loss and every gradient and update).
 
-    On one device (native backend) the outputs are the results of one physical plan. With
-    several devices the optimizer plans one root at a time, so each output is its own
-    partitioned query (shared work is then recomputed per output; ``explain`` says so).
+    The outputs are the results of one physical plan; on several devices the optimizer
+    partitions every operation of the whole group in one search. (The ``duckdb`` backend and
+    torch.distributed sessions run each output as its own query.)
 
     >>> import torch, tensorql as tq
     >>> db = tq.connect()
@@ -211,12 +211,18 @@ class CompiledGroup:
         options = db.options
         if not nodes:
             raise PlanError("a group of queries needs at least one expression")
-        if job_devices(options) > 1 or options.backend != "native" or options.distributed:
+        if options.backend != "native" or options.distributed:
             return cls(nodes=tuple(nodes), db=db,
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
         roots = lower_many(nodes)
         for root in roots:
             check_task_count(root)
+        count = job_devices(options)
+        empty = any(0 in n.relation.shape for n in walk(*roots))
+        if count > 1 and not empty:  # the optimizer partitions the whole group at once
+            _, physical = _partition(roots[0], db, count, max(1, options.kernel_temp_bytes // 4),
+                                     also=tuple(roots[1:]))
+            return cls(nodes=tuple(nodes), db=db, physical=physical)
         physical = PhysicalPlan.build(roots[0], db.chunk_store,
                                       max_temp_elems=max(1, options.kernel_temp_bytes // 4),
                                       **_series(options, options.memory_limit, 1),
@@ -260,8 +266,8 @@ class CompiledGroup:
     def explain(self, analyze: bool = False) -> str:
         """The plan of the whole group (one plan on one device, else one per output)."""
         if self.physical is None:
-            parts = [f"-- output {k} of {len(self.queries)} (planned on its own: the "
-                     "optimizer partitions one root at a time)\n" + q.explain(analyze=analyze)
+            parts = [f"-- output {k} of {len(self.queries)} (run as a query of its own on "
+                     "this backend)\n" + q.explain(analyze=analyze)
                      for k, q in enumerate(self.queries)]
             return "\n".join(parts)
         stats = None
@@ -318,8 +324,8 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 
 
-def _partition(logical: LogicalNode, db: Session, devices: int,
-               max_temp: int) -> tuple[PartitionPlan, PhysicalPlan]:
+def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
+               also: tuple[LogicalNode, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
     """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
     task's chunks (inputs and output) must fit the limit: when a task of the plan does not
     (assembling a region needs its pieces too), the optimizer is asked again with a tighter
@@ -327,7 +333,7 @@ def _partition(logical: LogicalNode, db: Session, devices: int,
     options = db.options
     limit = options.memory_limit
     try:
-        return _plan_within(logical, db, devices, max_temp, limit)
+        return _plan_within(logical, db, devices, max_temp, limit, also)
     except InfeasiblePlanError as err:
         if limit is None:
             raise
@@ -336,7 +342,7 @@ def _partition(logical: LogicalNode, db: Session, devices: int,
             raise
         for _ in range(8):  # find the limit the physical plan really needs
             try:
-                _plan_within(logical, db, devices, max_temp, minimum)
+                _plan_within(logical, db, devices, max_temp, minimum, also)
                 break
             except InfeasiblePlanError as again:
                 minimum = max(minimum + 1, again.minimum or minimum * 2)
@@ -364,13 +370,14 @@ def _fuse_bytes(memory_limit: int | None) -> int | None:
 
 
 def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-                 limit: int | None) -> tuple[PartitionPlan, PhysicalPlan]:
+                 limit: int | None, also: tuple[LogicalNode, ...] = ()
+                 ) -> tuple[PartitionPlan, PhysicalPlan]:
     target = limit
     smallest = None
     for _ in range(6):
         try:
             plan = optimize(logical, devices=devices, strategy=db.options.strategy,
-                            memory_limit=target)
+                            memory_limit=target, also=also)
         except InfeasiblePlanError:
             if smallest is None:
                 raise

@@ -124,7 +124,7 @@ def train_torch(steps: int = 200, *, hidden: int = 128, lr: float = 0.01,
         loss = -(onehot * torch.log_softmax(logits, dim=1)).sum() * (1.0 / len(data.y_train))
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
     weights = {k: v.detach().numpy() for k, v in w.items()}
     return TrainResult(losses, weights, accuracy(weights, data), seconds)

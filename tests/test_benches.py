@@ -26,6 +26,7 @@ SMOKE_RUNS = {
     "llama": (["--tiny", "--repeat", "1", "--new", "2"], "goals:"),
     "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5"], "goals:"),
     "distributed": (["--tiny", "--ranks", "2", "--repeat", "1"], "goals at 2 ranks"),
+    "train": (["--tiny", "--repeat", "1"], "goals:"),
 }
 
 

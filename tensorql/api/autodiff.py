@@ -44,7 +44,7 @@ from opt_einsum import get_symbol
 
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
-from tensorql.einsum.graph import EinsumOp, MapOp, Node, topological_order
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source, topological_order
 from tensorql.errors import DTypeError, ShapeError, TensorQLError
 
 __all__ = ["grad"]
@@ -65,7 +65,8 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
     output, an array or tensor of its shape -- is given (a vector-Jacobian product, as
     ``torch.autograd.grad``'s ``grad_outputs``). An input the output does not depend on raises
     GradientError, or with ``allow_unused=True`` gets a zero gradient. Inputs may be stored
-    tensors, constants or any intermediate expression of the graph.
+    tensors (``db.tensor(name)`` stands for every read of that tensor in the graph),
+    constants or any intermediate expression of the graph.
 
     >>> import numpy as np, tensorql as tq
     >>> db = tq.connect()
@@ -92,10 +93,21 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
                          "can be differentiated")
     db = output.db
     seed = _seed(output, grad_output)
-    adjoints = _backward(output.node, seed, {id(t.node) for t in inputs}, db)
+    # a stored tensor is one input however many scan nodes read it (db.tensor("W") twice)
+    same = {}
+    for node in topological_order(output.node):
+        if isinstance(node, Source):
+            same.setdefault(_stored(node), []).append(node)
+    targets = {n: ([t.node] if not isinstance(t.node, Source)
+                   else same.get(_stored(t.node), [t.node])) for n, t in enumerate(inputs)}
+    adjoints = _backward(output.node, seed,
+                         {id(node) for nodes in targets.values() for node in nodes}, db)
     grads = []
     for n, t in enumerate(inputs):
-        g = adjoints.get(id(t.node))
+        parts = [adjoints[id(node)] for node in targets[n] if id(node) in adjoints]
+        g = None
+        for part in parts:
+            g = part if g is None else g + part
         if g is None:
             if not allow_unused:
                 raise GradientError(f"grad: the output does not depend on input {n} "
@@ -104,6 +116,10 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
             g = _constant(db, np.zeros(t.shape), t.dtype)
         grads.append(g)
     return grads
+
+
+def _stored(node: Source) -> tuple:
+    return (node.name, node.offset, node.shape)
 
 
 def _seed(output: Tensor, grad_output: Any) -> Tensor:

@@ -505,3 +505,20 @@ def matmul(left: Tensor, right: Tensor) -> Tensor:
                          f"{left.shape[-1]} and {right.shape[-2 if right.ndim >= 2 else -1]} "
                          "differ")
     return left._wrap(EinsumOp.build(f"{a},{b}->{out}", [left.node, right.node]))
+
+
+def substitute(expr: Tensor, replacements: dict[str, Any]) -> Tensor:
+    """``expr`` with each stored tensor named in ``replacements`` replaced by the expression
+    given for it -- e.g. a frozen weight by itself plus a trainable low-rank update (LoRA).
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> w = db.from_numpy("w", np.ones(3))
+    >>> y = (w * 2.0).sum()
+    >>> float(tq.substitute(y, {"w": w + 1.0}))
+    12.0
+    """
+    from tensorql.einsum.graph import substitute as substitute_nodes
+
+    nodes = {name: expr._operand(value).node for name, value in replacements.items()}
+    return expr._wrap(substitute_nodes(expr.node, nodes))

@@ -90,6 +90,7 @@ class OpGraph:
     nodes: tuple[OpNode, ...]
     root: int
     logical: LogicalNode | None = None
+    also: tuple[int, ...] = ()  # further results of a multi-output plan (a training step)
 
     @functools.cached_property
     def consumers(self) -> dict[int, list[tuple[int, int]]]:
@@ -101,17 +102,19 @@ class OpGraph:
         return out
 
     @classmethod
-    def build(cls, root: Node | LogicalNode) -> OpGraph:
-        """The graph of a logical plan (an einsum-graph node is lowered first)."""
+    def build(cls, root: Node | LogicalNode, also: tuple[LogicalNode, ...] = ()) -> OpGraph:
+        """The graph of a logical plan (an einsum-graph node is lowered first); ``also``:
+        further results planned with it (their shared operations once)."""
         logical = root if isinstance(root, LogicalNode) else lower(root)
         builder = _Builder()
-        fused = {id(n.input) for n in walk(logical)
+        nodes = walk(logical, *also)
+        fused = {id(n.input) for n in nodes
                  if isinstance(n, Aggregate) and isinstance(n.input, Join)}
-        for node in walk(logical):
+        for node in nodes:
             if id(node) not in fused:  # a Join is planned with the Aggregate it feeds
                 builder.add(node)
         return cls(nodes=tuple(builder.nodes), root=builder.index_of[id(logical)],
-                   logical=logical)
+                   logical=logical, also=tuple(builder.index_of[id(n)] for n in also))
 
 
 class _Builder:

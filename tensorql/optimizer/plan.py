@@ -130,8 +130,8 @@ def device_count(devices: Any) -> int:
 
 
 def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
-             memory_limit: int | str | None = None, *, cache: dict | None = None
-             ) -> PartitionPlan:
+             memory_limit: int | str | None = None, *, cache: dict | None = None,
+             also: tuple[LogicalNode, ...] = ()) -> PartitionPlan:
     """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
 
     ``expr`` is a lazy Tensor, an einsum-graph node or a logical plan (the pipeline passes the
@@ -139,7 +139,9 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     auto, data, model, exhaustive; ``memory_limit`` (bytes or "20GiB") bounds one task's working
     set (an operation is cut into more pieces than devices when that is what fits, and what
     stays resident beyond the limit is offloaded by the memory plan; InfeasiblePlanError names
-    the smallest limit that plans when none fits).
+    the smallest limit that plans when none fits). ``also`` (logical plans sharing nodes with
+    ``expr``'s) are further results partitioned in the same search: a training step's loss,
+    new weights and optimizer state.
     """
     node: Node | LogicalNode = getattr(expr, "node", expr)
     if not isinstance(node, (Node, LogicalNode)):
@@ -147,7 +149,7 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     n_dev = device_count(devices)
     search = get_strategy(strategy)
     limit = parse_bytes(memory_limit)
-    graph = OpGraph.build(node)
+    graph = OpGraph.build(node, also=tuple(also))
     problem = Problem.build(graph, n_dev, limit, cache=cache)
     choice = search(problem)
     return make_plan(problem, choice, strategy, limit)

@@ -240,7 +240,8 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
         if freeze_shared and out_degree[n] > 1:
             frozen[n] = int(np.argmin(v))
             assign(n, frozen[n])
-    assign(graph.root, int(np.argmin(value[graph.root])))
+    for result in (graph.root, *graph.also):
+        assign(result, int(np.argmin(value[result])))
     for node in reversed(graph.nodes):  # nodes off every tree (unused outputs), if any
         if node.index not in choice:
             assign(node.index, int(np.argmin(value[node.index])))

@@ -213,7 +213,8 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
         for src, dst, piece in lay.partial_sends():
             steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
                       FoldPartial(node.agg, kernel), dst)
-    return _assemble(plan, steps, step_of_node[graph.root])
+    return _assemble(plan, steps, step_of_node[graph.root],
+                     tuple(step_of_node[n] for n in graph.also))
 
 
 class _Reads:
@@ -291,7 +292,8 @@ class _Reads:
         return self.slices[key]
 
 
-def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int) -> PhysicalPlan:
+def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int,
+              also_sids: tuple[int, ...] = ()) -> PhysicalPlan:
     out = []
     for sid, name in steps.names.items():
         rel = steps.relations[sid]
@@ -299,7 +301,7 @@ def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int) -> PhysicalPlan
         out.append(Step(sid, name, (), tasks, steps.flops[sid], 0, rel.nbytes, output=rel))
     return PhysicalPlan(root=plan.graph.logical, steps=tuple(out), step_of={},
                         result_id=root_sid, partition=plan, chunk_sizes=steps.sizes,
-                        chunk_meta=steps.meta)
+                        chunk_meta=steps.meta, also_ids=also_sids)
 
 
 __all__ = ["FoldPartial", "LoadPiece", "SliceChunk", "build_partitioned"]

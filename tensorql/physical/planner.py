@@ -87,6 +87,7 @@ class PhysicalPlan:
     chunk_sizes: dict[ChunkRef, int] | None = None  # bytes of chunks without a grid
     chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] | None = None  # their shapes
     also: tuple[LogicalNode, ...] = ()  # further results of a multi-output plan
+    also_ids: tuple[int, ...] = ()        # their steps when step_of does not say
     # the task graph, made once on first use (a query run again reuses it, and with it the
     # memory plans the runtime keeps on it)
     _graph_memo: list[TaskGraph] = field(default_factory=list, init=False, compare=False,
@@ -102,6 +103,8 @@ class PhysicalPlan:
     def output_steps(self) -> tuple[Step, ...]:
         """The step of each result: the root's, then each of ``also`` (a multi-output plan:
         a training step's loss, new weights and optimizer state, computed together)."""
+        if self.also_ids:
+            return (self.result_step,) + tuple(self.steps[i] for i in self.also_ids)
         return (self.result_step,) + tuple(self.steps[self.step_of[id(n)]] for n in self.also)
 
     @property
