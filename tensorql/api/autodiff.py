@@ -94,17 +94,17 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
     db = output.db
     seed = _seed(output, grad_output)
     # a stored tensor is one input however many scan nodes read it (db.tensor("W") twice)
-    same = {}
-    for node in topological_order(output.node):
-        if isinstance(node, Source):
-            same.setdefault(_stored(node), []).append(node)
-    targets = {n: ([t.node] if not isinstance(t.node, Source)
-                   else same.get(_stored(t.node), [t.node])) for n, t in enumerate(inputs)}
+    # (and a whole stored tensor also gets the gradients of its regions read by indexing)
+    scans = [node for node in topological_order(output.node) if isinstance(node, Source)]
+    targets = {n: ([t.node] if not isinstance(t.node, Source) else
+                   [s for s in scans if _covers(t.node, s)] or [t.node])
+               for n, t in enumerate(inputs)}
     adjoints = _backward(output.node, seed,
                          {id(node) for nodes in targets.values() for node in nodes}, db)
     grads = []
     for n, t in enumerate(inputs):
-        parts = [adjoints[id(node)] for node in targets[n] if id(node) in adjoints]
+        parts = [_into(t.node, node, adjoints[id(node)])
+                 for node in targets[n] if id(node) in adjoints]
         g = None
         for part in parts:
             g = part if g is None else g + part
@@ -118,8 +118,31 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
     return grads
 
 
-def _stored(node: Source) -> tuple:
-    return (node.name, node.offset, node.shape)
+def _covers(wanted: Source, scan: Source) -> bool:
+    """Whether ``scan`` reads (part of) the stored tensor or region ``wanted`` stands for."""
+    if scan.name != wanted.name:
+        return False
+    if wanted.offset is None:
+        return True
+    return scan.offset == wanted.offset and scan.shape == wanted.shape
+
+
+def _into(wanted: Source, scan: Source, g: Tensor) -> Tensor:
+    """The adjoint of region ``scan`` placed in the shape of ``wanted`` (zeros elsewhere):
+    one einsum with a 0/1 selection matrix per dimension."""
+    if scan.offset is None or wanted.offset is not None:
+        return g
+    full = wanted.shape
+    letters = [get_symbol(k) for k in range(2 * len(full))]
+    small, big = "".join(letters[:len(full)]), "".join(letters[len(full):])
+    operands, terms = [g], [small]
+    for d, (start, n) in enumerate(zip(scan.offset, full)):
+        size = scan.shape[d]
+        operands.append(_constant(g.db, np.eye(n)[start:start + size], g.dtype))
+        terms.append(small[d] + big[d])
+    from tensorql.api.einsum import einsum
+
+    return einsum(",".join(terms) + "->" + big, *operands)
 
 
 def _seed(output: Tensor, grad_output: Any) -> Tensor:

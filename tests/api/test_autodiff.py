@@ -304,3 +304,16 @@ def test_random_graphs_one_device(seed):
 @pytest.mark.parametrize("devices", [2, 4])
 def test_random_graphs_several_devices(devices, seed):
     check_random_graph(seed, devices)
+
+
+def test_gradient_of_a_stored_tensor_read_by_indexing(db, rng):
+    values = rng.normal(size=(5, 4))
+    w = db.from_numpy("w", values, tile=(2, 2))
+    loss = (w[1:4, :2] ** 2).sum() + w[0].sum() + (w * 0.5).sum()
+    (g,) = tq.grad(loss, [db.tensor("w")])
+    t = torch.tensor(values, requires_grad=True)
+    ref = (t[1:4, :2] ** 2).sum() + t[0].sum() + (t * 0.5).sum()
+    (expected,) = torch.autograd.grad(ref, [t])
+    np.testing.assert_allclose(g.numpy(), expected.numpy(), rtol=1e-12)
+    (region,) = tq.grad(loss, [w[1:4, :2]])  # a region itself is an input too
+    np.testing.assert_allclose(region.numpy(), 2 * values[1:4, :2], rtol=1e-12)
