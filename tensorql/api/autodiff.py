@@ -127,10 +127,11 @@ def _covers(wanted: Source, scan: Source) -> bool:
     return scan.offset == wanted.offset and scan.shape == wanted.shape
 
 
-def _into(wanted: Source, scan: Source, g: Tensor) -> Tensor:
+def _into(wanted: Node, scan: Node, g: Tensor) -> Tensor:
     """The adjoint of region ``scan`` placed in the shape of ``wanted`` (zeros elsewhere):
     one einsum with a 0/1 selection matrix per dimension."""
-    if scan.offset is None or wanted.offset is not None:
+    if not isinstance(scan, Source) or not isinstance(wanted, Source) \
+            or scan.offset is None or wanted.offset is not None:
         return g
     full = wanted.shape
     letters = [get_symbol(k) for k in range(2 * len(full))]
