@@ -180,11 +180,17 @@ def substitute(root: Node, leaves: dict[str, Node], nodes: dict[int, Node] | Non
     >>> [n.describe() for n in topological_order(new)]
     ['scan B', 'einsum i,i->']
     """
+    return substitute_many([root], leaves, nodes)[0]
+
+
+def substitute_many(roots: Sequence[Node], leaves: dict[str, Node],
+                    nodes: dict[int, Node] | None = None) -> list[Node]:
+    """:func:`substitute` on several roots at once: what they share stays shared."""
     import dataclasses
 
     done: dict[int, Node] = {}
     nodes = nodes or {}
-    for node in topological_order(root):
+    for node in topological_order(*roots):
         replacement = nodes.get(id(node))
         if replacement is None and isinstance(node, Source) and node.offset is None:
             replacement = leaves.get(node.name)
@@ -201,7 +207,7 @@ def substitute(root: Node, leaves: dict[str, Node], nodes: dict[int, Node] | Non
             done[id(node)] = dataclasses.replace(node, operand=done[id(node.operand)])
         else:
             done[id(node)] = node
-    return done[id(root)]
+    return [done[id(root)] for root in roots]
 
 
 def explain_graph(root: Node) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from tensorql.api.einsum import einsum
 from tensorql.api.tensor import Tensor
+from tensorql.einsum.graph import Constant, substitute_many
 from tensorql.errors import ShapeError
 
 MASK_VALUE = -1e9
@@ -228,38 +229,50 @@ class Llama:
         """Token embeddings (B, S, D): the one-hot tokens joined with the embedding table."""
         onehot = np.zeros((*tokens.shape, self.shape.vocab), dtype=np.float32)
         np.put_along_axis(onehot, tokens[..., None], 1.0, axis=-1)
-        return einsum("bsv,vd->bsd", self.db.constant(onehot), self._w("embed"))
+        # the table first: its chunk tiles are kept (the small one-hot is retiled to them)
+        return einsum("vd,bsv->bsd", self._w("embed"), self.db.constant(onehot))
 
     def keys_values(self, x: Tensor, layer: int, positions: Sequence[int]) -> Tensor:
         """Layer ``layer``'s rotated keys and values of hidden states ``x``: (2, B, S, KV, E)."""
-        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
-        kv = einsum("bsd,pked->pbske", xn, self._w(f"l{layer}_wkv"))
         cos, sin = rope_tables(self.shape, positions)
         # rotary embedding on the keys (p = 0) only: values get cos = 1, sin = 0
         cos_p = self.db.constant(np.stack([cos, np.ones_like(cos)]))
         sin_p = self.db.constant(np.stack([sin, np.zeros_like(sin)]))
+        return self._keys_values(x, layer, cos_p, sin_p)
+
+    def _keys_values(self, x: Tensor, layer: int, cos_p: Tensor, sin_p: Tensor) -> Tensor:
+        """:meth:`keys_values` with the rotary tables given as (2, S, E) tensors (keys, then
+        values with cos 1 and sin 0)."""
+        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+        kv = einsum("bsd,pked->pbske", xn, self._w(f"l{layer}_wkv"))
         return (einsum("pbske,pse->pbske", kv, cos_p)
                 + einsum("pbske,ef,psf->pbskf", kv, self._rot, sin_p))
 
     def block(self, x: Tensor, layer: int, positions: Sequence[int], kv: Tensor) -> Tensor:
         """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
         to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal)."""
+        cos, sin = (self.db.constant(t) for t in rope_tables(self.shape, positions))
+        total = kv.shape[2]
+        mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
+                        np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
+        return self._block(x, layer, cos, sin, self.db.constant(mask) if mask.any() else None,
+                           kv)
+
+    def _block(self, x: Tensor, layer: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
+               kv: Tensor) -> Tensor:
+        """:meth:`block` with the rotary tables (S, E) and the additive mask (S, T) given."""
         s = self.shape
         n = f"l{layer}_"
         xn = self._rmsnorm(x, n + "attn_norm")
         q = einsum("bsd,kged->bskge", xn, self._w(n + "wq"))
-        cos, sin = (self.db.constant(t) for t in rope_tables(s, positions))
         q = einsum("bskge,se->bskge", q, cos) + einsum("bskge,ef,sf->bskgf", q, self._rot, sin)
         pick_k = self.db.constant(np.array([1.0, 0.0], dtype=np.float32))
         pick_v = self.db.constant(np.array([0.0, 1.0], dtype=np.float32))
         keys = einsum("pbtke,p->btke", kv, pick_k)
         values = einsum("pbtke,p->btke", kv, pick_v)
         scores = einsum("bskge,btke->bkgst", q, keys) * (1.0 / math.sqrt(s.head_dim))
-        total = kv.shape[2]
-        mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
-                        np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
-        if mask.any():
-            scores = scores + self.db.constant(mask)
+        if mask is not None:
+            scores = scores + mask
         probs = scores.softmax(-1)
         attn = einsum("bkgst,btke->bskge", probs, values)
         h = x + einsum("bskge,dkge->bsd", attn, self._w(n + "wo"))
@@ -301,17 +314,27 @@ class Llama:
         last = self.db.constant(x[:, -1:, :])
         return self.head(last).torch()[:, 0, :], cache.extend(new)
 
+    def decoder(self, cache: KVCache, max_length: int) -> Decoder:
+        """A one-token-at-a-time decoder continuing after ``cache`` (a prefill's), for up to
+        ``max_length`` positions in all: one planned query per token (see :class:`Decoder`)."""
+        return Decoder(self, cache, max_length)
+
     def generate(self, tokens: Iterable[int], max_new_tokens: int) -> list[int]:
-        """Greedy decoding with a KV cache: the prompt then ``max_new_tokens`` new tokens."""
+        """Greedy decoding with a KV cache: the prompt (one query per layer pair, see
+        :meth:`step`), then ``max_new_tokens`` new tokens, each one run of the
+        :class:`Decoder`'s cached plan."""
         prompt = [int(t) for t in tokens]
         out = list(prompt)
         logits, cache = self.step([prompt], KVCache(()))
+        decoder = None
         for _ in range(max_new_tokens):
             token = int(torch.argmax(logits[0]))
             out.append(token)
             if len(out) == len(prompt) + max_new_tokens:
                 break
-            logits, cache = self.step([[token]], cache)
+            if decoder is None:
+                decoder = self.decoder(cache, len(prompt) + max_new_tokens)
+            logits = decoder.step([[token]])
         return out
 
     def _tokens(self, tokens: Any) -> np.ndarray:
@@ -326,3 +349,99 @@ class Llama:
             raise ShapeError(f"token id {int(bad[0])} outside the vocabulary "
                              f"0..{self.shape.vocab - 1}")
         return ids.astype(np.int64)
+
+
+class Decoder:
+    """Decoding one token per call with ONE query planned once: a static KV cache of
+    ``max_length`` positions per layer (in memory, written in place after each token), and the
+    token's embedding row (looked up in the table), its rotary tables, the causal mask and the
+    one-hot of its position as constants updated in place -- so every token runs the same plan
+    (every layer and the LM head, each layer's new keys/values as further outputs of the same
+    multi-output query). The weights are held in memory for the decoder's life.
+
+    The new token attends to the cache plus its own keys/values placed at its position (the
+    cache holds zeros there, masked beyond it), so attention spans ``max_length`` positions.
+
+    >>> import tensorql as tq
+    >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+    ...                    head_dim=4)
+    >>> model = Llama.random(tq.connect(), shape, seed=0)
+    >>> logits, cache = model.step([[1, 2, 3]], KVCache(()))
+    >>> decoder = model.decoder(cache, max_length=6)
+    >>> expected, _ = model.step([[4]], cache)
+    >>> bool(torch.allclose(decoder.step([[4]]), expected, atol=1e-5)), decoder.position
+    (True, 4)
+    """
+
+    def __init__(self, model: Llama, cache: KVCache, max_length: int) -> None:
+        from tensorql.pipeline import CompiledGroup
+
+        s = model.shape
+        if not cache.layers:
+            raise ShapeError("a decoder continues a prefill: give the KVCache of a step()")
+        batch = int(cache.layers[0].shape[1])
+        self.model, self.position, self.max_length = model, cache.length, int(max_length)
+        if self.position >= self.max_length:
+            raise ShapeError(f"the cache already holds {self.position} positions of "
+                             f"max_length {self.max_length}")
+        db = model.db
+        self.caches = []
+        for past in cache.layers:
+            buffer = torch.zeros((2, batch, self.max_length, s.kv_heads, s.head_dim),
+                                 dtype=past.dtype)
+            buffer[:, :, :self.position] = past
+            self.caches.append(buffer)
+        self.batch = batch
+        self.cos = torch.zeros((1, s.head_dim))
+        self.sin = torch.zeros((1, s.head_dim))
+        self.cos_p = torch.zeros((2, 1, s.head_dim))
+        self.sin_p = torch.zeros((2, 1, s.head_dim))
+        self.mask = torch.zeros((1, self.max_length))
+        self.place = torch.zeros((1, self.max_length))
+        # the token's embedding row is looked up in the in-memory table (a gather, not a
+        # one-hot product over the whole vocabulary) and fed in as a constant
+        self.table = model._w("embed").torch()
+        self.hidden = torch.zeros((batch, 1, s.d_model), dtype=self.table.dtype)
+        x = db.constant(self.hidden)
+        news = []
+        for layer, buffer in enumerate(self.caches):
+            new = model._keys_values(x, layer, db.constant(self.cos_p), db.constant(self.sin_p))
+            everything = db.constant(buffer) + einsum("pbske,su->pbuke", new,
+                                                      db.constant(self.place))
+            x = model._block(x, layer, db.constant(self.cos), db.constant(self.sin),
+                             db.constant(self.mask), everything)
+            news.append(new)
+        logits = model.head(x)
+        # the weights in memory for the decoder's life: a token then reads no store chunk
+        self.weights = {w.node.name: Constant(shape=w.shape, dtype=w.dtype, value=w.torch(),
+                                              grid=w.node.grid)
+                        for w in model.weights.values()}
+        roots = substitute_many([n.node for n in (logits, *news)], self.weights)
+        self.query = CompiledGroup.compile(roots, db)
+
+    def step(self, tokens: Any) -> torch.Tensor:
+        """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V)."""
+        ids = self.model._tokens(tokens)
+        if ids.shape != (self.batch, 1):
+            raise ShapeError(f"a decoder step takes one token per batch row, shape "
+                             f"({self.batch}, 1); got {ids.shape}")
+        t = self.position
+        if t >= self.max_length:
+            raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
+        self.hidden[:, 0].copy_(self.table[torch.from_numpy(ids[:, 0])])
+        cos, sin = (torch.from_numpy(v) for v in rope_tables(self.model.shape, [t]))
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.cos_p[0].copy_(cos)
+        self.cos_p[1].fill_(1.0)
+        self.sin_p[0].copy_(sin)
+        self.sin_p[1].zero_()
+        self.mask.fill_(MASK_VALUE)
+        self.mask[0, :t + 1] = 0.0
+        self.place.zero_()
+        self.place[0, t] = 1.0
+        logits, *news = self.query.run()
+        for buffer, new in zip(self.caches, news):
+            buffer[:, :, t] = new[:, :, 0]
+        self.position = t + 1
+        return logits[:, 0, :]

@@ -140,3 +140,26 @@ def test_logits_and_generation_on_two_devices():
         tokens = small.generate(torch.tensor([ids[:4]]), max_new_tokens=32, do_sample=False,
                                 min_new_tokens=32, pad_token_id=0)[0].tolist()
     assert ours.generate(ids[:4], max_new_tokens=32) == tokens
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decoder_matches_step_by_step_decoding(name):
+    """The decoder's one cached plan gives the logits of a fresh step() per token."""
+    from tensorql.models import KVCache
+
+    model = hf_model(name)
+    llama = Llama.from_transformers(tq.connect(), model)
+    ids = prompt(name, 6, model.config.vocab_size)
+    logits, cache = llama.step([ids], KVCache(()))
+    decoder = llama.decoder(cache, max_length=12)
+    plan = decoder.query
+    for token in prompt(name + "x", 5, model.config.vocab_size):
+        expected, cache = llama.step([[token]], cache)
+        np.testing.assert_allclose(decoder.step([[token]]).numpy(), expected.numpy(),
+                                   atol=1e-4)
+    assert decoder.query is plan and decoder.position == 11
+    decoder.step([[1]])
+    with pytest.raises(tq.ShapeError, match="full"):
+        decoder.step([[1]])
+    with pytest.raises(tq.ShapeError, match="one token per batch row"):
+        llama.decoder(cache, max_length=20).step([[1, 2]])
