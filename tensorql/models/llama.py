@@ -4,9 +4,11 @@
 file), stores every weight in the session's chunk store under ``prefix``, and builds token
 embedding, RMSNorm, rotary embeddings, grouped-query attention with a causal mask, SwiGLU and
 the LM head as extended einsums. :meth:`Llama.logits` is one lazy query (it has an EXPLAIN and
-runs under the session's ``memory_limit``); :meth:`Llama.generate` decodes greedily with a KV
-cache: per new token, each layer is one query for its keys/values and one for its output, the
-new token attending to the cached keys and values of every earlier position.
+runs under the session's ``memory_limit``; token embeddings are gathered rows of the table,
+or a one-hot join under a limit); :meth:`Llama.step` runs tokens after a :class:`KVCache`
+(per layer one query for its keys/values and one for its output) and
+:meth:`Llama.generate` decodes greedily: the prompt by ``step``, then every new token by one
+run of a :class:`Decoder`'s cached plan over a static cache.
 
 Grouped-query attention needs no copies of the key heads: query head ``h = k * G + g`` (as
 transformers' ``repeat_kv`` orders them) carries labels ``k`` (its key/value head) and ``g``.
@@ -226,11 +228,32 @@ class Llama:
         return einsum("bsd,bs,d->bsd", x, inv, self._w(gain))
 
     def embed(self, tokens: np.ndarray) -> Tensor:
-        """Token embeddings (B, S, D): the one-hot tokens joined with the embedding table."""
+        """Token embeddings (B, S, D): the table's rows gathered by token id, as a constant of
+        the query. (As an einsum the lookup is a one-hot (B, S, V) matrix joined with the
+        table: V x D multiply-adds per token -- 12.6 GFLOP for 512 tokens of a 32000-word
+        vocabulary -- where a gather reads one row; see :meth:`embed_onehot`.) The table is
+        read from the store once and kept until the stored tensors change. Under a
+        ``memory_limit`` the one-hot join is used instead, so that the table streams through
+        the device budget like every weight rather than sitting in memory beside it."""
+        if self.db.options.memory_limit is not None:
+            return self.embed_onehot(tokens)
+        table = self.embedding_table()
+        return self.db.constant(table[torch.from_numpy(np.asarray(tokens, dtype=np.int64))])
+
+    def embed_onehot(self, tokens: np.ndarray) -> Tensor:
+        """The same embeddings as one einsum: one-hot tokens joined with the stored table."""
         onehot = np.zeros((*tokens.shape, self.shape.vocab), dtype=np.float32)
         np.put_along_axis(onehot, tokens[..., None], 1.0, axis=-1)
         # the table first: its chunk tiles are kept (the small one-hot is retiled to them)
         return einsum("vd,bsv->bsd", self._w("embed"), self.db.constant(onehot))
+
+    def embedding_table(self) -> torch.Tensor:
+        """The embedding table in memory (read once per generation of the store)."""
+        cached = getattr(self, "_table", None)
+        if cached is None or cached[0] != self.db.generation:
+            cached = (self.db.generation, self._w("embed").torch())
+            self._table = cached
+        return cached[1]
 
     def keys_values(self, x: Tensor, layer: int, positions: Sequence[int]) -> Tensor:
         """Layer ``layer``'s rotated keys and values of hidden states ``x``: (2, B, S, KV, E)."""
@@ -357,7 +380,8 @@ class Decoder:
     token's embedding row (looked up in the table), its rotary tables, the causal mask and the
     one-hot of its position as constants updated in place -- so every token runs the same plan
     (every layer and the LM head, each layer's new keys/values as further outputs of the same
-    multi-output query). The weights are held in memory for the decoder's life.
+    multi-output query). The weights are held in memory for the decoder's life unless the
+    session has a ``memory_limit`` (then they stream from the store every token).
 
     The new token attends to the cache plus its own keys/values placed at its position (the
     cache holds zeros there, masked beyond it), so attention spans ``max_length`` positions.
@@ -398,11 +422,16 @@ class Decoder:
         self.sin_p = torch.zeros((2, 1, s.head_dim))
         self.mask = torch.zeros((1, self.max_length))
         self.place = torch.zeros((1, self.max_length))
-        # the token's embedding row is looked up in the in-memory table (a gather, not a
-        # one-hot product over the whole vocabulary) and fed in as a constant
-        self.table = model._w("embed").torch()
-        self.hidden = torch.zeros((batch, 1, s.d_model), dtype=self.table.dtype)
-        x = db.constant(self.hidden)
+        # the token's embedding row is looked up in the table (a gather, not a one-hot
+        # product over the whole vocabulary) and fed in as a constant; under a memory_limit
+        # the table streams through the budget instead: a one-hot row joined with it
+        limited = db.options.memory_limit is not None
+        self.table = None if limited else model.embedding_table()
+        self.onehot = torch.zeros((batch, 1, s.vocab)) if limited else None
+        self.hidden = None if limited else torch.zeros((batch, 1, s.d_model),
+                                                       dtype=self.table.dtype)
+        x = (einsum("vd,bsv->bsd", model._w("embed"), db.constant(self.onehot)) if limited
+             else db.constant(self.hidden))
         news = []
         for layer, buffer in enumerate(self.caches):
             new = model._keys_values(x, layer, db.constant(self.cos_p), db.constant(self.sin_p))
@@ -412,10 +441,12 @@ class Decoder:
                              db.constant(self.mask), everything)
             news.append(new)
         logits = model.head(x)
-        # the weights in memory for the decoder's life: a token then reads no store chunk
-        self.weights = {w.node.name: Constant(shape=w.shape, dtype=w.dtype, value=w.torch(),
-                                              grid=w.node.grid)
-                        for w in model.weights.values()}
+        # the weights in memory for the decoder's life, so a token reads no store chunk --
+        # unless a memory_limit is set: then they stream from rest under it every token
+        self.weights = {} if db.options.memory_limit is not None else {
+            w.node.name: Constant(shape=w.shape, dtype=w.dtype, value=w.torch(),
+                                  grid=w.node.grid)
+            for w in model.weights.values()}
         roots = substitute_many([n.node for n in (logits, *news)], self.weights)
         self.query = CompiledGroup.compile(roots, db)
 
@@ -428,7 +459,11 @@ class Decoder:
         t = self.position
         if t >= self.max_length:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
-        self.hidden[:, 0].copy_(self.table[torch.from_numpy(ids[:, 0])])
+        if self.table is not None:
+            self.hidden[:, 0].copy_(self.table[torch.from_numpy(ids[:, 0])])
+        else:
+            self.onehot.zero_()
+            self.onehot[np.arange(ids.shape[0]), 0, ids[:, 0]] = 1.0
         cos, sin = (torch.from_numpy(v) for v in rope_tables(self.model.shape, [t]))
         self.cos.copy_(cos)
         self.sin.copy_(sin)

@@ -163,3 +163,19 @@ def test_decoder_matches_step_by_step_decoding(name):
         decoder.step([[1]])
     with pytest.raises(tq.ShapeError, match="one token per batch row"):
         llama.decoder(cache, max_length=20).step([[1, 2]])
+
+
+def test_decoder_under_a_memory_limit_streams_the_weights():
+    from tensorql.models import KVCache
+
+    model = hf_model("gqa")
+    limit = weight_bytes(model) // 2
+    free = Llama.from_transformers(tq.connect(), model)
+    limited = Llama.from_transformers(tq.connect(memory_limit=limit), model)
+    ids = prompt("gqa", 5, model.config.vocab_size)
+    caches = [m.step([ids], KVCache(()))[1] for m in (free, limited)]
+    a, b = free.decoder(caches[0], 8), limited.decoder(caches[1], 8)
+    assert a.weights and not b.weights and b.table is None
+    for token in (3, 7):
+        np.testing.assert_allclose(a.step([[token]]).numpy(), b.step([[token]]).numpy(),
+                                   atol=1e-5)
