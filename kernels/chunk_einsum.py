@@ -67,6 +67,26 @@ def _letters(label_sets: Sequence[Labels]) -> dict[str, str]:
     return names
 
 
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x`` covers its memory exactly once in some dim order (contiguous up to a
+    permutation of its dims): then it is kept as is -- forcing a permuted result (a
+    transposed product's) contiguous is a slow transposing copy, while elementwise kernels and
+    in-place accumulation work on it directly.
+
+    >>> x = torch.ones(2, 3)
+    >>> _dense(x.T), _dense(x[:, :2]), _dense(torch.ones(3).expand(2, 3))
+    (True, False, False)
+    """
+    expected = 1
+    dims = sorted(((size, stride) for size, stride in zip(x.shape, x.stride()) if size != 1),
+                  key=lambda dim: dim[1])
+    for size, stride in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _owned(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """``out`` as a tensor that shares no memory with ``inputs``."""
     ptr = out.untyped_storage().data_ptr()
@@ -131,7 +151,7 @@ def chunk_einsum(
         out = torch.einsum(eq, *xs)
     else:
         out = _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems)
-    return _owned(out.contiguous(), operands)
+    return _owned(out if _dense(out) else out.contiguous(), operands)
 
 
 def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):

@@ -333,8 +333,10 @@ class _Builder:
         sid = len(self.steps)
         root = group[-1]
         position = {id(n): k for k, n in enumerate(group)}
-        # the dim of each member's output cut into row blocks: the root's first label
-        dim_of: dict[int, int | None] = {id(root): 0 if root.relation.labels else None}
+        # the dim of each member's output cut into row blocks: the root's first dim longer
+        # than 1 (a leading batch dim of 1 would leave one block)
+        longer = [d for d, n in enumerate(root.relation.grid.tile) if n > 1]
+        dim_of: dict[int, int | None] = {id(root): longer[0] if longer else None}
         for node in reversed(group):
             dim = dim_of[id(node)]
             for k, child in enumerate(node.inputs):
