@@ -1,14 +1,15 @@
 """The DuckDB chunk store: tensors at rest as chunk relations in an embedded database.
 
-Each tensor is one catalog row (``tensorql_catalog``) plus one chunk table ``tq_chunks_<id>``
-with a key column per dimension, a page number and a BLOB payload: each chunk's bytes in 4 KiB
+Each tensor is one catalog row (``tq_internal.tensorql_catalog``) plus one chunk table
+``tq_internal.tq_chunks_<id>`` with a key column per dimension, a page number and a BLOB payload: each chunk's bytes in 4 KiB
 pages (``tensorql.storage.pages``). Storing a tensor is one transaction; reads pull only the
 chunks asked for and view Arrow buffers without copying.
 Plain SQL on a tensorql connection sees every tensor as element rows through a view named
 exactly as the tensor (``d0, d1, ..., val``) and as chunks through ``"<name>__chunks"``. Those
 views decode chunk pages with tensorql's functions, so they are TEMP views of the tensorql
-connection, never stored in the file: a plain DuckDB client opening the file sees only
-``tensorql_catalog`` and the raw page tables ``tq_chunks_<n>``, and no view that fails.
+connection, never stored in the file: a plain DuckDB client opening the file sees nothing in
+its ``main`` schema, the catalog and raw page tables in schema ``tq_internal``, and no view
+that fails.
 
 >>> import numpy as np
 >>> from tensorql.grid import ChunkGrid
@@ -42,6 +43,7 @@ from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, jo
 from tensorql.storage.sql_text import ddl, quote_ident
 
 CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
+INTERNAL_SCHEMA = "tq_internal"  # the catalog and chunk tables: out of the user's ``main``
 ROW_GROUP_ROWS = 16384  # 64 MiB of pages: a big write goes to the file row group by row group
 JOIN_PAGES = "tq_join_pages"
 
@@ -99,8 +101,9 @@ class DuckDBChunkStore(ChunkStore):
         register_functions(self.connection)
         if path is not None and duckdb_memory_bytes:
             self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
+        self.schema = self._internal_schema()
         if not read_only:
-            self.connection.execute(ddl("catalog.sql"))
+            self.connection.execute(ddl("catalog.sql").format(schema=quote_ident(self.schema)))
             self._remove_orphans()
         self._paged_catalog = self._catalog_has_pages()
         self._unpaged_tables: set[str] = set()  # written before paging: one page per chunk
@@ -149,11 +152,30 @@ class DuckDBChunkStore(ChunkStore):
             self._local.cursor = cursor
         return cursor
 
+    def _internal_schema(self) -> str:
+        """Where the catalog and chunk tables live: the ``tq_internal`` schema, so that a plain
+        DuckDB client's ``main`` holds only the user's own tables; files written before it
+        keep theirs in ``main`` (read and written there, nothing is moved)."""
+        rows = self.connection.execute(
+            "SELECT schema_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND table_name = 'tensorql_catalog'").fetchall()
+        found = {row[0] for row in rows}
+        return "main" if "main" in found and INTERNAL_SCHEMA not in found else INTERNAL_SCHEMA
+
+    @property
+    def _catalog(self) -> str:
+        return f"{quote_ident(self.schema)}.tensorql_catalog"
+
+    def _ref(self, table: str) -> str:
+        """The SQL reference of chunk table ``table`` (a name the store generated)."""
+        return f"{quote_ident(self.schema)}.{quote_ident(table)}"
+
     def _catalog_has_pages(self) -> bool:
         """False for a catalog written before chunks were paged (then read as one page each)."""
         rows = self.connection.execute(
             "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
-            "AND table_name = 'tensorql_catalog' AND column_name = 'page_bytes'").fetchall()
+            "AND schema_name = ? AND table_name = 'tensorql_catalog' "
+            "AND column_name = 'page_bytes'", [self.schema]).fetchall()
         return rows[0][0] > 0
 
     def _drop_stored_views(self) -> None:
@@ -161,8 +183,8 @@ class DuckDBChunkStore(ChunkStore):
         DuckDB clients found views they could not read: drop them (they are temp views now)."""
         rows = self.connection.execute(
             "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() "
-            "AND NOT internal AND (view_name IN (SELECT name FROM tensorql_catalog) OR "
-            "view_name IN (SELECT name || '__chunks' FROM tensorql_catalog))").fetchall()
+            f"AND NOT internal AND (view_name IN (SELECT name FROM {self._catalog}) OR "
+            f"view_name IN (SELECT name || '__chunks' FROM {self._catalog}))").fetchall()
         for (view,) in rows:
             self.connection.execute(f"DROP VIEW IF EXISTS {quote_ident(view)}")
 
@@ -173,7 +195,7 @@ class DuckDBChunkStore(ChunkStore):
         each SQL script and backend query)."""
         if threading.current_thread() is threading.main_thread():
             with self._views_lock:
-                self._create_views(self.connection, meta, table)
+                self._create_views(self.connection, meta, self._ref(table))
                 self._views[meta.name] = table
         else:
             self._views.pop(meta.name, None)
@@ -185,7 +207,7 @@ class DuckDBChunkStore(ChunkStore):
         with self._views_lock:
             rows = self.connection.execute(
                 f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
-                "FROM tensorql_catalog").fetchall()
+                f"FROM {self._catalog}").fetchall()
             current = {row[0]: row for row in rows}
             for name in [n for n in self._views if n not in current]:
                 self._drop_views(self.connection, name)
@@ -197,7 +219,7 @@ class DuckDBChunkStore(ChunkStore):
                 grid = ChunkGrid(tuple(shape), tuple(tile))
                 self._create_views(self.connection,
                                    TensorMeta(name=name, shape=grid.shape, dtype=dtype,
-                                              grid=grid), table, paged=bool(paged))
+                                              grid=grid), self._ref(table), paged=bool(paged))
                 self._views[name] = table
 
     def close(self) -> None:
@@ -209,7 +231,7 @@ class DuckDBChunkStore(ChunkStore):
     # -- catalog ------------------------------------------------------------------------
     def names(self) -> list[str]:
         rows = self._cursor().execute(
-            "SELECT name FROM tensorql_catalog ORDER BY name").fetchall()
+            f"SELECT name FROM {self._catalog} ORDER BY name").fetchall()
         return [r[0] for r in rows]
 
     def has(self, name: str) -> bool:
@@ -218,7 +240,7 @@ class DuckDBChunkStore(ChunkStore):
     def _lookup(self, name: str) -> tuple[str, TensorMeta] | None:
         page_bytes = "page_bytes" if self._paged_catalog else "0"
         row = self._cursor().execute(
-            f"SELECT chunk_table, dtype, shape, tile, {page_bytes} FROM tensorql_catalog "
+            f"SELECT chunk_table, dtype, shape, tile, {page_bytes} FROM {self._catalog} "
             "WHERE name = ?", [name]).fetchall()
         if not row:
             return None
@@ -277,7 +299,8 @@ class DuckDBChunkStore(ChunkStore):
                             f"tensor {meta.name!r} already exists (pass replace=True)")
                     self._check_name_free(meta.name, con)
                     table_id = con.execute(
-                        "SELECT nextval('tensorql_chunk_table_seq')").fetchall()[0][0]
+                        f"SELECT nextval('{self.schema}.tensorql_chunk_table_seq')"
+                    ).fetchall()[0][0]
                     table = f"tq_chunks_{table_id}"
                     staged.append((meta, table))
                     self._stage(con, meta, chunks, table)
@@ -291,7 +314,7 @@ class DuckDBChunkStore(ChunkStore):
                                     f"tensor {meta.name!r} already exists (pass replace=True)")
                             self._drop_objects(con, meta.name, old[0])
                         con.execute(
-                            "INSERT INTO tensorql_catalog (name, chunk_table, dtype, shape, "
+                            f"INSERT INTO {self._catalog} (name, chunk_table, dtype, shape, "
                             "tile, nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                             [meta.name, table, meta.dtype, list(meta.shape),
                              list(meta.grid.tile), meta.nbytes, PAGE_BYTES])
@@ -304,7 +327,7 @@ class DuckDBChunkStore(ChunkStore):
             except BaseException as err:
                 if not self._committed(staged):
                     for _, table in staged:
-                        _drop_table_quietly(con, table)
+                        _drop_table_quietly(con, self._ref(table))
                 if isinstance(err, duckdb.Error):
                     raise StorageError(f"storing tensor(s) {', '.join(names)} failed: "
                                        f"{err}") from err
@@ -335,8 +358,8 @@ class DuckDBChunkStore(ChunkStore):
                 "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name IN "
                 "(current_database(), 'temp') AND lower(view_name) = lower(?) AND view_name "
                 "NOT IN "
-                "(SELECT name FROM tensorql_catalog UNION ALL "
-                " SELECT name || '__chunks' FROM tensorql_catalog)",
+                f"(SELECT name FROM {self._catalog} UNION ALL "
+                f" SELECT name || '__chunks' FROM {self._catalog})",
                 [name + suffix, name + suffix]).fetchall()
             if rows:
                 raise StorageError(f"tensor name {name!r} clashes with the DuckDB table or view "
@@ -347,7 +370,7 @@ class DuckDBChunkStore(ChunkStore):
         """Write every chunk into ``table``, a new chunk table nothing references yet."""
         ndim = meta.grid.ndim
         keys = "".join(f"{quote_ident(f'k{d}')} INTEGER NOT NULL, " for d in range(ndim))
-        con.execute(ddl("chunk_table.sql").format(table=quote_ident(table), key_columns=keys))
+        con.execute(ddl("chunk_table.sql").format(table=self._ref(table), key_columns=keys))
         seen: set[Key] = set()
         batch: list[tuple[Key, np.ndarray]] = []
         batch_size = 0
@@ -363,10 +386,10 @@ class DuckDBChunkStore(ChunkStore):
             batch.append((key, payload))
             batch_size += payload.size
             if batch_size >= self.batch_bytes:
-                self._insert(con, table, ndim, batch)
+                self._insert(con, self._ref(table), ndim, batch)
                 batch, batch_size = [], 0
         if batch:
-            self._insert(con, table, ndim, batch)
+            self._insert(con, self._ref(table), ndim, batch)
         if len(seen) != meta.grid.num_chunks:
             raise StorageError(f"tensor {meta.name!r}: got {len(seen)} chunks, grid has "
                                f"{meta.grid.num_chunks}")
@@ -375,14 +398,15 @@ class DuckDBChunkStore(ChunkStore):
         """Drop staging tables no catalog row references (left by an interrupted write)."""
         rows = self.connection.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND schema_name = 'main' AND "
+            "AND schema_name = ? AND "
             "table_name LIKE 'tq_chunks_%' AND table_name NOT IN "
-            "(SELECT chunk_table FROM tensorql_catalog)").fetchall()
+            f"(SELECT chunk_table FROM {self._catalog})", [self.schema]).fetchall()
         for (table,) in rows:
-            _drop_table_quietly(self.connection, table)
+            _drop_table_quietly(self.connection, self._ref(table))
 
     @staticmethod
-    def _insert(con, table: str, ndim: int, batch: list[tuple[Key, np.ndarray]]) -> None:
+    def _insert(con, ref: str, ndim: int, batch: list[tuple[Key, np.ndarray]]) -> None:
+        """Append ``batch``'s chunks as pages to the chunk table ``ref`` (an SQL reference)."""
         pages = encode_pages([p for _, p in batch])
         columns = {f"k{d}": pa.array(np.fromiter((k[d] for k, _ in batch), dtype=np.int32,
                                                  count=len(batch))[pages.chunk_index])
@@ -392,15 +416,16 @@ class DuckDBChunkStore(ChunkStore):
         arrow_batch = pa.table(columns)  # noqa: F841 - read by DuckDB through registration
         con.register("tq_insert_batch", arrow_batch)
         try:
-            con.execute(f"INSERT INTO {quote_ident(table)} SELECT * FROM tq_insert_batch")
+            con.execute(f"INSERT INTO {ref} SELECT * FROM tq_insert_batch")
         finally:
             con.unregister("tq_insert_batch")
 
     @staticmethod
-    def _create_views(con, meta: TensorMeta, table: str, paged: bool = True) -> None:
+    def _create_views(con, meta: TensorMeta, ref: str, paged: bool = True) -> None:
+        """The temp views of a tensor over its chunk table ``ref`` (an SQL reference)."""
         grid = meta.grid
-        source = quote_ident(table) if paged else \
-            f"(SELECT *, 0 AS page FROM {quote_ident(table)})"  # written before paging
+        source = ref if paged else \
+            f"(SELECT *, 0 AS page FROM {ref})"  # written before paging
         keys = [quote_ident(f"k{d}") for d in range(grid.ndim)]
         key_list = "".join(f"{k}, " for k in keys)
         extents = [f"least({t}, {n} - {k} * {t})" for k, t, n in zip(keys, grid.tile, grid.shape)]
@@ -428,8 +453,8 @@ class DuckDBChunkStore(ChunkStore):
 
     def _drop_objects(self, con, name: str, table: str) -> None:
         self._drop_views(con, name)
-        con.execute(f"DROP TABLE IF EXISTS {quote_ident(table)}")
-        con.execute("DELETE FROM tensorql_catalog WHERE name = ?", [name])
+        con.execute(f"DROP TABLE IF EXISTS {self._ref(table)}")
+        con.execute(f"DELETE FROM {self._catalog} WHERE name = ?", [name])
 
     def drop(self, name: str) -> None:
         if self.read_only:
@@ -458,7 +483,7 @@ class DuckDBChunkStore(ChunkStore):
         where = " AND ".join(f"{quote_ident(f'k{d}')} = ?" for d in range(len(key))) or "TRUE"
         page = "page" if self._is_paged(table) else "0 AS page"
         result = self._cursor().sql(
-            f"SELECT {page}, payload FROM {quote_ident(table)} WHERE {where}", params=list(key)
+            f"SELECT {page}, payload FROM {self._ref(table)} WHERE {where}", params=list(key)
         ).to_arrow_table()
         if result.num_rows == 0:
             raise StorageError(f"tensor {name!r}: chunk {key} is missing from {table}")
@@ -493,7 +518,7 @@ class DuckDBChunkStore(ChunkStore):
         ndim = meta.grid.ndim
         key_cols = "".join(f"{quote_ident(f'k{d}')}, " for d in range(ndim))
         page = "page" if self._is_paged(table) else "0 AS page"
-        select = f"SELECT {key_cols}{page}, payload FROM {quote_ident(table)}"
+        select = f"SELECT {key_cols}{page}, payload FROM {self._ref(table)}"
         rows = max(1024, self.batch_bytes // PAGE_BYTES)
         cursor = self.cursor()  # its own: the caller may stop iterating early
         try:
@@ -574,9 +599,10 @@ class ChunkCache:
                 self.size -= old.nbytes
 
 
-def _drop_table_quietly(con: duckdb.DuckDBPyConnection, table: str) -> None:
+def _drop_table_quietly(con: duckdb.DuckDBPyConnection, ref: str) -> None:
+    """Drop chunk table ``ref`` (an SQL reference), if it can be."""
     try:
-        con.execute(f"DROP TABLE IF EXISTS {quote_ident(table)}")
+        con.execute(f"DROP TABLE IF EXISTS {ref}")
     except duckdb.Error:  # pragma: no cover - best effort; the next open retries
         pass
 

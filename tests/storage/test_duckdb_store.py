@@ -237,7 +237,7 @@ def test_chunks_larger_than_a_record_batch_read_back_whole(tmp_path):
         assert sorted(got) == [(0, 0), (1, 0), (2, 0)]
         for (row, _), chunk in got.items():
             torch.testing.assert_close(chunk, data[row:row + 1], rtol=0, atol=0)
-        pages = db.connection.sql("SELECT count(*) FROM tq_chunks_1").fetchall()[0][0]
+        pages = db.connection.sql("SELECT count(*) FROM tq_internal.tq_chunks_1").fetchall()[0][0]
         assert pages == 3 * 1536  # 4 KiB pages: 1536 per chunk
 
 

@@ -18,11 +18,13 @@ def test_plain_client_sees_no_tensor_views_and_every_listed_object_reads(tmp_pat
     plain = duckdb.connect(path, read_only=True)
     try:
         names = [r[0] for r in plain.sql("SHOW TABLES").fetchall()]
-        assert "A" not in names and "A__chunks" not in names
+        assert names == []  # the user's namespace (main) holds nothing of tensorql's
         assert not plain.sql("SELECT * FROM duckdb_views() WHERE NOT internal").fetchall()
-        for name in names:  # everything a plain client lists can be read
-            plain.sql(f'SELECT count(*) FROM "{name}"').fetchall()
-        assert plain.sql("SELECT name, shape FROM tensorql_catalog").fetchall() == [
+        listed = plain.sql("SELECT schema_name, table_name FROM duckdb_tables()").fetchall()
+        assert {schema for schema, _ in listed} == {"tq_internal"}
+        for schema, name in listed:  # everything a plain client can list can be read
+            plain.sql(f'SELECT count(*) FROM "{schema}"."{name}"').fetchall()
+        assert plain.sql("SELECT name, shape FROM tq_internal.tensorql_catalog").fetchall() == [
             ("A", [3, 2])]
     finally:
         plain.close()
@@ -57,3 +59,29 @@ def test_files_with_stored_views_are_cleaned_on_open(tmp_path):
     con = duckdb.connect(path, read_only=True)
     assert not con.sql("SELECT * FROM duckdb_views() WHERE NOT internal").fetchall()
     con.close()
+
+
+def test_files_of_the_earlier_layout_keep_working_in_main(tmp_path):
+    """A file written when the catalog lived in ``main`` is read and written there."""
+    path = str(tmp_path / "old.duckdb")
+    with tq.connect(path) as db:
+        db.from_numpy("A", np.arange(4, dtype=np.float32))
+    con = duckdb.connect(path)  # rebuild it as the earlier layout had it
+    con.execute("CREATE TABLE main.tensorql_catalog AS SELECT * FROM tq_internal.tensorql_catalog")
+    con.execute("CREATE TABLE main.tq_chunks_1 AS SELECT * FROM tq_internal.tq_chunks_1")
+    con.execute("CREATE SEQUENCE main.tensorql_chunk_table_seq START 2")
+    con.execute("DROP TABLE tq_internal.tq_chunks_1")
+    con.execute("DROP TABLE tq_internal.tensorql_catalog")
+    con.execute("DROP SEQUENCE tq_internal.tensorql_chunk_table_seq")
+    con.execute("DROP SCHEMA tq_internal")
+    con.close()
+    with tq.connect(path) as db:
+        assert db.tensor("A").numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+        db.from_numpy("B", np.ones(2, np.float32))
+        assert sorted(db.tensors()) == ["A", "B"]
+    con = duckdb.connect(path, read_only=True)
+    try:
+        schemas = {r[0] for r in con.sql("SELECT schema_name FROM duckdb_tables()").fetchall()}
+        assert schemas == {"main"}  # nothing was moved or duplicated
+    finally:
+        con.close()
