@@ -2,8 +2,8 @@
 
 Each tensor is one catalog row (``tq_internal.tensorql_catalog``) plus one chunk table
 ``tq_internal.tq_chunks_<id>`` with a key column per dimension, a page number and a BLOB
-payload: each chunk's bytes in 4 KiB pages (``tensorql.storage.pages``). Storing a tensor is one transaction; reads pull only the
-chunks asked for and view Arrow buffers without copying.
+payload: each chunk's bytes in 4 KiB pages (``tensorql.storage.pages``). Storing a tensor is
+one transaction; reads pull only the chunks asked for and view Arrow buffers without copying.
 Plain SQL on a tensorql connection sees every tensor as element rows through a view named
 exactly as the tensor (``d0, d1, ..., val``) and as chunks through ``"<name>__chunks"``. Those
 views decode chunk pages with tensorql's functions, so they are TEMP views of the tensorql
