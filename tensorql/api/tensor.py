@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, to_numpy
+from tensorql.dtypes import torch_dtype as _torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
@@ -184,15 +185,18 @@ class Tensor:
         return self._compare(other, "ne")
 
     def __getitem__(self, index: Any) -> Tensor:
-        """Basic numpy indexing of a stored tensor: ints, slices with step 1 (negative and
-        open ends as numpy), ``...`` and ``None``. The result reads only the stored chunks the
-        region overlaps.
+        """Basic numpy indexing: ints, slices (any step, negative and open ends as numpy),
+        ``...`` and ``None``. On a stored tensor the region the index spans is read from only
+        the stored chunks it overlaps; a step other than 1, or an index of a computed
+        expression, is then a selection: one einsum with a 0/1 matrix per indexed dimension.
 
         >>> import numpy as np, tensorql as tq
         >>> db = tq.connect()
         >>> a = db.from_numpy("a", np.arange(20.0).reshape(4, 5), tile=(2, 2))
         >>> a[1:3, -2:].numpy().tolist(), a[2].numpy().tolist(), a[..., 0].shape
         ([[8.0, 9.0], [13.0, 14.0]], [10.0, 11.0, 12.0, 13.0, 14.0], (4,))
+        >>> (a * 2)[::3, ::-2].numpy().tolist()
+        [[8.0, 4.0, 0.0], [38.0, 34.0, 30.0]]
         """
         items = list(index) if isinstance(index, tuple) else [index]
         if sum(item is Ellipsis for item in items) > 1:
@@ -203,7 +207,8 @@ class Tensor:
                              f"{used} were given")
         at = items.index(Ellipsis) if Ellipsis in items else len(items)
         items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
-        starts, sizes, shape = [], [], []  # the region; then the result's shape
+        picks: list[range] = []  # per dim, the positions it keeps
+        shape = []  # the result's shape
         dim = 0
         for item in items:
             if item is None:
@@ -211,34 +216,67 @@ class Tensor:
                 continue
             n = self.shape[dim]
             if isinstance(item, slice):
-                start, stop, step = item.indices(n)
-                if step != 1:
-                    raise UnsupportedError(f"index {item} of dimension {dim}: only step 1 "
-                                           "slices are supported")
-                starts.append(start)
-                sizes.append(max(0, stop - start))
-                shape.append(sizes[-1])
+                picks.append(range(*item.indices(n)))
+                shape.append(len(picks[-1]))
             elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
                 k = int(item) + (n if item < 0 else 0)
                 if not 0 <= k < n:
                     raise IndexError(f"index {int(item)} is out of bounds for dimension "
                                      f"{dim} of size {n}")
-                starts.append(k)
-                sizes.append(1)
+                picks.append(range(k, k + 1))
             else:
                 raise UnsupportedError(f"index {item!r} of dimension {dim}: only ints, "
                                        "slices, '...' and None are supported")
             dim += 1
-        node = self.node
-        if not isinstance(node, Source):
-            raise UnsupportedError("indexing works on stored tensors (it reads only their "
-                                   "chunks in the region); store the expression first "
-                                   "(db.store) or index its stored operands")
-        base = node.offset or (0,) * len(starts)
-        region = Source(shape=tuple(sizes), dtype=node.dtype, name=node.name, grid=node.grid,
-                        offset=tuple(b + s for b, s in zip(base, starts)))
-        out = self._wrap(region)
+        kept = [list(p) for p in picks]
+        out = self
+        if isinstance(self.node, Source):  # read the region the index spans, then select in it
+            starts = [min(p) if p else 0 for p in kept]
+            out = self._region(kept)
+            kept = [[i - start for i in p] for p, start in zip(kept, starts)]
+        out = out._select(kept)
         return out if tuple(shape) == out.shape else out.reshape(shape)
+
+    def _region(self, picks: list[list[int]]) -> Tensor:
+        """The stored region spanning ``picks`` (read from only the chunks it overlaps)."""
+        node = self.node
+        starts = [min(p) if len(p) else 0 for p in picks]
+        sizes = [max(p) - min(p) + 1 if len(p) else 0 for p in picks]
+        if tuple(sizes) == self.shape:
+            return self
+        base = node.offset or (0,) * len(starts)
+        return self._wrap(Source(shape=tuple(sizes), dtype=node.dtype, name=node.name,
+                                 grid=node.grid,
+                                 offset=tuple(b + s for b, s in zip(base, starts))))
+
+    def _select(self, picks: list[list[int]]) -> Tensor:
+        """Keep positions ``picks[d]`` of each dim ``d`` (in that order): the identity where a
+        dim keeps everything, else an einsum with a (kept x size) 0/1 matrix."""
+        if all(p == list(range(n)) for p, n in zip(picks, self.shape)):
+            return self
+        labels = _LETTERS[: self.ndim]
+        fresh = iter(_LETTERS[self.ndim:])
+        operands, terms, out = [self], [labels], ""
+        for d, (p, n) in enumerate(zip(picks, self.shape)):
+            if p == list(range(n)):
+                out += labels[d]
+                continue
+            if len(p) * n > 1 << 24:
+                raise UnsupportedError(f"selecting {len(p)} of {n} positions of dimension {d} "
+                                       "of a computed tensor needs a 0/1 matrix of "
+                                       f"{len(p) * n} elements; store the expression first "
+                                       "(db.store) and index the stored tensor")
+            matrix = np.zeros((len(p), n), dtype=np.float64)
+            matrix[np.arange(len(p)), np.asarray(p, dtype=np.int64)] = 1.0
+            label = next(fresh)
+            operands.append(self.db.constant(torch.from_numpy(matrix).to(
+                torch.float32 if self.dtype == "bool" else _torch_dtype(self.dtype))))
+            terms.append(label + labels[d])
+            out += label
+        from tensorql.api.einsum import einsum
+
+        picked = einsum(",".join(terms) + "->" + out, *operands)
+        return picked.astype(self.dtype) if picked.dtype != self.dtype else picked
 
     def astype(self, dtype: Any) -> Tensor:
         """The values converted to ``dtype`` (numpy's and torch's conversion rules).

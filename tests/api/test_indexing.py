@@ -22,7 +22,10 @@ def _indices(n: int = 40, seed: int = 0) -> list:
         if kind == 1:
             return slice(None)
         lo, hi = sorted(int(v) for v in rng.integers(-size - 2, size + 2, 2))
-        return slice(lo, hi) if kind == 2 else slice(lo, None)
+        step = int(rng.choice([1, 1, 2, 3, -1, -2]))
+        if step < 0:
+            lo, hi = hi, lo
+        return slice(lo, hi, step) if kind == 2 else slice(lo, None, step)
 
     out = []
     for _ in range(n):
@@ -75,9 +78,29 @@ def test_bad_indices_say_why():
             a[0, 10]
         with pytest.raises(IndexError, match="too many indices"):
             a[0, 0, 0, 0]
-        with pytest.raises(tq.UnsupportedError, match="only step 1"):
-            a[::2]
-        with pytest.raises(tq.UnsupportedError, match="store the expression first"):
-            (a * 2)[0]
         with pytest.raises(tq.UnsupportedError, match="only ints, slices"):
             a[[0, 1]]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_indexing_a_computed_expression_matches_numpy(devices):
+    with tq.connect(devices=devices, workers=2) as db:
+        a = db.from_numpy("a", A, tile=(4, 3, 2))
+        expr = a * 2.0 + 1.0
+        for index in _indices(seed=3):
+            np.testing.assert_array_equal(expr[index].numpy(), (A * 2.0 + 1.0)[index],
+                                          err_msg=str(index))
+        flags = db.from_numpy("flags", A > 100)  # bool and integer tensors select as well
+        np.testing.assert_array_equal(flags[::-3, 1].numpy(), (A > 100)[::-3, 1])
+        ints = db.from_numpy("ints", A.astype(np.int64))
+        np.testing.assert_array_equal((ints + 1)[2, ::2].numpy(), (A.astype(np.int64) + 1)[2, ::2])
+
+
+def test_gradient_flows_through_a_strided_index():
+    with tq.connect() as db:
+        a = db.from_numpy("a", A.astype(np.float64))
+        loss = ((a * 3.0)[::2, 1::3] ** 2).sum()
+        (g,) = tq.grad(loss, [a])
+        expected = np.zeros_like(A, dtype=np.float64)
+        expected[::2, 1::3] = 2 * 9.0 * A[::2, 1::3]
+        np.testing.assert_allclose(g.numpy(), expected)
