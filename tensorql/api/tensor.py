@@ -297,10 +297,11 @@ class Tensor:
         return self._arg_extreme(axis, "min")
 
     def _arg_extreme(self, axis: int | None, agg: str) -> Tensor:
+        if axis is None and self.ndim > 1:  # numpy's index into the flattened tensor
+            return self._flat_arg_extreme(agg)
         if axis is None:
-            if self.ndim != 1:
-                raise UnsupportedError(f"arg{agg} over all axes of a {self.ndim}-d tensor "
-                                       "(numpy flattens it first) is not supported; give axis=")
+            if self.ndim == 0:
+                raise ShapeError(f"arg{agg} of a 0-d tensor")
             axis = 0
         (axis,) = _normalize_axes(axis, self.ndim)
         extreme = self._reduce(axis, agg, keepdims=True)
@@ -309,6 +310,30 @@ class Tensor:
                                                       for d in range(self.ndim)])
         hits = where(self.eq(extreme), index, n)  # n where it is not the extreme
         return hits._reduce(axis, "min", keepdims=False)
+
+    def _flat_arg_extreme(self, agg: str) -> Tensor:
+        """The row-major flat index of the first extreme value (numpy's ``argmax()``): the
+        flat index of every element is a broadcast sum of one index vector per dim, so no
+        tensor of the input's size is made up front.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[1.0, 7.0], [7.0, 0.0]]))
+        >>> int(x.argmax()), int(x.argmin())
+        (1, 3)
+        """
+        size = math.prod(self.shape)
+        if size == 0:
+            raise ShapeError(f"arg{agg} of an empty tensor")
+        stride, vectors = 1, []
+        for d in reversed(range(self.ndim)):
+            n = self.shape[d]
+            vectors.append(self._operand((np.arange(n, dtype=np.int64) * stride).reshape(
+                [n if k == d else 1 for k in range(self.ndim)])))
+            stride *= n
+        flat = broadcast_join(vectors, "add") if len(vectors) > 1 else vectors[0]
+        extreme = self._reduce(None, agg, keepdims=True)
+        hits = where(self.eq(extreme), flat, size)  # size where it is not the extreme
+        return hits._reduce(None, "min", keepdims=False)
 
     def __matmul__(self, other: Any) -> Tensor:
         return matmul(self, self._operand(other))

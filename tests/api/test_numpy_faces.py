@@ -86,8 +86,9 @@ def test_argmax_argmin_match_numpy_with_ties(db, axis):
     assert x.argmax(axis=axis).dtype == "int64"
     v = db.from_numpy("v", a[0], tile=(4,))
     assert int(v.argmax()) == a[0].argmax()
-    with pytest.raises(tq.UnsupportedError, match="give axis"):
-        x.argmax()
+    assert int(x.argmax()) == a.argmax() and int(x.argmin()) == a.argmin()  # flattened
+    b = db.from_numpy("b", np.stack([a, a[::-1]]), tile=(1, 3, 4))
+    assert int(b.argmax()) == np.stack([a, a[::-1]]).argmax()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])
