@@ -112,6 +112,7 @@ class ConstChunk(_NoCombine):
 
     value: torch.Tensor
     slices: tuple[slice, ...] | None = None
+    inline = True  # a view, no work: the executor runs it in place of scheduling it
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return self.value if self.slices is None else self.value[self.slices]
