@@ -348,12 +348,12 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
                                  labels))
     scale = 1.0
     for j in range(len(e.operands) - 1, 0, -1):
-        (da, sa), (db_, sb) = _join_partials(e, spec.join, prefix[j - 1], e.operands[j],
-                                             prefix[j])
+        partials = _join_partials(e, spec.join, prefix[j - 1], e.operands[j], prefix[j])
         if j in needs:
-            grads[j] = e.to_operand(j, [*adjoint, *db_], scale * sb)
-        adjoint = [*adjoint, *da]
-        scale *= sa
+            grads[j] = e.to_operand(j, [*adjoint, *partials.by_b.factors],
+                                    scale * partials.by_b.scale)
+        adjoint = [*adjoint, *partials.by_a.factors]
+        scale *= partials.by_a.scale
     if 0 in needs:
         grads[0] = e.to_operand(0, adjoint, scale)
     return grads
@@ -391,29 +391,43 @@ def _aggregate_adjoint(e: _Einsum, out: Factor) -> list[Factor]:
     return [out, Factor(without + at_zero, e.every)]
 
 
-Partial = tuple[list[Factor], float]
+@dataclass(frozen=True)
+class Partial:
+    """A local derivative as a product: ``scale`` times the product of ``factors``."""
+
+    factors: tuple[Factor, ...] = ()
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class JoinPartials:
+    """The derivatives of one step of a join's fold, ``out = JOIN(a, b)``, by ``a`` and ``b``."""
+
+    by_a: Partial
+    by_b: Partial
 
 
 def _join_partials(e: _Einsum, join: str, a: Factor, b: Factor,
-                   out: Factor) -> tuple[Partial, Partial]:
-    """d JOIN(a, b) / da and / db as factor lists with a scale (the local derivatives of one
-    step of the fold; ``out`` is its value)."""
+                   out: Factor) -> JoinPartials:
+    """d JOIN(a, b) / da and / db (the local derivatives of one step of the fold; ``out`` is
+    its value)."""
     labels = out.labels
     if join == "add":
-        return ([], 1.0), ([], 1.0)
+        return JoinPartials(Partial(), Partial())
     if join == "sub":
-        return ([], 1.0), ([], -1.0)
+        return JoinPartials(Partial(), Partial(scale=-1.0))
     if join == "mul":
-        return ([b], 1.0), ([a], 1.0)
+        return JoinPartials(Partial((b,)), Partial((a,)))
     if join == "div":
         inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
-        return ([inverse], 1.0), ([out, inverse], -1.0)
+        return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
     if join in ("max", "min"):  # torch.maximum / minimum: a tie gives each half
         wins = "gt" if join == "max" else "lt"
         tie = e.einsum([a, b], labels, join="eq").astype(e.dtype) * 0.5
         a_wins = e.einsum([a, b], labels, join=wins).astype(e.dtype)
         b_wins = e.einsum([b, a], labels, join=wins).astype(e.dtype)
-        return ([Factor(a_wins + tie, labels)], 1.0), ([Factor(b_wins + tie, labels)], 1.0)
+        return JoinPartials(Partial((Factor(a_wins + tie, labels),)),
+                            Partial((Factor(b_wins + tie, labels),)))
     if join == "pow":  # as torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)
         lower = Factor(b.tensor - 1.0, b.labels)
         da = e.einsum([b, Factor(e.einsum([a, lower], labels, join="pow"), labels)], labels)
@@ -421,7 +435,7 @@ def _join_partials(e: _Einsum, join: str, a: Factor, b: Factor,
         db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
         db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
                               Factor(b.tensor >= 0.0, b.labels)], db_, labels)
-        return ([Factor(da, labels)], 1.0), ([Factor(db_, labels)], 1.0)
+        return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
     raise GradientError(f"no gradient for join {join!r}")  # pragma: no cover - bool joins
 
 

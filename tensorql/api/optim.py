@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,16 @@ from tensorql.einsum.graph import Node, substitute
 from tensorql.errors import OptionError, ShapeError
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """A planned training step and what it was planned for (a new loss expression or new
+    session options plan it again)."""
+
+    loss: Node
+    options: Any
+    query: Any
 
 
 class Optimizer:
@@ -85,7 +96,7 @@ class Optimizer:
         self.values = {n: t.node.value for n, t in self._params.items()}
         self.state = {k: t.node.value for k, t in self._slots.items()}
         self._scalars: dict[str, torch.Tensor] = {}
-        self._plans: dict[int, Any] = {}
+        self._step_plan: _StepPlan | None = None  # the last loss's planned step
 
     def _state_name(self, slot: str, param: str) -> str:
         return f"{self.name}.{slot}.{param}"
@@ -122,10 +133,9 @@ class Optimizer:
     def _plan(self, loss: Tensor) -> Any:
         from tensorql.pipeline import CompiledGroup
 
-        key = id(loss.node)
-        cached = self._plans.get(key)
-        if cached is not None and cached[0] is loss.node and cached[1] == self.db.options:
-            return cached[2]
+        cached = self._step_plan
+        if cached is not None and cached.loss is loss.node and cached.options == self.db.options:
+            return cached.query
         given = loss.node
         # a loss written over the stored weights (db.tensor(name)) trains the in-memory ones
         node = substitute(given, {n: self._params[n].node for n in self.names})
@@ -140,7 +150,7 @@ class Optimizer:
             outputs.append(new_weight)
             outputs.extend(new_slots[slot] for slot in self.slots)
         group = CompiledGroup.compile([t.node for t in outputs], self.db)
-        self._plans = {key: (given, self.db.options, group)}
+        self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
         return group
 
     def _tile_like_gradients(self, loss: Node) -> None:

@@ -249,11 +249,11 @@ class Llama:
 
     def embedding_table(self) -> torch.Tensor:
         """The embedding table in memory (read once per generation of the store)."""
-        cached = getattr(self, "_table", None)
-        if cached is None or cached[0] != self.db.generation:
-            cached = (self.db.generation, self._w("embed").torch())
-            self._table = cached
-        return cached[1]
+        generation = getattr(self, "_table_generation", None)
+        if generation != self.db.generation:
+            self._table = self._w("embed").torch()
+            self._table_generation = self.db.generation
+        return self._table
 
     def keys_values(self, x: Tensor, layer: int, positions: Sequence[int]) -> Tensor:
         """Layer ``layer``'s rotated keys and values of hidden states ``x``: (2, B, S, KV, E)."""
