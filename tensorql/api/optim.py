@@ -190,9 +190,9 @@ class Optimizer:
         loss_value = float(results[0].reshape(()).item())
         it = iter(results[1:])
         for n in self.names:  # the constants the plan reads take the new values' storage
-            self.values[n].set_(next(it))
+            _replace(self.values[n], next(it))
             for slot in self.slots:
-                self.state[(slot, n)].set_(next(it))
+                _replace(self.state[(slot, n)], next(it))
         self.step_count += 1
         if self.step_count % self.checkpoint_every == 0:
             self.checkpoint()
@@ -205,6 +205,15 @@ class Optimizer:
             items[self._state_name(slot, n)] = value
         items[f"{self.name}.step"] = torch.tensor(self.step_count, dtype=torch.int64)
         self.db.store_many(items, replace=True)
+
+
+def _replace(held: torch.Tensor, new: torch.Tensor) -> None:
+    """Give the tensor a plan reads (a constant's value) the new values, without a copy
+    when they have its dtype and shape (the constant's node says both)."""
+    if new.dtype != held.dtype or new.shape != held.shape:
+        held.copy_(new)
+    else:
+        held.set_(new)
 
 
 def canonical(value: torch.Tensor) -> str:
