@@ -19,7 +19,7 @@ inside DuckDB).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,16 +101,7 @@ class CompiledQuery:
         get_backend(name)
         logical = lower(node)
         check_task_count(logical)
-        max_temp = max(1, options.kernel_temp_bytes // 4)
-        count = job_devices(options)
-        partition = None
-        # an empty tensor anywhere: nothing to partition (and no piece to place)
-        empty = any(0 in n.relation.shape for n in walk(logical))
-        if count > 1 and name == "native" and not empty:
-            partition, physical = _partition(logical, db, count, max_temp)
-        else:
-            physical = PhysicalPlan.build(logical, db.chunk_store, max_temp_elems=max_temp,
-                                          **_series(options, options.memory_limit, 1))
+        partition, physical = _physical_plan([logical], db, partitioned=name == "native")
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
                    partition=partition)
 
@@ -217,16 +208,7 @@ class CompiledGroup:
         roots = lower_many(nodes)
         for root in roots:
             check_task_count(root)
-        count = job_devices(options)
-        empty = any(0 in n.relation.shape for n in walk(*roots))
-        if count > 1 and not empty:  # the optimizer partitions the whole group at once
-            _, physical = _partition(roots[0], db, count, max(1, options.kernel_temp_bytes // 4),
-                                     also=tuple(roots[1:]))
-            return cls(nodes=tuple(nodes), db=db, physical=physical)
-        physical = PhysicalPlan.build(roots[0], db.chunk_store,
-                                      max_temp_elems=max(1, options.kernel_temp_bytes // 4),
-                                      **_series(options, options.memory_limit, 1),
-                                      also=tuple(roots[1:]))
+        _, physical = _physical_plan(roots, db)  # on N devices: the whole group partitioned
         return cls(nodes=tuple(nodes), db=db, physical=physical)
 
     def run(self, progress: ProgressCallback | None = None) -> list[torch.Tensor]:
@@ -238,30 +220,15 @@ class CompiledGroup:
             raise ExecutionError(f"devices={db.options.devices!r}: null devices compute no "
                                  "values, so there are no results to return")
         steps = self.physical.output_steps
-        outs = {}
         for step in steps:
-            rel = step.relation
-            check_dense_fits(rel, db.options)
-            outs.setdefault(step.id, (rel, torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))))
-
-        def destination(ref):
-            if ref.step in outs:
-                rel, out = outs[ref.step]
-                return out[rel.grid.slices(ref.key)]
-            return None
-
-        def sink(ref, chunk):
-            rel, out = outs[ref.step]
-            tile = out[rel.grid.slices(ref.key)]
-            if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
-                tile.copy_(chunk)
-
+            check_dense_fits(step.relation, db.options)
+        writer = DenseResults(steps)
         self.last_stats.clear()
         result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
-                                              sink=sink, destination=destination,
+                                              sink=writer.sink, destination=writer.destination,
                                               keep_outputs=False)
         self.last_stats.append(result.stats)
-        return [outs[step.id][1] for step in steps]
+        return writer.tensors
 
     def explain(self, analyze: bool = False) -> str:
         """The plan of the whole group (one plan on one device, else one per output)."""
@@ -277,6 +244,38 @@ class CompiledGroup:
         names = ", ".join(f"[{k}] {n.describe()}" for k, n in enumerate(self.nodes))
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {len(self.nodes)} outputs: {names}"
         return render_plan(self.physical, stats, title=title)
+
+
+class DenseResults:
+    """Fresh dense tensors for the results of ``steps`` that a run computes its result
+    chunks straight into (``destination``), copying only a chunk a kernel returned apart
+    (``sink``); a stored chunk never leaks out by reference. ``tensors``: one per step.
+
+    >>> import torch, tensorql as tq
+    >>> q = tq.einsum("ij->i", tq.connect().constant(torch.ones(3, 4))).compile()
+    >>> writer = DenseResults([q.physical.result_step])
+    >>> writer.tensors[0].shape
+    torch.Size([3])
+    """
+
+    def __init__(self, steps: Sequence[Any]) -> None:
+        self._outs: dict[int, tuple[Any, torch.Tensor]] = {}
+        for step in steps:
+            rel = step.relation
+            self._outs.setdefault(step.id, (rel, torch.empty(rel.shape,
+                                                             dtype=torch_dtype(rel.dtype))))
+        self.tensors = [self._outs[step.id][1] for step in steps]
+
+    def destination(self, ref: Any) -> torch.Tensor | None:
+        if ref.step not in self._outs:
+            return None
+        rel, out = self._outs[ref.step]
+        return out[rel.grid.slices(ref.key)]
+
+    def sink(self, ref: Any, chunk: torch.Tensor) -> None:
+        tile = self.destination(ref)
+        if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
+            tile.copy_(chunk)
 
 
 def job_devices(options: Options) -> int:
@@ -322,6 +321,22 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
         out.nbytes * (layout.world - 1) if layout.rank == 0 else 0)
     chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
+
+
+def _physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = True
+                   ) -> tuple[PartitionPlan | None, PhysicalPlan]:
+    """The physical plan of ``roots`` (one result, or several sharing their common steps):
+    the optimizer's partitioning when the session has several devices, else one device's."""
+    options = db.options
+    max_temp = max(1, options.kernel_temp_bytes // 4)
+    count = job_devices(options)
+    # an empty tensor anywhere: nothing to partition (and no piece to place)
+    empty = any(0 in n.relation.shape for n in walk(*roots))
+    if count > 1 and partitioned and not empty:
+        return _partition(roots[0], db, count, max_temp, also=tuple(roots[1:]))
+    return None, PhysicalPlan.build(roots[0], db.chunk_store, max_temp_elems=max_temp,
+                                    **_series(options, options.memory_limit, 1),
+                                    also=tuple(roots[1:]))
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
@@ -444,25 +459,15 @@ class NativeBackend:
         if options.distributed:
             return _run_distributed(query, progress)
         executor = executor_for(options)
-        step = query.physical.result_step
-        rel, sid = step.relation, step.id
-        out = sink = destination = None
-        if dense:  # always a fresh tensor: a stored chunk must never leak out by reference
-            out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
-
-            def destination(ref):  # result tiles are computed straight into ``out``
-                return out[rel.grid.slices(ref.key)] if ref.step == sid else None
-
-            def sink(ref, chunk):
-                tile = out[rel.grid.slices(ref.key)]
-                if chunk.data_ptr() != tile.data_ptr() or chunk.stride() != tile.stride():
-                    tile.copy_(chunk)
-
-        result = executor.run(query.physical.task_graph(), progress=progress, sink=sink,
-                              destination=destination, keep_outputs=not dense)
+        sid = query.physical.result_step.id
+        writer = DenseResults([query.physical.result_step]) if dense else None
+        result = executor.run(query.physical.task_graph(), progress=progress,
+                              sink=writer.sink if writer else None,
+                              destination=writer.destination if writer else None,
+                              keep_outputs=not dense)
         chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
-        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out,
-                           computed=not null)
+        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats,
+                           assembled=writer.tensors[0] if writer else None, computed=not null)
 
     def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
         null = any(d.startswith("null") for d in device_names(query.db.options.devices))

@@ -139,10 +139,9 @@ class Optimizer:
         given = loss.node
         # a loss written over the stored weights (db.tensor(name)) trains the in-memory ones
         node = substitute(given, {n: self._params[n].node for n in self.names})
-        self._tile_like_gradients(node)
         loss = Tensor(node, self.db)
-        params = [self._params[n] for n in self.names]
-        grads = grad(loss, params, allow_unused=True)
+        grads = grad(loss, [self._params[n] for n in self.names], allow_unused=True)
+        self._tile_like_gradients(grads)
         outputs = [loss]
         for n, g in zip(self.names, grads):
             slots = {slot: self._slots[(slot, n)] for slot in self.slots}
@@ -153,7 +152,7 @@ class Optimizer:
         self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
         return group
 
-    def _tile_like_gradients(self, loss: Node) -> None:
+    def _tile_like_gradients(self, grads: list[Tensor]) -> None:
         """Give each weight's slots (momentum, Adam's m and v) the chunk tiles its gradient
         comes out with; the updates put the gradient first, so gradient and slots are read
         chunk for chunk and only the weight itself may be retiled. (Retiling the weights
@@ -163,8 +162,6 @@ class Optimizer:
 
         if not self.slots:
             return
-        params = [self._params[n] for n in self.names]
-        grads = grad(Tensor(loss, self.db), params, allow_unused=True)
         for n, root in zip(self.names, lower_many([g.node for g in grads])):
             grid = root.relation.grid
             for slot in self.slots:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tensorql.dtypes import canonical_dtype, to_numpy
-from tensorql.dtypes import torch_dtype as _torch_dtype
+from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
@@ -270,7 +269,7 @@ class Tensor:
             matrix[np.arange(len(p)), np.asarray(p, dtype=np.int64)] = 1.0
             label = next(fresh)
             operands.append(self.db.constant(torch.from_numpy(matrix).to(
-                torch.float32 if self.dtype == "bool" else _torch_dtype(self.dtype))))
+                torch.float32 if self.dtype == "bool" else torch_dtype(self.dtype))))
             terms.append(label + labels[d])
             out += label
         from tensorql.api.einsum import einsum
@@ -500,8 +499,6 @@ def _no_numpy_extras(name: str, dtype: Any, out: Any) -> None:
 
 
 def _cast_const(node: Node, dtype: str, db: Database) -> Node:
-    from tensorql.dtypes import torch_dtype
-
     return db.constant(node.value.to(torch_dtype(dtype))).node
 
 
