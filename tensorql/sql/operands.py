@@ -13,6 +13,8 @@ call knows which output cells anything contributed to (:attr:`EinsumCall.present
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,24 +24,29 @@ import pyarrow as pa
 import torch
 from sqlglot import exp
 
+from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import EinsumOp, Node, Source
 from tensorql.einsum.literals import constant_node
-from tensorql.einsum.spec import AGGS, JOINS
+from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 from tensorql.sql.dialect import Einsum
 from tensorql.sql.errors import SQLOperatorError, SQLShapeError, located
+from tensorql.sql.relational import RelationalOperand, dense_bytes, relational_sql
 from tensorql.sql.relations import (
     SEMIRING_ZERO,
     absent_value,
     densify,
     order_columns,
     validate_indices,
+    value_dtype,
 )
 from tensorql.sql.rewriting import operand_labels, pure_einsum, scope_of
 
-__all__ = ["EinsumCall", "OperandResolver", "presence_equation"]
+__all__ = ["DerivedOperand", "EinsumCall", "OperandResolver", "RelationalEinsum", "TensorOperand",
+           "presence_equation"]
 
-NAMED_ARGUMENTS = ("join", "agg", "backend", "sizes")
+NAMED_ARGUMENTS = ("join", "agg", "backend", "sizes", "sparse")
+_ROWS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,45 @@ class EinsumCall:
     backend: str | None
     sql: Einsum
     present: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TensorOperand:
+    """An operand that is a tensor: a stored one (a ``Source``) or a fused CTE's EINSUM node,
+    with the mask of its present cells when relation operands took part in it."""
+
+    node: Node
+    present: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DerivedOperand:
+    """A tensor operand of a relational call that DuckDB cannot read as it is (a fused CTE's
+    EINSUM): ``call`` is computed and its present rows registered under ``name`` with label
+    columns ``columns`` before the query runs."""
+
+    name: str
+    columns: tuple[str, ...]
+    call: EinsumCall
+
+
+@dataclass(frozen=True)
+class RelationalEinsum:
+    """One EINSUM run as a DuckDB join + GROUP BY over element rows (``sql``), because
+    ``reason``. The rows it yields are the present output cells (labels, ``val`` of
+    ``dtype``); as a dense tensor it has ``shape`` with ``agg``'s identity where no row is,
+    refused beyond ``dense_limit`` bytes."""
+
+    sql: str
+    labels: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    agg: str
+    operands: tuple[RelationalOperand, ...]
+    derived: tuple[DerivedOperand, ...]
+    reason: str
+    einsum: Einsum
+    dense_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,38 +171,61 @@ class OperandResolver:
         known = dict(sizes)
         for k, value in enumerate(resolved):
             if not isinstance(value, pa.Table) and parts is not None and "..." not in parts[k]:
-                for label, size in zip(parts[k], value[0].shape):
+                for label, size in zip(parts[k], value.node.shape):
                     known.setdefault(label, size)
         has_relation = any(isinstance(value, pa.Table) for value in resolved)
         fill = absent_value(join, agg, len(operands))
-        if has_relation and fill is None:
+        if has_relation and fill is None and self._flag(named.get("sparse")) is False:
             supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in SEMIRING_ZERO)
             raise self.fail(SQLOperatorError, f"join {join!r} with agg {agg!r} has no zero, so "
-                            "an absent row of a relation operand cannot be left out; relation "
-                            f"operands of several-operand EINSUMs need one of: {supported} "
-                            "(or store the relation as a tensor with CREATE TENSOR)", node)
-        nodes: list[Node] = []
-        factors: list[_Factor] = []
-        max_bytes = self._dense_limit()
+                            "an absent row of a relation operand cannot be left out of a "
+                            "dense block; with sparse := false, relation operands of "
+                            f"several-operand EINSUMs need one of: {supported} (or drop "
+                            "sparse := false to join the rows)", node)
+        shapes: dict[int, list[int]] = {}
         for k, (value, arg) in enumerate(zip(resolved, operands)):
             if not isinstance(value, pa.Table):
-                nodes.append(value[0])
-                if value[1] is not None and parts is not None and "..." not in parts[k]:
-                    factors.append(_Factor(value[1], tuple(parts[k])))
                 continue
             if parts is None or "..." in parts[k]:
                 raise self.fail(SQLShapeError, "a relation operand needs explicit labels (no "
                                 "'...') in the equation", arg)
             try:
+                shapes[k] = [self._size(label, known, resolved, parts, arg)
+                             for label in parts[k]]
+            except ShapeError as err:
+                raise self.fail(SQLShapeError, str(err), arg) from None
+        reason = self._relational_reason(named.get("sparse"), equation, resolved, shapes,
+                                         join, agg, fill)
+        if reason is not None:
+            return self._relational(node, equation, resolved, operands, parts, shapes, join,
+                                    agg, reason)
+        nodes: list[Node] = []
+        factors: list[_Factor] = []
+        max_bytes = self._dense_limit()
+        for k, (value, arg) in enumerate(zip(resolved, operands)):
+            if not isinstance(value, pa.Table):
+                nodes.append(value.node)
+                if value.present is not None and parts is not None and "..." not in parts[k]:
+                    factors.append(_Factor(value.present, tuple(parts[k])))
+                continue
+            try:
                 columns = order_columns(value, parts[k])
-                shape = [self._size(label, known, resolved, parts, arg) for label in parts[k]]
-                dense = densify(value, columns, shape, fill=fill, agg=agg, max_bytes=max_bytes)
+                dense = densify(value, columns, shapes[k], fill=fill, agg=agg,
+                                max_bytes=max_bytes)
             except ShapeError as err:
                 raise self.fail(SQLShapeError, str(err), arg) from None
             nodes.append(constant_node(dense.values, self.session.options.tile_target_elems))
             factors.append(_Factor(dense.present, tuple(parts[k])))
+        op = self._build(equation, nodes, join, agg, spec, node, operands)
+        labels = tuple(op.spec.output)
+        present = _presence(factors, labels, op.shape) if factors else None
+        return EinsumCall(node=op, labels=labels, backend=backend, sql=node, present=present)
+
+    def _build(self, equation: str, nodes: list[Node], join: str, agg: str, spec: exp.Expr,
+               node: Einsum, operands: list[exp.Expr]) -> EinsumOp:
+        """The einsum node, its errors positioned in the script."""
         try:
-            op = EinsumOp.build(equation, nodes, join=join, agg=agg)
+            return EinsumOp.build(equation, nodes, join=join, agg=agg)
         except ParseError as err:
             raise ParseError(err.message, text=self.script,
                              position=self.pos(spec) + 1 + (err.position or 0)) from None
@@ -165,9 +234,92 @@ class OperandResolver:
             where = operands[mentioned[-1]] if mentioned and mentioned[-1] < len(operands) \
                 else node  # the last operand named is the one that disagrees
             raise located(err, self.script, self.pos(where)) from None
-        labels = tuple(op.spec.output)
-        present = _presence(factors, labels, op.shape) if factors else None
-        return EinsumCall(node=op, labels=labels, backend=backend, sql=node, present=present)
+
+    # -- the relational path ------------------------------------------------------------
+    def _relational_reason(self, flag: exp.Expr | None, equation: str, resolved: list,
+                           shapes: dict[int, list[int]], join: str, agg: str,
+                           fill: float | None) -> str | None:
+        """Why this call runs over rows instead of dense blocks (None: it runs dense).
+
+        Only calls with a relation operand qualify: ``sparse := true`` asks for it; a
+        join/agg pair without a zero needs it; so does a relation (or the output) whose dense
+        form would pass the memory bound, unless ``sparse := false`` (then densifying is
+        refused with the bound's error)."""
+        forced = self._flag(flag)
+        if not shapes or forced is False:
+            return None
+        if forced:
+            return "sparse := true"
+        if fill is None:
+            return (f"join {join!r} with agg {agg!r} has no zero an absent row could stand "
+                    "for, so the relation operands join as rows")
+        limit = self._dense_limit()
+        if limit is None:
+            return None
+        for k, shape in shapes.items():
+            need = dense_bytes(shape, 9)
+            if need > limit:
+                return (f"operand {k} ({resolved[k].num_rows} row(s)) would take {need:,} "
+                        f"bytes dense (shape {tuple(shape)}), more than the limit of "
+                        f"{limit:,} bytes (Options.relation_dense_bytes / memory_limit)")
+        try:
+            spec = EinsumSpec.parse(equation, [shapes[k] if k in shapes else value.node.shape
+                                               for k, value in enumerate(resolved)], join, agg)
+        except TensorQLError:
+            return None  # the dense path reports the error where it is
+        else:
+            need = dense_bytes(spec.output_shape, 9)
+            if need > limit:
+                return (f"the result would take {need:,} bytes dense, more than the limit "
+                        f"of {limit:,} bytes (Options.relation_dense_bytes / memory_limit)")
+        return None
+
+    def _flag(self, arg: exp.Expr | None) -> bool | None:
+        if arg is None:
+            return None
+        value = arg.expression
+        if isinstance(value, exp.Boolean):
+            return bool(value.this)
+        raise self.fail(SQLOperatorError, "sparse := takes true or false", value)
+
+    def _relational(self, node: Einsum, equation: str, resolved: list,
+                    operands: list[exp.Expr], parts: list[list[str]], shapes: dict,
+                    join: str, agg: str, reason: str) -> RelationalEinsum:
+        """The call as one DuckDB query over element rows (see :mod:`tensorql.sql.relational`)."""
+        placeholders: list[Node] = []
+        inputs: list[RelationalOperand] = []
+        derived: list[DerivedOperand] = []
+        for k, (value, arg) in enumerate(zip(resolved, operands)):
+            name = f"__tq_rows_{next(_ROWS)}"
+            if isinstance(value, pa.Table):
+                columns = order_columns(value, parts[k])
+                try:
+                    _check_indices(value, columns, shapes[k])
+                    dtype = _relation_dtype(value, join, agg, len(operands))
+                except ShapeError as err:
+                    raise self.fail(SQLShapeError, str(err), arg) from None
+                val = next(n for n in value.column_names if n.lower() == "val")
+                inputs.append(RelationalOperand(name=name, columns=tuple(columns),
+                                                val=val, dtype=dtype, rows=value))
+                placeholders.append(Source(shape=tuple(shapes[k]), dtype=dtype, name=name))
+                continue
+            tensor = value.node
+            columns = tuple(f"d{d}" for d in range(len(tensor.shape)))
+            if isinstance(tensor, Source) and tensor.offset is None:
+                name = tensor.name  # the stored tensor's element view
+            else:
+                derived.append(DerivedOperand(name=name, columns=columns, call=EinsumCall(
+                    node=tensor, labels=columns, backend=self.backend, sql=node,
+                    present=value.present)))
+            inputs.append(RelationalOperand(name=name, columns=columns, val="val",
+                                            dtype=tensor.dtype))
+            placeholders.append(tensor)
+        op = self._build(equation, placeholders, join, agg, node.this, node, operands)
+        return RelationalEinsum(
+            sql=relational_sql(op.spec, inputs, op.dtype), labels=tuple(op.spec.output),
+            shape=tuple(op.shape), dtype=op.dtype, agg=agg,
+            operands=tuple(inputs), derived=tuple(derived), reason=reason, einsum=node,
+            dense_limit=self._dense_limit())
 
     def _arguments(self, node: Einsum) -> tuple[dict[str, exp.Expr], list[exp.Expr]]:
         """Named arguments (``name := value`` or ``name => value``) and operands."""
@@ -204,8 +356,8 @@ class OperandResolver:
         for other, other_labels in zip(resolved, parts):
             if isinstance(other, pa.Table) and label in other_labels:
                 columns = order_columns(other, other_labels)
-                (high,) = validate_indices(other, [columns[other_labels.index(label)]])
-                size = max(size, high + 1)
+                carrying = [c for c, name in zip(columns, other_labels) if name == label]
+                size = max([size, *(high + 1 for high in validate_indices(other, carrying))])
         if size < 1:
             raise ShapeError(f"cannot infer the size of label {label!r}: the relation "
                              f"operands carrying it have no rows; give sizes := "
@@ -261,7 +413,7 @@ class OperandResolver:
 
     # -- operands -----------------------------------------------------------------------
     def operand(self, arg: exp.Expr, scope: dict[str, exp.CTE], seen: frozenset[str]) \
-            -> tuple[Node, torch.Tensor | None] | pa.Table:
+            -> TensorOperand | pa.Table:
         """A stored tensor or a fused CTE EINSUM (its node and presence mask), or the rows of
         a relation."""
         if isinstance(arg, exp.Subquery):
@@ -276,9 +428,10 @@ class OperandResolver:
                                     "EINSUM; recursive tensor CTEs are not supported (iterate "
                                     "from Python instead)", arg)
                 inner = pure_einsum(cte.this)
-                if inner is not None:
-                    call = self.call(inner, {**scope, **scope_of(inner)}, seen | {key})
-                    return call.node, call.present
+                call = self.call(inner, {**scope, **scope_of(inner)}, seen | {key}) \
+                    if inner is not None else None
+                if isinstance(call, EinsumCall):
+                    return TensorOperand(node=call.node, present=call.present)
                 self.expanding.add(key)  # CTEs being read as rows: a cycle is an error
                 try:
                     return self.rows(exp.select("*").from_(
@@ -287,7 +440,7 @@ class OperandResolver:
                     self.expanding.discard(key)
             source = self.stored(name, arg.this.quoted)
             if source is not None:
-                return source, None
+                return TensorOperand(node=source)
             return self.rows(exp.select("*").from_(exp.to_table(arg.sql(dialect="duckdb"))),
                              scope, missing=arg)
         if isinstance(arg, (exp.Column, exp.Dot, exp.Table)):
@@ -308,3 +461,24 @@ class OperandResolver:
             name = matches[0]
         meta = store.meta(name)
         return Source(shape=meta.shape, dtype=meta.dtype, name=name, grid=meta.grid)
+
+
+def _check_indices(table: pa.Table, columns: Sequence[str], shape: Sequence[int]) -> None:
+    """Label columns hold integers from 0 to the label's size - 1 (ShapeError naming the
+    column otherwise)."""
+    for name, size, high in zip(columns, shape, validate_indices(table, columns)):
+        if high >= size:
+            raise ShapeError(f"column {name!r} has index {high} outside 0..{size - 1} "
+                             f"(label size {size})")
+
+
+def _relation_dtype(table: pa.Table, join: str, agg: str, operands: int) -> str:
+    """The dtype a relation's values count as: their own (as when densified, where a float is
+    needed for an infinite fill, float64 stands in for booleans and integers)."""
+    val = next(n for n in table.column_names if n.lower() == "val")
+    dtype = value_dtype(table.column(val))
+    fill = absent_value(join, agg, operands)
+    if dtype == torch.bool or (fill is not None and math.isinf(fill)
+                               and not dtype.is_floating_point):
+        dtype = torch.float64
+    return canonical_dtype(dtype)

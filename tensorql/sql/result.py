@@ -17,6 +17,7 @@ relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``arrow``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +27,20 @@ import pyarrow as pa
 import torch
 
 from tensorql.errors import ShapeError
-from tensorql.sql.relations import label_columns, rows_to_dense, tensor_rows
+from tensorql.sql.relations import AGG_IDENTITY, densify, label_columns, rows_to_dense, tensor_rows
 
-__all__ = ["SQLResult", "format_table"]
+__all__ = ["DenseForm", "SQLResult", "format_table"]
+
+
+@dataclass(frozen=True)
+class DenseForm:
+    """What the rows of a relational EINSUM are as a tensor: ``shape``, the aggregation
+    ``agg`` whose identity fills cells without a row, and the most bytes densifying may take
+    (``limit``; None: unbounded)."""
+
+    shape: tuple[int, ...]
+    agg: str
+    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class SQLResult:
     labels: tuple[str, ...] = ()
     text: str | None = None
     present: torch.Tensor | None = None
+    dense: DenseForm | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- rows -----------------------------------------------------------------------------
@@ -111,6 +124,8 @@ class SQLResult:
         """The dense tensor: label columns index it (sizes: max index + 1), missing rows are 0."""
         if self.tensor is not None:
             return self.tensor
+        if "dense" not in self._cache and self.dense is not None:
+            self._cache["dense"] = self._densified(self.dense)
         if "dense" not in self._cache:
             table = self.arrow()
             try:
@@ -126,6 +141,20 @@ class SQLResult:
                 shape.append(int(col.to_numpy().max()) + 1 if table.num_rows else 0)
             self._cache["dense"] = rows_to_dense(table, labels, shape)
         return self._cache["dense"]
+
+    def _densified(self, form: DenseForm) -> torch.Tensor:
+        """The rows of a relational EINSUM as a tensor of ``form.shape``, the aggregation's
+        identity where no row is; ShapeError beyond ``form.limit`` bytes (read the rows
+        instead)."""
+        table = self.arrow()
+        need = math.prod(form.shape) * 9
+        if form.limit is not None and need > form.limit:
+            raise ShapeError(f"this EINSUM's result has {table.num_rows:,} row(s) but as a dense "
+                             f"tensor of shape {form.shape} it would take {need:,} bytes, more "
+                             f"than the limit of {form.limit:,} (Options.relation_dense_bytes / "
+                             "memory_limit); read its rows (fetchall, arrow, fetchnumpy)")
+        return densify(table, list(self.labels), form.shape, fill=AGG_IDENTITY[form.agg],
+                       agg=form.agg, max_bytes=None).values
 
     def numpy(self) -> np.ndarray:
         return self.torch().numpy()

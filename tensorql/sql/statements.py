@@ -41,8 +41,8 @@ from tensorql.sql.dialect import (
     position_of,
 )
 from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
-from tensorql.sql.operands import EinsumCall, OperandResolver
-from tensorql.sql.result import SQLResult
+from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
+from tensorql.sql.result import DenseForm, SQLResult
 from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
 
 __all__ = ["ScriptRunner", "explain_each"]
@@ -168,6 +168,8 @@ class ScriptRunner:
                             "(write CREATE OR REPLACE TENSOR)", e.this)
         query = e.expression
         call = self.pure_call(query, {})
+        if isinstance(call, RelationalEinsum):
+            call = None  # its rows, made dense below
         if call is not None and call.present is None:  # chunks go to the store as computed
             compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
             stored = self.session.store_node(name, call.node, replace=replace,
@@ -208,7 +210,9 @@ class ScriptRunner:
         self.analyze = analyze
         try:
             call = self.pure_call(inner, {})
-            if call is not None:
+            if isinstance(call, RelationalEinsum):
+                self.relational(call)
+            elif call is not None:
                 self.compute(call)
             else:
                 self.query(inner, {}, explain=True)
@@ -222,6 +226,8 @@ class ScriptRunner:
     def query(self, query: exp.Expr, ctes: dict[str, exp.CTE], explain: bool = False,
               params: Any = None) -> SQLResult:
         call = self.pure_call(query, ctes)
+        if isinstance(call, RelationalEinsum):
+            return self.relational(call)
         if call is not None:
             return SQLResult(tensor=self.compute(call), labels=call.labels,
                              present=call.present)
@@ -239,8 +245,11 @@ class ScriptRunner:
                                 "FROM (or JOIN)", node)
             resolved = self.operands.call(node, {**ctes, **scope_of(node)})
             name = f"__tq_einsum_{next(_TEMP)}"
-            rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
-                             present=resolved.present).arrow()
+            if isinstance(resolved, RelationalEinsum):
+                rows = self.relational(resolved).arrow()
+            else:
+                rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
+                                 present=resolved.present).arrow()
             self.con.register(name, rows)
             self.registered.append(name)
             parent.set("this", exp.to_identifier(name, quoted=True))
@@ -254,7 +263,8 @@ class ScriptRunner:
             return plan
         return self.duckdb(sql, params=params)
 
-    def pure_call(self, query: exp.Expr, ctes: dict[str, exp.CTE]) -> EinsumCall | None:
+    def pure_call(self, query: exp.Expr, ctes: dict[str, exp.CTE]) \
+            -> EinsumCall | RelationalEinsum | None:
         """The call when ``query`` is exactly ``SELECT * FROM EINSUM(...)``."""
         node = pure_einsum(query)
         if node is None:
@@ -274,6 +284,37 @@ class ScriptRunner:
         if result is not None:
             return result.dense()
         return torch.zeros(call.node.shape, dtype=torch_dtype(call.node.dtype))
+
+    def relational(self, call: RelationalEinsum) -> SQLResult:
+        """Run a relational EINSUM in DuckDB: register its operands' rows, run its join +
+        GROUP BY, and return the rows (EXPLAIN shows DuckDB's plan of it; plain EXPLAIN runs
+        nothing and returns no rows)."""
+        sections = self.explain_sections
+        for derived in call.derived:
+            tensor = self.compute(derived.call)
+            self.register(derived.name, SQLResult(tensor=tensor, labels=derived.columns,
+                                                  present=derived.call.present).arrow())
+        for operand in call.operands:
+            if operand.rows is not None:
+                self.register(operand.name, operand.rows)
+        dense = DenseForm(shape=call.shape, agg=call.agg, limit=call.dense_limit)
+        if sections is not None:
+            prefix = "EXPLAIN ANALYZE " if self.analyze else "EXPLAIN "
+            plan = self.duckdb(prefix + call.sql)
+            text = "\n".join(plan.table.column("explain_value").to_pylist())
+            head = (f"-- {call.einsum.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, "
+                    f"val)\nrelational join over element rows in DuckDB: {call.reason}")
+            sections.append(f"{head}\n{call.sql}\n{text.rstrip()}")
+            if not self.analyze:
+                empty = self.duckdb(f"SELECT * FROM ({call.sql}) LIMIT 0").table
+                return SQLResult(table=empty, labels=call.labels, dense=dense)
+        table = self.duckdb(call.sql).table
+        return SQLResult(table=table, labels=call.labels, dense=dense)
+
+    def register(self, name: str, table: pa.Table) -> None:
+        """Make ``table`` readable in DuckDB as ``name`` until the statement ends."""
+        self.con.register(name, table)
+        self.registered.append(name)
 
     def rows(self, query: exp.Expr, scope: dict[str, exp.CTE],
              missing: exp.Expr | None = None) -> pa.Table:

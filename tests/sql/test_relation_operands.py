@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tensorql as tq
-from tensorql.sql.errors import SQLOperatorError, SQLShapeError
+from tensorql.sql.errors import SQLShapeError
 
 
 def floyd_warshall(n: int, edges: list[tuple[int, int, float]]) -> list[list[float]]:
@@ -91,11 +91,7 @@ def test_sum_of_products_keeps_zero_rows_out_and_duplicates_add(db):
     assert r.numpy().tolist() == [20.0, 0.0, 0.0]
 
 
-def test_semirings_without_a_zero_are_refused_for_relation_operands(db):
-    with pytest.raises(SQLOperatorError, match="has no zero") as info:
-        db.sql("SELECT * FROM EINSUM('i,i->i', (SELECT 0 AS i, 1.0 AS val), "
-               "(SELECT 0 AS i, 2.0 AS val), join := 'mul', agg := 'max')")
-    assert info.value.column == 15
+def test_one_operand_absent_cells_are_the_aggregations_identity(db):
     # one operand: absent cells are the aggregation's identity whatever the join
     r = db.sql("SELECT * FROM EINSUM('ij->i', (SELECT 0 AS i, 1 AS j, -2.0 AS val), "
                "agg := 'max', sizes := {'i': 2})")
@@ -112,14 +108,21 @@ def test_negative_and_fractional_indices_are_named_as_such(db):
 
 
 def test_densifying_a_huge_sparse_operand_is_refused_not_allocated(db):
+    # sparse := false keeps the dense path: it refuses instead of allocating (without it the
+    # operand joins as rows: tests/sql/test_relational_einsum.py)
     with pytest.raises(SQLShapeError, match="more than the limit") as info:
-        db.sql("SELECT * FROM EINSUM('ij->i', (SELECT 99999 AS i, 99999 AS j, 1.0 AS val))")
+        db.sql("SELECT * FROM EINSUM('ij->i', (SELECT 99999 AS i, 99999 AS j, 1.0 AS val), "
+               "sparse := false)")
     assert isinstance(info.value, tq.ShapeError) and "relation_dense_bytes" in str(info.value)
     with pytest.raises(SQLShapeError, match="more than the limit"):
-        db.sql("SELECT * FROM EINSUM('i->i', (SELECT 99999999 AS i, 1.0 AS val))")
+        db.sql("SELECT * FROM EINSUM('i->i', (SELECT 99999999 AS i, 1.0 AS val), "
+               "sparse := false)")
     with tq.connect(memory_limit="1MiB") as small:  # memory_limit lowers the bound
         with pytest.raises(SQLShapeError, match="limit of 1,048,576 bytes"):
-            small.sql("SELECT * FROM EINSUM('i->i', (SELECT 199999 AS i, 1.0 AS val))")
+            small.sql("SELECT * FROM EINSUM('i->i', (SELECT 199999 AS i, 1.0 AS val), "
+                      "sparse := false)")
+        r = small.sql("SELECT * FROM EINSUM('i->i', (SELECT 199999 AS i, 1.0 AS val))")
+        assert r.fetchall() == [(199999, 1.0)]  # over the bound: joined as rows
 
 
 def test_relation_operands_raise_no_torch_warning():

@@ -41,8 +41,8 @@ def test_relations_without_labels_are_scalars(db):
     ("WITH RECURSIVE r AS (SELECT * FROM EINSUM('i->i', r)) SELECT * FROM r", "itself"),
     ("WITH RECURSIVE r(i, val) AS (SELECT 0::BIGINT, 1.0 UNION ALL "
      "SELECT * FROM EINSUM('i->i', r)) SELECT * FROM r", "itself"),
-    ("SELECT * FROM EINSUM('i->', (SELECT 10000000000::BIGINT AS i, 1.0 AS val))",
-     "once densified"),
+    ("SELECT * FROM EINSUM('i->', (SELECT 10000000000::BIGINT AS i, 1.0 AS val), "
+     "sparse := false)", "once densified"),
 ])
 def test_bad_statements_raise_positioned_errors(db, query, words):
     with pytest.raises(tq.TensorQLError, match=words) as err:

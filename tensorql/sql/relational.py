@@ -1,0 +1,156 @@
+"""EINSUM over element rows: one DuckDB join + GROUP BY, for operands that must stay sparse.
+
+A relation operand of EINSUM is a sparse tensor with relational meaning (an absent row does
+not join). When densifying it would pass the memory bound (``Options.relation_dense_bytes`` /
+``memory_limit``), when its join/agg pair has no zero that an absent cell could stand for
+(e.g. ``join := 'mul', agg := 'max'``), or when asked with ``sparse := true``, the call is not
+densified: it runs as one SQL query over the rows themselves, so only rows that exist are
+read, joined and grouped, and DuckDB's hash join and aggregation (which spill to disk under
+its own memory limit) do the work:
+
+``out[o] = AGG over joined rows of JOIN(val_0, val_1, ...)``  becomes
+``SELECT o, AGG(JOIN(t0.val, t1.val)) FROM t0, t1 WHERE <shared labels equal> GROUP BY o``.
+
+Output cells no row combination reaches are absent from the result, exactly as with the dense
+path's presence mask.
+
+>>> import pyarrow as pa
+>>> edges = RelationalOperand(name="e", columns=("i", "j"), val="val", dtype="float64")
+>>> spec = EinsumSpec.parse("ij,jk->ik", [(3, 3), (3, 3)], join="add", agg="min")
+>>> print(relational_sql(spec, [edges, edges], "float64"))
+SELECT CAST(t0."i" AS BIGINT) AS "i",
+       CAST(t1."j" AS BIGINT) AS "k",
+       CAST(min(t0."val" + t1."val") AS DOUBLE) AS val
+FROM "e" AS t0, "e" AS t1
+WHERE t0."val" IS NOT NULL AND t1."val" IS NOT NULL AND t1."i" = t0."j"
+GROUP BY ALL
+ORDER BY 1, 2
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from tensorql.einsum.spec import EinsumSpec
+from tensorql.errors import ShapeError
+from tensorql.storage.sql_text import quote_ident as q
+
+__all__ = ["RelationalOperand", "dense_bytes", "duckdb_type", "relational_sql"]
+
+_DUCKDB_TYPES = {
+    "float64": "DOUBLE", "float32": "REAL", "float16": "REAL", "bfloat16": "REAL",
+    "int64": "BIGINT", "int32": "INTEGER", "int8": "TINYINT", "uint8": "UTINYINT",
+    "bool": "BOOLEAN",
+}
+_AGG_SQL = {"sum": "sum", "max": "max", "min": "min", "prod": "product"}
+_BOOL_AGG = {"sum": "bool_or", "max": "bool_or", "min": "bool_and", "prod": "bool_and"}
+_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "=", "ne": "<>"}
+_ARITHMETIC = {"mul": "*", "add": "+", "sub": "-"}
+
+
+def duckdb_type(dtype: str) -> str:
+    """The DuckDB column type holding values of a canonical dtype.
+
+    >>> duckdb_type("float32"), duckdb_type("int64")
+    ('REAL', 'BIGINT')
+    """
+    return _DUCKDB_TYPES[dtype]
+
+
+def dense_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of a dense tensor of ``shape`` plus its one-byte presence mask.
+
+    >>> dense_bytes((1000, 1000), 8)
+    9000000
+    """
+    return math.prod(shape) * (itemsize + 1)
+
+
+@dataclass(frozen=True)
+class RelationalOperand:
+    """One operand as DuckDB reads it: the table or view ``name``, its label columns in the
+    order of the equation's labels, its value column and the dtype its values have; ``rows``
+    are registered under ``name`` before the query runs (None for a stored tensor's element
+    view, which DuckDB already has)."""
+
+    name: str
+    columns: tuple[str, ...]
+    val: str
+    dtype: str
+    rows: pa.Table | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ref(self) -> str:
+        """The quoted name, as SQL refers to it."""
+        return q(self.name)
+
+
+def _joined(join: str, values: list[str], dtype: str) -> str:
+    """SQL for JOIN folded left to right over ``values`` (as the chunk kernels fold it)."""
+    if join == "where":
+        cond, yes, no = values
+        return f"CASE WHEN CAST({cond} AS BOOLEAN) THEN {yes} ELSE {no} END"
+    out = values[0]
+    if join == "div" or (join == "pow" and dtype not in ("int64", "int32", "int8", "uint8")):
+        out = f"CAST({out} AS DOUBLE)"
+    for value in values[1:]:
+        if join in _ARITHMETIC:
+            out = f"{out} {_ARITHMETIC[join]} {value}"
+        elif join == "div":
+            out = f"{out} / {value}"
+        elif join == "pow":
+            out = f"pow({out}, {value})"
+        elif join in ("max", "min"):
+            out = f"{'greatest' if join == 'max' else 'least'}({out}, {value})"
+        elif join in _COMPARISONS:
+            left = out if value is values[1] else f"CAST({out} AS DOUBLE)"  # bool vs number
+            out = f"{left} {_COMPARISONS[join]} {value}"
+        else:  # pragma: no cover - the spec checked the join
+            raise ShapeError(f"join {join!r} has no SQL form")
+        if value is not values[-1]:
+            out = f"({out})"
+    return out
+
+
+def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtype: str) -> str:
+    """The SELECT computing ``spec`` over the operands' rows; ``dtype`` is the result's.
+
+    Shared labels become equalities (repeated labels in one operand too) and the value is
+    cast back to ``dtype``.
+    """
+    home: dict[str, str] = {}
+    where = [f"t{k}.{q(op.val)} IS NOT NULL" for k, op in enumerate(operands)]
+    for k, (labels, op) in enumerate(zip(spec.inputs, operands)):
+        squeezed = spec.squeezed[k] if spec.squeezed else (False,) * len(labels)
+        for label, column, broadcast in zip(labels, op.columns, squeezed):
+            if broadcast:  # a size-1 dim broadcast against the label: it matches every value
+                continue
+            ref = f"t{k}.{q(column)}"
+            if label in home:
+                where.append(f"{ref} = {home[label]}")
+            else:
+                home[label] = ref
+    sources = [f"{op.ref} AS t{k}" for k, op in enumerate(operands)]
+    value = _joined(spec.join, [f"t{k}.{q(op.val)}" for k, op in enumerate(operands)], dtype)
+    if dtype == "bool":
+        inner = value
+    elif dtype in ("float64", "float32", "float16", "bfloat16"):
+        inner = f"CAST({value} AS DOUBLE)" if spec.agg in ("sum", "prod") else value
+    else:
+        inner = f"CAST({value} AS BIGINT)" if spec.agg in ("sum", "prod") else value
+    function = _BOOL_AGG[spec.agg] if dtype == "bool" else _AGG_SQL[spec.agg]
+    aggregate = f"CAST({function}({inner}) AS {duckdb_type(dtype)})"
+    select = [f"CAST({home[label]} AS BIGINT) AS {q(label)}" for label in spec.output]
+    lines = ["SELECT " + ",\n       ".join([*select, f"{aggregate} AS val"]),
+             f"FROM {', '.join(sources)}",
+             f"WHERE {' AND '.join(where)}"]
+    if spec.output:  # rows in the dense tensor's C order, as the dense path yields them
+        lines.append("GROUP BY ALL")
+        lines.append(f"ORDER BY {', '.join(str(n + 1) for n in range(len(spec.output)))}")
+    else:
+        lines.append("HAVING count(*) > 0")
+    return "\n".join(lines)
