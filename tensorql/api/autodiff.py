@@ -44,7 +44,7 @@ from opt_einsum import get_symbol
 
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
-from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source, topological_order
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, Source, topological_order
 from tensorql.errors import DTypeError, ShapeError, TensorQLError
 
 __all__ = ["grad"]
@@ -188,6 +188,8 @@ def _backward(root: Node, seed: Tensor, wanted: set[int], db: Any) -> dict[int, 
             found = _einsum_adjoints(node, g, needs, db)
         elif isinstance(node, MapOp):
             found = {0: _map_adjoint(node, g, db)}
+        elif isinstance(node, ReshapeOp):  # the same elements, in the operand's shape
+            found = {0: g.reshape(node.operand.shape)}
         else:  # pragma: no cover - leaves have no inputs
             found = {}
         for k, part in found.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import string
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
-from tensorql.einsum.graph import EinsumOp, MapOp, Node, Source
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -466,14 +467,23 @@ class Tensor:
     def T(self) -> Tensor:  # noqa: N802 - numpy's name
         return self.transpose()
 
-    def reshape(self, shape: Sequence[int]) -> Tensor:
-        """Only inserting or removing size-1 dims is lazy; other reshapes are not supported."""
-        shape = tuple(int(n) for n in shape)
-        if [n for n in shape if n != 1] != [n for n in self.shape if n != 1]:
-            raise ShapeError(f"cannot reshape {self.shape} to {shape}: only size-1 dims "
-                             "may be added or removed")
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        """The elements in row-major order in a new ``shape`` (as numpy: a tuple or the sizes
+        as arguments, one of them may be -1). Lazy: inserting or removing size-1 dims is an
+        einsum; any other reshape is a chunk-local ``Reshape`` step after retiling its input
+        so that each chunk maps to one output chunk.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> a = db.from_numpy("A", np.arange(12.0).reshape(3, 4))
+        >>> a.reshape(2, -1).numpy().tolist()
+        [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]]
+        """
+        shape = _reshape_target(shape, self.shape)
         if shape == self.shape:
             return self
+        if [n for n in shape if n != 1] != [n for n in self.shape if n != 1]:
+            return self._wrap(ReshapeOp.build(self.node, shape))
         src = _LETTERS[: self.ndim]
         big = [lab for lab, n in zip(src, self.shape) if n != 1]
         fresh = iter(_LETTERS[self.ndim:])
@@ -487,6 +497,35 @@ class Tensor:
         one_labels = "".join(c for c, n in zip(out, shape) if n == 1 and c not in big)
         return self._wrap(EinsumOp.build(f"{''.join(big)},{one_labels}->{out}",
                                          [squeeze_sum, _cast_const(ones, self.dtype, self.db)]))
+
+    def flatten(self) -> Tensor:
+        """The elements as one dim, in row-major order (numpy's ``flatten``)."""
+        return self.reshape(-1)
+
+
+def _reshape_target(args: tuple, current: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's reshape arguments (a tuple, or sizes; one -1 inferred) as a shape; ShapeError
+    naming the sizes when they do not fit."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    try:
+        shape = [operator.index(n) for n in args]
+    except TypeError:
+        raise ShapeError(f"reshape takes whole-number sizes, got {args}") from None
+    total = math.prod(current)
+    unknown = [k for k, n in enumerate(shape) if n == -1]
+    if len(unknown) > 1 or any(n < -1 for n in shape):
+        raise ShapeError(f"cannot reshape {current} to {tuple(shape)}: sizes are >= 0, with "
+                         "at most one -1")
+    if unknown:
+        known = math.prod(n for n in shape if n != -1)
+        if known == 0 or total % known:
+            raise ShapeError(f"cannot reshape {current} ({total} elements) to {tuple(shape)}")
+        shape[unknown[0]] = total // known
+    if math.prod(shape) != total:
+        raise ShapeError(f"cannot reshape {current} ({total} elements) to {tuple(shape)} "
+                         f"({math.prod(shape)} elements)")
+    return tuple(shape)
 
 
 def _no_numpy_extras(name: str, dtype: Any, out: Any) -> None:

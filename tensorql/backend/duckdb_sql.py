@@ -10,7 +10,8 @@ without copying and run the same torch kernels as the native executor:
   matching pair, then ``GROUP BY`` the output keys with an aggregate kernel over
   ``list(partial)`` -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
 - ``Rekey``: a registered mapping of new to old keys, joined and grouped;
-- ``Map``: a kernel per chunk.
+- ``Map``: a kernel per chunk;
+- ``Reshape``: a kernel per chunk, its keys mapped in SQL.
 
 >>> import numpy as np, tensorql as tq
 >>> db = tq.connect()
@@ -41,7 +42,17 @@ from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
 from tensorql.grid import Key, regrid_pieces
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
+from tensorql.logical.plan import (
+    Aggregate,
+    Join,
+    LogicalNode,
+    Map,
+    Rekey,
+    Reshape,
+    Scan,
+    walk,
+)
+from tensorql.logical.reshape import reshape_layout
 from tensorql.physical.kernels import ContractChunk, MapChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
@@ -237,6 +248,8 @@ class _Builder:
             return self._map(node, names)
         if isinstance(node, Rekey):
             return self._rekey(node, names)
+        if isinstance(node, Reshape):
+            return self._reshape(node, names)
         if isinstance(node, Aggregate):
             if not isinstance(node.input, Join):
                 raise PlanError("the DuckDB backend needs every Aggregate over a Join")
@@ -294,6 +307,31 @@ class _Builder:
         args = "".join(f"{k}, " for k in keys)
         return (f"SELECT {args}{q(name)}({args}\"payload\") AS \"payload\" "
                 f"FROM {q(names[id(node.input)])}", f"Map {node.fn}")
+
+    # -- reshape ------------------------------------------------------------------------
+    def _reshape(self, node: Reshape, names: dict[int, str]) -> tuple[str, str]:
+        old, new = node.input.relation.grid, node.relation.grid
+        lay = reshape_layout(old, new.shape)
+        dtype = node.relation.dtype
+        ndim = old.ndim
+
+        def run(*cols):
+            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
+                                                                cols[:ndim]))] \
+                if ndim else [()] * len(cols[-1])
+            chunks = decode_payloads(_blobs(cols[-1]), dtype, [old.chunk_shape(k) for k in keys])
+            return _out([c.reshape(new.chunk_shape(lay.output_key(k)))
+                         for c, k in zip(chunks, keys)])
+
+        name = self._name("reshape")
+        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB",)))
+        leading = {g.outputs[0]: g.inputs[0] for g in lay.groups if g.inputs and g.outputs}
+        sel = "".join(f"{q(f'k{leading[d]}') if d in leading else '0'} AS {q(f'k{d}')}, "
+                      for d in range(new.ndim))
+        args = "".join(f"{q(f'k{d}')}, " for d in range(ndim))
+        shape = "x".join(map(str, new.shape)) or "scalar"
+        return (f"SELECT {sel}{q(name)}({args}\"payload\") AS \"payload\" "
+                f"FROM {q(names[id(node.input)])}", f"Reshape to {shape}")
 
     # -- rekey --------------------------------------------------------------------------
     def _rekey(self, node: Rekey, names: dict[int, str]) -> tuple[str, str]:

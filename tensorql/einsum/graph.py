@@ -15,6 +15,7 @@ extended einsum over other nodes, ``MapOp`` an elementwise function.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,6 +140,29 @@ class MapOp(Node):
         return f"map {self.fn}" + (f"({self.scalar:g})" if self.scalar is not None else "")
 
 
+@dataclass(frozen=True, eq=False)
+class ReshapeOp(Node):
+    """``operand``'s elements in row-major order, in ``shape`` (numpy's ``reshape``)."""
+
+    operand: Node | None = None
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return (self.operand,)
+
+    @classmethod
+    def build(cls, operand: Node, shape: Sequence[int]) -> ReshapeOp:
+        """The reshape node; ShapeError when the sizes differ."""
+        shape = tuple(int(n) for n in shape)
+        if math.prod(shape) != math.prod(operand.shape) or any(n < 0 for n in shape):
+            raise ShapeError(f"cannot reshape {operand.shape} ({math.prod(operand.shape)} "
+                             f"elements) to {shape} ({math.prod(shape)} elements)")
+        return cls(shape=shape, dtype=operand.dtype, operand=operand)
+
+    def describe(self) -> str:
+        return f"reshape {'x'.join(map(str, self.shape)) or 'scalar'}"
+
+
 INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
 
 
@@ -203,7 +227,7 @@ def substitute_many(roots: Sequence[Node], leaves: dict[str, Node],
         elif isinstance(node, EinsumOp) and any(done[id(i)] is not i for i in node.operands):
             done[id(node)] = dataclasses.replace(
                 node, operands=tuple(done[id(i)] for i in node.operands))
-        elif isinstance(node, MapOp) and done[id(node.operand)] is not node.operand:
+        elif isinstance(node, (MapOp, ReshapeOp)) and done[id(node.operand)] is not node.operand:
             done[id(node)] = dataclasses.replace(node, operand=done[id(node.operand)])
         else:
             done[id(node)] = node

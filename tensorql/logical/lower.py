@@ -1,4 +1,5 @@
-"""Lower an einsum graph to a logical plan of Scans, Rekeys, Joins, Aggregates and Maps.
+"""Lower an einsum graph to a logical plan of Scans, Rekeys, Joins, Aggregates, Maps and
+Reshapes.
 
 Each einsum becomes pairwise steps ``Aggregate(Join(left, right))``. For the semirings (join
 distributes over agg, e.g. mul/sum or add/max) the pairwise order comes from
@@ -28,7 +29,15 @@ from collections.abc import Sequence
 import torch
 
 from tensorql.dtypes import itemsize, torch_dtype
-from tensorql.einsum.graph import Constant, EinsumOp, MapOp, Node, Source, topological_order
+from tensorql.einsum.graph import (
+    Constant,
+    EinsumOp,
+    MapOp,
+    Node,
+    ReshapeOp,
+    Source,
+    topological_order,
+)
 from tensorql.errors import PlanError
 from tensorql.grid import ChunkGrid, auto_tile
 from tensorql.logical.path import PathInfo, contraction_path, describe_path
@@ -38,9 +47,11 @@ from tensorql.logical.plan import (
     LogicalNode,
     Map,
     Rekey,
+    Reshape,
     Scan,
     TensorRelation,
 )
+from tensorql.logical.reshape import reshape_layout
 
 Operand = tuple[LogicalNode, tuple[str, ...]]
 
@@ -82,7 +93,26 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
         if any(0 in n.shape for n in node.operands):
             return _empty_einsum(node)
         return _lower_einsum(node, [done[id(n)] for n in node.operands])
+    if isinstance(node, ReshapeOp):
+        return _lower_reshape(node, done[id(node.operand)])
     raise PlanError(f"cannot plan node {type(node).__name__}")
+
+
+def _lower_reshape(node: ReshapeOp, child: LogicalNode) -> LogicalNode:
+    """``Reshape(Rekey(child))``: the input retiled so that every chunk of it, reshaped, is one
+    output chunk (:func:`tensorql.logical.reshape.reshape_layout`)."""
+    if 0 in node.shape:
+        value = torch.empty(node.shape, dtype=torch_dtype(node.dtype))
+        grid = ChunkGrid(node.shape, auto_tile(node.shape))
+        return Scan(relation=TensorRelation(_positional(node.ndim), grid, node.dtype),
+                    source="<constant>", constant=value)
+    lay = reshape_layout(child.relation.grid, node.shape)
+    labels = child.relation.labels
+    if lay.input_grid != child.relation.grid:
+        child = Rekey(relation=TensorRelation(labels, lay.input_grid, child.relation.dtype),
+                      input=child)
+    rel = TensorRelation(_positional(node.ndim), lay.output_grid, node.dtype)
+    return Reshape(relation=rel, input=child)
 
 
 _IDENTITY = {"sum": 0, "prod": 1, "max": -math.inf, "min": math.inf}

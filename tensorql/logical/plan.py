@@ -4,7 +4,8 @@ A tensor tiled into blocks is a relation ``key -> chunk`` (:class:`TensorRelatio
 becomes ``Join``s on the shared labels' keys (each pair of matching chunks runs the same einsum
 on chunk shapes) and an ``Aggregate`` over the keys of aggregated labels. ``Rekey`` retiles a
 relation so that a label is tiled alike in every operand; ``Map`` applies an elementwise
-function chunk by chunk; ``Scan`` reads a stored tensor or an in-memory constant.
+function chunk by chunk; ``Reshape`` reshapes chunk by chunk (after a ``Rekey`` that makes
+that possible); ``Scan`` reads a stored tensor or an in-memory constant.
 
 Plans are frozen and compared by identity: a shared subplan is one node.
 
@@ -139,6 +140,19 @@ class Map(LogicalNode):
         return (self.input,)
 
 
+@dataclass(frozen=True, eq=False)
+class Reshape(LogicalNode):
+    """``input``'s elements in row-major order, in ``relation``'s shape, chunk by chunk: the
+    input is tiled so that each of its chunks, reshaped, is one output chunk (see
+    :mod:`tensorql.logical.reshape`)."""
+
+    input: LogicalNode | None = None
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return (self.input,)
+
+
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
     return inputs_first(*roots)
@@ -172,6 +186,8 @@ def explain_logical(root: LogicalNode) -> str:
             return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
         if isinstance(node, Map):
             return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
+        if isinstance(node, Reshape):
+            return f"Reshape to {'x'.join(map(str, node.relation.shape)) or 'scalar'}"
         return type(node).__name__
 
     def render(node: LogicalNode, prefix: str, child_prefix: str) -> None:

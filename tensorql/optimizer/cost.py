@@ -245,7 +245,8 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
     """What a node's table depends on (equal keys share tables across identical layers)."""
     ins = tuple((tuple(node.labels.index(a) for a in e.axes),
                  graph.nodes[e.producer].itemsize) for e in node.inputs)
-    return (node.kind == "einsum" or node.kind == "map", node.sizes, node.n_out, ins,
+    return (node.kind if node.kind in ("einsum", "map", "reshape") else "leaf", node.sizes,
+            node.n_out, ins,
             node.itemsize, devices, pieces or devices)
 
 

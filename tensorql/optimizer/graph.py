@@ -7,6 +7,8 @@ one :mod:`tensorql.logical.path` chose) and makes one :class:`OpNode` per physic
 * ``Scan`` -> a ``source`` / ``constant`` node;
 * ``Aggregate(Join)`` (or a ``Join`` alone) -> an ``einsum`` node over the joined relations;
 * ``Map`` -> a ``map`` node;
+* ``Reshape`` -> a ``reshape`` node over its output labels and the input's (``in0``, ...),
+  kept in one piece: its input is gathered whole on the device that reshapes it;
 * ``Rekey`` only retiles, and the partition stage picks its own pieces, so it is looked through.
 
 Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones;
@@ -33,7 +35,7 @@ from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
 from tensorql.logical.lower import lower
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Scan, walk
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Reshape, Scan, walk
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class OpNode:
     """
 
     index: int
-    kind: str  # "source" | "constant" | "einsum" | "map"
+    kind: str  # "source" | "constant" | "einsum" | "map" | "reshape"
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
     n_out: int
@@ -143,6 +145,14 @@ class _Builder:
             idx = self._append(kind="map", labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
                                inputs=(edge,), dtype=rel.dtype, name=name, fn=node.fn,
                                scalar=node.scalar, logical=node)
+        elif isinstance(node, Reshape):
+            inner = tuple(f"in{k}" for k in range(node.input.relation.ndim))
+            edge = Edge(self.index_of[id(node.input)], inner)
+            idx = self._append(kind="reshape", labels=rel.labels + inner,
+                               sizes=rel.shape + node.input.relation.shape, n_out=rel.ndim,
+                               inputs=(edge,), dtype=rel.dtype,
+                               name=f"reshape {'x'.join(map(str, rel.shape)) or 'scalar'}",
+                               logical=node)
         elif isinstance(node, Aggregate) and isinstance(node.input, Join):
             idx = self._contraction(node.input, node)
         elif isinstance(node, Join):

@@ -151,7 +151,8 @@ MAX_PIECES_PER_DEVICE = 64
 def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict):
     key = node_key(graph, node, devices, pieces)
     if ("node", key) not in cache:
-        cache[("node", key)] = build_table(graph, node, devices, pieces=pieces)
+        whole = [(1,) * len(node.sizes)] if node.kind == "reshape" else None  # one piece
+        cache[("node", key)] = build_table(graph, node, devices, allowed=whole, pieces=pieces)
     return key, cache[("node", key)]
 
 

@@ -131,6 +131,21 @@ class MapChunk(_NoCombine):
 
 
 @dataclass(frozen=True, eq=False)
+class ReshapeChunk(_NoCombine):
+    """One chunk of a reshape: an input chunk's elements in row-major order, in ``shape``
+    (a view when the chunk is contiguous, as RekeyChunk hands back its input whole).
+
+    >>> ReshapeChunk((3, 2)).run([torch.arange(6.0).reshape(2, 3)], None).tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    """
+
+    shape: tuple[int, ...]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return inputs[0].reshape(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
 class RekeyChunk(_NoCombine):
     """Assemble one chunk of a new grid from slices of the old grid's chunks.
 

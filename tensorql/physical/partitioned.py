@@ -54,6 +54,7 @@ from tensorql.physical.kernels import (
     LoadPiece,
     MapChunk,
     RekeyChunk,
+    ReshapeChunk,
 )
 from tensorql.physical.planner import ContributionSeries, PhysicalPlan, Step
 from tensorql.storage.chunk_store import ChunkStore
@@ -134,8 +135,8 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
     stored tiles for a scan), so that a device works in cache-sized tasks that start as their
     own chunks arrive, and a stored piece is read chunk by chunk, without reassembly."""
     lay = plan.layout(node.index)
-    if not sub_tiles or node.logical is None:
-        return lay
+    if not sub_tiles or node.logical is None or node.kind == "reshape":
+        return lay  # a reshape is one piece whose input region is the whole input
     logical = node.logical.input if isinstance(node.logical, Aggregate) else node.logical
     rel = logical.relation
     target = dict(zip(rel.labels, rel.grid.tile))
@@ -186,12 +187,14 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             continue
         if node.kind == "map":
             kernel = MapChunk(node.fn, node.scalar, node.dtype)
+        elif node.kind == "reshape":
+            kernel = ReshapeChunk(tuple(node.out_shape))
         else:
             kernel = ContractChunk(in_labels=tuple(e.axes for e in node.inputs),
                                    out_labels=node.out_labels, join=node.join, agg=node.agg,
                                    dtype=node.dtype, max_temp_elems=max_temp_elems)
         partial_sid = None
-        work = max(1, len(node.inputs))
+        work = 0 if node.kind == "reshape" else max(1, len(node.inputs))  # a copy at most
         series = ContributionSeries(kernel, fuse_bytes, min_tasks)
         for t in range(len(lay.device)):
             dev = int(lay.device[t])

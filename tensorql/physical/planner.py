@@ -31,10 +31,12 @@ from tensorql.logical.plan import (
     LogicalNode,
     Map,
     Rekey,
+    Reshape,
     Scan,
     TensorRelation,
     walk,
 )
+from tensorql.logical.reshape import reshape_layout
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import (
     ConstChunk,
@@ -47,6 +49,7 @@ from tensorql.physical.kernels import (
     LoadPiece,
     MapChunk,
     RekeyChunk,
+    ReshapeChunk,
 )
 from tensorql.storage.chunk_store import ChunkStore
 
@@ -318,6 +321,8 @@ class _Builder:
             step = self._map(sid, node)
         elif isinstance(node, Rekey):
             step = self._rekey(sid, node)
+        elif isinstance(node, Reshape):
+            step = self._reshape(sid, node)
         elif isinstance(node, Aggregate):
             step = self._contract(sid, node.input, node)
         elif isinstance(node, Join):
@@ -453,6 +458,15 @@ class _Builder:
         size = itemsize(node.relation.dtype)
         return Step(sid, f"Rekey to tiles {new.tile}", (node,), tuple(tasks), 0,
                     bytes_in * size, node.relation.nbytes)
+
+    def _reshape(self, sid: int, node: Reshape) -> Step:
+        grid = node.relation.grid
+        lay = reshape_layout(node.input.relation.grid, grid.shape)
+        tasks = tuple(self._new_task((self._ref(node.input, lay.input_key(key)),),
+                                     ChunkRef(sid, key), ReshapeChunk(grid.chunk_shape(key)))
+                      for key in grid.keys())
+        return Step(sid, f"Reshape to {'x'.join(map(str, grid.shape)) or 'scalar'}", (node,),
+                    tasks, 0, node.input.relation.nbytes, node.relation.nbytes)
 
     def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
         out_rel = (aggregate or join).relation
