@@ -93,3 +93,25 @@ def test_chosen_path_is_no_worse_than_opt_einsum_greedy():
         greedy, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="greedy")
         theirs = describe_path(greedy, inputs, tuple(output), sizes)
         assert ours.flops <= theirs.flops, (name, key)
+
+
+def test_refined_paths_reach_the_hyper_optimisers_flops():
+    """The path search (greedy paths refined by subtree reconfiguration) finds, on the bench's
+    full-size lattice and MERA, paths within 5% of the FLOPs cotengra's 128-trial
+    hyper-optimiser finds in 5 s (8.916e8 and 3.03e8, recorded), the same path every time."""
+    from tensorql.logical.path import describe_path, search_path
+
+    cases = {
+        "lattice": (generators.structured.lattice((3, 3, 3), d_min=3, d_max=5, seed=1), 8.916e8),
+        "mera": (generators.language_model.p_first_and_last(
+            mera_depth=2, axis_size_hidden=8, axis_size_observable=30), 3.03e8),
+    }
+    for name, (network, reference) in cases.items():
+        equation, shapes = network[0], network[1]
+        lhs, rhs = equation.split("->")
+        inputs = [tuple(part) for part in lhs.split(",")]
+        sizes = {lab: int(n) for labels, shape in zip(inputs, shapes)
+                 for lab, n in zip(labels, shape)}
+        path = search_path(inputs, tuple(rhs), sizes)
+        assert describe_path(path, inputs, tuple(rhs), sizes).flops <= 1.05 * reference, name
+        assert search_path(inputs, tuple(rhs), sizes) == path, name
