@@ -284,9 +284,22 @@ class FusedPointwise(_NoCombine):
     dim: int | None
     block_elems: int = 1 << 18
 
+    @functools.cached_property
+    def _last_use(self) -> tuple[int, ...]:
+        """For each op, the last op reading its result (its own index when none does)."""
+        last = list(range(len(self.ops)))
+        for k, op in enumerate(self.ops):
+            for arg in op.args:
+                if arg.index < 0:
+                    last[-arg.index - 1] = k
+        return tuple(last)
+
     def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        results: list[torch.Tensor] = []
-        for op in self.ops:
+        # a block's intermediates are dropped after their last reader, so the few alive at a
+        # time stay in cache (blocks of 64K elements: 256 KiB in float32)
+        results: list[torch.Tensor | None] = []
+        last = self._last_use
+        for k, op in enumerate(self.ops):
             args = []
             for arg in op.args:
                 if arg.index < 0:
@@ -296,6 +309,10 @@ class FusedPointwise(_NoCombine):
                 else:
                     args.append(inputs[arg.index].narrow(arg.dim, lo, hi - lo))
             results.append(op.kernel.run(args, None))
+            del args
+            for arg in op.args:
+                if arg.index < 0 and last[-arg.index - 1] == k:
+                    results[-arg.index - 1] = None
         return results[-1]
 
     def _rows(self, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
