@@ -44,7 +44,15 @@ from opt_einsum import get_symbol
 
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
-from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, Source, topological_order
+from tensorql.einsum.graph import (
+    EinsumOp,
+    MapOp,
+    Node,
+    ReshapeOp,
+    SoftmaxOp,
+    Source,
+    topological_order,
+)
 from tensorql.errors import DTypeError, ShapeError, TensorQLError
 
 __all__ = ["grad"]
@@ -190,6 +198,8 @@ def _backward(root: Node, seed: Tensor, wanted: set[int], db: Any) -> dict[int, 
             found = {0: _map_adjoint(node, g, db)}
         elif isinstance(node, ReshapeOp):  # the same elements, in the operand's shape
             found = {0: g.reshape(node.operand.shape)}
+        elif isinstance(node, SoftmaxOp):
+            found = {0: _softmax_adjoint(node, g, db)}
         else:  # pragma: no cover - leaves have no inputs
             found = {}
         for k, part in found.items():
@@ -451,6 +461,15 @@ def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str
 
 
 # -- maps ------------------------------------------------------------------------------------
+def _softmax_adjoint(node: SoftmaxOp, g: Tensor, db: Any) -> Tensor:
+    """softmax: ``y * (g - sum(g * y))``; log_softmax: ``g - exp(y) * sum(g)`` (sums along
+    the axis, broadcast back)."""
+    y = Tensor(node, db)
+    if node.log:
+        return g - y.exp() * g.sum(axis=node.axis, keepdims=True)
+    return y * (g - (g * y).sum(axis=node.axis, keepdims=True))
+
+
 def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
     x, out, dtype = Tensor(node.operand, db), Tensor(node, db), node.dtype
     fn, c = node.fn, node.scalar

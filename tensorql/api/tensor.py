@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
-from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, Source
+from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -429,27 +429,22 @@ class Tensor:
         return self.numpy().reshape(()).item()
 
     def log_softmax(self, axis: int = -1) -> Tensor:
-        """x - max - log(sum(exp(x - max))) along ``axis`` (stable, as torch's)."""
+        """x - max - log(sum(exp(x - max))) along ``axis`` (stable, as torch's): one step
+        whose chunks hold the whole axis."""
         (axis,) = _normalize_axes(axis, self.ndim)
-        labels = _LETTERS[: self.ndim]
-        kept = labels.replace(labels[axis], "")
-        peak = EinsumOp.build(f"{labels}->{kept}", [self.node], agg="max")
-        shifted = EinsumOp.build(f"{labels},{kept}->{labels}", [self.node, peak], join="sub")
-        total = EinsumOp.build(f"{labels}->{kept}", [MapOp.build("exp", shifted)], agg="sum")
-        return self._wrap(EinsumOp.build(f"{labels},{kept}->{labels}",
-                                         [shifted, MapOp.build("log", total)], join="sub"))
+        return self._wrap(SoftmaxOp.build(self.node, axis, log=True))
 
     def softmax(self, axis: int = -1) -> Tensor:
-        """exp(x - max) / sum(exp(x - max)) along ``axis``, as four einsums and a map."""
+        """exp(x - max) / sum(exp(x - max)) along ``axis`` (stable, as torch's): one step
+        whose chunks hold the whole axis.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> db.from_numpy("S", np.log(np.array([[1.0, 3.0]]))).softmax(-1).numpy().tolist()
+        [[0.25, 0.75]]
+        """
         (axis,) = _normalize_axes(axis, self.ndim)
-        labels = _LETTERS[: self.ndim]
-        kept = labels.replace(labels[axis], "")
-        peak = EinsumOp.build(f"{labels}->{kept}", [self.node], agg="max")
-        shifted = EinsumOp.build(f"{labels},{kept}->{labels}", [self.node, peak], join="sub")
-        exps = MapOp.build("exp", shifted)
-        total = EinsumOp.build(f"{labels}->{kept}", [exps], agg="sum")
-        return self._wrap(EinsumOp.build(f"{labels},{kept}->{labels}", [exps, total],
-                                         join="div"))
+        return self._wrap(SoftmaxOp.build(self.node, axis))
 
     def transpose(self, *axes: int) -> Tensor:
         if not axes:

@@ -50,10 +50,11 @@ from tensorql.logical.plan import (
     Rekey,
     Reshape,
     Scan,
+    Softmax,
     walk,
 )
 from tensorql.logical.reshape import reshape_layout
-from tensorql.physical.kernels import ContractChunk, MapChunk
+from tensorql.physical.kernels import ContractChunk, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
 from tensorql.storage.blob_codec import decode_payloads, encode_payloads
@@ -244,7 +245,7 @@ class _Builder:
     def step(self, node: LogicalNode, names: dict[int, str]) -> tuple[str, str]:
         if isinstance(node, Scan):
             return self._scan(node)
-        if isinstance(node, Map):
+        if isinstance(node, (Map, Softmax)):  # a kernel per chunk, keys unchanged
             return self._map(node, names)
         if isinstance(node, Rekey):
             return self._rekey(node, names)
@@ -287,10 +288,16 @@ class _Builder:
         return f"SELECT {keys}\"payload\" FROM {q(name)}", f"Scan {node.source} (Arrow chunks)"
 
     # -- maps ---------------------------------------------------------------------------
-    def _map(self, node: Map, names: dict[int, str]) -> tuple[str, str]:
+    def _map(self, node: Map | Softmax, names: dict[int, str]) -> tuple[str, str]:
         grid = node.input.relation.grid
         in_dtype = node.input.relation.dtype
-        kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
+        rel = node.relation
+        if isinstance(node, Softmax):
+            kernel = SoftmaxChunk(rel.labels.index(node.label), node.log, rel.dtype)
+            what = f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
+        else:
+            kernel = MapChunk(node.fn, node.scalar, rel.dtype)
+            what = f"Map {node.fn}"
         ndim = grid.ndim
 
         def run(*cols):
@@ -306,7 +313,7 @@ class _Builder:
         keys = [q(f"k{d}") for d in range(ndim)]
         args = "".join(f"{k}, " for k in keys)
         return (f"SELECT {args}{q(name)}({args}\"payload\") AS \"payload\" "
-                f"FROM {q(names[id(node.input)])}", f"Map {node.fn}")
+                f"FROM {q(names[id(node.input)])}", what)
 
     # -- reshape ------------------------------------------------------------------------
     def _reshape(self, node: Reshape, names: dict[int, str]) -> tuple[str, str]:

@@ -163,6 +163,33 @@ class ReshapeOp(Node):
         return f"reshape {'x'.join(map(str, self.shape)) or 'scalar'}"
 
 
+@dataclass(frozen=True, eq=False)
+class SoftmaxOp(Node):
+    """``softmax`` (or ``log_softmax`` with ``log``) of ``operand`` along dim ``axis``:
+    ``exp(x - max) / sum(exp(x - max))``, one numerically stable kernel per chunk holding the
+    whole axis."""
+
+    operand: Node | None = None
+    axis: int = -1
+    log: bool = False
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return (self.operand,)
+
+    @classmethod
+    def build(cls, operand: Node, axis: int, log: bool = False) -> SoftmaxOp:
+        """The node; ShapeError for an axis out of range."""
+        if not -operand.ndim <= axis < max(1, operand.ndim) or operand.ndim == 0:
+            raise ShapeError(f"axis {axis} is out of range for a {operand.ndim}-d tensor")
+        dtype = operand.dtype if operand.dtype not in INTEGRAL_DTYPES else "float32"
+        return cls(shape=operand.shape, dtype=dtype, operand=operand,
+                   axis=axis % operand.ndim, log=log)
+
+    def describe(self) -> str:
+        return f"{'log_softmax' if self.log else 'softmax'} axis {self.axis}"
+
+
 INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
 
 
@@ -227,7 +254,8 @@ def substitute_many(roots: Sequence[Node], leaves: dict[str, Node],
         elif isinstance(node, EinsumOp) and any(done[id(i)] is not i for i in node.operands):
             done[id(node)] = dataclasses.replace(
                 node, operands=tuple(done[id(i)] for i in node.operands))
-        elif isinstance(node, (MapOp, ReshapeOp)) and done[id(node.operand)] is not node.operand:
+        elif isinstance(node, (MapOp, ReshapeOp, SoftmaxOp)) \
+                and done[id(node.operand)] is not node.operand:
             done[id(node)] = dataclasses.replace(node, operand=done[id(node.operand)])
         else:
             done[id(node)] = node

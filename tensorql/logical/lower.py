@@ -35,6 +35,7 @@ from tensorql.einsum.graph import (
     MapOp,
     Node,
     ReshapeOp,
+    SoftmaxOp,
     Source,
     topological_order,
 )
@@ -49,6 +50,7 @@ from tensorql.logical.plan import (
     Rekey,
     Reshape,
     Scan,
+    Softmax,
     TensorRelation,
 )
 from tensorql.logical.reshape import reshape_layout
@@ -95,6 +97,8 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
         return _lower_einsum(node, [done[id(n)] for n in node.operands])
     if isinstance(node, ReshapeOp):
         return _lower_reshape(node, done[id(node.operand)])
+    if isinstance(node, SoftmaxOp):
+        return _lower_softmax(node, done[id(node.operand)])
     raise PlanError(f"cannot plan node {type(node).__name__}")
 
 
@@ -113,6 +117,26 @@ def _lower_reshape(node: ReshapeOp, child: LogicalNode) -> LogicalNode:
                       input=child)
     rel = TensorRelation(_positional(node.ndim), lay.output_grid, node.dtype)
     return Reshape(relation=rel, input=child)
+
+
+def _lower_softmax(node: SoftmaxOp, child: LogicalNode) -> LogicalNode:
+    """``Softmax(child)``, the child retiled so that each chunk holds the whole axis."""
+    rel = child.relation
+    if 0 in node.shape:
+        return Scan(relation=TensorRelation(_positional(node.ndim), rel.grid, node.dtype),
+                    source="<constant>", constant=torch.empty(node.shape,
+                                                               dtype=torch_dtype(node.dtype)))
+    tile = list(rel.grid.tile)
+    target = max(math.prod(tile), rel.shape[node.axis])  # chunks about as big as before
+    tile[node.axis] = rel.shape[node.axis]
+    while math.prod(tile) > target:
+        widest = max((d for d in range(len(tile)) if d != node.axis), key=lambda d: tile[d])
+        tile[widest] = -(-tile[widest] // 2)
+    if tuple(tile) != rel.grid.tile:
+        child = Rekey(relation=TensorRelation(rel.labels, ChunkGrid(rel.shape, tuple(tile)),
+                                              rel.dtype), input=child)
+    return Softmax(relation=TensorRelation(rel.labels, child.relation.grid, node.dtype),
+                   input=child, label=rel.labels[node.axis], log=node.log)
 
 
 _IDENTITY = {"sum": 0, "prod": 1, "max": -math.inf, "min": math.inf}

@@ -5,7 +5,8 @@ becomes ``Join``s on the shared labels' keys (each pair of matching chunks runs 
 on chunk shapes) and an ``Aggregate`` over the keys of aggregated labels. ``Rekey`` retiles a
 relation so that a label is tiled alike in every operand; ``Map`` applies an elementwise
 function chunk by chunk; ``Reshape`` reshapes chunk by chunk (after a ``Rekey`` that makes
-that possible); ``Scan`` reads a stored tensor or an in-memory constant.
+that possible); ``Softmax`` normalises along a label each chunk holds whole; ``Scan`` reads
+a stored tensor or an in-memory constant.
 
 Plans are frozen and compared by identity: a shared subplan is one node.
 
@@ -153,6 +154,20 @@ class Reshape(LogicalNode):
         return (self.input,)
 
 
+@dataclass(frozen=True, eq=False)
+class Softmax(LogicalNode):
+    """``softmax`` (``log_softmax`` with ``log``) of ``input`` along label ``label``, chunk by
+    chunk: every chunk holds the whole of that label (its tile is the full size)."""
+
+    input: LogicalNode | None = None
+    label: str = ""
+    log: bool = False
+
+    @property
+    def inputs(self) -> tuple[LogicalNode, ...]:
+        return (self.input,)
+
+
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
     return inputs_first(*roots)
@@ -186,6 +201,8 @@ def explain_logical(root: LogicalNode) -> str:
             return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
         if isinstance(node, Map):
             return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
+        if isinstance(node, Softmax):
+            return f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
         if isinstance(node, Reshape):
             return f"Reshape to {'x'.join(map(str, node.relation.shape)) or 'scalar'}"
         return type(node).__name__

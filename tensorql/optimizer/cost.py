@@ -245,8 +245,8 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
     """What a node's table depends on (equal keys share tables across identical layers)."""
     ins = tuple((tuple(node.labels.index(a) for a in e.axes),
                  graph.nodes[e.producer].itemsize) for e in node.inputs)
-    return (node.kind if node.kind in ("einsum", "map", "reshape") else "leaf", node.sizes,
-            node.n_out, ins,
+    return (node.kind if node.kind in ("einsum", "map", "reshape", "softmax") else "leaf",
+            tuple(node.labels.index(lab) for lab in node.whole), node.sizes, node.n_out, ins,
             node.itemsize, devices, pieces or devices)
 
 
@@ -279,7 +279,7 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     peak = np.zeros(K, dtype=np.int64)
     in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
-    work = max(1, len(node.inputs)) if node.kind in ("einsum", "map") else 0
+    work = max(1, len(node.inputs)) if node.kind in ("einsum", "map", "softmax") else 0
     for c, lay in enumerate(layouts):
         st, ln, dev = lay.starts, lay.lens, lay.device
         rep = lay.owner_mask

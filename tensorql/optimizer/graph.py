@@ -9,6 +9,7 @@ one :mod:`tensorql.logical.path` chose) and makes one :class:`OpNode` per physic
 * ``Map`` -> a ``map`` node;
 * ``Reshape`` -> a ``reshape`` node over its output labels and the input's (``in0``, ...),
   kept in one piece: its input is gathered whole on the device that reshapes it;
+* ``Softmax`` -> a ``softmax`` node whose axis is never cut (``whole``);
 * ``Rekey`` only retiles, and the partition stage picks its own pieces, so it is looked through.
 
 Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones;
@@ -35,7 +36,17 @@ from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
 from tensorql.logical.lower import lower
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Reshape, Scan, walk
+from tensorql.logical.plan import (
+    Aggregate,
+    Join,
+    LogicalNode,
+    Map,
+    Rekey,
+    Reshape,
+    Scan,
+    Softmax,
+    walk,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class OpNode:
     """
 
     index: int
-    kind: str  # "source" | "constant" | "einsum" | "map" | "reshape"
+    kind: str  # "source" | "constant" | "einsum" | "map" | "reshape" | "softmax"
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
     n_out: int
@@ -67,6 +78,7 @@ class OpNode:
     fn: str = ""
     scalar: float | None = None
     logical: LogicalNode | None = None  # the logical node this step computes
+    whole: tuple[str, ...] = ()  # labels never cut into pieces (a softmax's axis; a reshape)
 
     @property
     def out_labels(self) -> tuple[str, ...]:
@@ -152,7 +164,14 @@ class _Builder:
                                sizes=rel.shape + node.input.relation.shape, n_out=rel.ndim,
                                inputs=(edge,), dtype=rel.dtype,
                                name=f"reshape {'x'.join(map(str, rel.shape)) or 'scalar'}",
-                               logical=node)
+                               logical=node, whole=rel.labels + inner)
+        elif isinstance(node, Softmax):
+            edge = Edge(self.index_of[id(node.input)], rel.labels)
+            fn = "log_softmax" if node.log else "softmax"
+            idx = self._append(kind="softmax", labels=rel.labels, sizes=rel.shape,
+                               n_out=rel.ndim, inputs=(edge,), dtype=rel.dtype,
+                               name=f"{fn} over [{node.label}]", fn=fn, logical=node,
+                               whole=(node.label,))
         elif isinstance(node, Aggregate) and isinstance(node.input, Join):
             idx = self._contraction(node.input, node)
         elif isinstance(node, Join):

@@ -34,6 +34,7 @@ from tensorql.errors import PlanError
 from tensorql.optimizer.cost import (
     NodeTable,
     build_table,
+    candidates,
     node_key,
     read_bytes,
     transition_matrix,
@@ -151,8 +152,13 @@ MAX_PIECES_PER_DEVICE = 64
 def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict):
     key = node_key(graph, node, devices, pieces)
     if ("node", key) not in cache:
-        whole = [(1,) * len(node.sizes)] if node.kind == "reshape" else None  # one piece
-        cache[("node", key)] = build_table(graph, node, devices, allowed=whole, pieces=pieces)
+        allowed = None
+        if node.whole:  # labels never cut: a softmax's axis, every label of a reshape
+            keep = {node.labels.index(lab) for lab in node.whole}
+            allowed = candidates(tuple(1 if d in keep else n for d, n in
+                                       enumerate(node.sizes)), pieces)
+        cache[("node", key)] = build_table(graph, node, devices, allowed=allowed,
+                                           pieces=pieces)
     return key, cache[("node", key)]
 
 

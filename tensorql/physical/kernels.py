@@ -146,6 +146,24 @@ class ReshapeChunk(_NoCombine):
 
 
 @dataclass(frozen=True, eq=False)
+class SoftmaxChunk(_NoCombine):
+    """``softmax`` (``log_softmax`` with ``log``) of one chunk along ``dim`` (the chunk holds
+    the whole dim), in ``dtype``.
+
+    >>> SoftmaxChunk(1, False, "float32").run([torch.tensor([[0.0, 0.0]])], None).tolist()
+    [[0.5, 0.5]]
+    """
+
+    dim: int
+    log: bool
+    dtype: str
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        fn = torch.log_softmax if self.log else torch.softmax
+        return fn(inputs[0], self.dim, dtype=torch_dtype(self.dtype))
+
+
+@dataclass(frozen=True, eq=False)
 class RekeyChunk(_NoCombine):
     """Assemble one chunk of a new grid from slices of the old grid's chunks.
 

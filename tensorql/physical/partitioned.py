@@ -55,6 +55,7 @@ from tensorql.physical.kernels import (
     MapChunk,
     RekeyChunk,
     ReshapeChunk,
+    SoftmaxChunk,
 )
 from tensorql.physical.planner import ContributionSeries, PhysicalPlan, Step
 from tensorql.storage.chunk_store import ChunkStore
@@ -189,6 +190,9 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             kernel = MapChunk(node.fn, node.scalar, node.dtype)
         elif node.kind == "reshape":
             kernel = ReshapeChunk(tuple(node.out_shape))
+        elif node.kind == "softmax":
+            kernel = SoftmaxChunk(node.labels.index(node.whole[0]), node.fn == "log_softmax",
+                                  node.dtype)
         else:
             kernel = ContractChunk(in_labels=tuple(e.axes for e in node.inputs),
                                    out_labels=node.out_labels, join=node.join, agg=node.agg,

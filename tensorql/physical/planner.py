@@ -33,6 +33,7 @@ from tensorql.logical.plan import (
     Rekey,
     Reshape,
     Scan,
+    Softmax,
     TensorRelation,
     walk,
 )
@@ -50,6 +51,7 @@ from tensorql.physical.kernels import (
     MapChunk,
     RekeyChunk,
     ReshapeChunk,
+    SoftmaxChunk,
 )
 from tensorql.storage.chunk_store import ChunkStore
 
@@ -323,6 +325,8 @@ class _Builder:
             step = self._rekey(sid, node)
         elif isinstance(node, Reshape):
             step = self._reshape(sid, node)
+        elif isinstance(node, Softmax):
+            step = self._softmax(sid, node)
         elif isinstance(node, Aggregate):
             step = self._contract(sid, node.input, node)
         elif isinstance(node, Join):
@@ -458,6 +462,15 @@ class _Builder:
         size = itemsize(node.relation.dtype)
         return Step(sid, f"Rekey to tiles {new.tile}", (node,), tuple(tasks), 0,
                     bytes_in * size, node.relation.nbytes)
+
+    def _softmax(self, sid: int, node: Softmax) -> Step:
+        rel = node.relation
+        kernel = SoftmaxChunk(rel.labels.index(node.label), node.log, rel.dtype)
+        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel)
+                      for key in rel.grid.keys())
+        n = math.prod(rel.shape)
+        name = f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
+        return Step(sid, name, (node,), tasks, 5 * n, node.input.relation.nbytes, rel.nbytes)
 
     def _reshape(self, sid: int, node: Reshape) -> Step:
         grid = node.relation.grid
