@@ -288,12 +288,15 @@ class Llama:
         n = f"l{layer}_"
         xn = self._rmsnorm(x, n + "attn_norm")
         q = einsum("bsd,kged->bskge", xn, self._w(n + "wq"))
-        q = einsum("bskge,se->bskge", q, cos) + einsum("bskge,ef,sf->bskgf", q, self._rot, sin)
+        scale = 1.0 / math.sqrt(s.head_dim)  # folded into q's rotary tables (S x E): the
+        # scores (S x T per head) are not scaled in a pass of their own
+        q = einsum("bskge,se->bskge", q, cos * scale) + einsum("bskge,ef,sf->bskgf", q,
+                                                               self._rot, sin * scale)
         pick_k = self.db.constant(np.array([1.0, 0.0], dtype=np.float32))
         pick_v = self.db.constant(np.array([0.0, 1.0], dtype=np.float32))
         keys = einsum("pbtke,p->btke", kv, pick_k)
         values = einsum("pbtke,p->btke", kv, pick_v)
-        scores = einsum("bskge,btke->bkgst", q, keys) * (1.0 / math.sqrt(s.head_dim))
+        scores = einsum("bskge,btke->bkgst", q, keys)
         if mask is not None:
             scores = scores + mask
         probs = scores.softmax(-1)
