@@ -214,6 +214,14 @@ class Options:
         return cls(**values)
 
     def with_(self, **changes: Any) -> Options:
+        """These options with ``changes``; a new ``workers`` without ``intra_op_threads``
+        re-derives the torch threads a kernel gets (cores // workers).
+
+        >>> Options(workers=2).with_(workers=1).intra_op_threads == max(1, _default_workers())
+        True
+        """
+        if "workers" in changes and "intra_op_threads" not in changes:
+            changes = {**changes, "intra_op_threads": 0}
         return replace(self, **changes)
 
     @property

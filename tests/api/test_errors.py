@@ -114,3 +114,12 @@ def test_options_errors():
         tq.connect(memory_limit="lots")
     with pytest.raises(tq.OptionError, match="backend"):
         tq.connect(backend="spark")
+
+
+def test_fewer_workers_get_more_torch_threads_each():
+    from tensorql.options import Options, _default_workers
+
+    cores = max(1, _default_workers())
+    with tq.connect(workers=1) as db:  # derived from workers, not kept from the default
+        assert db.options.intra_op_threads == cores
+    assert Options(workers=2).with_(workers=1, intra_op_threads=3).intra_op_threads == 3
