@@ -22,6 +22,7 @@ a partial aside and folds it in afterwards, so workers never wait for each other
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
@@ -65,6 +66,8 @@ class _Run:
         self.in_flight: dict[ChunkRef, int] = {}  # output chunk -> tasks writing it now
         self.cond = threading.Condition()
         self.done_tasks = 0
+        self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
+        self.step_tasks = collections.Counter(task.output.step for task in graph.tasks)
         self.error: BaseException | None = None
         self.failed_task: Task | None = None
         self.live_bytes = 0
@@ -99,6 +102,7 @@ class _Run:
         for entry in skipped:
             heapq.heappush(self.ready, entry)
         self.in_flight[task.output] = self.in_flight.get(task.output, 0) + 1
+        self.running_big += task.flops >= WIDE_TASK_FLOPS
         return task
 
     def _complete_chunk(self, ref: ChunkRef) -> None:
@@ -118,6 +122,7 @@ class _Run:
                             bytes_in=sum(self.values[r].nbytes for r in task.inputs),
                             bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
+        self.running_big -= task.flops >= WIDE_TASK_FLOPS
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
@@ -136,12 +141,18 @@ class _Run:
         return completed
 
 
+# A task this big (estimated FLOPs) of a step too narrow to occupy every worker runs with all
+# the workers' torch threads (~0.2 ms of one core: smaller kernels gain nothing from threads).
+WIDE_TASK_FLOPS = 20_000_000
+
+
 class Executor:
     """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads each."""
 
     def __init__(self, workers: int = 1, intra_op_threads: int = 1) -> None:
         self.workers = max(1, int(workers))
         self.intra_op_threads = max(1, int(intra_op_threads))
+        self.all_threads = self.intra_op_threads * self.workers
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
@@ -214,8 +225,7 @@ class Executor:
             if completed and state.sink is not None and task.output.step in state.graph.retain:
                 state.sink(task.output, state.values[task.output])
 
-    @staticmethod
-    def _work(state: _Run) -> None:
+    def _work(self, state: _Run) -> None:
         total = len(state.graph.tasks)
         while True:
             with state.cond:
@@ -224,6 +234,15 @@ class Executor:
                 if state.error is not None or state.done_tasks >= total or not state.ready:
                     return
                 task = state.take()
+                # a big task of a step with fewer tasks than workers (a chain of contractions,
+                # one task each, as in a tensor network or a transformer layer) that starts
+                # while no other big task runs cannot keep the workers busy: it gets every
+                # worker's torch threads, other tasks their share
+                wide = (task.flops >= WIDE_TASK_FLOPS and state.running_big == 1
+                        and state.step_tasks[task.output.step] < self.workers)
+            threads = self.all_threads if wide else self.intra_op_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             started = time.perf_counter()
             try:
                 new_bytes = _execute(state, task)

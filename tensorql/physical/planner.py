@@ -466,7 +466,8 @@ class _Builder:
     def _softmax(self, sid: int, node: Softmax) -> Step:
         rel = node.relation
         kernel = SoftmaxChunk(rel.labels.index(node.label), node.log, rel.dtype)
-        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel)
+        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
+                                     5 * math.prod(rel.grid.chunk_shape(key)))
                       for key in rel.grid.keys())
         n = math.prod(rel.shape)
         name = f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"

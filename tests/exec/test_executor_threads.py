@@ -1,0 +1,48 @@
+"""The executor's torch threads per task: a big task of a step too narrow to occupy every
+worker (a chain of one-chunk contractions) gets every worker's threads when no other big task
+runs; the tasks of a wide step keep their share."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import tensorql as tq
+import tensorql.exec.executor as executor
+
+
+def _threads_by_step(monkeypatch, expr):
+    seen: dict[int, set[int]] = {}
+    original = executor._first
+
+    def record(state, task, inputs):
+        seen.setdefault(task.output.step, set()).add(torch.get_num_threads())
+        return original(state, task, inputs)
+
+    monkeypatch.setattr(executor, "_first", record)
+    query = expr.compile()
+    result = query.run(dense=True)
+    return query, result, seen
+
+
+def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 320)).astype(np.float32)
+    previous = torch.get_num_threads()
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(320, 320))  # one chunk: each product is one task
+        query, result, seen = _threads_by_step(monkeypatch, (a @ a) @ a)
+        np.testing.assert_allclose(result.dense().numpy(), (x @ x) @ x, rtol=1e-3, atol=1e-2)
+        products = [s.id for s in query.physical.steps if "Aggregate" in s.name]
+        assert products and all(seen[sid] == {2} for sid in products)
+    assert torch.get_num_threads() == previous  # restored after the run
+
+
+def test_tasks_of_a_wide_step_keep_their_share(monkeypatch):
+    x = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(128, 128))  # 16 output chunks: a wide step
+        query, result, seen = _threads_by_step(monkeypatch, a @ a)
+        np.testing.assert_allclose(result.dense().numpy(), x @ x, rtol=1e-3, atol=1e-2)
+        (product,) = [s.id for s in query.physical.steps if "Aggregate" in s.name]
+        assert seen[product] == {1}
