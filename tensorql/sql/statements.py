@@ -44,6 +44,7 @@ from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
 from tensorql.sql.result import DenseForm, SQLResult
 from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
+from tensorql.storage.sql_text import quote_ident
 
 __all__ = ["ScriptRunner", "explain_each"]
 
@@ -62,6 +63,7 @@ class ScriptRunner:
         self.params = params
         self.con = session.connection
         self.registered: list[str] = []
+        self.views: list[str] = []  # temporary views of relational EINSUMs
         self.statement: Statement | None = None
         self.explain_sections: list[str] | None = None
         self.analyze = False
@@ -98,6 +100,12 @@ class ScriptRunner:
         return result
 
     def unregister(self) -> None:
+        for name in self.views:
+            try:
+                self.con.execute(f"DROP VIEW IF EXISTS temp.main.{quote_ident(name)}")
+            except duckdb.Error:  # pragma: no cover - already gone
+                pass
+        self.views.clear()
         for name in self.registered:
             try:
                 self.con.unregister(name)
@@ -245,13 +253,15 @@ class ScriptRunner:
                                 "FROM (or JOIN)", node)
             resolved = self.operands.call(node, {**ctes, **scope_of(node)})
             name = f"__tq_einsum_{next(_TEMP)}"
-            if isinstance(resolved, RelationalEinsum):
-                rows = self.relational(resolved).arrow()
+            if isinstance(resolved, RelationalEinsum) and self.explain_sections is None:
+                self.relational_view(resolved, name)  # DuckDB streams it into the statement
             else:
-                rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
-                                 present=resolved.present).arrow()
-            self.con.register(name, rows)
-            self.registered.append(name)
+                if isinstance(resolved, RelationalEinsum):
+                    rows = self.relational(resolved).arrow()
+                else:
+                    rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
+                                     present=resolved.present).arrow()
+                self.register(name, rows)
             parent.set("this", exp.to_identifier(name, quoted=True))
         sql = tree.sql(dialect="duckdb")
         if explain and self.explain_sections is not None:
@@ -285,11 +295,14 @@ class ScriptRunner:
             return result.dense()
         return torch.zeros(call.node.shape, dtype=torch_dtype(call.node.dtype))
 
-    def relational(self, call: RelationalEinsum) -> SQLResult:
-        """Run a relational EINSUM in DuckDB: register its operands' rows, run its join +
-        GROUP BY, and return the rows (EXPLAIN shows DuckDB's plan of it; plain EXPLAIN runs
-        nothing and returns no rows)."""
-        sections = self.explain_sections
+    def relational_view(self, call: RelationalEinsum, name: str) -> None:
+        """Make a relational EINSUM readable as the temporary view ``name`` for the rest of
+        the statement: its rows are never materialised outside DuckDB."""
+        self._register_operands(call)
+        self.con.execute(f"CREATE TEMP VIEW {quote_ident(name)} AS {call.sql}")
+        self.views.append(name)
+
+    def _register_operands(self, call: RelationalEinsum) -> None:
         for derived in call.derived:
             tensor = self.compute(derived.call)
             self.register(derived.name, SQLResult(tensor=tensor, labels=derived.columns,
@@ -297,6 +310,13 @@ class ScriptRunner:
         for operand in call.operands:
             if operand.rows is not None:
                 self.register(operand.name, operand.rows)
+
+    def relational(self, call: RelationalEinsum) -> SQLResult:
+        """Run a relational EINSUM in DuckDB: register its operands' rows, run its join +
+        GROUP BY, and return the rows (EXPLAIN shows DuckDB's plan of it; plain EXPLAIN runs
+        nothing and returns no rows)."""
+        sections = self.explain_sections
+        self._register_operands(call)
         dense = DenseForm(shape=call.shape, agg=call.agg, limit=call.dense_limit)
         if sections is not None:
             prefix = "EXPLAIN ANALYZE " if self.analyze else "EXPLAIN "

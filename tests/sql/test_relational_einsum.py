@@ -205,3 +205,20 @@ def test_explain_analyze_of_a_relational_einsum_runs_it(db):
                   "1.0 AS val), (SELECT 0 AS j, 0 AS k, 1.0 AS val), join := 'mul', "
                   "agg := 'max')").text
     assert "has no zero" in text and "Total Time" in text
+
+
+def test_a_relational_einsum_inside_a_statement_streams_through_a_temporary_view(db):
+    db.connection.execute("CREATE TABLE e AS SELECT range % 1000 AS i, (range * 7) % 1000 AS j, "
+                          "1.0 AS val FROM range(5000)")
+    query = ("SELECT count(*), min(val), max(val) FROM EINSUM('ij,jk->ik', e, e, "
+             "join := 'add', agg := 'min', sparse := true) WHERE i < 500")
+    (count, low, high), = db.sql(query).fetchall()
+    pairs = {(i, j) for i, j in ((r % 1000, (r * 7) % 1000) for r in range(5000))}
+    out = {}
+    for i, j in pairs:
+        out.setdefault(i, set()).add(j)
+    expected = {(i, k) for i in range(500) for j in out.get(i, ()) for k in out.get(j, ())}
+    assert (count, low, high) == (len(expected), 2.0, 2.0)
+    views = db.connection.execute("SELECT count(*) FROM duckdb_views() WHERE temporary AND "
+                                  "view_name LIKE '__tq_einsum_%'").fetchone()[0]
+    assert views == 0  # dropped when the statement ended
