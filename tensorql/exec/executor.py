@@ -26,6 +26,7 @@ import collections
 import heapq
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,47 @@ from tensorql.exec.run_types import (
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 
+@dataclass(frozen=True)
+class _Template:
+    """What every run of one task graph starts from, computed once per graph (a query run
+    again -- a LLaMA decoder's token after token -- copies it instead of rebuilding it)."""
+
+    contributions: dict[ChunkRef, int]
+    uses: dict[ChunkRef, int]
+    waiting: dict[ChunkRef, tuple[Task, ...]]
+    pending: dict[int, int]
+    ready: tuple[tuple[float, int, Task], ...]  # a heap
+    step_tasks: collections.Counter
+
+    @classmethod
+    def of(cls, graph: TaskGraph) -> _Template:
+        cached = graph.programs.get("executor-template")
+        if cached is not None:
+            return cached
+        contributions = graph.contributions()
+        uses: dict[ChunkRef, int] = {}
+        waiting: dict[ChunkRef, list[Task]] = {}
+        pending: dict[int, int] = {}
+        ready = []
+        for task in graph.tasks:
+            distinct = set(task.inputs)
+            for ref in task.inputs:
+                uses[ref] = uses.get(ref, 0) + 1
+            for ref in distinct:
+                if ref not in contributions:
+                    raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
+                waiting.setdefault(ref, []).append(task)
+            pending[task.id] = len(distinct)
+            if not distinct:
+                ready.append((task.priority, task.id, task))
+        heapq.heapify(ready)
+        template = cls(contributions, uses, {ref: tuple(ts) for ref, ts in waiting.items()},
+                       pending, tuple(ready),
+                       collections.Counter(task.output.step for task in graph.tasks))
+        graph.programs["executor-template"] = template
+        return template
+
+
 class _Run:
     """The mutable state of one execution (the executor itself stays reusable)."""
 
@@ -50,40 +92,29 @@ class _Run:
                  sink: ChunkSink | None = None,
                  destination: ChunkDestination | None = None,
                  keep_outputs: bool = True) -> None:
+        template = _Template.of(graph)
         self.graph = graph
         self.progress = progress
         self.sink = sink
         self.destination = destination
         self.keep_outputs = keep_outputs
-        self.contributions = graph.contributions()
-        self.remaining = dict(self.contributions)
-        self.uses: dict[ChunkRef, int] = {}
-        self.waiting: dict[ChunkRef, list[Task]] = {}
-        self.pending: dict[int, int] = {}
+        self.contributions = template.contributions  # read only
+        self.remaining = dict(template.contributions)
+        self.uses = dict(template.uses)
+        self.waiting = dict(template.waiting)
+        self.pending = dict(template.pending)
         self.values: dict[ChunkRef, torch.Tensor] = {}
         self.slot_locks = {ref: threading.Lock() for ref, n in self.contributions.items() if n > 1}
-        self.ready: list[tuple[float, int, Task]] = []
+        self.ready = list(template.ready)
         self.in_flight: dict[ChunkRef, int] = {}  # output chunk -> tasks writing it now
         self.cond = threading.Condition()
         self.done_tasks = 0
         self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
-        self.step_tasks = collections.Counter(task.output.step for task in graph.tasks)
+        self.step_tasks = template.step_tasks  # read only
         self.error: BaseException | None = None
         self.failed_task: Task | None = None
         self.live_bytes = 0
         self.stats = RunStats(tasks=len(graph.tasks))
-        for task in graph.tasks:
-            distinct = set(task.inputs)
-            for ref in task.inputs:
-                self.uses[ref] = self.uses.get(ref, 0) + 1
-            for ref in distinct:
-                if ref not in self.contributions:
-                    raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
-                self.waiting.setdefault(ref, []).append(task)
-            self.pending[task.id] = len(distinct)
-            if not distinct:
-                self.ready.append((task.priority, task.id, task))
-        heapq.heapify(self.ready)
 
     # -- called with self.cond held ------------------------------------------------------
     def take(self, lookahead: int = 4) -> Task:
