@@ -133,7 +133,7 @@ class _Run:
         for entry in skipped:
             heapq.heappush(self.ready, entry)
         self.in_flight[task.output] = self.in_flight.get(task.output, 0) + 1
-        self.running_big += task.flops >= WIDE_TASK_FLOPS
+        self.running_big += _big(task)
         return task
 
     def _complete_chunk(self, ref: ChunkRef) -> None:
@@ -153,7 +153,7 @@ class _Run:
                             bytes_in=sum(self.values[r].nbytes for r in task.inputs),
                             bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
-        self.running_big -= task.flops >= WIDE_TASK_FLOPS
+        self.running_big -= _big(task)
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
@@ -175,6 +175,15 @@ class _Run:
 # A task this big (estimated FLOPs) of a step too narrow to occupy every worker runs with all
 # the workers' torch threads (~0.2 ms of one core: smaller kernels gain nothing from threads).
 WIDE_TASK_FLOPS = 20_000_000
+# Elementwise kernels (``memory_bound`` set) do about 100x less work per "FLOP" counted (an
+# element and op) than products do: theirs is WIDE_TASK_FLOPS / MEMORY_BOUND_FACTOR.
+MEMORY_BOUND_FACTOR = 100
+
+
+def _big(task: Task) -> bool:
+    """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
+    factor = MEMORY_BOUND_FACTOR if getattr(task.kernel, "memory_bound", False) else 1
+    return task.flops * factor >= WIDE_TASK_FLOPS
 
 
 class Executor:
@@ -269,7 +278,7 @@ class Executor:
                 # one task each, as in a tensor network or a transformer layer) that starts
                 # while no other big task runs cannot keep the workers busy: it gets every
                 # worker's torch threads, other tasks their share
-                wide = (task.flops >= WIDE_TASK_FLOPS and state.running_big == 1
+                wide = (_big(task) and state.running_big == 1
                         and state.step_tasks[task.output.step] < self.workers)
             threads = self.all_threads if wide else self.intra_op_threads
             if torch.get_num_threads() != threads:

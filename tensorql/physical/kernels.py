@@ -125,6 +125,7 @@ class MapChunk(_NoCombine):
     fn: str
     scalar: float | None
     dtype: str
+    memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return apply_map(self.fn, inputs[0], self.scalar).to(torch_dtype(self.dtype))
@@ -157,6 +158,7 @@ class SoftmaxChunk(_NoCombine):
     dim: int
     log: bool
     dtype: str
+    memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         fn = torch.log_softmax if self.log else torch.softmax
@@ -301,6 +303,7 @@ class FusedPointwise(_NoCombine):
     ops: tuple[FusedOp, ...]
     dim: int | None
     block_elems: int = 1 << 18
+    memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
 
     @functools.cached_property
     def _last_use(self) -> tuple[int, ...]:

@@ -442,8 +442,10 @@ class _Builder:
 
     def _map(self, sid: int, node: Map) -> Step:
         kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
-        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel)
-                      for key in node.relation.grid.keys())
+        grid = node.relation.grid
+        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
+                                     math.prod(grid.chunk_shape(key)))
+                      for key in grid.keys())
         n = math.prod(node.relation.shape)
         return Step(sid, f"Map {node.fn}", (node,), tasks, n, node.input.relation.nbytes,
                     node.relation.nbytes)

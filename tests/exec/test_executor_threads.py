@@ -46,3 +46,13 @@ def test_tasks_of_a_wide_step_keep_their_share(monkeypatch):
         np.testing.assert_allclose(result.dense().numpy(), x @ x, rtol=1e-3, atol=1e-2)
         (product,) = [s.id for s in query.physical.steps if "Aggregate" in s.name]
         assert seen[product] == {1}
+
+
+def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch):
+    x = np.random.default_rng(2).standard_normal((1024, 512)).astype(np.float32)
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(1024, 512))  # one chunk of 512K elements
+        query, result, seen = _threads_by_step(monkeypatch, (a * 2.0).exp())
+        np.testing.assert_allclose(result.dense().numpy(), np.exp(2 * x), rtol=1e-6)
+        (step,) = [s.id for s in query.physical.steps if s.tasks and "Scan" not in s.name]
+        assert seen[step] == {2}
