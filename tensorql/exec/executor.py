@@ -53,7 +53,8 @@ class _Template:
     uses: dict[ChunkRef, int]
     waiting: dict[ChunkRef, tuple[Task, ...]]
     pending: dict[int, int]
-    ready: tuple[tuple[float, int, Task], ...]  # a heap
+    ready: tuple[tuple[float, int, Task], ...]  # a heap, without the inline tasks
+    inline: tuple[Task, ...]  # constant slices run by the caller before the workers start
     step_tasks: collections.Counter
 
     @classmethod
@@ -77,9 +78,13 @@ class _Template:
             pending[task.id] = len(distinct)
             if not distinct:
                 ready.append((task.priority, task.id, task))
+        inline = tuple(task for _, _, task in ready if getattr(task.kernel, "inline", False)
+                       and contributions[task.output] == 1)
+        ready = [entry for entry in ready if not (getattr(entry[2].kernel, "inline", False)
+                                                  and contributions[entry[2].output] == 1)]
         heapq.heapify(ready)
         template = cls(contributions, uses, {ref: tuple(ts) for ref, ts in waiting.items()},
-                       pending, tuple(ready),
+                       pending, tuple(ready), inline,
                        collections.Counter(task.output.step for task in graph.tasks))
         graph.programs["executor-template"] = template
         return template
@@ -106,6 +111,7 @@ class _Run:
         self.values: dict[ChunkRef, torch.Tensor] = {}
         self.slot_locks = {ref: threading.Lock() for ref, n in self.contributions.items() if n > 1}
         self.ready = list(template.ready)
+        self.inline = template.inline
         self.in_flight: dict[ChunkRef, int] = {}  # output chunk -> tasks writing it now
         self.cond = threading.Condition()
         self.done_tasks = 0
@@ -249,21 +255,15 @@ class Executor:
         """Run the ready tasks whose kernel says ``inline`` (a slice of an in-memory
         constant: a view, no work) here and now, before the workers start: they would cost a
         scheduling round trip each (a one-token LLaMA step has 187 of them in 535 tasks)."""
-        inline = [entry for entry in state.ready if getattr(entry[2].kernel, "inline", False)
-                  and not entry[2].inputs and state.contributions[entry[2].output] == 1]
-        if not inline:
-            return
-        ids = {entry[1] for entry in inline}
-        state.ready = [entry for entry in state.ready if entry[1] not in ids]
-        heapq.heapify(state.ready)
-        for _, _, task in inline:
-            state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
-            now = time.perf_counter()
-            new_bytes = _execute(state, task)
-            with state.cond:
+        with state.cond:  # no worker runs yet: the lock is taken once, not per task
+            for task in state.inline:
+                state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
+                now = time.perf_counter()
+                new_bytes = _execute(state, task)
                 completed = state.finish(task, now, now, new_bytes)
-            if completed and state.sink is not None and task.output.step in state.graph.retain:
-                state.sink(task.output, state.values[task.output])
+                if completed and state.sink is not None and \
+                        task.output.step in state.graph.retain:
+                    state.sink(task.output, state.values[task.output])
 
     def _work(self, state: _Run) -> None:
         total = len(state.graph.tasks)
