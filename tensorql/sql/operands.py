@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 from sqlglot import exp
 
-from tensorql.dtypes import canonical_dtype
+from tensorql.dtypes import canonical_dtype, itemsize
 from tensorql.einsum.graph import EinsumOp, Node, Source
 from tensorql.einsum.literals import constant_node
 from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec
@@ -256,8 +256,12 @@ class OperandResolver:
         limit = self._dense_limit()
         if limit is None:
             return None
-        for k, shape in shapes.items():
-            need = dense_bytes(shape, 9)
+        for k, shape in shapes.items():  # as densify counts it: values plus the mask
+            try:
+                size = itemsize(_relation_dtype(resolved[k], join, agg, len(resolved)))
+            except ShapeError:
+                return None  # the dense path reports the bad column where it is
+            need = dense_bytes(shape, size)
             if need > limit:
                 return (f"operand {k} ({resolved[k].num_rows} row(s)) would take {need:,} "
                         f"bytes dense (shape {tuple(shape)}), more than the limit of "
@@ -268,7 +272,7 @@ class OperandResolver:
         except TensorQLError:
             return None  # the dense path reports the error where it is
         else:
-            need = dense_bytes(spec.output_shape, 9)
+            need = dense_bytes(spec.output_shape, 8)  # the result (<= 8-byte values) + mask
             if need > limit:
                 return (f"the result would take {need:,} bytes dense, more than the limit "
                         f"of {limit:,} bytes (Options.relation_dense_bytes / memory_limit)")
