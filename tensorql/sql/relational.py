@@ -97,7 +97,7 @@ def _joined(join: str, values: list[str], dtype: str) -> str:
     out = values[0]
     if join == "div" or (join == "pow" and dtype not in ("int64", "int32", "int8", "uint8")):
         out = f"CAST({out} AS DOUBLE)"
-    for value in values[1:]:
+    for n, value in enumerate(values[1:], start=1):
         if join in _ARITHMETIC:
             out = f"{out} {_ARITHMETIC[join]} {value}"
         elif join == "div":
@@ -107,11 +107,11 @@ def _joined(join: str, values: list[str], dtype: str) -> str:
         elif join in ("max", "min"):
             out = f"{'greatest' if join == 'max' else 'least'}({out}, {value})"
         elif join in _COMPARISONS:
-            left = out if value is values[1] else f"CAST({out} AS DOUBLE)"  # bool vs number
+            left = out if n == 1 else f"CAST({out} AS DOUBLE)"  # a bool against a number
             out = f"{left} {_COMPARISONS[join]} {value}"
         else:  # pragma: no cover - the spec checked the join
             raise ShapeError(f"join {join!r} has no SQL form")
-        if value is not values[-1]:
+        if n < len(values) - 1:
             out = f"({out})"
     return out
 
