@@ -53,7 +53,6 @@ from tensorql.logical.plan import (
     Softmax,
     walk,
 )
-from tensorql.logical.reshape import reshape_layout
 from tensorql.physical.kernels import ContractChunk, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
@@ -293,8 +292,7 @@ class _Builder:
         in_dtype = node.input.relation.dtype
         rel = node.relation
         if isinstance(node, Softmax):
-            kernel = SoftmaxChunk(rel.labels.index(node.label), node.log, rel.dtype)
-            what = f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
+            kernel, what = SoftmaxChunk.of(node), node.title
         else:
             kernel = MapChunk(node.fn, node.scalar, rel.dtype)
             what = f"Map {node.fn}"
@@ -317,8 +315,7 @@ class _Builder:
 
     # -- reshape ------------------------------------------------------------------------
     def _reshape(self, node: Reshape, names: dict[int, str]) -> tuple[str, str]:
-        old, new = node.input.relation.grid, node.relation.grid
-        lay = reshape_layout(old, new.shape)
+        old, new, lay = node.input.relation.grid, node.relation.grid, node.layout
         dtype = node.relation.dtype
         ndim = old.ndim
 
@@ -336,9 +333,8 @@ class _Builder:
         sel = "".join(f"{q(f'k{leading[d]}') if d in leading else '0'} AS {q(f'k{d}')}, "
                       for d in range(new.ndim))
         args = "".join(f"{q(f'k{d}')}, " for d in range(ndim))
-        shape = "x".join(map(str, new.shape)) or "scalar"
         return (f"SELECT {sel}{q(name)}({args}\"payload\") AS \"payload\" "
-                f"FROM {q(names[id(node.input)])}", f"Reshape to {shape}")
+                f"FROM {q(names[id(node.input)])}", node.title)
 
     # -- rekey --------------------------------------------------------------------------
     def _rekey(self, node: Rekey, names: dict[int, str]) -> tuple[str, str]:

@@ -105,27 +105,22 @@ def _lower_node(node: Node, done: dict[int, LogicalNode]) -> LogicalNode:
 def _lower_reshape(node: ReshapeOp, child: LogicalNode) -> LogicalNode:
     """``Reshape(Rekey(child))``: the input retiled so that every chunk of it, reshaped, is one
     output chunk (:func:`tensorql.logical.reshape.reshape_layout`)."""
-    if 0 in node.shape:
-        value = torch.empty(node.shape, dtype=torch_dtype(node.dtype))
-        grid = ChunkGrid(node.shape, auto_tile(node.shape))
-        return Scan(relation=TensorRelation(_positional(node.ndim), grid, node.dtype),
-                    source="<constant>", constant=value)
+    if 0 in node.shape:  # no elements: nothing to reshape
+        return _constant_scan(torch.empty(node.shape, dtype=torch_dtype(node.dtype)), node.dtype)
     lay = reshape_layout(child.relation.grid, node.shape)
     labels = child.relation.labels
     if lay.input_grid != child.relation.grid:
         child = Rekey(relation=TensorRelation(labels, lay.input_grid, child.relation.dtype),
                       input=child)
     rel = TensorRelation(_positional(node.ndim), lay.output_grid, node.dtype)
-    return Reshape(relation=rel, input=child)
+    return Reshape(relation=rel, input=child, layout=lay)
 
 
 def _lower_softmax(node: SoftmaxOp, child: LogicalNode) -> LogicalNode:
     """``Softmax(child)``, the child retiled so that each chunk holds the whole axis."""
     rel = child.relation
-    if 0 in node.shape:
-        return Scan(relation=TensorRelation(_positional(node.ndim), rel.grid, node.dtype),
-                    source="<constant>", constant=torch.empty(node.shape,
-                                                               dtype=torch_dtype(node.dtype)))
+    if 0 in node.shape:  # no elements: nothing to normalise
+        return _constant_scan(torch.empty(node.shape, dtype=torch_dtype(node.dtype)), node.dtype)
     tile = list(rel.grid.tile)
     target = max(math.prod(tile), rel.shape[node.axis])  # chunks about as big as before
     tile[node.axis] = rel.shape[node.axis]
@@ -151,9 +146,13 @@ def _empty_einsum(op: EinsumOp) -> LogicalNode:
     if not dtype.is_floating_point and math.isinf(fill):
         info = torch.iinfo(dtype) if dtype != torch.bool else None
         fill = (info.min if fill < 0 else info.max) if info else fill > 0
-    value = torch.full(op.shape, fill, dtype=dtype)
-    grid = ChunkGrid(op.shape, auto_tile(op.shape))
-    return Scan(relation=TensorRelation(_positional(len(op.shape)), grid, op.dtype),
+    return _constant_scan(torch.full(op.shape, fill, dtype=dtype), op.dtype)
+
+
+def _constant_scan(value: torch.Tensor, dtype: str) -> Scan:
+    """A scan of an in-memory ``value`` on automatic tiles."""
+    grid = ChunkGrid(tuple(value.shape), auto_tile(value.shape))
+    return Scan(relation=TensorRelation(_positional(value.ndim), grid, dtype),
                 source="<constant>", constant=value)
 
 

@@ -11,6 +11,7 @@ a stored tensor or an in-memory constant.
 Plans are frozen and compared by identity: a shared subplan is one node.
 
 >>> from tensorql.grid import ChunkGrid
+from tensorql.logical.reshape import ReshapeLayout
 >>> r = TensorRelation(labels=("i", "j"), grid=ChunkGrid((4, 6), (2, 3)), dtype="float32")
 >>> r.shape, r.tile_of("j"), r.nbytes
 ((4, 6), 3, 96)
@@ -26,6 +27,7 @@ import torch
 from tensorql.dag import inputs_first
 from tensorql.dtypes import itemsize
 from tensorql.grid import ChunkGrid
+from tensorql.logical.reshape import ReshapeLayout
 
 
 @dataclass(frozen=True)
@@ -148,10 +150,16 @@ class Reshape(LogicalNode):
     :mod:`tensorql.logical.reshape`)."""
 
     input: LogicalNode | None = None
+    layout: ReshapeLayout | None = None  # the input's grid, the output's and the key mapping
 
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:
         return (self.input,)
+
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Reshape to 4x6``."""
+        return f"Reshape to {'x'.join(map(str, self.relation.shape)) or 'scalar'}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,6 +175,11 @@ class Softmax(LogicalNode):
     def inputs(self) -> tuple[LogicalNode, ...]:
         return (self.input,)
 
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Softmax over [t]``."""
+        return f"{'LogSoftmax' if self.log else 'Softmax'} over [{self.label}]"
+
 
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
@@ -179,6 +192,7 @@ def explain_logical(root: LogicalNode) -> str:
     from here to the partitioning and the physical plan.
 
     >>> from tensorql.grid import ChunkGrid
+from tensorql.logical.reshape import ReshapeLayout
     >>> scan = Scan(relation=TensorRelation(("i", "j"), ChunkGrid((4, 6), (2, 6)), "float32"),
     ...             source="A")
     >>> print(explain_logical(Map(relation=scan.relation, input=scan, fn="exp")))
@@ -201,10 +215,8 @@ def explain_logical(root: LogicalNode) -> str:
             return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
         if isinstance(node, Map):
             return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
-        if isinstance(node, Softmax):
-            return f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
-        if isinstance(node, Reshape):
-            return f"Reshape to {'x'.join(map(str, node.relation.shape)) or 'scalar'}"
+        if isinstance(node, (Softmax, Reshape)):
+            return node.title
         return type(node).__name__
 
     def render(node: LogicalNode, prefix: str, child_prefix: str) -> None:

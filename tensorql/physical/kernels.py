@@ -24,6 +24,7 @@ from tensorql_kernels.elementwise import apply_map
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.spec import COMPARISON_JOINS
 from tensorql.grid import ChunkGrid, Key
+from tensorql.logical.plan import Softmax
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -159,6 +160,12 @@ class SoftmaxChunk(_NoCombine):
     log: bool
     dtype: str
     memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
+
+    @classmethod
+    def of(cls, node: Softmax) -> SoftmaxChunk:
+        """The kernel of a logical ``Softmax`` step."""
+        rel = node.relation
+        return cls(rel.labels.index(node.label), node.log, rel.dtype)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         fn = torch.log_softmax if self.log else torch.softmax

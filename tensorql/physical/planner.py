@@ -37,7 +37,6 @@ from tensorql.logical.plan import (
     TensorRelation,
     walk,
 )
-from tensorql.logical.reshape import reshape_layout
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.kernels import (
     ConstChunk,
@@ -467,22 +466,21 @@ class _Builder:
 
     def _softmax(self, sid: int, node: Softmax) -> Step:
         rel = node.relation
-        kernel = SoftmaxChunk(rel.labels.index(node.label), node.log, rel.dtype)
+        kernel = SoftmaxChunk.of(node)
         tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
                                      5 * math.prod(rel.grid.chunk_shape(key)))
                       for key in rel.grid.keys())
         n = math.prod(rel.shape)
-        name = f"{'LogSoftmax' if node.log else 'Softmax'} over [{node.label}]"
-        return Step(sid, name, (node,), tasks, 5 * n, node.input.relation.nbytes, rel.nbytes)
+        return Step(sid, node.title, (node,), tasks, 5 * n, node.input.relation.nbytes,
+                    rel.nbytes)
 
     def _reshape(self, sid: int, node: Reshape) -> Step:
         grid = node.relation.grid
-        lay = reshape_layout(node.input.relation.grid, grid.shape)
-        tasks = tuple(self._new_task((self._ref(node.input, lay.input_key(key)),),
+        tasks = tuple(self._new_task((self._ref(node.input, node.layout.input_key(key)),),
                                      ChunkRef(sid, key), ReshapeChunk(grid.chunk_shape(key)))
                       for key in grid.keys())
-        return Step(sid, f"Reshape to {'x'.join(map(str, grid.shape)) or 'scalar'}", (node,),
-                    tasks, 0, node.input.relation.nbytes, node.relation.nbytes)
+        return Step(sid, node.title, (node,), tasks, 0, node.input.relation.nbytes,
+                    node.relation.nbytes)
 
     def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
         out_rel = (aggregate or join).relation

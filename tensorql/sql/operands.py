@@ -14,7 +14,6 @@ call knows which output cells anything contributed to (:attr:`EinsumCall.present
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ from tensorql.sql.relations import (
     SEMIRING_ZERO,
     absent_value,
     densify,
+    filled_dtype,
     order_columns,
     validate_indices,
-    value_dtype,
 )
 from tensorql.sql.rewriting import operand_labels, pure_einsum, scope_of
 
@@ -135,16 +134,19 @@ class OperandResolver:
     """Turns EINSUM calls into graph nodes for one script.
 
     ``session`` is the database (``chunk_store``, ``options``, ``tensors()``); ``rows`` runs a
-    query and returns its Arrow table; ``fail(cls, message, node)`` makes a positioned error and
-    ``pos(node)`` the position of a node in the script.
+    query and returns its Arrow table; ``relational_rows(call)`` runs a
+    :class:`RelationalEinsum` and returns its rows; ``fail(cls, message, node)`` makes a
+    positioned error and ``pos(node)`` the position of a node in the script.
     """
 
     def __init__(self, session: Any, script: str, rows: Callable[..., pa.Table],
+                 relational_rows: Callable[[RelationalEinsum], pa.Table],
                  fail: Callable[..., TensorQLError], pos: Callable[[Any], int | None],
                  backend: str | None) -> None:
         self.session = session
         self.script = script
         self.rows = rows
+        self.relational_rows = relational_rows
         self.fail = fail
         self.pos = pos
         self.backend = backend
@@ -436,6 +438,8 @@ class OperandResolver:
                     if inner is not None else None
                 if isinstance(call, EinsumCall):
                     return TensorOperand(node=call.node, present=call.present)
+                if isinstance(call, RelationalEinsum):  # resolved already: just its rows
+                    return self.relational_rows(call)
                 self.expanding.add(key)  # CTEs being read as rows: a cycle is an error
                 try:
                     return self.rows(exp.select("*").from_(
@@ -477,12 +481,6 @@ def _check_indices(table: pa.Table, columns: Sequence[str], shape: Sequence[int]
 
 
 def _relation_dtype(table: pa.Table, join: str, agg: str, operands: int) -> str:
-    """The dtype a relation's values count as: their own (as when densified, where a float is
-    needed for an infinite fill, float64 stands in for booleans and integers)."""
+    """The dtype a relation's values count as, as when densified (:func:`filled_dtype`)."""
     val = next(n for n in table.column_names if n.lower() == "val")
-    dtype = value_dtype(table.column(val))
-    fill = absent_value(join, agg, operands)
-    if dtype == torch.bool or (fill is not None and math.isinf(fill)
-                               and not dtype.is_floating_point):
-        dtype = torch.float64
-    return canonical_dtype(dtype)
+    return canonical_dtype(filled_dtype(table.column(val), absent_value(join, agg, operands)))

@@ -27,8 +27,8 @@ import torch
 
 from tensorql.errors import MemoryLimitError, ShapeError
 
-__all__ = ["DenseRelation", "absent_value", "densify", "label_columns", "order_columns",
-           "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
+__all__ = ["DenseRelation", "absent_value", "densify", "filled_dtype", "label_columns",
+           "order_columns", "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
 
 # (join, agg) -> the value an absent row stands for when several operands join: the semiring's
 # zero, which the join maps to the aggregation's identity whatever the other operands hold.
@@ -113,9 +113,7 @@ def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fi
     ([1.0, inf, 3.0, inf], [True, False, True, False])
     """
     val_name = next(n for n in table.column_names if n.lower() == "val")
-    dtype = value_dtype(table.column(val_name))
-    if dtype == torch.bool or (math.isinf(fill) and not dtype.is_floating_point):
-        dtype = torch.float64  # +-inf for absent rows needs a float
+    dtype = filled_dtype(table.column(val_name), fill)
     cells = math.prod(shape)
     need = cells * (torch.empty((), dtype=dtype).element_size() + 1)
     if max_bytes is not None and need > max_bytes:
@@ -148,6 +146,21 @@ def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fi
         present[index] = True
     return DenseRelation(values=out.reshape(tuple(shape)),
                          present=present.reshape(tuple(shape)))
+
+
+def filled_dtype(column: pa.ChunkedArray | pa.Array, fill: float | None) -> torch.dtype:
+    """The dtype a relation's ``val`` column takes as an operand: its own (see
+    :func:`value_dtype`), but float64 for booleans and for integers where absent cells hold
+    +-inf (``fill``; None: no fill).
+
+    >>> filled_dtype(pa.array([1, 2]), math.inf), filled_dtype(pa.array([1, 2]), 0.0)
+    (torch.float64, torch.int64)
+    """
+    dtype = value_dtype(column)
+    if dtype == torch.bool or (fill is not None and math.isinf(fill)
+                               and not dtype.is_floating_point):
+        return torch.float64
+    return dtype
 
 
 def tensor_rows(tensor: torch.Tensor, labels: Sequence[str]) -> pa.Table:

@@ -17,7 +17,6 @@ relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``arrow``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ import pyarrow as pa
 import torch
 
 from tensorql.errors import ShapeError
+from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import AGG_IDENTITY, densify, label_columns, rows_to_dense, tensor_rows
 
 __all__ = ["DenseForm", "SQLResult", "format_table"]
@@ -147,7 +147,7 @@ class SQLResult:
         identity where no row is; ShapeError beyond ``form.limit`` bytes (read the rows
         instead)."""
         table = self.arrow()
-        need = math.prod(form.shape) * 9
+        need = dense_bytes(form.shape, 8)  # as the relational path's bound counts it
         if form.limit is not None and need > form.limit:
             raise ShapeError(f"this EINSUM's result has {table.num_rows:,} row(s) but as a dense "
                              f"tensor of shape {form.shape} it would take {need:,} bytes, more "

@@ -67,8 +67,8 @@ class ScriptRunner:
         self.statement: Statement | None = None
         self.explain_sections: list[str] | None = None
         self.analyze = False
-        self.operands = OperandResolver(session, script, self.rows, self.fail, self.pos,
-                                        backend)
+        self.operands = OperandResolver(session, script, self.rows, self.relational_rows,
+                                        self.fail, self.pos, backend)
 
     # -- positions --------------------------------------------------------------------
     def pos(self, node: exp.Expr | None) -> int | None:
@@ -330,6 +330,15 @@ class ScriptRunner:
                 return SQLResult(table=empty, labels=call.labels, dense=dense)
         table = self.duckdb(call.sql).table
         return SQLResult(table=table, labels=call.labels, dense=dense)
+
+    def relational_rows(self, call: RelationalEinsum) -> pa.Table:
+        """The rows of a relational EINSUM read as another EINSUM's operand (run for real,
+        also under EXPLAIN, like any relation operand)."""
+        saved, self.explain_sections = self.explain_sections, None
+        try:
+            return self.relational(call).arrow()
+        finally:
+            self.explain_sections = saved
 
     def register(self, name: str, table: pa.Table) -> None:
         """Make ``table`` readable in DuckDB as ``name`` until the statement ends."""

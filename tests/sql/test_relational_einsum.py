@@ -53,6 +53,13 @@ def values_sql(labels, rows):
     return f"(SELECT * FROM (VALUES {body}) AS t({names}))"
 
 
+def einsum_arguments(inputs, output, relations):
+    """The equation and the VALUES subqueries of a drawn query, for EINSUM's SQL."""
+    equation = ",".join("".join(labels) for labels in inputs) + "->" + "".join(output)
+    operands = ", ".join(values_sql(labels, rows) for labels, rows in zip(inputs, relations))
+    return equation, operands
+
+
 @st.composite
 def relational_queries(draw):
     alphabet = "ijkl"
@@ -76,8 +83,7 @@ def relational_queries(draw):
 @given(relational_queries())
 def test_relational_einsum_matches_the_plain_python_join(query):
     inputs, output, sizes, join, agg, relations = query
-    equation = ",".join("".join(labels) for labels in inputs) + "->" + "".join(output)
-    operands = ", ".join(values_sql(labels, rows) for labels, rows in zip(inputs, relations))
+    equation, operands = einsum_arguments(inputs, output, relations)
     with tq.connect() as db:
         got = db.sql(f"SELECT * FROM EINSUM('{equation}', {operands}, join := '{join}', "
                      f"agg := '{agg}', sparse := true)").fetchall()
@@ -94,8 +100,7 @@ def test_relational_einsum_matches_the_plain_python_join(query):
 @given(relational_queries())
 def test_relational_and_dense_paths_agree_where_the_semiring_has_a_zero(query):
     inputs, output, sizes, _, _, relations = query
-    equation = ",".join("".join(labels) for labels in inputs) + "->" + "".join(output)
-    operands = ", ".join(values_sql(labels, rows) for labels, rows in zip(inputs, relations))
+    equation, operands = einsum_arguments(inputs, output, relations)
     size_arg = "{" + ", ".join(f"'{k}': {v}" for k, v in sizes.items()) + "}"
     for join, agg in (("mul", "sum"), ("add", "min"), ("add", "max")):
         with tq.connect() as db:
