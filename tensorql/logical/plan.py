@@ -11,7 +11,6 @@ a stored tensor or an in-memory constant.
 Plans are frozen and compared by identity: a shared subplan is one node.
 
 >>> from tensorql.grid import ChunkGrid
-from tensorql.logical.reshape import ReshapeLayout
 >>> r = TensorRelation(labels=("i", "j"), grid=ChunkGrid((4, 6), (2, 3)), dtype="float32")
 >>> r.shape, r.tile_of("j"), r.nbytes
 ((4, 6), 3, 96)
@@ -192,7 +191,6 @@ def explain_logical(root: LogicalNode) -> str:
     from here to the partitioning and the physical plan.
 
     >>> from tensorql.grid import ChunkGrid
-from tensorql.logical.reshape import ReshapeLayout
     >>> scan = Scan(relation=TensorRelation(("i", "j"), ChunkGrid((4, 6), (2, 6)), "float32"),
     ...             source="A")
     >>> print(explain_logical(Map(relation=scan.relation, input=scan, fn="exp")))
