@@ -19,6 +19,7 @@ import string
 from collections.abc import Sequence
 
 import torch
+from tensorql_kernels.optimizer_update import UPDATE_JOINS, optimizer_update
 
 Labels = Sequence[str]
 
@@ -140,6 +141,8 @@ def chunk_einsum(
     Non-multiplicative joins materialise the broadcast join; ``max_temp_elems`` bounds that
     temporary by slicing the largest aggregated label.
     """
+    if join in UPDATE_JOINS:  # an optimizer's update: one fused pass, no aggregation
+        return optimizer_update(join, operands)
     pairs = [diagonalize(x, lab) for x, lab in zip(operands, labels)]
     xs = [p[0] for p in pairs]
     labs = [p[1] for p in pairs]
@@ -251,6 +254,8 @@ def contract_to(
         else:
             torch.mm(left, right, out=out)
         return out
+    if join in UPDATE_JOINS:
+        return optimizer_update(join, operands, out)
     value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
     return out.copy_(value)
 

@@ -27,7 +27,7 @@ import torch
 
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
-from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError
+from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError, ShapeError
 from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
@@ -211,8 +211,11 @@ class CompiledGroup:
         _, physical = _physical_plan(roots, db)  # on N devices: the whole group partitioned
         return cls(nodes=tuple(nodes), db=db, physical=physical)
 
-    def run(self, progress: ProgressCallback | None = None) -> list[torch.Tensor]:
-        """Every output as a dense tensor, in the order given."""
+    def run(self, progress: ProgressCallback | None = None,
+            out: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Every output as a dense tensor, in the order given. ``out`` may give, per output,
+        a contiguous tensor of its shape and dtype to compute it into (None: a fresh one),
+        e.g. a buffer the caller no longer needs; other backends ignore it."""
         if self.physical is None:
             return [q.run(progress=progress, dense=True).dense() for q in self.queries]
         db = self.db
@@ -222,7 +225,7 @@ class CompiledGroup:
         steps = self.physical.output_steps
         for step in steps:
             check_dense_fits(step.relation, db.options)
-        writer = DenseResults(steps)
+        writer = DenseResults(steps, out)
         self.last_stats.clear()
         result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
                                               sink=writer.sink, destination=writer.destination,
@@ -258,12 +261,22 @@ class DenseResults:
     torch.Size([3])
     """
 
-    def __init__(self, steps: Sequence[Any]) -> None:
+    def __init__(self, steps: Sequence[Any],
+                 given: Sequence[torch.Tensor | None] | None = None) -> None:
         self._outs: dict[int, tuple[Any, torch.Tensor]] = {}
-        for step in steps:
+        for k, step in enumerate(steps):
             rel = step.relation
-            self._outs.setdefault(step.id, (rel, torch.empty(rel.shape,
-                                                             dtype=torch_dtype(rel.dtype))))
+            dtype = torch_dtype(rel.dtype)
+            buffer = given[k] if given is not None and k < len(given) else None
+            if buffer is not None and (tuple(buffer.shape) != tuple(rel.shape)
+                                       or buffer.dtype != dtype or not buffer.is_contiguous()
+                                       or buffer.device.type != "cpu"):
+                raise ShapeError(f"output {k}: the buffer given to compute it into is "
+                                 f"{tuple(buffer.shape)} {buffer.dtype}, the result "
+                                 f"{tuple(rel.shape)} {dtype} (contiguous, on the CPU)")
+            if buffer is None:
+                buffer = torch.empty(rel.shape, dtype=dtype)
+            self._outs.setdefault(step.id, (rel, buffer))
         self.tensors = [self._outs[step.id][1] for step in steps]
 
     def destination(self, ref: Any) -> torch.Tensor | None:

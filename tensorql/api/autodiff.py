@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from opt_einsum import get_symbol
+from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
@@ -53,7 +54,7 @@ from tensorql.einsum.graph import (
     Source,
     topological_order,
 )
-from tensorql.errors import DTypeError, ShapeError, TensorQLError
+from tensorql.errors import DTypeError, ShapeError, TensorQLError, UnsupportedError
 
 __all__ = ["grad"]
 
@@ -333,6 +334,9 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
     spec = node.spec
     grads: dict[int, Tensor] = {}
     out = Factor(g, e.output)
+    if spec.join in UPDATE_JOINS:
+        raise UnsupportedError(f"no gradient flows through an optimizer's update "
+                               f"(join {spec.join!r})")
     if spec.join == "mul" and spec.agg == "sum":  # the classic rule, one einsum per operand
         for k in needs:
             others = [f for j, f in enumerate(e.operands) if j != k]

@@ -11,7 +11,11 @@ an optimizer opened on a database holding a checkpoint continues from it, with t
 results as a run that was never interrupted.
 
 Memory: activations are freed after their last use within the step (the memory plan of the
-one query); nothing is recomputed.
+one query); nothing is recomputed. Adam's update of a weight is one fused pass per chunk (the
+``adam`` join: new weight, m and v stacked in one result). A step computes its results into
+those of the step before last, which nothing reads any more (double buffering: one more copy
+of the weights and slots stays resident between steps, and no step faults in fresh pages);
+``values`` and ``state`` are those working buffers, so copy them to keep them.
 
 >>> import numpy as np, tensorql as tq
 >>> db = tq.connect()
@@ -28,12 +32,13 @@ one query); nothing is recomputed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from opt_einsum import get_symbol
 
 from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
@@ -97,6 +102,11 @@ class Optimizer:
         self.state = {k: t.node.value for k, t in self._slots.items()}
         self._scalars: dict[str, torch.Tensor] = {}
         self._step_plan: _StepPlan | None = None  # the last loss's planned step
+        # double buffering: the results of the step before last are no longer read by
+        # anything (the weights and slots moved on to the last step's), so the next step
+        # computes into them instead of into fresh memory (which costs page faults)
+        self._latest: list[torch.Tensor] | None = None
+        self._spare: list[torch.Tensor] | None = None
 
     def _state_name(self, slot: str, param: str) -> str:
         return f"{self.name}.{slot}.{param}"
@@ -145,12 +155,24 @@ class Optimizer:
         outputs = [loss]
         for n, g in zip(self.names, grads):
             slots = {slot: self._slots[(slot, n)] for slot in self.slots}
-            new_weight, new_slots = self.update(n, self._params[n], g, slots)
-            outputs.append(new_weight)
-            outputs.extend(new_slots[slot] for slot in self.slots)
+            outputs.extend(self.update_outputs(n, self._params[n], g, slots))
         group = CompiledGroup.compile([t.node for t in outputs], self.db)
         self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
+        self._latest = self._spare = None  # a new plan's results may have other shapes
         return group
+
+    def update_outputs(self, param: str, weight: Tensor, gradient: Tensor,
+                       state: dict[str, Tensor]) -> list[Tensor]:
+        """The results of the step that carry ``param``'s new values, in the order
+        :meth:`take_results` reads them: the new weight, then each slot."""
+        new_weight, new_slots = self.update(param, weight, gradient, state)
+        return [new_weight, *(new_slots[slot] for slot in self.slots)]
+
+    def take_results(self, param: str, results: Iterator[torch.Tensor]) -> None:
+        """Give ``param``'s weight and slots the values :meth:`update_outputs` computed."""
+        _replace(self.values[param], next(results))
+        for slot in self.slots:
+            _replace(self.state[(slot, param)], next(results))
 
     def _tile_like_gradients(self, grads: list[Tensor]) -> None:
         """Give each weight's slots (momentum, Adam's m and v) the chunk tiles its gradient
@@ -183,13 +205,12 @@ class Optimizer:
             raise ShapeError("step() takes the loss as a tensorql Tensor of this database")
         group = self._plan(loss)
         self._set_scalars(self.step_count + 1)
-        results = group.run()
+        results = group.run(out=self._spare)
         loss_value = float(results[0].reshape(()).item())
         it = iter(results[1:])
         for n in self.names:  # the constants the plan reads take the new values' storage
-            _replace(self.values[n], next(it))
-            for slot in self.slots:
-                _replace(self.state[(slot, n)], next(it))
+            self.take_results(n, it)
+        self._spare, self._latest = self._latest, results
         self.step_count += 1
         if self.step_count % self.checkpoint_every == 0:
             self.checkpoint()
@@ -262,9 +283,46 @@ class Adam(Optimizer):
 
     def scalars(self, step: int) -> dict[str, float]:
         return {"step_size": self.lr / (1.0 - self.beta1 ** step),
-                "bias2_sqrt": float(np.sqrt(1.0 - self.beta2 ** step))}
+                "bias2_sqrt": float(np.sqrt(1.0 - self.beta2 ** step)), "step": float(step)}
+
+    def update_outputs(self, param, weight, gradient, state):
+        """ONE result per weight: the join ``adam`` (``adamw``) stacks the new weight and
+        moments along a leading slot axis and computes them in one fused pass per chunk
+        (:mod:`tensorql_kernels.optimizer_update`), where :meth:`update`'s elementwise form
+        is a dozen passes over memory. The gradient comes first, so its chunk tiles are the
+        update's (the moments have them already; only the weight may be retiled)."""
+        from tensorql.api.einsum import einsum
+
+        dtype = weight.dtype
+        labels = "".join(get_symbol(k) for k in range(weight.ndim))
+        slot = get_symbol(weight.ndim)
+        equation = ",".join([labels] * 4 + [slot] + [""] * 6) + f"->{slot}{labels}"
+        fixed = [self._fixed(x, dtype) for x in (self.lr, self.beta1, self.beta2, self.eps,
+                                                  self.weight_decay)]
+        return [einsum(equation, gradient, weight, state["m"], state["v"],
+                       self._fixed_slots(dtype), *fixed, self._scalar("step", dtype),
+                       join="adamw" if self.decoupled else "adam")]
+
+    def take_results(self, param, results):
+        packed = next(results)  # weight, m, v stacked: each a contiguous view
+        _replace(self.values[param], packed[0])
+        _replace(self.state[("m", param)], packed[1])
+        _replace(self.state[("v", param)], packed[2])
+
+    def _fixed(self, value: float, dtype: str) -> Tensor:
+        """A 0-d constant holding a hyperparameter."""
+        from tensorql.dtypes import torch_dtype
+
+        return self.db.constant(torch.tensor(value, dtype=torch_dtype(dtype)))
+
+    def _fixed_slots(self, dtype: str) -> Tensor:
+        """The slot indices 0, 1, 2 (weight, m, v) of the update's output."""
+        from tensorql.dtypes import torch_dtype
+
+        return self.db.constant(torch.arange(3, dtype=torch_dtype(dtype)))
 
     def update(self, param, weight, gradient, state):
+        """The update as elementwise steps (what :meth:`update_outputs` fuses into one)."""
         dtype = weight.dtype
         if self.weight_decay and self.decoupled:
             weight = weight * (1.0 - self.lr * self.weight_decay)

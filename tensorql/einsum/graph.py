@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
+from tensorql_kernels.optimizer_update import SLOTS, UPDATE_JOINS, check_update_labels
 
 from tensorql.dag import inputs_first
 from tensorql.dtypes import canonical_dtype, torch_dtype
@@ -94,6 +95,11 @@ class EinsumOp(Node):
         if join == "where" and len(operands) != 3:
             raise ShapeError(f"join 'where' takes 3 operands (condition, value where true, "
                              f"value where false), got {len(operands)}")
+        if join in UPDATE_JOINS:
+            wrong = check_update_labels(spec.inputs, spec.output)
+            if wrong is not None or spec.sizes.get(spec.output[0]) != SLOTS:
+                raise ShapeError(f"join {join!r} {wrong or 'needs 3 slots'}: "
+                                 f"{equation!r} (see tensorql_kernels.optimizer_update)")
         return cls(shape=spec.output_shape, dtype=result_dtype(spec, operands), spec=spec,
                    operands=tuple(operands))
 

@@ -27,10 +27,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from tensorql_kernels.optimizer_update import UPDATE_JOINS
+
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 
 JOINS = ("mul", "add", "sub", "div", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
          "where")
+# UPDATE_JOINS ("adam", "adamw") are also accepted: an optimizer's whole update of one weight
+# as one n-ary join (see tensorql_kernels.optimizer_update); they are not offered in SQL.
 # Joins whose value is a comparison (bool, as numpy's ``<`` ...).
 COMPARISON_JOINS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 AGGS = ("sum", "max", "min", "prod")
@@ -55,7 +59,7 @@ class UnknownOperatorError(TensorQLError, ValueError):
 
 def check_operators(join: str, agg: str) -> None:
     """UnknownOperatorError unless ``join`` and ``agg`` are known names."""
-    if join not in JOINS:
+    if join not in JOINS and join not in UPDATE_JOINS:
         raise UnknownOperatorError(f"unknown join {join!r}; choose one of {', '.join(JOINS)}")
     if agg not in AGGS:
         raise UnknownOperatorError(f"unknown agg {agg!r}; choose one of {', '.join(AGGS)}")

@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import (
@@ -196,7 +197,7 @@ def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
     operands, tiles = _operands(op, children)
     if len(operands) > 2 and spec.is_semiring:
         return _contract_by_path(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
-    if spec.join == "where":  # a ternary join: one step over all three operands
+    if spec.join == "where" or spec.join in UPDATE_JOINS:  # n-ary: one step over all
         return _step(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
     result = operands[0]
     for n in range(1, len(operands) - 1):  # left fold keeps every label until the end

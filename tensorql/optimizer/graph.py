@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tensorql_kernels.optimizer_update import UPDATE_JOINS
+
 from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
@@ -190,11 +192,13 @@ class _Builder:
                        for src, axes in zip(join.sources, join.input_labels))
         name = describe_contraction(join.input_labels, out.labels, join.join,
                                     aggregate.agg if aggregate else "sum")
+        # an optimizer update computes its three slots in one pass: they stay together
+        whole = (out.labels[0],) if join.join in UPDATE_JOINS else ()
         return self._append(kind="einsum", labels=labels,
                             sizes=tuple(size[lab] for lab in labels), n_out=len(out.labels),
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
                             agg=aggregate.agg if aggregate else "sum",
-                            logical=aggregate if aggregate is not None else join)
+                            logical=aggregate if aggregate is not None else join, whole=whole)
 
 
 def describe_contraction(inputs: tuple[tuple[str, ...], ...], output: tuple[str, ...],

@@ -22,6 +22,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from tensorql_kernels.optimizer_update import UPDATE_JOINS
+
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 from tensorql.grid import Key, regrid_pieces
@@ -182,6 +184,7 @@ def _pointwise(node: LogicalNode, joins_in_aggregates: set[int]) -> bool:
     if isinstance(node, Map):
         return True
     return (isinstance(node, Join) and id(node) not in joins_in_aggregates
+            and node.join not in UPDATE_JOINS  # stacks its slots: not blocked by rows
             and all(len(set(labels)) == len(labels) for labels in node.input_labels))
 
 

@@ -1,0 +1,100 @@
+"""Optimizer updates as n-ary elementwise joins: one pass over a chunk of a weight.
+
+Adam's update of one weight reads the gradient, the weight and its two moments and writes the
+three new ones. Written as separate elementwise steps it is about a dozen passes over memory;
+here it is one join, ``adam`` (or ``adamw``, with decoupled weight decay), whose output
+stacks the three new tensors along a leading ``slot`` axis (0: weight, 1: first moment,
+2: second moment), so the whole update is one fused kernel per chunk
+(``torch._fused_adam_`` where this torch has it, the same formula in torch ops otherwise).
+
+Operands, in order: gradient, weight, exp_avg, exp_avg_sq (all with the weight's labels),
+the slot indices (a vector of ``0, 1, 2`` over the output's first label) and six scalars:
+lr, beta1, beta2, eps, weight_decay, step. As an einsum over a matrix weight::
+
+    ij,ij,ij,ij,s,,,,,,->sij    join="adam"
+
+Each output element is a function of the operands' elements at its position (the slot index
+picks which of the three values), so the join is elementwise and any chunking of the labels
+is correct; a chunk holding all three slots computes them in one pass.
+
+>>> g, w = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+>>> m, v = torch.zeros(2), torch.zeros(2)
+>>> scalars = [torch.tensor(x) for x in (0.1, 0.9, 0.999, 1e-8, 0.0, 1.0)]
+>>> out = optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars])
+>>> [round(x, 4) for x in out[0].tolist()], [round(x, 4) for x in out[1].tolist()]
+([0.4, 0.6], [0.1, -0.2])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+UPDATE_JOINS = ("adam", "adamw")
+UPDATE_ARITY = 11  # gradient, weight, exp_avg, exp_avg_sq, slots, 6 scalars
+SLOTS = 3  # weight, exp_avg, exp_avg_sq
+
+_FUSED = {"adam": getattr(torch, "_fused_adam_", None),
+          "adamw": getattr(torch, "_fused_adamw_", None)}
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_update_labels(labels: Sequence[Sequence[str]], out_labels: Sequence[str]) -> str | None:
+    """What is wrong with an update join's labels (None when they are right): four operands
+    with the weight's labels, the slot vector over the output's first label, six scalars,
+    and an output of the slot label followed by the weight's."""
+    if len(labels) != UPDATE_ARITY:
+        return f"takes {UPDATE_ARITY} operands, got {len(labels)}"
+    weight = tuple(labels[1])
+    if any(tuple(lab) != weight for lab in labels[:4]):
+        return "the gradient, weight and moments must carry the same labels"
+    if len(labels[4]) != 1 or tuple(out_labels) != (labels[4][0], *weight):
+        return "the output must be the slot label followed by the weight's labels"
+    if any(len(lab) for lab in labels[5:]):
+        return "the last six operands (lr, beta1, beta2, eps, weight_decay, step) are scalars"
+    return None
+
+
+def optimizer_update(join: str, operands: Sequence[torch.Tensor],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One chunk of the ``adam`` / ``adamw`` join: the new weight and moments stacked along
+    the slot axis (only the slots the chunk's slot operand names), written into ``out``
+    when given."""
+    g, w, m, v, slots, *scalars = operands
+    lr, beta1, beta2, eps, weight_decay, step = (float(s) for s in scalars)
+    wanted = [int(k) for k in slots.tolist()]
+    whole = wanted == list(range(SLOTS))
+    # the fused kernel wants each of the three contiguous (a row block of a larger result
+    # is, even when the stacked block is not)
+    direct = out is not None and whole and all(out[k].is_contiguous() for k in range(SLOTS))
+    packed = out if direct else torch.empty((SLOTS, *w.shape), dtype=w.dtype)
+    packed[0].copy_(w)
+    packed[1].copy_(m)
+    packed[2].copy_(v)
+    _update_in_place(join, packed[0], g.contiguous(), packed[1], packed[2], lr=lr,
+                     beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    if not whole:
+        packed = packed[torch.tensor(wanted, dtype=torch.long)]
+    return packed if out is None or direct else out.copy_(packed)
+
+
+def _update_in_place(join: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
+                     v: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, step: float) -> None:
+    """torch.optim.Adam's (AdamW's) update of ``p``, ``m`` and ``v`` in place."""
+    fused = _FUSED[join]
+    if fused is not None and p.dtype in _FUSED_DTYPES and g.dtype == p.dtype:
+        fused([p], [g], [m], [v], [], [torch.tensor(step, dtype=torch.float32)], lr=lr,
+              beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+              maximize=False)
+        return
+    if weight_decay and join == "adamw":
+        p.mul_(1.0 - lr * weight_decay)
+    elif weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (v.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** step))
