@@ -1,0 +1,88 @@
+"""The ``adam`` / ``adamw`` joins: an optimizer's whole update of a weight as one einsum."""
+
+import numpy as np
+import pytest
+import torch
+from tensorql_kernels.optimizer_update import optimizer_update
+
+import tensorql as tq
+from tensorql.errors import TensorQLError
+
+EQUATION = "ij,ij,ij,ij,s,,,,,,->sij"
+
+
+def _state(rng, shape=(6, 5)):
+    g, w, m = (torch.tensor(rng.normal(size=shape)) for _ in range(3))
+    v = torch.tensor(rng.random(shape))
+    return g, w, m, v
+
+
+def _torch_update(join, g, w, m, v, lr, betas, eps, wd, steps):
+    """torch.optim's single-tensor Adam/AdamW from the same state, ``steps`` times."""
+    p = torch.nn.Parameter(w.clone())
+    cls = torch.optim.AdamW if join == "adamw" else torch.optim.Adam
+    opt = cls([p], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    opt.state[p] = {"step": torch.tensor(float(steps - 1)), "exp_avg": m.clone(),
+                    "exp_avg_sq": v.clone()}
+    p.grad = g.clone()
+    opt.step()
+    return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("join,wd", [("adam", 0.0), ("adam", 0.01), ("adamw", 0.05)])
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_update_join_matches_torch_optim(join, wd, devices):
+    rng = np.random.default_rng(7)
+    g, w, m, v = _state(rng)
+    lr, betas, eps, step = 0.01, (0.85, 0.99), 1e-8, 4
+    expected = _torch_update(join, g, w, m, v, lr, betas, eps, wd, step)
+    with tq.connect(devices=devices) as db:
+        scalars = [db.constant(torch.tensor(x, dtype=torch.float64))
+                   for x in (lr, *betas, eps, wd, float(step))]
+        out = tq.einsum(EQUATION, *(db.constant(t) for t in (g, w, m, v)),
+                        db.constant(torch.arange(3.0, dtype=torch.float64)), *scalars,
+                        join=join)
+        got = out.torch()
+    assert got.shape == (3, 6, 5)
+    for k in range(3):
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-14)
+
+
+def test_chunks_with_part_of_the_slots_and_strided_outputs():
+    """Any chunking is correct: a chunk with slots [1, 2] only, and a result block that is
+    not contiguous as a whole (its three slots are)."""
+    rng = np.random.default_rng(8)
+    g, w, m, v = _state(rng, (4, 3))
+    scalars = [torch.tensor(x, dtype=torch.float64) for x in (0.1, 0.9, 0.999, 1e-8, 0.0, 2.0)]
+    whole = optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars])
+    part = optimizer_update("adam", [g, w, m, v, torch.tensor([1.0, 2.0]), *scalars])
+    torch.testing.assert_close(part, whole[1:])
+    big = torch.zeros(3, 8, 3, dtype=torch.float64)
+    optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars], big[:, 4:])
+    torch.testing.assert_close(big[:, 4:], whole)
+    assert big[:, :4].abs().sum() == 0
+    # inputs are not modified
+    torch.testing.assert_close(w, _state(np.random.default_rng(8), (4, 3))[1])
+
+
+def test_update_join_errors_and_no_gradient(db):
+    rng = np.random.default_rng(9)
+    g, w, m, v = (db.constant(t) for t in _state(rng))
+    slots = db.constant(torch.arange(3.0, dtype=torch.float64))
+    s = [db.constant(torch.tensor(0.5, dtype=torch.float64))] * 6
+    with pytest.raises(TensorQLError, match="same labels"):
+        tq.einsum("ij,ji,ij,ij,s,,,,,,->sij", g, w.T, m, v, slots, *s, join="adam")
+    with pytest.raises(TensorQLError, match="takes 11 operands"):
+        tq.einsum("ij,ij,ij,ij,s->sij", g, w, m, v, slots, join="adam")
+    with pytest.raises(TensorQLError, match="slot"):
+        tq.einsum("ij,ij,ij,ij,s,,,,,,->ijs", g, w, m, v, slots, *s, join="adam")
+    out = tq.einsum(EQUATION, g, w, m, v, slots, *s, join="adam")
+    with pytest.raises(TensorQLError, match="no gradient"):
+        tq.grad(out.sum(), [w])
+
+
+def test_update_join_is_not_an_sql_join(db):
+    db.from_numpy("a", np.ones((2, 2)))
+    db.from_numpy("b", np.ones((2, 2)))
+    with pytest.raises(TensorQLError, match="adam"):
+        db.sql("SELECT * FROM EINSUM('ij,ij->ij', a, b, join := 'adam')")
