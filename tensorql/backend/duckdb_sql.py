@@ -444,7 +444,7 @@ class _Builder:
         call = f"{q(join_fn)}({', '.join(key_args + payloads)})"
         if aggregate is None:
             sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(out_keys))
-            what = (f"Join {join.join} on [{', '.join(join.on)}]" if len(sources) == 2
+            what = (f"Join {join.join} on [{', '.join(join.on)}]" if len(sources) >= 2
                     else f"Project ({','.join(join.input_labels[0])})")
             return f"SELECT {sel}{call} AS \"payload\" FROM {from_sql}{where}", what
 

@@ -109,11 +109,9 @@ class Join(LogicalNode):
 
     @property
     def on(self) -> tuple[str, ...]:
-        """Labels the inputs share: the join keys."""
-        if len(self.input_labels) < 2:
-            return ()
-        first, second = self.input_labels
-        return tuple(lab for lab in dict.fromkeys(first) if lab in second)
+        """Labels two or more inputs share: the join keys."""
+        seen = [lab for labels in self.input_labels for lab in dict.fromkeys(labels)]
+        return tuple(lab for lab in dict.fromkeys(seen) if seen.count(lab) > 1)
 
 
 @dataclass(frozen=True, eq=False)

@@ -517,7 +517,7 @@ class _Builder:
         flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
         if aggregate is None:
             n_in = len(join.sources)
-            name = (f"Join {join.join} on [{', '.join(join.on)}]" if n_in == 2
+            name = (f"Join {join.join} on [{', '.join(join.on)}]" if n_in >= 2
                     else f"Project ({','.join(join.input_labels[0])})->"
                          f"({','.join(join.relation.labels)})")
             nodes: tuple[LogicalNode, ...] = (join,)
