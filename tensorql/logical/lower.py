@@ -23,6 +23,7 @@ size gets a private size-1 label (it joins nothing and aggregates to itself).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -221,6 +222,11 @@ def _retile(child: LogicalNode, labels: tuple[str, ...], tiles: dict[str, int]) 
     grid = child.relation.grid
     if ChunkGrid(grid.shape, wanted) == grid:
         return child
+    if isinstance(child, Scan) and child.constant is not None:
+        # a constant's chunks are views of it taken at run time: scan it in the new tiles
+        # rather than copying the old ones into them
+        return dataclasses.replace(child, relation=TensorRelation(
+            child.relation.labels, ChunkGrid(grid.shape, wanted), child.relation.dtype))
     rel = TensorRelation(labels, ChunkGrid(grid.shape, wanted), child.relation.dtype)
     return Rekey(relation=rel, input=child)
 

@@ -196,3 +196,15 @@ def test_storing_reports_progress_per_chunk(rng):
                                       min_interval=0) as cb:
         cb(3, 9)
     assert "storing a: 3/9 chunks" in buf.getvalue()
+
+
+def test_a_constant_is_scanned_in_the_tiles_its_reader_wants(db):
+    """A constant's chunks are views taken at run time, so the plan reads it in the tiles
+    of the operand it meets instead of copying its chunks into them (no Rekey step)."""
+    a = db.from_numpy("a", np.arange(48.0).reshape(6, 8), tile=(3, 4))
+    c = db.constant(torch.arange(80.0, dtype=torch.float64).reshape(8, 10))
+    expr = a @ c
+    text = expr.explain()
+    assert "Rekey" not in text and "Scan <constant>  (d0,d1) 8x10 float64 grid 2x1 of 4x10" in text
+    np.testing.assert_array_equal(expr.numpy(), np.arange(48.0).reshape(6, 8)
+                                  @ np.arange(80.0).reshape(8, 10))
