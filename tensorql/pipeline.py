@@ -233,8 +233,10 @@ class CompiledGroup:
         self.last_stats.append(result.stats)
         return writer.tensors
 
-    def explain(self, analyze: bool = False) -> str:
-        """The plan of the whole group (one plan on one device, else one per output)."""
+    def explain(self, analyze: bool = False,
+                out: Sequence[torch.Tensor | None] | None = None) -> str:
+        """The plan of the whole group (one plan on one device, else one per output); with
+        ``analyze``, run as :meth:`run` would be with ``out``."""
         if self.physical is None:
             parts = [f"-- output {k} of {len(self.queries)} (run as a query of its own on "
                      "this backend)\n" + q.explain(analyze=analyze)
@@ -242,7 +244,7 @@ class CompiledGroup:
             return "\n".join(parts)
         stats = None
         if analyze:
-            self.run()
+            self.run(out=out)
             stats = self.last_stats[0]
         names = ", ".join(f"[{k}] {n.describe()}" for k, n in enumerate(self.nodes))
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {len(self.nodes)} outputs: {names}"

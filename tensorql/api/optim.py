@@ -196,7 +196,8 @@ class Optimizer:
         """The plan of one training step (forward, backward and update as one query)."""
         group = self._plan(loss)
         self._set_scalars(self.step_count + 1)
-        return group.explain(analyze=analyze)
+        # analyzed as a step runs: into the spare buffers (which nothing reads)
+        return group.explain(analyze=analyze, out=self._spare)
 
     def step(self, loss: Tensor) -> float:
         """One training step: compute the loss, the gradients and the updates in one query,

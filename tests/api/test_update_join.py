@@ -86,3 +86,16 @@ def test_update_join_is_not_an_sql_join(db):
     db.from_numpy("b", np.ones((2, 2)))
     with pytest.raises(TensorQLError, match="adam"):
         db.sql("SELECT * FROM EINSUM('ij,ij->ij', a, b, join := 'adam')")
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (70_000,), (300, 200), (3, 4, 5)])
+def test_every_rank_and_blocks_of_rows(shape):
+    """Scalars, vectors, and chunks larger than one block of rows match torch.optim."""
+    rng = np.random.default_rng(10)
+    g, w, m, v = _state(rng, shape)
+    args = (0.02, (0.9, 0.999), 1e-8, 0.01, 3)
+    expected = _torch_update("adamw", g, w, m, v, *args)
+    scalars = [torch.tensor(x, dtype=torch.float64) for x in (0.02, 0.9, 0.999, 1e-8, 0.01, 3.0)]
+    got = optimizer_update("adamw", [g, w, m, v, torch.arange(3.0), *scalars])
+    for k in range(3):
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-14)
