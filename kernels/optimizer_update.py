@@ -69,6 +69,10 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
     # the fused kernel wants each of the three contiguous (a row block of a larger result
     # is, even when the stacked block is not)
     direct = out is not None and whole and all(out[k].is_contiguous() for k in range(SLOTS))
+    if out is not None and whole and not direct and w.dim() > 0:
+        _update_through_scratch(join, g, w, m, v, out, lr=lr, beta1=beta1, beta2=beta2,
+                                eps=eps, weight_decay=weight_decay, step=step)
+        return out
     packed = out if direct else torch.empty((SLOTS, *w.shape), dtype=w.dtype)
     packed[0].copy_(w)
     packed[1].copy_(m)
@@ -78,6 +82,30 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
     if not whole:
         packed = packed[torch.tensor(wanted, dtype=torch.long)]
     return packed if out is None or direct else out.copy_(packed)
+
+
+# Rows of a strided result block updated at a time through a contiguous scratch block:
+# about this many elements, so the scratch stays in cache between its copies and the update.
+SCRATCH_ELEMS = 1 << 16
+
+
+def _update_through_scratch(join: str, g: torch.Tensor, w: torch.Tensor, m: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, **hyper: float) -> None:
+    """The update into ``out`` whose slots are not contiguous (a column block of a larger
+    result): block by block of rows, the weight and moments are copied into a contiguous
+    scratch block, updated there and copied out, so memory sees each input read once and
+    each output written once."""
+    rows = w.shape[0]
+    step = max(1, SCRATCH_ELEMS // max(1, w[0].numel()))
+    scratch = torch.empty((SLOTS, min(step, rows), *w.shape[1:]), dtype=w.dtype)
+    for lo in range(0, rows, step):
+        n = min(step, rows - lo)
+        block = scratch[:, :n]
+        for k, source in enumerate((w, m, v)):
+            block[k].copy_(source.narrow(0, lo, n))
+        _update_in_place(join, block[0], g.narrow(0, lo, n).contiguous(), block[1], block[2],
+                         **hyper)
+        out[:, lo:lo + n].copy_(block)
 
 
 def _update_in_place(join: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
