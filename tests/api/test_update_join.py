@@ -61,6 +61,16 @@ def test_chunks_with_part_of_the_slots_and_strided_outputs():
     optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars], big[:, 4:])
     torch.testing.assert_close(big[:, 4:], whole)
     assert big[:, :4].abs().sum() == 0
+    wide = torch.zeros(3, 4, 6, dtype=torch.float64)  # a column block: slots strided
+    optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars], wide[:, :, 3:])
+    torch.testing.assert_close(wide[:, :, 3:], whole)
+    assert wide[:, :, :3].abs().sum() == 0
+    tall = [torch.tensor(np.random.default_rng(11).normal(size=(70_000, 2))) for _ in range(4)]
+    tall[3] = tall[3].abs()
+    wide = torch.zeros(3, 70_000, 4, dtype=torch.float64)  # more rows than one scratch block
+    optimizer_update("adam", [*tall, torch.arange(3.0), *scalars], wide[:, :, 1:3])
+    torch.testing.assert_close(wide[:, :, 1:3],
+                               optimizer_update("adam", [*tall, torch.arange(3.0), *scalars]))
     # inputs are not modified
     torch.testing.assert_close(w, _state(np.random.default_rng(8), (4, 3))[1])
 
