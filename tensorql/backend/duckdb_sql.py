@@ -437,6 +437,9 @@ class _Builder:
             inner = [c for c in conds if c not in on]
             from_sql += (f" JOIN {sources[1]} ON {' AND '.join(on)}" if on
                          else f" CROSS JOIN {sources[1]}")
+        elif len(sources) > 2:  # every source in FROM, the key equalities in WHERE
+            from_sql = ", ".join(sources)
+            inner = conds
         else:
             inner = conds
         where = f" WHERE {' AND '.join(inner)}" if inner else ""

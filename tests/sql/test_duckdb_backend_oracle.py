@@ -52,3 +52,26 @@ def test_duckdb_backend_dtypes(dtype):
         np.testing.assert_allclose(tq.einsum("ij,jk->ki", A, B).numpy().astype(np.float64),
                                    (a.astype(np.float64) @ b.astype(np.float64)).T,
                                    rtol=1e-2 if dtype == np.float16 else 1e-5)
+
+
+def test_duckdb_backend_joins_of_three_or_more_operands():
+    """A ternary ``where`` and an optimizer's 11-operand update join put every operand in
+    the query (they named only the first and failed to bind)."""
+    rng = np.random.default_rng(12)
+    cond, a, b = rng.random((4, 6)) > 0.5, rng.normal(size=(4, 6)), rng.normal(size=6)
+    w0 = rng.normal(size=(6, 4))
+    weights = {}
+    for backend in ("native", "duckdb"):
+        with tq.connect(backend=backend) as db:
+            picked = tq.einsum("ij,ij,j->ij", db.from_numpy("c", cond, tile=(2, 3)),
+                               db.from_numpy("a", a, tile=(2, 3)),
+                               db.from_numpy("b", b, tile=(3,)), join="where")
+            np.testing.assert_array_equal(picked.numpy(), np.where(cond, a, b))
+            db.from_numpy("w", w0, tile=(3, 2))
+            opt = tq.optim.Adam(db, ["w"], lr=0.05)
+            w = opt.params()["w"]
+            loss = (w * w * w).sum()
+            for _ in range(3):
+                opt.step(loss)
+            weights[backend] = db.tensor("w").numpy()
+    np.testing.assert_allclose(weights["duckdb"], weights["native"], rtol=1e-12)
