@@ -236,7 +236,8 @@ def launch(ranks: int, name: str, size: str, repeat: int, out: str) -> dict:
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", out, name, size, str(repeat)], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -92,9 +92,20 @@ def device_names(spec: Any) -> tuple[str, ...]:
     return names
 
 
-def _default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else (os.cpu_count() or 1))
+def _default_workers(distributed: bool = False) -> int:
+    """The cores this process may use; in a torch.distributed job, its share of them: the
+    cores divided by ``LOCAL_WORLD_SIZE`` (the ranks torchrun starts on this machine), so
+    that K local ranks do not each start as many threads as there are cores (on 2 cores, two
+    ranks of two threads each ran a LLaMA block 5x slower than two of one thread)."""
+    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else (os.cpu_count() or 1))
+    if distributed:
+        try:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            local_ranks = 1
+        cores = max(1, cores // max(1, local_ranks))
+    return cores
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,11 @@ class Options:
     """Every tunable of a tensorql session.
 
     Attributes:
-        workers: worker threads running chunk tasks (default: the usable cores).
-        intra_op_threads: torch threads inside one chunk kernel (default: cores // workers).
+        workers: worker threads running chunk tasks (default: the usable cores; in a
+            torch.distributed session, the cores divided by ``LOCAL_WORLD_SIZE``, the ranks
+            torchrun runs on this machine).
+        intra_op_threads: torch threads inside one chunk kernel (default: those cores //
+            workers).
         devices: "auto" | "cpu" | "cuda" | N (N CPU devices) | "cuda:0,cuda:1" | a list
             such as ["cuda:0", "cuda:1"] | "null[:N]" (scheduler tests); read by
             :func:`device_names`. With several devices the optimizer partitions every
@@ -162,10 +176,11 @@ class Options:
         if self.deterministic:
             object.__setattr__(self, "workers", 1)
         if self.workers <= 0:
-            object.__setattr__(self, "workers", _default_workers())
+            object.__setattr__(self, "workers", _default_workers(self.distributed))
         if self.intra_op_threads <= 0:
             object.__setattr__(
-                self, "intra_op_threads", max(1, _default_workers() // self.workers)
+                self, "intra_op_threads",
+                max(1, _default_workers(self.distributed) // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         device_names(self.devices)  # OptionError now rather than at the first query
