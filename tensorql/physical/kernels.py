@@ -12,7 +12,6 @@ Each has ``run(inputs, acc)`` and ``combine(acc, partial)`` as the executor expe
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,24 +65,7 @@ class LoadPiece:
         return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        spans = [range(lo // t, (hi - 1) // t + 1)
-                 for lo, hi, t in zip(self.lo, self.hi, self.grid.tile)]
-        keys = list(itertools.product(*spans))
-        if len(keys) == 1 and self.grid.slices(keys[0]) == tuple(
-                slice(a, b) for a, b in zip(self.lo, self.hi)):
-            return self.store.read_chunk(self.name, keys[0])  # the piece is one stored chunk
-        out = torch.empty(tuple(b - a for a, b in zip(self.lo, self.hi)),
-                          dtype=torch_dtype(self.dtype))
-        for key in keys:
-            chunk = self.store.read_chunk(self.name, key)
-            src, dst = [], []
-            for d, b in enumerate(key):
-                blo, bhi = self.grid.dim_extent(d, b)
-                s, e = max(self.lo[d], blo), min(self.hi[d], bhi)
-                src.append(slice(s - blo, e - blo))
-                dst.append(slice(s - self.lo[d], e - self.lo[d]))
-            out[tuple(dst)] = chunk[tuple(src)]
-        return out
+        return self.store.read_region(self.name, self.lo, self.hi)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         raise AssertionError("a piece is loaded once")

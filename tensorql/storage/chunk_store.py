@@ -12,6 +12,7 @@ needs, when it needs them.
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,42 @@ class ChunkStore(abc.ABC):
         """Several chunks; stores override this to batch the reads."""
         for key in keys:
             yield key, self.read_chunk(name, key)
+
+    def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """The region ``[lo, hi)`` of ``name``: the one chunk it is, or assembled from the
+        chunks it overlaps (stores with a chunk cache keep assembled regions there too, so
+        a partitioned plan's pieces are cut once, not every run). Do not modify the result.
+
+        >>> from tensorql.storage.memory_store import MemoryChunkStore
+        >>> from tensorql.grid import ChunkGrid
+        >>> store = MemoryChunkStore()
+        >>> grid = ChunkGrid((4, 4), (2, 2))
+        >>> meta = TensorMeta("t", (4, 4), "float32", grid)
+        >>> store.put_tensor(meta, ((k, torch.arange(16.0).reshape(4, 4)[grid.slices(k)])
+        ...                         for k in grid.keys()))
+        >>> store.read_region("t", (1, 1), (3, 4)).tolist()
+        [[5.0, 6.0, 7.0], [9.0, 10.0, 11.0]]
+        """
+        grid = self.meta(name).grid
+        lo, hi = tuple(int(a) for a in lo), tuple(int(b) for b in hi)
+        spans = [range(a // t, (b - 1) // t + 1) for a, b, t in zip(lo, hi, grid.tile)]
+        keys = list(itertools.product(*spans))
+        if len(keys) == 1 and grid.slices(keys[0]) == tuple(
+                slice(a, b) for a, b in zip(lo, hi)):
+            return self.read_chunk(name, keys[0])  # the region is one stored chunk
+        out = None
+        for key in keys:
+            chunk = self.read_chunk(name, key)
+            if out is None:
+                out = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=chunk.dtype)
+            src, dst = [], []
+            for d, b in enumerate(key):
+                blo, bhi = grid.dim_extent(d, b)
+                start, end = max(lo[d], blo), min(hi[d], bhi)
+                src.append(slice(start - blo, end - blo))
+                dst.append(slice(start - lo[d], end - lo[d]))
+            out[tuple(dst)] = chunk[tuple(src)]
+        return out
 
     @abc.abstractmethod
     def names(self) -> list[str]:

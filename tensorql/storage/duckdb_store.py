@@ -491,6 +491,18 @@ class DuckDBChunkStore(ChunkStore):
         self.cache.put((table, key), chunk)
         return chunk
 
+    def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """As :meth:`ChunkStore.read_region`, an assembled region kept in the chunk cache
+        (under its table, so a replaced tensor's regions are never served)."""
+        table, _ = self._entry(name)
+        ident = (table, ("region", *(int(a) for a in lo), *(int(b) for b in hi)))
+        cached = self.cache.get(ident)
+        if cached is not None:
+            return cached
+        region = super().read_region(name, lo, hi)
+        self.cache.put(ident, region)
+        return region
+
     @staticmethod
     def _decode(meta: TensorMeta, key: Key, page_numbers: np.ndarray,
                 payload: pa.ChunkedArray | pa.Array) -> torch.Tensor:
