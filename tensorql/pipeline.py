@@ -32,8 +32,8 @@ from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
     gather_rank_stats,
-    gather_results,
     join_process_group,
+    share_results,
 )
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
@@ -304,11 +304,9 @@ def job_devices(options: Options) -> int:
 
 def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) -> QueryResult:
     """One rank's part of the query: check every rank has the same plan, run this rank's
-    tasks (transfers through torch.distributed), gather the result on rank 0 and send the
-    dense result back to every rank."""
+    tasks (transfers through torch.distributed); every result chunk is broadcast by the rank
+    that computed it, so each rank returns the dense result."""
     import hashlib
-
-    import torch.distributed as dist
 
     options = query.db.options
     layout = join_process_group(len(device_names(options.devices)),
@@ -321,19 +319,16 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
                                  workers=options.workers,
                                  intra_op_threads=options.intra_op_threads)
     result = runtime.run(graph, progress=progress)
-    gathered = gather_results(graph, result.outputs, layout)
     step = query.physical.result_step
     rel = step.relation
     out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
-    for ref, chunk in gathered.items():
+
+    def place(ref: Any, chunk: torch.Tensor) -> None:
         out[rel.grid.slices(ref.key)] = chunk
-    dist.broadcast(out, src=0)
-    sent_result = 0 if layout.rank == 0 else sum(
-        chunk.nbytes for ref, chunk in result.outputs.items()
-        if ref.step in graph.retain and chunk is not None)
+
+    broadcast = share_results(graph, result.outputs, layout, place)
     result.stats.ranks = gather_rank_stats(
-        result.stats, layout, runtime.sent_bytes, runtime.received_bytes, sent_result,
-        out.nbytes * (layout.world - 1) if layout.rank == 0 else 0)
+        result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast)
     chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 

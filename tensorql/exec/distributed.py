@@ -7,7 +7,7 @@ devices; a chunk sent from a device of one rank to a device of another becomes a
 NCCL on GPU), tagged with the op's id so that transfers never pair up wrongly. Transfers run
 on their own threads, like any other op with dependencies: a receive completes when the
 chunk has arrived, and what waits for it becomes ready then. Result chunks are gathered on
-rank 0, which sends the dense result back to every rank (so a script runs unchanged on all).
+each chunk broadcast by the rank that computed it (so a script runs unchanged on all).
 
 A rank that stops answering makes a transfer wait until the process group's timeout; the
 error names the peer rank.
@@ -36,7 +36,6 @@ from tensorql.exec.runtime import Runtime, _Run
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
 
-RESULT_TAG = 1 << 30  # tags of result chunks gathered on rank 0 start here
 
 
 class DistributedError(TensorQLError):
@@ -70,10 +69,10 @@ class RankStats:
     """What one rank measured in a distributed run, for EXPLAIN ANALYZE on rank 0.
 
     Bytes are those of the tensors the rank passed to torch.distributed, by call:
-    ``transfers`` (point-to-point sends of the plan's copies), ``result`` (its result chunks
-    sent to rank 0), ``broadcast`` (rank 0 sending the dense result to the others).
+    ``transfers`` (point-to-point sends of the plan's copies), ``broadcast`` (the result
+    chunks it computed, broadcast to the other ranks: their bytes times world - 1).
 
-    >>> RankStats(1, 0.5, 0.25, 0.2, 2048, 1024, 4096, 0, 8192).describe().split(", ")[:4]
+    >>> RankStats(1, 0.5, 0.25, 0.2, 2048, 1024, 4096, 8192).describe().split(", ")[:4]
     ['rank 1: wall 500.0 ms', 'busy 250.0 ms', 'copies 200.0 ms', 'sent 2.0 KiB (transfers)']
     """
 
@@ -83,7 +82,6 @@ class RankStats:
     copy_s: float
     sent_bytes: int
     received_bytes: int
-    result_bytes: int
     broadcast_bytes: int
     peak_bytes: int
 
@@ -91,19 +89,18 @@ class RankStats:
         return (f"rank {self.rank}: wall {self.wall_s * 1e3:.1f} ms, busy "
                 f"{self.busy_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms, sent "
                 f"{format_bytes(self.sent_bytes)} (transfers), received "
-                f"{format_bytes(self.received_bytes)}, sent {format_bytes(self.result_bytes)} "
-                f"(result to rank 0), {format_bytes(self.broadcast_bytes)} (broadcast), peak "
+                f"{format_bytes(self.received_bytes)}, {format_bytes(self.broadcast_bytes)} "
+                f"(result chunks broadcast), peak "
                 f"{format_bytes(self.peak_bytes)}")
 
 
 def gather_rank_stats(stats: Any, layout: RankLayout, sent: int, received: int,
-                      result_bytes: int, broadcast_bytes: int,
-                      group: Any = None) -> list[RankStats]:
+                      broadcast_bytes: int, group: Any = None) -> list[RankStats]:
     """Every rank's :class:`RankStats` of this run, on every rank (an all-gather)."""
     local = [d for d, kind in zip(stats.devices, stats.device_kinds) if kind != "remote"]
     mine = RankStats(layout.rank, stats.wall_s, sum(d.busy_s for d in local),
-                     sum(d.copy_s for d in local), sent, received, result_bytes,
-                     broadcast_bytes, max((d.peak_bytes for d in local), default=0))
+                     sum(d.copy_s for d in local), sent, received, broadcast_bytes,
+                     max((d.peak_bytes for d in local), default=0))
     out: list[Any] = [None] * layout.world
     torch.distributed.all_gather_object(out, mine, group=group)
     return out
@@ -305,32 +302,33 @@ class _RankRun(_Run):
         super()._complete(op, c)
 
 
-def gather_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
-                   layout: RankLayout, group: Any = None) -> dict[ChunkRef, torch.Tensor]:
-    """Every retained chunk on rank 0 (received from the rank that computed it), in a
-    deterministic order; other ranks send theirs and get an empty dict."""
+def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
+                  layout: RankLayout, place: Callable[[ChunkRef, torch.Tensor], None],
+                  group: Any = None) -> int:
+    """Every retained chunk on every rank: each is broadcast by the rank that computed it
+    (one collective per chunk, in the same order on every rank) and handed to ``place``
+    there and everywhere else. Returns the bytes this rank broadcast (chunk bytes times
+    world - 1). Where ranks gathered the chunks on rank 0 and rank 0 broadcast the whole
+    result, a chunk now crosses once, from its owner, and no rank waits for rank 0."""
     where = {t.output: t.device for t in graph.tasks}
     refs = sorted({t.output for t in graph.tasks if t.output.step in graph.retain},
                   key=lambda r: (r.step, r.key))
-    out: dict[ChunkRef, torch.Tensor] = {}
     from tensorql.dtypes import torch_dtype
 
-    for n, ref in enumerate(refs):
+    sent = 0
+    for ref in refs:
         # an unplaced task (a job of one device: nothing was partitioned) ran on rank 0
         owner = layout.rank_of(where[ref]) if where[ref] is not None else 0
-        if layout.rank == 0:
-            if owner == 0:
-                out[ref] = outputs[ref]
-            else:
-                shape, dtype = graph.chunk_meta[ref]
-                buf = torch.empty(shape, dtype=torch_dtype(dtype))
-                torch.distributed.recv(buf, src=owner, tag=RESULT_TAG + n, group=group)
-                out[ref] = buf
-        elif owner == layout.rank:
-            torch.distributed.send(outputs[ref].contiguous(), dst=0, tag=RESULT_TAG + n,
-                                   group=group)
-    return out
-
+        if owner == layout.rank:
+            buf = outputs[ref].contiguous()
+            sent += buf.nbytes * (layout.world - 1)
+        else:
+            shape, dtype = graph.chunk_meta[ref]
+            buf = torch.empty(shape, dtype=torch_dtype(dtype))
+        if layout.world > 1:
+            torch.distributed.broadcast(buf, src=owner, group=group)
+        place(ref, buf)
+    return sent
 
 def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
     """This process's place in the ``torch.distributed`` job, joining the default process

@@ -66,7 +66,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world):
 def test_explain_analyze_shows_every_rank(tmp_path):
     """Rank 0's EXPLAIN ANALYZE lists each rank's wall and busy time, bytes sent and received
     through torch.distributed by kind of call, and peak memory; the transfer bytes add up to
-    the plan's, the result's to what rank 0 broadcasts."""
+    the plan's, the result's to what the ranks broadcast."""
     world = 3
     done = _launch(world, "explain:llama_block", tmp_path)
     for proc in done:
@@ -78,7 +78,8 @@ def test_explain_analyze_shows_every_rank(tmp_path):
     assert [r["rank"] for r in ranks] == list(range(world))
     assert sum(r["sent_bytes"] for r in ranks) == seen["plan_bytes"] > 0
     assert sum(r["received_bytes"] for r in ranks) == seen["plan_bytes"]
-    assert ranks[0]["broadcast_bytes"] == seen["result_bytes"] * (world - 1)
+    # every result chunk is broadcast once, by the rank that computed it
+    assert sum(r["broadcast_bytes"] for r in ranks) == seen["result_bytes"] * (world - 1)
     assert all(r["busy_s"] > 0 and r["peak_bytes"] > 0 for r in ranks)
 
 
