@@ -326,7 +326,13 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
             shape, dtype = graph.chunk_meta[ref]
             buf = torch.empty(shape, dtype=torch_dtype(dtype))
         if layout.world > 1:
-            torch.distributed.broadcast(buf, src=owner, group=group)
+            try:
+                torch.distributed.broadcast(buf, src=owner, group=group)
+            except RuntimeError as err:
+                raise DistributedError(
+                    f"rank {layout.rank}: the broadcast of a result chunk from rank {owner} "
+                    f"failed ({err}); a rank died or stopped answering within the "
+                    "timeout") from err
         place(ref, buf)
     return sent
 
