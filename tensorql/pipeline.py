@@ -401,8 +401,10 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
     smallest = None
     for _ in range(6):
         try:
+            # the ranks of a torch.distributed job each hold the inputs
             plan = optimize(logical, devices=devices, strategy=db.options.strategy,
-                            memory_limit=target, also=also)
+                            memory_limit=target, also=also,
+                            sources_everywhere=db.options.distributed)
         except InfeasiblePlanError:
             if smallest is None:
                 raise

@@ -37,7 +37,6 @@ from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
 
 
-
 class DistributedError(TensorQLError):
     """A distributed run failed: a peer rank died or stopped answering, or ranks disagree."""
 
@@ -329,9 +328,14 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
             try:
                 torch.distributed.broadcast(buf, src=owner, group=group)
             except RuntimeError as err:
+                # a collective does not say which peer failed: name every other rank
+                suspects = [r for r in range(layout.world) if r != layout.rank]
+                named = (f"rank {suspects[0]}" if len(suspects) == 1 else
+                         f"one of ranks {', '.join(map(str, suspects))}")
+                first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
                 raise DistributedError(
                     f"rank {layout.rank}: the broadcast of a result chunk from rank {owner} "
-                    f"failed ({err}); a rank died or stopped answering within the "
+                    f"failed ({first}); {named} died or stopped answering within the "
                     "timeout") from err
         place(ref, buf)
     return sent

@@ -400,6 +400,8 @@ def device_reads(graph: OpGraph, layouts: Sequence[Layout],
         for edge in node.inputs:
             if wanted is not None and edge.producer not in wanted:
                 continue
+            if graph.nodes[edge.producer].loaded_where_read:
+                continue  # loaded by each reader itself
             prod = layouts[edge.producer]
             axes = [node.labels.index(a) for a in edge.axes]
             tasks = np.flatnonzero(first_reads(lay, axes))
@@ -461,6 +463,8 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     """Bytes other devices read of ``producer``'s output, each piece or slice once a device
     (the sum of :func:`device_reads` for this producer). ``cache`` memoises per-operand reads
     under ``keys[node]`` (what identifies a node's layout, e.g. its table and choice)."""
+    if graph.nodes[producer].loaded_where_read:
+        return 0
     prod = layouts[producer]
     whole: set = set()
     slices: set = set()

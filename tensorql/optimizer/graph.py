@@ -81,10 +81,20 @@ class OpNode:
     scalar: float | None = None
     logical: LogicalNode | None = None  # the logical node this step computes
     whole: tuple[str, ...] = ()  # labels never cut into pieces (a softmax's axis; a reshape)
+    everywhere: bool = False  # a source/constant every device can load (see loaded_where_read)
 
     @property
     def out_labels(self) -> tuple[str, ...]:
         return self.labels[: self.n_out]
+
+    @property
+    def loaded_where_read(self) -> bool:
+        """A stored tensor or constant that every device can load itself (the ranks of a
+        torch.distributed job each hold the inputs): each device loads the regions its
+        operations read, so reading it moves no bytes between devices, whatever its pieces.
+        Otherwise a stored tensor's pieces are at rest on their devices and others' reads of
+        them are sent."""
+        return self.everywhere
 
     @property
     def agg_labels(self) -> tuple[str, ...]:
@@ -118,11 +128,14 @@ class OpGraph:
         return out
 
     @classmethod
-    def build(cls, root: Node | LogicalNode, also: tuple[LogicalNode, ...] = ()) -> OpGraph:
+    def build(cls, root: Node | LogicalNode, also: tuple[LogicalNode, ...] = (),
+              sources_everywhere: bool = False) -> OpGraph:
         """The graph of a logical plan (an einsum-graph node is lowered first); ``also``:
-        further results planned with it (their shared operations once)."""
+        further results planned with it (their shared operations once);
+        ``sources_everywhere``: every device can load the stored tensors and constants
+        itself (:attr:`OpNode.loaded_where_read`)."""
         logical = root if isinstance(root, LogicalNode) else lower(root)
-        builder = _Builder()
+        builder = _Builder(sources_everywhere)
         nodes = walk(logical, *also)
         fused = {id(n.input) for n in nodes
                  if isinstance(n, Aggregate) and isinstance(n.input, Join)}
@@ -134,7 +147,8 @@ class OpGraph:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, sources_everywhere: bool = False) -> None:
+        self.sources_everywhere = sources_everywhere
         self.nodes: list[OpNode] = []
         self.index_of: dict[int, int] = {}
 
@@ -152,7 +166,8 @@ class _Builder:
             kind = "constant" if node.constant is not None else "source"
             name = f"scan {node.source}"
             idx = self._append(kind=kind, labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
-                               inputs=(), dtype=rel.dtype, name=name, logical=node)
+                               inputs=(), dtype=rel.dtype, name=name, logical=node,
+                               everywhere=self.sources_everywhere)
         elif isinstance(node, Map):
             edge = Edge(self.index_of[id(node.input)], rel.labels)
             name = f"map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")

@@ -131,7 +131,8 @@ def device_count(devices: Any) -> int:
 
 def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
              memory_limit: int | str | None = None, *, cache: dict | None = None,
-             also: tuple[LogicalNode, ...] = ()) -> PartitionPlan:
+             also: tuple[LogicalNode, ...] = (),
+             sources_everywhere: bool = False) -> PartitionPlan:
     """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
 
     ``expr`` is a lazy Tensor, an einsum-graph node or a logical plan (the pipeline passes the
@@ -141,7 +142,9 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     stays resident beyond the limit is offloaded by the memory plan; InfeasiblePlanError names
     the smallest limit that plans when none fits). ``also`` (logical plans sharing nodes with
     ``expr``'s) are further results partitioned in the same search: a training step's loss,
-    new weights and optimizer state.
+    new weights and optimizer state. ``sources_everywhere``: every device can load the
+    stored tensors and constants itself (the ranks of a torch.distributed job), so reading
+    them moves nothing (:attr:`~tensorql.optimizer.graph.OpNode.loaded_where_read`).
     """
     node: Node | LogicalNode = getattr(expr, "node", expr)
     if not isinstance(node, (Node, LogicalNode)):
@@ -149,7 +152,7 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     n_dev = device_count(devices)
     search = get_strategy(strategy)
     limit = parse_bytes(memory_limit)
-    graph = OpGraph.build(node, also=tuple(also))
+    graph = OpGraph.build(node, also=tuple(also), sources_everywhere=sources_everywhere)
     problem = Problem.build(graph, n_dev, limit, cache=cache)
     choice = search(problem)
     return make_plan(problem, choice, strategy, limit)
@@ -178,7 +181,9 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
             there = tuple(int(x) for x in q[: prod.n_out])
             replicas = int(np.prod([p for lab, p in zip(node.labels, pieces)
                                     if lab not in edge.axes]))
-            if here == there and moved[(node.index, k)] == 0:
+            if prod.loaded_where_read:
+                reason = "loaded where read: each device reads its own regions of it"
+            elif here == there and moved[(node.index, k)] == 0:
                 reason = "already in place"
             elif here == there and replicas > 1:
                 reason = (f"broadcast: pieces {_vec(edge.axes, here)} match; replicated to "

@@ -94,8 +94,12 @@ class Problem:
         edges = []
         for node in graph.nodes:
             for k, edge in enumerate(node.inputs):
-                key = ("edge", keys[edge.producer], keys[node.index], k)
-                if key not in cache:
+                free = graph.nodes[edge.producer].loaded_where_read
+                key = ("edge", keys[edge.producer], keys[node.index], k, free)
+                if key not in cache and free:  # every reader loads it itself
+                    cache[key] = np.zeros((len(tables[edge.producer].cands),
+                                           len(tables[node.index].cands)), dtype=np.int64)
+                elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
                         graph.nodes[edge.producer].itemsize, devices)
@@ -137,7 +141,8 @@ class Problem:
         """Producers read by several operations -> [(consumer, edge matrix)]."""
         out: dict[int, list[tuple[int, np.ndarray]]] = {}
         for p, c, _, m in self.edges:
-            out.setdefault(p, []).append((c, m))
+            if not self.graph.nodes[p].loaded_where_read:  # those move nothing
+                out.setdefault(p, []).append((c, m))
         return {p: e for p, e in out.items() if len(e) > 1}
 
     def restrict(self, masks: list[np.ndarray | None]) -> Problem:

@@ -14,7 +14,10 @@ runtime's copies, and only the bytes the cost model predicts:
   all-to-all + concatenate, never a regather onto one owner);
 * a device holding **partial aggregates** of an output piece it does not own folds them
   locally, and a **reduce** task on the owner folds in the one partial it receives;
-* stored pieces are read by the device that holds them (each reads only its own chunks).
+* stored pieces are read by the device that holds them (each reads only its own chunks);
+  where every device can load the inputs itself (``OpNode.loaded_where_read``: the ranks of
+  a torch.distributed job), a stored tensor or constant is never sent: each device loads the
+  regions its tasks read, once each, and its pieces as such only when it is a result.
 
 >>> import numpy as np, tensorql as tq
 >>> from tensorql.optimizer import optimize
@@ -167,7 +170,8 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
     layouts = {node.index: _chunked(plan, node, sub_tiles) for node in graph.nodes}
     step_of_node: dict[int, int] = {}
     reads = _Reads(steps, graph, layouts, step_of_node,
-                   device_reads(graph, [layouts[n.index] for n in graph.nodes]))
+                   device_reads(graph, [layouts[n.index] for n in graph.nodes]), store)
+    results = {graph.root, *graph.also}
     for node in graph.nodes:
         lay = layouts[node.index]
         rel = _relation(node.out_labels, node.out_shape, lay, node.dtype)
@@ -175,6 +179,8 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
         step_of_node[node.index] = sid
         owners = lay.owners()
         if node.kind in ("source", "constant"):
+            if node.loaded_where_read and node.index not in results:
+                continue  # each reader loads its regions (_Reads.ref)
             scan = node.logical
             for t in range(len(lay.device)):
                 lo = tuple(int(x) for x in lay.starts[t])
@@ -231,7 +237,10 @@ class _Reads:
     and slices are shared by every operation on the device reading the same producer."""
 
     def __init__(self, steps: _Steps, graph, layouts: dict[int, Layout],
-                 step_of_node: dict[int, int], reads: dict) -> None:
+                 step_of_node: dict[int, int], reads: dict,
+                 store: ChunkStore | None = None) -> None:
+        self.store = store
+        self.loads: dict[tuple, ChunkRef] = {}
         self.steps = steps
         self.graph = graph
         self.layouts = layouts
@@ -254,6 +263,8 @@ class _Reads:
         lo = tuple(int(x) for x in lay.starts[t, axes])
         hi = tuple(int(a + b) for a, b in zip(lay.starts[t, axes], lay.lens[t, axes]))
         pstep = self.step_of_node[edge.producer]
+        if self.graph.nodes[edge.producer].loaded_where_read:
+            return self._load(edge.producer, pstep, dev, lo, hi)
         sources = region_sources(producer, lo, hi)
         if len(sources) == 1 and extents[sources[0][0]] == (lo, hi):
             return ChunkRef(pstep, sources[0][0])  # exactly one piece
@@ -283,6 +294,21 @@ class _Reads:
                              shape=shape, dtype=node_p.dtype)
         self.assembled[key] = ref
         return ref
+
+    def _load(self, producer: int, pstep: int, dev: int, lo, hi) -> ChunkRef:
+        """Region ``[lo, hi)`` of a stored tensor or constant, loaded on ``dev`` (once)."""
+        key = (producer, dev, lo, hi)
+        if key not in self.loads:
+            node = self.graph.nodes[producer]
+            scan = node.logical
+            if node.kind == "constant":
+                kernel = ConstChunk(scan.constant, tuple(slice(a, b) for a, b in zip(lo, hi)))
+            else:
+                kernel = LoadPiece.of_region(self.store, scan, lo, hi)
+            self.loads[key] = self.steps.add(
+                pstep, (), (dev, len(self.loads)), kernel, dev,
+                shape=tuple(b - a for a, b in zip(lo, hi)), dtype=node.dtype)
+        return self.loads[key]
 
     def _slice(self, producer: int, pstep: int, piece, owner: int, dev: int, olo, ohi,
                src) -> ChunkRef:

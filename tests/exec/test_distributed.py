@@ -53,6 +53,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world):
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    moved = 0
     for name in names.split(","):
         for seen in ranks:
             assert seen[name]["devices"] == world
@@ -60,7 +61,10 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world):
         measured = sum(np.array(seen[name]["moved"]) for seen in ranks)
         predicted = np.array(ranks[0][name]["predicted"])
         np.testing.assert_array_equal(measured, predicted)
-        assert predicted.sum() > 0
+        moved += predicted.sum()
+    # every rank loads the inputs it reads itself, so an MLP may move nothing; attention's
+    # keys and values (computed, not stored) must cross ranks
+    assert moved > 0
 
 
 def test_explain_analyze_shows_every_rank(tmp_path):

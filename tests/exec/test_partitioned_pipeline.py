@@ -250,3 +250,38 @@ def test_result_chunks_are_computed_into_the_dense_result():
                                         destination=destination, keep_outputs=False)
         np.testing.assert_allclose(out.numpy(), a @ a, rtol=1e-4, atol=1e-4)
         assert len(tiles) == 16 and all(tiles.values())
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama_block"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_inputs_every_device_holds_are_loaded_where_read(name, n):
+    """Where every device can load the inputs itself (the ranks of a torch.distributed job),
+    reading a stored tensor or constant moves nothing: the plan runs with each device loading
+    its regions, the copies still move exactly the predicted bytes, and no more than when the
+    inputs are partitioned at rest."""
+    from tensorql.exec.runtime import Runtime
+    from tensorql.optimizer import optimize
+    from tensorql.physical.partitioned import build_partitioned
+
+    with tq.connect(devices=n) as db:
+        w = _workload(db, name)
+        want = w.reference()
+        want = want.numpy() if isinstance(want, torch.Tensor) else want
+        logical = w.output.compile().physical.root
+        at_rest = optimize(logical, devices=n)
+        plan = optimize(logical, devices=n, sources_everywhere=True)
+        assert plan.cost.bytes_moved <= at_rest.cost.bytes_moved
+        for op in plan.ops:
+            for move in op.inputs:
+                if move.producer.split("] ", 1)[1].startswith("scan"):
+                    assert move.bytes == 0 and "loaded where read" in move.reason
+        physical = build_partitioned(plan, db.chunk_store)
+        step = physical.result_step
+        out = torch.empty(step.relation.shape)
+
+        def sink(ref, chunk):
+            out[step.relation.grid.slices(ref.key)] = chunk
+
+        result = Runtime([f"cpu:{d}" for d in range(n)]).run(physical.task_graph(), sink=sink)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.array(result.stats.moved), plan.pair_bytes())
