@@ -302,7 +302,8 @@ def job_devices(options: Options) -> int:
     return join_process_group(local, options.distributed_timeout_s).devices
 
 
-def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) -> QueryResult:
+def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
+                     rank_stats: bool = False) -> QueryResult:
     """One rank's part of the query: check every rank has the same plan, run this rank's
     tasks (transfers through torch.distributed); every result chunk is broadcast by the rank
     that computed it, so each rank returns the dense result."""
@@ -311,10 +312,13 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
     options = query.db.options
     layout = join_process_group(len(device_names(options.devices)),
                                 options.distributed_timeout_s)
-    text = render_plan(query.physical, None) + (query.partition.explain()
-                                                if query.partition else "")
-    check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
     graph = query.physical.task_graph()
+    checked = ("plan checked across ranks", layout)
+    if checked not in graph.programs:  # once per plan and job: the plan does not change
+        text = render_plan(query.physical, None) + (query.partition.explain()
+                                                    if query.partition else "")
+        check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
+        graph.programs[checked] = True
     runtime = DistributedRuntime(layout, options.devices, options.memory_limit,
                                  workers=options.workers,
                                  intra_op_threads=options.intra_op_threads)
@@ -327,8 +331,9 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None) ->
         out[rel.grid.slices(ref.key)] = chunk
 
     broadcast = share_results(graph, result.outputs, layout, place)
-    result.stats.ranks = gather_rank_stats(
-        result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast)
+    if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
+        result.stats.ranks = gather_rank_stats(
+            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast)
     chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 
@@ -456,11 +461,13 @@ class NativeBackend:
     """The engine's own executor on the session's devices."""
 
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
-            dense: bool) -> QueryResult:
+            dense: bool, rank_stats: bool = False) -> QueryResult:
+        """Run the query; in a distributed session every rank's figures are gathered too
+        when ``rank_stats`` (EXPLAIN ANALYZE: a collective every rank joins)."""
         options = query.db.options
         if progress is None and options.progress:
             with progress_bar(query.node.describe()) as bar:
-                return self.run(query, bar, dense)
+                return self.run(query, bar, dense, rank_stats)
         devices = device_names(options.devices)
         null = any(d.startswith("null") for d in devices)
         if null and dense:
@@ -469,7 +476,7 @@ class NativeBackend:
                 "no values, so there is no result to return; use explain(analyze=True) for the "
                 "schedule, or devices='cpu' / N for values")
         if options.distributed:
-            return _run_distributed(query, progress)
+            return _run_distributed(query, progress, rank_stats)
         executor = executor_for(options)
         sid = query.physical.result_step.id
         writer = DenseResults([query.physical.result_step]) if dense else None
@@ -483,7 +490,7 @@ class NativeBackend:
 
     def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
         null = any(d.startswith("null") for d in device_names(query.db.options.devices))
-        result = self.run(query, None, dense=not null) if analyze else None
+        result = self.run(query, None, dense=not null, rank_stats=True) if analyze else None
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:

@@ -66,9 +66,8 @@ def explain(out: str, name: str) -> None:
     rank = int(os.environ["RANK"])
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=60) as db:
         w = build(db, name)
-        text = w.output.explain(analyze=True)
         query = w.output.compile()
-        run = query.run(dense=True)
+        text, run = query.explain_and_result(analyze=True)  # rank figures: analyze only
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"text": text, "ranks": [asdict(r) for r in run.stats.ranks],
                        "plan_bytes": int(query.partition.cost.bytes_moved),
