@@ -86,3 +86,31 @@ def test_dense_results_match_torch(tile):
         got = ta.torch()
         got.zero_()
         np.testing.assert_array_equal(ta.numpy(), a)
+
+
+@pytest.mark.parametrize("spec", ["bsd,dhe->bshe", "bsd,vd->bsv", "bshe,hed->bsd",
+                                  "dhe,bsd->bshe", "bsd,dv->bvs", "bsd,dv->bsv"])
+def test_projections_run_as_one_flattened_product(spec):
+    """Projections (one operand's trailing labels contracted with the other's leading or
+    trailing ones) run as torch.mm on flattened views, into a fresh result, an accumulator
+    and a strided tile of a larger result alike; other layouts fall back to the einsum."""
+    from tensorql_kernels.chunk_einsum import contract_into
+
+    rng = np.random.default_rng(2)
+    ins, out = spec.split("->")
+    la, lb = ins.split(",")
+    size = {"b": 2, "s": 3, "d": 4, "h": 2, "e": 3, "v": 5}
+    a = torch.from_numpy(rng.standard_normal([size[c] for c in la]))
+    b = torch.from_numpy(rng.standard_normal([size[c] for c in lb]))
+    b_view = torch.cat([b, b], dim=-1)[..., : b.shape[-1]]  # a strided view, as chunks are
+    labels = [tuple(la), tuple(lb)]
+    want = torch.einsum(spec, a, b)
+    torch.testing.assert_close(contract_into(None, [a, b_view], labels, tuple(out)), want)
+    acc = torch.ones_like(want)
+    torch.testing.assert_close(contract_into(acc, [a, b_view], labels, tuple(out)), want + 1)
+    big = torch.zeros(*(n + 2 for n in want.shape), dtype=want.dtype)
+    tile = big[tuple(slice(1, 1 + n) for n in want.shape)]
+    contract_to(tile, [a, b_view], labels, tuple(out))
+    torch.testing.assert_close(tile, want)
+    tile.zero_()
+    assert (big == 0).all()  # nothing outside the tile was touched
