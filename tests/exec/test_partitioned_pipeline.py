@@ -195,7 +195,7 @@ def test_contributions_to_a_chunk_run_as_one_task_per_device(join, agg):
     rng = np.random.default_rng(11)
     a = rng.standard_normal((48, 40), dtype=np.float32)
     b = rng.standard_normal((40, 32), dtype=np.float32)
-    with tq.connect(devices=2, workers=2) as db:
+    with tq.connect(devices=2, workers=4) as db:  # two lanes a device: pieces are cut
         x = db.from_numpy("x", a, tile=(8, 8))
         y = db.from_numpy("y", b, tile=(8, 8))
         expr = tq.einsum("ij,jk->ik", x, y, join=join, agg=agg)
@@ -232,7 +232,7 @@ def test_result_chunks_are_computed_into_the_dense_result():
 
     rng = np.random.default_rng(13)
     a = rng.standard_normal((32, 32), dtype=np.float32)
-    with tq.connect(devices=2, workers=2) as db:
+    with tq.connect(devices=2, workers=4) as db:  # two lanes a device: pieces are cut
         x = db.from_numpy("x", a, tile=(8, 8))
         physical = (x @ x).compile().physical
         step = physical.result_step
@@ -285,3 +285,21 @@ def test_inputs_every_device_holds_are_loaded_where_read(name, n):
         result = Runtime([f"cpu:{d}" for d in range(n)]).run(physical.task_graph(), sink=sink)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.array(result.stats.moved), plan.pair_bytes())
+
+
+def test_one_lane_cpu_devices_run_each_piece_as_one_task():
+    """CPU devices of one lane each and no memory limit compute a piece of a product as one
+    kernel (one large product is faster than a series of tile products); with a memory
+    limit, or several lanes a device, pieces are cut into the logical plan's tiles."""
+    rng = np.random.default_rng(14)
+    a = rng.standard_normal((64, 64), dtype=np.float32)
+    counts = {}
+    for workers, limit in ((2, None), (4, None), (2, "1MiB")):
+        with tq.connect(devices=2, workers=workers, memory_limit=limit) as db:
+            x = db.from_numpy("x", a, tile=(16, 16))
+            query, _ = _check_run(x @ x, a @ a, 2)
+            counts[(workers, limit)] = sum(
+                1 for s in query.physical.steps for t in s.tasks
+                if type(t.kernel).__name__ in ("ContractSeries", "ContractChunk"))
+    assert counts[(2, None)] == 2  # one task a device
+    assert counts[(4, None)] > 2 and counts[(2, "1MiB")] > 2
