@@ -36,7 +36,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from opt_einsum import get_symbol
 
@@ -283,15 +282,15 @@ class Adam(Optimizer):
         super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
 
     def scalars(self, step: int) -> dict[str, float]:
-        return {"step_size": self.lr / (1.0 - self.beta1 ** step),
-                "bias2_sqrt": float(np.sqrt(1.0 - self.beta2 ** step)), "step": float(step)}
+        return {"step": float(step)}  # the fused kernel derives the bias corrections
 
     def update_outputs(self, param, weight, gradient, state):
         """ONE result per weight: the join ``adam`` (``adamw``) stacks the new weight and
         moments along a leading slot axis and computes them in one fused pass per chunk
-        (:mod:`tensorql_kernels.optimizer_update`), where :meth:`update`'s elementwise form
-        is a dozen passes over memory. The gradient comes first, so its chunk tiles are the
-        update's (the moments have them already; only the weight may be retiled)."""
+        (:mod:`tensorql_kernels.optimizer_update`), where the same update written as
+        elementwise steps is a dozen passes over memory. The gradient comes first, so its
+        chunk tiles are the update's (the moments have them already; only the weight may be
+        retiled)."""
         from tensorql.api.einsum import einsum
 
         dtype = weight.dtype
@@ -321,20 +320,6 @@ class Adam(Optimizer):
         from tensorql.dtypes import torch_dtype
 
         return self.db.constant(torch.arange(3, dtype=torch_dtype(dtype)))
-
-    def update(self, param, weight, gradient, state):
-        """The update as elementwise steps (what :meth:`update_outputs` fuses into one)."""
-        dtype = weight.dtype
-        if self.weight_decay and self.decoupled:
-            weight = weight * (1.0 - self.lr * self.weight_decay)
-        elif self.weight_decay:
-            gradient = gradient + weight * self.weight_decay
-        # the gradient's terms come first: their chunk tiles are the update's
-        m = gradient * (1.0 - self.beta1) + state["m"] * self.beta1
-        v = (gradient * gradient) * (1.0 - self.beta2) + state["v"] * self.beta2
-        denom = v.sqrt() / self._scalar("bias2_sqrt", dtype) + self.eps
-        new = -((m / denom) * self._scalar("step_size", dtype)) + weight
-        return new, {"m": m, "v": v}
 
 
 class AdamW(Adam):
