@@ -181,16 +181,11 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
         if node.kind in ("source", "constant"):
             if node.loaded_where_read and node.index not in results:
                 continue  # each reader loads its regions (_Reads.ref)
-            scan = node.logical
             for t in range(len(lay.device)):
                 lo = tuple(int(x) for x in lay.starts[t])
                 hi = tuple(int(a + b) for a, b in zip(lay.starts[t], lay.lens[t]))
-                if node.kind == "constant":
-                    kernel = ConstChunk(scan.constant,
-                                        tuple(slice(a, b) for a, b in zip(lo, hi)))
-                else:
-                    kernel = LoadPiece.of_region(store, scan, lo, hi)
-                steps.add(sid, (), lay.index[t], kernel, int(lay.device[t]))
+                steps.add(sid, (), lay.index[t], _load_kernel(store, node, lo, hi),
+                          int(lay.device[t]))
             continue
         if node.kind == "map":
             kernel = MapChunk(node.fn, node.scalar, node.dtype)
@@ -228,6 +223,15 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                       FoldPartial(node.agg, kernel), dst)
     return _assemble(plan, steps, step_of_node[graph.root],
                      tuple(step_of_node[n] for n in graph.also))
+
+
+def _load_kernel(store: ChunkStore | None, node, lo: tuple[int, ...],
+                 hi: tuple[int, ...]) -> ConstChunk | LoadPiece:
+    """The kernel reading region ``[lo, hi)`` of a scan node: a view of a constant, or the
+    region of a stored tensor (through the store's cache)."""
+    if node.kind == "constant":
+        return ConstChunk(node.logical.constant, tuple(slice(a, b) for a, b in zip(lo, hi)))
+    return LoadPiece.of_region(store, node.logical, lo, hi)
 
 
 class _Reads:
@@ -300,13 +304,8 @@ class _Reads:
         key = (producer, dev, lo, hi)
         if key not in self.loads:
             node = self.graph.nodes[producer]
-            scan = node.logical
-            if node.kind == "constant":
-                kernel = ConstChunk(scan.constant, tuple(slice(a, b) for a, b in zip(lo, hi)))
-            else:
-                kernel = LoadPiece.of_region(self.store, scan, lo, hi)
             self.loads[key] = self.steps.add(
-                pstep, (), (dev, len(self.loads)), kernel, dev,
+                pstep, (), (dev, len(self.loads)), _load_kernel(self.store, node, lo, hi), dev,
                 shape=tuple(b - a for a, b in zip(lo, hi)), dtype=node.dtype)
         return self.loads[key]
 
