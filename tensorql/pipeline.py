@@ -394,15 +394,16 @@ def _series(options: Options, limit: int | None, devices: int) -> dict[str, Any]
             "min_tasks": 2 * max(1, options.workers // devices)}
 
 
-def _sub_tiles(options: Options, limit: int | None, devices: int) -> bool:
+def _sub_tiles(options: Options, limit: int | None) -> bool:
     """Whether a device's piece of an operation is cut into the logical plan's tiles (tasks
     that start as their chunks arrive, within a memory limit, spread over a device's lanes)
     or left whole. On CPU devices of one lane each and no memory limit a piece is one task:
     one large product runs at the library's best speed, where a series of 512-tile products
     ran ~10-15% slower (a 2048x1024x4096 MLP on 2 CPU devices: 1.21x torch cut, 1.03x whole).
     """
-    cpu = all(name.startswith("cpu") for name in device_names(options.devices))
-    return limit is not None or not cpu or options.workers // max(1, devices) > 1
+    local = device_names(options.devices)  # this process's devices (a rank's, in a job)
+    cpu = all(name.startswith("cpu") for name in local)
+    return limit is not None or not cpu or options.workers // max(1, len(local)) > 1
 
 
 def _fuse_bytes(memory_limit: int | None) -> int | None:
@@ -426,7 +427,7 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
                 raise
             break
         physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
-                                     sub_tiles=_sub_tiles(db.options, limit, devices),
+                                     sub_tiles=_sub_tiles(db.options, limit),
                                      **_series(db.options, limit, devices))
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
