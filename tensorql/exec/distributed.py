@@ -5,9 +5,9 @@ the job and lowers it to the same memory plan. A rank runs only the ops placed o
 devices; a chunk sent from a device of one rank to a device of another becomes a
 ``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo on CPU,
 NCCL on GPU), tagged with the op's id so that transfers never pair up wrongly. Transfers run
-on their own threads, like any other op with dependencies: a receive completes when the
-chunk has arrived, and what waits for it becomes ready then. Result chunks are gathered on
-each chunk broadcast by the rank that computed it (so a script runs unchanged on all).
+on transfer threads (kept between transfers), like any other op with dependencies: a receive
+completes when the chunk has arrived, and what waits for it becomes ready then. Every result
+chunk is then broadcast by the rank that computed it, so a script runs unchanged on all.
 
 A rank that stops answering makes a transfer wait until the process group's timeout; the
 error names the peer rank.
