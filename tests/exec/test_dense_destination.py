@@ -89,7 +89,8 @@ def test_dense_results_match_torch(tile):
 
 
 @pytest.mark.parametrize("spec", ["bsd,dhe->bshe", "bsd,vd->bsv", "bshe,hed->bsd",
-                                  "dhe,bsd->bshe", "bsd,dv->bvs", "bsd,dv->bsv"])
+                                  "dhe,bsd->bshe", "bsd,dv->bvs", "bsd,dv->bsv",
+                                  "bsd,bsv->dv", "bsv,bsd->vd", "bsd,vbs->dv"])
 def test_projections_run_as_one_flattened_product(spec):
     """Projections (one operand's trailing labels contracted with the other's leading or
     trailing ones) run as torch.mm on flattened views, into a fresh result, an accumulator
