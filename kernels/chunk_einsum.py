@@ -323,21 +323,28 @@ def _flat_matmul(operands, labels, out_labels, join, agg):
         k = math.prod(x.shape[lx.index(lab)] for lab in shared)
         m = math.prod(x.shape[lx.index(lab)] for lab in p)
         n = math.prod(y.shape[ly.index(lab)] for lab in q)
-        if lx == p + shared:
-            left = x.reshape(m, k)
-        elif lx == shared + p:
-            left = x.reshape(k, m).T
-        else:
-            continue
-        if ly == shared + q:
-            right = y.reshape(k, n)
-        elif ly == q + shared:
-            right = y.reshape(n, k).T
-        else:
+        left = _matrix_view(x, lx, p, shared, m, k)
+        right = _matrix_view(y, ly, shared, q, k, n)
+        if left is None or right is None:
             continue
         shape = tuple(x.shape[lx.index(lab)] for lab in p) + \
             tuple(y.shape[ly.index(lab)] for lab in q)
         return left, right, shape
+    return None
+
+
+def _matrix_view(t, labels, row_labels, col_labels, rows: int, cols: int):
+    """``t`` (labelled ``labels``) as a (rows, cols) matrix: flattened when its labels read
+    ``row_labels + col_labels``, a transposed flat view when they read ``col_labels +
+    row_labels``, None otherwise.
+
+    >>> tuple(_matrix_view(torch.ones(4, 2, 3), ("c", "p", "q"), ("p", "q"), ("c",), 6, 4).shape)
+    (6, 4)
+    """
+    if labels == row_labels + col_labels:
+        return t.reshape(rows, cols)
+    if labels == col_labels + row_labels:
+        return t.reshape(cols, rows).T
     return None
 
 
