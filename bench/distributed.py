@@ -160,6 +160,13 @@ def _count_tq_bytes() -> list[int]:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.send = wrap(dist.send, lambda kw, a: True)
+    original_all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        sent[0] += input.nbytes  # a rank's own split is empty: all of it crosses
+        return original_all_to_all(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
     original_broadcast = dist.broadcast
 
     def broadcast(tensor, src, *args, **kwargs):
@@ -171,7 +178,7 @@ def _count_tq_bytes() -> list[int]:
     return sent
 
 
-def worker(out: str, name: str, size: str, repeat: int) -> None:
+def worker(out: str, name: str, size: str, repeat: int, exchange: str) -> None:
     import torch.distributed as dist
 
     import tensorql as tq
@@ -180,7 +187,8 @@ def worker(out: str, name: str, size: str, repeat: int) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     sent = _count_tq_bytes()
-    with tq.connect(distributed=True, workers=1, distributed_timeout_s=600) as db:
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
+                    distributed_exchange=exchange) as db:
         if name == "mlp":
             b, d, h = SIZES[size]["mlp"]
             w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
@@ -231,7 +239,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(ranks: int, name: str, size: str, repeat: int, out: str) -> dict:
+def launch(ranks: int, name: str, size: str, repeat: int, out: str,
+           exchange: str = "collective") -> dict:
     port = _free_port()
     procs = []
     for rank in range(ranks):
@@ -239,7 +248,8 @@ def launch(ranks: int, name: str, size: str, repeat: int, out: str) -> dict:
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", out, name, size, str(repeat)], env=env,
+            [sys.executable, __file__, "--worker", out, name, size, str(repeat), exchange],
+            env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     failed = []
     for rank, proc in enumerate(procs):
@@ -259,11 +269,14 @@ def _mib(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        worker(argv[1], argv[2], argv[3], int(argv[4]))
+        worker(argv[1], argv[2], argv[3], int(argv[4]), argv[5])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--exchange", choices=("collective", "p2p"), default="collective",
+                        help="how tensorql moves chunks between ranks (Options."
+                             "distributed_exchange)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     group.add_argument("--issue-size", action="store_true",
@@ -272,14 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     size = "tiny" if args.tiny else "issue" if args.issue_size else "default"
     counts = [int(k) for k in args.ranks.split(",")]
     print(f"torch={torch.__version__} gloo, one torch thread per rank, repeat={args.repeat}, "
-          f"sizes {SIZES[size]}")
+          f"exchange={args.exchange}, sizes {SIZES[size]}")
     print(f"{'workload':9} {'ranks':>5} {'tq s':>8} {'DTensor s':>9} {'tq/DT':>6} "
           f"{'tq bytes':>12} {'DT bytes':>12} {'tq/DT bytes':>11} {'tq err':>8} {'DT err':>8}")
     ok = True
     with tempfile.TemporaryDirectory() as out:
         for name in ("mlp", "block"):
             for k in counts:
-                r = launch(k, name, size, args.repeat, out)
+                r = launch(k, name, size, args.repeat, out, args.exchange)
                 ratio = r["tq_s"] / r["dt_s"]
                 byte_ratio = (r["tq_bytes"] / r["dt_bytes"]) if r["dt_bytes"] else float("nan")
                 print(f"{name:9} {k:5d} {r['tq_s']:8.3f} {r['dt_s']:9.3f} {ratio:6.2f} "

@@ -141,6 +141,10 @@ class Options:
             ``devices`` are then this rank's devices, and the job's devices are every rank's.
         distributed_timeout_s: how long a rank waits for a peer before the run fails with a
             DistributedError naming it (default 120 s).
+        distributed_exchange: how a distributed run moves chunks between ranks:
+            "collective" (default) groups the transfers of one step (a repartition's slices,
+            partial aggregates, pieces read elsewhere) coming from two or more ranks into one
+            ``all_to_all_single`` of the job; "p2p" sends every chunk on its own.
         process_memory_limit: the one figure bounding the process's own memory: device
             budgets of CPU devices (``memory_limit`` each) + the chunk cache + DuckDB's memory
             + a dense result read with ``.numpy()``/``.torch()``. None (the default): 80% of
@@ -169,6 +173,7 @@ class Options:
     relation_dense_bytes: int | None = 256 << 20
     distributed: bool = False
     distributed_timeout_s: float = 120.0
+    distributed_exchange: str = "collective"
     process_memory_limit: int | None = None
     deterministic: bool = False
 
@@ -193,6 +198,9 @@ class Options:
             object.__setattr__(self, "chunk_cache_bytes", min(self.chunk_cache_bytes, total // 8))
             object.__setattr__(self, "store_memory_limit",
                                min(self.store_memory_limit or total, max(1, total // 4)))
+        if self.distributed_exchange not in ("collective", "p2p"):
+            raise OptionError(f"distributed_exchange={self.distributed_exchange!r}: expected "
+                              "'collective' or 'p2p'")
         if not isinstance(self.backend, str) or not self.backend:
             raise OptionError(f"backend must be a name such as 'native' or 'duckdb', "
                               f"got {self.backend!r}")

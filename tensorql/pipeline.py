@@ -31,6 +31,7 @@ from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanE
 from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
+    exchange_group,
     gather_rank_stats,
     join_process_group,
     share_results,
@@ -316,12 +317,15 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     checked = ("plan checked across ranks", layout)
     if checked not in graph.programs:  # once per plan and job: the plan does not change
         text = render_plan(query.physical, None) + (query.partition.explain()
-                                                    if query.partition else "")
+                                                    if query.partition else "") + \
+            f"exchange={options.distributed_exchange}"
         check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
         graph.programs[checked] = True
     runtime = DistributedRuntime(layout, options.devices, options.memory_limit,
                                  workers=options.workers,
-                                 intra_op_threads=options.intra_op_threads)
+                                 intra_op_threads=options.intra_op_threads,
+                                 exchange=options.distributed_exchange,
+                                 exchange_group=exchange_group(layout))
     result = runtime.run(graph, progress=progress)
     step = query.physical.result_step
     rel = step.relation
@@ -333,7 +337,8 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     broadcast = share_results(graph, result.outputs, layout, place)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
         result.stats.ranks = gather_rank_stats(
-            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast)
+            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast,
+            calls=tuple(runtime.bytes_by_call.values()))
     chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
 

@@ -19,6 +19,7 @@ error names the peer rank.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ import torch
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
 from tensorql.exec.devices.base import Post
+from tensorql.exec.exchanges import Exchange, plan_exchanges
 from tensorql.exec.memplan import Op
 from tensorql.exec.run_types import ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime, _Run
@@ -64,15 +66,28 @@ class RankLayout:
 
 
 @dataclass(frozen=True)
+class CallBytes:
+    """Bytes one rank passed to one kind of torch.distributed call in a run."""
+
+    call: str
+    sent: int
+    received: int
+
+
+@dataclass(frozen=True)
 class RankStats:
     """What one rank measured in a distributed run, for EXPLAIN ANALYZE on rank 0.
 
-    Bytes are those of the tensors the rank passed to torch.distributed, by call:
-    ``transfers`` (point-to-point sends of the plan's copies), ``broadcast`` (the result
-    chunks it computed, broadcast to the other ranks: their bytes times world - 1).
+    Bytes are those of the tensors the rank passed to torch.distributed: ``sent_bytes`` /
+    ``received_bytes`` for the plan's transfers (by call in ``calls``: ``all_to_all_single``
+    for exchanges, ``send`` for point-to-point transfers), ``broadcast_bytes`` for the result
+    chunks it computed, broadcast to the other ranks (their bytes times world - 1).
 
     >>> RankStats(1, 0.5, 0.25, 0.2, 2048, 1024, 4096, 8192).describe().split(", ")[:4]
     ['rank 1: wall 500.0 ms', 'busy 250.0 ms', 'copies 200.0 ms', 'sent 2.0 KiB (transfers)']
+    >>> calls = (CallBytes("all_to_all_single", 2048, 1024),)
+    >>> RankStats(1, 0.5, 0.25, 0.2, 2048, 1024, 4096, 8192, calls).describe().split(", ")[3]
+    'sent 2.0 KiB (transfers: all_to_all_single 2.0 KiB sent / 1.0 KiB received)'
     """
 
     rank: int
@@ -83,23 +98,28 @@ class RankStats:
     received_bytes: int
     broadcast_bytes: int
     peak_bytes: int
+    calls: tuple[CallBytes, ...] = ()
 
     def describe(self) -> str:
+        by_call = "; ".join(f"{c.call} {format_bytes(c.sent)} sent / "
+                            f"{format_bytes(c.received)} received" for c in self.calls)
         return (f"rank {self.rank}: wall {self.wall_s * 1e3:.1f} ms, busy "
                 f"{self.busy_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms, sent "
-                f"{format_bytes(self.sent_bytes)} (transfers), received "
+                f"{format_bytes(self.sent_bytes)} "
+                f"(transfers{': ' + by_call if by_call else ''}), received "
                 f"{format_bytes(self.received_bytes)}, {format_bytes(self.broadcast_bytes)} "
                 f"(result chunks broadcast), peak "
                 f"{format_bytes(self.peak_bytes)}")
 
 
 def gather_rank_stats(stats: Any, layout: RankLayout, sent: int, received: int,
-                      broadcast_bytes: int, group: Any = None) -> list[RankStats]:
+                      broadcast_bytes: int, group: Any = None,
+                      calls: tuple[CallBytes, ...] = ()) -> list[RankStats]:
     """Every rank's :class:`RankStats` of this run, on every rank (an all-gather)."""
     local = [d for d, kind in zip(stats.devices, stats.device_kinds) if kind != "remote"]
     mine = RankStats(layout.rank, stats.wall_s, sum(d.busy_s for d in local),
                      sum(d.copy_s for d in local), sent, received, broadcast_bytes,
-                     max((d.peak_bytes for d in local), default=0))
+                     max((d.peak_bytes for d in local), default=0), tuple(calls))
     out: list[Any] = [None] * layout.world
     torch.distributed.all_gather_object(out, mine, group=group)
     return out
@@ -177,7 +197,12 @@ class DistributedRuntime(Runtime):
 
     def __init__(self, layout: RankLayout, local_devices: Any = "cpu",
                  memory_limit: int | None = None, *, workers: int = 1,
-                 intra_op_threads: int = 1, group: Any = None, **kw: Any) -> None:
+                 intra_op_threads: int = 1, group: Any = None,
+                 exchange: str = "collective", exchange_group: Any = None,
+                 **kw: Any) -> None:
+        if exchange not in EXCHANGE_MODES:
+            raise ExecutionError(f"exchange={exchange!r}: expected one of "
+                                 f"{', '.join(EXCHANGE_MODES)}")
         local = resolve_devices(local_devices, workers)
         if len(local) != layout.local:
             raise ExecutionError(f"{len(local)} local devices but the layout says "
@@ -194,7 +219,19 @@ class DistributedRuntime(Runtime):
                          intra_op_threads=intra_op_threads, **kw)
         self.layout = layout
         self.group = group
+        self.exchange = exchange
+        self.exchange_group = exchange_group if exchange_group is not None else group
         self.transfer_threads = TransferThreads()
+
+    def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
+        """The collectives the cross-rank transfers of ``program`` are grouped into (none
+        with ``exchange="p2p"``), found once per plan."""
+        if self.exchange != "collective" or self.layout.world < 2:
+            return ()
+        key = ("exchanges", self.layout, id(program))
+        if key not in graph.programs:
+            graph.programs[key] = plan_exchanges(program.ops, self.layout.rank_of)
+        return graph.programs[key]
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
@@ -207,11 +244,31 @@ class DistributedRuntime(Runtime):
         finally:
             torch.set_num_threads(previous)
         self.sent_bytes, self.received_bytes = run.sent_bytes, run.received_bytes
+        self.bytes_by_call = dict(run.bytes_by_call)
         return result
 
 
+EXCHANGE_MODES = ("collective", "p2p")
+EXCHANGE_LANE = (-1, "exchange")  # in-flight key of the exchanges a rank has issued
+
+
+@dataclass
+class _ExchangeSides:
+    """This rank's side of one exchange: what it sends to and receives from each rank."""
+
+    sends: list[list[Op]]
+    receives: list[list[Op]]
+
+    @property
+    def mine(self) -> list[Op]:
+        return [op for ops in self.sends + self.receives for op in ops]
+
+
 class _RankRun(_Run):
-    """One rank's part of a run: the ops on its devices and its side of every transfer."""
+    """One rank's part of a run: the ops on its devices and its side of every transfer --
+    grouped into exchanges (one ``all_to_all_single`` each, issued in the plan's exchange
+    order) where :func:`~tensorql.exec.exchanges.plan_exchanges` found them, else a send or
+    a receive of its own."""
 
     def __init__(self, rt: DistributedRuntime, *args: Any) -> None:
         super().__init__(rt, *args)
@@ -227,6 +284,16 @@ class _RankRun(_Run):
                 self.ndeps[op.id] = sum(1 for d in op.deps if self.mine[d])
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.bytes_by_call: dict[str, CallBytes] = {}
+        self.exchanges = rt.exchanges(self.graph, self.program)
+        self.sides = [self._sides(ex) for ex in self.exchanges]
+        self.exchange_of = {op.id: ex.index for ex, side in zip(self.exchanges, self.sides)
+                            for op in side.mine}
+        self.unready = [len(side.mine) for side in self.sides]  # own transfers not ready
+        self.next_exchange = 0
+        # every rank issues every exchange, even one it has no part in: the run is done
+        # once its ops AND its exchanges are
+        self.done_ops -= len(self.exchanges)
 
     def _is_mine(self, op: Op) -> bool:
         if self.layout.is_local(op.device):
@@ -237,22 +304,124 @@ class _RankRun(_Run):
         return op.kind == "send" and self.layout.rank_of(op.src_device) != \
             self.layout.rank_of(op.device)
 
+    def _sides(self, ex: Exchange) -> _ExchangeSides:
+        world, rank_of, me = self.layout.world, self.layout.rank_of, self.layout.rank
+        side = _ExchangeSides([[] for _ in range(world)], [[] for _ in range(world)])
+        for i in ex.ops:  # by op id: the order both sides concatenate and split in
+            op = self.ops[i]
+            if rank_of(op.src_device) == me:
+                side.sends[rank_of(op.device)].append(op)
+            elif rank_of(op.device) == me:
+                side.receives[rank_of(op.src_device)].append(op)
+        return side
+
+    def _count(self, call: str, sent: int = 0, received: int = 0) -> None:
+        old = self.bytes_by_call.get(call, CallBytes(call, 0, 0))
+        self.bytes_by_call[call] = CallBytes(call, old.sent + sent, old.received + received)
+        self.sent_bytes += sent
+        self.received_bytes += received
+
     def _dispatch(self) -> None:
         """Transfers between ranks start as soon as they are ready, outside the lanes' slots:
         a receive waits on a peer, and queueing transfers behind one another could make two
-        ranks wait on each other."""
+        ranks wait on each other. A transfer of an exchange waits for the rest of this rank's
+        side of it; exchanges are issued in their order once their side is ready."""
         for heap in self.ready.values():
             if any(self._cross_rank(self.ops[entry[1]]) for entry in heap):
                 kept = []
                 for entry in heap:
                     op = self.ops[entry[1]]
-                    if self._cross_rank(op):
-                        self._submit(op)
-                    else:
+                    if not self._cross_rank(op):
                         kept.append(entry)
+                    elif op.id in self.exchange_of:
+                        self.unready[self.exchange_of[op.id]] -= 1
+                    else:
+                        self._submit(op)
                 heap[:] = kept
                 heapq.heapify(heap)
+        while self.next_exchange < len(self.exchanges) and self.error is None \
+                and self.unready[self.next_exchange] == 0:
+            self._issue(self.exchanges[self.next_exchange])
+            self.next_exchange += 1
         super()._dispatch()
+
+    def _issue(self, ex: Exchange) -> None:
+        """Start this rank's side of ``ex``: one ``all_to_all_single`` whose split for each
+        rank is what this rank sends it (its own split is empty), awaited on a transfer
+        thread."""
+        from tensorql.dtypes import torch_dtype
+
+        side = self.sides[ex.index]
+        dtype = torch_dtype(self.graph.chunk_meta[self.ops[ex.ops[0]].ref][1])
+        parts = [self.values[op.src_device][op.ref].reshape(-1)
+                 for ops in side.sends for op in ops]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        in_splits = [sum(self._numel(op) for op in ops) for ops in side.sends]
+        out_splits = [sum(self._numel(op) for op in ops) for ops in side.receives]
+        received = torch.empty(sum(out_splits), dtype=dtype)
+        for ops in side.receives:
+            for op in ops:
+                self._allocate(op)
+        self.inflight[EXCHANGE_LANE] = self.inflight.get(EXCHANGE_LANE, 0) + 1
+        started = time.perf_counter()
+        try:
+            work = torch.distributed.all_to_all_single(
+                received, send, out_splits, in_splits, group=self.rt.exchange_group,
+                async_op=True)
+        except BaseException as err:  # noqa: BLE001 - reported to the coordinator
+            self._exchange_done(ex, None, received, started, err)
+            return
+        self.rt.transfer_threads.start(self._exchange_done, ex, work, received, started)
+
+    def _numel(self, op: Op) -> int:
+        return math.prod(self.graph.chunk_meta[op.ref][0])
+
+    def _exchange_done(self, ex: Exchange, work: Any, received: torch.Tensor,
+                       started: float, error: BaseException | None = None) -> None:
+        if error is None:
+            try:
+                work.wait()
+            except BaseException as err:  # noqa: BLE001 - reported to the coordinator
+                error = err
+        if error is not None:
+            error = collective_failed(
+                self.layout, f"the exchange of {self.graph.step_name(ex.step)} "
+                "(all_to_all_single)", error)
+        self.events.put(Completion(-1 - ex.index, started, time.perf_counter(), received,
+                                   error))
+
+    def _handle(self, c: Completion) -> None:
+        if c.op_id >= 0:
+            super()._handle(c)
+            return
+        ex = self.exchanges[-1 - c.op_id]
+        self.inflight[EXCHANGE_LANE] -= 1
+        if c.error is not None:
+            if self.error is None:
+                self.error, self.failed = c.error, None
+            return
+        if self.error is not None:
+            return
+        side = self.sides[ex.index]
+        offset = 0
+        for ops in side.receives:
+            for op in ops:
+                n = self._numel(op)
+                shape = self.graph.chunk_meta[op.ref][0]
+                self.values[op.device][op.ref] = c.value[offset:offset + n].view(shape)
+                offset += n
+                self.stats.devices[op.device].bytes_d2d += op.nbytes
+                self.stats.devices[op.device].ops += 1
+                self._count("all_to_all_single", received=op.nbytes)
+        for ops in side.sends:
+            for op in ops:
+                self.stats.moved[op.src_device][op.device] += op.nbytes
+                self._count("all_to_all_single", sent=op.nbytes)
+        self.done_ops += 1  # the exchange itself
+        for op in side.mine:
+            self.done_ops += 1
+            for nxt in self._release(op):
+                self._make_ready(nxt)
 
     def _submit(self, op: Op) -> None:
         if not self._cross_rank(op):
@@ -289,16 +458,33 @@ class _RankRun(_Run):
 
     def _complete(self, op: Op, c: Completion) -> None:
         if self._cross_rank(op) and not self.layout.is_local(op.device):
-            self.sent_bytes += int(c.value)
+            self._count("send/recv", sent=int(c.value))
             self.stats.moved[op.src_device][op.device] += int(c.value)
             return  # the sender's side: nothing lands here
         if self._cross_rank(op):
-            self.received_bytes += op.nbytes
+            self._count("send/recv", received=op.nbytes)
             self.values[op.device][op.ref] = c.value
             self.stats.devices[op.device].bytes_d2d += op.nbytes
             self.stats.devices[op.device].ops += 1
             return
         super()._complete(op, c)
+
+
+def collective_failed(layout: RankLayout, what: str, err: BaseException) -> DistributedError:
+    """The error of a collective that failed: a collective does not say which peer did not
+    answer, so every other rank is named.
+
+    >>> err = collective_failed(RankLayout(0, 3), "the exchange", RuntimeError("timed out"))
+    >>> print(str(err).replace("; ", "\\n"))
+    rank 0: the exchange failed (timed out)
+    one of ranks 1, 2 died or stopped answering within the timeout
+    """
+    suspects = [r for r in range(layout.world) if r != layout.rank]
+    named = (f"rank {suspects[0]}" if len(suspects) == 1 else
+             f"one of ranks {', '.join(map(str, suspects))}")
+    first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+    return DistributedError(f"rank {layout.rank}: {what} failed ({first}); {named} died or "
+                            "stopped answering within the timeout")
 
 
 def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
@@ -328,17 +514,28 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
             try:
                 torch.distributed.broadcast(buf, src=owner, group=group)
             except RuntimeError as err:
-                # a collective does not say which peer failed: name every other rank
-                suspects = [r for r in range(layout.world) if r != layout.rank]
-                named = (f"rank {suspects[0]}" if len(suspects) == 1 else
-                         f"one of ranks {', '.join(map(str, suspects))}")
-                first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-                raise DistributedError(
-                    f"rank {layout.rank}: the broadcast of a result chunk from rank {owner} "
-                    f"failed ({first}); {named} died or stopped answering within the "
-                    "timeout") from err
+                raise collective_failed(
+                    layout, f"the broadcast of a result chunk from rank {owner}", err) from err
         place(ref, buf)
     return sent
+
+_EXCHANGE_GROUP: list[Any] = []  # [(the default group it was made in, the group)]
+
+
+def exchange_group(layout: RankLayout) -> Any:
+    """The process group exchanges run in: every rank of the job, apart from the default
+    group that carries point-to-point transfers and result broadcasts (so a collective never
+    queues behind a receive on another thread, as NCCL would). Made once per job, by every
+    rank at the same point of its first distributed run; None for a job of one rank."""
+    import torch.distributed as dist
+
+    if layout.world < 2:
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if not _EXCHANGE_GROUP or _EXCHANGE_GROUP[0][0] is not default:
+        _EXCHANGE_GROUP[:] = [(default, dist.new_group(list(range(layout.world))))]
+    return _EXCHANGE_GROUP[0][1]
+
 
 def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
     """This process's place in the ``torch.distributed`` job, joining the default process

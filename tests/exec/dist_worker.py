@@ -98,6 +98,27 @@ def store(out: str, path: str) -> None:
         json.dump(outcome, f)
 
 
+def _count_wire_bytes() -> dict:
+    """The bytes this rank hands torch.distributed for the plan's transfers, by call (the
+    communication layer's count, apart from the runtime's own)."""
+    import torch.distributed as dist
+
+    wire: dict = {}
+    send, all_to_all = dist.send, dist.all_to_all_single
+
+    def counted_send(tensor, *args, **kwargs):
+        wire["send"] = wire.get("send", 0) + tensor.nbytes
+        return send(tensor, *args, **kwargs)
+
+    def counted_all_to_all(output, input, *args, **kwargs):
+        wire["all_to_all_single"] = wire.get("all_to_all_single", 0) + input.nbytes
+        wire["all_to_all_calls"] = wire.get("all_to_all_calls", 0) + 1
+        return all_to_all(output, input, *args, **kwargs)
+
+    dist.send, dist.all_to_all_single = counted_send, counted_all_to_all
+    return wire
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2]
     if names.startswith("file:"):
@@ -114,7 +135,10 @@ def main() -> None:
 
         DistributedRuntime.run = lambda *args, **kw: os._exit(3)
     results = {}
-    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20) as db:
+    wire = _count_wire_bytes()
+    exchange = os.environ.get("TQ_TEST_EXCHANGE", "collective")
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20,
+                    distributed_exchange=exchange) as db:
         for name in names:
             try:
                 w = build(db, name)
@@ -125,8 +149,10 @@ def main() -> None:
                 continue
             w = build(db, name)
             query = w.output.compile()
+            wire.clear()
             run = query.run(dense=True)
             results[name] = {
+                "wire": dict(wire),
                 "max_err": float(np.abs(run.dense().numpy() - w.reference()).max()),
                 "moved": run.stats.moved,
                 "predicted": (query.partition.pair_bytes().tolist() if query.partition

@@ -46,10 +46,14 @@ def _launch(world: int, names: str, out: Path, extra_env: dict | None = None,
     return done
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ranks_run_the_partitioned_plan(tmp_path, world):
+@pytest.mark.parametrize("world,exchange", [(2, "collective"), (3, "collective"),
+                                            (4, "collective"), (3, "p2p")])
+def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange):
+    """Results match; the bytes the ranks hand torch.distributed (counted around its calls)
+    equal the plan's prediction, as do the runtime's per device pair. With exchanges a
+    repartition is one all_to_all_single per step; with p2p every chunk is a send."""
     names = "mlp,attention,llama_block"
-    done = _launch(world, names, tmp_path)
+    done = _launch(world, names, tmp_path, {"TQ_TEST_EXCHANGE": exchange})
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
@@ -61,10 +65,21 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world):
         measured = sum(np.array(seen[name]["moved"]) for seen in ranks)
         predicted = np.array(ranks[0][name]["predicted"])
         np.testing.assert_array_equal(measured, predicted)
+        wire = [seen[name]["wire"] for seen in ranks]
+        on_wire = sum(w.get("send", 0) + w.get("all_to_all_single", 0) for w in wire)
+        assert on_wire == predicted.sum()
+        calls = {w.get("all_to_all_calls", 0) for w in wire}
+        assert len(calls) == 1  # every rank joins every exchange
+        if exchange == "p2p":
+            assert calls == {0}
         moved += predicted.sum()
     # every rank loads the inputs it reads itself, so an MLP may move nothing; attention's
     # keys and values (computed, not stored) must cross ranks
     assert moved > 0
+    if exchange == "collective":  # the block's repartitions (all ranks' slices) are exchanges
+        block = [seen["llama_block"]["wire"] for seen in ranks]
+        assert all(w.get("all_to_all_calls", 0) > 0 for w in block)
+        assert sum(w.get("all_to_all_single", 0) for w in block) > 0
 
 
 def test_explain_analyze_shows_every_rank(tmp_path):
@@ -85,6 +100,9 @@ def test_explain_analyze_shows_every_rank(tmp_path):
     # every result chunk is broadcast once, by the rank that computed it
     assert sum(r["broadcast_bytes"] for r in ranks) == seen["result_bytes"] * (world - 1)
     assert all(r["busy_s"] > 0 and r["peak_bytes"] > 0 for r in ranks)
+    calls = {c["call"] for r in ranks for c in r["calls"]}
+    assert "all_to_all_single" in calls and "all_to_all_single" in seen["text"]
+    assert sum(c["sent"] for r in ranks for c in r["calls"]) == seen["plan_bytes"]
 
 
 def test_a_job_of_one_rank_runs_unpartitioned(tmp_path):
