@@ -2,12 +2,14 @@
 
 Every rank compiles the same query into the same plan for all ``N = world x local`` devices of
 the job and lowers it to the same memory plan. A rank runs only the ops placed on its own
-devices; a chunk sent from a device of one rank to a device of another becomes a
-``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo on CPU,
-NCCL on GPU), tagged with the op's id so that transfers never pair up wrongly. Transfers run
-on transfer threads (kept between transfers), like any other op with dependencies: a receive
-completes when the chunk has arrived, and what waits for it becomes ready then. Every result
-chunk is then broadcast by the rank that computed it, so a script runs unchanged on all.
+devices. The cross-rank transfers of one step travel together as one ``all_to_all_single`` of
+the job (an exchange, :mod:`tensorql.exec.exchanges`), issued by every rank in the same order;
+any other chunk sent from a device of one rank to a device of another becomes a
+``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo for host
+tensors, NCCL for GPU ones), tagged with the op's id so that transfers never pair up wrongly.
+Transfers are awaited on transfer threads (kept between transfers), like any other op with
+dependencies: what waits for a chunk becomes ready when it has arrived. Every result chunk is
+then broadcast by the rank that computed it, so a script runs unchanged on all.
 
 A rank that stops answering makes a transfer wait until the process group's timeout; the
 error names the peer rank.
@@ -221,6 +223,8 @@ class DistributedRuntime(Runtime):
         self.group = group
         self.exchange = exchange
         self.exchange_group = exchange_group if exchange_group is not None else group
+        # an exchange's buffers: on the rank's (first) device -- CUDA for NCCL
+        self.collective_device = local[0].torch_device if local else torch.device("cpu")
         self.transfer_threads = TransferThreads()
 
     def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
@@ -228,6 +232,10 @@ class DistributedRuntime(Runtime):
         with ``exchange="p2p"``), found once per plan."""
         if self.exchange != "collective" or self.layout.world < 2:
             return ()
+        local = [d for d in self.devices if d.kind != "remote"]
+        if len({d.torch_device for d in local}) > 1 and \
+                any(d.torch_device.type != "cpu" for d in local):
+            return ()  # one collective buffer per rank: GPUs of one rank send on their own
         key = ("exchanges", self.layout, id(program))
         if key not in graph.programs:
             graph.programs[key] = plan_exchanges(program.ops, self.layout.rank_of)
@@ -353,12 +361,13 @@ class _RankRun(_Run):
 
         side = self.sides[ex.index]
         dtype = torch_dtype(self.graph.chunk_meta[self.ops[ex.ops[0]].ref][1])
+        where = self.rt.collective_device
         parts = [self.values[op.src_device][op.ref].reshape(-1)
                  for ops in side.sends for op in ops]
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=where)
         in_splits = [sum(self._numel(op) for op in ops) for ops in side.sends]
         out_splits = [sum(self._numel(op) for op in ops) for ops in side.receives]
-        received = torch.empty(sum(out_splits), dtype=dtype)
+        received = torch.empty(sum(out_splits), dtype=dtype, device=where)
         for ops in side.receives:
             for op in ops:
                 self._allocate(op)
@@ -371,16 +380,21 @@ class _RankRun(_Run):
         except BaseException as err:  # noqa: BLE001 - reported to the coordinator
             self._exchange_done(ex, None, received, started, err)
             return
-        self.rt.transfer_threads.start(self._exchange_done, ex, work, received, started)
+        # ``send`` is kept alive until the collective is done
+        self.rt.transfer_threads.start(self._exchange_done, ex, work, received, started, None,
+                                       send)
 
     def _numel(self, op: Op) -> int:
         return math.prod(self.graph.chunk_meta[op.ref][0])
 
     def _exchange_done(self, ex: Exchange, work: Any, received: torch.Tensor,
-                       started: float, error: BaseException | None = None) -> None:
+                       started: float, error: BaseException | None = None,
+                       send: torch.Tensor | None = None) -> None:
         if error is None:
             try:
                 work.wait()
+                if received.is_cuda:  # NCCL: wait() orders streams; readers run anywhere
+                    torch.cuda.synchronize(received.device)
             except BaseException as err:  # noqa: BLE001 - reported to the coordinator
                 error = err
         if error is not None:
@@ -443,7 +457,8 @@ class _RankRun(_Run):
                 shape, dtype = self.graph.chunk_meta[op.ref]
                 from tensorql.dtypes import torch_dtype
 
-                value = torch.empty(shape, dtype=torch_dtype(dtype))
+                value = torch.empty(shape, dtype=torch_dtype(dtype),
+                                    device=self.devices[op.device].torch_device)
                 torch.distributed.recv(value, src=peer, tag=op.id, group=self.rt.group)
             else:
                 chunk = self.values[op.src_device][op.ref].contiguous()
@@ -501,23 +516,32 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     from tensorql.dtypes import torch_dtype
 
     sent = 0
+    device = _broadcast_device(group) if layout.world > 1 else torch.device("cpu")
     for ref in refs:
         # an unplaced task (a job of one device: nothing was partitioned) ran on rank 0
         owner = layout.rank_of(where[ref]) if where[ref] is not None else 0
         if owner == layout.rank:
-            buf = outputs[ref].contiguous()
+            buf = outputs[ref].to(device).contiguous()
             sent += buf.nbytes * (layout.world - 1)
         else:
             shape, dtype = graph.chunk_meta[ref]
-            buf = torch.empty(shape, dtype=torch_dtype(dtype))
+            buf = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
         if layout.world > 1:
             try:
                 torch.distributed.broadcast(buf, src=owner, group=group)
             except RuntimeError as err:
                 raise collective_failed(
                     layout, f"the broadcast of a result chunk from rank {owner}", err) from err
-        place(ref, buf)
+        place(ref, buf.cpu())
     return sent
+
+
+def _broadcast_device(group: Any = None) -> torch.device:
+    """Where a broadcast's buffer must be: the rank's current GPU under NCCL, else host."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
 
 _EXCHANGE_GROUP: list[Any] = []  # [(the default group it was made in, the group)]
 
@@ -540,7 +564,8 @@ def exchange_group(layout: RankLayout) -> Any:
 def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
     """This process's place in the ``torch.distributed`` job, joining the default process
     group first when the script has not (``env://``: the ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK`` and ``WORLD_SIZE`` variables torchrun sets; gloo on CPU, NCCL on CUDA)."""
+    ``RANK`` and ``WORLD_SIZE`` variables torchrun sets; gloo for CPU tensors, NCCL for CUDA
+    ones where the machine has GPUs)."""
     import datetime
 
     import torch.distributed as dist
@@ -548,7 +573,8 @@ def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
     if not dist.is_available():
         raise DistributedError("this torch build has no torch.distributed")
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # each tensor's device picks: gloo for host chunks, NCCL for GPU ones
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (ValueError, RuntimeError) as err:

@@ -137,7 +137,9 @@ def main() -> None:
     results = {}
     wire = _count_wire_bytes()
     exchange = os.environ.get("TQ_TEST_EXCHANGE", "collective")
-    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20,
+    devices = os.environ.get("TQ_TEST_DEVICES", "cpu").replace(
+        "{local_rank}", os.environ.get("LOCAL_RANK", "0"))
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20, devices=devices,
                     distributed_exchange=exchange) as db:
         for name in names:
             try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,25 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange):
         block = [seen["llama_block"]["wire"] for seen in ranks]
         assert all(w.get("all_to_all_calls", 0) > 0 for w in block)
         assert sum(w.get("all_to_all_single", 0) for w in block) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL ranks need a GPU each (two or more)")
+@pytest.mark.parametrize("exchange", ["collective", "p2p"])
+def test_nccl_ranks_run_the_partitioned_plan(tmp_path, exchange):
+    """The same code on NCCL: one GPU per rank, buffers on the GPUs."""
+    world = min(4, torch.cuda.device_count())
+    names = "mlp,attention,llama_block"
+    done = _launch(world, names, tmp_path, {"TQ_TEST_EXCHANGE": exchange,
+                                            "TQ_TEST_DEVICES": "cuda:{local_rank}"})
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for name in names.split(","):
+        assert all(seen[name]["max_err"] < 1e-3 for seen in ranks)
+        measured = sum(np.array(seen[name]["moved"]) for seen in ranks)
+        np.testing.assert_array_equal(measured, np.array(ranks[0][name]["predicted"]))
 
 
 def test_explain_analyze_shows_every_rank(tmp_path):

@@ -139,6 +139,11 @@ class Device(abc.ABC):
         return None
 
     @property
+    def torch_device(self) -> torch.device:
+        """Where this device's chunks live for torch (and torch.distributed buffers)."""
+        return torch.device("cpu")
+
+    @property
     def uses_pinned_host(self) -> bool:
         return False
 

@@ -58,6 +58,10 @@ class CUDADevice(ThreadedDevice):
         super().__init__(name, {"compute": compute_streams, "h2d": 1, "d2h": 1, "d2d": 1})
         self.device = torch.device(name)
 
+    @property
+    def torch_device(self) -> torch.device:
+        return self.device
+
     def open(self, post: Post) -> None:
         def context_for() -> _StreamContext:
             return _StreamContext(self.device, torch.cuda.Stream(self.device))
