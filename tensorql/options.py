@@ -143,8 +143,9 @@ class Options:
             DistributedError naming it (default 120 s).
         distributed_exchange: how a distributed run moves chunks between ranks:
             "collective" (default) groups the transfers of one step (a repartition's slices,
-            partial aggregates, pieces read elsewhere) coming from two or more ranks into one
-            ``all_to_all_single`` of the job; "p2p" sends every chunk on its own.
+            partial aggregates, pieces read elsewhere) coming from two or more ranks into
+            ``all_to_all`` collectives of the job, one per round of at most a chunk for each
+            pair of ranks; "p2p" sends every chunk on its own.
         process_memory_limit: the one figure bounding the process's own memory: device
             budgets of CPU devices (``memory_limit`` each) + the chunk cache + DuckDB's memory
             + a dense result read with ``.numpy()``/``.torch()``. None (the default): 80% of

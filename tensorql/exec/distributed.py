@@ -2,8 +2,8 @@
 
 Every rank compiles the same query into the same plan for all ``N = world x local`` devices of
 the job and lowers it to the same memory plan. A rank runs only the ops placed on its own
-devices. The cross-rank transfers of one step travel together as one ``all_to_all_single`` of
-the job (an exchange, :mod:`tensorql.exec.exchanges`), issued by every rank in the same order;
+devices. The cross-rank transfers of one step travel together, one ``all_to_all_single`` of the job
+per round (an exchange, :mod:`tensorql.exec.exchanges`), issued by every rank in one order;
 any other chunk sent from a device of one rank to a device of another becomes a
 ``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo for host
 tensors, NCCL for GPU ones), tagged with the op's id so that transfers never pair up wrongly.
@@ -227,6 +227,11 @@ class DistributedRuntime(Runtime):
         self.collective_device = local[0].torch_device if local else torch.device("cpu")
         self.transfer_threads = TransferThreads()
 
+    def host_domains(self) -> tuple[int, ...]:
+        """Each device's host memory is its rank's: a chunk one rank wrote back is sent from
+        there (a ``from_host`` send), never loaded by another rank."""
+        return tuple(self.layout.rank_of(d) for d in range(self.layout.devices))
+
     def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
         """The collectives the cross-rank transfers of ``program`` are grouped into (none
         with ``exchange="p2p"``), found once per plan."""
@@ -238,7 +243,11 @@ class DistributedRuntime(Runtime):
             return ()  # one collective buffer per rank: GPUs of one rank send on their own
         key = ("exchanges", self.layout, id(program))
         if key not in graph.programs:
-            graph.programs[key] = plan_exchanges(program.ops, self.layout.rank_of)
+            # under a memory limit an exchange moves one chunk a rank each way: no buffer
+            # beyond the plan's receives
+            budgeted = any(b is not None for b in self.budgets())
+            graph.programs[key] = plan_exchanges(program.ops, self.layout.rank_of,
+                                                 one_chunk_each=budgeted)
         return graph.programs[key]
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
@@ -356,15 +365,21 @@ class _RankRun(_Run):
     def _issue(self, ex: Exchange) -> None:
         """Start this rank's side of ``ex``: one ``all_to_all_single`` whose split for each
         rank is what this rank sends it (its own split is empty), awaited on a transfer
-        thread."""
+        thread. The chunks received land in one buffer, each a view of it; a rank sending
+        one chunk passes it as it is (under a memory limit every exchange sends and receives
+        at most one chunk a rank, so nothing is allocated beyond the plan's receives)."""
         from tensorql.dtypes import torch_dtype
 
         side = self.sides[ex.index]
         dtype = torch_dtype(self.graph.chunk_meta[self.ops[ex.ops[0]].ref][1])
         where = self.rt.collective_device
-        parts = [self.values[op.src_device][op.ref].reshape(-1)
-                 for ops in side.sends for op in ops]
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=where)
+        parts = [self._outgoing(op) for ops in side.sends for op in ops]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            send = parts[0].view(-1)
+        elif parts:
+            send = torch.cat([p.reshape(-1) for p in parts])
+        else:
+            send = torch.empty(0, dtype=dtype, device=where)
         in_splits = [sum(self._numel(op) for op in ops) for ops in side.sends]
         out_splits = [sum(self._numel(op) for op in ops) for ops in side.receives]
         received = torch.empty(sum(out_splits), dtype=dtype, device=where)
@@ -384,23 +399,29 @@ class _RankRun(_Run):
         self.rt.transfer_threads.start(self._exchange_done, ex, work, received, started, None,
                                        send)
 
+    def _outgoing(self, op: Op) -> torch.Tensor:
+        """The chunk a send of this rank passes: on its device, or its host copy."""
+        if op.from_host:
+            return self.host.get(op.ref)
+        return self.values[op.src_device][op.ref]
+
     def _numel(self, op: Op) -> int:
         return math.prod(self.graph.chunk_meta[op.ref][0])
 
     def _exchange_done(self, ex: Exchange, work: Any, received: torch.Tensor,
                        started: float, error: BaseException | None = None,
-                       send: torch.Tensor | None = None) -> None:
+                       sent: torch.Tensor | None = None) -> None:
         if error is None:
             try:
                 work.wait()
-                if received.is_cuda:  # NCCL: wait() orders streams; readers run anywhere
+                if received.is_cuda:  # NCCL: wait() orders streams only
                     torch.cuda.synchronize(received.device)
             except BaseException as err:  # noqa: BLE001 - reported to the coordinator
                 error = err
         if error is not None:
             error = collective_failed(
-                self.layout, f"the exchange of {self.graph.step_name(ex.step)} "
-                "(all_to_all_single)", error)
+                self.layout, f"the exchange of {self.graph.step_name(ex.step)} (all_to_all_single)",
+                error)
         self.events.put(Completion(-1 - ex.index, started, time.perf_counter(), received,
                                    error))
 
@@ -431,6 +452,8 @@ class _RankRun(_Run):
             for op in ops:
                 self.stats.moved[op.src_device][op.device] += op.nbytes
                 self._count("all_to_all_single", sent=op.nbytes)
+                if op.from_host:
+                    self._host_load_done(op)
         self.done_ops += 1  # the exchange itself
         for op in side.mine:
             self.done_ops += 1
@@ -461,7 +484,7 @@ class _RankRun(_Run):
                                     device=self.devices[op.device].torch_device)
                 torch.distributed.recv(value, src=peer, tag=op.id, group=self.rt.group)
             else:
-                chunk = self.values[op.src_device][op.ref].contiguous()
+                chunk = self._outgoing(op).contiguous()
                 torch.distributed.send(chunk, dst=peer, tag=op.id, group=self.rt.group)
                 value = chunk.nbytes
         except BaseException as err:  # noqa: BLE001 - reported to the coordinator
@@ -475,6 +498,8 @@ class _RankRun(_Run):
         if self._cross_rank(op) and not self.layout.is_local(op.device):
             self._count("send/recv", sent=int(c.value))
             self.stats.moved[op.src_device][op.device] += int(c.value)
+            if op.from_host:
+                self._host_load_done(op)
             return  # the sender's side: nothing lands here
         if self._cross_rank(op):
             self._count("send/recv", received=op.nbytes)

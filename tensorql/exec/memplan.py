@@ -70,6 +70,7 @@ class Op:
     task: Task | None = None
     src_device: int | None = None
     from_rest: bool = False
+    from_host: bool = False  # a send of the host copy ``src_device``'s process wrote back
     keep_host: bool = True
     evict: bool = False
     cost: float = 0.0
@@ -80,7 +81,7 @@ class Op:
         if self.kind == "load":
             what += " from rest" if self.from_rest else " from host"
         if self.kind == "send":
-            what += f" from dev{self.src_device}"
+            what += f" from dev{self.src_device}" + ("'s host" if self.from_host else "")
         return what
 
 
@@ -164,8 +165,11 @@ class _Device:
 class _Planner:
     def __init__(self, graph: TaskGraph, n_devices: int, budgets: Sequence[int | None],
                  prefetch: int, sizes: dict[ChunkRef, int],
-                 results_on_device: bool = False) -> None:
+                 results_on_device: bool = False,
+                 host_domains: Sequence[int] | None = None) -> None:
         self.graph = graph
+        # which host memory each device writes back to: one for the devices of a process
+        self.domain = list(host_domains) if host_domains is not None else [0] * n_devices
         self.results_on_device = results_on_device
         self.sizes = sizes
         self.prefetch = prefetch
@@ -182,6 +186,7 @@ class _Planner:
         self.writers: dict[ChunkRef, list[int]] = {}
         self.host_valid: set[ChunkRef] = set()
         self.host_d2h: dict[ChunkRef, int] = {}
+        self.host_writer: dict[ChunkRef, int] = {}  # the device whose write-back it is
         self.host_loads: dict[ChunkRef, int] = {}
         self.owner: dict[ChunkRef, int] = {}
 
@@ -290,6 +295,7 @@ class _Planner:
             d.d2h += iv.nbytes
             self.host_valid.add(ref)
             self.host_d2h[ref] = wb.id
+            self.host_writer[ref] = d.index
             deps.append(wb.id)
             d.writebacks += evict
         if d.free_ops:
@@ -363,10 +369,18 @@ class _Planner:
             if ref not in self.host_valid:  # pragma: no cover - guarded by the order
                 raise PlanError(f"chunk {ref} is needed on device {d.index} but is nowhere")
             take = output  # a partial aggregate comes back to be added to: move it
-            op = self.emit("load", d.index, ref, [mem, self.host_d2h.get(ref)], nbytes=nbytes,
-                           lane="h2d", keep_host=not take)
+            writer = self.host_writer.get(ref, d.index)
+            if self.domain[writer] != self.domain[d.index]:
+                # written back to another process's host memory: that process sends it
+                op = self.emit("send", d.index, ref, [mem, self.host_d2h.get(ref)],
+                               nbytes=nbytes, lane="d2d", src_device=writer, from_host=True,
+                               keep_host=not take)
+                d.d2d += nbytes
+            else:
+                op = self.emit("load", d.index, ref, [mem, self.host_d2h.get(ref)],
+                               nbytes=nbytes, lane="h2d", keep_host=not take)
+                d.h2d += nbytes
             self.host_loads[ref] = self.host_loads.get(ref, 0) + 1
-            d.h2d += nbytes
             if take:
                 self.host_valid.discard(ref)
             dirty = take
@@ -440,6 +454,7 @@ class _Planner:
                 iv.dirty = False
                 self.host_valid.add(t.output)
                 self.host_d2h[t.output] = wb.id
+                self.host_writer[t.output] = dev
             for ref in need:
                 if self.results_on_device and ref.step in self.graph.retain:
                     continue  # results stay where they are
@@ -528,12 +543,16 @@ def largest_task_bytes(graph: TaskGraph) -> int:
 def plan_program(graph: TaskGraph, n_devices: int = 1,
                  budgets: Sequence[int | None] | None = None, prefetch: int = 2,
                  sizes: dict[ChunkRef, int] | None = None,
-                 results_on_device: bool = False) -> Program:
+                 results_on_device: bool = False,
+                 host_domains: Sequence[int] | None = None) -> Program:
     """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
 
     ``sizes`` defaults to ``graph.chunk_bytes``; a budget needs every chunk's size (PlanError
     otherwise). Raises PlanError when one task alone needs more than its device's budget.
     ``results_on_device`` leaves retained chunks in device memory (no budget allowed).
+    ``host_domains`` gives each device's host memory (the rank of a torch.distributed job;
+    default: one host for all): a chunk written back to one host and needed by a device of
+    another is a ``send`` from the host copy (``from_host``), not a load.
     """
     if results_on_device and budgets and any(b is not None for b in budgets):
         raise PlanError("results_on_device needs an unlimited budget")
@@ -545,4 +564,7 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
         missing = [t.output for t in graph.tasks if t.output not in sizes]
         if missing:
             raise PlanError(f"a memory_limit needs chunk sizes; chunk {missing[0]} has none")
-    return _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device).run()
+    if host_domains is not None and len(host_domains) != n_devices:
+        raise PlanError(f"{len(host_domains)} host domains for {n_devices} devices")
+    return _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device,
+                    host_domains).run()

@@ -220,14 +220,20 @@ class Runtime:
         """The op program and memory plan for ``graph`` (PlanError if infeasible), made once
         per graph and device set: a query run again reuses it."""
         budgets = self.budgets()
+        domains = self.host_domains()
         key = (tuple(d.name for d in self.devices), tuple(budgets), self.prefetch,
-               self.results_on_device)
+               self.results_on_device, domains)
         program = graph.programs.get(key)
         if program is None:
             program = plan_program(graph, len(self.devices), budgets, prefetch=self.prefetch,
-                                   results_on_device=self.results_on_device)
+                                   results_on_device=self.results_on_device,
+                                   host_domains=domains)
             graph.programs[key] = program
         return program
+
+    def host_domains(self) -> tuple[int, ...] | None:
+        """Each device's host memory, when they are not all this process's (None)."""
+        return None
 
     def pool(self) -> PinnedPool | None:
         """The pinned host pool, created once per runtime when a device copies through it."""
@@ -467,6 +473,8 @@ class _Run:
             return lambda: self._load(op, dev)
         if op.kind == "fetch":
             return lambda: self.host.put(op.ref, op.task.kernel.run([], None))
+        if op.kind == "send" and op.from_host:  # pragma: no cover - several processes only
+            return lambda: dev.to_device(self.host.get(op.ref))
         if op.kind == "send":
             source = self.values[op.src_device]
             return lambda: dev.from_peer(source[op.ref])
@@ -551,6 +559,8 @@ class _Run:
                 sent = c.value.nbytes if c.value is not None else op.nbytes
                 stats.bytes_d2d += sent
                 self.stats.moved[op.src_device][op.device] += sent
+                if op.from_host:  # pragma: no cover - several processes only
+                    self._host_load_done(op)
             else:
                 stats.bytes_h2d += op.nbytes
             if op.kind == "load" and op.from_rest:

@@ -111,7 +111,7 @@ def _count_wire_bytes() -> dict:
         return send(tensor, *args, **kwargs)
 
     def counted_all_to_all(output, input, *args, **kwargs):
-        wire["all_to_all_single"] = wire.get("all_to_all_single", 0) + input.nbytes
+        wire["all_to_all"] = wire.get("all_to_all", 0) + input.nbytes  # own split empty
         wire["all_to_all_calls"] = wire.get("all_to_all_calls", 0) + 1
         return all_to_all(output, input, *args, **kwargs)
 
@@ -139,8 +139,10 @@ def main() -> None:
     exchange = os.environ.get("TQ_TEST_EXCHANGE", "collective")
     devices = os.environ.get("TQ_TEST_DEVICES", "cpu").replace(
         "{local_rank}", os.environ.get("LOCAL_RANK", "0"))
+    limit = os.environ.get("TQ_TEST_MEMORY_LIMIT")
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=20, devices=devices,
-                    distributed_exchange=exchange) as db:
+                    distributed_exchange=exchange,
+                    memory_limit=int(limit) if limit else None) as db:
         for name in names:
             try:
                 w = build(db, name)

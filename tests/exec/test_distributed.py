@@ -47,14 +47,19 @@ def _launch(world: int, names: str, out: Path, extra_env: dict | None = None,
     return done
 
 
-@pytest.mark.parametrize("world,exchange", [(2, "collective"), (3, "collective"),
-                                            (4, "collective"), (3, "p2p")])
-def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange):
+@pytest.mark.parametrize("world,exchange,limit", [
+    (2, "collective", None), (3, "collective", None), (4, "collective", None),
+    (3, "p2p", None), (3, "collective", 4096)])
+def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
     """Results match; the bytes the ranks hand torch.distributed (counted around its calls)
     equal the plan's prediction, as do the runtime's per device pair. With exchanges a
-    repartition is one all_to_all_single per step; with p2p every chunk is a send."""
+    repartition is one all_to_all_single per round (under a memory limit, rounds of one
+    chunk sent and received a rank); with p2p every chunk is a send."""
     names = "mlp,attention,llama_block"
-    done = _launch(world, names, tmp_path, {"TQ_TEST_EXCHANGE": exchange})
+    env = {"TQ_TEST_EXCHANGE": exchange}
+    if limit is not None:
+        env["TQ_TEST_MEMORY_LIMIT"] = str(limit)
+    done = _launch(world, names, tmp_path, env)
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
@@ -67,7 +72,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange):
         predicted = np.array(ranks[0][name]["predicted"])
         np.testing.assert_array_equal(measured, predicted)
         wire = [seen[name]["wire"] for seen in ranks]
-        on_wire = sum(w.get("send", 0) + w.get("all_to_all_single", 0) for w in wire)
+        on_wire = sum(w.get("send", 0) + w.get("all_to_all", 0) for w in wire)
         assert on_wire == predicted.sum()
         calls = {w.get("all_to_all_calls", 0) for w in wire}
         assert len(calls) == 1  # every rank joins every exchange
@@ -80,7 +85,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange):
     if exchange == "collective":  # the block's repartitions (all ranks' slices) are exchanges
         block = [seen["llama_block"]["wire"] for seen in ranks]
         assert all(w.get("all_to_all_calls", 0) > 0 for w in block)
-        assert sum(w.get("all_to_all_single", 0) for w in block) > 0
+        assert sum(w.get("all_to_all", 0) for w in block) > 0
 
 
 @pytest.mark.gpu

@@ -40,6 +40,28 @@ def test_a_transfer_waiting_on_another_of_its_step_stays_point_to_point():
     assert plan_exchanges(ops, _by_device) == ()
 
 
+def test_a_pair_sending_twice_sends_in_rounds():
+    # under a memory limit rank 0's second chunk for rank 1 may wait until rank 1 has used
+    # (and freed) the first: each round is its own collective, the second after the first
+    ops = [_send(0, 5, 0, 1), _send(1, 5, 1, 0), _compute(2, 1, [0]),
+           _send(3, 5, 0, 1, [2])]
+    exchanges = plan_exchanges(ops, _by_device)
+    assert [ex.ops for ex in exchanges] == [(0, 1), (3,)]
+    assert [ex.index for ex in exchanges] == [0, 1]
+
+
+def test_under_a_memory_limit_a_rank_sends_and_receives_one_chunk_a_round():
+    ops = [_send(0, 5, 0, 1), _send(1, 5, 0, 2), _send(2, 5, 1, 0), _send(3, 5, 2, 0),
+           _send(4, 5, 1, 2)]
+    plain = plan_exchanges(ops, _by_device)
+    assert [ex.ops for ex in plain] == [(0, 1, 2, 3, 4)]
+    rounds = [ex.ops for ex in plan_exchanges(ops, _by_device, one_chunk_each=True)]
+    assert rounds == [(0, 2), (1, 3), (4,)]
+    for ex_ops in rounds:
+        assert len({ops[i].src_device for i in ex_ops}) == len(ex_ops)
+        assert len({ops[i].device for i in ex_ops}) == len(ex_ops)
+
+
 def test_an_exchange_waiting_on_another_is_issued_after_it():
     ops = [_send(0, 7, 0, 1),           # step 7, first op id: first by the tie-break
            _send(1, 8, 1, 0),           # step 8
@@ -62,6 +84,7 @@ def test_exchanges_waiting_on_each_other_stay_point_to_point():
 
 
 def test_a_llama_block_repartition_on_four_devices_is_one_exchange_a_step():
+    """Each device sends each other one slice a repartition: one round, one collective."""
     import tensorql as tq
     from tensorql.exec.runtime import Runtime
     from tensorql.models import llama_block
