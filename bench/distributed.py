@@ -178,7 +178,8 @@ def _count_tq_bytes() -> list[int]:
     return sent
 
 
-def worker(out: str, name: str, size: str, repeat: int, exchange: str) -> None:
+def worker(out: str, name: str, size: str, repeat: int, exchange: str,
+           explain: bool = False) -> None:
     import torch.distributed as dist
 
     import tensorql as tq
@@ -206,6 +207,11 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str) -> None:
         before = sent[0]
         tq_s = _timed(lambda: query.run(dense=True), repeat)
         tq_bytes_rank = (sent[0] - before) // (repeat + 1)
+        if explain:  # every rank runs it; rank 0 keeps the text (per-rank busy, bytes, peaks)
+            text = query.explain(analyze=True)
+            if rank == 0:
+                with open(os.path.join(out, f"{name}-{world}.explain.txt"), "w") as f:
+                    f.write(text)
 
         model, x = _dtensor_model(name, w.arrays, prefix, head_dim, world)
         from torch.distributed.tensor.debug import CommDebugMode
@@ -240,7 +246,7 @@ def _free_port() -> int:
 
 
 def launch(ranks: int, name: str, size: str, repeat: int, out: str,
-           exchange: str = "collective") -> dict:
+           exchange: str = "collective", explain: bool = False) -> dict:
     port = _free_port()
     procs = []
     for rank in range(ranks):
@@ -248,7 +254,8 @@ def launch(ranks: int, name: str, size: str, repeat: int, out: str,
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", out, name, size, str(repeat), exchange],
+            [sys.executable, __file__, "--worker", out, name, size, str(repeat), exchange,
+             "explain" if explain else "-"],
             env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     failed = []
@@ -269,7 +276,7 @@ def _mib(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        worker(argv[1], argv[2], argv[3], int(argv[4]), argv[5])
+        worker(argv[1], argv[2], argv[3], int(argv[4]), argv[5], argv[6] == "explain")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
@@ -277,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exchange", choices=("collective", "p2p"), default="collective",
                         help="how tensorql moves chunks between ranks (Options."
                              "distributed_exchange)")
+    parser.add_argument("--explain", action="store_true",
+                        help="after timing, print rank 0's EXPLAIN ANALYZE of each run (per-rank "
+                             "busy time, bytes per collective, peaks)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     group.add_argument("--issue-size", action="store_true",
@@ -292,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         for name in ("mlp", "block"):
             for k in counts:
-                r = launch(k, name, size, args.repeat, out, args.exchange)
+                r = launch(k, name, size, args.repeat, out, args.exchange, args.explain)
                 ratio = r["tq_s"] / r["dt_s"]
                 byte_ratio = (r["tq_bytes"] / r["dt_bytes"]) if r["dt_bytes"] else float("nan")
                 print(f"{name:9} {k:5d} {r['tq_s']:8.3f} {r['dt_s']:9.3f} {ratio:6.2f} "
@@ -300,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['tq_err']:8.1e} {r['dt_err']:8.1e}", flush=True)
                 if r["other"]:
                     print(f"  DTensor also ran {r['other']}")
+                if args.explain:
+                    with open(os.path.join(out, f"{name}-{k}.explain.txt")) as f:
+                        print(f.read(), flush=True)
                 ok &= r["tq_err"] < 1e-3 and r["dt_err"] < 1e-3
                 if k == max(counts) and k > 1:
                     ok &= ratio <= 1.0 and r["tq_bytes"] <= r["dt_bytes"]

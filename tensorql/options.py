@@ -128,10 +128,6 @@ class Options:
         tile_target_elems: element count auto-tiling aims at per chunk.
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
         chunk_cache_bytes: decoded chunks the DuckDB store keeps in memory (LRU).
-        buffer_pool_bytes: dead chunk buffers a session keeps to compute later chunks of the
-            same size into (see :mod:`tensorql.exec.buffer_pool`): a query run again -- a
-            training step, a decoded token -- reuses its memory instead of faulting in fresh
-            pages. 0 turns it off.
         store_memory_limit: DuckDB's memory limit for a file-backed store (bytes or "1GiB";
             None: DuckDB's default of 80% of RAM). It bounds what a large write keeps resident;
             bigger SQL joins spill to ``<file>.tmp``. In-memory stores are never limited.
@@ -172,7 +168,6 @@ class Options:
     tile_target_elems: int = 1 << 20
     kernel_temp_bytes: int = 64 << 20
     chunk_cache_bytes: int = 1 << 30
-    buffer_pool_bytes: int = 512 << 20
     store_memory_limit: int | None = 1 << 30
     backend: str = "native"
     progress: bool = False
@@ -194,9 +189,6 @@ class Options:
                 max(1, _default_workers(self.distributed) // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
-        pool = self.buffer_pool_bytes
-        object.__setattr__(self, "buffer_pool_bytes",
-                           0 if pool in (0, None, "0") else parse_bytes(pool))
         device_names(self.devices)  # OptionError now rather than at the first query
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
@@ -205,8 +197,6 @@ class Options:
         object.__setattr__(self, "process_memory_limit", total)
         if total is not None:  # the one figure: the cache and DuckDB take their shares of it
             object.__setattr__(self, "chunk_cache_bytes", min(self.chunk_cache_bytes, total // 8))
-            object.__setattr__(self, "buffer_pool_bytes",
-                               min(self.buffer_pool_bytes, total // 16))
             object.__setattr__(self, "store_memory_limit",
                                min(self.store_memory_limit or total, max(1, total // 4)))
         if self.distributed_exchange not in ("collective", "p2p"):
@@ -277,8 +267,7 @@ class Options:
         True
         """
         cpu_devices = sum(1 for d in device_names(self.devices) if d.startswith("cpu"))
-        reserved = (self.chunk_cache_bytes + self.buffer_pool_bytes
-                    + (self.store_memory_limit or 0)
+        reserved = (self.chunk_cache_bytes + (self.store_memory_limit or 0)
                     + cpu_devices * (self.memory_limit or 0))
         return max(0, min(self.process_memory_bytes - reserved, available_memory_bytes()))
 

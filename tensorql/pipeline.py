@@ -28,7 +28,6 @@ import torch
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node, explain_graph
 from tensorql.errors import ExecutionError, MemoryLimitError, OptionError, PlanError, ShapeError
-from tensorql.exec.buffer_pool import BufferPool
 from tensorql.exec.distributed import (
     DistributedRuntime,
     check_same_plan,
@@ -149,8 +148,8 @@ class CompiledQuery:
                 sent.add(ref.key)
                 sink(ref.key, chunk)
 
-        result = executor_for(options, buffer_pool=_pool_of(self.db)).run(
-            self.physical.task_graph(), progress=progress, sink=result_sink, keep_outputs=False)
+        result = executor_for(options).run(self.physical.task_graph(), progress=progress,
+                                           sink=result_sink, keep_outputs=False)
         for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
             if ref.step == sid and chunk is not None and ref.key not in sent:
                 sink(ref.key, chunk)
@@ -229,9 +228,9 @@ class CompiledGroup:
             check_dense_fits(step.relation, db.options)
         writer = DenseResults(steps, out)
         self.last_stats.clear()
-        result = executor_for(db.options, buffer_pool=_pool_of(db)).run(
-            self.physical.task_graph(), progress=progress, sink=writer.sink,
-            destination=writer.destination, keep_outputs=False)
+        result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
+                                              sink=writer.sink, destination=writer.destination,
+                                              keep_outputs=False)
         self.last_stats.append(result.stats)
         return writer.tensors
 
@@ -302,12 +301,6 @@ def job_devices(options: Options) -> int:
     if not options.distributed:
         return local
     return join_process_group(local, options.distributed_timeout_s).devices
-
-
-def _pool_of(db: Any) -> BufferPool | None:
-    """The session's pool of dead chunk buffers (None when it has none, or one of no size)."""
-    pool = getattr(db, "buffer_pool", None)
-    return pool if pool is not None and pool.max_bytes > 0 else None
 
 
 def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
@@ -502,7 +495,7 @@ class NativeBackend:
                 "schedule, or devices='cpu' / N for values")
         if options.distributed:
             return _run_distributed(query, progress, rank_stats)
-        executor = executor_for(options, buffer_pool=_pool_of(query.db))
+        executor = executor_for(options)
         sid = query.physical.result_step.id
         writer = DenseResults([query.physical.result_step]) if dense else None
         result = executor.run(query.physical.task_graph(), progress=progress,

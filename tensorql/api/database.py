@@ -22,7 +22,6 @@ from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Node, Source
 from tensorql.einsum.literals import constant_node, literal_array
 from tensorql.errors import ShapeError, StorageError
-from tensorql.exec.buffer_pool import BufferPool
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
@@ -98,8 +97,6 @@ class Database:
         self._closed = False
         self._connection: Any = None  # a private DuckDB connection when the store has none
         self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
-        # dead chunk buffers the executor computes later chunks into, across runs
-        self.buffer_pool = BufferPool(options.buffer_pool_bytes)
 
     # -- context management -----------------------------------------------------------
     def close(self) -> None:
@@ -107,7 +104,6 @@ class Database:
             if self._connection is not None:
                 self._connection.close()
             self.chunk_store.close()
-            self.buffer_pool.clear()
             self._closed = True
 
     def __enter__(self) -> Database:

@@ -30,9 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorql.dtypes import torch_dtype
 from tensorql.errors import ExecutionError, TensorQLError
-from tensorql.exec.buffer_pool import BufferPool
 from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.run_types import (
     ChunkDestination,
@@ -98,9 +96,8 @@ class _Run:
     def __init__(self, graph: TaskGraph, progress: ProgressCallback | None,
                  sink: ChunkSink | None = None,
                  destination: ChunkDestination | None = None,
-                 keep_outputs: bool = True, pool: BufferPool | None = None) -> None:
+                 keep_outputs: bool = True) -> None:
         template = _Template.of(graph)
-        self.pool = pool
         self.graph = graph
         self.progress = progress
         self.sink = sink
@@ -172,8 +169,7 @@ class _Run:
         for ref in task.inputs:
             self.uses[ref] -= 1
             if self.uses[ref] == 0 and ref.step not in self.graph.retain:
-                self.live_bytes -= (self.values.pop(ref).nbytes if self.pool is None
-                                    else self.pool.reclaim(self.values, ref))
+                self.live_bytes -= self.values.pop(ref).nbytes
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
         self.done_tasks += 1
         if self.progress is not None:
@@ -197,12 +193,9 @@ def _big(task: Task) -> bool:
 
 
 class Executor:
-    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads each;
-    with a ``pool``, dead chunks' buffers are kept there and later chunks computed into them."""
+    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads each."""
 
-    def __init__(self, workers: int = 1, intra_op_threads: int = 1,
-                 pool: BufferPool | None = None) -> None:
-        self.pool = pool
+    def __init__(self, workers: int = 1, intra_op_threads: int = 1) -> None:
         self.workers = max(1, int(workers))
         self.intra_op_threads = max(1, int(intra_op_threads))
         self.all_threads = self.intra_op_threads * self.workers
@@ -221,7 +214,7 @@ class Executor:
         a retained chunk is released once ``sink`` has taken it (the run streams its result
         and ``outputs`` holds only chunks the sink never saw).
         """
-        state = _Run(graph, progress, sink, destination, keep_outputs, self.pool)
+        state = _Run(graph, progress, sink, destination, keep_outputs)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
@@ -316,19 +309,11 @@ class Executor:
 
 
 def _first(state: _Run, task: Task, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The first contribution to ``task.output``: into its destination when the run has one,
-    else into a pooled dead chunk's buffer of its size when the kernel can write into one."""
+    """The first contribution to ``task.output``, into its destination when the run has one."""
+    dest = None
     if state.destination is not None and task.output.step in state.graph.retain:
-        return first_contribution(task.kernel, inputs, state.destination(task.output))
-    meta = state.graph.chunk_meta.get(task.output)
-    if state.pool is None or meta is None or not hasattr(task.kernel, "run_into"):
-        return task.kernel.run(inputs, None)
-    pooled = state.pool.take(meta[0], torch_dtype(meta[1]))  # a dead chunk's buffer, if any
-    value = first_contribution(task.kernel, inputs, pooled)
-    if pooled is not None and \
-            value.untyped_storage().data_ptr() != pooled.untyped_storage().data_ptr():
-        state.pool.restore(pooled)  # the kernel wrote a tensor of its own
-    return value
+        dest = state.destination(task.output)
+    return first_contribution(task.kernel, inputs, dest)
 
 
 def _execute(state: _Run, task: Task) -> int:

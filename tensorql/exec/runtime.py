@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
-from tensorql.exec.buffer_pool import BufferPool
 from tensorql.exec.devices import Completion, Device, resolve_devices
 from tensorql.exec.executor import Executor
 from tensorql.exec.host_malloc import tune_malloc
@@ -185,8 +184,7 @@ class Runtime:
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
-                 results_on_device: bool = False, direct: bool = False,
-                 buffer_pool: BufferPool | None = None) -> None:
+                 results_on_device: bool = False, direct: bool = False) -> None:
         tune_malloc()  # chunk buffers are reused, not mapped and faulted in afresh
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
@@ -201,7 +199,6 @@ class Runtime:
         self.timeline = timeline
         self.results_on_device = results_on_device
         self._pool: PinnedPool | None = None
-        self.buffer_pool = buffer_pool
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
         # the fast path: one CPU, nothing to budget, nothing to record per op
         self.direct = direct and (len(self.devices) == 1 and self.devices[0].kind == "cpu"
@@ -256,7 +253,7 @@ class Runtime:
         With ``keep_outputs=False`` a result chunk is released once ``sink`` has taken it
         (a streamed run keeps none)."""
         if self.direct:
-            return Executor(self.workers, self.intra_op_threads, self.buffer_pool).run(
+            return Executor(self.workers, self.intra_op_threads).run(
                 graph, progress=progress, sink=sink, destination=destination,
                 keep_outputs=keep_outputs)
         program = self.plan(graph)
@@ -625,11 +622,9 @@ class _Run:
         self.stats.spilled_bytes = self.host.spilled_bytes
 
 
-def executor_for(options: Any, *, timeline: bool = False,
-                 buffer_pool: BufferPool | None = None) -> Runtime:
+def executor_for(options: Any, *, timeline: bool = False) -> Runtime:
     """The engine a session's ``Options`` call for: the runtime on the chosen devices, in its
-    direct mode for one unlimited CPU, computing into ``buffer_pool``'s dead chunk buffers
-    (the session's) where it can.
+    direct mode for one unlimited CPU.
 
     >>> from tensorql.options import Options
     >>> executor_for(Options(devices="cpu")).direct
@@ -638,5 +633,4 @@ def executor_for(options: Any, *, timeline: bool = False,
     False
     """
     return Runtime(options.devices, options.memory_limit, workers=options.workers,
-                   intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True,
-                   buffer_pool=buffer_pool)
+                   intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True)
