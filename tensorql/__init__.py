@@ -26,8 +26,13 @@ from tensorql.errors import (
     UnknownTensorError,
     UnsupportedError,
 )
+from tensorql.exec.host_malloc import tune_malloc
 from tensorql.optimizer import Cost, PartitionPlan, optimize
 from tensorql.options import Options
+
+# now, before any thread (DuckDB's, torch's, the executor's) makes a malloc arena of its own
+# (see tensorql.exec.host_malloc; TENSORQL_MALLOC_TUNING=0 leaves the allocator alone)
+tune_malloc()
 
 __version__ = "0.1.0"
 

@@ -11,11 +11,12 @@ each worker thread otherwise gets an arena of its own made of 64 MiB heaps, and 
 such a heap as soon as it is empty, whatever the trim threshold -- measured on a 2-core
 machine, an MLP training step faulted in 38 MiB of fresh pages a step (9,800 faults; 1,300
 with one arena) and ran 1.20x torch's time against 1.07x. Threads that made an arena before
-the tuning keep theirs; :mod:`tensorql.exec.buffer_pool` covers chunks computed there. It
-changes how memory is reused, never what is computed.
+the tuning (torch's own, when it ran multi-threaded work before tensorql started) keep
+theirs. It changes how memory is reused, never what is computed.
 
-Applied once, when the first runtime starts; ``TENSORQL_MALLOC_TUNING=0`` leaves the
-allocator alone. Elsewhere than glibc it does nothing.
+Applied once, when ``tensorql`` is imported (before DuckDB's threads and the executor's
+make arenas; again, to no effect, when a runtime starts); ``TENSORQL_MALLOC_TUNING=0`` leaves
+the allocator alone. Elsewhere than glibc it does nothing.
 
 >>> isinstance(tune_malloc(), bool)
 True
