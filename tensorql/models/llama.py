@@ -224,7 +224,8 @@ class Llama:
         return self.weights[name]
 
     def _rmsnorm(self, x: Tensor, gain: str) -> Tensor:
-        inv = ((x ** 2).mean(-1) + self.shape.eps).rsqrt()
+        # the mean square as one contraction of x with itself: no squared copy of x
+        inv = (einsum("bsd,bsd->bs", x, x) * (1.0 / x.shape[-1]) + self.shape.eps).rsqrt()
         return einsum("bsd,bs,d->bsd", x, inv, self._w(gain))
 
     def embed(self, tokens: np.ndarray) -> Tensor:

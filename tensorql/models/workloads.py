@@ -160,7 +160,8 @@ def _rope_tables(seq: int, head_dim: int, base: float = 10000.0):
 
 
 def _rmsnorm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
-    inv = ((x ** 2).mean(-1) + eps).rsqrt()
+    # the mean square as one contraction of x with itself: no squared copy of x
+    inv = (einsum("bsd,bsd->bs", x, x) * (1.0 / x.shape[-1]) + eps).rsqrt()
     return einsum("bsd,bs,d->bsd", x, inv, gain)
 
 
