@@ -14,9 +14,9 @@ with one arena) and ran 1.20x torch's time against 1.07x. Threads that made an a
 the tuning (torch's own, when it ran multi-threaded work before tensorql started) keep
 theirs. It changes how memory is reused, never what is computed.
 
-Applied once, when ``tensorql`` is imported (before DuckDB's threads and the executor's
-make arenas; again, to no effect, when a runtime starts); ``TENSORQL_MALLOC_TUNING=0`` leaves
-the allocator alone. Elsewhere than glibc it does nothing.
+Applied once, when ``tensorql`` (any module of it) is imported, before DuckDB's threads and
+the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator alone.
+Elsewhere than glibc it does nothing.
 
 >>> isinstance(tune_malloc(), bool)
 True

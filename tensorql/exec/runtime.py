@@ -44,7 +44,6 @@ import torch
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
 from tensorql.exec.executor import Executor
-from tensorql.exec.host_malloc import tune_malloc
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
@@ -185,7 +184,6 @@ class Runtime:
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False) -> None:
-        tune_malloc()  # chunk buffers are reused, not mapped and faulted in afresh
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:

@@ -37,6 +37,7 @@ from tensorql.api.einsum import einsum
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Constant, substitute_many
 from tensorql.errors import ShapeError
+from tensorql.models.workloads import rms_norm
 
 MASK_VALUE = -1e9
 
@@ -224,9 +225,7 @@ class Llama:
         return self.weights[name]
 
     def _rmsnorm(self, x: Tensor, gain: str) -> Tensor:
-        # the mean square as one contraction of x with itself: no squared copy of x
-        inv = (einsum("bsd,bsd->bs", x, x) * (1.0 / x.shape[-1]) + self.shape.eps).rsqrt()
-        return einsum("bsd,bs,d->bsd", x, inv, self._w(gain))
+        return rms_norm(x, self._w(gain), self.shape.eps)
 
     def embed(self, tokens: np.ndarray) -> Tensor:
         """Token embeddings (B, S, D): the table's rows gathered by token id, as a constant of

@@ -159,8 +159,9 @@ def _rope_tables(seq: int, head_dim: int, base: float = 10000.0):
     return cos, sin, rot
 
 
-def _rmsnorm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
-    # the mean square as one contraction of x with itself: no squared copy of x
+def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """RMSNorm of ``x`` (B, S, D) with ``gain`` (D,); the mean square is one contraction of
+    x with itself (no squared copy of x)."""
     inv = (einsum("bsd,bsd->bs", x, x) * (1.0 / x.shape[-1]) + eps).rsqrt()
     return einsum("bsd,bs,d->bsd", x, inv, gain)
 
@@ -203,8 +204,8 @@ def _block(p: _Params, x: Tensor, layer: int, shared: _Shared, d_model: int, hea
         return (einsum("bshe,se->bshe", t, shared.cos)
                 + einsum("bshe,ef,sf->bshf", t, shared.rot, shared.sin))
 
-    h = x + _attention(_rmsnorm(x, g1, eps), *ws, wo, shared.mask, head_dim, rope)
-    hn = _rmsnorm(h, g2, eps)
+    h = x + _attention(rms_norm(x, g1, eps), *ws, wo, shared.mask, head_dim, rope)
+    hn = rms_norm(h, g2, eps)
     return h + (hn @ w1).silu() * (hn @ w3) @ w2
 
 
