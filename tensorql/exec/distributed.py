@@ -20,6 +20,7 @@ error names the peer rank.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import math
 import threading
@@ -606,7 +607,37 @@ def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
             raise DistributedError(
                 f"cannot join the torch.distributed job ({err}); launch the script with "
                 "torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE") from err
+        atexit.register(leave_process_group)  # tensorql joined it, so tensorql leaves it
     return RankLayout(rank=dist.get_rank(), world=dist.get_world_size(), local=local_devices)
+
+
+def leave_process_group(wait_s: float = 10.0) -> None:
+    """Destroy the process group this process joined, while the interpreter is still whole.
+
+    Registered at exit when :func:`join_process_group` made the group (a group the script
+    made itself is the script's to destroy). Without it gloo's worker threads outlive the
+    interpreter and the process can abort as it ends ("terminate called without an active
+    exception", SIGABRT) although its work finished. Destroying waits for the group's
+    pending work; after a rank died that could wait long, so it runs on a thread given
+    ``wait_s`` seconds: a process never hangs at exit.
+
+    >>> leave_process_group()  # no group joined: nothing to do
+    """
+    import torch.distributed as dist
+
+    _EXCHANGE_GROUP.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - at exit there is no one left to tell
+            pass
+
+    leaving = threading.Thread(target=destroy, name="tensorql-leave-group", daemon=True)
+    leaving.start()
+    leaving.join(wait_s)
 
 
 def check_same_plan(fingerprint: str, layout: RankLayout, group: Any = None) -> None:

@@ -119,8 +119,23 @@ def _count_wire_bytes() -> dict:
     return wire
 
 
+def _report_group_left_at_exit(out: str) -> None:
+    """Write ``rank<R>.exit.json`` as the interpreter ends: whether the process group was
+    still there after tensorql's exit handler (registered later, so run earlier) ran."""
+    import atexit
+
+    import torch.distributed as dist
+
+    def report() -> None:
+        with open(os.path.join(out, f"rank{os.environ['RANK']}.exit.json"), "w") as f:
+            json.dump({"group_alive": dist.is_initialized()}, f)
+
+    atexit.register(report)
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2]
+    _report_group_left_at_exit(out)
     if names.startswith("file:"):
         return from_file(out, names[len("file:"):])
     if names.startswith("store:"):

@@ -63,6 +63,9 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
     for proc in done:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for r in range(world):  # tensorql joined the group, so it left it before the end
+        left = json.loads((tmp_path / f"rank{r}.exit.json").read_text())
+        assert left == {"group_alive": False}
     moved = 0
     for name in names.split(","):
         for seen in ranks:
@@ -145,6 +148,8 @@ def test_a_dead_rank_is_named_not_waited_for(tmp_path):
     assert done[0].returncode == 0, done[0].stderr[-3000:]
     seen = json.loads((tmp_path / "rank0.json").read_text())
     assert seen["mlp"]["error"] == "DistributedError"
+    # the survivor still leaves the group at exit (without waiting on the dead rank)
+    assert json.loads((tmp_path / "rank0.exit.json").read_text()) == {"group_alive": False}
     assert "rank 1" in seen["mlp"]["message"]
 
 
