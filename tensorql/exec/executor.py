@@ -41,6 +41,7 @@ from tensorql.exec.run_types import (
     first_contribution,
     record_task,
 )
+from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 
@@ -186,19 +187,33 @@ WIDE_TASK_FLOPS = 20_000_000
 MEMORY_BOUND_FACTOR = 100
 
 
+# A graph whose tasks average fewer estimated FLOPs than this (~0.1 ms of one core) runs in
+# the serial mode: a worker would spend about as long taking a task as running it.
+SERIAL_TASK_FLOPS = 1_000_000
+
+
 def _big(task: Task) -> bool:
     """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
     factor = MEMORY_BOUND_FACTOR if getattr(task.kernel, "memory_bound", False) else 1
     return task.flops * factor >= WIDE_TASK_FLOPS
 
 
-class Executor:
-    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads each."""
+EXECUTOR_MODES = ("auto", "threads", "serial")
 
-    def __init__(self, workers: int = 1, intra_op_threads: int = 1) -> None:
+
+class Executor:
+    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads
+    each (``mode="threads"``), or on the calling thread in one precomputed order
+    (``mode="serial"``, :mod:`tensorql.exec.serial`); ``mode="auto"`` picks per graph
+    (:meth:`runs_serially`)."""
+
+    def __init__(self, workers: int = 1, intra_op_threads: int = 1, mode: str = "auto") -> None:
+        if mode not in EXECUTOR_MODES:
+            raise ValueError(f"executor mode {mode!r}: one of {', '.join(EXECUTOR_MODES)}")
         self.workers = max(1, int(workers))
         self.intra_op_threads = max(1, int(intra_op_threads))
         self.all_threads = self.intra_op_threads * self.workers
+        self.mode = mode
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
@@ -214,6 +229,9 @@ class Executor:
         a retained chunk is released once ``sink`` has taken it (the run streams its result
         and ``outputs`` holds only chunks the sink never saw).
         """
+        if self.runs_serially(graph):
+            return run_serial(graph, progress, sink, destination, keep_outputs,
+                              threads=self.all_threads)
         state = _Run(graph, progress, sink, destination, keep_outputs)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
@@ -249,6 +267,28 @@ class Executor:
             )
         outputs = {ref: v for ref, v in state.values.items() if ref.step in graph.retain}
         return RunResult(outputs=outputs, stats=state.stats)
+
+    def runs_serially(self, graph: TaskGraph) -> bool:
+        """Whether ``graph`` runs in the serial mode (:mod:`tensorql.exec.serial`) on the
+        calling thread. ``mode="auto"`` (the default) picks it with one worker, or when the
+        graph's tasks are short on average (estimated
+        FLOPs below ``SERIAL_TASK_FLOPS`` a task: a LLaMA decoder's token, ~0.4 MFLOP), so
+        that handing each to a worker would cost about what a second worker could gain.
+
+        >>> tiny = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), None, flops=1000),))
+        >>> Executor(workers=2).runs_serially(tiny), Executor(workers=1).runs_serially(tiny)
+        (True, True)
+        """
+        if self.mode != "auto":
+            return self.mode == "serial"
+        if self.workers == 1:
+            return True
+        mean = graph.programs.get("mean-task-flops")
+        if mean is None:
+            weighted = sum(task.flops * (MEMORY_BOUND_FACTOR if getattr(
+                task.kernel, "memory_bound", False) else 1) for task in graph.tasks)
+            mean = graph.programs["mean-task-flops"] = weighted / max(1, len(graph.tasks))
+        return mean < SERIAL_TASK_FLOPS
 
     @staticmethod
     def _run_inline(state: _Run) -> None:

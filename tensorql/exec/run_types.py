@@ -53,9 +53,15 @@ class RunStats:
 
     wall_s: float = 0.0
     workers: int = 1
+    serial: bool = False  # run in the engine's serial mode, on the calling thread
     tasks: int = 0
     peak_live_bytes: int = 0
     steps: dict[int, StepStats] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        """How the run's tasks ran, for EXPLAIN ANALYZE: "2 worker(s)" or "1 thread (serial)"."""
+        return "1 thread (serial)" if self.serial else f"{self.workers} worker(s)"
 
     @property
     def bytes_read(self) -> int:

@@ -32,7 +32,7 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
     )
     if stats is not None:
         lines.append(
-            f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.workers} worker(s), "
+            f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
             f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} from "
             f"store, peak live chunks {format_bytes(stats.peak_live_bytes)}"
         )
@@ -136,7 +136,7 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
                  f"{format_bytes(predicted)} sent between devices")
     if stats is not None:
         moved = getattr(stats, "moved", None) or [[0] * n for _ in range(n)]
-        lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.workers} worker(s), "
+        lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
                      f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} "
                      f"from store, {format_bytes(sum(map(sum, moved)))} copied between devices")
         device_lines = getattr(stats, "device_lines", None)

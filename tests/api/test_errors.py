@@ -106,7 +106,9 @@ def test_kernel_failure_names_step(db):
     from tensorql.exec.taskgraph import TaskGraph
 
     with pytest.raises(tq.ExecutionError, match=r"Map relu failed on chunk \(0, 0\).*boom"):
-        Executor(2).run(TaskGraph(tasks, graph.retain, graph.step_names))
+        Executor(2, mode="threads").run(TaskGraph(tasks, graph.retain, graph.step_names))
+    with pytest.raises(tq.ExecutionError, match=r"Map relu failed on chunk \(0, 0\).*boom"):
+        Executor(2, mode="serial").run(TaskGraph(tasks, graph.retain, graph.step_names))
 
 
 def test_options_errors():

@@ -40,8 +40,10 @@ def test_store_streams_the_right_values(tmp_path, memory_limit):
         assert db.tensors() == ["A", "B", "C"]
 
 
-@pytest.mark.parametrize("executor", [Executor(workers=2), Runtime("cpu", 1 << 16)],
-                         ids=["executor", "runtime"])
+@pytest.mark.parametrize("executor", [Executor(workers=2, mode="threads"),
+                                      Executor(workers=2, mode="serial"),
+                                      Runtime("cpu", 1 << 16)],
+                         ids=["executor", "serial", "runtime"])
 def test_streamed_run_keeps_no_result_chunk(executor):
     rng = np.random.default_rng(1)
     db = tq.connect()

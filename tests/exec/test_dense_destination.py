@@ -56,13 +56,14 @@ class _Add:
         return acc.add_(partial)
 
 
-def test_executor_writes_retained_chunks_into_destinations():
+@pytest.mark.parametrize("mode", ["threads", "serial"])
+def test_executor_writes_retained_chunks_into_destinations(mode):
     dense = torch.zeros(2, 4)
     tiles = {(0,): dense[:, :2], (1,): dense[:, 2:]}
     tasks = tuple(Task(n, (), ChunkRef(0, (n % 2,)), _Add(float(n + 1))) for n in range(6))
     graph = TaskGraph(tasks=tasks, retain=frozenset({0}))
     sunk = {}
-    result = Executor(workers=2).run(graph, destination=lambda ref: tiles[ref.key],
+    result = Executor(workers=2, mode=mode).run(graph, destination=lambda ref: tiles[ref.key],
                                      sink=lambda ref, chunk: sunk.setdefault(ref.key, chunk))
     assert dense[:, :2].eq(1 + 3 + 5).all() and dense[:, 2:].eq(2 + 4 + 6).all()
     for key, chunk in result.outputs.items():

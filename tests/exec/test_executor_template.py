@@ -33,9 +33,9 @@ def test_runs_of_one_graph_share_a_template_and_start_fresh():
     graph = TaskGraph(tasks=(Task(0, (), a, _Const(1.0)), Task(1, (), b, _Const(2.0)),
                              Task(2, (a, b), c, _Sum()), Task(3, (a,), c, _Sum())),
                       retain=frozenset({2}))
-    first = Executor(workers=2).run(graph).outputs[c].item()
+    first = Executor(workers=2, mode="threads").run(graph).outputs[c].item()
     template = graph.programs["executor-template"]
-    second = Executor(workers=1).run(graph).outputs[c].item()
+    second = Executor(workers=1, mode="threads").run(graph).outputs[c].item()
     assert first == second == 4.0
     assert graph.programs["executor-template"] is template
     assert template.pending == {0: 0, 1: 0, 2: 2, 3: 1}  # not consumed by the runs
