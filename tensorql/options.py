@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, fields, replace
@@ -259,9 +260,10 @@ class Options:
             return self.process_memory_limit
         return int(physical_memory_bytes() * 0.8)
 
-    def dense_result_budget(self) -> int:
+    def dense_result_budget(self, system: bool = True) -> int:
         """Bytes a dense result may take: the process figure less the chunk cache, DuckDB's
-        memory and the CPU devices' budgets, and never more than the system has available.
+        memory and the CPU devices' budgets, and (unless ``system=False``) never more than
+        the system has available.
 
         >>> Options(process_memory_limit="8GiB").dense_result_budget() <= 6 * 2**30  # 8 - 1 - 1
         True
@@ -269,7 +271,8 @@ class Options:
         cpu_devices = sum(1 for d in device_names(self.devices) if d.startswith("cpu"))
         reserved = (self.chunk_cache_bytes + (self.store_memory_limit or 0)
                     + cpu_devices * (self.memory_limit or 0))
-        return max(0, min(self.process_memory_bytes - reserved, available_memory_bytes()))
+        budget = max(0, self.process_memory_bytes - reserved)
+        return min(budget, available_memory_bytes()) if system else budget
 
 
 def _meminfo(field: str) -> int | None:
@@ -283,8 +286,9 @@ def _meminfo(field: str) -> int | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def physical_memory_bytes() -> int:
-    """The machine's physical memory (``/proc/meminfo`` MemTotal, else sysconf)."""
+    """The machine's physical memory (``/proc/meminfo`` MemTotal, else sysconf; read once)."""
     total = _meminfo("MemTotal")
     if total is None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -597,6 +597,9 @@ def check_task_count(logical: LogicalNode) -> None:
             "tiles (tile=None picks them automatically) or rechunk them with db.store")
 
 
+SMALL_RESULT_BYTES = 16 << 20  # below this a result is checked against the process figure only
+
+
 def check_dense_fits(relation: Any, options: Options) -> None:
     """MemoryLimitError, before any allocation, when a dense result of ``relation`` (shape and
     dtype) is larger than :meth:`Options.dense_result_budget`.
@@ -610,6 +613,8 @@ def check_dense_fits(relation: Any, options: Options) -> None:
     tensorql.errors.MemoryLimitError: the result is 4.0 TiB (1048576x1048576 float32) ...
     """
     nbytes = math.prod(relation.shape) * itemsize(relation.dtype)
+    if nbytes <= SMALL_RESULT_BYTES and nbytes <= options.dense_result_budget(system=False):
+        return  # a small result: not worth reading /proc/meminfo on every run of a query
     budget = options.dense_result_budget()
     if nbytes > budget:
         shape = "x".join(map(str, relation.shape))
