@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from tensorql_kernels.optimizer_update import UPDATE_JOINS, optimizer_update
@@ -42,6 +43,62 @@ _JOIN = {
 
 # The joins' torch functions, for callers that apply them to aligned operands directly.
 ELEMENTWISE_JOINS = dict(_JOIN)
+
+
+@dataclass(frozen=True)
+class BroadcastJoin:
+    """A join with no aggregated label -- every operand's labels are output labels, none
+    repeated -- as the join's torch function folded over views of the operands broadcast to
+    the output's dims: no einsum call, no expanded copy. Planned once per kernel
+    (:meth:`plan`), applied to each chunk's operands.
+
+    >>> j = BroadcastJoin.plan([("b", "d"), ("b",)], ("b", "d"), "mul")
+    >>> j([torch.ones(2, 3), torch.tensor([2.0, 3.0])]).tolist()
+    [[2.0, 2.0, 2.0], [3.0, 3.0, 3.0]]
+    >>> BroadcastJoin.plan([("i", "j"), ("j", "k")], ("i", "k"), "mul") is None  # j aggregated
+    True
+    """
+
+    fn: Callable[..., torch.Tensor]
+    perms: tuple[tuple[int, ...] | None, ...]  # per operand: its dims in output order
+    present: tuple[tuple[bool, ...], ...]  # per operand, per output dim: whether it has it
+
+    @classmethod
+    def plan(cls, in_labels: Sequence[Labels], out_labels: Labels,
+             join: str) -> BroadcastJoin | None:
+        """The broadcast form of the join, or None when a label is aggregated or repeated
+        (or the join has no elementwise torch function)."""
+        fn = _JOIN.get(join)
+        out = tuple(out_labels)
+        if fn is None or len(in_labels) < 2 or len(set(out)) != len(out):
+            return None
+        covered: set[str] = set()
+        perms, present = [], []
+        for labels in in_labels:
+            labels = tuple(labels)
+            if len(set(labels)) != len(labels) or not set(labels) <= set(out):
+                return None
+            covered |= set(labels)
+            order = sorted(range(len(labels)), key=lambda i: out.index(labels[i]))
+            perms.append(None if order == list(range(len(labels))) else tuple(order))
+            present.append(tuple(label in labels for label in out))
+        if covered != set(out):
+            return None
+        return cls(fn, tuple(perms), tuple(present))
+
+    def __call__(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+        views = []
+        for x, perm, present in zip(operands, self.perms, self.present):
+            if perm is not None:
+                x = x.permute(perm)
+            if not all(present):
+                sizes = iter(x.shape)
+                x = x.reshape([next(sizes) if has else 1 for has in present])
+            views.append(x)
+        out = self.fn(views[0], views[1])
+        for view in views[2:]:
+            out = self.fn(out, view)
+        return out
 
 
 def diagonalize(x: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, tuple[str, ...]]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tensorql_kernels.chunk_einsum import ELEMENTWISE_JOINS, combine, contract_into, contract_to
+from tensorql_kernels.chunk_einsum import BroadcastJoin, combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
 from tensorql.dtypes import itemsize, torch_dtype
@@ -191,22 +191,16 @@ class ContractChunk:
         return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
 
     @functools.cached_property
-    def _elementwise(self):
-        """The torch function of a join whose operands all have the output's labels (or are
-        scalars): then the chunk einsum is that function folded over them, called directly."""
-        fn = ELEMENTWISE_JOINS.get(self.join)
-        if fn is None or len(self.in_labels) < 2 or not all(
-                labels in (self.out_labels, ()) for labels in self.in_labels):
-            return None
-        return fn
+    def _broadcast(self) -> BroadcastJoin | None:
+        """The join as a torch function over broadcast views, when no label is aggregated
+        (an elementwise join, a mask added to scores, a norm's scale applied to rows): then
+        the chunk einsum is that, called directly."""
+        return BroadcastJoin.plan(self.in_labels, self.out_labels, self.join)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        fn = self._elementwise
-        if fn is not None and acc is None:
-            values = self._cast(inputs)
-            out = fn(values[0], values[1])
-            for value in values[2:]:
-                out = fn(out, value)
+        join = self._broadcast
+        if join is not None and acc is None:
+            out = join(self._cast(inputs))
             dtype = torch_dtype(self.dtype)
             return out if out.dtype == dtype else out.to(dtype)
         return contract_into(acc, self._cast(inputs), self.in_labels, self.out_labels,
