@@ -40,6 +40,7 @@ from tensorql.logical.plan import (
     walk,
 )
 from tensorql.optimizer.plan import PartitionPlan
+from tensorql.physical.attention import AttentionGroup, attention_groups
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
@@ -152,29 +153,40 @@ class PhysicalPlan:
     def build(cls, root: LogicalNode, store: ChunkStore | None,
               max_temp_elems: int = 1 << 24, fuse_bytes: int | None = None,
               min_tasks: int = 4, also: tuple[LogicalNode, ...] = (),
-              fuse_pointwise: bool = True) -> PhysicalPlan:
+              fuse_pointwise: bool = True, fuse_attention: bool = True) -> PhysicalPlan:
         """The plan of ``root`` (and of ``also``, further results sharing its steps where
         their graphs do); contributions to one output chunk are grouped into series
         (see :class:`ContributionSeries`) of at most ``fuse_bytes`` of inputs, keeping at
-        least ``min_tasks`` tasks a step where there are that many contributions."""
+        least ``min_tasks`` tasks a step where there are that many contributions. Chains of
+        pointwise steps run as one step (``fuse_pointwise``), and so do attention chains,
+        softmax(q . k + mask) . v (``fuse_attention``, :mod:`tensorql.physical.attention`)."""
         builder = _Builder(store, max_temp_elems, fuse_bytes, min_tasks)
         nodes = walk(root, *also)
+        attention = attention_groups(nodes, (root, *also)) if fuse_attention else {}
+        in_attention = {id(m) for group in attention.values() for m in group.members[:-1]}
         fused = {id(n.input) for n in nodes if isinstance(n, Aggregate)
                  and isinstance(n.input, Join)} - {id(n) for n in (root, *also)}
-        groups = pointwise_groups(nodes, (root, *also), fused) if fuse_pointwise else {}
-        members = {id(m) for group in groups.values() for m in group[:-1]}
+        groups = (pointwise_groups(nodes, (root, *also), fused | in_attention)
+                  if fuse_pointwise else {})
+        members = {id(m) for group in groups.values() for m in group[:-1]} | in_attention
         for node in nodes:
-            if id(node) in groups:
+            if id(node) in attention:
+                builder.add_attention(attention[id(node)])
+            elif id(node) in groups:
                 builder.add_fused(groups[id(node)])
             elif id(node) not in fused and id(node) not in members:
                 builder.add(node)
         # a Join fused into its Aggregate answers for the same step
         for node in nodes:
-            if isinstance(node, Aggregate) and id(node.input) in fused:
+            if isinstance(node, Aggregate) and id(node.input) in fused \
+                    and id(node) not in in_attention:
                 builder.step_of[id(node.input)] = builder.step_of[id(node)]
         for group in groups.values():  # a fused member answers for its group's step
             for member in group[:-1]:
                 builder.step_of[id(member)] = builder.step_of[id(group[-1])]
+        for chain in attention.values():  # so does a member of an attention chain
+            for member in chain.members[:-1]:
+                builder.step_of[id(member)] = builder.step_of[id(chain.members[-1])]
         steps = builder.finish()
         return cls(root=root, steps=steps, step_of=builder.step_of, also=tuple(also))
 
@@ -404,6 +416,33 @@ class _Builder:
         self.steps.append(Step(sid, f"Pointwise {names}", tuple(group), tuple(tasks), flops,
                                bytes_in, root.relation.nbytes))
         self.step_of[id(root)] = sid
+
+    def add_attention(self, group: AttentionGroup) -> None:
+        """One step computing an attention chain, one task per output chunk reading the
+        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`)."""
+        sid = len(self.steps)
+        out = group.members[-1].relation
+        keys = group.k.relation
+        positions = keys.grid.shape[group.kernel.k.index(group.kernel.t[0])]
+        tasks, bytes_in, flops = [], 0, 0
+        for key in out.grid.keys():
+            block = dict(zip(out.labels, key))
+            inputs = []
+            for source, labels in zip(group.sources, group.source_labels):
+                source_key = tuple(block.get(label, 0) for label in labels)
+                inputs.append(self._ref(source, source_key))
+                bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
+                             * itemsize(source.relation.dtype))
+            q_key = tuple(block.get(label, 0) for label in group.kernel.q)
+            task_flops = 2 * positions * (math.prod(group.q.relation.grid.chunk_shape(q_key))
+                                          + math.prod(out.grid.chunk_shape(key)))
+            flops += task_flops
+            tasks.append(self._new_task(inputs, ChunkRef(sid, key), group.kernel, task_flops))
+        name = f"Attention softmax over [{group.kernel.t[0]}]" + (
+            " with mask" if group.mask is not None else "")
+        self.steps.append(Step(sid, name, group.members, tuple(tasks), flops, bytes_in,
+                               out.nbytes))
+        self.step_of[id(group.members[-1])] = sid
 
     def finish(self) -> tuple[Step, ...]:
         # Tasks without inputs (loads) run just before their first reader.
