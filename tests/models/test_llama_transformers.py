@@ -179,3 +179,24 @@ def test_decoder_under_a_memory_limit_streams_the_weights():
     for token in (3, 7):
         np.testing.assert_allclose(a.step([[token]]).numpy(), b.step([[token]]).numpy(),
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_prefill_plans_once_and_matches_transformers_prompt_after_prompt(limited):
+    model = hf_model("gqa")
+    db = tq.connect(memory_limit=weight_bytes(model) // 2 if limited else None)
+    ours = Llama.from_transformers(db, model)
+    prefill = ours.prefill(batch=2, seq=7)
+    rng = np.random.default_rng(5)
+    plans = set()
+    for _ in range(3):
+        ids = rng.integers(0, model.config.vocab_size, size=(2, 7))
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(ids)).logits
+        assert (prefill.logits(ids) - theirs).abs().max() <= 1e-4
+        plans.add(id(prefill.output.compile()))
+    assert len(plans) == 1  # one plan for every prompt of the shape
+    db.from_numpy("unrelated", np.zeros(3, dtype=np.float32))  # the store changed: re-planned
+    assert id(prefill.output.compile()) not in plans
+    with pytest.raises(tq.ShapeError, match=r"prompts of shape \(2, 7\)"):
+        prefill.logits(ids[:, :5])
