@@ -63,29 +63,19 @@ class _Template:
         cached = graph.programs.get("executor-template")
         if cached is not None:
             return cached
-        contributions = graph.contributions()
+        deps = graph.dependencies()
+        contributions = deps.contributions
         uses: dict[ChunkRef, int] = {}
-        waiting: dict[ChunkRef, list[Task]] = {}
-        pending: dict[int, int] = {}
-        ready = []
         for task in graph.tasks:
-            distinct = set(task.inputs)
             for ref in task.inputs:
                 uses[ref] = uses.get(ref, 0) + 1
-            for ref in distinct:
-                if ref not in contributions:
-                    raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
-                waiting.setdefault(ref, []).append(task)
-            pending[task.id] = len(distinct)
-            if not distinct:
-                ready.append((task.priority, task.id, task))
+        ready = [(task.priority, task.id, task) for task in deps.sources]
         inline = tuple(task for _, _, task in ready if getattr(task.kernel, "inline", False)
                        and contributions[task.output] == 1)
         ready = [entry for entry in ready if not (getattr(entry[2].kernel, "inline", False)
                                                   and contributions[entry[2].output] == 1)]
         heapq.heapify(ready)
-        template = cls(contributions, uses, {ref: tuple(ts) for ref, ts in waiting.items()},
-                       pending, tuple(ready), inline,
+        template = cls(contributions, uses, deps.readers, deps.pending, tuple(ready), inline,
                        collections.Counter(task.output.step for task in graph.tasks))
         graph.programs["executor-template"] = template
         return template

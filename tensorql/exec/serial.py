@@ -114,20 +114,10 @@ class SerialSchedule:
 
 def _order(graph: TaskGraph) -> list[Task]:
     """The tasks in the order one worker takes them: the most urgent ready task first."""
-    contributions = graph.contributions()
-    remaining = dict(contributions)
-    readers: dict[ChunkRef, list[Task]] = {}
-    pending: dict[int, int] = {}
-    ready: list[tuple[float, int, Task]] = []
-    for task in graph.tasks:
-        distinct = set(task.inputs)
-        for ref in distinct:
-            if ref not in contributions:
-                raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
-            readers.setdefault(ref, []).append(task)
-        pending[task.id] = len(distinct)
-        if not distinct:
-            ready.append((task.priority, task.id, task))
+    deps = graph.dependencies()
+    remaining = dict(deps.contributions)
+    pending = dict(deps.pending)
+    ready = [(task.priority, task.id, task) for task in deps.sources]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -135,7 +125,7 @@ def _order(graph: TaskGraph) -> list[Task]:
         order.append(task)
         remaining[task.output] -= 1
         if remaining[task.output] == 0:
-            for reader in readers.get(task.output, ()):
+            for reader in deps.readers.get(task.output, ()):
                 pending[reader.id] -= 1
                 if pending[reader.id] == 0:
                     heapq.heappush(ready, (reader.priority, reader.id, reader))

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorql.errors import ExecutionError
+
 
 @dataclass(frozen=True)
 class ChunkRef:
@@ -49,6 +51,17 @@ class Task:
     def is_source(self) -> bool:
         """True for a task without inputs: it reads data at rest (a store or a constant)."""
         return not self.inputs
+
+
+@dataclass(frozen=True)
+class Dependencies:
+    """A task graph's dependency structure (see :meth:`TaskGraph.dependencies`); the
+    dicts are shared: a run copies what it counts down."""
+
+    contributions: dict[ChunkRef, int]  # how many tasks write each chunk
+    readers: dict[ChunkRef, tuple[Task, ...]]  # the tasks reading each chunk, once each
+    pending: dict[int, int]  # by task id: how many distinct chunks it reads
+    sources: tuple[Task, ...]  # the tasks reading nothing
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,36 @@ class TaskGraph:
         for task in self.tasks:
             counts[task.output] = counts.get(task.output, 0) + 1
         return counts
+
+    def dependencies(self) -> Dependencies:
+        """Who writes and reads each chunk, and what each task waits for (made once per
+        graph); ExecutionError when a task reads a chunk no task writes.
+
+        >>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+        >>> deps = TaskGraph(tasks=(Task(0, (), a, None), Task(1, (a, a), b, None))).dependencies()
+        >>> deps.pending, [t.id for t in deps.sources]
+        ({0: 0, 1: 1}, [0])
+        """
+        cached = self.programs.get("dependencies")
+        if cached is not None:
+            return cached
+        contributions = self.contributions()
+        readers: dict[ChunkRef, list[Task]] = {}
+        pending: dict[int, int] = {}
+        sources = []
+        for task in self.tasks:
+            distinct = dict.fromkeys(task.inputs)
+            for ref in distinct:
+                if ref not in contributions:
+                    raise ExecutionError(f"task {task.id} reads chunk {ref} that no task writes")
+                readers.setdefault(ref, []).append(task)
+            pending[task.id] = len(distinct)
+            if not distinct:
+                sources.append(task)
+        deps = Dependencies(contributions, {ref: tuple(ts) for ref, ts in readers.items()},
+                            pending, tuple(sources))
+        self.programs["dependencies"] = deps
+        return deps
 
     def readers(self) -> dict[ChunkRef, list[Task]]:
         """The tasks reading each chunk (a task reading a chunk twice is listed once)."""
