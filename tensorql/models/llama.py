@@ -500,8 +500,10 @@ class Decoder:
     multi-output query). The weights are held in memory for the decoder's life unless the
     session has a ``memory_limit`` (then they stream from the store every token).
 
-    The new token attends to the cache plus its own keys/values placed at its position (the
-    cache holds zeros there, masked beyond it), so attention spans ``max_length`` positions.
+    The new token attends to the cache (zeros at its position and beyond, masked beyond it),
+    its own score added at its position and its own value weighted by the probability there
+    (:meth:`Llama._decode_block`), so attention spans ``max_length`` positions. The weights
+    are laid out for one-token products (see :func:`_matvec_layout`).
 
     >>> import tensorql as tq
     >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
