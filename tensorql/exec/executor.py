@@ -40,6 +40,7 @@ from tensorql.exec.run_types import (
     StepStats,
     first_contribution,
     record_task,
+    task_failure,
 )
 from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -182,10 +183,16 @@ MEMORY_BOUND_FACTOR = 100
 SERIAL_TASK_FLOPS = 1_000_000
 
 
+def _weighted_flops(task: Task) -> int:
+    """``task``'s estimated FLOPs in product-FLOP equivalents (elementwise kernels' scaled
+    by ``MEMORY_BOUND_FACTOR``)."""
+    factor = MEMORY_BOUND_FACTOR if getattr(task.kernel, "memory_bound", False) else 1
+    return task.flops * factor
+
+
 def _big(task: Task) -> bool:
     """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
-    factor = MEMORY_BOUND_FACTOR if getattr(task.kernel, "memory_bound", False) else 1
-    return task.flops * factor >= WIDE_TASK_FLOPS
+    return _weighted_flops(task) >= WIDE_TASK_FLOPS
 
 
 EXECUTOR_MODES = ("auto", "threads", "serial")
@@ -239,18 +246,11 @@ class Executor:
         finally:
             torch.set_num_threads(previous_threads)
         state.stats.wall_s = time.perf_counter() - start
-        for step_stats in state.stats.steps.values():
-            step_stats.first_start -= start
-            step_stats.last_end -= start
+        state.stats.rebase(start)
         if state.error is not None:
-            task = state.failed_task
-            name = graph.step_names.get(task.output.step, f"step {task.output.step}")
             if isinstance(state.error, TensorQLError):
                 raise state.error
-            raise ExecutionError(
-                f"{name} failed on chunk {task.output.key}: "
-                f"{type(state.error).__name__}: {state.error}"
-            ) from state.error
+            raise task_failure(graph, state.failed_task, state.error) from state.error
         if state.done_tasks != len(graph.tasks):
             raise ExecutionError(
                 f"deadlock: {len(graph.tasks) - state.done_tasks} task(s) never became ready"
@@ -275,9 +275,8 @@ class Executor:
             return True
         mean = graph.programs.get("mean-task-flops")
         if mean is None:
-            weighted = sum(task.flops * (MEMORY_BOUND_FACTOR if getattr(
-                task.kernel, "memory_bound", False) else 1) for task in graph.tasks)
-            mean = graph.programs["mean-task-flops"] = weighted / max(1, len(graph.tasks))
+            mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
+            graph.programs["mean-task-flops"] = mean
         return mean < SERIAL_TASK_FLOPS
 
     @staticmethod

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
+from tensorql.errors import ExecutionError
 from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.taskgraph import ChunkRef
 
 __all__ = ["ChunkDestination", "ChunkSink", "ProgressCallback", "RunResult", "RunStats",
-           "StepStats", "first_contribution", "record_task"]
+           "StepStats", "first_contribution", "record_task", "task_failure"]
 
 ChunkSink = Callable[[ChunkRef, torch.Tensor], None]
 # Where a retained chunk should be written: a preallocated tensor (e.g. a view of the dense
@@ -58,6 +59,12 @@ class RunStats:
     peak_live_bytes: int = 0
     steps: dict[int, StepStats] = field(default_factory=dict)
 
+    def rebase(self, start: float) -> None:
+        """Make the steps' first start and last end offsets from ``start`` (the run's)."""
+        for step in self.steps.values():
+            step.first_start -= start
+            step.last_end -= start
+
     @property
     def where(self) -> str:
         """How the run's tasks ran, for EXPLAIN ANALYZE: "2 worker(s)" or "1 thread (serial)"."""
@@ -90,6 +97,13 @@ def record_task(stats: RunStats, step: int, started: float, ended: float, bytes_
     st.bytes_in += bytes_in
     st.bytes_read += bytes_read
     return st
+
+
+def task_failure(graph: Any, task: Any, err: BaseException) -> ExecutionError:
+    """The error a run raises when ``task`` of ``graph`` failed with ``err``: its step and
+    chunk named (a TensorQLError the kernel raised is raised as it is, by the caller)."""
+    return ExecutionError(f"{graph.step_name(task.output.step)} failed on chunk "
+                          f"{task.output.key}: {type(err).__name__}: {err}")
 
 
 def first_contribution(kernel: Any, inputs: list[torch.Tensor],

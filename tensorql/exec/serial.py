@@ -45,6 +45,7 @@ from tensorql.exec.run_types import (
     RunStats,
     first_contribution,
     record_task,
+    task_failure,
 )
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
@@ -86,7 +87,7 @@ class SerialSchedule:
         for task in order:
             for ref in (*task.inputs, task.output):
                 slot.setdefault(ref, len(slot))
-        contributions = graph.contributions()
+        contributions = graph.dependencies().contributions
         # the position of the last task touching each chunk (its last reader, or its
         # last contribution when nothing reads it after that)
         last_touch: dict[ChunkRef, int] = {}
@@ -185,18 +186,13 @@ def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
     except TensorQLError:
         raise
     except Exception as err:
-        task = entry.task
-        name = graph.step_names.get(task.output.step, f"step {task.output.step}")
-        raise ExecutionError(f"{name} failed on chunk {task.output.key}: "
-                             f"{type(err).__name__}: {err}") from err
+        raise task_failure(graph, entry.task, err) from err
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
     stats.wall_s = time.perf_counter() - start
     stats.peak_live_bytes = peak
-    for step_stats in stats.steps.values():
-        step_stats.first_start -= start
-        step_stats.last_end -= start
+    stats.rebase(start)
     outputs = {entry.task.output: values[entry.output] for entry in schedule.tasks
                if entry.retained and entry.completes and values[entry.output] is not None}
     return RunResult(outputs=outputs, stats=stats)

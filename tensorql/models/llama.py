@@ -26,7 +26,7 @@ transformers' ``repeat_kv`` orders them) carries labels ``k`` (its key/value hea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -410,6 +410,32 @@ class Llama:
         return ids.astype(np.int64)
 
 
+class _TokenEmbeddings:
+    """The embeddings of a (batch, seq) block of token ids as an input of a query planned
+    once (:class:`Prefill`, :class:`Decoder`): a constant written in place for each block --
+    the table's rows gathered (a gather, not a one-hot product over the whole vocabulary) --
+    or, under a ``memory_limit``, a one-hot constant joined with the stored table, so the
+    table streams through the budget like every weight."""
+
+    def __init__(self, model: Llama, batch: int, seq: int) -> None:
+        db = model.db
+        limited = db.options.memory_limit is not None
+        self.onehot = torch.zeros((batch, seq, model.shape.vocab)) if limited else None
+        self.hidden = None if limited else torch.zeros(
+            (batch, seq, model.shape.d_model), dtype=model.embedding_table().dtype)
+        self.tensor = (einsum("vd,bsv->bsd", model._w("embed"), db.constant(self.onehot))
+                       if limited else db.constant(self.hidden))
+
+    def write(self, ids: np.ndarray, table: Callable[[], torch.Tensor]) -> None:
+        """Put the embeddings of ``ids`` (batch, seq) in place; ``table()`` gives the
+        embedding table when the rows are gathered."""
+        if self.hidden is not None:
+            self.hidden.copy_(table()[torch.from_numpy(ids)])
+        else:
+            self.onehot.zero_()
+            self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
+
+
 class Prefill:
     """The logits of prompts of one shape, (batch, seq) token ids, each a run of ONE query
     planned once: :meth:`Llama.logits` spelt over a constant for the prompt's embeddings
@@ -431,16 +457,11 @@ class Prefill:
 
     def __init__(self, model: Llama, batch: int, seq: int) -> None:
         s = model.shape
-        db = model.db
         self.model, self.batch, self.seq = model, int(batch), int(seq)
         if self.batch < 1 or self.seq < 1:
             raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
-        limited = db.options.memory_limit is not None
-        self.onehot = torch.zeros((self.batch, self.seq, s.vocab)) if limited else None
-        self.hidden = None if limited else torch.zeros(
-            (self.batch, self.seq, s.d_model), dtype=model.embedding_table().dtype)
-        x = (einsum("vd,bsv->bsd", model._w("embed"), db.constant(self.onehot)) if limited
-             else db.constant(self.hidden))
+        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        x = self.embeddings.tensor
         positions = list(range(self.seq))
         for layer in range(s.layers):
             x = model.block(x, layer, positions, model.keys_values(x, layer, positions))
@@ -452,11 +473,7 @@ class Prefill:
         if ids.shape != (self.batch, self.seq):
             raise ShapeError(f"this prefill takes prompts of shape ({self.batch}, {self.seq}); "
                              f"got {ids.shape}")
-        if self.hidden is not None:
-            self.hidden.copy_(self.model.embedding_table()[torch.from_numpy(ids)])
-        else:
-            self.onehot.zero_()
-            self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
+        self.embeddings.write(ids, self.model.embedding_table)
         return self.output.torch()
 
 
@@ -541,16 +558,11 @@ class Decoder:
         self.sin_p = torch.zeros((2, 1, s.head_dim))
         self.mask = torch.zeros((1, self.max_length))
         self.place = torch.zeros((1, self.max_length))
-        # the token's embedding row is looked up in the table (a gather, not a one-hot
-        # product over the whole vocabulary) and fed in as a constant; under a memory_limit
-        # the table streams through the budget instead: a one-hot row joined with it
-        limited = db.options.memory_limit is not None
-        self.table = None if limited else model.embedding_table()
-        self.onehot = torch.zeros((batch, 1, s.vocab)) if limited else None
-        self.hidden = None if limited else torch.zeros((batch, 1, s.d_model),
-                                                       dtype=self.table.dtype)
-        x = (einsum("vd,bsv->bsd", model._w("embed"), db.constant(self.onehot)) if limited
-             else db.constant(self.hidden))
+        # the token's embedding row, gathered from the table as it is now (the decoder
+        # holds the weights of its creation, so the table too)
+        self.embeddings = _TokenEmbeddings(model, batch, 1)
+        self.table = None if self.embeddings.hidden is None else model.embedding_table()
+        x = self.embeddings.tensor
         news = []
         for layer, buffer in enumerate(self.caches):
             new = model._keys_values(x, layer, db.constant(self.cos_p), db.constant(self.sin_p))
@@ -581,11 +593,7 @@ class Decoder:
         t = self.position
         if t >= self.max_length:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
-        if self.table is not None:
-            self.hidden[:, 0].copy_(self.table[torch.from_numpy(ids[:, 0])])
-        else:
-            self.onehot.zero_()
-            self.onehot[np.arange(ids.shape[0]), 0, ids[:, 0]] = 1.0
+        self.embeddings.write(ids, lambda: self.table)
         cos, sin = (torch.from_numpy(v) for v in rope_tables(self.model.shape, [t]))
         self.cos.copy_(cos)
         self.sin.copy_(sin)

@@ -60,6 +60,11 @@ class AttentionChunk:
     scale: float = 1.0  # the scores' factor (a Map scale on the product)
 
     @property
+    def input_labels(self) -> tuple[Labels, ...]:
+        """The labels of each input, in the order ``run`` takes them."""
+        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+
+    @property
     def groups(self) -> Labels:
         """Query-only labels the mask does not have (a GQA head's query group): with the
         N labels they make the query heads, each reading the keys/values of its N index
@@ -139,11 +144,6 @@ class AttentionGroup:
     @property
     def sources(self) -> tuple[LogicalNode, ...]:
         return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
-
-    @property
-    def source_labels(self) -> tuple[Labels, ...]:
-        kernel = self.kernel
-        return (kernel.q, kernel.k, kernel.v) + ((kernel.mask,) if kernel.mask else ())
 
 
 def attention_groups(nodes: list[LogicalNode],
@@ -266,8 +266,7 @@ def _tiles_agree(out: LogicalNode, kernel: AttentionChunk,
     """Whether each source's tiles along the output's labels are the output's (so one
     chunk of each source feeds one output chunk); the softmax label is whole everywhere."""
     tile = dict(zip(out.relation.labels, out.relation.grid.tile))
-    labels_of = (kernel.q, kernel.k, kernel.v) + ((kernel.mask,) if kernel.mask else ())
-    for src, labels in zip(sources, labels_of):
+    for src, labels in zip(sources, kernel.input_labels):
         for label, size in zip(labels, src.relation.grid.tile):
             if label in tile and tile[label] != size:
                 return False

@@ -428,7 +428,7 @@ class _Builder:
         for key in out.grid.keys():
             block = dict(zip(out.labels, key))
             inputs = []
-            for source, labels in zip(group.sources, group.source_labels):
+            for source, labels in zip(group.sources, group.kernel.input_labels):
                 source_key = tuple(block.get(label, 0) for label in labels)
                 inputs.append(self._ref(source, source_key))
                 bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
