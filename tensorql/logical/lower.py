@@ -118,13 +118,18 @@ def _lower_reshape(node: ReshapeOp, child: LogicalNode) -> LogicalNode:
     return Reshape(relation=rel, input=child, layout=lay)
 
 
+SOFTMAX_CHUNK_ELEMS = 1 << 21  # 8 MiB of float32
+
+
 def _lower_softmax(node: SoftmaxOp, child: LogicalNode) -> LogicalNode:
     """``Softmax(child)``, the child retiled so that each chunk holds the whole axis."""
     rel = child.relation
     if 0 in node.shape:  # no elements: nothing to normalise
         return _constant_scan(torch.empty(node.shape, dtype=torch_dtype(node.dtype)), node.dtype)
     tile = list(rel.grid.tile)
-    target = max(math.prod(tile), rel.shape[node.axis])  # chunks about as big as before
+    # the other dims keep their tiles while chunks stay within SOFTMAX_CHUNK_ELEMS (or as big
+    # as before): an attention's rows of keys made whole keep its query blocks
+    target = max(math.prod(tile), rel.shape[node.axis], SOFTMAX_CHUNK_ELEMS)
     tile[node.axis] = rel.shape[node.axis]
     while math.prod(tile) > target:
         widest = max((d for d in range(len(tile)) if d != node.axis), key=lambda d: tile[d])
@@ -167,7 +172,7 @@ def _operands(op: EinsumOp,
         for n, (op_labels, squeeze) in enumerate(zip(spec.inputs, spec.squeezed))
     ]
     tiles = _choose_tiles(children, labels)
-    return [(_retile(child, lab, tiles), lab) for child, lab in zip(children, labels)], tiles
+    return [(retile(child, lab, tiles), lab) for child, lab in zip(children, labels)], tiles
 
 
 def contraction_paths(root: Node) -> list[tuple[EinsumOp, PathInfo]]:
@@ -217,7 +222,9 @@ def _choose_tiles(children: list[LogicalNode], labels: list[tuple[str, ...]]) ->
     return tiles
 
 
-def _retile(child: LogicalNode, labels: tuple[str, ...], tiles: dict[str, int]) -> LogicalNode:
+def retile(child: LogicalNode, labels: tuple[str, ...], tiles: dict[str, int]) -> LogicalNode:
+    """``child`` (its dims named ``labels``) on tiles ``tiles[label]``: itself when already
+    so, a constant's scan on the new tiles, else a ``Rekey``."""
     wanted = tuple(tiles[lab] for lab in labels)
     grid = child.relation.grid
     if ChunkGrid(grid.shape, wanted) == grid:

@@ -11,6 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensorql as tq
+from tensorql.einsum.graph import SoftmaxOp, Source
+from tensorql.grid import ChunkGrid
+from tensorql.logical.lower import SOFTMAX_CHUNK_ELEMS, lower
 
 
 @st.composite
@@ -39,7 +42,8 @@ def test_softmax_is_one_step_holding_the_whole_axis():
     with tq.connect() as db:
         a = db.from_numpy("A", x, tile=(16, 16))
         text = a.softmax(1).explain()
-        assert "Softmax over [d1]" in text and "grid 16x1 of 4x48" in text  # <= 16x16 chunks
+        # rows made whole, row blocks kept: 16x48 chunks are within SOFTMAX_CHUNK_ELEMS
+        assert "Softmax over [d1]" in text and "grid 4x1 of 16x48" in text
         assert "Aggregate" not in text
         masked = np.triu(np.full((64, 48), -1e9, np.float32), 1)
         m = db.from_numpy("M", masked, tile=(16, 16))
@@ -90,3 +94,17 @@ def test_softmax_gradients_match_autograd(devices):
         (((xt @ wt).softmax(-1) * 3).sum() + ((xt @ wt).log_softmax(0) ** 2).sum()).backward()
         np.testing.assert_allclose(ga.numpy(), xt.grad.numpy(), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(gb.numpy(), wt.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_softmax_chunks_stay_within_the_larger_of_before_and_the_cap():
+    """Whole rows of a big axis: the row blocks halve until a chunk holds at most
+    SOFTMAX_CHUNK_ELEMS elements, or as many as before when they held more."""
+    rows, axis = 4096, 2048
+    stored = Source(shape=(rows, axis), dtype="float32", name="A",
+                    grid=ChunkGrid((rows, axis), (2048, 256)))
+    plan = lower(SoftmaxOp(shape=(rows, axis), dtype="float32", operand=stored, axis=1))
+    assert plan.relation.grid.tile == (SOFTMAX_CHUNK_ELEMS // axis, axis)
+    bigger = Source(shape=(rows, axis), dtype="float32", name="B",
+                    grid=ChunkGrid((rows, axis), (2048, 1024)))  # 2M elements a chunk
+    plan = lower(SoftmaxOp(shape=(rows, axis), dtype="float32", operand=bigger, axis=1))
+    assert plan.relation.grid.tile == (1024, axis)
