@@ -2,14 +2,18 @@
 one fused chunk kernel per output chunk.
 
 The logical plan spells attention as four relational steps -- the scores (an aggregate of
-q joined with k), an optional additive mask (a join), a softmax over the key label, and the
-weighted values (an aggregate of the probabilities joined with v) -- each materialising a
-(queries x keys) relation per head. Where that chain stands alone (every intermediate read
-only by the next step, all in one chunk along the key and head-dim labels), the physical
+q joined with k), an optional additive mask (a join), a softmax over the key label (its
+input retiled to whole rows of keys), and the weighted values (an aggregate of the
+probabilities joined with v) -- each materialising a (queries x keys) relation per head.
+Where that chain stands alone (every intermediate read only by the next step), the physical
 planner runs it as one :class:`AttentionChunk` task per output chunk, which calls torch's
 ``scaled_dot_product_attention``: no scores relation in memory, one pass instead of four.
-A 512-token LLaMA layer's attention (12 heads, GQA 12/4): 16 ms as four steps, ~6 ms fused
-(2 threads, this repository's AMD host).
+A task reads its block of queries (q retiled to the output's blocks when they differ) and
+every block of keys, values and mask along the keys, joined in the kernel -- except the
+key blocks its mask hides from all its queries (a causal mask's keys after the block's
+last query), which it leaves out. A 512-token LLaMA layer's attention (12 heads, GQA 12/4):
+16 ms as four steps, ~6 ms fused (2 threads, this repository's AMD host), and ~3/4 of that
+with the prompt in two blocks of queries, the first skipping the later keys.
 
 The chain is recognised by labels alone (no model knowledge): ``N`` labels in q, k and v
 (batch, key/value head), ``S`` labels only in q (query positions, query groups), ``E`` the
@@ -35,10 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from tensorql.dtypes import torch_dtype
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Softmax
+from tensorql.logical.lower import retile
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Softmax
 
 Labels = tuple[str, ...]
 _FLOATS = ("float32", "float64")
+MASKED_OUT = -1e9  # a mask entry at or below this hides its key (see AttentionChunk._seen)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,11 +64,44 @@ class AttentionChunk:
     v_only: Labels
     dtype: str
     scale: float = 1.0  # the scores' factor (a Map scale on the product)
+    key_blocks: int = 1  # chunks of k, v (and the mask) along the softmax label, per task
 
     @property
     def input_labels(self) -> tuple[Labels, ...]:
-        """The labels of each input, in the order ``run`` takes them."""
+        """The labels of each source (q, k, v, then the mask if any); ``run`` takes q, then
+        ``key_blocks`` chunks of each other source in key order."""
         return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+
+    def _keys_whole(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``inputs`` as one tensor per source: each source's key chunks joined along the
+        softmax label (a copy of k and v, small next to the scores it saves), leaving out
+        the key blocks the mask hides from every query of this chunk (:meth:`_seen`)."""
+        m = self.key_blocks
+        if m == 1:
+            return list(inputs)
+        sources = [inputs[1 + n * m:1 + (n + 1) * m] for n in range(len(self.input_labels) - 1)]
+        seen = self._seen(sources[2]) if self.mask is not None else range(m)
+        whole = [inputs[0]]
+        for blocks, labels in zip(sources, self.input_labels[1:]):
+            kept = [blocks[b] for b in seen]
+            whole.append(kept[0] if len(kept) == 1 else
+                         torch.cat(kept, dim=labels.index(self.t[0])))
+        return whole
+
+    def _seen(self, masks: Sequence[torch.Tensor]) -> list[int]:
+        """The key blocks to attend to: all but those whose mask is at most ``MASKED_OUT``
+        everywhere (under a causal mask, the keys after the chunk's last query), provided
+        every query still sees some key in the rest -- their scores then weigh exactly 0
+        (exp of a score that far below the row's maximum underflows in float32 and float64
+        for any score under 1e8 in size), so leaving them out changes no result. Decided at
+        run time: a constant mask may be rewritten between runs (a decoder's is)."""
+        hidden = [bool((mask <= MASKED_OUT).all()) for mask in masks]
+        seen = [b for b, h in enumerate(hidden) if not h]
+        if not seen or len(seen) == len(masks):
+            return list(range(len(masks)))
+        key_dim = self.mask.index(self.t[0])
+        visible = torch.stack([masks[b].amax(dim=key_dim) for b in seen]).amax(dim=0)
+        return seen if bool((visible > MASKED_OUT).all()) else list(range(len(masks)))
 
     @property
     def groups(self) -> Labels:
@@ -78,6 +117,7 @@ class AttentionChunk:
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         dtype = torch_dtype(self.dtype)
+        inputs = self._keys_whole(inputs)
         q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in inputs[:3])
         sizes = dict(zip(self.q, q.shape)) | dict(zip(self.k, k.shape)) | dict(zip(self.v,
                                                                                   v.shape))
@@ -205,8 +245,12 @@ def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
     t = (p_labels[soft.relation.labels.index(soft.label)],)
     if tuple(out.over) != t:
         return None
-    # scores (perhaps scaled), with the mask added where there is one
-    scores, add, mask, mask_labels = soft.input, None, None, None
+    # scores (perhaps scaled), with the mask added where there is one; a retiling of them
+    # for the softmax (whole rows of keys) is never made: the fused step has no scores
+    scores, rekey = soft.input, None
+    if isinstance(scores, Rekey):
+        rekey, scores = scores, scores.input
+    add, mask, mask_labels = None, None, None
     if isinstance(scores, Join) and scores.join == "add" and len(scores.sources) == 2:
         add = scores
         firsts = [k for k, src in enumerate(add.sources) if _scaled_product(src) is not None
@@ -223,7 +267,8 @@ def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
         return None
     (qk_agg, qk_join), scale_map = scaled
     chain = ([qk_join, qk_agg] + ([scale_map] if scale_map is not None else [])
-             + ([add] if add is not None else []) + [soft, pv_join])
+             + ([add] if add is not None else []) + ([rekey] if rekey is not None else [])
+             + [soft, pv_join])
     if any(readers.get(id(node), 0) != 1 for node in chain):
         return None  # an intermediate read elsewhere (e.g. kept for a gradient) stays
     rename = dict(zip(qk_agg.relation.labels, p_labels))
@@ -243,34 +288,32 @@ def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
     if any(src.relation.dtype not in _FLOATS for src in sources) or \
             out.relation.dtype not in _FLOATS:
         return None
-    if not _one_chunk_along(q, q_labels, e) or not _one_chunk_along(k, k_labels, (*e, *t)) \
-            or not _one_chunk_along(v, v_labels, t) \
-            or (mask is not None and not _one_chunk_along(mask, mask_labels, t)):
-        return None
+    labels = (q_labels, k_labels, v_labels) + ((mask_labels,) if mask is not None else ())
+    sources = [_fed(src, lab, out, e, t[0], k, k_labels) for src, lab in zip(sources, labels)]
     kernel = AttentionChunk(q=q_labels, k=k_labels, v=v_labels, mask=mask_labels,
                             out=out.relation.labels, n=n, s=s, e=e, t=t, v_only=v_only,
                             dtype=out.relation.dtype,
-                            scale=scale_map.scalar if scale_map is not None else 1.0)
-    if not _tiles_agree(out, kernel, sources):
-        return None
+                            scale=scale_map.scalar if scale_map is not None else 1.0,
+                            key_blocks=sources[1].relation.grid.blocks[k_labels.index(t[0])])
+    q, k, v = sources[:3]
+    mask = sources[3] if mask is not None else None
     return AttentionGroup(tuple(chain + [out]), q, k, v, mask, kernel)
 
 
-def _one_chunk_along(node: LogicalNode, labels: Sequence[str], whole: Labels) -> bool:
-    grid = node.relation.grid
-    return all(grid.blocks[list(labels).index(label)] == 1 for label in whole)
-
-
-def _tiles_agree(out: LogicalNode, kernel: AttentionChunk,
-                 sources: Sequence[LogicalNode]) -> bool:
-    """Whether each source's tiles along the output's labels are the output's (so one
-    chunk of each source feeds one output chunk); the softmax label is whole everywhere."""
-    tile = dict(zip(out.relation.labels, out.relation.grid.tile))
-    for src, labels in zip(sources, kernel.input_labels):
-        for label, size in zip(labels, src.relation.grid.tile):
-            if label in tile and tile[label] != size:
-                return False
-    return True
+def _fed(source: LogicalNode, labels: Labels, out: LogicalNode, e: Labels, key: str,
+         k: LogicalNode, k_labels: Labels) -> LogicalNode:
+    """``source`` (its dims named ``labels``) on the tiles the fused step reads it in: the
+    output's tiles along the output's labels (one chunk of it feeds one output chunk), the
+    head dim ``e`` whole, and along the keys ``key`` the tiles of k (a task takes every
+    chunk along the keys of k, v and the mask, in the same blocks). Already so, it is
+    itself; else a ``Rekey`` (or a constant's scan on those tiles) that the planner adds."""
+    out_tile = dict(zip(out.relation.labels, out.relation.grid.tile))
+    shape = dict(zip(labels, source.relation.shape))
+    tiles = {label: (out_tile[label] if label in out_tile else shape[label] if label in e
+                     else k.relation.grid.tile[k_labels.index(key)] if label == key
+                     else tile)
+             for label, tile in zip(labels, source.relation.grid.tile)}
+    return retile(source, labels, tiles)
 
 
 __all__ = ["AttentionChunk", "AttentionGroup", "attention_groups"]

@@ -419,20 +419,28 @@ class _Builder:
 
     def add_attention(self, group: AttentionGroup) -> None:
         """One step computing an attention chain, one task per output chunk reading the
-        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`)."""
+        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`).
+        A source the chain reads on other tiles than its producer's comes first (a Rekey)."""
+        for source in group.sources:
+            if id(source) not in self.step_of:
+                self.add(source)
         sid = len(self.steps)
         out = group.members[-1].relation
         keys = group.k.relation
         positions = keys.grid.shape[group.kernel.k.index(group.kernel.t[0])]
         tasks, bytes_in, flops = [], 0, 0
+        key_label = group.kernel.t[0]
         for key in out.grid.keys():
             block = dict(zip(out.labels, key))
             inputs = []
-            for source, labels in zip(group.sources, group.kernel.input_labels):
-                source_key = tuple(block.get(label, 0) for label in labels)
-                inputs.append(self._ref(source, source_key))
-                bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
-                             * itemsize(source.relation.dtype))
+            for n, (source, labels) in enumerate(zip(group.sources, group.kernel.input_labels)):
+                # q's chunk, then every chunk along the keys of k, v and the mask
+                for kb in range(1 if n == 0 else group.kernel.key_blocks):
+                    source_key = tuple(kb if label == key_label and n > 0
+                                       else block.get(label, 0) for label in labels)
+                    inputs.append(self._ref(source, source_key))
+                    bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
+                                 * itemsize(source.relation.dtype))
             q_key = tuple(block.get(label, 0) for label in group.kernel.q)
             task_flops = 2 * positions * (math.prod(group.q.relation.grid.chunk_shape(q_key))
                                           + math.prod(out.grid.chunk_shape(key)))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tensorql as tq
+import tensorql.logical.lower as lower_module
 from tensorql.api.einsum import einsum
 from tensorql.models import attention, llama_block
 
@@ -83,3 +84,81 @@ def test_chains_that_must_stay_apart_are_not_fused():
     want = (torch.softmax(q.torch() @ k.torch().T, -1) @ v.torch()
             + torch.softmax(q.torch() @ k.torch().T, -1).sum(-1, keepdim=True))
     torch.testing.assert_close(both.torch(), want, rtol=1e-5, atol=1e-5)
+
+
+def _causal(s, t):
+    return np.triu(np.full((s, t), -1e9, dtype=np.float32), t - s + 1)
+
+
+def _reference(q, k, v, mask):
+    scores = torch.einsum("bhse,bhte->bhst", *map(torch.from_numpy, (q, k)))
+    return torch.softmax(scores + torch.from_numpy(mask), -1) @ torch.from_numpy(v)
+
+
+def test_keys_in_several_chunks_are_one_step_and_hidden_blocks_are_left_out():
+    """Keys, values and mask cut along the keys (as a prompt cut into row blocks makes them):
+    still one fused step, each task reading every key block; under a causal mask a query
+    block skips the key blocks after it, and the result is the same."""
+    rng = np.random.default_rng(14)
+    db = tq.connect()
+    b, h, s, e = 1, 2, 96, 8
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    tile = (1, 1, 32, e)
+    scores = einsum("bhse,bhte->bhst", db.constant(q, tile=tile), db.constant(k, tile=tile))
+    scores = scores + db.constant(_causal(s, s), tile=(32, 32))
+    out = einsum("bhst,bhte->bhse", scores.softmax(-1), db.constant(v, tile=tile))
+    plan = out.compile().physical
+    assert not any(step.name.startswith("Softmax") for step in plan.steps)
+    (fused,) = [step for step in plan.steps if step.name.startswith("Attention")]
+    assert len(fused.tasks) == b * h * 3
+    kernel = fused.tasks[0].kernel
+    assert kernel.key_blocks == 3 and len(fused.tasks[0].inputs) == 1 + 3 * 3
+    masks = [torch.from_numpy(_causal(s, s)[32 * n:32 * n + 32, 32 * m:32 * m + 32])
+             for n in range(3) for m in range(3)]
+    assert [kernel._seen(masks[3 * n:3 * n + 3]) for n in range(3)] == [[0], [0, 1], [0, 1, 2]]
+    torch.testing.assert_close(out.torch(), _reference(q, k, v, _causal(s, s)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_query_row_hidden_everywhere_keeps_every_key_block():
+    """A query row masked out entirely gets torch's answer (the mean of the values, every key
+    weighing alike), so no key block may be left out of its chunk."""
+    rng = np.random.default_rng(15)
+    db = tq.connect()
+    b, h, s, e = 1, 1, 64, 4
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    mask = _causal(s, s)
+    mask[3, :] = -1e9  # row 3 sees nothing
+    tile = (1, 1, 32, e)
+    scores = einsum("bhse,bhte->bhst", db.constant(q, tile=tile), db.constant(k, tile=tile))
+    scores = scores + db.constant(mask, tile=(32, 32))
+    out = einsum("bhst,bhte->bhse", scores.softmax(-1), db.constant(v, tile=tile))
+    (fused,) = [step for step in out.compile().physical.steps
+                if step.name.startswith("Attention")]
+    kernel = fused.tasks[0].kernel
+    assert kernel._seen([torch.from_numpy(mask[:32, :32]),
+                         torch.from_numpy(mask[:32, 32:])]) == [0, 1]
+    torch.testing.assert_close(out.torch(), _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_queries_on_other_tiles_than_the_output_are_retiled_into_the_step(monkeypatch):
+    """The output's query blocks (set by the softmax's tiles, here cut to chunks of at most
+    1024 elements) differ from q's: q is cut to the output's blocks first (a Rekey step) and
+    the chain still runs fused."""
+    monkeypatch.setattr(lower_module, "SOFTMAX_CHUNK_ELEMS", 1024)
+    rng = np.random.default_rng(16)
+    db = tq.connect()
+    b, h, s, e = 1, 2, 64, 8
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    queries = db.constant(q, tile=(1, 1, 64, e)) * 2.0  # computed: retiled by a copy
+    scores = einsum("bhse,bhte->bhst", queries, db.constant(k, tile=(1, 1, 16, e)))
+    probs = (scores + db.constant(_causal(s, s), tile=(16, 64))).softmax(-1)
+    out = einsum("bhst,bhte->bhse", probs, db.constant(v, tile=(1, 1, 16, e)))
+    steps = out.compile().physical.steps
+    fused = [step for step in steps if step.name.startswith("Attention")]
+    assert len(fused) == 1 and not any(step.name.startswith("Softmax") for step in steps)
+    assert len(fused[0].tasks) == b * h * (s // 16)  # the output's query blocks
+    q_ref = fused[0].tasks[0].inputs[0]
+    assert steps[q_ref.step].name.startswith("Rekey")
+    torch.testing.assert_close(out.torch(), _reference(2 * q, k, v, _causal(s, s)),
+                               rtol=1e-5, atol=1e-5)
