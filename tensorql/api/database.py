@@ -288,11 +288,13 @@ class Database:
         return [self.tensor(name) for name in names]
 
     # -- expressions ------------------------------------------------------------------
-    def constant(self, value: Any) -> Tensor:
-        """An in-memory literal usable in expressions (not stored)."""
+    def constant(self, value: Any, tile: Sequence[int] | None = None) -> Tensor:
+        """An in-memory literal usable in expressions (not stored), in chunks of ``tile``
+        (default: automatic tiles of ``Options.tile_target_elems`` elements)."""
         if isinstance(value, Tensor):
             return value
-        return Tensor(constant_node(value, self.options.tile_target_elems), self)
+        return Tensor(constant_node(value, self.options.tile_target_elems,
+                                    None if tile is None else _tile_sizes(tile)), self)
 
     def explain_node(self, node: Node, analyze: bool = False, stage: str | None = None) -> str:
         return CompiledQuery.compile(node, self).explain(analyze=analyze, stage=stage)

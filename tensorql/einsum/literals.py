@@ -13,6 +13,7 @@ Both faces (the Python API and SQL) turn arrays into constants the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -57,11 +58,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def constant_node(value: Any, tile_target_elems: int = 1 << 20) -> Constant:
-    """A ``Constant`` holding ``value`` (torch tensor, numpy array or Python scalars/lists).
+def constant_node(value: Any, tile_target_elems: int = 1 << 20,
+                  tile: Sequence[int] | None = None) -> Constant:
+    """A ``Constant`` holding ``value`` (torch tensor, numpy array or Python scalars/lists),
+    chunked on ``tile`` (default: automatic tiles of about ``tile_target_elems`` elements).
 
     Python floats become float32 (as in torch); numpy arrays keep their dtype. Read-only numpy
     arrays are copied, so torch never sees a non-writable buffer.
+
+    >>> constant_node(np.zeros((4, 6)), tile=(2, 6)).grid.blocks
+    (2, 1)
     """
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
@@ -73,5 +79,11 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20) -> Constant:
             array = array.copy(order="C")
         data = torch.from_numpy(array)
     dtype = canonical_dtype(data.dtype)
-    grid = ChunkGrid(tuple(data.shape), auto_tile(data.shape, tile_target_elems))
+    if tile is None:
+        tile = auto_tile(data.shape, tile_target_elems)
+    elif len(tile) != data.ndim or any(int(t) < 1 for t in tile):
+        raise ShapeError(f"tile {tuple(tile)} does not fit a constant of shape "
+                         f"{tuple(data.shape)}: one tile size >= 1 per dimension")
+    grid = ChunkGrid(tuple(data.shape), tuple(min(int(t), max(1, n))
+                                              for t, n in zip(tile, data.shape)))
     return Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid)

@@ -57,6 +57,14 @@ def test_bad_tiles_are_refused_before_storing(db, tile, words):
     assert db.tensors() == []
 
 
+@pytest.mark.parametrize("tile, words", [("ab", "sequence of positive integers"),
+                                         ((0, 2), "tiles must be >= 1"),
+                                         ((2,), "one tile size >= 1 per dimension")])
+def test_bad_constant_tiles_name_the_problem(db, tile, words):
+    with pytest.raises(tq.ShapeError, match=words):
+        db.constant(np.ones((4, 2), np.float32), tile=tile)
+
+
 def test_bool_times_int32_with_tiled_aggregated_label(db):
     rng = np.random.default_rng(0)
     b = rng.random((5, 6)) > 0.5

@@ -208,3 +208,14 @@ def test_a_constant_is_scanned_in_the_tiles_its_reader_wants(db):
     assert "Rekey" not in text and "Scan <constant>  (d0,d1) 8x10 float64 grid 2x1 of 4x10" in text
     np.testing.assert_array_equal(expr.numpy(), np.arange(48.0).reshape(6, 8)
                                   @ np.arange(80.0).reshape(8, 10))
+
+
+def test_a_constant_in_tiles_of_ones_own_choosing(db):
+    """``db.constant(value, tile=...)``: its chunks are the given tiles (cut to the shape),
+    and a product over it runs one task per chunk of them."""
+    x = np.arange(24.0, dtype=np.float32).reshape(4, 6)
+    c = db.constant(x, tile=(2, 100))
+    assert c.node.grid.tile == (2, 6) and c.node.grid.blocks == (2, 1)
+    expr = c * 2.0
+    assert len(expr.compile().physical.steps[-1].tasks) == 2
+    np.testing.assert_array_equal(expr.numpy(), x * 2.0)
