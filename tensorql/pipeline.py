@@ -36,6 +36,7 @@ from tensorql.exec.distributed import (
     join_process_group,
     share_results,
 )
+from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback, RunStats
@@ -278,7 +279,7 @@ class DenseResults:
                                  f"{tuple(buffer.shape)} {buffer.dtype}, the result "
                                  f"{tuple(rel.shape)} {dtype} (contiguous, on the CPU)")
             if buffer is None:
-                buffer = torch.empty(rel.shape, dtype=dtype)
+                buffer = empty_result(rel.shape, dtype)
             self._outs.setdefault(step.id, (rel, buffer))
         self.tensors = [self._outs[step.id][1] for step in steps]
 
@@ -329,7 +330,7 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     result = runtime.run(graph, progress=progress)
     step = query.physical.result_step
     rel = step.relation
-    out = torch.empty(rel.shape, dtype=torch_dtype(rel.dtype))
+    out = empty_result(rel.shape, torch_dtype(rel.dtype))
 
     def place(ref: Any, chunk: torch.Tensor) -> None:
         out[rel.grid.slices(ref.key)] = chunk

@@ -17,6 +17,7 @@ import torch
 
 from tensorql.dtypes import torch_dtype
 from tensorql.errors import ExecutionError
+from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
 from tensorql.grid import ChunkGrid, Key
 from tensorql.physical.planner import PhysicalPlan
@@ -24,7 +25,7 @@ from tensorql.physical.planner import PhysicalPlan
 
 def assemble(grid: ChunkGrid, dtype: str, chunks: dict[Key, torch.Tensor]) -> torch.Tensor:
     """One dense tensor of ``grid``'s shape from its chunks by key."""
-    out = torch.empty(grid.shape, dtype=torch_dtype(dtype))
+    out = empty_result(grid.shape, torch_dtype(dtype))
     for key, chunk in chunks.items():
         out[grid.slices(key)] = chunk
     return out

@@ -46,3 +46,29 @@ def test_a_query_run_again_reuses_its_chunk_memory():
     tuned = _faults_per_run("1")
     assert untuned > 2000, untuned  # the workload does allocate what the test is about
     assert tuned < untuned / 6, (tuned, untuned)
+
+
+def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
+    """A result of HUGE_RESULT_BYTES or more is a mapping of its own (advised onto huge
+    pages): its values are the product's, and a numpy array over it keeps it alive; a small
+    one is an ordinary tensor."""
+    import gc
+
+    import numpy as np
+    import torch
+
+    import tensorql as tq
+    from tensorql.exec.host_malloc import HUGE_RESULT_BYTES, empty_result
+
+    rows, cols = 2048, HUGE_RESULT_BYTES // (4 * 2048)  # float32: exactly the threshold
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(rows).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32)
+    with tq.connect() as db:
+        out = tq.einsum("i,j->ij", db.constant(a), db.constant(b)).numpy()
+    gc.collect()
+    np.testing.assert_array_equal(out, np.outer(a, b))
+    big = empty_result((rows, cols), torch.float32)
+    big.fill_(1.0)
+    assert big.is_contiguous() and float(big.sum()) == rows * cols
+    assert empty_result((4, 4), torch.float64).dtype == torch.float64
