@@ -288,6 +288,10 @@ def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
     if any(src.relation.dtype not in _FLOATS for src in sources) or \
             out.relation.dtype not in _FLOATS:
         return None
+    # a source the lowering retiled for this chain alone is read from before that copy
+    copies = [src for src in sources if isinstance(src, Rekey) and readers.get(id(src)) == 1]
+    sources = [src.input if src in copies else src for src in sources]
+    k = sources[1]
     labels = (q_labels, k_labels, v_labels) + ((mask_labels,) if mask is not None else ())
     sources = [_fed(src, lab, out, e, t[0], k, k_labels) for src, lab in zip(sources, labels)]
     kernel = AttentionChunk(q=q_labels, k=k_labels, v=v_labels, mask=mask_labels,
@@ -297,7 +301,7 @@ def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
                             key_blocks=sources[1].relation.grid.blocks[k_labels.index(t[0])])
     q, k, v = sources[:3]
     mask = sources[3] if mask is not None else None
-    return AttentionGroup(tuple(chain + [out]), q, k, v, mask, kernel)
+    return AttentionGroup(tuple(copies + chain + [out]), q, k, v, mask, kernel)
 
 
 def _fed(source: LogicalNode, labels: Labels, out: LogicalNode, e: Labels, key: str,
