@@ -148,6 +148,20 @@ def rope_tables(shape: LlamaShape, positions: Sequence[int]) -> tuple[np.ndarray
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def query_rope_tables(shape: LlamaShape,
+                      positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rope_tables` times 1/sqrt(head_dim): the queries' rotation with the scores'
+    scale folded in (the S x T scores a head are then not scaled in a pass of their own, and
+    the tables are scaled here, once, not by a step of every run).
+
+    >>> cos, sin = query_rope_tables(LlamaShape(5, 4, 4, 1, 1, 1, 4), [0, 1])
+    >>> float(cos[0, 0]), float(sin[0, 0])
+    (0.5, 0.0)
+    """
+    scale = np.float32(1.0 / math.sqrt(shape.head_dim))
+    return tuple(table * scale for table in rope_tables(shape, positions))
+
+
 def _rotate_half_matrix(e: int) -> np.ndarray:
     """R with ``x @ R == rotate_half(x) == cat(-x[half:], x[:half])``."""
     half = e // 2
@@ -288,47 +302,66 @@ class Llama:
         # rotary embedding on the keys (p = 0) only: values get cos = 1, sin = 0
         cos_p = self.db.constant(np.stack([cos, np.ones_like(cos)]))
         sin_p = self.db.constant(np.stack([sin, np.zeros_like(sin)]))
-        return self._keys_values(x, layer, cos_p, sin_p)
+        return self._keys_values(self._rmsnorm(x, f"l{layer}_attn_norm"), layer, cos_p, sin_p)
 
-    def _keys_values(self, x: Tensor, layer: int, cos_p: Tensor, sin_p: Tensor) -> Tensor:
-        """:meth:`keys_values` with the rotary tables given as (2, S, E) tensors (keys, then
-        values with cos 1 and sin 0)."""
-        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+    def _keys_values(self, xn: Tensor, layer: int, cos_p: Tensor, sin_p: Tensor) -> Tensor:
+        """:meth:`keys_values` of the normed hidden states ``xn``, with the rotary tables
+        given as (2, S, E) tensors (keys, then values with cos 1 and sin 0)."""
         kv = einsum("bsd,pked->pbske", xn, self._w(f"l{layer}_wkv"))
         return (einsum("pbske,pse->pbske", kv, cos_p)
                 + einsum("pbske,ef,psf->pbskf", kv, self._rot, sin_p))
 
-    def block(self, x: Tensor, layer: int, positions: Sequence[int], kv: Tensor) -> Tensor:
+    def block(self, x: Tensor, layer: int, positions: Sequence[int],
+              kv: Tensor | None = None) -> Tensor:
         """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
-        to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal)."""
-        cos, sin = (self.db.constant(t) for t in rope_tables(self.shape, positions))
-        total = kv.shape[2]
+        to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal) -- by default the
+        prompt's own, positions 0..S-1 (``positions`` then being those)."""
+        cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, positions))
+        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+        if kv is None:
+            keys, values = self._own_keys_values(xn, layer, positions)
+        else:
+            keys = einsum("pbtke,p->btke", kv, self._pick[0])
+            values = einsum("pbtke,p->btke", kv, self._pick[1])
+        total = keys.shape[1]
         mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
                         np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
-        return self._block(x, layer, cos, sin, self.db.constant(mask) if mask.any() else None,
-                           kv)
+        return self._block(x, xn, layer, cos, sin,
+                           self.db.constant(mask) if mask.any() else None, keys, values)
 
-    def _block(self, x: Tensor, layer: int, cos: Tensor, sin: Tensor, mask: Tensor | None,
-               kv: Tensor) -> Tensor:
-        """:meth:`block` with the rotary tables (S, E) and the additive mask (S, T) given."""
-        q = self._queries(x, layer, cos, sin)
-        keys = einsum("pbtke,p->btke", kv, self._pick[0])
-        values = einsum("pbtke,p->btke", kv, self._pick[1])
+    def _own_keys_values(self, xn: Tensor, layer: int,
+                         positions: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """The rotated keys and the values (B, S, KV, E) of the normed hidden states ``xn``,
+        each its own product with its half of the stacked weight (read as a region of it):
+        no stacked (2, ...) result to pick them out of again, and no rotation of the values."""
+        cos, sin = (self.db.constant(t) for t in rope_tables(self.shape, positions))
+        weight = self._w(f"l{layer}_wkv")  # (2, KV, E, D): p = 0 the keys', 1 the values'
+        k = einsum("bsd,pked->bske", xn, weight[0:1])
+        keys = einsum("bske,se->bske", k, cos) + einsum("bske,ef,sf->bskf", k, self._rot, sin)
+        return keys, einsum("bsd,pked->bske", xn, weight[1:2])
+
+    def _block(self, x: Tensor, xn: Tensor, layer: int, cos: Tensor, sin: Tensor,
+               mask: Tensor | None, keys: Tensor, values: Tensor) -> Tensor:
+        """:meth:`block` with the normed ``x`` (``xn``), the queries' rotary tables (S, E)
+        (:func:`query_rope_tables`), the additive mask (S, T) and the keys and values
+        (B, T, KV, E) given."""
+        q = self._queries(xn, layer, cos, sin)
         scores = einsum("bskge,btke->bkgst", q, keys)
         if mask is not None:
             scores = scores + mask
         probs = scores.softmax(-1)
         return self._rest_of_block(x, layer, einsum("bkgst,btke->bskge", probs, values))
 
-    def _decode_block(self, x: Tensor, layer: int, cos: Tensor, sin: Tensor, mask: Tensor,
-                      cached: tuple[Tensor, Tensor], new: Tensor, place: Tensor) -> Tensor:
+    def _decode_block(self, x: Tensor, xn: Tensor, layer: int, cos: Tensor, sin: Tensor,
+                      mask: Tensor, cached: tuple[Tensor, Tensor], new: Tensor,
+                      place: Tensor) -> Tensor:
         """:meth:`_block` for one new token attending to a static cache: ``cached`` keys and
         values (B, T, KV, E), zero at the token's position ``place`` (a one-hot (1, T)) and
         masked beyond it, and the token's own keys/values ``new`` (2, B, 1, KV, E). Its own
         score goes into the scores at ``place`` and its value is weighted by the probability
         there: the cache is read once, by the two products with it, where joining ``new``
         into a copy of the cache first made four more passes over it a layer."""
-        q = self._queries(x, layer, cos, sin)
+        q = self._queries(xn, layer, cos, sin)
         keys, values = cached
         own = einsum("bskge,pbske,p->bkgs", q, new, self._pick[0])
         scores = (einsum("bskge,btke->bkgst", q, keys) + einsum("bkgs,st->bkgst", own, place)
@@ -338,15 +371,13 @@ class Llama:
                 + einsum("bkgst,st,pbske,p->bskge", probs, place, new, self._pick[1]))
         return self._rest_of_block(x, layer, attn)
 
-    def _queries(self, x: Tensor, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
-        """Layer ``layer``'s rotated queries (B, S, KV, G, E) of ``x``, scaled by
-        1/sqrt(head_dim) (folded into the rotary tables: the S x T scores a head are not
-        scaled in a pass of their own)."""
-        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+    def _queries(self, xn: Tensor, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
+        """Layer ``layer``'s rotated queries (B, S, KV, G, E) of the normed hidden states
+        ``xn``, scaled by 1/sqrt(head_dim): ``cos`` and ``sin`` are the queries' tables
+        (:func:`query_rope_tables`), the scale folded in."""
         q = einsum("bsd,kged->bskge", xn, self._w(f"l{layer}_wq"))
-        scale = 1.0 / math.sqrt(self.shape.head_dim)
-        return einsum("bskge,se->bskge", q, cos * scale) + einsum("bskge,ef,sf->bskgf", q,
-                                                                  self._rot, sin * scale)
+        return einsum("bskge,se->bskge", q, cos) + einsum("bskge,ef,sf->bskgf", q, self._rot,
+                                                          sin)
 
     def _rest_of_block(self, x: Tensor, layer: int, attn: Tensor) -> Tensor:
         """The block after attention: output projection, residual, RMSNorm, SwiGLU MLP,
@@ -370,7 +401,7 @@ class Llama:
         positions = list(range(ids.shape[1]))
         x = self.embed(ids)
         for layer in range(self.shape.layers):
-            x = self.block(x, layer, positions, self.keys_values(x, layer, positions))
+            x = self.block(x, layer, positions)
         return self.head(x)
 
     def prefill(self, batch: int, seq: int) -> Prefill:
@@ -488,7 +519,7 @@ class Prefill:
         x = self.embeddings.tensor
         positions = list(range(self.seq))
         for layer in range(s.layers):
-            x = model.block(x, layer, positions, model.keys_values(x, layer, positions))
+            x = model.block(x, layer, positions)
         self.output = model.head(x)
 
     def logits(self, tokens: Any) -> torch.Tensor:
@@ -589,8 +620,10 @@ class Decoder:
         x = self.embeddings.tensor
         news = []
         for layer, buffer in enumerate(self.caches):
-            new = model._keys_values(x, layer, db.constant(self.cos_p), db.constant(self.sin_p))
-            x = model._decode_block(x, layer, db.constant(self.cos), db.constant(self.sin),
+            xn = model._rmsnorm(x, f"l{layer}_attn_norm")  # once, for q and k, v
+            new = model._keys_values(xn, layer, db.constant(self.cos_p),
+                                     db.constant(self.sin_p))
+            x = model._decode_block(x, xn, layer, db.constant(self.cos), db.constant(self.sin),
                                     db.constant(self.mask),
                                     (db.constant(buffer[0]), db.constant(buffer[1])), new,
                                     db.constant(self.place))
@@ -619,8 +652,9 @@ class Decoder:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
         self.embeddings.write(ids, lambda: self.table)
         cos, sin = (torch.from_numpy(v) for v in rope_tables(self.model.shape, [t]))
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
+        cos_q, sin_q = (torch.from_numpy(v) for v in query_rope_tables(self.model.shape, [t]))
+        self.cos.copy_(cos_q)
+        self.sin.copy_(sin_q)
         self.cos_p[0].copy_(cos)
         self.cos_p[1].fill_(1.0)
         self.sin_p[0].copy_(sin)
