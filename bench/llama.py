@@ -14,6 +14,10 @@ downloaded) and loaded into tensorql (weights in the DuckDB store). Measured in 
   plan per token over a static cache, planned once before the clock starts; transformers:
   ``model(token, past_key_values=...)``), averaged over ``--new`` tokens.
 
+Each contender runs in turn, ``--repeat`` times (transformers, tensorql, transformers, ...),
+and the medians are compared: on a host whose speed drifts, timing one side's runs before
+the other's showed ratios 10% apart from run to run.
+
 Goals: prefill tq/transformers <= 1.0, decode <= 1.2. Exits 1 on a miss (not with --tiny).
 """
 
@@ -37,13 +41,16 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def _median(fn, repeat: int) -> float:
-    times = []
+def _alternating_medians(fns, repeat: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn ``repeat`` times (A, B, A, B, ...), so
+    that a host whose speed drifts during the run weighs on every contender alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, kept in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,29 +77,37 @@ def main(argv: list[str] | None = None) -> int:
         hf_logits = model(torch.from_numpy(ids)).logits
         tq_logits = ours.logits(ids).torch()
         err = float((hf_logits - tq_logits).abs().max())
-        hf_prefill = _median(lambda: model(torch.from_numpy(ids)), args.repeat)
         prefill = ours.prefill(1, seq)
         # planned once, before the clock (and checked like the query planned from scratch)
         err = max(err, float((hf_logits - prefill.logits(ids)).abs().max()))
-        tq_prefill = _median(lambda: prefill.logits(ids), args.repeat)
-        tq_scratch = _median(lambda: ours.logits(ids).torch(), args.repeat)
+        hf_prefill, tq_prefill, tq_scratch = _alternating_medians(
+            [lambda: model(torch.from_numpy(ids)), lambda: prefill.logits(ids),
+             lambda: ours.logits(ids).torch()], args.repeat)
 
-        out = model(torch.from_numpy(ids), use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        for _ in range(args.new):
-            out = model(token, past_key_values=past, use_cache=True)
+        def hf_decode_run() -> float:
+            out = model(torch.from_numpy(ids), use_cache=True)  # the prompt, off the clock
             past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        hf_decode = (time.perf_counter() - start) / args.new
+            start = time.perf_counter()
+            for _ in range(args.new):
+                out = model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return (time.perf_counter() - start) / args.new
 
-        logits, cache = ours.step(ids, KVCache(()))
-        token_id = int(logits[0].argmax())
-        decoder = ours.decoder(cache, seq + args.new + 1)  # planned once, before the clock
-        start = time.perf_counter()
-        for _ in range(args.new):
-            logits = decoder.step([[token_id]])
+        def tq_decode_run() -> float:
+            logits, cache = ours.step(ids, KVCache(()))
             token_id = int(logits[0].argmax())
-        tq_decode = (time.perf_counter() - start) / args.new
+            decoder = ours.decoder(cache, seq + args.new + 1)  # planned once, off the clock
+            start = time.perf_counter()
+            for _ in range(args.new):
+                logits = decoder.step([[token_id]])
+                token_id = int(logits[0].argmax())
+            return (time.perf_counter() - start) / args.new
+
+        decode_times: list[list[float]] = [[], []]
+        for _ in range(args.repeat):  # alternating, like the prefills
+            decode_times[0].append(hf_decode_run())
+            decode_times[1].append(tq_decode_run())
+        hf_decode, tq_decode = (statistics.median(kept) for kept in decode_times)
 
     prefill_ratio, decode_ratio = tq_prefill / hf_prefill, tq_decode / hf_decode
     print(f"logits max abs difference: {err:.2e}")
