@@ -36,7 +36,7 @@ from tensorql.exec.distributed import (
     join_process_group,
     share_results,
 )
-from tensorql.exec.host_malloc import empty_result
+from tensorql.exec.host_malloc import empty_result, heap_only
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback, RunStats
@@ -119,13 +119,19 @@ class CompiledQuery:
         that cannot fit in the process's memory raises MemoryLimitError before anything runs."""
         if dense:
             check_dense_fits(self.physical.result_step.relation, self.db.options)
-        return get_backend(self.backend).run(self, progress, dense)
+        with heap_only():
+            return get_backend(self.backend).run(self, progress, dense)
 
     def stream(self, sink: Callable[[Key, torch.Tensor], None],
                progress: ProgressCallback | None = None) -> None:
         """Run the plan handing each result chunk to ``sink(key, chunk)`` as it completes;
         the run keeps no result chunk once the sink has it (``db.store`` writes them through).
         Backends other than ``native`` compute the whole result, then hand it over."""
+        with heap_only():
+            self._stream(sink, progress)
+
+    def _stream(self, sink: Callable[[Key, torch.Tensor], None],
+                progress: ProgressCallback | None) -> None:
         if self.backend != "native":
             for key, chunk in self.run(progress=progress).iter_chunks():
                 sink(key, chunk)
@@ -133,7 +139,7 @@ class CompiledQuery:
         options = self.db.options
         if progress is None and options.progress:
             with progress_bar(self.node.describe()) as bar:
-                return self.stream(sink, bar)
+                return self._stream(sink, bar)
         if any(d.startswith("null") for d in device_names(options.devices)):
             raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
                                  "so there is no result to stream")

@@ -6,13 +6,20 @@ with a fresh ``mmap`` and gives it back with ``munmap`` when freed, so every new
 -- measured at a quarter of a training step's time on the 2-core CI machine. Raising the
 mmap threshold to its maximum (32 MiB) and the trim threshold keeps freed chunk memory in the
 process for the next chunk, as the allocators PyTorch recommends for CPU work (jemalloc,
-tcmalloc) do. One arena (``M_ARENA_MAX`` 1) keeps that memory where every thread finds it:
+tcmalloc) do; and while tensorql runs a query (:func:`heap_only`) no request is mapped on
+its own, however big (``M_MMAP_MAX`` 0): an einsum_benchmark lattice whose intermediates
+are 43 MiB each faulted in ~45,000 pages a run, 160 ms, and runs in ~85 ms with none. Only
+then: outside queries, a big request that free heap memory cannot serve is mapped as glibc
+does by default. One arena (``M_ARENA_MAX`` 1) keeps that memory where every thread finds it:
 each worker thread otherwise gets an arena of its own made of 64 MiB heaps, and glibc unmaps
 such a heap as soon as it is empty, whatever the trim threshold -- measured on a 2-core
 machine, an MLP training step faulted in 38 MiB of fresh pages a step (9,800 faults; 1,300
 with one arena) and ran 1.20x torch's time against 1.07x. Threads that made an arena before
 the tuning (torch's own, when it ran multi-threaded work before tensorql started) keep
-theirs. It changes how memory is reused, never what is computed.
+theirs. It changes how memory is reused, never what is computed. What the process keeps is
+bounded: free memory at the top of the heap beyond ``TRIM_THRESHOLD_BYTES`` goes back at
+once, and after each query :func:`release_free_memory` gives back the free pages anywhere in
+the heap once more than ``RETAINED_FREE_BYTES`` are free.
 
 Applied once, when ``tensorql`` (any module of it) is imported, before DuckDB's threads and
 the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator alone.
@@ -27,6 +34,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import math
@@ -38,13 +46,26 @@ import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20   # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD_BYTES = 512 << 20  # freed memory kept before it is returned to the system
+RETAINED_FREE_BYTES = 1 << 30  # free heap memory kept across queries (release_free_memory)
+GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
 HUGE_RESULT_BYTES = 32 << 20  # a dense result this big or bigger goes on huge pages
 
 _lock = threading.Lock()
 _done: list[bool] = []
+_libc: list = []
+_runs = [0]  # queries running now (heap_only)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): heap statistics in size_t fields."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
 
 
 def tune_malloc() -> bool:
@@ -93,6 +114,62 @@ def _apply() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
+    done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
         bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and \
         bool(mallopt(M_ARENA_MAX, 1))
+    if done:
+        _libc.append(libc)
+    return done
+
+
+@contextlib.contextmanager
+def heap_only():
+    """While a query runs: every allocation from the heap, however big (``M_MMAP_MAX`` 0),
+    so the chunks it frees serve the next ones -- and the next run's -- without fresh
+    pages; glibc's default is restored when no query runs any more (queries may run on
+    several threads at once), then :func:`release_free_memory`. Does nothing where the
+    tuning is not applied.
+
+    >>> with heap_only():
+    ...     pass
+    """
+    if not _libc:
+        yield
+        return
+    with _lock:
+        if _runs[0] == 0:
+            _libc[0].mallopt(M_MMAP_MAX, 0)
+        _runs[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _runs[0] -= 1
+            if _runs[0] == 0:
+                _libc[0].mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+        release_free_memory()
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes free in the C heap (glibc's ``mallinfo2().fordblks``), or None where unknown."""
+    if not _libc or not hasattr(_libc[0], "mallinfo2"):
+        return None
+    mallinfo2 = _libc[0].mallinfo2
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+def release_free_memory(keep: int = RETAINED_FREE_BYTES) -> bool:
+    """Give the free pages of the heap back to the system (``malloc_trim``) when more than
+    ``keep`` bytes are free; whether it did. Called after each query, so the memory a big
+    query freed is not held by the process for good, while a workload of repeated queries
+    keeps its chunks' memory between runs.
+
+    >>> release_free_memory(keep=1 << 62)
+    False
+    """
+    free = free_heap_bytes()
+    if free is None or free <= keep:
+        return False
+    _libc[0].malloc_trim(0)
+    return True

@@ -72,3 +72,44 @@ def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
     big.fill_(1.0)
     assert big.is_contiguous() and float(big.sum()) == rows * cols
     assert empty_result((4, 4), torch.float64).dtype == torch.float64
+
+
+_BIG_BUFFERS = """
+import resource
+import torch
+import tensorql
+from tensorql.exec.host_malloc import free_heap_bytes, heap_only, release_free_memory
+
+def faults(fn):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+big = (64 << 20) // 4  # 64 MiB of float32: above the 32 MiB glibc could map on its own
+with heap_only():  # as while a query runs
+    torch.ones(big).sum()  # first use: its pages are faulted in once
+    again = faults(lambda: torch.ones(big).sum())
+    kept = free_heap_bytes() >= (48 << 20)
+held = rss_kib()
+released = release_free_memory(keep=0)
+print(again, kept, released, held - rss_kib())
+"""
+
+
+@pytest.mark.skipif(not tune_malloc(), reason="the allocator is not glibc's")
+def test_big_buffers_are_reused_and_free_memory_can_be_given_back():
+    """While a query runs (heap_only), a 64 MiB buffer freed and asked for again comes from
+    the heap without faulting its pages in anew (glibc maps it afresh each time); the free
+    memory the process keeps goes back to the system with
+    release_free_memory (called after every query)."""
+    env = dict(os.environ, TENSORQL_MALLOC_TUNING="1")
+    done = subprocess.run([sys.executable, "-c", _BIG_BUFFERS], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    again, kept, released, dropped_kib = done.stdout.split()
+    assert int(again) < 2000, again  # 16,384 pages when mapped afresh
+    assert kept == "True" and released == "True"
+    assert int(dropped_kib) > 32 << 10, dropped_kib  # most of the 64 MiB left the process
