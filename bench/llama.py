@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 import transformers
+from timing import alternating_medians  # bench/timing.py
 
 import tensorql as tq
 from tensorql.models import KVCache, Llama
@@ -39,18 +40,6 @@ FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidde
             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def _alternating_medians(fns, repeat: int) -> list[float]:
-    """Median seconds of each of ``fns``, run in turn ``repeat`` times (A, B, A, B, ...), so
-    that a host whose speed drifts during the run weighs on every contender alike."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, kept in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            kept.append(time.perf_counter() - start)
-    return [statistics.median(kept) for kept in times]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill = ours.prefill(1, seq)
         # planned once, before the clock (and checked like the query planned from scratch)
         err = max(err, float((hf_logits - prefill.logits(ids)).abs().max()))
-        hf_prefill, tq_prefill, tq_scratch = _alternating_medians(
+        hf_prefill, tq_prefill, tq_scratch = alternating_medians(
             [lambda: model(torch.from_numpy(ids)), lambda: prefill.logits(ids),
              lambda: ours.logits(ids).torch()], args.repeat)
 

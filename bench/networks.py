@@ -10,7 +10,8 @@ size) runs on the same random float32 operands, in the same run:
 - opt_einsum: ``opt_einsum.contract(equation, *tensors, optimize="auto-hq", backend="torch")``
   (its path search included),
 
-and the path tensorql chose is compared with cotengra's ``HyperOptimizer`` (fewest FLOPs, 128
+run in turn (opt_einsum, tensorql, opt_einsum, ...) and compared by their medians; and the
+path tensorql chose is compared with cotengra's ``HyperOptimizer`` (fewest FLOPs, 128
 trials, ``--cotengra-time`` seconds at most). Goals: geometric mean tq/opt_einsum <= 1.0, no
 network above 1.3, chosen path FLOPs <= 1.05x cotengra's on each. Exits 1 on a miss (not with
 ``--tiny``).
@@ -20,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 import warnings
 
 import einsum_benchmark.generators as gen
 import numpy as np
 import opt_einsum
 import torch
+from timing import alternating_medians  # bench/timing.py
 
 import tensorql as tq
 from tensorql.logical.lower import contraction_paths
@@ -53,15 +53,6 @@ TINY = {
     "mps": lambda: gen.quantum_computing.matrix_product_state(
         n=8, phys_dim_min=2, phys_dim_max=4, bond_dim=4, seed=3),
 }
-
-
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _cotengra_flops(inputs, output, sizes, max_time: float) -> int:
@@ -112,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
         got, want = ours(), theirs()
         err = float((got - want).abs().max() / max(1e-30, float(want.abs().max())))
-        t_theirs = _median(theirs, args.repeat)
-        t_ours = _median(ours, args.repeat)
+        t_theirs, t_ours = alternating_medians([theirs, ours], args.repeat)
         PATH_CACHE.clear()
         query = tq.einsum(equation, *stored)
         ((_, info),) = contraction_paths(query.node)
