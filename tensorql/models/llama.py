@@ -484,8 +484,9 @@ class _TokenEmbeddings:
     def write(self, ids: np.ndarray, table: Callable[[], torch.Tensor]) -> None:
         """Put the embeddings of ``ids`` (batch, seq) in place; ``table()`` gives the
         embedding table when the rows are gathered."""
-        if self.hidden is not None:
-            self.hidden.copy_(table()[torch.from_numpy(ids)])
+        if self.hidden is not None:  # gathered straight into place (no indexed copy)
+            rows = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).reshape(-1)
+            torch.index_select(table(), 0, rows, out=self.hidden.view(-1, self.hidden.shape[-1]))
         else:
             self.onehot.zero_()
             self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
