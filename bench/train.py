@@ -11,12 +11,13 @@ block, Adam on both sides, same weights, same data.
 tensorql's step is ``Adam.step(loss)``: forward, gradients (``tq.grad``) and the update of
 every weight and Adam slot planned and run as one query (checkpointing off: the step alone is
 timed; the checkpoint's cost is printed apart). torch's step is ``zero_grad``, forward,
-``backward`` and ``torch.optim.Adam.step``. Each side warms up one step, then the median of
-``--repeat`` steps is reported; the two losses after the steps are compared.
+``backward`` and ``torch.optim.Adam.step``. Each side warms up one step, then ``--repeat``
+steps of each run in turn (tensorql, torch, tensorql, ...) and their medians are reported;
+the two losses after each step are compared.
 
 Both sides run in one process with the C allocator tuned by tensorql
 (``tensorql.exec.host_malloc``: freed buffers are reused rather than unmapped), set before
-either runs. Peak memory: the process's peak resident set above what it held before the step (Linux
+either runs; while tensorql's step runs, no request is mapped on its own (``heap_only``). Peak memory: the process's peak resident set above what it held before the step (Linux
 ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), for each side.
 
 Goals (this CPU): MLP tq/torch <= 1.2, LLaMA block tq/torch <= 1.3.
@@ -25,7 +26,6 @@ Goals (this CPU): MLP tq/torch <= 1.2, LLaMA block tq/torch <= 1.3.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import alternating_medians  # noqa: E402  (bench/timing.py)
 
 import tensorql as tq  # noqa: E402
 from tensorql.exec.host_malloc import tune_malloc  # noqa: E402
@@ -64,15 +66,15 @@ def peak_above_baseline(fn) -> int:
     return max(0, _rss_kib("VmHWM") - before) * 1024
 
 
-def timed(step, repeat: int) -> tuple[float, int]:
-    step()  # warm-up: plans, caches, allocator
-    times = []
-    peak = peak_above_baseline(step)
-    for _ in range(repeat):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), peak
+def timed_pair(ours, theirs, repeat: int) -> tuple[float, int, float, int]:
+    """(our median seconds, our peak bytes, theirs, their peak) a step: each warmed up
+    (plans, caches, allocator) and its peak taken, then ``repeat`` steps of each in turn
+    (ours, theirs, ours, ...), so that a drifting host weighs on both alike."""
+    ours()
+    theirs()
+    our_peak, their_peak = peak_above_baseline(ours), peak_above_baseline(theirs)
+    our_time, their_time = alternating_medians([ours, theirs], repeat)
+    return our_time, our_peak, their_time, their_peak
 
 
 def mlp_case(size: str, repeat: int) -> dict:
@@ -99,10 +101,6 @@ def mlp_case(size: str, repeat: int) -> dict:
     loss = model({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
                  lambda t: t.log_softmax(axis=1))
     tq_losses: list[float] = []
-    tq_time, tq_peak = timed(lambda: tq_losses.append(opt.step(loss)), repeat)
-    ckpt_start = time.perf_counter()
-    opt.checkpoint()
-    ckpt = time.perf_counter() - ckpt_start
 
     w = {k: torch.tensor(v, requires_grad=True) for k, v in start.items()}
     xt, yt = torch.from_numpy(x), torch.from_numpy(onehot)
@@ -116,7 +114,11 @@ def mlp_case(size: str, repeat: int) -> dict:
         topt.step()
         torch_losses.append(float(value.detach()))
 
-    torch_time, torch_peak = timed(torch_step, repeat)
+    tq_time, tq_peak, torch_time, torch_peak = timed_pair(
+        lambda: tq_losses.append(opt.step(loss)), torch_step, repeat)
+    ckpt_start = time.perf_counter()
+    opt.checkpoint()
+    ckpt = time.perf_counter() - ckpt_start
     return dict(name=f"MLP {batch}x{d_in}x{h1}x{h2}x{classes}", tq=tq_time, torch=torch_time,
                 tq_peak=tq_peak, torch_peak=torch_peak, checkpoint=ckpt,
                 loss_gap=max(abs(a - b) for a, b in zip(tq_losses, torch_losses)),
@@ -133,7 +135,6 @@ def block_case(size: str, repeat: int) -> dict:
     out = work.output
     loss = (out * out).mean()
     tq_losses: list[float] = []
-    tq_time, tq_peak = timed(lambda: tq_losses.append(opt.step(loss)), repeat)
 
     leaves = {n: torch.tensor(work.arrays[n], requires_grad=True) for n in names}
     topt = torch.optim.Adam(list(leaves.values()), lr=1e-4)
@@ -147,7 +148,8 @@ def block_case(size: str, repeat: int) -> dict:
         topt.step()
         torch_losses.append(float(value.detach()))
 
-    torch_time, torch_peak = timed(torch_step, repeat)
+    tq_time, tq_peak, torch_time, torch_peak = timed_pair(
+        lambda: tq_losses.append(opt.step(loss)), torch_step, repeat)
     return dict(name=f"LLaMA block b{b} s{s} d{d} h{heads}x{head_dim} ff{ff}", tq=tq_time,
                 torch=torch_time, tq_peak=tq_peak, torch_peak=torch_peak, checkpoint=None,
                 loss_gap=max(abs(a - b) for a, b in zip(tq_losses, torch_losses)),
