@@ -17,7 +17,8 @@ the two losses after each step are compared.
 
 Both sides run in one process with the C allocator tuned by tensorql
 (``tensorql.exec.host_malloc``: freed buffers are reused rather than unmapped), set before
-either runs; while tensorql's step runs, no request is mapped on its own (``heap_only``). Peak memory: the process's peak resident set above what it held before the step (Linux
+either runs; while tensorql's step runs, no request is mapped on its own (``heap_only``).
+Peak memory: the process's peak resident set above what it held before the step (Linux
 ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), for each side.
 
 Goals (this CPU): MLP tq/torch <= 1.2, LLaMA block tq/torch <= 1.3.
