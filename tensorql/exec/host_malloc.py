@@ -53,7 +53,8 @@ MMAP_THRESHOLD_BYTES = 32 << 20   # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD_BYTES = 512 << 20  # freed memory kept before it is returned to the system
 RETAINED_FREE_BYTES = 1 << 30  # free heap memory kept across queries (release_free_memory)
 GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
-RELEASE_CHECK_S = 1.0  # the heap's free memory is looked at once a second at most
+RELEASE_CHECK_S = 1.0  # after short queries, the heap's free memory is looked at once a second
+LONG_QUERY_S = 0.1  # a query this long has it looked at when it ends, whatever the time since
 HUGE_RESULT_BYTES = 32 << 20  # a dense result this big or bigger goes on huge pages
 
 _lock = threading.Lock()
@@ -130,8 +131,10 @@ def heap_only():
     """While a query runs: every allocation from the heap, however big (``M_MMAP_MAX`` 0),
     so the chunks it frees serve the next ones -- and the next run's -- without fresh
     pages; glibc's default is restored when no query runs any more (queries may run on
-    several threads at once), then :func:`release_free_memory`. Does nothing where the
-    tuning is not applied.
+    several threads at once), then :func:`release_free_memory` -- at once after a query of
+    ``LONG_QUERY_S`` or more (the big ones, whose freed memory matters), at most once a
+    second after short ones (the check would weigh on a 30 ms decoder token). Does nothing
+    where the tuning is not applied.
 
     >>> with heap_only():
     ...     pass
@@ -143,6 +146,7 @@ def heap_only():
         if _runs[0] == 0:
             _libc[0].mallopt(M_MMAP_MAX, 0)
         _runs[0] += 1
+    started = time.monotonic()
     try:
         yield
     finally:
@@ -150,7 +154,8 @@ def heap_only():
             _runs[0] -= 1
             if _runs[0] == 0:
                 _libc[0].mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
-        release_free_memory()
+        long_query = time.monotonic() - started >= LONG_QUERY_S
+        release_free_memory(every=0.0 if long_query else RELEASE_CHECK_S)
 
 
 def free_heap_bytes() -> int | None:
@@ -162,13 +167,13 @@ def free_heap_bytes() -> int | None:
     return int(mallinfo2().fordblks)
 
 
-def release_free_memory(keep: int = RETAINED_FREE_BYTES, every: float = RELEASE_CHECK_S) -> bool:
+def release_free_memory(keep: int | None = None, every: float = RELEASE_CHECK_S) -> bool:
     """Give the free pages of the heap back to the system (``malloc_trim``) when more than
-    ``keep`` bytes are free; whether it did. Called after each query, so the memory a big
-    query freed is not held by the process for good, while a workload of repeated queries
-    keeps its chunks' memory between runs. Counting the free bytes walks the heap's free
-    lists (~0.6 ms with 10,000 free chunks), so it is done at most once in ``every`` seconds:
-    a decoder's 30 ms tokens do not pay it each.
+    ``keep`` bytes (default ``RETAINED_FREE_BYTES``) are free; whether it did. Called when a
+    query ends, so the memory a big query freed is not held by the process for good, while
+    a workload of repeated queries keeps its chunks' memory between runs. Counting the free
+    bytes walks the heap's free lists (~0.6 ms with 10,000 free chunks), so it is done at
+    most once in ``every`` seconds.
 
     >>> release_free_memory(keep=1 << 62, every=0)
     False
@@ -178,7 +183,7 @@ def release_free_memory(keep: int = RETAINED_FREE_BYTES, every: float = RELEASE_
         return False
     _last_check[0] = now
     free = free_heap_bytes()
-    if free is None or free <= keep:
+    if free is None or free <= (RETAINED_FREE_BYTES if keep is None else keep):
         return False
     _libc[0].malloc_trim(0)
     return True
