@@ -41,7 +41,6 @@ _JOIN = {
 }
 
 
-# The joins' torch functions, for callers that apply them to aligned operands directly.
 @dataclass(frozen=True)
 class BroadcastJoin:
     """A join with no aggregated label -- every operand's labels are output labels, none

@@ -81,9 +81,8 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20,
     dtype = canonical_dtype(data.dtype)
     if tile is None:
         tile = auto_tile(data.shape, tile_target_elems)
-    elif len(tile) != data.ndim or any(int(t) < 1 for t in tile):
+    elif len(tile) != data.ndim:
         raise ShapeError(f"tile {tuple(tile)} does not fit a constant of shape "
                          f"{tuple(data.shape)}: one tile size >= 1 per dimension")
-    grid = ChunkGrid(tuple(data.shape), tuple(min(int(t), max(1, n))
-                                              for t, n in zip(tile, data.shape)))
+    grid = ChunkGrid(tuple(data.shape), tuple(int(t) for t in tile))  # cut to the shape
     return Constant(shape=tuple(data.shape), dtype=dtype, value=data, grid=grid)

@@ -99,7 +99,7 @@ def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     >>> big.shape, big.dtype, big.is_contiguous()
     (torch.Size([64, 131072]), torch.float32, True)
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_RESULT_BYTES or _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

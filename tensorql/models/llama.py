@@ -149,17 +149,18 @@ def rope_tables(shape: LlamaShape, positions: Sequence[int]) -> tuple[np.ndarray
 
 
 def query_rope_tables(shape: LlamaShape,
-                      positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`rope_tables` times 1/sqrt(head_dim): the queries' rotation with the scores'
-    scale folded in (the S x T scores a head are then not scaled in a pass of their own, and
-    the tables are scaled here, once, not by a step of every run).
+                      tables: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rope_tables` ``tables`` times 1/sqrt(head_dim): the queries' rotation with the
+    scores' scale folded in (the S x T scores a head are then not scaled in a pass of their
+    own, and the tables are scaled here, once, not by a step of every run).
 
-    >>> cos, sin = query_rope_tables(LlamaShape(5, 4, 4, 1, 1, 1, 4), [0, 1])
+    >>> shape = LlamaShape(5, 4, 4, 1, 1, 1, 4)
+    >>> cos, sin = query_rope_tables(shape, rope_tables(shape, [0, 1]))
     >>> float(cos[0, 0]), float(sin[0, 0])
     (0.5, 0.0)
     """
     scale = np.float32(1.0 / math.sqrt(shape.head_dim))
-    return tuple(table * scale for table in rope_tables(shape, positions))
+    return tables[0] * scale, tables[1] * scale
 
 
 def _rotate_half_matrix(e: int) -> np.ndarray:
@@ -316,10 +317,11 @@ class Llama:
         """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
         to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal) -- by default the
         prompt's own, positions 0..S-1 (``positions`` then being those)."""
-        cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, positions))
+        tables = rope_tables(self.shape, positions)
+        cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, tables))
         xn = self._rmsnorm(x, f"l{layer}_attn_norm")
         if kv is None:
-            keys, values = self._own_keys_values(xn, layer, positions)
+            keys, values = self._own_keys_values(xn, layer, tables)
         else:
             keys = einsum("pbtke,p->btke", kv, self._pick[0])
             values = einsum("pbtke,p->btke", kv, self._pick[1])
@@ -330,11 +332,12 @@ class Llama:
                            self.db.constant(mask) if mask.any() else None, keys, values)
 
     def _own_keys_values(self, xn: Tensor, layer: int,
-                         positions: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """The rotated keys and the values (B, S, KV, E) of the normed hidden states ``xn``,
-        each its own product with its half of the stacked weight (read as a region of it):
-        no stacked (2, ...) result to pick them out of again, and no rotation of the values."""
-        cos, sin = (self.db.constant(t) for t in rope_tables(self.shape, positions))
+                         tables: tuple[np.ndarray, np.ndarray]) -> tuple[Tensor, Tensor]:
+        """The rotated keys and the values (B, S, KV, E) of the normed hidden states ``xn``
+        (rotary ``tables`` of their positions), each its own product with its half of the
+        stacked weight (read as a region of it): no stacked (2, ...) result to pick them out
+        of again, and no rotation of the values."""
+        cos, sin = (self.db.constant(t) for t in tables)
         weight = self._w(f"l{layer}_wkv")  # (2, KV, E, D): p = 0 the keys', 1 the values'
         k = einsum("bsd,pked->bske", xn, weight[0:1])
         keys = einsum("bske,se->bske", k, cos) + einsum("bske,ef,sf->bskf", k, self._rot, sin)
@@ -652,8 +655,9 @@ class Decoder:
         if t >= self.max_length:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
         self.embeddings.write(ids, lambda: self.table)
-        cos, sin = (torch.from_numpy(v) for v in rope_tables(self.model.shape, [t]))
-        cos_q, sin_q = (torch.from_numpy(v) for v in query_rope_tables(self.model.shape, [t]))
+        tables = rope_tables(self.model.shape, [t])
+        cos, sin = (torch.from_numpy(v) for v in tables)
+        cos_q, sin_q = (torch.from_numpy(v) for v in query_rope_tables(self.model.shape, tables))
         self.cos.copy_(cos_q)
         self.sin.copy_(sin_q)
         self.cos_p[0].copy_(cos)

@@ -50,7 +50,8 @@ MASKED_OUT = -1e9  # a mask entry at or below this hides its key (see AttentionC
 @dataclass(frozen=True, eq=False)
 class AttentionChunk:
     """``softmax(q . k + mask) . v`` for one output chunk (labels as in the module doc);
-    inputs ``[q, k, v]`` or ``[q, k, v, mask]``."""
+    inputs: q's chunk, then ``key_blocks`` chunks each of k, v and (if any) the mask, in key
+    order."""
 
     q: Labels
     k: Labels
@@ -311,12 +312,12 @@ def _fed(source: LogicalNode, labels: Labels, out: LogicalNode, e: Labels, key: 
     head dim ``e`` whole, and along the keys ``key`` the tiles of k (a task takes every
     chunk along the keys of k, v and the mask, in the same blocks). Already so, it is
     itself; else a ``Rekey`` (or a constant's scan on those tiles) that the planner adds."""
-    out_tile = dict(zip(out.relation.labels, out.relation.grid.tile))
-    shape = dict(zip(labels, source.relation.shape))
-    tiles = {label: (out_tile[label] if label in out_tile else shape[label] if label in e
-                     else k.relation.grid.tile[k_labels.index(key)] if label == key
-                     else tile)
-             for label, tile in zip(labels, source.relation.grid.tile)}
+    tiles = dict(zip(labels, source.relation.grid.tile))
+    tiles |= {label: size for label, size in zip(labels, source.relation.shape) if label in e}
+    tiles |= {label: tile for label, tile in zip(out.relation.labels, out.relation.grid.tile)
+              if label in tiles}
+    if key in tiles:
+        tiles[key] = k.relation.grid.tile[k_labels.index(key)]
     return retile(source, labels, tiles)
 
 

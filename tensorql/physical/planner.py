@@ -426,10 +426,9 @@ class _Builder:
                 self.add(source)
         sid = len(self.steps)
         out = group.members[-1].relation
-        keys = group.k.relation
-        positions = keys.grid.shape[group.kernel.k.index(group.kernel.t[0])]
-        tasks, bytes_in, flops = [], 0, 0
         key_label = group.kernel.t[0]
+        positions = group.k.relation.shape[group.kernel.k.index(key_label)]
+        tasks, bytes_in, flops = [], 0, 0
         for key in out.grid.keys():
             block = dict(zip(out.labels, key))
             inputs = []
@@ -446,7 +445,7 @@ class _Builder:
                                           + math.prod(out.grid.chunk_shape(key)))
             flops += task_flops
             tasks.append(self._new_task(inputs, ChunkRef(sid, key), group.kernel, task_flops))
-        name = f"Attention softmax over [{group.kernel.t[0]}]" + (
+        name = f"Attention softmax over [{key_label}]" + (
             " with mask" if group.mask is not None else "")
         self.steps.append(Step(sid, name, group.members, tuple(tasks), flops, bytes_in,
                                out.nbytes))
