@@ -4,11 +4,11 @@
 
 For each rank count K the bench launches K local processes (gloo, one torch thread each,
 ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` as torchrun sets them). Every rank builds the same
-seeded inputs and runs, one after the other:
+seeded inputs and times both contenders in turn (one run of each, then again; medians):
 
 * **tensorql**: ``tq.connect(distributed=True)``; the optimizer partitions the query over the
-  K ranks' devices and each rank runs its tasks; the dense result ends on every rank (gathered
-  on rank 0, then broadcast), as DTensor's replicated output does;
+  K ranks' devices and each rank runs its tasks; the dense result ends on every rank (its
+  chunks all-gathered), as DTensor's replicated output does;
 * **DTensor**: the same model as ``torch.nn`` modules, ``parallelize_module`` with
   ``ColwiseParallel`` for the first projections (W1, W3, q, k, v) and ``RowwiseParallel`` for
   the second (W2, o): Megatron tensor parallelism, one all-reduce per MLP / attention.
@@ -18,8 +18,8 @@ causal mask, SwiGLU), the block of ``tensorql.models.llama_block``; both systems
 checked against the single-process reference.
 
 Bytes communicated: tensorql's are measured -- the sizes of the tensors its ranks pass to
-torch.distributed (transfers between ranks, the gather of the result on rank 0 and its
-broadcast), summed over ranks. DTensor's are its collectives as ``CommDebugMode`` counts them,
+torch.distributed in one run (transfers between ranks and the all-gather of the result),
+summed over ranks. DTensor's are its collectives as ``CommDebugMode`` counts them,
 each all-reduce of S bytes priced at the ring algorithm's 2 (K-1) S bytes sent over all ranks.
 Goals (K = 4): tensorql wall time <= 1.0x DTensor's, bytes <= DTensor's.
 """
@@ -131,18 +131,23 @@ def _dtensor_model(name: str, arrays: dict, prefix: str, head_dim: int, world: i
     return model, x
 
 
-def _timed(fn, repeat: int) -> float:
+def _alternating(fns, repeat: int) -> list[float]:
+    """Median seconds of each of ``fns`` across the ranks, run in turn (A, B, A, B, ...) so
+    that a host whose speed drifts weighs on both alike; each run starts at a barrier and
+    ends when the last rank is done (a second barrier)."""
     import torch.distributed as dist
 
-    fn()  # warm up
-    times = []
+    for fn in fns:
+        fn()  # warm up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, kept in zip(fns, times):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
 
 def _count_tq_bytes() -> list[int]:
@@ -202,16 +207,10 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
         want = w.reference()
         want = want.numpy() if isinstance(want, torch.Tensor) else want
         query = w.output.compile()
-        got = query.run(dense=True).dense().numpy()
-        tq_err = float(np.abs(got - want).max())
         before = sent[0]
-        tq_s = _timed(lambda: query.run(dense=True), repeat)
-        tq_bytes_rank = (sent[0] - before) // (repeat + 1)
-        if explain:  # every rank runs it; rank 0 keeps the text (per-rank busy, bytes, peaks)
-            text = query.explain(analyze=True)
-            if rank == 0:
-                with open(os.path.join(out, f"{name}-{world}.explain.txt"), "w") as f:
-                    f.write(text)
+        got = query.run(dense=True).dense().numpy()
+        tq_bytes_rank = sent[0] - before
+        tq_err = float(np.abs(got - want).max())
 
         model, x = _dtensor_model(name, w.arrays, prefix, head_dim, world)
         from torch.distributed.tensor.debug import CommDebugMode
@@ -221,7 +220,13 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
             with comm:
                 y = model(x)
             dt_err = float(np.abs(y.numpy() - want).max())
-            dt_s = _timed(lambda: model(x), repeat)
+            tq_s, dt_s = _alternating([lambda: query.run(dense=True), lambda: model(x)],
+                                      repeat)
+        if explain:  # every rank runs it; rank 0 keeps the text (per-rank busy, bytes, peaks)
+            text = query.explain(analyze=True)
+            if rank == 0:
+                with open(os.path.join(out, f"{name}-{world}.explain.txt"), "w") as f:
+                    f.write(text)
         counts = {str(k): v for k, v in comm.get_comm_counts().items()}
         allreduce = sum(v for k, v in counts.items() if "all_reduce" in k)
         other = {k: v for k, v in counts.items() if "all_reduce" not in k}

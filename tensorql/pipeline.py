@@ -313,8 +313,8 @@ def job_devices(options: Options) -> int:
 def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
                      rank_stats: bool = False) -> QueryResult:
     """One rank's part of the query: check every rank has the same plan, run this rank's
-    tasks (transfers through torch.distributed); every result chunk is broadcast by the rank
-    that computed it, so each rank returns the dense result."""
+    tasks (transfers through torch.distributed); the result chunks are all-gathered (each
+    rank sends those it computed to every other), so each rank returns the dense result."""
     import hashlib
 
     options = query.db.options
@@ -341,10 +341,10 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     def place(ref: Any, chunk: torch.Tensor) -> None:
         out[rel.grid.slices(ref.key)] = chunk
 
-    broadcast = share_results(graph, result.outputs, layout, place)
+    shared = share_results(graph, result.outputs, layout, place)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
         result.stats.ranks = gather_rank_stats(
-            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, broadcast,
+            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, shared,
             calls=tuple(runtime.bytes_by_call.values()))
     chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
     return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)

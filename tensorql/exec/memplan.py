@@ -41,6 +41,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -134,6 +135,32 @@ class Program:
                 text += f" d2d={format_bytes(d.bytes_d2d)}"
             parts.append(text)
         return "memory plan: " + "; ".join(parts)
+
+    @functools.cached_property
+    def successors(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the ops that wait for it (found once per program, not per run).
+
+        >>> a = Op(0, "alloc", 0, ChunkRef(1, (0,)), (), 4, "none")
+        >>> b = Op(1, "free", 0, ChunkRef(1, (0,)), (0,), 4, "none")
+        >>> Program((a, b), (), frozenset(), (0.0, 0.0), 0).successors
+        ((1,), ())
+        """
+        succ: list[list[int]] = [[] for _ in self.ops]
+        for op in self.ops:
+            for dep in op.deps:
+                succ[dep].append(op.id)
+        return tuple(tuple(s) for s in succ)
+
+    @functools.cached_property
+    def dep_counts(self) -> tuple[int, ...]:
+        """How many ops each op waits for."""
+        return tuple(len(op.deps) for op in self.ops)
+
+    @functools.cached_property
+    def result_copies(self) -> tuple[Op, ...]:
+        """The ops that leave a chunk on the host for good (``d2h`` or ``fetch``, not an
+        eviction): a run's results are among their chunks."""
+        return tuple(op for op in self.ops if op.kind in ("d2h", "fetch") and not op.evict)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import heapq
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,11 +279,8 @@ class _Run:
         self.events: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         null = [d for d in self.devices if d.is_null]
         self.clock = null[0].clock if null else None  # type: ignore[attr-defined]
-        self.succ: list[list[int]] = [[] for _ in self.ops]
-        self.ndeps = [len(op.deps) for op in self.ops]
-        for op in self.ops:
-            for dep in op.deps:
-                self.succ[dep].append(op.id)
+        self.succ: Sequence[Sequence[int]] = program.successors
+        self.ndeps = list(program.dep_counts)
         self.ready: dict[tuple[int, str], list[tuple[float, int]]] = {}
         self.inflight: dict[tuple[int, str], int] = {}
         self.busy_out: set[tuple[int, ChunkRef]] = set()
@@ -343,9 +340,8 @@ class _Run:
             self._raise()
         self._finish_stats()
         outputs = {}
-        for op in self.ops:
-            if op.kind in ("d2h", "fetch") and op.ref.step in self.graph.retain \
-                    and not op.evict and op.ref not in outputs:
+        for op in self.program.result_copies:
+            if op.ref.step in self.graph.retain and op.ref not in outputs:
                 outputs[op.ref] = (self.host.take_result(op.ref) if self.host.has(op.ref)
                                    else None)
         if self.rt.results_on_device:
@@ -358,10 +354,16 @@ class _Run:
         return RunResult(outputs=outputs, stats=self.stats)
 
     def _count_unused_sources(self) -> None:
-        used = {op.ref for op in self.ops if op.from_rest}
-        unused = sum(1 for t in self.graph.tasks if t.is_source and t.device is None
-                     and t.output not in used
-                     and self.graph.contributions()[t.output] == 1)
+        """Sources no op loads (each device reads its own regions) count as done tasks."""
+        key = ("unused sources", id(self.program))
+        unused = self.graph.programs.get(key)
+        if unused is None:
+            used = {op.ref for op in self.ops if op.from_rest}
+            contributions = self.graph.contributions()
+            unused = sum(1 for t in self.graph.tasks
+                         if t.is_source and t.device is None and t.output not in used
+                         and contributions[t.output] == 1)
+            self.graph.programs[key] = unused
         self.done_tasks += unused
 
     def _next_event(self) -> Completion:
@@ -384,9 +386,7 @@ class _Run:
         while work:
             op = work.pop()
             if op.lane != "none":
-                key = (op.device, op.lane)
-                heapq.heappush(self.ready.setdefault(key, []),
-                               (-self.program.rank[op.id], op.id))
+                self._queue_ready(op)
                 continue
             # zero-cost bookkeeping ops run right here
             if op.kind == "alloc":
@@ -398,6 +398,11 @@ class _Run:
                     self.stats.devices[op.device].evictions += 1
             self.done_ops += 1
             work.extend(self._release(op))
+
+    def _queue_ready(self, op: Op) -> None:
+        """Queue a ready op for its lane; the longest chain of work after it goes first."""
+        heapq.heappush(self.ready.setdefault((op.device, op.lane), []),
+                       (-self.program.rank[op.id], op.id))
 
     def _release(self, op: Op) -> list[Op]:
         out = []

@@ -111,8 +111,11 @@ def _count_wire_bytes() -> dict:
         return send(tensor, *args, **kwargs)
 
     def counted_all_to_all(output, input, *args, **kwargs):
-        wire["all_to_all"] = wire.get("all_to_all", 0) + input.nbytes  # own split empty
-        wire["all_to_all_calls"] = wire.get("all_to_all_calls", 0) + 1
+        # the plan's exchanges run in tensorql's exchange group; the result's all-gather in
+        # the default one (group None)
+        kind = "results" if kwargs.get("group") is None else "all_to_all"
+        wire[kind] = wire.get(kind, 0) + input.nbytes  # own split empty
+        wire[kind + "_calls"] = wire.get(kind + "_calls", 0) + 1
         return all_to_all(output, input, *args, **kwargs)
 
     dist.send, dist.all_to_all_single = counted_send, counted_all_to_all
@@ -172,6 +175,7 @@ def main() -> None:
             run = query.run(dense=True)
             results[name] = {
                 "wire": dict(wire),
+                "result_bytes": int(run.dense().nbytes),
                 "max_err": float(np.abs(run.dense().numpy() - w.reference()).max()),
                 "moved": run.stats.moved,
                 "predicted": (query.partition.pair_bytes().tolist() if query.partition

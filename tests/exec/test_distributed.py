@@ -79,6 +79,9 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
         assert on_wire == predicted.sum()
         calls = {w.get("all_to_all_calls", 0) for w in wire}
         assert len(calls) == 1  # every rank joins every exchange
+        # the result reaches every rank in one all-gather: each chunk sent to each other rank
+        assert [w["results_calls"] for w in wire] == [1] * world
+        assert sum(w["results"] for w in wire) == ranks[0][name]["result_bytes"] * (world - 1)
         if exchange == "p2p":
             assert calls == {0}
         moved += predicted.sum()
@@ -113,7 +116,7 @@ def test_nccl_ranks_run_the_partitioned_plan(tmp_path, exchange):
 def test_explain_analyze_shows_every_rank(tmp_path):
     """Rank 0's EXPLAIN ANALYZE lists each rank's wall and busy time, bytes sent and received
     through torch.distributed by kind of call, and peak memory; the transfer bytes add up to
-    the plan's, the result's to what the ranks broadcast."""
+    the plan's, the result's to what the ranks shared."""
     world = 3
     done = _launch(world, "explain:llama_block", tmp_path)
     for proc in done:
@@ -125,7 +128,7 @@ def test_explain_analyze_shows_every_rank(tmp_path):
     assert [r["rank"] for r in ranks] == list(range(world))
     assert sum(r["sent_bytes"] for r in ranks) == seen["plan_bytes"] > 0
     assert sum(r["received_bytes"] for r in ranks) == seen["plan_bytes"]
-    # every result chunk is broadcast once, by the rank that computed it
+    # every result chunk is sent to each other rank once, by the rank that computed it
     assert sum(r["broadcast_bytes"] for r in ranks) == seen["result_bytes"] * (world - 1)
     assert all(r["busy_s"] > 0 and r["peak_bytes"] > 0 for r in ranks)
     calls = {c["call"] for r in ranks for c in r["calls"]}

@@ -20,13 +20,14 @@ from __future__ import annotations
 import abc
 import contextlib  # noqa: F401 - used by the doctest
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tensorql.exec.threads import PARKED
 
 LANE_NAMES = ("compute", "h2d", "d2h", "d2d")
 
@@ -47,46 +48,54 @@ Post = Callable[[Completion], None]
 
 
 class LaneThreads:
-    """``n`` threads serving one lane's queue; each call runs inside ``context()``."""
+    """``n`` threads serving one lane's queue; each call runs inside ``context()``. The
+    threads are parked ones (:data:`~tensorql.exec.threads.PARKED`), handed back when the
+    lane closes, so opening a device's lanes for a run starts no thread after the first."""
 
     def __init__(self, name: str, n: int, context: Callable[[], Any], post: Post,
                  finish: Callable[[Any], float | None] | None = None) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.post = post
         self.finish = finish
-        self.threads = []
+        self.n = n
+        self._stopped: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(n):
-            ctx = context()
-            thread = threading.Thread(target=self._serve, args=(ctx,), daemon=True,
-                                      name=f"tensorql-{name}-{i}")
-            thread.start()
-            self.threads.append(thread)
+            PARKED.start(f"tensorql-{name}-{i}", self._serve, context())
 
     def submit(self, op_id: int, fn: Callable[[], Any]) -> None:
         self.queue.put((op_id, fn))
 
     def _serve(self, ctx: Any) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            op_id, fn = item
-            started = time.perf_counter()
-            value, error, device_s = None, None, None
-            try:
-                with ctx as handle:
-                    value = fn()
-                    if self.finish is not None:
-                        device_s = self.finish(handle)
-            except BaseException as err:  # noqa: BLE001 - reported to the runtime
-                error = err
-            self.post(Completion(op_id, started, time.perf_counter(), value, error, device_s))
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                op_id, fn = item
+                started = time.perf_counter()
+                value, error, device_s = None, None, None
+                try:
+                    with ctx as handle:
+                        value = fn()
+                        if self.finish is not None:
+                            device_s = self.finish(handle)
+                except BaseException as err:  # noqa: BLE001 - reported to the runtime
+                    error = err
+                self.post(Completion(op_id, started, time.perf_counter(), value, error,
+                                     device_s))
+                del item, fn, value  # nothing of the run outlives it on a parked thread
+        finally:
+            self._stopped.put(True)
 
-    def close(self) -> None:
-        for _ in self.threads:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving (each thread finishes the call it is in) and wait for it."""
+        for _ in range(self.n):
             self.queue.put(None)
-        for thread in self.threads:
-            thread.join(timeout=10)
+        for _ in range(self.n):
+            try:
+                self._stopped.get(timeout=timeout_s)
+            except queue.Empty:
+                return
 
 
 class Device(abc.ABC):
@@ -164,9 +173,11 @@ class ThreadedDevice(Device):
         self._lanes: dict[str, LaneThreads] = {}
 
     def _start_lanes(self, post: Post, context: Callable[[], Any],
-                     finish: Callable[[Any], float | None] | None = None) -> None:
+                     finish: Callable[[Any], float | None] | None = None,
+                     skip: tuple[str, ...] = ()) -> None:
+        """Threads for every lane but those in ``skip`` (lanes the device runs inline)."""
         self._lanes = {lane: LaneThreads(f"{self.name}-{lane}", n, context, post, finish=finish)
-                       for lane, n in self.lanes.items()}
+                       for lane, n in self.lanes.items() if lane not in skip}
 
     def close(self) -> None:
         for lane in self._lanes.values():

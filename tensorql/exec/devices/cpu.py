@@ -13,21 +13,61 @@ is copied (each device owns what it holds, as separate GPUs or processes would).
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from tensorql.exec.devices.base import Post, ThreadedDevice
+from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
 
 
 class CPUDevice(ThreadedDevice):
+    """``inline_compute=True`` (one worker only) runs kernels on the thread that submits them,
+    the runtime's coordinator, instead of handing each to a lane thread and back: for a rank
+    of a distributed job, whose one worker is its only compute, those two thread wake-ups a
+    task cost more than the task itself on a host with more processes than cores.
+
+    >>> import queue
+    >>> done = queue.SimpleQueue()
+    >>> dev = CPUDevice(inline_compute=True)
+    >>> dev.open(done.put); dev.submit("compute", 3, lambda: 2 + 2); dev.close()
+    >>> c = done.get_nowait(); (c.op_id, c.value)
+    (3, 4)
+    """
+
     kind = "cpu"
     lookahead = 1
 
-    def __init__(self, name: str = "cpu:0", workers: int = 1) -> None:
+    def __init__(self, name: str = "cpu:0", workers: int = 1, *,
+                 inline_compute: bool = False) -> None:
         super().__init__(name, {"compute": max(1, workers), "h2d": 1, "d2h": 1, "d2d": 1})
+        if inline_compute and self.lanes["compute"] != 1:
+            raise ValueError("inline_compute needs one worker")
+        self.inline_compute = inline_compute
+        self._post: Post | None = None
 
     def open(self, post: Post) -> None:
-        self._start_lanes(post, contextlib.nullcontext)
+        self._post = post
+        self._start_lanes(post, contextlib.nullcontext,
+                          skip=("compute",) if self.inline_compute else ())
+
+    def close(self) -> None:
+        super().close()
+        self._post = None
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        if not (self.inline_compute and lane == "compute"):
+            super().submit(lane, op_id, fn, cost)
+            return
+        assert self._post is not None, "submit before open"
+        started = time.perf_counter()
+        value, error = None, None
+        try:
+            value = fn()
+        except BaseException as err:  # noqa: BLE001 - reported to the runtime
+            error = err
+        self._post(Completion(op_id, started, time.perf_counter(), value, error))
 
     def from_peer(self, value: torch.Tensor) -> torch.Tensor:
         """A copy of another device's chunk in this device's memory."""
