@@ -164,8 +164,8 @@ class DistributedRuntime(Runtime):
             raise ExecutionError(f"{len(local)} local devices but the layout says "
                                  f"{layout.local} per rank")
         if len(local) == 1 and isinstance(local[0], CPUDevice) and local[0].lanes["compute"] == 1:
-            # the rank's only compute: its kernels run on this coordinating thread
-            local[0].inline_compute = True
+            # the rank's only worker: its ops run on this coordinating thread
+            local[0].inline = True
         devices: list[Device] = []
         for g in range(layout.devices):
             if layout.is_local(g):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ from tensorql.exec.run_types import (
 )
 from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
-from tensorql.exec.threads import PARKED
 
 
 @dataclass(frozen=True)
@@ -238,7 +236,13 @@ class Executor:
         start = time.perf_counter()
         try:
             self._run_inline(state)
-            self._run_workers(state, min(self.workers, max(1, len(graph.tasks))))
+            threads = [threading.Thread(target=self._work, args=(state,), daemon=True,
+                                        name=f"tensorql-worker-{n}")
+                       for n in range(min(self.workers, max(1, len(graph.tasks))))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
         finally:
             torch.set_num_threads(previous_threads)
         state.stats.wall_s = time.perf_counter() - start
@@ -253,31 +257,6 @@ class Executor:
             )
         outputs = {ref: v for ref, v in state.values.items() if ref.step in graph.retain}
         return RunResult(outputs=outputs, stats=state.stats)
-
-    def _run_workers(self, state: _Run, n: int) -> None:
-        """``n`` workers take the run's ready tasks until it ends: the calling thread and
-        ``n - 1`` parked threads (:mod:`tensorql.exec.threads`: none is started per run)."""
-        finished: queue.SimpleQueue = queue.SimpleQueue()
-
-        def work() -> None:
-            try:
-                self._work(state)
-            finally:
-                finished.put(True)
-
-        for k in range(1, n):
-            PARKED.start(f"tensorql-worker-{k}", work)
-        try:
-            self._work(state)
-        except BaseException as err:  # an interrupt: the other workers stop too
-            with state.cond:
-                if state.error is None:
-                    state.error = err
-                state.cond.notify_all()
-            raise
-        finally:
-            for _ in range(1, n):
-                finished.get()
 
     def runs_serially(self, graph: TaskGraph) -> bool:
         """Whether ``graph`` runs in the serial mode (:mod:`tensorql.exec.serial`) on the

@@ -1,11 +1,13 @@
-"""Threads kept between jobs: starting a thread costs ~0.1-0.3 ms on a small machine, and a
-run would otherwise start one for every lane of every device, and one for every transfer
-between ranks, each time it runs.
+"""Threads kept between jobs that only wait: a transfer between ranks waits on its peer, so
+each runs on a thread of its own, and starting a thread per transfer cost ~0.3 ms on a
+2-core machine.
 
 :data:`PARKED` is the process's pool: :meth:`ParkedThreads.start` hands a function to an
 idle thread (or starts one when none is idle); a thread whose function returned waits for
 the next one, and ends after :data:`IDLE_THREAD_S` without work. A parked thread holds nothing
-of the job it served.
+of the job it served. Threads that run torch kernels are not parked (see
+:class:`~tensorql.exec.devices.base.LaneThreads`): a live thread keeps the OpenMP pool its
+kernels made, which slowed the process's later torch work.
 
 >>> done = threading.Event()
 >>> PARKED.start("tensorql-demo", done.set)

@@ -1,6 +1,6 @@
 """The allocator tuning done when tensorql is imported: a query run again reuses the memory of
 its chunk buffers instead of faulting fresh pages in (glibc's per-thread arenas unmap their
-empty heaps; one arena keeps them, and so do the parked threads runs are served by). Each case runs in a fresh interpreter, so the tuning is
+empty heaps; one arena keeps them). Each case runs in a fresh interpreter, so the tuning is
 applied (or not) before any thread exists, as in a user's process."""
 
 from __future__ import annotations
@@ -40,15 +40,12 @@ def _faults_per_run(tuning: str) -> float:
 
 @pytest.mark.skipif(not tune_malloc(), reason="the allocator is not glibc's")
 def test_a_query_run_again_reuses_its_chunk_memory():
-    # ~24 MiB of 1 MiB chunks a run: 6,144 pages if each run faulted its chunks in afresh
-    # (measured ~6,200 when every run started new worker threads, each with a new arena
-    # whose heaps were unmapped when it ended). Workers are parked threads now, so their
-    # arenas live on, and the tuning (one arena, no trimming) keeps reuse when they do not:
-    # measured 50-410 faults a run either way.
-    fresh_pages = 24 * 2**20 // 4096
-    for tuning in ("0", "1"):
-        faults = _faults_per_run(tuning)
-        assert faults < fresh_pages / 4, (tuning, faults)
+    # ~24 MiB of 1 MiB chunks a run: untuned, ~6,000 pages are faulted in every run
+    # (measured 6,200); tuned, a few dozen
+    untuned = _faults_per_run("0")
+    tuned = _faults_per_run("1")
+    assert untuned > 2000, untuned  # the workload does allocate what the test is about
+    assert tuned < untuned / 6, (tuned, untuned)
 
 
 def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
