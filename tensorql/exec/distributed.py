@@ -202,8 +202,9 @@ class DistributedRuntime(Runtime):
             # under a memory limit an exchange moves one chunk a rank each way: no buffer
             # beyond the plan's receives
             budgeted = any(b is not None for b in self.budgets())
-            graph.programs[key] = plan_exchanges(program.ops, self.layout.rank_of,
-                                                 one_chunk_each=budgeted)
+            graph.programs[key] = plan_exchanges(
+                program.ops, self.layout.rank_of, one_chunk_each=budgeted,
+                dtype_of=lambda op: graph.chunk_meta[op.ref][1])
         return graph.programs[key]
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
@@ -408,8 +409,8 @@ class _RankRun(_Run):
                 error = err
         if error is not None:
             error = collective_failed(
-                self.layout, f"the exchange of {self.graph.step_name(ex.step)} (all_to_all_single)",
-                error)
+                self.layout, "the exchange of " + ", ".join(
+                    self.graph.step_name(s) for s in ex.steps) + " (all_to_all_single)", error)
         self.events.put(Completion(-1 - ex.index, started, time.perf_counter(), received,
                                    error))
 

@@ -51,24 +51,31 @@ MIN_SENDING_RANKS = 2
 
 @dataclass(frozen=True)
 class Exchange:
-    """One round of the cross-rank transfers of one step, run as one ``all_to_all_single``
-    of the job: ``ops`` are the memory plan's transfer ops it carries (by op id, the order
-    each rank concatenates and splits them in), at most one for each pair of ranks."""
+    """One round of the cross-rank transfers of one step (or of several steps that travel
+    together), run as one ``all_to_all_single`` of the job: ``ops`` are the memory plan's
+    transfer ops it carries (by op id, the order each rank concatenates and splits them in);
+    ``step`` is the first of ``steps``."""
 
     index: int
     step: int
     ops: tuple[int, ...]
+    steps: tuple[int, ...] = ()
 
 
 def plan_exchanges(ops: Sequence[Op], rank_of: Callable[[int], int], *,
                    one_chunk_each: bool = False,
-                   min_sending_ranks: int = MIN_SENDING_RANKS) -> tuple[Exchange, ...]:
+                   min_sending_ranks: int = MIN_SENDING_RANKS,
+                   dtype_of: Callable[[Op], str] | None = None) -> tuple[Exchange, ...]:
     """The exchanges of a memory plan's ``ops`` (in their issue order); ``rank_of`` maps a
     device to its rank. Transfers left out of every exchange stay point-to-point.
 
     Round ``k`` of a step carries the ``k``-th transfer of each pair of ranks; with
     ``one_chunk_each`` (under a memory limit) a round carries at most one chunk sent and one
-    received by each rank, so the chunks themselves are the collective's buffers."""
+    received by each rank, so the chunks themselves are the collective's buffers. Otherwise
+    rounds that follow one another in the issue order and do not wait on each other travel
+    as one collective when their chunks have one dtype (``dtype_of``; all alike when None):
+    a LLaMA block's query, key and value repartitions are one exchange, not three, and every
+    exchange is a point where all ranks wait for the slowest."""
     by_step: dict[int, list[int]] = {}
     for op in ops:
         if op.kind == "send" and rank_of(op.src_device) != rank_of(op.device):
@@ -90,7 +97,34 @@ def plan_exchanges(ops: Sequence[Op], rank_of: Callable[[int], int], *,
     # a round one of whose transfers waits on another of them cannot be one collective
     kept = [g for g in candidates if not any(ancestors[i] & bit[g] for i in groups[g])]
     order = _topological(kept, groups, ancestors, bit)
-    return tuple(Exchange(n, g[0], tuple(groups[g])) for n, g in enumerate(order))
+    runs = [[g] for g in order] if one_chunk_each else \
+        _together(order, groups, ancestors, bit, ops, dtype_of)
+    return tuple(Exchange(n, run[0][0], tuple(sorted(i for g in run for i in groups[g])),
+                          tuple(dict.fromkeys(g[0] for g in run)))
+                 for n, run in enumerate(runs))
+
+
+def _together(order: list[tuple[int, int]], groups: dict[tuple[int, int], list[int]],
+              ancestors: list[int], bit: dict[tuple[int, int], int], ops: Sequence[Op],
+              dtype_of: Callable[[Op], str] | None) -> list[list[tuple[int, int]]]:
+    """Consecutive rounds of ``order`` merged while none waits on another of its run (and
+    their chunks share a dtype). Only neighbours merge: every round a run waits on then comes
+    before the run, so issuing the run when all its transfers are ready never waits on a
+    later exchange."""
+    def dtype(g: tuple[int, int]) -> str | None:  # one step's chunks share one
+        return dtype_of(ops[groups[g][0]]) if dtype_of is not None else None
+
+    runs: list[list[tuple[int, int]]] = []
+    run_bits = 0
+    for g in order:
+        if runs and dtype(g) == dtype(runs[-1][0]) and \
+                not any(ancestors[i] & run_bits for i in groups[g]):
+            runs[-1].append(g)
+            run_bits |= bit[g]
+        else:
+            runs.append([g])
+            run_bits = bit[g]
+    return runs
 
 
 def _pair_rounds(ops: Sequence[Op], ids: list[int], rank_of: Callable[[int], int]

@@ -83,8 +83,26 @@ def test_exchanges_waiting_on_each_other_stay_point_to_point():
     assert plan_exchanges(ops, _by_device) == ()
 
 
-def test_a_llama_block_repartition_on_four_devices_is_one_exchange_a_step():
-    """Each device sends each other one slice a repartition: one round, one collective."""
+def test_steps_that_do_not_wait_on_each_other_travel_together():
+    # steps 5 and 6 are independent: one collective; step 7 reads step 5's chunk first
+    ops = [_send(0, 5, 0, 1), _send(1, 5, 1, 0), _send(2, 6, 0, 1), _send(3, 6, 1, 0),
+           _compute(4, 1, [0]), _send(5, 7, 1, 0, [4]), _send(6, 7, 0, 1)]
+    exchanges = plan_exchanges(ops, _by_device)
+    assert [(ex.steps, ex.ops) for ex in exchanges] == [((5, 6), (0, 1, 2, 3)),
+                                                        ((7,), (5, 6))]
+    assert exchanges[0].step == 5
+    # chunks of another dtype travel apart; under a memory limit every round is its own
+    dtypes = {5: "float32", 6: "float64", 7: "float32"}
+    apart = plan_exchanges(ops, _by_device, dtype_of=lambda op: dtypes[op.ref.step])
+    assert [ex.steps for ex in apart] == [(5,), (6,), (7,)]
+    budgeted = plan_exchanges(ops, _by_device, one_chunk_each=True)
+    assert all(len(ex.steps) == 1 for ex in budgeted)
+
+
+def test_a_llama_block_on_four_devices_repartitions_in_two_exchanges():
+    """Each device sends each other one slice a repartition; the query, key and value
+    repartitions (computed side by side) travel as one collective, the attention output's
+    (computed from them) as another."""
     import tensorql as tq
     from tensorql.exec.runtime import Runtime
     from tensorql.models import llama_block
@@ -102,8 +120,9 @@ def test_a_llama_block_repartition_on_four_devices_is_one_exchange_a_step():
     assert exchanges and sends
     carried = [i for ex in exchanges for i in ex.ops]
     assert len(carried) == len(set(carried))
-    steps = {program.ops[i].ref.step for i in carried}
-    assert len(steps) == len(exchanges)  # one exchange a step
+    assert [len(ex.steps) for ex in exchanges] == [3, 1]
+    for ex in exchanges:
+        assert {program.ops[i].ref.step for i in ex.ops} == set(ex.steps)
     # the block's repartitions come from every device
     for ex in exchanges:
         assert {program.ops[i].src_device for i in ex.ops} == {0, 1, 2, 3}
