@@ -172,6 +172,13 @@ def _count_tq_bytes() -> list[int]:
         return original_all_to_all(output, input, *args, **kwargs)
 
     dist.all_to_all_single = all_to_all_single
+    original_batch = dist.batch_isend_irecv
+
+    def batch_isend_irecv(ops):  # the result's all-gather: pairs issued together
+        sent[0] += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
+        return original_batch(ops)
+
+    dist.batch_isend_irecv = batch_isend_irecv
     original_broadcast = dist.broadcast
 
     def broadcast(tensor, src, *args, **kwargs):

@@ -338,10 +338,8 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     rel = step.relation
     out = empty_result(rel.shape, torch_dtype(rel.dtype))
 
-    def place(ref: Any, chunk: torch.Tensor) -> None:
-        out[rel.grid.slices(ref.key)] = chunk
-
-    shared = share_results(graph, result.outputs, layout, place)
+    shared = share_results(graph, result.outputs, layout,
+                           lambda ref: out[rel.grid.slices(ref.key)])
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
         result.stats.ranks = gather_rank_stats(
             result.stats, layout, runtime.sent_bytes, runtime.received_bytes, shared,

@@ -111,14 +111,20 @@ def _count_wire_bytes() -> dict:
         return send(tensor, *args, **kwargs)
 
     def counted_all_to_all(output, input, *args, **kwargs):
-        # the plan's exchanges run in tensorql's exchange group; the result's all-gather in
-        # the default one (group None)
-        kind = "results" if kwargs.get("group") is None else "all_to_all"
-        wire[kind] = wire.get(kind, 0) + input.nbytes  # own split empty
-        wire[kind + "_calls"] = wire.get(kind + "_calls", 0) + 1
+        wire["all_to_all"] = wire.get("all_to_all", 0) + input.nbytes  # own split empty
+        wire["all_to_all_calls"] = wire.get("all_to_all_calls", 0) + 1
         return all_to_all(output, input, *args, **kwargs)
 
+    batch = dist.batch_isend_irecv
+
+    def counted_batch(ops):  # the result's all-gather: pairs issued together
+        wire["results"] = wire.get("results", 0) + sum(
+            op.tensor.nbytes for op in ops if op.op is dist.isend)
+        wire["results_calls"] = wire.get("results_calls", 0) + 1
+        return batch(ops)
+
     dist.send, dist.all_to_all_single = counted_send, counted_all_to_all
+    dist.batch_isend_irecv = counted_batch
     return wire
 
 
