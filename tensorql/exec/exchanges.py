@@ -23,7 +23,10 @@ in the same order, and an exchange may not wait for itself:
   waits on itself stays point-to-point;
 * exchanges are ordered so that one depending on another comes after it (a topological order,
   ties by first op id): a rank issues exchange ``k`` once its own transfers of it are ready
-  and exchanges ``0..k-1`` are issued, which never waits on a later exchange.
+  and exchanges ``0..k-1`` are issued, which never waits on a later exchange;
+* without a memory limit, neighbours in that order that do not wait on each other are merged
+  into one exchange (rounds of one step, or several steps' repartitions computed side by
+  side): every collective is a point where all ranks wait for the slowest.
 
 Every rank computes the same ops from the same plan, so every rank finds the same exchanges
 in the same order.
@@ -34,6 +37,8 @@ in the same order.
 ...     return Op(i, "send", dst, ChunkRef(5, key), (), 64, "d2d", src_device=src)
 >>> ops = [send(0, 0, 1, (0,)), send(1, 1, 0, (1,)), send(2, 0, 1, (2,))]
 >>> [e.ops for e in plan_exchanges(ops, rank_of=lambda d: d)]
+[(0, 1, 2)]
+>>> [e.ops for e in plan_exchanges(ops, rank_of=lambda d: d, one_chunk_each=True)]
 [(0, 1), (2,)]
 """
 
