@@ -17,6 +17,17 @@ from tensorql.models import attention, llama_block, mlp
 
 
 def build(db, name):
+    if name == "matmul":  # the optimizer splits w's columns: result chunks are column blocks
+        import torch
+
+        from tensorql.models.workloads import Workload
+
+        rng = np.random.default_rng(5)
+        arrays = {"mx": rng.standard_normal((6, 8)).astype(np.float32),
+                  "mw": rng.standard_normal((8, 10)).astype(np.float32)}
+        x, w = (db.from_numpy(k, v, replace=True) for k, v in arrays.items())
+        return Workload("matmul", x @ w, arrays,
+                        lambda: torch.from_numpy(arrays["mx"]) @ torch.from_numpy(arrays["mw"]))
     if name == "mlp":
         return mlp(db, batch=10, d_model=12, d_ff=20)
     if name == "attention":
@@ -182,6 +193,8 @@ def main() -> None:
             results[name] = {
                 "wire": dict(wire),
                 "result_bytes": int(run.dense().nbytes),
+                "column_blocks": (lambda rel: rel.grid.tile[-1] < rel.shape[-1])(
+                    query.physical.result_step.relation),
                 "max_err": float(np.abs(run.dense().numpy() - w.reference()).max()),
                 "moved": run.stats.moved,
                 "predicted": (query.partition.pair_bytes().tolist() if query.partition

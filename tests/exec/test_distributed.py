@@ -54,8 +54,9 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
     """Results match; the bytes the ranks hand torch.distributed (counted around its calls)
     equal the plan's prediction, as do the runtime's per device pair. With exchanges a
     repartition is one all_to_all_single per round (under a memory limit, rounds of one
-    chunk sent and received a rank); with p2p every chunk is a send."""
-    names = "mlp,attention,llama_block"
+    chunk sent and received a rank); with p2p every chunk is a send. The result reaches
+    every rank, also when its chunks are column blocks (not contiguous in the result)."""
+    names = "mlp,attention,llama_block,matmul"
     env = {"TQ_TEST_EXCHANGE": exchange}
     if limit is not None:
         env["TQ_TEST_MEMORY_LIMIT"] = str(limit)
@@ -85,6 +86,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
         if exchange == "p2p":
             assert calls == {0}
         moved += predicted.sum()
+    assert all(seen["matmul"]["column_blocks"] for seen in ranks)
     # every rank loads the inputs it reads itself, so an MLP may move nothing; attention's
     # keys and values (computed, not stored) must cross ranks
     assert moved > 0

@@ -148,3 +148,43 @@ def test_results_on_device():
     result = Runtime("cpu", None, results_on_device=True).run(graph)
     torch.testing.assert_close(dense(q, result.outputs), torch.from_numpy(a @ b))
     assert result.stats.devices[0].bytes_d2h == 0
+
+
+def test_an_inline_device_runs_every_op_on_the_coordinating_thread():
+    """A one-worker CPU device with ``inline=True`` (as a distributed rank's) runs the memory
+    plan's ops where the runtime submits them: same result, no lane thread, and a failing
+    kernel still names its step."""
+    import threading
+
+    from tensorql.exec.devices import CPUDevice
+
+    q, graph, a, b = matmul_graph(n=128, tile=32)
+    budget = 5 * chunk(graph)
+    threads = set()
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def run(self, inputs, acc):
+            threads.add(threading.get_ident())
+            return self.kernel.run(inputs, acc)
+
+    tasks = tuple(dataclasses.replace(t, kernel=Recorded(t.kernel)) for t in graph.tasks)
+    result = Runtime([CPUDevice("cpu:0", inline=True)], budget).run(
+        dataclasses.replace(graph, tasks=tasks))
+    torch.testing.assert_close(dense(q, result.outputs), torch.from_numpy(a @ b))
+    assert threads == {threading.get_ident()}
+    assert result.stats.devices[0].evictions > 0  # the memory plan was followed
+    with pytest.raises(ValueError, match="one worker"):
+        CPUDevice("cpu:0", workers=2, inline=True)
+
+    class Boom:
+        def run(self, inputs, acc):
+            raise RuntimeError("kaboom")
+
+    failing = tuple(dataclasses.replace(t, kernel=Boom()) if t.inputs else t
+                    for t in graph.tasks)
+    with pytest.raises(ExecutionError, match="Aggregate sum.*kaboom"):
+        Runtime([CPUDevice("cpu:0", inline=True)], budget).run(
+            dataclasses.replace(graph, tasks=failing))
