@@ -111,17 +111,23 @@ def test_runtime_asserts_the_budget():
         runtime.run(graph)
 
 
+class _Boom:
+    """A kernel that fails."""
+
+    def run(self, inputs, acc):
+        raise RuntimeError("kaboom")
+
+
+def _failing(graph):
+    """``graph`` with every product's kernel failing."""
+    return dataclasses.replace(graph, tasks=tuple(
+        dataclasses.replace(t, kernel=_Boom()) if t.inputs else t for t in graph.tasks))
+
+
 def test_kernel_failure_names_the_step():
-    q, graph, _, _ = matmul_graph(n=64, tile=32)
-
-    class Boom:
-        def run(self, inputs, acc):
-            raise RuntimeError("kaboom")
-
-    tasks = tuple(dataclasses.replace(t, kernel=Boom()) if t.inputs else t
-                  for t in graph.tasks)
+    _, graph, _, _ = matmul_graph(n=64, tile=32)
     with pytest.raises(ExecutionError, match="Aggregate sum.*kaboom"):
-        Runtime("cpu", 4 * chunk(graph)).run(dataclasses.replace(graph, tasks=tasks))
+        Runtime("cpu", 4 * chunk(graph)).run(_failing(graph))
 
 
 def test_stats_and_timeline():
@@ -178,13 +184,5 @@ def test_an_inline_device_runs_every_op_on_the_coordinating_thread():
     assert result.stats.devices[0].evictions > 0  # the memory plan was followed
     with pytest.raises(ValueError, match="one worker"):
         CPUDevice("cpu:0", workers=2, inline=True)
-
-    class Boom:
-        def run(self, inputs, acc):
-            raise RuntimeError("kaboom")
-
-    failing = tuple(dataclasses.replace(t, kernel=Boom()) if t.inputs else t
-                    for t in graph.tasks)
     with pytest.raises(ExecutionError, match="Aggregate sum.*kaboom"):
-        Runtime([CPUDevice("cpu:0", inline=True)], budget).run(
-            dataclasses.replace(graph, tasks=failing))
+        Runtime([CPUDevice("cpu:0", inline=True)], budget).run(_failing(graph))
