@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from tensorql_kernels.optimizer_update import UPDATE_JOINS, optimizer_update
+from tensorql_kernels.packed_weights import matmul as packed_matmul
 
 Labels = Sequence[str]
 
@@ -291,7 +292,7 @@ def contract_into(
     if mats is not None:
         left, right, transposed = mats
         if acc is None:  # a fresh product, laid out as the output wants it
-            return torch.mm(right.T, left.T) if transposed else torch.mm(left, right)
+            return torch.mm(right.T, left.T) if transposed else packed_matmul(left, right)
         target = acc.T if transposed else acc
         if target.dtype == left.dtype:
             target.addmm_(left, right)
@@ -300,7 +301,7 @@ def contract_into(
     if flat is not None:
         left, right, shape = flat
         if acc is None:
-            return torch.mm(left, right).view(shape)
+            return packed_matmul(left, right).view(shape)
         target = _as_2d(acc, left.shape[0], right.shape[1])
         if target is not None and target.dtype == left.dtype:
             target.addmm_(left, right)
@@ -338,7 +339,7 @@ def contract_to(
         if transposed:
             torch.mm(right.T, left.T, out=out)
         else:
-            torch.mm(left, right, out=out)
+            packed_matmul(left, right, out=out)
         return out
     if join in UPDATE_JOINS:
         return optimizer_update(join, operands, out)
@@ -347,9 +348,9 @@ def contract_to(
         left, right, shape = flat
         target = _as_2d(out, left.shape[0], right.shape[1])
         if target is not None and target.dtype == left.dtype:
-            torch.mm(left, right, out=target)
+            packed_matmul(left, right, out=target)
             return out
-        return out.copy_(torch.mm(left, right).view(shape))
+        return out.copy_(packed_matmul(left, right).view(shape))
     value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
     return out.copy_(value)
 

@@ -33,6 +33,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import torch
+from tensorql_kernels.packed_weights import mark_immutable
 
 from tensorql.dtypes import SUPPORTED, itemsize
 from tensorql.errors import StorageError, UnknownTensorError
@@ -604,6 +605,8 @@ class ChunkCache:
         with self._lock:
             if ident in self._items:
                 return
+            # never written again: products may use a packed copy of it while it is cached
+            mark_immutable(chunk)
             self._items[ident] = chunk
             self.size += nbytes
             while self.size > self.capacity:
