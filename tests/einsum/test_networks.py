@@ -115,3 +115,38 @@ def test_refined_paths_reach_the_hyper_optimisers_flops():
         path = search_path(inputs, tuple(rhs), sizes)
         assert describe_path(path, inputs, tuple(rhs), sizes).flops <= 1.05 * reference, name
         assert search_path(inputs, tuple(rhs), sizes) == path, name
+
+
+def test_a_matrix_chain_is_planned_by_its_interval_programme():
+    """Matrices multiplied in a row (shuffled, some written transposed): the interval
+    programme finds the FLOPs of opt_einsum's dynamic programming, and the planner uses it."""
+    import random
+
+    from tensorql.logical.path import (
+        chain_path,
+        describe_path,
+        is_matrix_chain,
+        search_path,
+    )
+
+    rng = random.Random(7)
+    for _ in range(40):
+        n = rng.randint(6, 24)
+        labels = [opt_einsum.get_symbol(i) for i in range(n + 1)]
+        inputs = [(labels[i], labels[i + 1]) for i in range(n)]
+        rng.shuffle(inputs)
+        inputs = [pair if rng.random() < 0.7 else pair[::-1] for pair in inputs]
+        output = (labels[0], labels[n])
+        sizes = {lab: rng.randint(2, 200) for lab in labels}
+        assert is_matrix_chain(inputs, output)
+        equation = ",".join("".join(pair) for pair in inputs) + "->" + "".join(output)
+        shapes = [tuple(sizes[lab] for lab in pair) for pair in inputs]
+        path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True,
+                                           optimize=opt_einsum.DynamicProgramming())
+        best = describe_path([tuple(p) for p in path], inputs, output, sizes).flops
+        assert describe_path(chain_path(inputs, output, sizes), inputs, output,
+                             sizes).flops == best
+        assert describe_path(search_path(inputs, output, sizes), inputs, output,
+                             sizes).flops <= best
+    # a chain with a leg of its own is not a matrix chain: opt_einsum's programme plans it
+    assert not is_matrix_chain([("i", "j"), ("j", "k", "x"), ("k", "l")], ("i", "l"))
