@@ -151,7 +151,8 @@ def _alternating(fns, repeat: int) -> list[float]:
 
 
 def _count_tq_bytes() -> list[int]:
-    """Wrap the torch.distributed calls tensorql makes; returns the running byte count."""
+    """Wrap the torch.distributed calls tensorql makes (send, all_to_all_single for the
+    exchanges, batch_isend_irecv for the result's all-gather); returns the running byte count."""
     import torch.distributed as dist
 
     sent = [0]
@@ -163,7 +164,6 @@ def _count_tq_bytes() -> list[int]:
             return fn(tensor, *args, **kwargs)
         return wrapped
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.send = wrap(dist.send, lambda kw, a: True)
     original_all_to_all = dist.all_to_all_single
 
@@ -179,14 +179,6 @@ def _count_tq_bytes() -> list[int]:
         return original_batch(ops)
 
     dist.batch_isend_irecv = batch_isend_irecv
-    original_broadcast = dist.broadcast
-
-    def broadcast(tensor, src, *args, **kwargs):
-        if rank == src:
-            sent[0] += tensor.nbytes * (world - 1)
-        return original_broadcast(tensor, src, *args, **kwargs)
-
-    dist.broadcast = broadcast
     return sent
 
 

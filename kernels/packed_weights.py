@@ -70,8 +70,7 @@ def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = N
 def packed_bytes() -> int:
     """Bytes of the packed copies held now."""
     with _lock:
-        return sum(entry[2].nbytes if hasattr(entry[2], "nbytes") else 0
-                   for entry in _packed.values())
+        return sum(entry[2].nbytes for entry in _packed.values())
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

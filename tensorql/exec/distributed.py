@@ -264,7 +264,7 @@ class _RankRun(_Run):
         super().__init__(rt, *args)
         self.layout = rt.layout
         view = self._view()
-        self.mine, self.succ = view.mine, view.successors
+        self.succ = view.successors
         self.ndeps = list(view.ndeps)
         self.done_ops += view.others
         self.sent_bytes = 0
@@ -516,16 +516,9 @@ def collective_failed(layout: RankLayout, what: str, err: BaseException) -> Dist
                             "stopped answering within the timeout")
 
 
-@dataclass(frozen=True)
-class _ResultOwners:
-    """Who computed each retained chunk of a plan: ``refs[r]`` are rank r's, in the order
-    every rank lays them out."""
-
-    refs: tuple[tuple[ChunkRef, ...], ...]
-    numel: tuple[int, ...]  # elements of each rank's chunks together
-
-
-def _result_owners(graph: TaskGraph, layout: RankLayout) -> _ResultOwners:
+def _result_owners(graph: TaskGraph, layout: RankLayout) -> tuple[tuple[ChunkRef, ...], ...]:
+    """Who computed each retained chunk of a plan: item r are rank r's, in the order every
+    rank lays them out (found once per plan and layout)."""
     key = ("result owners", layout)
     owners = graph.programs.get(key)
     if owners is None:
@@ -535,9 +528,7 @@ def _result_owners(graph: TaskGraph, layout: RankLayout) -> _ResultOwners:
                           key=lambda r: (r.step, r.key)):
             # an unplaced task (a job of one device: nothing was partitioned) ran on rank 0
             by_rank[layout.rank_of(where[ref]) if where[ref] is not None else 0].append(ref)
-        owners = _ResultOwners(
-            tuple(tuple(refs) for refs in by_rank),
-            tuple(sum(math.prod(graph.chunk_meta[r][0]) for r in refs) for refs in by_rank))
+        owners = tuple(tuple(refs) for refs in by_rank)
         graph.programs[key] = owners
     return owners
 
@@ -558,15 +549,15 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
 
     owners = _result_owners(graph, layout)
     me, world = layout.rank, layout.world
-    for ref in owners.refs[me]:
+    for ref in owners[me]:
         destination(ref).copy_(outputs[ref])
-    if world == 1 or not any(owners.numel):
+    if world == 1 or not any(owners):
         return 0
     device = _broadcast_device(group)
     sent = 0
     p2p: list[Any] = []
     unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, where it goes)
-    for r, refs in enumerate(owners.refs):
+    for r, refs in enumerate(owners):
         for k, ref in enumerate(refs):
             tag = k  # the k-th chunk of rank r: both sides count alike
             if r == me:
