@@ -16,7 +16,13 @@ Bytes moved have two parts:
   reading the same region share the copy, and so do operations reading the same producer);
 * **partial aggregates** -- a device holding a partial of an output piece it does not own
   (it ran tasks with aggregated pieces != 0) folds its own partials together and sends one
-  partial to the owner: ``(devices contributing - 1) x piece bytes`` per output piece.
+  partial to the owner: ``(devices contributing - 1) x piece bytes`` per output piece;
+* or, for a **reduce-scatter** layout (``Layout.scatter``), every contributor owns a part of
+  the output piece: an output label's pieces are cut ``f`` times finer (``f`` = the
+  aggregated pieces), part ``b`` owned by the device of the task with aggregated rank ``b``,
+  and each contributor sends the parts it does not own -- the same bytes as a reduce onto
+  one owner, spread over every contributor's links and folds, and the output comes out
+  cut into ``N`` pieces a consumer can use where they are.
 
 The search sums per-edge figures (:func:`transition_matrix`, :class:`NodeTable`), which count
 a producer read by several operations once per operation: an upper bound it minimises. The
@@ -37,6 +43,8 @@ Cost(flops=11, bytes_moved=5, peak_bytes=9)
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -101,9 +109,43 @@ def device_of(rank: int, pieces: int, devices: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
+class OutputPieces:
+    """The output pieces of a :class:`Layout`: index, start and length along every output
+    label, and the owning device, of each piece (arrays over the pieces)."""
+
+    index: np.ndarray    # (P, n_out)
+    starts: np.ndarray   # (P, n_out)
+    lens: np.ndarray     # (P, n_out)
+    device: np.ndarray   # (P,)
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Every piece's index as a tuple of ints, in order."""
+        return [tuple(int(x) for x in row) for row in self.index]
+
+
+def scatter_splits(n: int, p: int, f: int) -> bool:
+    """True when each of the ``p`` pieces of a label of size ``n`` cuts into ``f`` parts that
+    are exactly the pieces of a ``p * f`` split (so the finer output stays a chunk grid).
+
+    >>> scatter_splits(8, 1, 2), scatter_splits(10, 2, 2), scatter_splits(12, 2, 3)
+    (True, False, True)
+    """
+    if f < 2 or not splits(n, p * f):
+        return False
+    tile = -(-n // p)
+    return tile % f == 0 and -(-n // (p * f)) == tile // f
+
+
+@dataclass(frozen=True, eq=False)
 class Layout:
     """The tasks of one candidate partition vector: piece index, start, length and device of
-    every task (row-major), and which output piece each device owns."""
+    every task (row-major), and the output pieces and their owners (:attr:`outputs`).
+
+    Normally an output piece is a task's output region, owned by the device of its task whose
+    aggregated pieces are all 0. With ``scatter = (s, f)`` (a reduce-scatter) output label
+    ``s`` is cut ``f`` times finer than the tasks' pieces (``f`` = the aggregated pieces) and
+    part ``b`` of each task piece is owned by the device of its task of aggregated rank ``b``.
+    """
 
     pieces: tuple[int, ...]
     index: np.ndarray    # (M, L) piece index of each task along each label
@@ -112,17 +154,66 @@ class Layout:
     device: np.ndarray   # (M,)
     n_out: int
     order: tuple[int, ...] = ()  # label positions, most significant first, for placement
+    scatter: tuple[int, int] | None = None  # (output label, parts) of a reduce-scatter
 
     @property
     def owner_mask(self) -> np.ndarray:
-        """Tasks whose aggregated pieces are all 0: they place their output piece."""
+        """Tasks whose aggregated pieces are all 0 (one per task piece of the output)."""
         return np.all(self.index[:, self.n_out:] == 0, axis=1)
+
+    @property
+    def out_pieces(self) -> tuple[int, ...]:
+        """Pieces of every output label (the scattered one ``f`` times finer)."""
+        out = list(self.pieces[: self.n_out])
+        if self.scatter is not None:
+            out[self.scatter[0]] *= self.scatter[1]
+        return tuple(out)
+
+    @functools.cached_property
+    def outputs(self) -> OutputPieces:
+        """The output pieces and their owners."""
+        n_out = self.n_out
+        own = np.flatnonzero(self.owner_mask)
+        idx, st = self.index[own, :n_out], self.starts[own, :n_out]
+        ln, dev = self.lens[own, :n_out], self.device[own]
+        if self.scatter is None:
+            return OutputPieces(idx, st, ln, dev)
+        s, f = self.scatter
+        agg_rank = _rank(self.index[:, n_out:], self.pieces[n_out:],
+                         tuple(range(len(self.pieces) - n_out)))
+        device_of_part = {(tuple(int(x) for x in self.index[t, :n_out]), int(agg_rank[t])):
+                          int(self.device[t]) for t in range(len(self.device))}
+        size = int((self.starts[:, s] + self.lens[:, s]).max()) if len(own) else 0
+        bounds = piece_bounds(size, self.pieces[s] * f)
+        idx_rows, st_rows, ln_rows, dev_rows = [], [], [], []
+        for k in range(len(own)):
+            piece = tuple(int(x) for x in idx[k])
+            for b in range(f):
+                g = piece[s] * f + b
+                row_i, row_s, row_l = idx[k].copy(), st[k].copy(), ln[k].copy()
+                row_i[s], row_s[s], row_l[s] = g, bounds[g], bounds[g + 1] - bounds[g]
+                idx_rows.append(row_i)
+                st_rows.append(row_s)
+                ln_rows.append(row_l)
+                dev_rows.append(device_of_part[(piece, b)])
+        shape = (len(idx_rows), n_out)
+        return OutputPieces(np.array(idx_rows, dtype=np.int64).reshape(shape),
+                            np.array(st_rows, dtype=np.int64).reshape(shape),
+                            np.array(ln_rows, dtype=np.int64).reshape(shape),
+                            np.array(dev_rows, dtype=np.int64))
 
     def owners(self) -> dict[tuple[int, ...], int]:
         """Output piece index -> owning device."""
-        own = self.owner_mask
-        return {tuple(int(x) for x in self.index[t, :self.n_out]): int(self.device[t])
-                for t in np.flatnonzero(own)}
+        out = self.outputs
+        return dict(zip(out.keys(), (int(d) for d in out.device)))
+
+    def parts_of(self, task: int) -> list[tuple[int, ...]]:
+        """The output pieces task ``task``'s output region covers (one unless scattered)."""
+        piece = tuple(int(x) for x in self.index[task, : self.n_out])
+        if self.scatter is None:
+            return [piece]
+        s, f = self.scatter
+        return [piece[:s] + (piece[s] * f + b,) + piece[s + 1:] for b in range(f)]
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
@@ -130,26 +221,31 @@ class Layout:
         seen = set()
         out = []
         for t in range(len(self.device)):
-            piece = tuple(int(x) for x in self.index[t, :self.n_out])
             dev = int(self.device[t])
-            if dev != owners[piece] and (dev, piece) not in seen:
-                seen.add((dev, piece))
-                out.append((dev, owners[piece], piece))
+            for piece in self.parts_of(t):
+                if dev != owners[piece] and (dev, piece) not in seen:
+                    seen.add((dev, piece))
+                    out.append((dev, owners[piece], piece))
         return out
 
 
 def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int,
-           order: Sequence[int] | None = None) -> Layout:
+           order: Sequence[int] | None = None,
+           scatter: tuple[int, int] | None = None) -> Layout:
     """The :class:`Layout` of ``pieces`` over labels of ``sizes`` on ``devices`` devices.
 
     Tasks are ranked row-major over the labels taken in ``order`` (default: the labels'
     own order) and task ``r`` of ``M`` runs on device ``r * N // M``; another order is
     another placement of the same pieces (a transposing operation can then keep its
-    producer's pieces where they are).
+    producer's pieces where they are). ``scatter`` makes it a reduce-scatter (see
+    :class:`Layout`).
 
     >>> lay = layout((4, 6), (2, 2), 1, 4)
     >>> lay.device.tolist(), layout((4, 6), (2, 2), 1, 4, order=(1, 0)).device.tolist()
     ([0, 1, 2, 3], [0, 2, 1, 3])
+    >>> rs = layout((4, 6), (1, 2), 1, 2, scatter=(0, 2))   # i:1 j:2, i cut in 2 parts
+    >>> rs.owners(), rs.partial_sends()
+    ({(0,): 0, (1,): 1}, [(0, 1, (1,)), (1, 0, (0,))])
     """
     combos = list(itertools.product(*(range(p) for p in pieces)))
     idx = np.array(combos, dtype=np.int64).reshape(len(combos), len(pieces))
@@ -163,7 +259,8 @@ def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int
     order = tuple(order) if order is not None else tuple(range(len(pieces)))
     rank = _rank(idx, tuple(int(p) for p in pieces), order)
     dev = rank * devices // m
-    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out, order)
+    return Layout(tuple(int(p) for p in pieces), idx, st, ln, dev, n_out, order,
+                  tuple(scatter) if scatter is not None else None)
 
 
 def _rank(idx: np.ndarray, pieces: tuple[int, ...], order: tuple[int, ...]) -> np.ndarray:
@@ -184,6 +281,8 @@ def refine(lay: Layout, sizes: Sequence[int], tiles: Sequence[int], devices: int
     >>> fine.pieces, fine.device.tolist()
     ((4, 1), [0, 0, 1, 1])
     """
+    if lay.scatter is not None:
+        raise ValueError("a reduce-scatter layout is run piece by piece, not refined")
     piece_tiles = [-(-n // p) for n, p in zip(sizes, lay.pieces)]
     for t, pt, n in zip(tiles, piece_tiles, sizes):
         if pt % t and t < n:
@@ -239,6 +338,13 @@ class NodeTable:
     partial_bytes: np.ndarray       # (K,)
     flops_dev: np.ndarray           # (K, N)
     peak: np.ndarray                # (K,)
+    scatters: list[tuple[int, int] | None] = dataclasses.field(default_factory=list)
+
+    @functools.cached_property
+    def scattered(self) -> np.ndarray:
+        """Candidates that reduce-scatter their partial aggregates."""
+        return np.array([sc is not None for sc in self.scatters] or [False] * len(self.cands),
+                        dtype=bool)
 
 
 def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = None) -> tuple:
@@ -254,23 +360,26 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
                 allowed: Sequence[tuple[int, ...]] | None = None,
                 pieces: int | None = None) -> NodeTable:
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
-    ``pieces`` pieces, ``devices`` by default)."""
+    ``pieces`` pieces, ``devices`` by default). An aggregation whose aggregated labels are cut
+    is also offered as a reduce-scatter along each output label that can be cut finer
+    (:func:`scatter_options`)."""
     chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
     n_out = node.n_out
     plain = tuple(range(len(node.sizes)))
-    flipped = _transposed_order(graph, node)
+    flipped = operand_orders(node)
     options = []
     for cand in chosen:
-        options.append((cand, plain))
-        if flipped is not None and sum(p > 1 for p in cand) > 1:
-            options.append((cand, flipped))
-    cands = np.array([c for c, _ in options], dtype=np.int64).reshape(len(options),
-                                                                      len(node.sizes))
-    orders = [o for _, o in options]
+        options.append((cand, plain, None))
+        if sum(p > 1 for p in cand) > 1:
+            options.extend((cand, order, None) for order in flipped)
+        options.extend((cand, plain, sc) for sc in scatter_options(node, cand))
+    cands = np.array([c for c, _, _ in options], dtype=np.int64).reshape(len(options),
+                                                                         len(node.sizes))
+    orders = [o for _, o, _ in options]
+    scatters = [sc for _, _, sc in options]
     K, N = len(cands), devices
-    layouts = [layout(node.sizes, cand, n_out, N, order) for cand, order in options]
-    per_dev = max(int(np.bincount(lay.device[lay.owner_mask], minlength=N).max())
-                  for lay in layouts)
+    layouts = [layout(node.sizes, cand, n_out, N, order, sc) for cand, order, sc in options]
+    per_dev = max(int(np.bincount(lay.outputs.device, minlength=N).max()) for lay in layouts)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     piece_hi = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     has_piece = np.zeros((K, N, per_dev), dtype=bool)
@@ -281,37 +390,66 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
     work = max(1, len(node.inputs)) if node.kind in ("einsum", "map", "softmax") else 0
     for c, lay in enumerate(layouts):
-        st, ln, dev = lay.starts, lay.lens, lay.device
-        rep = lay.owner_mask
+        ln, dev = lay.lens, lay.device
+        out = lay.outputs
         slot = np.zeros(N, dtype=np.int64)
-        for t in np.flatnonzero(rep):
-            d = dev[t]
-            piece_lo[c, d, slot[d]] = st[t, :n_out]
-            piece_hi[c, d, slot[d]] = st[t, :n_out] + ln[t, :n_out]
+        for q in range(len(out.device)):
+            d = out.device[q]
+            piece_lo[c, d, slot[d]] = out.starts[q]
+            piece_hi[c, d, slot[d]] = out.starts[q] + out.lens[q]
             has_piece[c, d, slot[d]] = True
             slot[d] += 1
-        out_elems = np.prod(ln[:, :n_out], axis=1)
-        piece_elems = {tuple(lay.index[t, :n_out]): int(out_elems[t]) for t in range(len(dev))}
+        piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
         partial[c] = sum(piece_elems[piece] for _, _, piece in lay.partial_sends()) \
             * node.itemsize
         np.add.at(flops[c], dev, np.prod(ln, axis=1) * work)
-        working = out_elems * node.itemsize
+        working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
-    return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops, peak)
+    return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops,
+                     peak, scatters)
 
 
-def _transposed_order(graph: OpGraph, node: OpNode) -> tuple[int, ...] | None:
-    """A placement order matching a producer whose axes this node reads in another order
-    (a transpose): the producer's label order first. None when every operand is read in
-    order, so the default placement already lines pieces up."""
+def scatter_options(node: OpNode, cand: Sequence[int]) -> list[tuple[int, int]]:
+    """The reduce-scatters of an aggregation partitioned by ``cand``: ``(s, f)`` for every
+    output label ``s`` whose pieces cut ``f`` times finer, ``f`` the aggregated pieces (none
+    when the aggregated labels are not cut, or the node is no aggregation).
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> mm = OpNode(0, "einsum", ("i", "k", "j"), (8, 6, 4), 2, (), "float32", "mm")
+    >>> scatter_options(mm, (1, 1, 2)), scatter_options(mm, (2, 1, 1))
+    ([(0, 2), (1, 2)], [])
+    """
+    f = math.prod(cand[node.n_out:])
+    if node.kind != "einsum" or f < 2:
+        return []
+    return [(s, f) for s in range(node.n_out)
+            if node.labels[s] not in node.whole
+            and scatter_splits(node.sizes[s], cand[s], f)]
+
+
+def operand_orders(node: OpNode) -> list[tuple[int, ...]]:
+    """Placement orders matching the operands this node reads in another order than its own
+    (transposed): each such operand's label order first, then the rest. A placement in that
+    order keeps the operand's pieces on the devices that hold them; none when every operand
+    is read in order (the default placement already lines pieces up).
+
+    >>> from tensorql.optimizer.graph import Edge, OpNode
+    >>> node = OpNode(2, "map", ("a", "b", "c"), (4, 4, 4), 3,
+    ...               (Edge(0, ("b", "a", "c")), Edge(1, ("c", "a", "b"))), "float32", "add")
+    >>> operand_orders(node)
+    [(1, 0, 2), (2, 0, 1)]
+    """
+    orders: list[tuple[int, ...]] = []
     for edge in node.inputs:
         pos = [node.labels.index(a) for a in edge.axes]
         if len(set(pos)) == len(pos) and pos != sorted(pos):
             rest = [k for k in range(len(node.labels)) if k not in pos]
-            return tuple(pos + rest)
-    return None
+            order = tuple(pos + rest)
+            if order not in orders:
+                orders.append(order)
+    return orders
 
 
 def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
@@ -360,14 +498,14 @@ def region_sources(producer: Layout, lo: Sequence[int], hi: Sequence[int]
     """The producer's output pieces overlapping region ``[lo, hi)``: ``(piece index, owner,
     overlap lo, overlap hi)`` each."""
     out = []
-    for t in np.flatnonzero(producer.owner_mask):
-        plo = producer.starts[t, :producer.n_out]
-        phi = plo + producer.lens[t, :producer.n_out]
+    pieces = producer.outputs
+    for q, key in enumerate(pieces.keys()):
+        plo = pieces.starts[q]
+        phi = plo + pieces.lens[q]
         olo = np.maximum(plo, lo)
         ohi = np.minimum(phi, hi)
         if np.all(ohi > olo):
-            out.append((tuple(int(x) for x in producer.index[t, :producer.n_out]),
-                        int(producer.device[t]), tuple(int(x) for x in olo),
+            out.append((key, int(pieces.device[q]), tuple(int(x) for x in olo),
                         tuple(int(x) for x in ohi)))
     return out
 
@@ -407,14 +545,13 @@ def device_reads(graph: OpGraph, layouts: Sequence[Layout],
             tasks = np.flatnonzero(first_reads(lay, axes))
             lo = lay.starts[tasks][:, axes]                               # (T, r)
             hi = lo + lay.lens[tasks][:, axes]
-            owners = np.flatnonzero(prod.owner_mask)
-            plo = prod.starts[owners, :prod.n_out]                        # (P, r)
-            phi = plo + prod.lens[owners, :prod.n_out]
+            plo = prod.outputs.starts                                     # (P, r)
+            phi = plo + prod.outputs.lens
             olo = np.maximum(lo[:, None], plo[None])                      # (T, P, r)
             ohi = np.minimum(hi[:, None], phi[None])
             hit = np.all(ohi > olo, axis=2)
             full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
-            pieces = [tuple(int(x) for x in prod.index[o, :prod.n_out]) for o in owners]
+            pieces = prod.outputs.keys()
             for ti, pi in zip(*np.nonzero(hit)):
                 key = (edge.producer, int(lay.device[tasks[ti]]))
                 if full[ti, pi]:
@@ -434,10 +571,9 @@ def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozense
     """What the devices of consumer layout ``lay`` read from other devices of producer layout
     ``prod`` through one operand whose labels are ``axes``: whole pieces ``(device, piece)``
     and slices ``(device, piece, lo, hi)``; each device reads each once."""
-    owners = np.flatnonzero(prod.owner_mask)
-    plo = prod.starts[owners, :prod.n_out]                                # (P, r)
-    phi = plo + prod.lens[owners, :prod.n_out]
-    owner_dev = prod.device[owners]
+    plo = prod.outputs.starts                                             # (P, r)
+    phi = plo + prod.outputs.lens
+    owner_dev = prod.outputs.device
     tasks = np.flatnonzero(first_reads(lay, axes))
     lo = lay.starts[tasks][:, list(axes)]
     hi = lo + lay.lens[tasks][:, list(axes)]
@@ -481,8 +617,7 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                 cache[key] = (w, sl)
         whole |= w
         slices |= sl
-    owners = np.flatnonzero(prod.owner_mask)
-    sizes = np.prod(prod.lens[owners, :prod.n_out], axis=1)
+    sizes = np.prod(prod.outputs.lens, axis=1)
     total = sum(int(sizes[q]) for _, q in whole)
     total += sum(math.prod(b - a for a, b in zip(lo, hi))
                  for d, q, lo, hi in slices if (d, q) not in whole)
@@ -492,11 +627,11 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
 def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
     """Output piece index -> (lo, hi) of that piece."""
     out = {}
-    for t in np.flatnonzero(lay.owner_mask):
-        lo = lay.starts[t, :lay.n_out]
-        hi = lo + lay.lens[t, :lay.n_out]
-        out[tuple(int(x) for x in lay.index[t, :lay.n_out])] = (
-            tuple(int(x) for x in lo), tuple(int(x) for x in hi))
+    pieces = lay.outputs
+    for q, key in enumerate(pieces.keys()):
+        lo = pieces.starts[q]
+        hi = lo + pieces.lens[q]
+        out[key] = (tuple(int(x) for x in lo), tuple(int(x) for x in hi))
     return out
 
 
@@ -520,8 +655,8 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
                 moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
-            elems = {tuple(int(x) for x in lay.index[t, :lay.n_out]):
-                     int(np.prod(lay.lens[t, :lay.n_out])) for t in range(len(lay.device))}
+            elems = dict(zip(lay.outputs.keys(),
+                             (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
             for src, dst, piece in lay.partial_sends():
                 moved[src, dst] += elems[piece] * node.itemsize
     return moved

@@ -53,6 +53,7 @@ class OpPartition:
     peak_bytes: int
     n_agg: int = 0
     order: tuple[int, ...] = ()  # placement order of the labels (empty: their own order)
+    scatter: tuple[int, int] | None = None  # (output label, parts): partials reduce-scattered
 
     @property
     def bytes_moved(self) -> int:
@@ -62,6 +63,14 @@ class OpPartition:
     def vector(self) -> str:
         """The partition vector as ``label:pieces`` pairs."""
         return " ".join(f"{lab}:{p}" for lab, p in zip(self.labels, self.pieces)) or "scalar"
+
+    @property
+    def out_pieces(self) -> tuple[int, ...]:
+        """Pieces of every output label (a reduce-scatter cuts one of them finer)."""
+        out = list(self.pieces[: len(self.labels) - self.n_agg])
+        if self.scatter is not None:
+            out[self.scatter[0]] *= self.scatter[1]
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,8 @@ class PartitionPlan:
     def layout(self, index: int) -> Layout:
         """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
         op, node = self.ops[index], self.graph.nodes[index]
-        return layout(node.sizes, op.pieces, node.n_out, self.devices, op.order or None)
+        return layout(node.sizes, op.pieces, node.n_out, self.devices, op.order or None,
+                      op.scatter)
 
     def pair_bytes(self) -> np.ndarray:
         """Predicted bytes sent from device ``src`` to ``dst``: an (N, N) matrix whose sum is
@@ -108,9 +118,15 @@ class PartitionPlan:
             if op.partial_bytes:
                 agg = [f"{lab}:{p}" for lab, p in zip(op.labels, op.pieces)
                        if p > 1 and lab in op.labels[len(op.labels) - op.n_agg:]]
+                if op.scatter is not None:
+                    lab = op.labels[op.scatter[0]]
+                    how = (f"then a reduce-scatter: the output cut {lab}:"
+                           f"{op.out_pieces[op.scatter[0]]}, each contributor owning a part")
+                else:
+                    how = "then a reduce onto each output piece's owner"
                 lines.append(f"    partial aggregates: {format_bytes(op.partial_bytes)} "
                              f"(aggregated labels split {' '.join(agg)}; each device folds its "
-                             "own, then a reduce onto each output piece's owner)")
+                             f"own, {how})")
         return "\n".join(lines)
 
 
@@ -171,14 +187,14 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
     for node, table, cand in zip(graph.nodes, tables, choice):
         pieces = tuple(int(x) for x in table.cands[cand])
         order = table.orders[cand]
+        scatter = table.scatters[cand] if table.scatters else None
         device_flops += table.flops_dev[cand]
         peak = max(peak, int(table.peak[cand]))
         inputs = []
         for k, edge in enumerate(node.inputs):
             prod = graph.nodes[edge.producer]
-            q = tables[edge.producer].cands[choice[edge.producer]]
             here = tuple(pieces[node.labels.index(a)] for a in edge.axes)
-            there = tuple(int(x) for x in q[: prod.n_out])
+            there = tables[edge.producer].layouts[choice[edge.producer]].out_pieces
             replicas = int(np.prod([p for lab, p in zip(node.labels, pieces)
                                     if lab not in edge.axes]))
             if prod.loaded_where_read:
@@ -202,7 +218,8 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
                          flops_per_device=int(table.flops_dev[cand].max()),
                          inputs=tuple(inputs), partial_bytes=int(table.partial_bytes[cand]),
                          peak_bytes=int(table.peak[cand]), n_agg=len(node.agg_labels),
-                         order=order if order != tuple(range(len(pieces))) else ())
+                         order=order if order != tuple(range(len(pieces))) else (),
+                         scatter=scatter)
         ops.append(op)
     cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.exact_total(choice),
                 peak_bytes=peak)

@@ -136,6 +136,11 @@ class Problem:
         """Bytes of partial aggregates a choice sends."""
         return sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
 
+    def reduced(self, choice: tuple[int, ...]) -> int:
+        """Bytes of partial aggregates a choice sends to one owner per piece (no scatter)."""
+        return sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice)
+                   if not t.scattered[c])
+
     @functools.cached_property
     def shared_edges(self) -> dict[int, list[tuple[int, np.ndarray]]]:
         """Producers read by several operations -> [(consumer, edge matrix)]."""
@@ -204,8 +209,11 @@ def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
 def own_cost(table: NodeTable) -> np.ndarray:
     """A node's own bytes (partial aggregates) for the search, a hair heavier than bytes
     moved by edges: between equal totals the plan without partials wins, since folding
-    partials is extra work on the owner (a matmul split by rows rather than by its sum)."""
-    return table.partial_bytes.astype(float) * (1.0 + 1e-9)
+    partials is extra work (a matmul split by rows rather than by its sum), and of plans
+    with partials a reduce-scatter wins over a reduce onto one owner (the same bytes, spread
+    over every contributor's links and folds)."""
+    weight = np.where(table.scattered, 1.0 + 1e-9, 1.0 + 2e-9)
+    return table.partial_bytes.astype(float) * weight
 
 
 # -- dynamic programming over a tree cover ------------------------------------------------
@@ -385,7 +393,7 @@ def search_auto(problem: Problem) -> tuple[int, ...]:
              search_model(problem)]
     refined = list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
     return min(refined, key=lambda c: (problem.exact_total(c), problem.partials(c),
-                                       problem.total(c)))
+                                       problem.reduced(c), problem.total(c)))
 
 
 def search_exhaustive(problem: Problem) -> tuple[int, ...]:

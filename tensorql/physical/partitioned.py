@@ -13,7 +13,10 @@ runtime's copies, and only the bytes the cost model predicts:
   region together from local pieces and received slices (a repartition is thus slice +
   all-to-all + concatenate, never a regather onto one owner);
 * a device holding **partial aggregates** of an output piece it does not own folds them
-  locally, and a **reduce** task on the owner folds in the one partial it receives;
+  locally, and a **reduce** task on the owner folds in the one partial it receives; in a
+  **reduce-scatter** (``Layout.scatter``) every contributor owns a part of the piece: it cuts
+  the parts it does not own out of its partial and sends each to its owner, and folds the
+  ones it receives into its own part;
 * stored pieces are read by the device that holds them (each reads only its own chunks);
   where every device can load the inputs itself (``OpNode.loaded_where_read``: the ranks of
   a torch.distributed job), a stored tensor or constant is never sent: each device loads the
@@ -71,7 +74,7 @@ class SliceChunk:
     slices: tuple[slice, ...]
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        return inputs[0][self.slices].contiguous().clone()
+        return inputs[0][self.slices].clone(memory_format=torch.contiguous_format)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         raise AssertionError("a slice is cut once")
@@ -79,15 +82,27 @@ class SliceChunk:
 
 @dataclass(frozen=True, eq=False)
 class FoldPartial:
-    """Fold a partial aggregate received from another device into its output chunk."""
+    """Fold a partial aggregate (received from another device, or the part ``slices`` of a
+    partial held here) into its output chunk."""
 
     agg: str
     kernel: ContractChunk
+    slices: tuple[slice, ...] | None = None
+
+    def _part(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return inputs[0] if self.slices is None else inputs[0][self.slices]
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         if acc is None:
-            return inputs[0].clone()
-        return self.kernel.combine(acc, inputs[0])
+            return self._part(inputs).clone(memory_format=torch.contiguous_format)
+        return self.kernel.combine(acc, self._part(inputs))
+
+    def run_into(self, inputs: Sequence[torch.Tensor], dest: torch.Tensor) -> torch.Tensor:
+        """The first contribution, copied straight into ``dest`` (a tile of a dense result)."""
+        part = self._part(inputs)
+        if part.shape != dest.shape or part.dtype != dest.dtype:
+            return part.clone(memory_format=torch.contiguous_format)
+        return dest.copy_(part)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return self.kernel.combine(acc, partial)
@@ -129,8 +144,8 @@ class _Steps:
 
 def _relation(labels, sizes, lay: Layout, dtype) -> TensorRelation:
     """The relation a node's chunks make up: its output labels tiled like the layout."""
-    n_out = len(labels)
-    tiles = tuple(int(t) for t in lay.lens[:, :n_out].max(axis=0)) if len(lay.lens) else ()
+    lens = lay.outputs.lens
+    tiles = tuple(int(t) for t in lens.max(axis=0)) if len(lens) else ()
     return TensorRelation(tuple(labels), ChunkGrid(tuple(sizes), tiles), dtype)
 
 
@@ -139,8 +154,9 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
     stored tiles for a scan), so that a device works in cache-sized tasks that start as their
     own chunks arrive, and a stored piece is read chunk by chunk, without reassembly."""
     lay = plan.layout(node.index)
-    if not sub_tiles or node.logical is None or node.kind == "reshape":
-        return lay  # a reshape is one piece whose input region is the whole input
+    if not sub_tiles or node.logical is None or node.kind == "reshape" or lay.scatter:
+        return lay  # a reshape is one piece whose input region is the whole input; a
+        # reduce-scatter's parts are cut from whole pieces
     logical = node.logical.input if isinstance(node.logical, Aggregate) else node.logical
     rel = logical.relation
     target = dict(zip(rel.labels, rel.grid.tile))
@@ -208,7 +224,7 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             flops = int(np.prod(lay.lens[t])) * work
             in_bytes = sum(math.prod(int(lay.lens[t, node.labels.index(a)]) for a in e.axes)
                            for e in node.inputs) * itemsize(node.dtype)
-            if owners[piece] == dev:
+            if lay.scatter is None and owners[piece] == dev:
                 series.add((sid, piece, None), dev, refs, flops, in_bytes)
                 continue
             if partial_sid is None:
@@ -218,11 +234,49 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
         for (task_sid, key, shape), dev, inputs, task_kernel, flops in series.tasks():
             steps.add(task_sid, inputs, key, task_kernel, dev, flops, shape=shape,
                       dtype=node.dtype if shape is not None else None)
-        for src, dst, piece in lay.partial_sends():
-            steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
-                      FoldPartial(node.agg, kernel), dst)
+        if lay.scatter is not None:
+            _reduce_scatter(steps, node, lay, sid, partial_sid, kernel)
+        else:
+            for src, dst, piece in lay.partial_sends():
+                steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
+                          FoldPartial(node.agg, kernel), dst)
     return _assemble(plan, steps, step_of_node[graph.root],
                      tuple(step_of_node[n] for n in graph.also))
+
+
+def _reduce_scatter(steps: _Steps, node, lay: Layout, sid: int, partial_sid: int,
+                    kernel: ContractChunk) -> None:
+    """The folds of a reduce-scatter: every device holding a partial of a task piece sends
+    each part of it that another device owns (cut out on the holder: only the part travels)
+    and folds its own part straight from its partial."""
+    n_out = node.n_out
+    s, f = lay.scatter
+    holders: dict[tuple[int, ...], list[int]] = {}
+    piece_lo: dict[tuple[int, ...], np.ndarray] = {}
+    for t in range(len(lay.device)):
+        piece = tuple(int(x) for x in lay.index[t, :n_out])
+        piece_lo.setdefault(piece, lay.starts[t, :n_out])
+        if int(lay.device[t]) not in holders.setdefault(piece, []):
+            holders[piece].append(int(lay.device[t]))
+    out = lay.outputs
+    cut_sid = None
+    for q, part in enumerate(out.keys()):
+        owner = int(out.device[q])
+        piece = part[:s] + (part[s] // f,) + part[s + 1:]
+        lo = out.starts[q] - piece_lo[piece]
+        within = tuple(slice(int(a), int(a + n)) for a, n in zip(lo, out.lens[q]))
+        shape = tuple(int(n) for n in out.lens[q])
+        for holder in holders[piece]:
+            partial = ChunkRef(partial_sid, (holder, *piece))
+            if holder == owner:
+                steps.add(sid, (partial,), part, FoldPartial(node.agg, kernel, within), owner)
+                continue
+            if cut_sid is None:
+                cut_sid = steps.new_step(f"reduce-scatter parts of {node.name}",
+                                         steps.relations[sid])
+            cut = steps.add(cut_sid, (partial,), (holder, *part), SliceChunk(within), holder,
+                            shape=shape, dtype=node.dtype)
+            steps.add(sid, (cut,), part, FoldPartial(node.agg, kernel), owner)
 
 
 def _load_kernel(store: ChunkStore | None, node, lo: tuple[int, ...],

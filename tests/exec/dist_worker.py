@@ -28,6 +28,19 @@ def build(db, name):
         x, w = (db.from_numpy(k, v, replace=True) for k, v in arrays.items())
         return Workload("matmul", x @ w, arrays,
                         lambda: torch.from_numpy(arrays["mx"]) @ torch.from_numpy(arrays["mw"]))
+    if name == "reduce":  # one row: the second product's sum is split, then reduce-scattered
+        import torch
+
+        from tensorql.models.workloads import Workload
+
+        rng = np.random.default_rng(6)
+        arrays = {"rx": rng.standard_normal((1, 96)).astype(np.float32),
+                  "rw1": rng.standard_normal((96, 48)).astype(np.float32),
+                  "rw2": rng.standard_normal((48, 12)).astype(np.float32)}
+        x, w1, w2 = (db.from_numpy(k, v, replace=True) for k, v in arrays.items())
+        t = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        return Workload("reduce", (x @ w1).relu() @ w2, arrays,
+                        lambda: torch.relu(t["rx"] @ t["rw1"]) @ t["rw2"])
     if name == "mlp":
         return mlp(db, batch=10, d_model=12, d_ff=20)
     if name == "attention":
@@ -200,6 +213,8 @@ def main() -> None:
                 "predicted": (query.partition.pair_bytes().tolist() if query.partition
                               else [[0]]),
                 "devices": query.partition.devices if query.partition else 1,
+                "scattered": bool(query.partition and any(
+                    op.scatter is not None for op in query.partition.ops)),
             }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

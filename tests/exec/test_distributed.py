@@ -1,7 +1,7 @@
 """Partitioned plans on torch.distributed: 2, 3 and 4 local gloo ranks (one CPU device each)
-run MLP, attention and a LLaMA block; results match torch, the bytes passed to
-torch.distributed equal the plan's prediction per device pair, and a rank that dies makes the
-others fail with a DistributedError naming it instead of hanging."""
+run MLP, attention, a LLaMA block and a reduce-scatter of partial sums; results match torch,
+the bytes passed to torch.distributed equal the plan's prediction per device pair, and a rank
+that dies makes the others fail with a DistributedError naming it instead of hanging."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
     repartition is one all_to_all_single per round (under a memory limit, rounds of one
     chunk sent and received a rank); with p2p every chunk is a send. The result reaches
     every rank, also when its chunks are column blocks (not contiguous in the result)."""
-    names = "mlp,attention,llama_block,matmul"
+    names = "mlp,attention,llama_block,matmul,reduce"
     env = {"TQ_TEST_EXCHANGE": exchange}
     if limit is not None:
         env["TQ_TEST_MEMORY_LIMIT"] = str(limit)
@@ -87,6 +87,8 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
             assert calls == {0}
         moved += predicted.sum()
     assert all(seen["matmul"]["column_blocks"] for seen in ranks)
+    # one row: the partial sums of the second product are reduce-scattered over the ranks
+    assert all(seen["reduce"]["scattered"] for seen in ranks)
     # every rank loads the inputs it reads itself, so an MLP may move nothing; attention's
     # keys and values (computed, not stored) must cross ranks
     assert moved > 0

@@ -88,6 +88,32 @@ def test_partial_aggregates_reduced_on_owner():
         assert "partials of" in " ".join(s.name for s in query.physical.steps)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("join,agg", [("mul", "sum"), ("add", "max")])
+def test_partial_aggregates_reduce_scattered(n, join, agg):
+    """Splitting only the contracted label, each device ends up owning a part of the output:
+    every device sends the parts it does not own (cut out first, so only they travel) and
+    folds the ones it receives -- not every partial onto one device."""
+    rng = np.random.default_rng(11)
+    with tq.connect(devices=n, workers=2) as db:
+        x = db.from_numpy("rx", rng.standard_normal((12, 96)).astype(np.float32))
+        w = db.from_numpy("rw", rng.standard_normal((96, 24)).astype(np.float32))
+        a, b = x.numpy()[:, :, None], w.numpy()[None]
+        want = (a * b).sum(1) if join == "mul" else (a + b).max(1)
+        query, result = _check_run(tq.einsum("ij,jk->ik", x, w, join=join, agg=agg),
+                                   want, n)
+        op = query.partition.ops[-1]
+        assert op.pieces == (1, 1, n) and op.scatter == (0, n)
+        assert op.out_pieces == (n, 1)
+        assert "reduce-scatter" in query.partition.explain()
+        # each device receives the n - 1 parts of the others: balanced, not one column
+        moved = np.array(result.stats.moved)
+        part = 12 // n * 24 * 4
+        assert [int(moved[:, d].sum()) for d in range(n)] == [(n - 1) * part] * n
+        owners = {t.device for t in query.physical.result_step.tasks}
+        assert owners == set(range(n))
+
+
 ops = st.sampled_from([("mul", "sum"), ("add", "max"), ("add", "min"), ("max", "max"),
                        ("mul", "max"), ("sub", "sum")])
 
@@ -186,6 +212,23 @@ def test_placement_follows_a_transposed_producer():
         costs = {(tuple(c), o): int(matrix[q, k])
                  for k, (c, o) in enumerate(zip(cons_table.cands, cons_table.orders))}
         assert costs[((2, 2), (1, 0))] == 0 < costs[((2, 2), (0, 1))]
+
+
+def test_placement_may_follow_any_transposed_operand():
+    """Each operand read in another label order offers its own placement: the search can
+    keep either operand's pieces where they are."""
+    from tensorql.optimizer.search import Problem
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 6, 8)).astype(np.float32)   # (b, a, c)
+    y = rng.standard_normal((8, 6, 4)).astype(np.float32)   # (c, a, b)
+    with tq.connect(devices=4, workers=2) as db:
+        tx, ty = db.from_numpy("tx", x), db.from_numpy("ty", y)
+        expr = tq.einsum("bac,cab->abc", tx.exp(), ty.exp(), join="add")
+        want = np.exp(x).transpose(1, 0, 2) + np.exp(y).transpose(1, 2, 0)
+        query, _ = _check_run(expr, want, 4, rtol=1e-5, atol=1e-5)
+        tables = Problem.build(query.partition.graph, 4).tables
+        assert {(1, 0, 2), (2, 0, 1)} <= set(tables[-1].orders)
 
 
 @pytest.mark.parametrize("join,agg", [("mul", "sum"), ("add", "max")])

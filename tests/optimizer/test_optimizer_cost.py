@@ -11,7 +11,7 @@ import tensorql as tq
 from tensorql.grid import ChunkGrid
 from tensorql.logical.path import contraction_path
 from tensorql.optimizer import InfeasiblePlanError, SearchTooLargeError, UnknownStrategyError
-from tensorql.optimizer.cost import candidates, piece_bounds, splits
+from tensorql.optimizer.cost import candidates, layout, piece_bounds, scatter_splits, splits
 from tensorql.optimizer.graph import OpGraph
 
 
@@ -56,6 +56,27 @@ def test_partial_aggregates_counted(db):
     op = plan.ops[-1]
     assert op.pieces == (1, 4) and op.partial_bytes == 3 * 4
     assert "partial aggregates: 12 B (aggregated labels split j:4;" in plan.explain()
+
+
+def test_reduce_scatter_spreads_the_same_bytes_over_every_device():
+    # a 16x6 output summed over a label in 4 pieces: a reduce sends 3 whole partials to one
+    # owner; a reduce-scatter cuts the output's rows 4 ways and every device receives the
+    # other 3 contributors' parts of its own quarter -- the same bytes, spread evenly
+    reduce = layout((16, 6, 8), (1, 1, 4), 2, 4)
+    scatter = layout((16, 6, 8), (1, 1, 4), 2, 4, scatter=(0, 4))
+    assert reduce.owners() == {(0, 0): 0}
+    assert scatter.owners() == {(q, 0): q for q in range(4)} and scatter.out_pieces == (4, 1)
+    sizes = [np.prod(lay.outputs.lens, axis=1) for lay in (reduce, scatter)]
+    for lay, size in zip((reduce, scatter), sizes):
+        index = {key: int(n) for key, n in zip(lay.outputs.keys(), size)}
+        received = np.zeros(4, dtype=int)
+        for _, dst, piece in lay.partial_sends():
+            received[dst] += index[piece]
+        assert received.sum() == 3 * 16 * 6
+        assert received.tolist() == ([3 * 96, 0, 0, 0] if lay is reduce else [3 * 24] * 4)
+    # only splits that keep the finer output a chunk grid are offered
+    assert scatter_splits(16, 1, 4) and scatter_splits(12, 2, 3)
+    assert not scatter_splits(10, 2, 2) and not scatter_splits(3, 1, 4)
 
 
 def test_piece_bounds_are_chunk_grids():
