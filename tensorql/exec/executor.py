@@ -108,6 +108,8 @@ class _Run:
         self.cond = threading.Condition()
         self.done_tasks = 0
         self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
+        self.running = 0  # tasks taken and not yet finished
+        self.wide = False  # a task running alone with every worker's torch threads
         self.step_tasks = template.step_tasks  # read only
         self.error: BaseException | None = None
         self.failed_task: Task | None = None
@@ -132,6 +134,7 @@ class _Run:
             heapq.heappush(self.ready, entry)
         self.in_flight[task.output] = self.in_flight.get(task.output, 0) + 1
         self.running_big += _big(task)
+        self.running += 1
         return task
 
     def _complete_chunk(self, ref: ChunkRef) -> None:
@@ -152,6 +155,7 @@ class _Run:
                             bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
         self.running_big -= _big(task)
+        self.running -= 1
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
@@ -287,6 +291,7 @@ class Executor:
         with state.cond:  # no worker runs yet: the lock is taken once, not per task
             for task in state.inline:
                 state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
+                state.running += 1
                 now = time.perf_counter()
                 new_bytes = _execute(state, task)
                 completed = state.finish(task, now, now, new_bytes)
@@ -298,17 +303,25 @@ class Executor:
         total = len(state.graph.tasks)
         while True:
             with state.cond:
-                while not state.ready and state.error is None and state.done_tasks < total:
+                while (not state.ready or state.wide) and state.error is None \
+                        and state.done_tasks < total:
                     state.cond.wait()
                 if state.error is not None or state.done_tasks >= total or not state.ready:
                     return
                 task = state.take()
                 # a big task of a step with fewer tasks than workers (a chain of contractions,
-                # one task each, as in a tensor network or a transformer layer) that starts
-                # while no other big task runs cannot keep the workers busy: it gets every
-                # worker's torch threads, other tasks their share
-                wide = (_big(task) and state.running_big == 1
+                # one task each, as in a tensor network or a transformer layer) taken while
+                # nothing else runs or is ready would leave the other workers idle: it runs
+                # *alone* with every worker's torch threads (the others take nothing until it
+                # ends). Alone, since torch's thread count reaches MKL as one setting for the
+                # whole process: a product started on another worker meanwhile would run on
+                # the wide task's threads too, and one worker going back to its share would
+                # take the wide task's threads away (both seen on a LLaMA block's training
+                # step: wide tasks no faster, the step 3 ms slower than with none)
+                wide = (self.all_threads > self.intra_op_threads and _big(task)
+                        and state.running == 1 and not state.ready
                         and state.step_tasks[task.output.step] < self.workers)
+                state.wide = wide
             threads = self.all_threads if wide else self.intra_op_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -321,8 +334,12 @@ class Executor:
                         state.error, state.failed_task = err, task
                     state.cond.notify_all()
                 return
+            finally:
+                if wide:  # back to its share before any other worker starts a product
+                    torch.set_num_threads(self.intra_op_threads)
             ended = time.perf_counter()
             with state.cond:
+                state.wide = False
                 completed = state.finish(task, started, ended, new_bytes)
             if completed and state.sink is not None and task.output.step in state.graph.retain:
                 try:

@@ -1,8 +1,11 @@
 """The executor's torch threads per task: a big task of a step too narrow to occupy every
-worker (a chain of one-chunk contractions) gets every worker's threads when no other big task
-runs; the tasks of a wide step keep their share."""
+worker (a chain of one-chunk contractions) gets every worker's threads when nothing else runs
+or is ready, and then runs alone; the tasks of a wide step keep their share."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import torch
@@ -56,3 +59,35 @@ def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch):
         np.testing.assert_allclose(result.dense().numpy(), np.exp(2 * x), rtol=1e-6)
         (step,) = [s.id for s in query.physical.steps if s.tasks and "Scan" not in s.name]
         assert seen[step] == {2}
+
+
+def test_a_task_with_every_thread_runs_alone(monkeypatch):
+    """torch's thread count reaches MKL as one setting for the process: a product started on
+    another worker while a task runs wide would share its threads (or take them away), so a
+    wide task runs alone; two big products ready together each keep their share."""
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((320, 320)).astype(np.float32) for _ in range(2))
+    spans: list[tuple[float, float, int, int]] = []
+    lock = threading.Lock()
+    original = executor._execute
+
+    def timed(state, task):
+        threads = torch.get_num_threads()
+        start = time.perf_counter()
+        out = original(state, task)
+        with lock:
+            spans.append((start, time.perf_counter(), threads, task.flops))
+        return out
+
+    monkeypatch.setattr(executor, "_execute", timed)
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(320, 320))
+        b = db.from_numpy("B", y, tile=(320, 320))
+        expr = ((a @ a) + (b @ b)) @ a  # two big products side by side, then one alone
+        np.testing.assert_allclose(expr.numpy(), (x @ x + y @ y) @ x, rtol=1e-3, atol=1e-2)
+    products = [span for span in spans if span[3] >= 320 ** 3]
+    assert sorted(span[2] for span in products) == [1, 1, 2]  # only the last one ran wide
+    for start, end, threads, _ in spans:
+        if threads == 2:
+            others = [s for s in spans if s[:2] != (start, end)]
+            assert all(e <= start or s >= end for s, e, _, _ in others)
