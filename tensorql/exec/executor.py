@@ -108,8 +108,8 @@ class _Run:
         self.cond = threading.Condition()
         self.done_tasks = 0
         self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
-        self.running = 0  # tasks taken and not yet finished
-        self.wide = False  # a task running alone with every worker's torch threads
+        self.wide = False  # a big task runs with every worker's torch threads
+        self.ready_big = sum(_big(entry[2]) for entry in self.ready)  # big tasks ready
         self.step_tasks = template.step_tasks  # read only
         self.error: BaseException | None = None
         self.failed_task: Task | None = None
@@ -117,9 +117,17 @@ class _Run:
         self.stats = RunStats(tasks=len(graph.tasks))
 
     # -- called with self.cond held ------------------------------------------------------
-    def take(self, lookahead: int = 4) -> Task:
+    def take(self, lookahead: int = 4, small_only: bool = False) -> Task | None:
         """The most urgent ready task, preferring one whose output no other worker is
-        writing (so accumulation rarely needs a partial computed aside)."""
+        writing (so accumulation rarely needs a partial computed aside); with
+        ``small_only`` the most urgent one below ``WIDE_TASK_FLOPS`` (None if none is)."""
+        if small_only:
+            best = min((e for e in self.ready if not _big(e[2])), default=None)
+            if best is None:
+                return None
+            self.ready.remove(best)
+            heapq.heapify(self.ready)
+            return self._taken(best[2])
         skipped = []
         task = None
         while self.ready and len(skipped) < lookahead:
@@ -132,9 +140,13 @@ class _Run:
             task = skipped.pop(0)[2] if skipped else heapq.heappop(self.ready)[2]
         for entry in skipped:
             heapq.heappush(self.ready, entry)
+        return self._taken(task)
+
+    def _taken(self, task: Task) -> Task:
         self.in_flight[task.output] = self.in_flight.get(task.output, 0) + 1
-        self.running_big += _big(task)
-        self.running += 1
+        big = _big(task)
+        self.running_big += big
+        self.ready_big -= big
         return task
 
     def _complete_chunk(self, ref: ChunkRef) -> None:
@@ -142,6 +154,7 @@ class _Run:
             self.pending[consumer.id] -= 1
             if self.pending[consumer.id] == 0:
                 heapq.heappush(self.ready, (consumer.priority, consumer.id, consumer))
+                self.ready_big += _big(consumer)
 
     def release(self, ref: ChunkRef) -> None:
         """Forget a retained chunk the sink has taken, unless a task still reads it."""
@@ -155,7 +168,6 @@ class _Run:
                             bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
         self.running_big -= _big(task)
-        self.running -= 1
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
@@ -291,7 +303,8 @@ class Executor:
         with state.cond:  # no worker runs yet: the lock is taken once, not per task
             for task in state.inline:
                 state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
-                state.running += 1
+                state.running_big += _big(task)
+                state.ready_big -= _big(task)
                 now = time.perf_counter()
                 new_bytes = _execute(state, task)
                 completed = state.finish(task, now, now, new_bytes)
@@ -301,27 +314,35 @@ class Executor:
 
     def _work(self, state: _Run) -> None:
         total = len(state.graph.tasks)
+        # this thread's own torch threads (a new thread starts from the process default);
+        # setting them reaches MKL for the whole process, so not while a task runs wide
+        with state.cond:
+            while state.wide and state.error is None:
+                state.cond.wait()
+            torch.set_num_threads(self.intra_op_threads)
         while True:
             with state.cond:
-                while (not state.ready or state.wide) and state.error is None \
-                        and state.done_tasks < total:
+                while True:
+                    if state.error is not None or state.done_tasks >= total:
+                        return
+                    task = state.take(small_only=state.wide) if state.ready else None
+                    if task is not None:
+                        break
                     state.cond.wait()
-                if state.error is not None or state.done_tasks >= total or not state.ready:
-                    return
-                task = state.take()
                 # a big task of a step with fewer tasks than workers (a chain of contractions,
-                # one task each, as in a tensor network or a transformer layer) taken while
-                # nothing else runs or is ready would leave the other workers idle: it runs
-                # *alone* with every worker's torch threads (the others take nothing until it
-                # ends). Alone, since torch's thread count reaches MKL as one setting for the
-                # whole process: a product started on another worker meanwhile would run on
-                # the wide task's threads too, and one worker going back to its share would
-                # take the wide task's threads away (both seen on a LLaMA block's training
-                # step: wide tasks no faster, the step 3 ms slower than with none)
-                wide = (self.all_threads > self.intra_op_threads and _big(task)
-                        and state.running == 1 and not state.ready
+                # one task each, as in a tensor network or a transformer layer) taken while no
+                # other big task runs or waits would leave the other workers idle or on small
+                # tasks: it gets every worker's torch threads, and until it ends the others
+                # take only small tasks. torch's thread count reaches MKL as one setting for
+                # the whole process, so a product started on another worker meanwhile would
+                # run on the wide task's threads too (seen on a LLaMA block's training step:
+                # wide products no faster than on one thread, the step ~3 ms longer than
+                # with none)
+                wide = (self.all_threads > self.intra_op_threads and not state.wide
+                        and _big(task) and state.running_big == 1 and state.ready_big == 0
                         and state.step_tasks[task.output.step] < self.workers)
-                state.wide = wide
+                if wide:
+                    state.wide = True
             threads = self.all_threads if wide else self.intra_op_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -339,7 +360,8 @@ class Executor:
                     torch.set_num_threads(self.intra_op_threads)
             ended = time.perf_counter()
             with state.cond:
-                state.wide = False
+                if wide:
+                    state.wide = False
                 completed = state.finish(task, started, ended, new_bytes)
             if completed and state.sink is not None and task.output.step in state.graph.retain:
                 try:
