@@ -21,6 +21,7 @@ from tensorql.errors import (
     ParseError,
     PlanError,
     ShapeError,
+    StaleTensorError,
     StorageError,
     TensorQLError,
     UnknownTensorError,
@@ -39,7 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "MemoryLimitError",
     "OptionError",
-    "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StorageError",
+    "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StaleTensorError",
+    "StorageError",
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
     "einsum", "optimize", "where", "grad", "GradientError", "optim", "substitute",

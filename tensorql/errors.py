@@ -80,6 +80,11 @@ class StorageError(TensorQLError):
     """The chunk store could not read or write what was asked."""
 
 
+class StaleTensorError(StorageError):
+    """A stored tensor no longer has the layout a query was planned for: it was stored again
+    with another shape, dtype or tiling after the expression was built (names the tensor)."""
+
+
 class UnknownTensorError(StorageError, KeyError):
     """No stored tensor has the given name."""
 

@@ -22,6 +22,7 @@ from tensorql_kernels.elementwise import apply_map
 
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.spec import COMPARISON_JOINS
+from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
 from tensorql.logical.plan import Softmax
 from tensorql.storage.chunk_store import ChunkStore
@@ -34,19 +35,48 @@ class _NoCombine:
 
 @dataclass(frozen=True, eq=False)
 class LoadChunk(_NoCombine):
-    """Read chunk ``key`` of stored tensor ``name``."""
+    """Read chunk ``key`` of stored tensor ``name``; with ``shape`` and ``dtype`` given, a
+    chunk of another layout (the tensor stored again with another shape, dtype or tiling
+    after the query was planned) is a :class:`StaleTensorError`, not a wrong result."""
 
     store: ChunkStore
     name: str
     key: Key
     nbytes: int = 0
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
 
     @property
     def bytes_read(self) -> int:
         return self.nbytes
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        return self.store.read_chunk(self.name, self.key)
+        chunk = self.store.read_chunk(self.name, self.key)
+        if self.shape is not None:
+            check_layout(self.name, f"chunk {self.key}", chunk, self.shape, self.dtype)
+        return chunk
+
+
+def check_layout(name: str, what: str, value: torch.Tensor, shape: Sequence[int],
+                 dtype: str | None) -> None:
+    """StaleTensorError unless ``value`` (``what`` of stored tensor ``name``) has ``shape``
+    and ``dtype``.
+
+    >>> try:
+    ...     check_layout("x", "chunk (0, 0)", torch.zeros(2, 2), (2, 3), "float32")
+    ... except StaleTensorError as err:
+    ...     print(str(err)[:79])
+    stored tensor 'x' changed since this query was planned: its chunk (0, 0) is 2x2
+    """
+    want = torch_dtype(dtype) if dtype is not None else value.dtype
+    if tuple(value.shape) == tuple(shape) and value.dtype == want:
+        return
+    got_dtype = str(value.dtype).removeprefix("torch.")
+    raise StaleTensorError(
+        f"stored tensor {name!r} changed since this query was planned: its {what} is "
+        f"{'x'.join(map(str, value.shape))} {got_dtype} where the plan reads "
+        f"{'x'.join(map(str, shape))} {dtype or got_dtype} (it was stored again with another "
+        f"shape, dtype or tiling); build the expression again, e.g. from db.tensor({name!r})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +95,16 @@ class LoadPiece:
         return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        return self.store.read_region(self.name, self.lo, self.hi)
+        try:
+            region = self.store.read_region(self.name, self.lo, self.hi)
+        except (ShapeError, IndexError, RuntimeError) as err:  # the tensor shrank
+            raise StaleTensorError(
+                f"stored tensor {self.name!r} changed since this query was planned: its "
+                f"region {self.lo}..{self.hi} cannot be read ({err}); build the expression "
+                f"again, e.g. from db.tensor({self.name!r})") from err
+        check_layout(self.name, f"region {self.lo}..{self.hi}", region,
+                     tuple(b - a for a, b in zip(self.lo, self.hi)), self.dtype)
+        return region
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         raise AssertionError("a piece is loaded once")

@@ -483,7 +483,8 @@ class _Builder:
                 kernel = LoadPiece.of_region(self.store, node, lo, hi)
             else:
                 kernel = LoadChunk(self.store, node.source, key,
-                                   math.prod(grid.chunk_shape(key)) * size)
+                                   math.prod(grid.chunk_shape(key)) * size,
+                                   tuple(grid.chunk_shape(key)), node.relation.dtype)
             tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
         return Step(sid, f"Scan {node.source}", (node,), tuple(tasks), 0, node.relation.nbytes,
                     node.relation.nbytes)

@@ -125,3 +125,31 @@ def test_fewer_workers_get_more_torch_threads_each():
     with tq.connect(workers=1) as db:  # derived from workers, not kept from the default
         assert db.options.intra_op_threads == cores
     assert Options(workers=2).with_(workers=1, intra_op_threads=3).intra_op_threads == 3
+
+
+def test_an_expression_over_a_tensor_stored_again_reads_its_values_or_says_it_changed():
+    """An expression keeps the layout its stored tensors had when it was built. Stored again
+    with the same layout, it reads the new values; with another shape, dtype or tiling, its
+    run is a StaleTensorError naming the tensor (not a kernel's shape error, not values cast
+    behind the user's back) -- except on several devices, where a piece is read by its
+    region and a new tiling of the same shape reads the right values."""
+    with tq.connect() as db:
+        x = db.from_numpy("sx", np.ones((8, 8), np.float32))
+        doubled = x * 2.0
+        db.from_numpy("sx", np.full((8, 8), 3.0, np.float32), replace=True)
+        assert doubled.numpy()[0, 0] == 6.0
+        for value, tile in ((np.full((8, 8), 3.0, np.float32), (4, 4)),
+                            (np.full((4, 4), 3.0, np.float32), None),
+                            (np.full((8, 8), 3.0, np.float64), None)):
+            db.from_numpy("sx", value, replace=True, tile=tile)
+            with pytest.raises(tq.StaleTensorError, match="'sx' changed since"):
+                doubled.numpy()
+            assert (db.tensor("sx") * 2.0).numpy()[0, 0] == 6.0  # built again: fine
+    with tq.connect(devices=2) as db:
+        x = db.from_numpy("sx", np.ones((8, 8), np.float32))
+        doubled = x * 2.0
+        db.from_numpy("sx", np.full((8, 8), 3.0, np.float32), replace=True, tile=(4, 4))
+        np.testing.assert_array_equal(doubled.numpy(), np.full((8, 8), 6.0, np.float32))
+        db.from_numpy("sx", np.full((4, 4), 3.0, np.float32), replace=True)
+        with pytest.raises(tq.StaleTensorError, match="'sx' changed since"):
+            doubled.numpy()

@@ -95,11 +95,17 @@ def test_chosen_path_is_no_worse_than_opt_einsum_greedy():
         assert ours.flops <= theirs.flops, (name, key)
 
 
-def test_refined_paths_reach_the_hyper_optimisers_flops():
+def test_refined_paths_reach_the_hyper_optimisers_flops(monkeypatch):
     """The path search (greedy paths refined by subtree reconfiguration) finds, on the bench's
     full-size lattice and MERA, paths within 5% of the FLOPs cotengra's 128-trial
-    hyper-optimiser finds in 5 s (8.916e8 and 3.03e8, recorded), the same path every time."""
+    hyper-optimiser finds in 5 s (8.916e8 and 3.03e8, recorded), the same path every time.
+    The refinement stops when a pass gains nothing (0.04-0.14 s here); its time bound is
+    raised so that a loaded CI machine cannot cut it short."""
+    from tensorql.logical import path as paths
     from tensorql.logical.path import describe_path, search_path
+
+    monkeypatch.setattr(paths, "MIN_SEARCH_S", 60.0)
+    monkeypatch.setattr(paths, "MAX_SEARCH_S", 60.0)
 
     cases = {
         "lattice": (generators.structured.lattice((3, 3, 3), d_min=3, d_max=5, seed=1), 8.916e8),
