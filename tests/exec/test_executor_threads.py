@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 import tensorql as tq
@@ -29,7 +30,45 @@ def _threads_by_step(monkeypatch, expr):
     return query, result, seen
 
 
-def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch):
+def test_a_chain_of_big_one_chunk_products_runs_serially_on_every_thread(monkeypatch):
+    """All its work is in steps of one task: the workers could not share it out, so it runs
+    on the calling thread, every task with every worker's torch threads."""
+    import tensorql.exec.serial as serial
+
+    seen: list[int] = []
+    original = serial.first_contribution
+
+    def record(kernel, inputs, dest):
+        seen.append(torch.get_num_threads())
+        return original(kernel, inputs, dest)
+
+    monkeypatch.setattr(serial, "first_contribution", record)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 320)).astype(np.float32)
+    previous = torch.get_num_threads()
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(320, 320))  # one chunk: each product is one task
+        result = ((a @ a) @ a).compile().run(dense=True)
+        np.testing.assert_allclose(result.dense().numpy(), (x @ x) @ x, rtol=1e-3, atol=1e-2)
+        assert result.stats.serial and seen and set(seen) == {2}
+    assert torch.get_num_threads() == previous  # restored after the run
+
+
+def test_a_wide_graph_keeps_its_workers():
+    x = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
+    with tq.connect(workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(128, 128))  # 16 output chunks a step
+        result = (a @ a).compile().run(dense=True)
+        assert not result.stats.serial
+
+
+@pytest.fixture
+def threaded(monkeypatch):
+    """Narrow graphs on the workers too (what the wide-task rule is for)."""
+    monkeypatch.setattr(executor, "SERIAL_NARROW_SHARE", 2.0)
+
+
+def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch, threaded):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 320)).astype(np.float32)
     previous = torch.get_num_threads()
@@ -52,7 +91,7 @@ def test_tasks_of_a_wide_step_keep_their_share(monkeypatch):
         assert seen[product] == {1}
 
 
-def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch):
+def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch, threaded):
     x = np.random.default_rng(2).standard_normal((1024, 512)).astype(np.float32)
     with tq.connect(workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(1024, 512))  # one chunk of 512K elements
@@ -62,7 +101,7 @@ def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch):
         assert seen[step] == {2}
 
 
-def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch):
+def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, threaded):
     """torch's thread count reaches MKL as one setting for the process: a product started on
     another worker while a task runs wide would share its threads, so while a task runs
     wide the other workers take only small tasks."""
