@@ -341,8 +341,7 @@ class Executor:
         with state.cond:  # no worker runs yet: the lock is taken once, not per task
             for task in state.inline:
                 state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
-                state.running_big += _big(task)
-                state.ready_big -= _big(task)
+                state.running_big += _big(task)  # finish() counts it back down
                 now = time.perf_counter()
                 new_bytes = _execute(state, task)
                 completed = state.finish(task, now, now, new_bytes)
