@@ -336,10 +336,9 @@ def _run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     result = runtime.run(graph, progress=progress)
     step = query.physical.result_step
     rel = step.relation
-    out = empty_result(rel.shape, torch_dtype(rel.dtype))
-
-    shared = share_results(graph, result.outputs, layout,
-                           lambda ref: out[rel.grid.slices(ref.key)])
+    dense = DenseResults([step])
+    out = dense.tensors[0]
+    shared = share_results(graph, result.outputs, layout, dense.destination)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
         result.stats.ranks = gather_rank_stats(
             result.stats, layout, runtime.sent_bytes, runtime.received_bytes, shared,

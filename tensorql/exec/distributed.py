@@ -244,7 +244,6 @@ class _RankView:
     releases on this rank, how many of its own ops each waits for (-1: another rank's op),
     and its sides of the exchanges."""
 
-    mine: tuple[bool, ...]
     successors: tuple[tuple[int, ...], ...]
     ndeps: tuple[int, ...]
     others: int
@@ -296,7 +295,7 @@ class _RankRun(_Run):
             sides = tuple(self._sides(ex) for ex in exchanges)
             exchange_of = {op.id: ex.index for ex, side in zip(exchanges, sides)
                            for op in side.mine}
-            view = _RankView(mine, successors, ndeps, mine.count(False), exchanges, sides,
+            view = _RankView(successors, ndeps, mine.count(False), exchanges, sides,
                              exchange_of, tuple(self._cross_rank(op) for op in self.ops))
             self.graph.programs[key] = view
         return view

@@ -122,12 +122,13 @@ class _Run:
         writing (so accumulation rarely needs a partial computed aside); with
         ``small_only`` the most urgent one below ``WIDE_TASK_FLOPS`` (None if none is)."""
         if small_only:
-            best = min((e for e in self.ready if not _big(e[2])), default=None)
-            if best is None:
-                return None
-            self.ready.remove(best)
-            heapq.heapify(self.ready)
-            return self._taken(best[2])
+            big = []
+            while self.ready and _big(self.ready[0][2]):
+                big.append(heapq.heappop(self.ready))
+            task = heapq.heappop(self.ready)[2] if self.ready else None
+            for entry in big:
+                heapq.heappush(self.ready, entry)
+            return self._taken(task) if task is not None else None
         skipped = []
         task = None
         while self.ready and len(skipped) < lookahead:
@@ -375,14 +376,13 @@ class Executor:
                 # run on the wide task's threads too (seen on a LLaMA block's training step:
                 # wide products no faster than on one thread, the step ~3 ms longer than
                 # with none)
-                wide = (self.all_threads > self.intra_op_threads and not state.wide
-                        and _big(task) and state.running_big == 1 and state.ready_big == 0
+                wide = (self.all_threads > self.intra_op_threads and _big(task)
+                        and state.running_big == 1 and state.ready_big == 0
                         and state.step_tasks[task.output.step] < self.workers)
                 if wide:
                     state.wide = True
-            threads = self.all_threads if wide else self.intra_op_threads
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+            if wide:  # otherwise the worker keeps its share (set as it started)
+                torch.set_num_threads(self.all_threads)
             started = time.perf_counter()
             try:
                 new_bytes = _execute(state, task)

@@ -43,7 +43,6 @@ Cost(flops=11, bytes_moved=5, peak_bytes=9)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -119,8 +118,26 @@ class OutputPieces:
     device: np.ndarray   # (P,)
 
     def keys(self) -> list[tuple[int, ...]]:
-        """Every piece's index as a tuple of ints, in order."""
+        """Every piece's index as a tuple of ints, in order (made once; do not modify)."""
+        return self._keys
+
+    @functools.cached_property
+    def _keys(self) -> list[tuple[int, ...]]:
         return [tuple(int(x) for x in row) for row in self.index]
+
+
+def output_pieces(pieces: Sequence[int], n_out: int,
+                  scatter: tuple[int, int] | None) -> tuple[int, ...]:
+    """Pieces of every output label of an operation cut in ``pieces`` (output labels first):
+    a reduce-scatter ``(s, f)`` cuts label ``s`` ``f`` times finer.
+
+    >>> output_pieces((1, 2, 4), 2, None), output_pieces((1, 2, 4), 2, (0, 4))
+    ((1, 2), (4, 2))
+    """
+    out = list(pieces[:n_out])
+    if scatter is not None:
+        out[scatter[0]] *= scatter[1]
+    return tuple(out)
 
 
 def scatter_splits(n: int, p: int, f: int) -> bool:
@@ -164,10 +181,7 @@ class Layout:
     @property
     def out_pieces(self) -> tuple[int, ...]:
         """Pieces of every output label (the scattered one ``f`` times finer)."""
-        out = list(self.pieces[: self.n_out])
-        if self.scatter is not None:
-            out[self.scatter[0]] *= self.scatter[1]
-        return tuple(out)
+        return output_pieces(self.pieces, self.n_out, self.scatter)
 
     @functools.cached_property
     def outputs(self) -> OutputPieces:
@@ -338,13 +352,11 @@ class NodeTable:
     partial_bytes: np.ndarray       # (K,)
     flops_dev: np.ndarray           # (K, N)
     peak: np.ndarray                # (K,)
-    scatters: list[tuple[int, int] | None] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def scattered(self) -> np.ndarray:
         """Candidates that reduce-scatter their partial aggregates."""
-        return np.array([sc is not None for sc in self.scatters] or [False] * len(self.cands),
-                        dtype=bool)
+        return np.array([lay.scatter is not None for lay in self.layouts], dtype=bool)
 
 
 def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = None) -> tuple:
@@ -376,7 +388,6 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     cands = np.array([c for c, _, _ in options], dtype=np.int64).reshape(len(options),
                                                                          len(node.sizes))
     orders = [o for _, o, _ in options]
-    scatters = [sc for _, _, sc in options]
     K, N = len(cands), devices
     layouts = [layout(node.sizes, cand, n_out, N, order, sc) for cand, order, sc in options]
     per_dev = max(int(np.bincount(lay.outputs.device, minlength=N).max()) for lay in layouts)
@@ -408,7 +419,7 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
     return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops,
-                     peak, scatters)
+                     peak)
 
 
 def scatter_options(node: OpNode, cand: Sequence[int]) -> list[tuple[int, int]]:

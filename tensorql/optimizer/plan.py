@@ -21,7 +21,7 @@ import numpy as np
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
 from tensorql.logical.plan import LogicalNode
-from tensorql.optimizer.cost import Cost, Layout, layout, pair_bytes
+from tensorql.optimizer.cost import Cost, Layout, layout, output_pieces, pair_bytes
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import Problem, get_strategy
 from tensorql.options import parse_bytes
@@ -67,10 +67,7 @@ class OpPartition:
     @property
     def out_pieces(self) -> tuple[int, ...]:
         """Pieces of every output label (a reduce-scatter cuts one of them finer)."""
-        out = list(self.pieces[: len(self.labels) - self.n_agg])
-        if self.scatter is not None:
-            out[self.scatter[0]] *= self.scatter[1]
-        return tuple(out)
+        return output_pieces(self.pieces, len(self.labels) - self.n_agg, self.scatter)
 
 
 @dataclass(frozen=True)
@@ -187,7 +184,7 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
     for node, table, cand in zip(graph.nodes, tables, choice):
         pieces = tuple(int(x) for x in table.cands[cand])
         order = table.orders[cand]
-        scatter = table.scatters[cand] if table.scatters else None
+        scatter = table.layouts[cand].scatter
         device_flops += table.flops_dev[cand]
         peak = max(peak, int(table.peak[cand]))
         inputs = []

@@ -101,7 +101,7 @@ class FoldPartial:
         """The first contribution, copied straight into ``dest`` (a tile of a dense result)."""
         part = self._part(inputs)
         if part.shape != dest.shape or part.dtype != dest.dtype:
-            return part.clone(memory_format=torch.contiguous_format)
+            return self.run(inputs, None)
         return dest.copy_(part)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:

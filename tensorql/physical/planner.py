@@ -472,7 +472,6 @@ class _Builder:
 
     def _scan(self, sid: int, node: Scan) -> Step:
         grid = node.relation.grid
-        size = itemsize(node.relation.dtype)
         tasks = []
         for key in grid.keys():
             if node.constant is not None:
@@ -482,9 +481,8 @@ class _Builder:
                 hi = [sl.stop for sl in grid.slices(key)]
                 kernel = LoadPiece.of_region(self.store, node, lo, hi)
             else:
-                kernel = LoadChunk(self.store, node.source, key,
-                                   math.prod(grid.chunk_shape(key)) * size,
-                                   tuple(grid.chunk_shape(key)), node.relation.dtype)
+                kernel = LoadChunk(self.store, node.source, key, tuple(grid.chunk_shape(key)),
+                                   node.relation.dtype)
             tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
         return Step(sid, f"Scan {node.source}", (node,), tuple(tasks), 0, node.relation.nbytes,
                     node.relation.nbytes)
