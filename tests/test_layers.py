@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("exec",),
     ("physical",),
     ("backend",),
-    ("pipeline",),
+    ("pipeline",),  # a package: compile, planning, backends, distributed, stages
     ("sql",),
     ("api",),
     ("models",),

@@ -1,0 +1,46 @@
+"""The query pipeline below both faces: compile an einsum graph, run it, explain it.
+
+One module per job: :mod:`.compile` (the stage chain; CompiledQuery / CompiledGroup),
+:mod:`.planning` (the physical plan, partitioned or not), :mod:`.backends` (the registry of
+execution backends), :mod:`.distributed` (one rank's part of a torch.distributed job),
+:mod:`.stages` (EXPLAIN's stage table), :mod:`.results` (dense results), :mod:`.checks`.
+
+Python (``tensorql.api``) and SQL (``tensorql.sql``) both hand a graph node to
+:meth:`CompiledQuery.compile` and call ``run`` / ``explain`` on the result; neither knows how
+the stages are chained. Execution backends sit in a registry (:data:`BACKENDS`): ``native``
+(the event-driven runtime on the session's devices) and ``duckdb`` (the plan as one SQL query
+inside DuckDB).
+
+>>> import torch, tensorql as tq
+>>> db = tq.connect()
+>>> a = db.from_torch("a", torch.ones(3, 4), tile=(2, 2))
+>>> q = CompiledQuery.compile(tq.einsum("ij->i", a).node, db)
+>>> q.run().dense().tolist()
+[4.0, 4.0, 4.0]
+>>> sorted(BACKENDS)
+['duckdb', 'native']
+"""
+from __future__ import annotations
+
+from tensorql.pipeline.backends import (
+    BACKENDS,
+    DuckDBBackend,
+    ExecutionBackend,
+    NativeBackend,
+    UnknownBackendError,
+    get_backend,
+    register_backend,
+)
+from tensorql.pipeline.checks import check_dense_fits, check_task_count
+from tensorql.pipeline.compile import CompiledGroup, CompiledQuery
+from tensorql.pipeline.distributed import job_devices, run_distributed
+from tensorql.pipeline.planning import Session, physical_plan
+from tensorql.pipeline.results import DenseResults
+from tensorql.pipeline.stages import STAGES, UnknownStageError
+
+__all__ = [
+    "BACKENDS", "STAGES", "CompiledGroup", "CompiledQuery", "DenseResults", "DuckDBBackend",
+    "ExecutionBackend", "NativeBackend", "Session", "UnknownBackendError", "UnknownStageError",
+    "check_dense_fits", "check_task_count", "get_backend", "job_devices", "physical_plan",
+    "register_backend", "run_distributed",
+]

@@ -1,0 +1,206 @@
+"""Compiling: the stage chain from an einsum graph node to a physical plan, and the compiled
+query (or group of queries) that runs and explains it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tensorql.einsum.graph import Node
+from tensorql.errors import ExecutionError, OptionError, PlanError
+from tensorql.exec.host_malloc import heap_only
+from tensorql.exec.progress import progress_bar
+from tensorql.exec.run_types import ProgressCallback, RunStats
+from tensorql.exec.runtime import executor_for
+from tensorql.grid import Key
+from tensorql.logical.lower import lower, lower_many
+from tensorql.logical.plan import LogicalNode
+from tensorql.optimizer.plan import PartitionPlan
+from tensorql.options import device_names
+from tensorql.physical.explain import render_plan
+from tensorql.physical.planner import PhysicalPlan
+from tensorql.physical.result import QueryResult
+from tensorql.pipeline.backends import get_backend
+from tensorql.pipeline.checks import check_dense_fits, check_task_count
+from tensorql.pipeline.distributed import run_distributed
+from tensorql.pipeline.planning import Session, physical_plan
+from tensorql.pipeline.results import DenseResults
+from tensorql.pipeline.stages import STAGES, UnknownStageError
+
+
+@dataclass(frozen=True)
+class CompiledQuery:
+    """A planned expression, ready to run or explain on its ``backend``."""
+
+    node: Node
+    logical: LogicalNode
+    physical: PhysicalPlan
+    db: Session
+    backend: str = "native"
+    partition: PartitionPlan | None = None
+
+    @classmethod
+    def compile(cls, node: Node, db: Session, backend: str | None = None) -> CompiledQuery:
+        """Lower ``node`` once, partition it when the session has several devices (that
+        partitioning is what runs), and build the physical plan."""
+        options = db.options
+        name = backend or options.backend
+        get_backend(name)
+        logical = lower(node)
+        check_task_count(logical)
+        partition, physical = physical_plan([logical], db, partitioned=name == "native")
+        return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
+                   partition=partition)
+
+    @property
+    def title(self) -> str:
+        shape = "x".join(map(str, self.node.shape)) or "scalar"
+        return f"{self.node.describe()} -> {shape} {self.node.dtype}"
+
+    def run(self, progress: ProgressCallback | None = None, dense: bool = False) -> QueryResult:
+        """Execute the plan; with ``dense=True`` result chunks are written into one dense
+        tensor as they complete. With no ``progress`` callback and ``Options.progress`` set
+        (``tensorql sql --progress``), a progress bar is drawn on stderr. A dense result
+        that cannot fit in the process's memory raises MemoryLimitError before anything runs."""
+        if dense:
+            check_dense_fits(self.physical.result_step.relation, self.db.options)
+        with heap_only():
+            return get_backend(self.backend).run(self, progress, dense)
+
+    def stream(self, sink: Callable[[Key, torch.Tensor], None],
+               progress: ProgressCallback | None = None) -> None:
+        """Run the plan handing each result chunk to ``sink(key, chunk)`` as it completes;
+        the run keeps no result chunk once the sink has it (``db.store`` writes them through).
+        Backends other than ``native`` compute the whole result, then hand it over."""
+        with heap_only():
+            self._stream(sink, progress)
+
+    def _stream(self, sink: Callable[[Key, torch.Tensor], None],
+                progress: ProgressCallback | None) -> None:
+        if self.backend != "native":
+            for key, chunk in self.run(progress=progress).iter_chunks():
+                sink(key, chunk)
+            return
+        options = self.db.options
+        if progress is None and options.progress:
+            with progress_bar(self.node.describe()) as bar:
+                return self._stream(sink, bar)
+        if any(d.startswith("null") for d in device_names(options.devices)):
+            raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
+                                 "so there is no result to stream")
+        if options.distributed:  # every rank takes part; each gets the whole result
+            for key, chunk in run_distributed(self, progress).iter_chunks():
+                sink(key, chunk)
+            return None
+        sid = self.physical.result_step.id
+        sent: set[Key] = set()
+
+        def result_sink(ref, chunk):
+            if ref.step == sid and ref.key not in sent:
+                sent.add(ref.key)
+                sink(ref.key, chunk)
+
+        result = executor_for(options).run(self.physical.task_graph(), progress=progress,
+                                           sink=result_sink, keep_outputs=False)
+        for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
+            if ref.step == sid and chunk is not None and ref.key not in sent:
+                sink(ref.key, chunk)
+        return None
+
+    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+        """The plan as text. ``stage`` picks one stage of the chain (see :data:`STAGES`):
+        ``einsum`` (the graph as written), ``logical`` (the relational rewrite), ``partition``
+        (pieces and placement per operation), ``physical`` (steps and tasks), ``memory`` (the
+        runtime's memory plan); by default the physical plan and, on several devices, the
+        partitioning -- with ``analyze`` the query runs and measured figures are added."""
+        if stage is None:
+            return self.explain_and_result(analyze)[0]
+        if stage not in STAGES:
+            raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
+                                    f"{', '.join(STAGES)}")
+        if analyze:
+            raise OptionError("EXPLAIN ANALYZE shows the whole plan; leave stage unset")
+        return STAGES[stage](self)
+
+    def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
+        """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""
+        return get_backend(self.backend).explain(self, analyze)
+
+
+@dataclass(frozen=True)
+class CompiledGroup:
+    """Several expressions planned and run as one query: a subgraph they share is computed
+    once (a training step's forward pass feeds the loss and every gradient and update).
+
+    The outputs are the results of one physical plan; on several devices the optimizer
+    partitions every operation of the whole group in one search. (The ``duckdb`` backend and
+    torch.distributed sessions run each output as its own query.)
+
+    >>> import torch, tensorql as tq
+    >>> db = tq.connect()
+    >>> a = db.from_torch("a", torch.ones(3, 4), tile=(2, 2))
+    >>> group = CompiledGroup.compile([tq.einsum("ij->i", a).node, (a * 2).node], db)
+    >>> [t.tolist() for t in group.run()][0], len(group.physical.steps)
+    ([4.0, 4.0, 4.0], 3)
+    """
+
+    nodes: tuple[Node, ...]
+    db: Session
+    physical: PhysicalPlan | None = None       # the one plan of every output (one device)
+    queries: tuple[CompiledQuery, ...] = ()    # else a query per output
+    last_stats: list[RunStats] = field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def compile(cls, nodes: list[Node], db: Session) -> CompiledGroup:
+        options = db.options
+        if not nodes:
+            raise PlanError("a group of queries needs at least one expression")
+        if options.backend != "native" or options.distributed:
+            return cls(nodes=tuple(nodes), db=db,
+                       queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
+        roots = lower_many(nodes)
+        for root in roots:
+            check_task_count(root)
+        _, physical = physical_plan(roots, db)  # on N devices: the whole group partitioned
+        return cls(nodes=tuple(nodes), db=db, physical=physical)
+
+    def run(self, progress: ProgressCallback | None = None,
+            out: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Every output as a dense tensor, in the order given. ``out`` may give, per output,
+        a contiguous tensor of its shape and dtype to compute it into (None: a fresh one),
+        e.g. a buffer the caller no longer needs; other backends ignore it."""
+        if self.physical is None:
+            return [q.run(progress=progress, dense=True).dense() for q in self.queries]
+        db = self.db
+        if any(d.startswith("null") for d in device_names(db.options.devices)):
+            raise ExecutionError(f"devices={db.options.devices!r}: null devices compute no "
+                                 "values, so there are no results to return")
+        steps = self.physical.output_steps
+        for step in steps:
+            check_dense_fits(step.relation, db.options)
+        writer = DenseResults(steps, out)
+        self.last_stats.clear()
+        result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
+                                              sink=writer.sink, destination=writer.destination,
+                                              keep_outputs=False)
+        self.last_stats.append(result.stats)
+        return writer.tensors
+
+    def explain(self, analyze: bool = False,
+                out: Sequence[torch.Tensor | None] | None = None) -> str:
+        """The plan of the whole group (one plan on one device, else one per output); with
+        ``analyze``, run as :meth:`run` would be with ``out``."""
+        if self.physical is None:
+            parts = [f"-- output {k} of {len(self.queries)} (run as a query of its own on "
+                     "this backend)\n" + q.explain(analyze=analyze)
+                     for k, q in enumerate(self.queries)]
+            return "\n".join(parts)
+        stats = None
+        if analyze:
+            self.run(out=out)
+            stats = self.last_stats[0]
+        names = ", ".join(f"[{k}] {n.describe()}" for k, n in enumerate(self.nodes))
+        title = f"EXPLAIN{' ANALYZE' if analyze else ''} {len(self.nodes)} outputs: {names}"
+        return render_plan(self.physical, stats, title=title)
