@@ -296,9 +296,6 @@ class Database:
         return Tensor(constant_node(value, self.options.tile_target_elems,
                                     None if tile is None else _tile_sizes(tile)), self)
 
-    def explain_node(self, node: Node, analyze: bool = False, stage: str | None = None) -> str:
-        return CompiledQuery.compile(node, self).explain(analyze=analyze, stage=stage)
-
     def iter_chunks(self, name: str) -> Iterator[tuple[Key, torch.Tensor]]:
         meta = self.chunk_store.meta(name)
         return self.chunk_store.read_chunks(name, meta.grid.keys())

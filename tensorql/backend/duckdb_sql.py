@@ -74,7 +74,7 @@ class _Session(Protocol):
 
 
 class CompiledPlan(Protocol):
-    """What the backend needs of a compiled query (``tensorql.api.query.CompiledQuery``)."""
+    """What the backend needs of a compiled query (``tensorql.pipeline.CompiledQuery``)."""
 
     @property
     def node(self) -> Node: ...
