@@ -1,4 +1,9 @@
-"""One ``Options`` object holds every setting; it is the only reader of environment variables.
+"""One ``Options`` object holds every setting of a session and reads the ``TENSORQL_*``
+environment variables that configure one (:meth:`Options.from_env`). Two process-wide switches
+are read where they act, before any session exists: ``TENSORQL_MALLOC_TUNING``
+(``tensorql.exec.host_malloc``, applied when tensorql is imported) and
+``TENSORQL_PACKED_WEIGHTS`` (``tensorql_kernels.packed_weights``, the bottom layer, which
+cannot import this module).
 
 >>> Options(workers=2).workers
 2

@@ -1,4 +1,7 @@
-"""tensorql.optimizer: contraction order, partition vectors and the cost model.
+"""tensorql.optimizer: the partition stage -- partition vectors, placement and the cost model.
+
+The contraction order is not chosen here: it is the logical plan's (``tensorql.logical.path``),
+and the optimizer partitions the operations of that plan.
 
 >>> from tensorql.optimizer import STRATEGIES
 >>> sorted(STRATEGIES)
