@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # bottom to top; units in one tuple are one layer
 LAYERS: list[tuple[str, ...]] = [
     ("tensorql_kernels",),
-    ("errors", "options", "units", "dtypes", "grid", "dag"),
+    ("errors", "devices", "options", "units", "dtypes", "grid", "dag"),
     ("einsum",),
     ("logical",),
     ("storage",),
@@ -72,3 +72,31 @@ def test_no_upward_imports():
             if target is not None and target != unit and RANK[target] > RANK[unit]:
                 upward.append(f"{path.relative_to(ROOT)}:{line} ({unit}) imports {module}")
     assert not upward, "\n".join(upward)
+
+
+def _code_of(path: pathlib.Path) -> str:
+    """``path``'s source without its docstrings and comments (the code that runs)."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def test_devices_parsed_once():
+    """The ``devices`` option is read in one module (tensorql/devices.py, the DeviceSet);
+    everything else asks the set, never a device name as a string."""
+    found = []
+    for unit, path in _sources():
+        if path == ROOT / "tensorql" / "devices.py":
+            continue
+        code = _code_of(path)
+        for needle in ("device_names(", "startswith('null", "startswith('cpu",
+                       "startswith('cuda", "DeviceSet.parse("):
+            if needle in code and not (needle == "DeviceSet.parse(" and unit in ("options",
+                                                                               "exec")):
+                found.append(f"{path.relative_to(ROOT)}: {needle}")
+    assert not found, "\n".join(found)

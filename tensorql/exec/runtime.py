@@ -635,5 +635,5 @@ def executor_for(options: Any, *, timeline: bool = False) -> Runtime:
     >>> executor_for(Options(devices="cpu", memory_limit="1GiB")).direct
     False
     """
-    return Runtime(options.devices, options.memory_limit, workers=options.workers,
+    return Runtime(options.device_set, options.memory_limit, workers=options.workers,
                    intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True)

@@ -11,7 +11,6 @@ from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.runtime import executor_for
 from tensorql.logical.lower import contraction_paths
-from tensorql.options import device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.distributed import run_distributed
@@ -48,8 +47,7 @@ class NativeBackend:
         if progress is None and options.progress:
             with progress_bar(query.node.describe()) as bar:
                 return self.run(query, bar, dense, rank_stats)
-        devices = device_names(options.devices)
-        null = any(d.startswith("null") for d in devices)
+        null = not options.device_set.computes_values
         if null and dense:
             raise ExecutionError(
                 f"devices={options.devices!r}: null devices run the scheduler only and compute "
@@ -69,7 +67,7 @@ class NativeBackend:
                            assembled=writer.tensors[0] if writer else None, computed=not null)
 
     def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
-        null = any(d.startswith("null") for d in device_names(query.db.options.devices))
+        null = not query.db.options.device_set.computes_values
         result = self.run(query, None, dense=not null, rank_stats=True) if analyze else None
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)

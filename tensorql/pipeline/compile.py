@@ -18,7 +18,6 @@ from tensorql.grid import Key
 from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.options import device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
@@ -87,7 +86,7 @@ class CompiledQuery:
         if progress is None and options.progress:
             with progress_bar(self.node.describe()) as bar:
                 return self._stream(sink, bar)
-        if any(d.startswith("null") for d in device_names(options.devices)):
+        if not options.device_set.computes_values:
             raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
                                  "so there is no result to stream")
         if options.distributed:  # every rank takes part; each gets the whole result
@@ -174,7 +173,7 @@ class CompiledGroup:
         if self.physical is None:
             return [q.run(progress=progress, dense=True).dense() for q in self.queries]
         db = self.db
-        if any(d.startswith("null") for d in device_names(db.options.devices)):
+        if not db.options.device_set.computes_values:
             raise ExecutionError(f"devices={db.options.devices!r}: null devices compute no "
                                  "values, so there are no results to return")
         steps = self.physical.output_steps

@@ -13,7 +13,7 @@ from tensorql.exec.distributed import (
     share_results,
 )
 from tensorql.exec.run_types import ProgressCallback
-from tensorql.options import Options, device_names
+from tensorql.options import Options
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.results import DenseResults
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def job_devices(options: Options) -> int:
     """How many devices a query is planned for: the session's, times the ranks of the
     torch.distributed job when the session is one rank of it."""
-    local = len(device_names(options.devices))
+    local = options.device_set.count
     if not options.distributed:
         return local
     return join_process_group(local, options.distributed_timeout_s).devices
@@ -39,7 +39,7 @@ def run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
     import hashlib
 
     options = query.db.options
-    layout = join_process_group(len(device_names(options.devices)),
+    layout = join_process_group(options.device_set.count,
                                 options.distributed_timeout_s)
     graph = query.physical.task_graph()
     checked = ("plan checked across ranks", layout)
@@ -49,7 +49,7 @@ def run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
             f"exchange={options.distributed_exchange}"
         check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
         graph.programs[checked] = True
-    runtime = DistributedRuntime(layout, options.devices, options.memory_limit,
+    runtime = DistributedRuntime(layout, options.device_set, options.memory_limit,
                                  workers=options.workers,
                                  intra_op_threads=options.intra_op_threads,
                                  exchange=options.distributed_exchange,
