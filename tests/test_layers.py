@@ -100,3 +100,41 @@ def test_devices_parsed_once():
                                                                                "exec")):
                 found.append(f"{path.relative_to(ROOT)}: {needle}")
     assert not found, "\n".join(found)
+
+
+# the strategies' run entries: only the engine (tensorql/exec/engine.py) calls them, apart from
+# the one way each strategy's own module builds its run state
+_STRATEGY_ENTRIES = {"Runtime", "Executor", "Lanes", "DistributedRuntime", "run_serial",
+                     "run_streams", "StreamRun", "executor_for"}
+_ALLOWED = {("exec/runtime.py", "StreamRun"), ("exec/distributed.py", "run_streams")}
+
+
+def _calls(path: pathlib.Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else \
+                func.attr if isinstance(func, ast.Attribute) else None
+            if name is not None:
+                out.append((node.lineno, name))
+    return out
+
+
+def test_one_engine_entry_point():
+    """Every run goes through ``tensorql.exec.engine.run``: no module but the engine starts
+    a strategy (builds a runtime, an executor, the lanes, a rank's runtime, calls the serial
+    loop), and the pipeline calls the engine from one module (tensorql/pipeline/run.py)."""
+    found = []
+    for unit, path in _sources():
+        rel = path.relative_to(ROOT / "tensorql").as_posix() if unit != "tensorql_kernels" \
+            else path.name
+        source = path.read_text()
+        for line, name in _calls(path):
+            if name in _STRATEGY_ENTRIES and rel != "exec/engine.py" \
+                    and (rel, name) not in _ALLOWED:
+                found.append(f"{rel}:{line} calls {name}")
+        if unit not in ("exec",) and rel != "pipeline/run.py" and \
+                ("engine.run(" in source or "from tensorql.exec.engine import run" in source):
+            found.append(f"{rel} runs the engine (only pipeline/run.py does)")
+    assert not found, "\n".join(found)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tensorql.einsum.graph import explain_graph
 from tensorql.errors import OptionError
-from tensorql.exec.runtime import Runtime
+from tensorql.exec.engine import EngineConfig
 from tensorql.logical.plan import explain_logical
 from tensorql.physical.explain import render_plan
 
@@ -28,9 +28,7 @@ def _explain_partition(query: CompiledQuery) -> str:
 
 def _explain_memory(query: CompiledQuery) -> str:
     options = query.db.options
-    runtime = Runtime(options.device_set, options.memory_limit, workers=options.workers,
-                      intra_op_threads=options.intra_op_threads)
-    program = runtime.plan(query.physical.task_graph())
+    program = EngineConfig.of(options).build_runtime().plan(query.physical.task_graph())
     kinds: dict[str, int] = {}
     for op in program.ops:
         kinds[op.kind] = kinds.get(op.kind, 0) + 1
