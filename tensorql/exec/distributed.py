@@ -133,6 +133,7 @@ class RemoteDevice(Device):
     """A device of another rank: this rank never runs work on it."""
 
     kind = "remote"
+    remote = True
 
     def __init__(self, name: str) -> None:
         super().__init__(name, {"compute": 1, "h2d": 1, "d2h": 1, "d2d": 1})
@@ -193,7 +194,7 @@ class DistributedRuntime(Runtime):
         with ``exchange="p2p"``), found once per plan."""
         if self.exchange != "collective" or self.layout.world < 2:
             return ()
-        local = [d for d in self.devices if d.kind != "remote"]
+        local = [d for d in self.devices if not d.remote]
         if len({d.torch_device for d in local}) > 1 and \
                 any(d.torch_device.type != "cpu" for d in local):
             return ()  # one collective buffer per rank: GPUs of one rank send on their own

@@ -1,14 +1,17 @@
-"""The event-driven runtime: device ops run as soon as their own inputs are ready.
+"""The engine's streams strategy: device ops run as soon as their own inputs are ready.
 
 :class:`Runtime` lowers a ``TaskGraph`` with :func:`~tensorql.exec.memplan.plan_program` (ops
 on devices, evictions and reloads decided at plan time under each device's ``memory_limit``),
-then drives it from completion events: each finished op releases its successors into a ready
-queue per device lane (compute, h2d, d2h, d2d), ordered by critical-path length. There is no
-barrier between operators, and copies overlap kernels because lanes are independent. Live bytes
-per device are tracked and checked against the budget (ExecutionError if ever exceeded).
+then drives it from completion events (:class:`StreamRun`): each finished op releases its
+successors into a ready queue per device lane (compute, h2d, d2h, d2d), ordered by
+critical-path length. There is no barrier between operators, and copies overlap kernels
+because lanes are independent. Live bytes per device are tracked and checked against the
+budget (ExecutionError if ever exceeded). Each kind of op is one :class:`OpKind` record in
+:data:`OP_KINDS` (what runs on the lane, what its completion records).
 
-``Runtime.run(graph, progress, sink)`` returns the same ``RunResult`` as the threaded
-``Executor``; its ``stats`` is a :class:`RuntimeStats` with per-device figures.
+``Runtime.run(graph, progress, sink)`` goes through the engine
+(:func:`tensorql.exec.engine.run`) and returns the same ``RunResult`` as every strategy; its
+``stats`` is a :class:`RuntimeStats` with per-device figures.
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -203,7 +206,7 @@ class Runtime:
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
         # the fast path: one CPU, nothing to budget, nothing to record per op
-        self.direct = direct and (len(self.devices) == 1 and self.devices[0].kind == "cpu"
+        self.direct = direct and (len(self.devices) == 1 and self.devices[0].host_memory
                                   and memory_limit is None and not timeline
                                   and not results_on_device)
 
@@ -648,7 +651,7 @@ class StreamRun(RunState):
 
     def destination_of(self, op: Op, dev: Device) -> torch.Tensor | None:
         """The tile of the dense result a CPU device computes a result chunk into, if any."""
-        if self.destination is None or dev.kind != "cpu" or op.task.inputs == ():
+        if self.destination is None or not dev.host_memory or op.task.inputs == ():
             return None
         return self.destination_for(op.ref)
 
