@@ -148,9 +148,11 @@ class RemoteDevice(Device):
         raise ExecutionError(f"{self.name} belongs to another rank")  # pragma: no cover
 
 
-class DistributedRuntime(Runtime):
-    """The runtime of one rank: the job's memory plan, this rank's ops, transfers between
-    ranks through ``torch.distributed`` (``group`` or the default process group)."""
+class DistributedRuntime:
+    """The engine's rank strategy for one rank: the streams strategy's runtime on every
+    device of the job (this rank's, and a :class:`RemoteDevice` for each other rank's), the
+    job's memory plan, this rank's ops, transfers between ranks through ``torch.distributed``
+    (``group`` or the default process group)."""
 
     def __init__(self, layout: RankLayout, local_devices: Any = "cpu",
                  memory_limit: int | None = None, *, workers: int = 1,
@@ -175,8 +177,11 @@ class DistributedRuntime(Runtime):
                 devices.append(dev)
             else:
                 devices.append(RemoteDevice(f"rank{layout.rank_of(g)}:dev{g}"))
-        super().__init__(devices, memory_limit, workers=workers,
-                         intra_op_threads=intra_op_threads, **kw)
+        # each device's host memory is its rank's
+        self.runtime = Runtime(devices, memory_limit, workers=workers,
+                               intra_op_threads=intra_op_threads,
+                               host_domains=[layout.rank_of(d) for d in range(layout.devices)],
+                               **kw)
         self.layout = layout
         self.group = group
         self.exchange = exchange
@@ -184,17 +189,12 @@ class DistributedRuntime(Runtime):
         # an exchange's buffers: on the rank's (first) device -- CUDA for NCCL
         self.collective_device = local[0].torch_device if local else torch.device("cpu")
 
-    def host_domains(self) -> tuple[int, ...]:
-        """Each device's host memory is its rank's: a chunk one rank wrote back is sent from
-        there (a ``from_host`` send), never loaded by another rank."""
-        return tuple(self.layout.rank_of(d) for d in range(self.layout.devices))
-
     def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
         """The collectives the cross-rank transfers of ``program`` are grouped into (none
         with ``exchange="p2p"``), found once per plan."""
         if self.exchange != "collective" or self.layout.world < 2:
             return ()
-        local = [d for d in self.devices if not d.remote]
+        local = [d for d in self.runtime.devices if not d.remote]
         if len({d.torch_device for d in local}) > 1 and \
                 any(d.torch_device.type != "cpu" for d in local):
             return ()  # one collective buffer per rank: GPUs of one rank send on their own
@@ -202,7 +202,7 @@ class DistributedRuntime(Runtime):
         if key not in graph.programs:
             # under a memory limit an exchange moves one chunk a rank each way: no buffer
             # beyond the plan's receives
-            budgeted = any(b is not None for b in self.budgets())
+            budgeted = any(b is not None for b in self.runtime.budgets())
             graph.programs[key] = plan_exchanges(
                 program.ops, self.layout.rank_of, one_chunk_each=budgeted,
                 dtype_of=lambda op: graph.chunk_meta[op.ref][1])
@@ -214,7 +214,7 @@ class DistributedRuntime(Runtime):
         this rank's part (:class:`RankPart`) as a component of its run state; what the rank
         handed to torch.distributed is in the result's stats."""
         part = RankPart(self)
-        result = self.run_streams(graph, progress, sink, rank=part)
+        result = self.runtime.run_streams(graph, progress, sink, rank=part)
         self.sent_bytes, self.received_bytes = part.sent_bytes, part.received_bytes
         self.bytes_by_call = dict(part.bytes_by_call)
         stats: Any = result.stats

@@ -190,7 +190,8 @@ class Runtime:
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
-                 results_on_device: bool = False, direct: bool = False) -> None:
+                 results_on_device: bool = False, direct: bool = False,
+                 host_domains: Sequence[int] | None = None) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -203,6 +204,7 @@ class Runtime:
         self.spill_store = spill_store
         self.timeline = timeline
         self.results_on_device = results_on_device
+        self._host_domains = tuple(host_domains) if host_domains is not None else None
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
         # the fast path: one CPU, nothing to budget, nothing to record per op
@@ -237,8 +239,10 @@ class Runtime:
         return program
 
     def host_domains(self) -> tuple[int, ...] | None:
-        """Each device's host memory, when they are not all this process's (None)."""
-        return None
+        """Each device's host memory, when they are not all this process's (None): a rank's
+        devices of a distributed job (a chunk one rank wrote back is sent from there, a
+        ``from_host`` send, never loaded by another rank)."""
+        return self._host_domains
 
     def pool(self) -> PinnedPool | None:
         """The pinned host pool, created once per runtime when a device copies through it."""
