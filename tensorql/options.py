@@ -19,7 +19,10 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tensorql.devices import DeviceSet, device_names
 from tensorql.errors import OptionError
+
+__all__ = ["DeviceSet", "Options", "device_names", "parse_bytes"]  # device_names: compatibility
 
 _UNITS = {
     "": 1, "b": 1,
@@ -41,61 +44,6 @@ def parse_bytes(value: int | str | None) -> int | None:
             f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a byte count"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-_DEVICES_HINT = ("devices is 'auto', 'cpu', 'cuda', an int N (N CPU devices), 'null[:N]' "
-                 "(scheduler tests only), 'cuda:0,cuda:1' or a list like ['cuda:0', 'cuda:1']")
-
-
-def device_names(spec: Any) -> tuple[str, ...]:
-    """The devices a ``devices`` option names: the one place that option is read.
-
-    >>> device_names(3)
-    ('cpu:0', 'cpu:1', 'cpu:2')
-    >>> device_names("cpu"), device_names("cuda:0, cuda:1"), device_names("null:2")
-    (('cpu:0',), ('cuda:0', 'cuda:1'), ('null:0', 'null:1'))
-    """
-    import torch
-
-    if spec is None or spec == "auto":
-        if torch.cuda.is_available():
-            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-        return ("cpu:0",)
-    if isinstance(spec, bool):
-        raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
-        count = int(spec)
-        if count < 1:
-            raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
-        return tuple(f"cpu:{i}" for i in range(count))
-    if isinstance(spec, str):
-        text = spec.strip()
-        if text == "cpu":
-            return ("cpu:0",)
-        if text == "cuda":
-            if not torch.cuda.is_available():
-                raise OptionError("devices='cuda' but no CUDA device is available; "
-                                  "use devices='cpu' or 'auto'")
-            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-        if text.startswith("null"):
-            count = text.split(":", 1)[1] if ":" in text else "1"
-            if not count.isdigit() or int(count) < 1:
-                raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-            return tuple(f"null:{i}" for i in range(int(count)))
-        names = tuple(part.strip() for part in text.split(",") if part.strip())
-    elif isinstance(spec, (list, tuple)):
-        names = tuple(str(part).strip() for part in spec)
-    else:
-        raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-    if not names:
-        raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
-    for name in names:
-        kind, _, index = name.partition(":")
-        if kind not in ("cpu", "cuda", "null") or (index and not index.isdigit()):
-            raise OptionError(f"unknown device {name!r} in devices={spec!r}; {_DEVICES_HINT}")
-    if len(set(names)) != len(names):
-        raise OptionError(f"devices={spec!r} names a device twice")
-    return names
 
 
 def _default_workers(distributed: bool = False) -> int:
@@ -125,8 +73,8 @@ class Options:
         intra_op_threads: torch threads inside one chunk kernel (default: those cores //
             workers).
         devices: "auto" | "cpu" | "cuda" | N (N CPU devices) | "cuda:0,cuda:1" | a list
-            such as ["cuda:0", "cuda:1"] | "null[:N]" (scheduler tests); read by
-            :func:`device_names`. With several devices the optimizer partitions every
+            such as ["cuda:0", "cuda:1"] | "null[:N]" (scheduler tests); parsed once into
+            :attr:`device_set`. With several devices the optimizer partitions every
             operation across them and that partitioning is what runs.
         strategy: the optimizer's partitioning strategy on several devices (auto, data,
             model, exhaustive).
@@ -195,7 +143,8 @@ class Options:
                 max(1, _default_workers(self.distributed) // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
-        device_names(self.devices)  # OptionError now rather than at the first query
+        # parsed once, here (OptionError now rather than at the first query)
+        object.__setattr__(self, "_device_set", DeviceSet.parse(self.devices))
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
                            parse_bytes(self.relation_dense_bytes))
@@ -255,6 +204,15 @@ class Options:
         return replace(self, **changes)
 
     @property
+    def device_set(self) -> DeviceSet:
+        """The devices, parsed once from ``devices`` (:class:`~tensorql.devices.DeviceSet`).
+
+        >>> Options(devices=2).device_set.names
+        ('cpu:0', 'cpu:1')
+        """
+        return self._device_set  # type: ignore[attr-defined, no-any-return]
+
+    @property
     def process_memory_bytes(self) -> int:
         """The process's memory figure: ``process_memory_limit``, else 80% of physical RAM.
 
@@ -273,7 +231,7 @@ class Options:
         >>> Options(process_memory_limit="8GiB").dense_result_budget() <= 6 * 2**30  # 8 - 1 - 1
         True
         """
-        cpu_devices = sum(1 for d in device_names(self.devices) if d.startswith("cpu"))
+        cpu_devices = self.device_set.count_of("cpu")
         reserved = (self.chunk_cache_bytes + (self.store_memory_limit or 0)
                     + cpu_devices * (self.memory_limit or 0))
         budget = max(0, self.process_memory_bytes - reserved)

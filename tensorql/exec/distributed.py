@@ -37,7 +37,7 @@ from tensorql.exec.devices.base import Post
 from tensorql.exec.exchanges import Exchange, plan_exchanges
 from tensorql.exec.memplan import Op
 from tensorql.exec.run_types import ChunkSink, ProgressCallback, RunResult
-from tensorql.exec.runtime import Runtime, _Run
+from tensorql.exec.runtime import OpKind, Runtime, StreamRun, op_kinds
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.exec.threads import PARKED
 from tensorql.units import format_bytes
@@ -133,6 +133,7 @@ class RemoteDevice(Device):
     """A device of another rank: this rank never runs work on it."""
 
     kind = "remote"
+    remote = True
 
     def __init__(self, name: str) -> None:
         super().__init__(name, {"compute": 1, "h2d": 1, "d2h": 1, "d2d": 1})
@@ -147,9 +148,11 @@ class RemoteDevice(Device):
         raise ExecutionError(f"{self.name} belongs to another rank")  # pragma: no cover
 
 
-class DistributedRuntime(Runtime):
-    """The runtime of one rank: the job's memory plan, this rank's ops, transfers between
-    ranks through ``torch.distributed`` (``group`` or the default process group)."""
+class DistributedRuntime:
+    """The engine's rank strategy for one rank: the streams strategy's runtime on every
+    device of the job (this rank's, and a :class:`RemoteDevice` for each other rank's), the
+    job's memory plan, this rank's ops, transfers between ranks through ``torch.distributed``
+    (``group`` or the default process group)."""
 
     def __init__(self, layout: RankLayout, local_devices: Any = "cpu",
                  memory_limit: int | None = None, *, workers: int = 1,
@@ -174,8 +177,11 @@ class DistributedRuntime(Runtime):
                 devices.append(dev)
             else:
                 devices.append(RemoteDevice(f"rank{layout.rank_of(g)}:dev{g}"))
-        super().__init__(devices, memory_limit, workers=workers,
-                         intra_op_threads=intra_op_threads, **kw)
+        # each device's host memory is its rank's
+        self.runtime = Runtime(devices, memory_limit, workers=workers,
+                               intra_op_threads=intra_op_threads,
+                               host_domains=[layout.rank_of(d) for d in range(layout.devices)],
+                               **kw)
         self.layout = layout
         self.group = group
         self.exchange = exchange
@@ -183,17 +189,12 @@ class DistributedRuntime(Runtime):
         # an exchange's buffers: on the rank's (first) device -- CUDA for NCCL
         self.collective_device = local[0].torch_device if local else torch.device("cpu")
 
-    def host_domains(self) -> tuple[int, ...]:
-        """Each device's host memory is its rank's: a chunk one rank wrote back is sent from
-        there (a ``from_host`` send), never loaded by another rank."""
-        return tuple(self.layout.rank_of(d) for d in range(self.layout.devices))
-
     def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
         """The collectives the cross-rank transfers of ``program`` are grouped into (none
         with ``exchange="p2p"``), found once per plan."""
         if self.exchange != "collective" or self.layout.world < 2:
             return ()
-        local = [d for d in self.devices if d.kind != "remote"]
+        local = [d for d in self.runtime.devices if not d.remote]
         if len({d.torch_device for d in local}) > 1 and \
                 any(d.torch_device.type != "cpu" for d in local):
             return ()  # one collective buffer per rank: GPUs of one rank send on their own
@@ -201,7 +202,7 @@ class DistributedRuntime(Runtime):
         if key not in graph.programs:
             # under a memory limit an exchange moves one chunk a rank each way: no buffer
             # beyond the plan's receives
-            budgeted = any(b is not None for b in self.budgets())
+            budgeted = any(b is not None for b in self.runtime.budgets())
             graph.programs[key] = plan_exchanges(
                 program.ops, self.layout.rank_of, one_chunk_each=budgeted,
                 dtype_of=lambda op: graph.chunk_meta[op.ref][1])
@@ -209,16 +210,16 @@ class DistributedRuntime(Runtime):
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
-        program = self.plan(graph)
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.intra_op_threads)
-        run = _RankRun(self, graph, program, progress, sink)
-        try:
-            result = run.execute()
-        finally:
-            torch.set_num_threads(previous)
-        self.sent_bytes, self.received_bytes = run.sent_bytes, run.received_bytes
-        self.bytes_by_call = dict(run.bytes_by_call)
+        """The engine's rank strategy: the streams strategy over the job's memory plan, with
+        this rank's part (:class:`RankPart`) as a component of its run state; what the rank
+        handed to torch.distributed is in the result's stats."""
+        part = RankPart(self)
+        result = self.runtime.run_streams(graph, progress, sink, rank=part)
+        self.sent_bytes, self.received_bytes = part.sent_bytes, part.received_bytes
+        self.bytes_by_call = dict(part.bytes_by_call)
+        stats: Any = result.stats
+        stats.sent_bytes, stats.received_bytes = part.sent_bytes, part.received_bytes
+        stats.calls = tuple(part.bytes_by_call.values())
         return result
 
 
@@ -250,54 +251,63 @@ class _RankView:
     exchanges: tuple[Exchange, ...]
     sides: tuple[_ExchangeSides, ...]
     exchange_of: dict[int, int]
-    cross_rank: tuple[bool, ...]  # by op: a transfer from one rank to another
+    kinds: tuple[OpKind, ...]  # by op: a transfer between ranks is a kind of its own
 
 
-class _RankRun(_Run):
-    """One rank's part of a run: the ops on its devices and its side of every transfer --
-    grouped into exchanges (one ``all_to_all_single`` each, issued in the plan's exchange
-    order) where :func:`~tensorql.exec.exchanges.plan_exchanges` found them, else a send or
-    a receive of its own."""
+class RankPart:
+    """One rank's part of a run, a component of the streams strategy's run state: the ops on
+    its devices and its side of every transfer -- grouped into exchanges (one
+    ``all_to_all_single`` each, issued in the plan's exchange order) where
+    :func:`~tensorql.exec.exchanges.plan_exchanges` found them, else a send or a receive of
+    its own. Its transfers are kinds of op of their own (:data:`CROSS_RANK_SEND`,
+    :data:`EXCHANGED_SEND`) in the rank's view of the plan."""
 
-    def __init__(self, rt: DistributedRuntime, *args: Any) -> None:
-        super().__init__(rt, *args)
+    def __init__(self, rt: DistributedRuntime) -> None:
+        self.rt = rt
         self.layout = rt.layout
-        view = self._view()
-        self.succ = view.successors
-        self.ndeps = list(view.ndeps)
-        self.done_ops += view.others
         self.sent_bytes = 0
         self.received_bytes = 0
         self.bytes_by_call: dict[str, CallBytes] = {}
+        self.transfers_ready: list[Op] = []
+        self.next_exchange = 0
+
+    def attach(self, run: StreamRun) -> None:
+        """Make ``run`` this rank's: its successors, readiness counts and op kinds from the
+        rank's view; every rank issues every exchange, even one it has no part in, so the
+        run is done once its ops AND its exchanges are."""
+        view = self._view(run)
+        run.succ = view.successors
+        run.ndeps = list(view.ndeps)
+        run.kinds = view.kinds
+        run.done_ops += view.others - len(view.exchanges)
         self.exchanges, self.sides, self.exchange_of = view.exchanges, view.sides, \
             view.exchange_of
         self.unready = [len(side.mine) for side in self.sides]  # own transfers not ready
-        self.cross_rank = view.cross_rank
-        self.transfers_ready: list[Op] = []
-        self.next_exchange = 0
-        # every rank issues every exchange, even one it has no part in: the run is done
-        # once its ops AND its exchanges are
-        self.done_ops -= len(self.exchanges)
 
-    def _view(self) -> _RankView:
+    def _view(self, run: StreamRun) -> _RankView:
         """This rank's share of the program, worked out once per plan and layout: a query
         run again finds it in the graph's cache (it walks every op of the job)."""
-        key = ("rank view", self.layout, id(self.program))
-        view = self.graph.programs.get(key)
+        key = ("rank view", self.layout, id(run.program))
+        view = run.graph.programs.get(key)
         if view is None:
-            mine = tuple(self._is_mine(op) for op in self.ops)
+            ops = run.ops
+            mine = tuple(self._is_mine(op) for op in ops)
             # what other ranks do is not waited for here: data arrival is
             successors = tuple(tuple(s for s in succ if mine[s])
-                               for succ in self.program.successors)
+                               for succ in run.program.successors)
             ndeps = tuple(sum(1 for d in op.deps if mine[d]) if mine[op.id] else -1
-                          for op in self.ops)
-            exchanges = self.rt.exchanges(self.graph, self.program)
-            sides = tuple(self._sides(ex) for ex in exchanges)
+                          for op in ops)
+            exchanges = self.rt.exchanges(run.graph, run.program)
+            sides = tuple(self._sides(ex, ops) for ex in exchanges)
             exchange_of = {op.id: ex.index for ex, side in zip(exchanges, sides)
                            for op in side.mine}
+            kinds = tuple(
+                (EXCHANGED_SEND if op.id in exchange_of else CROSS_RANK_SEND)
+                if self._cross_rank(op) else kind
+                for op, kind in zip(ops, op_kinds(run.graph, run.program)))
             view = _RankView(successors, ndeps, mine.count(False), exchanges, sides,
-                             exchange_of, tuple(self._cross_rank(op) for op in self.ops))
-            self.graph.programs[key] = view
+                             exchange_of, kinds)
+            run.graph.programs[key] = view
         return view
 
     def _is_mine(self, op: Op) -> bool:
@@ -309,11 +319,11 @@ class _RankRun(_Run):
         return op.kind == "send" and self.layout.rank_of(op.src_device) != \
             self.layout.rank_of(op.device)
 
-    def _sides(self, ex: Exchange) -> _ExchangeSides:
+    def _sides(self, ex: Exchange, ops: tuple[Op, ...]) -> _ExchangeSides:
         world, rank_of, me = self.layout.world, self.layout.rank_of, self.layout.rank
         side = _ExchangeSides([[] for _ in range(world)], [[] for _ in range(world)])
         for i in ex.ops:  # by op id: the order both sides concatenate and split in
-            op = self.ops[i]
+            op = ops[i]
             if rank_of(op.src_device) == me:
                 side.sends[rank_of(op.device)].append(op)
             elif rank_of(op.device) == me:
@@ -326,31 +336,20 @@ class _RankRun(_Run):
         self.sent_bytes += sent
         self.received_bytes += received
 
-    def _dispatch(self) -> None:
+    def dispatch(self, run: StreamRun) -> None:
         """Transfers between ranks start as soon as they are ready, outside the lanes' slots:
         a receive waits on a peer, and queueing transfers behind one another could make two
         ranks wait on each other. A transfer of an exchange waits for the rest of this rank's
         side of it; exchanges are issued in their order once their side is ready."""
         for op in self.transfers_ready:
-            self._submit(op)
+            run.submit(op)
         self.transfers_ready.clear()
-        while self.next_exchange < len(self.exchanges) and self.error is None \
+        while self.next_exchange < len(self.exchanges) and run.error is None \
                 and self.unready[self.next_exchange] == 0:
-            self._issue(self.exchanges[self.next_exchange])
+            self._issue(run, self.exchanges[self.next_exchange])
             self.next_exchange += 1
-        super()._dispatch()
 
-    def _queue_ready(self, op: Op) -> None:
-        """A transfer between ranks is taken aside: one of an exchange counts down its side,
-        any other is submitted at the next dispatch."""
-        if not self.cross_rank[op.id]:
-            super()._queue_ready(op)
-        elif op.id in self.exchange_of:
-            self.unready[self.exchange_of[op.id]] -= 1
-        else:
-            self.transfers_ready.append(op)
-
-    def _issue(self, ex: Exchange) -> None:
+    def _issue(self, run: StreamRun, ex: Exchange) -> None:
         """Start this rank's side of ``ex``: one ``all_to_all_single`` whose split for each
         rank is what this rank sends it (its own split is empty), awaited on a transfer
         thread. The chunks received land in one buffer, each a view of it; a rank sending
@@ -359,44 +358,46 @@ class _RankRun(_Run):
         from tensorql.dtypes import torch_dtype
 
         side = self.sides[ex.index]
-        dtype = torch_dtype(self.graph.chunk_meta[self.ops[ex.ops[0]].ref][1])
+        dtype = torch_dtype(run.graph.chunk_meta[run.ops[ex.ops[0]].ref][1])
         where = self.rt.collective_device
-        parts = [self._outgoing(op) for ops in side.sends for op in ops]
+        parts = [self._outgoing(run, op) for ops in side.sends for op in ops]
         if len(parts) == 1 and parts[0].is_contiguous():
             send = parts[0].view(-1)
         elif parts:
             send = torch.cat([p.reshape(-1) for p in parts])
         else:
             send = torch.empty(0, dtype=dtype, device=where)
-        in_splits = [sum(self._numel(op) for op in ops) for ops in side.sends]
-        out_splits = [sum(self._numel(op) for op in ops) for ops in side.receives]
+        in_splits = [sum(self._numel(run, op) for op in ops) for ops in side.sends]
+        out_splits = [sum(self._numel(run, op) for op in ops) for ops in side.receives]
         received = torch.empty(sum(out_splits), dtype=dtype, device=where)
         for ops in side.receives:
             for op in ops:
-                self._allocate(op)
-        self.inflight[EXCHANGE_LANE] = self.inflight.get(EXCHANGE_LANE, 0) + 1
+                run.allocate(op)
+        run.inflight[EXCHANGE_LANE] = run.inflight.get(EXCHANGE_LANE, 0) + 1
         started = time.perf_counter()
         try:
             work = torch.distributed.all_to_all_single(
                 received, send, out_splits, in_splits, group=self.rt.exchange_group,
                 async_op=True)
         except BaseException as err:  # noqa: BLE001 - reported to the coordinator
-            self._exchange_done(ex, None, received, started, err)
+            self._exchange_done(run, ex, None, received, started, err)
             return
         # ``send`` is kept alive until the collective is done
-        PARKED.start("tensorql-transfer", self._exchange_done, ex, work, received, started,
-                     None, send)
+        PARKED.start("tensorql-transfer", self._exchange_done, run, ex, work, received,
+                     started, None, send)
 
-    def _outgoing(self, op: Op) -> torch.Tensor:
+    @staticmethod
+    def _outgoing(run: StreamRun, op: Op) -> torch.Tensor:
         """The chunk a send of this rank passes: on its device, or its host copy."""
         if op.from_host:
-            return self.host.get(op.ref)
-        return self.values[op.src_device][op.ref]
+            return run.host.get(op.ref)
+        return run.values[op.src_device][op.ref]
 
-    def _numel(self, op: Op) -> int:
-        return math.prod(self.graph.chunk_meta[op.ref][0])
+    @staticmethod
+    def _numel(run: StreamRun, op: Op) -> int:
+        return math.prod(run.graph.chunk_meta[op.ref][0])
 
-    def _exchange_done(self, ex: Exchange, work: Any, received: torch.Tensor,
+    def _exchange_done(self, run: StreamRun, ex: Exchange, work: Any, received: torch.Tensor,
                        started: float, error: BaseException | None = None,
                        sent: torch.Tensor | None = None) -> None:
         if error is None:
@@ -409,70 +410,66 @@ class _RankRun(_Run):
         if error is not None:
             error = collective_failed(
                 self.layout, "the exchange of " + ", ".join(
-                    self.graph.step_name(s) for s in ex.steps) + " (all_to_all_single)", error)
-        self.events.put(Completion(-1 - ex.index, started, time.perf_counter(), received,
-                                   error))
+                    run.graph.step_name(s) for s in ex.steps) + " (all_to_all_single)", error)
+        run.events.put(Completion(-1 - ex.index, started, time.perf_counter(), received,
+                                  error))
 
-    def _handle(self, c: Completion) -> None:
-        if c.op_id >= 0:
-            super()._handle(c)
-            return
+    def collective_done(self, run: StreamRun, c: Completion) -> None:
+        """An exchange finished (its completion's id is ``-1 - index``): its chunks land,
+        and its ops and the exchange itself are done."""
         ex = self.exchanges[-1 - c.op_id]
-        self.inflight[EXCHANGE_LANE] -= 1
+        run.inflight[EXCHANGE_LANE] -= 1
         if c.error is not None:
-            if self.error is None:
-                self.error, self.failed = c.error, None
+            run.fail(c.error, None)
             return
-        if self.error is not None:
+        if run.error is not None:
             return
         side = self.sides[ex.index]
         offset = 0
         for ops in side.receives:
             for op in ops:
-                n = self._numel(op)
-                shape = self.graph.chunk_meta[op.ref][0]
-                self.values[op.device][op.ref] = c.value[offset:offset + n].view(shape)
+                n = self._numel(run, op)
+                shape = run.graph.chunk_meta[op.ref][0]
+                run.values[op.device][op.ref] = c.value[offset:offset + n].view(shape)
                 offset += n
-                self.stats.devices[op.device].bytes_d2d += op.nbytes
-                self.stats.devices[op.device].ops += 1
+                run.stats.devices[op.device].bytes_d2d += op.nbytes
+                run.stats.devices[op.device].ops += 1
                 self._count("all_to_all_single", received=op.nbytes)
         for ops in side.sends:
             for op in ops:
-                self.stats.moved[op.src_device][op.device] += op.nbytes
+                run.stats.moved[op.src_device][op.device] += op.nbytes
                 self._count("all_to_all_single", sent=op.nbytes)
                 if op.from_host:
-                    self._host_load_done(op)
-        self.done_ops += 1  # the exchange itself
+                    run.host_load_done(op)
+        run.done_ops += 1  # the exchange itself
         for op in side.mine:
-            self.done_ops += 1
-            for nxt in self._release(op):
-                self._make_ready(nxt)
+            run.done_ops += 1
+            for nxt in run.release(op):
+                run.make_ready(nxt)
 
-    def _submit(self, op: Op) -> None:
-        if not self.cross_rank[op.id]:
-            super()._submit(op)
-            return
+    def start_transfer(self, run: StreamRun, op: Op) -> None:
+        """A send of its own between this rank and another: awaited on a parked thread."""
         key = (op.device, op.lane)  # counted in flight (the coordinator waits for it)
-        self.inflight[key] = self.inflight.get(key, 0) + 1
+        run.inflight[key] = run.inflight.get(key, 0) + 1
         receiving = self.layout.is_local(op.device)
         if receiving:
-            self._allocate(op)
-        PARKED.start("tensorql-transfer", self._transfer, op, receiving)
+            run.allocate(op)
+        PARKED.start("tensorql-transfer", self._transfer, run, op, receiving)
 
-    def _transfer(self, op: Op, receiving: bool) -> None:
+    def _transfer(self, run: StreamRun, op: Op, receiving: bool) -> None:
         started = time.perf_counter()
         value, error = None, None
         peer = self.layout.rank_of(op.src_device if receiving else op.device)
         try:
             if receiving:
-                shape, dtype = self.graph.chunk_meta[op.ref]
+                shape, dtype = run.graph.chunk_meta[op.ref]
                 from tensorql.dtypes import torch_dtype
 
                 value = torch.empty(shape, dtype=torch_dtype(dtype),
-                                    device=self.devices[op.device].torch_device)
+                                    device=run.devices[op.device].torch_device)
                 torch.distributed.recv(value, src=peer, tag=op.id, group=self.rt.group)
             else:
-                chunk = self._outgoing(op).contiguous()
+                chunk = self._outgoing(run, op).contiguous()
                 torch.distributed.send(chunk, dst=peer, tag=op.id, group=self.rt.group)
                 value = chunk.nbytes
         except BaseException as err:  # noqa: BLE001 - reported to the coordinator
@@ -480,22 +477,37 @@ class _RankRun(_Run):
                 f"rank {self.layout.rank}: {'receiving from' if receiving else 'sending to'} "
                 f"rank {peer} failed ({type(err).__name__}: {err}); rank {peer} died or "
                 "stopped answering within the timeout")
-        self.events.put(Completion(op.id, started, time.perf_counter(), value, error))
+        run.events.put(Completion(op.id, started, time.perf_counter(), value, error))
 
-    def _complete(self, op: Op, c: Completion) -> None:
-        if self.cross_rank[op.id] and not self.layout.is_local(op.device):
+    def transfer_done(self, run: StreamRun, op: Op, c: Completion) -> bool:
+        if not self.layout.is_local(op.device):  # the sender's side: nothing lands here
             self._count("send/recv", sent=int(c.value))
-            self.stats.moved[op.src_device][op.device] += int(c.value)
+            run.stats.moved[op.src_device][op.device] += int(c.value)
             if op.from_host:
-                self._host_load_done(op)
-            return  # the sender's side: nothing lands here
-        if self.cross_rank[op.id]:
-            self._count("send/recv", received=op.nbytes)
-            self.values[op.device][op.ref] = c.value
-            self.stats.devices[op.device].bytes_d2d += op.nbytes
-            self.stats.devices[op.device].ops += 1
-            return
-        super()._complete(op, c)
+                run.host_load_done(op)
+            return False
+        self._count("send/recv", received=op.nbytes)
+        run.values[op.device][op.ref] = c.value
+        run.stats.devices[op.device].bytes_d2d += op.nbytes
+        run.stats.devices[op.device].ops += 1
+        return False
+
+
+def _cross_rank_queue(run: StreamRun, op: Op) -> None:
+    run.rank.transfers_ready.append(op)  # submitted at the next dispatch
+
+
+def _exchanged_queue(run: StreamRun, op: Op) -> None:
+    run.rank.unready[run.rank.exchange_of[op.id]] -= 1  # its exchange waits for the rest
+
+
+#: a send between ranks of its own: torch.distributed send on one side, recv on the other
+CROSS_RANK_SEND = OpKind(
+    "send between ranks", queue=_cross_rank_queue,
+    submit=lambda run, op: run.rank.start_transfer(run, op),
+    complete=lambda run, op, c: run.rank.transfer_done(run, op, c))
+#: a send between ranks that travels in an exchange: issued and completed with it
+EXCHANGED_SEND = OpKind("send in an exchange", queue=_exchanged_queue)
 
 
 def collective_failed(layout: RankLayout, what: str, err: BaseException) -> DistributedError:

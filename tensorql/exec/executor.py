@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.run_state import RunState
 from tensorql.exec.run_types import (
     ChunkDestination,
     ChunkSink,
@@ -40,9 +40,7 @@ from tensorql.exec.run_types import (
     StepStats,
     first_contribution,
     record_task,
-    task_failure,
 )
-from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 
@@ -82,19 +80,17 @@ class _Template:
         return template
 
 
-class _Run:
-    """The mutable state of one execution (the executor itself stays reusable)."""
+class _Run(RunState):
+    """The lanes' state of one run: the engine's run state plus readiness counts, chunk
+    values and their readers left, and what the workers are running."""
 
     def __init__(self, graph: TaskGraph, progress: ProgressCallback | None,
                  sink: ChunkSink | None = None,
                  destination: ChunkDestination | None = None,
                  keep_outputs: bool = True) -> None:
+        super().__init__(graph, progress, sink, destination, keep_outputs,
+                         RunStats(tasks=len(graph.tasks)))
         template = _Template.of(graph)
-        self.graph = graph
-        self.progress = progress
-        self.sink = sink
-        self.destination = destination
-        self.keep_outputs = keep_outputs
         self.contributions = template.contributions  # read only
         self.remaining = dict(template.contributions)
         self.uses = dict(template.uses)
@@ -106,15 +102,11 @@ class _Run:
         self.inline = template.inline
         self.in_flight: dict[ChunkRef, int] = {}  # output chunk -> tasks writing it now
         self.cond = threading.Condition()
-        self.done_tasks = 0
         self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
         self.wide = False  # a big task runs with every worker's torch threads
         self.ready_big = sum(_big(entry[2]) for entry in self.ready)  # big tasks ready
         self.step_tasks = template.step_tasks  # read only
-        self.error: BaseException | None = None
-        self.failed_task: Task | None = None
         self.live_bytes = 0
-        self.stats = RunStats(tasks=len(graph.tasks))
 
     # -- called with self.cond held ------------------------------------------------------
     def take(self, lookahead: int = 4, small_only: bool = False) -> Task | None:
@@ -180,9 +172,9 @@ class _Run:
             if self.uses[ref] == 0 and ref.step not in self.graph.retain:
                 self.live_bytes -= self.values.pop(ref).nbytes
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
-        self.done_tasks += 1
+        self.done_tasks += 1  # RunState.task_done, inline: a call less per task
         if self.progress is not None:
-            self.progress(self.done_tasks, len(self.graph.tasks))
+            self.progress(self.done_tasks, self.total_tasks)
         self.cond.notify_all()
         return completed
 
@@ -237,28 +229,89 @@ def _big(task: Task) -> bool:
     return _weighted_flops(task) >= WIDE_TASK_FLOPS
 
 
+def runs_serially(graph: TaskGraph, workers: int) -> bool:
+    """Whether the engine runs ``graph`` on one CPU of ``workers`` threads in the serial
+    strategy (:mod:`tensorql.exec.serial`) on the calling thread rather than on its lanes:
+    with one worker, or when the graph's tasks are short on average (estimated FLOPs below
+    ``SERIAL_TASK_FLOPS`` a task: a LLaMA decoder's token, ~0.4 MFLOP), so that handing each
+    to a worker would cost about what a second worker could gain, or when at least
+    ``SERIAL_NARROW_SHARE`` of its work is in steps of fewer tasks than workers
+    (:func:`narrow_share`: chains of one-chunk products, as in a tensor network or a
+    transformer block's training step), which the workers could not share out: each task
+    then runs on every worker's torch threads, on the calling thread, whose OpenMP threads
+    torch keeps (a LLaMA block's training step 44-48 -> 42-44 ms, and no longer 6-8 ms slower
+    right after a torch step; einsum_benchmark's tree 1.4x faster).
+
+    >>> tiny = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), None, flops=1000),))
+    >>> runs_serially(tiny, 2), runs_serially(tiny, 1)
+    (True, True)
+    """
+    if workers == 1:
+        return True
+    mean = graph.programs.get("mean-task-flops")
+    if mean is None:
+        mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
+        graph.programs["mean-task-flops"] = mean
+    if mean < SERIAL_TASK_FLOPS:
+        return True
+    key = ("narrow-share", workers)
+    share = graph.programs.get(key)
+    if share is None:
+        share = graph.programs[key] = narrow_share(graph, workers)
+    return share >= SERIAL_NARROW_SHARE
+
+
 EXECUTOR_MODES = ("auto", "threads", "serial")
 
 
 class Executor:
-    """Runs a ``TaskGraph`` on ``workers`` threads with ``intra_op_threads`` torch threads
-    each (``mode="threads"``), or on the calling thread in one precomputed order
-    (``mode="serial"``, :mod:`tensorql.exec.serial`); ``mode="auto"`` picks per graph
-    (:meth:`runs_serially`)."""
+    """One CPU's run of a ``TaskGraph`` through the engine (:func:`tensorql.exec.engine.run`):
+    on ``workers`` threads with ``intra_op_threads`` torch threads each (``mode="threads"``,
+    the lanes strategy), or on the calling thread in one precomputed order
+    (``mode="serial"``, :mod:`tensorql.exec.serial`); ``mode="auto"`` leaves the choice to
+    the engine's policy (:func:`runs_serially`)."""
 
     def __init__(self, workers: int = 1, intra_op_threads: int = 1, mode: str = "auto") -> None:
         if mode not in EXECUTOR_MODES:
             raise ValueError(f"executor mode {mode!r}: one of {', '.join(EXECUTOR_MODES)}")
         self.workers = max(1, int(workers))
         self.intra_op_threads = max(1, int(intra_op_threads))
-        self.all_threads = self.intra_op_threads * self.workers
         self.mode = mode
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
             sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None,
             keep_outputs: bool = True) -> RunResult:
-        """Run every task of ``graph``.
+        """Run every task of ``graph`` (arguments as :func:`tensorql.exec.engine.run`)."""
+        from tensorql.exec import engine
+
+        config = engine.EngineConfig.cpu(self.workers, self.intra_op_threads)
+        strategy = {"auto": None, "threads": "lanes", "serial": "serial"}[self.mode]
+        return engine.run(graph, config, strategy=strategy, progress=progress, sink=sink,
+                          destination=destination, keep_outputs=keep_outputs)
+
+    def runs_serially(self, graph: TaskGraph) -> bool:
+        """Whether :meth:`run` runs ``graph`` in the serial strategy (see
+        :func:`runs_serially`)."""
+        if self.mode != "auto":
+            return self.mode == "serial"
+        return runs_serially(graph, self.workers)
+
+
+class Lanes:
+    """The engine's lanes strategy on one CPU: ``workers`` threads, ``intra_op_threads``
+    torch threads each, take ready tasks straight from the graph (no memory plan)."""
+
+    def __init__(self, workers: int = 1, intra_op_threads: int = 1) -> None:
+        self.workers = max(1, int(workers))
+        self.intra_op_threads = max(1, int(intra_op_threads))
+        self.all_threads = self.intra_op_threads * self.workers
+
+    def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
+            sink: ChunkSink | None = None,
+            destination: ChunkDestination | None = None,
+            keep_outputs: bool = True) -> RunResult:
+        """Run every task of ``graph`` on the worker threads.
 
         ``progress(done, total)`` is called after each task; ``sink(ref, chunk)`` is called on a
         worker thread as each chunk of a retained step completes (e.g. to copy it into a dense
@@ -268,9 +321,6 @@ class Executor:
         a retained chunk is released once ``sink`` has taken it (the run streams its result
         and ``outputs`` holds only chunks the sink never saw).
         """
-        if self.runs_serially(graph):
-            return run_serial(graph, progress, sink, destination, keep_outputs,
-                              threads=self.all_threads)
         state = _Run(graph, progress, sink, destination, keep_outputs)
         state.stats.workers = self.workers
         previous_threads = torch.get_num_threads()
@@ -290,49 +340,10 @@ class Executor:
         state.stats.wall_s = time.perf_counter() - start
         state.stats.rebase(start)
         if state.error is not None:
-            if isinstance(state.error, TensorQLError):
-                raise state.error
-            raise task_failure(graph, state.failed_task, state.error) from state.error
-        if state.done_tasks != len(graph.tasks):
-            raise ExecutionError(
-                f"deadlock: {len(graph.tasks) - state.done_tasks} task(s) never became ready"
-            )
+            state.raise_task_failure()
+        state.check_all_done()
         outputs = {ref: v for ref, v in state.values.items() if ref.step in graph.retain}
         return RunResult(outputs=outputs, stats=state.stats)
-
-    def runs_serially(self, graph: TaskGraph) -> bool:
-        """Whether ``graph`` runs in the serial mode (:mod:`tensorql.exec.serial`) on the
-        calling thread. ``mode="auto"`` (the default) picks it with one worker, or when the
-        graph's tasks are short on average (estimated
-        FLOPs below ``SERIAL_TASK_FLOPS`` a task: a LLaMA decoder's token, ~0.4 MFLOP), so
-        that handing each to a worker would cost about what a second worker could gain, or
-        when at least ``SERIAL_NARROW_SHARE`` of its work is in steps of fewer tasks than
-        workers (:func:`narrow_share`: chains of one-chunk products, as in a tensor network
-        or a transformer block's training step), which the workers could not share out:
-        each task then runs on every worker's torch threads, on the calling thread, whose
-        OpenMP threads torch keeps (a LLaMA block's training step 44-48 -> 42-44 ms, and
-        no longer 6-8 ms slower right after a torch step; einsum_benchmark's tree 1.4x
-        faster).
-
-        >>> tiny = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), None, flops=1000),))
-        >>> Executor(workers=2).runs_serially(tiny), Executor(workers=1).runs_serially(tiny)
-        (True, True)
-        """
-        if self.mode != "auto":
-            return self.mode == "serial"
-        if self.workers == 1:
-            return True
-        mean = graph.programs.get("mean-task-flops")
-        if mean is None:
-            mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
-            graph.programs["mean-task-flops"] = mean
-        if mean < SERIAL_TASK_FLOPS:
-            return True
-        key = ("narrow-share", self.workers)
-        share = graph.programs.get(key)
-        if share is None:
-            share = graph.programs[key] = narrow_share(graph, self.workers)
-        return share >= SERIAL_NARROW_SHARE
 
     @staticmethod
     def _run_inline(state: _Run) -> None:
@@ -388,8 +399,7 @@ class Executor:
                 new_bytes = _execute(state, task)
             except BaseException as err:  # noqa: BLE001 - reported to the caller
                 with state.cond:
-                    if state.error is None:
-                        state.error, state.failed_task = err, task
+                    state.fail(err, task)
                     state.cond.notify_all()
                 return
             finally:
@@ -405,7 +415,7 @@ class Executor:
                     state.sink(task.output, state.values[task.output])
                 except BaseException as err:  # noqa: BLE001 - reported to the caller
                     with state.cond:
-                        state.error, state.failed_task = err, task
+                        state.fail(err, task)
                         state.cond.notify_all()
                     return
                 if not state.keep_outputs:
@@ -415,7 +425,7 @@ class Executor:
 
 def _first(state: _Run, task: Task, inputs: list[torch.Tensor]) -> torch.Tensor:
     """The first contribution to ``task.output``, into its destination when the run has one."""
-    dest = None
+    dest = None  # RunState.destination_for, inline: a call less per task
     if state.destination is not None and task.output.step in state.graph.retain:
         dest = state.destination(task.output)
     return first_contribution(task.kernel, inputs, dest)
@@ -445,4 +455,5 @@ def _execute(state: _Run, task: Task) -> int:
         return partial.nbytes if acc is None else 0
 
 
-__all__ = ["ChunkDestination", "ChunkSink", "Executor", "RunResult", "RunStats", "StepStats"]
+__all__ = ["ChunkDestination", "ChunkSink", "Executor", "Lanes", "RunResult", "RunStats",
+           "StepStats", "runs_serially"]

@@ -1,14 +1,17 @@
-"""The event-driven runtime: device ops run as soon as their own inputs are ready.
+"""The engine's streams strategy: device ops run as soon as their own inputs are ready.
 
 :class:`Runtime` lowers a ``TaskGraph`` with :func:`~tensorql.exec.memplan.plan_program` (ops
 on devices, evictions and reloads decided at plan time under each device's ``memory_limit``),
-then drives it from completion events: each finished op releases its successors into a ready
-queue per device lane (compute, h2d, d2h, d2d), ordered by critical-path length. There is no
-barrier between operators, and copies overlap kernels because lanes are independent. Live bytes
-per device are tracked and checked against the budget (ExecutionError if ever exceeded).
+then drives it from completion events (:class:`StreamRun`): each finished op releases its
+successors into a ready queue per device lane (compute, h2d, d2h, d2d), ordered by
+critical-path length. There is no barrier between operators, and copies overlap kernels
+because lanes are independent. Live bytes per device are tracked and checked against the
+budget (ExecutionError if ever exceeded). Each kind of op is one :class:`OpKind` record in
+:data:`OP_KINDS` (what runs on the lane, what its completion records).
 
-``Runtime.run(graph, progress, sink)`` returns the same ``RunResult`` as the threaded
-``Executor``; its ``stats`` is a :class:`RuntimeStats` with per-device figures.
+``Runtime.run(graph, progress, sink)`` goes through the engine
+(:func:`tensorql.exec.engine.run`) and returns the same ``RunResult`` as every strategy; its
+``stats`` is a :class:`RuntimeStats` with per-device figures.
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -43,10 +46,10 @@ import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
-from tensorql.exec.executor import Executor
 from tensorql.exec.hostpool import HostTier, PinnedPool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
+from tensorql.exec.run_state import RunState
 from tensorql.exec.run_types import (
     ChunkDestination,
     ChunkSink,
@@ -117,6 +120,10 @@ class RuntimeStats(RunStats):
     moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
     # one record per rank of a distributed run (a RankStats each), gathered after it
     ranks: list[Any] = field(default_factory=list)
+    # a rank's bytes handed to torch.distributed for the plan's transfers (by call in calls)
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    calls: tuple[Any, ...] = ()
 
     @property
     def bytes_moved(self) -> int:
@@ -183,7 +190,8 @@ class Runtime:
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
                  spill_store: Any = None, timeline: bool = False,
-                 results_on_device: bool = False, direct: bool = False) -> None:
+                 results_on_device: bool = False, direct: bool = False,
+                 host_domains: Sequence[int] | None = None) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -196,10 +204,11 @@ class Runtime:
         self.spill_store = spill_store
         self.timeline = timeline
         self.results_on_device = results_on_device
+        self._host_domains = tuple(host_domains) if host_domains is not None else None
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
         # the fast path: one CPU, nothing to budget, nothing to record per op
-        self.direct = direct and (len(self.devices) == 1 and self.devices[0].kind == "cpu"
+        self.direct = direct and (len(self.devices) == 1 and self.devices[0].host_memory
                                   and memory_limit is None and not timeline
                                   and not results_on_device)
 
@@ -230,8 +239,10 @@ class Runtime:
         return program
 
     def host_domains(self) -> tuple[int, ...] | None:
-        """Each device's host memory, when they are not all this process's (None)."""
-        return None
+        """Each device's host memory, when they are not all this process's (None): a rank's
+        devices of a distributed job (a chunk one rank wrote back is sent from there, a
+        ``from_host`` send, never loaded by another rank)."""
+        return self._host_domains
 
     def pool(self) -> PinnedPool | None:
         """The pinned host pool, created once per runtime when a device copies through it."""
@@ -243,44 +254,237 @@ class Runtime:
             sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None,
             keep_outputs: bool = True) -> RunResult:
-        """Run ``graph``. On one CPU device with no memory limit (and no timeline asked for)
-        the engine runs in its *direct* mode: worker threads take ready tasks straight from
-        the graph (:class:`~tensorql.exec.executor.Executor`), writing result tiles into
-        ``destination`` when given. Otherwise it runs the memory plan's ops on the devices'
-        lanes from completion events; result chunks then reach a dense result via ``sink``.
-        With ``keep_outputs=False`` a result chunk is released once ``sink`` has taken it
-        (a streamed run keeps none)."""
-        if self.direct:
-            return Executor(self.workers, self.intra_op_threads).run(
-                graph, progress=progress, sink=sink, destination=destination,
-                keep_outputs=keep_outputs)
+        """Run ``graph`` through the engine (:func:`tensorql.exec.engine.run`): with
+        ``direct`` on one CPU device with no memory limit (and no timeline asked for) the
+        engine's policy picks the serial or the lanes strategy; otherwise the streams
+        strategy (:meth:`run_streams`) runs the memory plan's ops."""
+        from tensorql.exec import engine
+
+        return engine.run(graph, engine.EngineConfig.of_runtime(self),
+                          strategy=None if self.direct else "streams", progress=progress,
+                          sink=sink, destination=destination, keep_outputs=keep_outputs)
+
+    def run_streams(self, graph: TaskGraph, progress: ProgressCallback | None = None,
+                    sink: ChunkSink | None = None,
+                    destination: ChunkDestination | None = None,
+                    keep_outputs: bool = True, rank: Any = None) -> RunResult:
+        """The streams strategy: the memory plan's ops run on the devices' lanes from
+        completion events; result chunks reach a dense result via ``sink`` (and, with no
+        memory limit, are computed straight into ``destination`` on a CPU device). With
+        ``keep_outputs=False`` a result chunk is released once ``sink`` has taken it (a
+        streamed run keeps none). ``rank``: a rank's part of a distributed job
+        (:mod:`tensorql.exec.distributed`)."""
         program = self.plan(graph)
         previous = torch.get_num_threads()
         torch.set_num_threads(self.intra_op_threads)
         try:
-            run = _Run(self, graph, program, progress, sink)
-            run.keep_outputs = keep_outputs
-            if self.memory_limit is None:  # a budgeted chunk is never a view of the result
-                run.destination = destination
+            # a budgeted chunk is never a view of the result
+            run = StreamRun(self, graph, program, progress, sink,
+                            destination if self.memory_limit is None else None, keep_outputs,
+                            rank=rank)
             return run.execute()
         finally:
             torch.set_num_threads(previous)
 
 
-class _Run:
-    """The mutable state of one run; the coordinator loop runs on the caller's thread."""
+@dataclass(frozen=True)
+class OpKind:
+    """How the streams strategy runs one kind of memory-plan op: one record per kind in
+    :data:`OP_KINDS`, looked up once per op (no ladder of kind tests).
+
+    ``bookkeeping`` runs an op of no lane (alloc, free) the moment it is ready; ``queue``
+    takes a ready op of a lane (by default onto its lane's ready heap); ``submit`` hands it
+    to its device; ``work`` is what runs on the lane; ``complete`` records a finished op and
+    says whether it finished a chunk task of the graph. ``allocates``: its bytes count as
+    live when it is submitted; ``exclusive``: two ops writing one chunk never run at once;
+    ``by_bytes``: the null device's cost is its bytes (else its FLOPs)."""
+
+    name: str
+    work: Callable[[StreamRun, Op, Device], Callable[[], Any]] | None = None
+    complete: Callable[[StreamRun, Op, Completion], bool] | None = None
+    bookkeeping: Callable[[StreamRun, Op], None] | None = None
+    queue: Callable[[StreamRun, Op], None] | None = None
+    submit: Callable[[StreamRun, Op], None] | None = None
+    allocates: bool = False
+    exclusive: bool = False
+    by_bytes: bool = True
+
+
+def _noop() -> None:
+    return None
+
+
+# -- alloc, free: bookkeeping, no lane ----------------------------------------------------
+def _alloc(run: StreamRun, op: Op) -> None:
+    run.allocate(op)
+
+
+def _free(run: StreamRun, op: Op) -> None:
+    run.values[op.device].pop(op.ref, None)
+    run.live[op.device] -= op.nbytes
+    if op.evict:
+        run.stats.devices[op.device].evictions += 1
+
+
+# -- compute ------------------------------------------------------------------------------
+def _compute_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
+    values = run.values[op.device]
+    task = op.task
+    dest = run.destination_of(op, dev)
+
+    def compute() -> None:
+        inputs = [values[r] for r in task.inputs]
+        acc = values.get(op.ref)
+        if acc is None and dest is not None:  # straight into the dense result
+            values[op.ref] = first_contribution(task.kernel, inputs, dest)
+            return
+        value = task.kernel.run(inputs, acc)
+        values[op.ref] = dev.to_device(value) if not task.inputs else value
+    return compute
+
+
+def _compute_done(run: StreamRun, op: Op, c: Completion) -> bool:
+    start, end = run.timed(op, c)
+    record_task(run.stats, op.ref.step, start, end,
+                bytes_in=sum(run.graph.chunk_bytes.get(r, 0) for r in op.task.inputs),
+                bytes_read=getattr(op.task.kernel, "bytes_read", 0)
+                if not op.task.inputs else 0)
+    return True
+
+
+# -- load: from rest (a source task's read) or from the host tier --------------------------
+def _load_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
+    return lambda: run.load(op, dev)
+
+
+def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
+    start, end = run.timed(op, c)
+    stats = run.stats.devices[op.device]
+    if not run.devices[op.device].is_null:
+        run.values[op.device][op.ref] = c.value
+    stats.bytes_h2d += op.nbytes
+    if not op.from_rest:
+        stats.reloads += 1
+        run.host_load_done(op)
+        return False
+    first = op.ref not in run.loaded_sources
+    step = record_task(run.stats, op.ref.step, start, end,
+                       bytes_read=getattr(op.task.kernel, "bytes_read", 0), tasks=int(first))
+    step.bytes_out += op.nbytes
+    if not first:
+        stats.reloads += 1
+        return False
+    run.loaded_sources.add(op.ref)
+    return True
+
+
+# -- send: a chunk from another device (or its host copy) ----------------------------------
+def _send_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
+    if op.from_host:  # pragma: no cover - several processes only
+        return lambda: dev.to_device(run.host.get(op.ref))
+    source = run.values[op.src_device]
+    return lambda: dev.from_peer(source[op.ref])
+
+
+def _send_done(run: StreamRun, op: Op, c: Completion) -> bool:
+    run.timed(op, c)
+    if not run.devices[op.device].is_null:
+        run.values[op.device][op.ref] = c.value
+    sent = c.value.nbytes if c.value is not None else op.nbytes
+    run.stats.devices[op.device].bytes_d2d += sent
+    run.stats.moved[op.src_device][op.device] += sent
+    if op.from_host:  # pragma: no cover - several processes only
+        run.host_load_done(op)
+    return False
+
+
+# -- fetch: a source read straight into the host tier --------------------------------------
+def _fetch_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
+    return lambda: run.host.put(op.ref, op.task.kernel.run([], None))
+
+
+def _fetch_done(run: StreamRun, op: Op, c: Completion) -> bool:
+    run.timed(op, c)
+    step = run.stats.steps.setdefault(op.ref.step, StepStats())
+    step.tasks += 1
+    step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
+    if run.sink is not None and run.host.has(op.ref):
+        run.sink(op.ref, run.sunk(op.ref))
+    return True
+
+
+# -- d2h: a chunk written back to the host tier (a result, or an eviction) -----------------
+def _d2h_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
+    values = run.values[op.device]
+
+    def d2h() -> None:
+        value = values[op.ref]
+        buf = run.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
+        run.host.put(op.ref, dev.to_host(value, buf))
+    return d2h
+
+
+def _d2h_done(run: StreamRun, op: Op, c: Completion) -> bool:
+    run.timed(op, c)
+    run.stats.devices[op.device].bytes_d2h += op.nbytes
+    if op.ref.step in run.graph.retain and not op.evict:
+        step = run.stats.steps.setdefault(op.ref.step, StepStats())
+        step.bytes_out += op.nbytes
+        if run.sink is not None and not run.devices[op.device].is_null:
+            run.sink(op.ref, run.sunk(op.ref))
+    return False
+
+
+#: the kinds of op a memory plan holds (:mod:`tensorql.exec.memplan`), by name
+OP_KINDS: dict[str, OpKind] = {
+    "alloc": OpKind("alloc", bookkeeping=_alloc),
+    "free": OpKind("free", bookkeeping=_free),
+    "compute": OpKind("compute", _compute_work, _compute_done, exclusive=True, by_bytes=False),
+    "load": OpKind("load", _load_work, _load_done, allocates=True),
+    "send": OpKind("send", _send_work, _send_done, allocates=True),
+    "fetch": OpKind("fetch", _fetch_work, _fetch_done),
+    "d2h": OpKind("d2h", _d2h_work, _d2h_done),
+}
+
+
+def op_kinds(graph: TaskGraph, program: Program) -> tuple[OpKind, ...]:
+    """The kind record of each op of ``program`` (by op id), found once per plan."""
+    key = ("op kinds", id(program))
+    kinds = graph.programs.get(key)
+    if kinds is None:
+        try:
+            kinds = tuple(OP_KINDS[op.kind] for op in program.ops)
+        except KeyError as err:
+            raise ExecutionError(f"unknown op kind {err.args[0]!r}; the memory plan's kinds "
+                                 f"are {', '.join(OP_KINDS)}") from None
+        graph.programs[key] = kinds
+    return kinds
+
+
+class StreamRun(RunState):
+    """The streams strategy's state of one run: the engine's run state plus the memory plan's
+    readiness counts, each device's chunk values and live bytes, the lanes' ready heaps and
+    what is in flight. The coordinator loop runs on the caller's thread; a rank of a
+    distributed job adds its part (``rank``: its view of the plan, its transfers between
+    ranks) as a component, and its transfers are kinds of op of their own."""
 
     def __init__(self, rt: Runtime, graph: TaskGraph, program: Program,
-                 progress: ProgressCallback | None, sink: ChunkSink | None) -> None:
-        self.rt, self.graph, self.program = rt, graph, program
-        self.ops = program.ops
+                 progress: ProgressCallback | None, sink: ChunkSink | None,
+                 destination: ChunkDestination | None = None, keep_outputs: bool = True,
+                 rank: Any = None) -> None:
         self.devices = rt.devices
-        self.progress, self.sink = progress, sink
+        kinds = [d.kind for d in self.devices]
+        super().__init__(graph, progress, sink, destination, keep_outputs,
+                         RuntimeStats(tasks=len(graph.tasks), workers=rt.workers,
+                                      program=program, device_kinds=kinds))
+        self.rt, self.program = rt, program
+        self.ops = program.ops
         self.events: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         null = [d for d in self.devices if d.is_null]
         self.clock = null[0].clock if null else None  # type: ignore[attr-defined]
         self.succ: Sequence[Sequence[int]] = program.successors
         self.ndeps = list(program.dep_counts)
+        self.kinds: Sequence[OpKind] = op_kinds(graph, program)
         self.ready: dict[tuple[int, str], list[tuple[float, int]]] = {}
         self.inflight: dict[tuple[int, str], int] = {}
         self.busy_out: set[tuple[int, ChunkRef]] = set()
@@ -291,22 +495,17 @@ class _Run:
         self.host_loads = dict(program.host_loads)
         self.cleanup: dict[int, Callable[[], None]] = {}
         self.done_ops = 0
-        self.done_tasks = 0
         self.loaded_sources: set[ChunkRef] = set()
-        self.error: BaseException | None = None
-        self.failed: Op | None = None
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
-        kinds = [d.kind for d in self.devices]
-        self.stats = RuntimeStats(tasks=len(graph.tasks), workers=rt.workers, program=program,
-                                  device_kinds=kinds)
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
                                           planned_peak_bytes=b.peak_bytes)
                               for d, b in zip(self.devices, program.devices)]
         self.start = 0.0
         self.lock = threading.Lock()
-        self.keep_outputs = True
-        self.destination: ChunkDestination | None = None
+        self.rank = rank
+        if rank is not None:
+            rank.attach(self)
 
     # -- the coordinator ------------------------------------------------------------------
     def execute(self) -> RunResult:
@@ -318,7 +517,7 @@ class _Run:
             # collected first: making one op ready may release others (zero-cost ops run at
             # once), which must not be made ready a second time
             for op in [op for op in self.ops if self.ndeps[op.id] == 0]:
-                self._make_ready(op)
+                self.make_ready(op)
             while self.done_ops < len(self.ops) and self.error is None:
                 self._dispatch()
                 if self.done_ops >= len(self.ops):
@@ -381,30 +580,23 @@ class _Run:
                      f"({op.kind} on {self.devices[op.device].name})")
         raise ExecutionError(f"{where}: {type(err).__name__}: {err}") from err
 
-    def _make_ready(self, op: Op) -> None:
+    def make_ready(self, op: Op) -> None:
+        """``op``'s inputs are ready: an op of a lane is queued (by its kind), an op of no
+        lane (alloc, free) runs here and releases its successors in turn."""
         work = [op]
         while work:
             op = work.pop()
+            kind = self.kinds[op.id]
             if op.lane != "none":
-                self._queue_ready(op)
+                (kind.queue or _queue_on_lane)(self, op)
                 continue
-            # zero-cost bookkeeping ops run right here
-            if op.kind == "alloc":
-                self._allocate(op)
-            elif op.kind == "free":
-                self.values[op.device].pop(op.ref, None)
-                self.live[op.device] -= op.nbytes
-                if op.evict:
-                    self.stats.devices[op.device].evictions += 1
+            if kind.bookkeeping is not None:  # zero-cost bookkeeping ops run right here
+                kind.bookkeeping(self, op)
             self.done_ops += 1
-            work.extend(self._release(op))
+            work.extend(self.release(op))
 
-    def _queue_ready(self, op: Op) -> None:
-        """Queue a ready op for its lane; the longest chain of work after it goes first."""
-        heapq.heappush(self.ready.setdefault((op.device, op.lane), []),
-                       (-self.program.rank[op.id], op.id))
-
-    def _release(self, op: Op) -> list[Op]:
+    def release(self, op: Op) -> list[Op]:
+        """The ops ``op`` was the last dependency of."""
         out = []
         for s in self.succ[op.id]:
             self.ndeps[s] -= 1
@@ -412,7 +604,7 @@ class _Run:
                 out.append(self.ops[s])
         return out
 
-    def _allocate(self, op: Op) -> None:
+    def allocate(self, op: Op) -> None:
         d = op.device
         self.live[d] += op.nbytes
         stats = self.stats.devices[d]
@@ -424,6 +616,8 @@ class _Run:
                 f"{budget} ({op.describe()}); the memory plan was not followed")
 
     def _dispatch(self) -> None:
+        if self.rank is not None:  # a rank's transfers start before the lanes' ops
+            self.rank.dispatch(self)
         for key, heap in self.ready.items():
             dev_index, lane = key
             dev = self.devices[dev_index]
@@ -436,67 +630,36 @@ class _Run:
             while heap and self.inflight.get(key, 0) < depth:
                 entry = heapq.heappop(heap)
                 op = self.ops[entry[1]]
-                if op.kind == "compute" and not serial and (dev_index, op.ref) in self.busy_out:
+                if not serial and self.kinds[op.id].exclusive and \
+                        (dev_index, op.ref) in self.busy_out:
                     aside.append(entry)  # another contribution to this chunk is running
                     continue
-                self._submit(op)
+                self.submit(op)
             for entry in aside:
                 heapq.heappush(heap, entry)
 
-    def _submit(self, op: Op) -> None:
+    def submit(self, op: Op) -> None:
+        kind = self.kinds[op.id]
+        if kind.submit is not None:
+            kind.submit(self, op)
+            return
         key = (op.device, op.lane)
         self.inflight[key] = self.inflight.get(key, 0) + 1
-        if op.kind in ("load", "send"):
-            self._allocate(op)
-        if op.kind == "compute":
+        if kind.allocates:
+            self.allocate(op)
+        if kind.exclusive:
             self.busy_out.add((op.device, op.ref))
         dev = self.devices[op.device]
-        cost = op.cost if op.kind == "compute" else float(op.nbytes)
-        dev.submit(op.lane, op.id, self._work(op, dev), cost)
+        work = _noop if dev.is_null else kind.work(self, op, dev)  # type: ignore[misc]
+        dev.submit(op.lane, op.id, work, float(op.nbytes) if kind.by_bytes else op.cost)
 
-    def _work(self, op: Op, dev: Device) -> Callable[[], Any]:
-        values = self.values[op.device]
-        if dev.is_null:
-            return lambda: None
-        if op.kind == "compute":
-            task = op.task
-
-            dest = self._destination(op, dev)
-
-            def compute() -> None:
-                inputs = [values[r] for r in task.inputs]
-                acc = values.get(op.ref)
-                if acc is None and dest is not None:  # straight into the dense result
-                    values[op.ref] = first_contribution(task.kernel, inputs, dest)
-                    return
-                value = task.kernel.run(inputs, acc)
-                values[op.ref] = dev.to_device(value) if not task.inputs else value
-            return compute
-        if op.kind == "load":
-            return lambda: self._load(op, dev)
-        if op.kind == "fetch":
-            return lambda: self.host.put(op.ref, op.task.kernel.run([], None))
-        if op.kind == "send" and op.from_host:  # pragma: no cover - several processes only
-            return lambda: dev.to_device(self.host.get(op.ref))
-        if op.kind == "send":
-            source = self.values[op.src_device]
-            return lambda: dev.from_peer(source[op.ref])
-        if op.kind == "d2h":
-            def d2h() -> None:
-                value = values[op.ref]
-                buf = self.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
-                self.host.put(op.ref, dev.to_host(value, buf))
-            return d2h
-        raise ExecutionError(f"unknown op kind {op.kind!r}")  # pragma: no cover
-
-    def _destination(self, op: Op, dev: Device) -> torch.Tensor | None:
+    def destination_of(self, op: Op, dev: Device) -> torch.Tensor | None:
         """The tile of the dense result a CPU device computes a result chunk into, if any."""
-        if (self.destination is None or dev.kind != "cpu" or op.task.inputs == ()
-                or op.ref.step not in self.graph.retain):
+        if self.destination is None or not dev.host_memory or op.task.inputs == ():
             return None
-        return self.destination(op.ref)
+        return self.destination_for(op.ref)
 
-    def _load(self, op: Op, dev: Device) -> torch.Tensor:
+    def load(self, op: Op, dev: Device) -> torch.Tensor:
         if op.from_rest:
             host = op.task.kernel.run([], None)
             pool = self.host.pool if dev.uses_pinned_host else None
@@ -512,101 +675,56 @@ class _Run:
         return dev.to_device(self.host.get(op.ref))
 
     def _handle(self, c: Completion) -> None:
+        if c.op_id < 0:  # a collective of a rank (ids below zero are the rank's own)
+            self.rank.collective_done(self, c)
+            return
         op = self.ops[c.op_id]
+        kind = self.kinds[op.id]
         key = (op.device, op.lane)
         self.inflight[key] -= 1
         with self.lock:
             cleanup = self.cleanup.pop(op.id, None)
         if cleanup is not None:
             cleanup()
-        if op.kind == "compute":
+        if kind.exclusive:
             self.busy_out.discard((op.device, op.ref))
         if c.error is not None:
-            if self.error is None:
-                self.error, self.failed = c.error, op
+            self.fail(c.error, op)
             return
         if self.error is not None:
             return
         try:
-            self._complete(op, c)
+            if kind.complete(self, op, c):  # type: ignore[misc]
+                self.task_done()
         except BaseException as err:  # noqa: BLE001 - reported to the caller
-            if self.error is None:
-                self.error, self.failed = err, op
+            self.fail(err, op)
             return
         self.done_ops += 1
-        for nxt in self._release(op):
-            self._make_ready(nxt)
+        for nxt in self.release(op):
+            self.make_ready(nxt)
 
-    def _complete(self, op: Op, c: Completion) -> None:
-        stats = self.stats.devices[op.device]
-        stats.ops += 1
+    def timed(self, op: Op, c: Completion) -> tuple[float, float]:
+        """When a finished op ran (seconds from the run's start; the device's own measure
+        where it has one), recorded for the lane's busy time and the timeline."""
         start = c.started - (0.0 if self.clock is not None else self.start)
         end = c.ended - (0.0 if self.clock is not None else self.start)
         if c.device_s is not None:  # the device's own measure of the work
             start = max(start, end - c.device_s)
+        self.stats.devices[op.device].ops += 1
         self.lane_times.setdefault((op.device, op.lane), []).append((start, end))
         if self.rt.timeline:
             self.stats.timeline.append(TimelineEvent(
                 self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end))
-        task_done = False
-        if op.kind == "compute":
-            task_done = True
-            record_task(self.stats, op.ref.step, start, end,
-                        bytes_in=sum(self.graph.chunk_bytes.get(r, 0) for r in op.task.inputs),
-                        bytes_read=getattr(op.task.kernel, "bytes_read", 0)
-                        if not op.task.inputs else 0)
-        elif op.kind in ("load", "send"):
-            if not self.devices[op.device].is_null:
-                self.values[op.device][op.ref] = c.value
-            if op.kind == "send":
-                sent = c.value.nbytes if c.value is not None else op.nbytes
-                stats.bytes_d2d += sent
-                self.stats.moved[op.src_device][op.device] += sent
-                if op.from_host:  # pragma: no cover - several processes only
-                    self._host_load_done(op)
-            else:
-                stats.bytes_h2d += op.nbytes
-            if op.kind == "load" and op.from_rest:
-                first = op.ref not in self.loaded_sources
-                step = record_task(self.stats, op.ref.step, start, end,
-                                   bytes_read=getattr(op.task.kernel, "bytes_read", 0),
-                                   tasks=int(first))
-                step.bytes_out += op.nbytes
-                if first:
-                    self.loaded_sources.add(op.ref)
-                    task_done = True
-                else:
-                    stats.reloads += 1
-            elif op.kind == "load":
-                stats.reloads += 1
-                self._host_load_done(op)
-        elif op.kind == "fetch":
-            task_done = True
-            step = self.stats.steps.setdefault(op.ref.step, StepStats())
-            step.tasks += 1
-            step.bytes_read += getattr(op.task.kernel, "bytes_read", 0)
-            if self.sink is not None and self.host.has(op.ref):
-                self.sink(op.ref, self._sunk(op.ref))
-        elif op.kind == "d2h":
-            stats.bytes_d2h += op.nbytes
-            if op.ref.step in self.graph.retain and not op.evict:
-                step = self.stats.steps.setdefault(op.ref.step, StepStats())
-                step.bytes_out += op.nbytes
-                if self.sink is not None and not self.devices[op.device].is_null:
-                    self.sink(op.ref, self._sunk(op.ref))
-        if task_done:
-            self.done_tasks += 1
-            if self.progress is not None:
-                self.progress(self.done_tasks, len(self.graph.tasks))
+        return start, end
 
-    def _sunk(self, ref: ChunkRef) -> torch.Tensor:
+    def sunk(self, ref: ChunkRef) -> torch.Tensor:
         """The host copy of a result chunk for the sink; a streamed run (``keep_outputs``
         False) hands it over and keeps none, unless a later op loads it again."""
         if not self.keep_outputs and self.host_loads.get(ref, 0) <= 0:
             return self.host.take_result(ref)
         return self.host.get(ref)
 
-    def _host_load_done(self, op: Op) -> None:
+    def host_load_done(self, op: Op) -> None:
         left = self.host_loads.get(op.ref, 0) - 1
         self.host_loads[op.ref] = left
         if not op.keep_host or (left <= 0 and op.ref.step not in self.graph.retain):
@@ -625,15 +743,7 @@ class _Run:
         self.stats.spilled_bytes = self.host.spilled_bytes
 
 
-def executor_for(options: Any, *, timeline: bool = False) -> Runtime:
-    """The engine a session's ``Options`` call for: the runtime on the chosen devices, in its
-    direct mode for one unlimited CPU.
-
-    >>> from tensorql.options import Options
-    >>> executor_for(Options(devices="cpu")).direct
-    True
-    >>> executor_for(Options(devices="cpu", memory_limit="1GiB")).direct
-    False
-    """
-    return Runtime(options.devices, options.memory_limit, workers=options.workers,
-                   intra_op_threads=options.intra_op_threads, timeline=timeline, direct=True)
+def _queue_on_lane(run: StreamRun, op: Op) -> None:
+    """Queue a ready op for its lane; the longest chain of work after it goes first."""
+    heapq.heappush(run.ready.setdefault((op.device, op.lane), []),
+                   (-run.program.rank[op.id], op.id))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.run_state import RunState
 from tensorql.exec.run_types import (
     ChunkDestination,
     ChunkSink,
@@ -45,7 +46,6 @@ from tensorql.exec.run_types import (
     RunStats,
     first_contribution,
     record_task,
-    task_failure,
 )
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
@@ -139,10 +139,14 @@ def _order(graph: TaskGraph) -> list[Task]:
 def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
                sink: ChunkSink | None = None, destination: ChunkDestination | None = None,
                keep_outputs: bool = True, threads: int | None = None) -> RunResult:
-    """Run every task of ``graph`` on this thread (with ``threads`` torch threads for the
-    kernels, when given); arguments and result as ``Executor.run``."""
+    """The engine's serial strategy: every task of ``graph`` on this thread (with
+    ``threads`` torch threads for the kernels, when given); arguments and result as
+    :func:`tensorql.exec.engine.run`. The loop reads the run state's fields into locals:
+    a task costs one pass of it and nothing more."""
     schedule = SerialSchedule.of(graph)
-    stats = RunStats(tasks=len(graph.tasks), serial=True)
+    state = RunState(graph, progress, sink, destination, keep_outputs,
+                     RunStats(tasks=len(graph.tasks), serial=True))
+    stats = state.stats
     values: list[torch.Tensor | None] = [None] * schedule.slots
     total, live, peak = len(schedule.tasks), 0, 0
     previous = torch.get_num_threads()
@@ -183,10 +187,12 @@ def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
                     values[i] = None
             if progress is not None:
                 progress(done, total)
+        state.done_tasks = total
     except TensorQLError:
         raise
     except Exception as err:
-        raise task_failure(graph, entry.task, err) from err
+        state.fail(err, entry.task if entry is not None else None)
+        state.raise_task_failure()
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)

@@ -2,7 +2,8 @@
 
 One module per job: :mod:`.compile` (the stage chain; CompiledQuery / CompiledGroup),
 :mod:`.planning` (the physical plan, partitioned or not), :mod:`.backends` (the registry of
-execution backends), :mod:`.distributed` (one rank's part of a torch.distributed job),
+execution backends and what each supports), :mod:`.run` (the one place a plan is handed to
+the engine), :mod:`.distributed` (one rank's part of a torch.distributed job),
 :mod:`.stages` (EXPLAIN's stage table), :mod:`.results` (dense results), :mod:`.checks`.
 
 Python (``tensorql.api``) and SQL (``tensorql.sql``) both hand a graph node to
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from tensorql.pipeline.backends import (
     BACKENDS,
+    Capabilities,
     DuckDBBackend,
     ExecutionBackend,
     NativeBackend,
@@ -33,14 +35,15 @@ from tensorql.pipeline.backends import (
 )
 from tensorql.pipeline.checks import check_dense_fits, check_task_count
 from tensorql.pipeline.compile import CompiledGroup, CompiledQuery
-from tensorql.pipeline.distributed import job_devices, run_distributed
+from tensorql.pipeline.distributed import job_devices, rank_job, share_rank_results
 from tensorql.pipeline.planning import Session, physical_plan
 from tensorql.pipeline.results import DenseResults
+from tensorql.pipeline.run import execute
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
 __all__ = [
     "BACKENDS", "STAGES", "CompiledGroup", "CompiledQuery", "DenseResults", "DuckDBBackend",
     "ExecutionBackend", "NativeBackend", "Session", "UnknownBackendError", "UnknownStageError",
     "check_dense_fits", "check_task_count", "get_backend", "job_devices", "physical_plan",
-    "register_backend", "run_distributed",
+    "register_backend", "rank_job", "share_rank_results", "execute", "Capabilities",
 ]

@@ -1,21 +1,20 @@
 """Execution backends in a registry: ``native`` (the engine on the session's devices)
-and ``duckdb`` (the plan as one SQL query inside DuckDB)."""
+and ``duckdb`` (the plan as one SQL query inside DuckDB), each declaring what it supports
+(:class:`Capabilities`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, OptionError
-from tensorql.exec.progress import progress_bar
+from tensorql.errors import OptionError
 from tensorql.exec.run_types import ProgressCallback
-from tensorql.exec.runtime import executor_for
 from tensorql.logical.lower import contraction_paths
-from tensorql.options import device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
-from tensorql.pipeline.distributed import run_distributed
 from tensorql.pipeline.results import DenseResults
+from tensorql.pipeline.run import execute, result_chunks
 
 if TYPE_CHECKING:
     from tensorql.pipeline.compile import CompiledQuery
@@ -25,8 +24,29 @@ class UnknownBackendError(OptionError):
     """A backend name that is not in the registry."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, declared once; the pipeline asks this instead of testing the
+    backend's name.
+
+    ``multi_output``: a group of expressions runs as one plan (a shared subgraph computed
+    once); ``streaming``: result chunks reach a sink as they complete (else the whole result
+    is computed, then handed over); ``partitioned``: on several devices the optimizer's
+    partitioning is what runs (else the plan is one device's).
+
+    >>> get_backend("duckdb").supports.streaming, get_backend("native").supports.streaming
+    (False, True)
+    """
+
+    multi_output: bool = False
+    streaming: bool = False
+    partitioned: bool = False
+
+
 class ExecutionBackend(Protocol):
-    """Runs and explains a compiled query."""
+    """Runs and explains a compiled query; ``supports`` says what else it can do."""
+
+    supports: Capabilities
 
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
             dense: bool) -> QueryResult: ...
@@ -36,41 +56,30 @@ class ExecutionBackend(Protocol):
         ...
 
 
-
 class NativeBackend:
-    """The engine's own executor on the session's devices."""
+    """The engine on the session's devices (:func:`tensorql.pipeline.run.execute`)."""
+
+    supports = Capabilities(multi_output=True, streaming=True, partitioned=True)
 
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
             dense: bool, rank_stats: bool = False) -> QueryResult:
         """Run the query; in a distributed session every rank's figures are gathered too
         when ``rank_stats`` (EXPLAIN ANALYZE: a collective every rank joins)."""
         options = query.db.options
-        if progress is None and options.progress:
-            with progress_bar(query.node.describe()) as bar:
-                return self.run(query, bar, dense, rank_stats)
-        devices = device_names(options.devices)
-        null = any(d.startswith("null") for d in devices)
-        if null and dense:
-            raise ExecutionError(
-                f"devices={options.devices!r}: null devices run the scheduler only and compute "
-                "no values, so there is no result to return; use explain(analyze=True) for the "
-                "schedule, or devices='cpu' / N for values")
-        if options.distributed:
-            return run_distributed(query, progress, rank_stats)
-        executor = executor_for(options)
-        sid = query.physical.result_step.id
         writer = DenseResults([query.physical.result_step]) if dense else None
-        result = executor.run(query.physical.task_graph(), progress=progress,
-                              sink=writer.sink if writer else None,
-                              destination=writer.destination if writer else None,
-                              keep_outputs=not dense)
-        chunks = {ref.key: value for ref, value in result.outputs.items() if ref.step == sid}
-        return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats,
-                           assembled=writer.tensors[0] if writer else None, computed=not null)
+        result = execute(query.physical, options, values="return" if dense else None,
+                         progress=progress, sink=writer.sink if writer else None,
+                         destination=writer.destination if writer else None,
+                         keep_outputs=not dense, partition=query.partition,
+                         title=query.node.describe(), rank_stats=rank_stats)
+        return QueryResult(plan=query.physical, chunks=result_chunks(query.physical, result),
+                           stats=result.stats,
+                           assembled=writer.tensors[0] if writer else None,
+                           computed=options.device_set.computes_values)
 
     def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
-        null = any(d.startswith("null") for d in device_names(query.db.options.devices))
-        result = self.run(query, None, dense=not null, rank_stats=True) if analyze else None
+        values = query.db.options.device_set.computes_values
+        result = self.run(query, None, dense=values, rank_stats=True) if analyze else None
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:
@@ -86,7 +95,10 @@ def _with_paths(text: str, node: Node) -> str:
 
 
 class DuckDBBackend:
-    """Joins and GROUP BY inside DuckDB, chunk kernels as Arrow UDFs."""
+    """Joins and GROUP BY inside DuckDB, chunk kernels as Arrow UDFs: one expression a
+    query, the whole result at once, one device's plan."""
+
+    supports = Capabilities()
 
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
             dense: bool) -> QueryResult:

@@ -9,24 +9,21 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, OptionError, PlanError
+from tensorql.errors import OptionError, PlanError
 from tensorql.exec.host_malloc import heap_only
-from tensorql.exec.progress import progress_bar
 from tensorql.exec.run_types import ProgressCallback, RunStats
-from tensorql.exec.runtime import executor_for
 from tensorql.grid import Key
 from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.options import device_names
 from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.backends import get_backend
 from tensorql.pipeline.checks import check_dense_fits, check_task_count
-from tensorql.pipeline.distributed import run_distributed
 from tensorql.pipeline.planning import Session, physical_plan
 from tensorql.pipeline.results import DenseResults
+from tensorql.pipeline.run import execute
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
 
@@ -47,10 +44,10 @@ class CompiledQuery:
         partitioning is what runs), and build the physical plan."""
         options = db.options
         name = backend or options.backend
-        get_backend(name)
+        supports = get_backend(name).supports
         logical = lower(node)
         check_task_count(logical)
-        partition, physical = physical_plan([logical], db, partitioned=name == "native")
+        partition, physical = physical_plan([logical], db, partitioned=supports.partitioned)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
                    partition=partition)
 
@@ -79,21 +76,10 @@ class CompiledQuery:
 
     def _stream(self, sink: Callable[[Key, torch.Tensor], None],
                 progress: ProgressCallback | None) -> None:
-        if self.backend != "native":
+        if not get_backend(self.backend).supports.streaming:
             for key, chunk in self.run(progress=progress).iter_chunks():
                 sink(key, chunk)
             return
-        options = self.db.options
-        if progress is None and options.progress:
-            with progress_bar(self.node.describe()) as bar:
-                return self._stream(sink, bar)
-        if any(d.startswith("null") for d in device_names(options.devices)):
-            raise ExecutionError(f"devices={options.devices!r}: null devices compute no values, "
-                                 "so there is no result to stream")
-        if options.distributed:  # every rank takes part; each gets the whole result
-            for key, chunk in run_distributed(self, progress).iter_chunks():
-                sink(key, chunk)
-            return None
         sid = self.physical.result_step.id
         sent: set[Key] = set()
 
@@ -102,8 +88,9 @@ class CompiledQuery:
                 sent.add(ref.key)
                 sink(ref.key, chunk)
 
-        result = executor_for(options).run(self.physical.task_graph(), progress=progress,
-                                           sink=result_sink, keep_outputs=False)
+        result = execute(self.physical, self.db.options, values="stream",
+                         progress=progress, sink=result_sink, keep_outputs=False,
+                         partition=self.partition, title=self.node.describe())
         for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
             if ref.step == sid and chunk is not None and ref.key not in sent:
                 sink(ref.key, chunk)
@@ -157,7 +144,7 @@ class CompiledGroup:
         options = db.options
         if not nodes:
             raise PlanError("a group of queries needs at least one expression")
-        if options.backend != "native" or options.distributed:
+        if not get_backend(options.backend).supports.multi_output or options.distributed:
             return cls(nodes=tuple(nodes), db=db,
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
         roots = lower_many(nodes)
@@ -173,18 +160,14 @@ class CompiledGroup:
         e.g. a buffer the caller no longer needs; other backends ignore it."""
         if self.physical is None:
             return [q.run(progress=progress, dense=True).dense() for q in self.queries]
-        db = self.db
-        if any(d.startswith("null") for d in device_names(db.options.devices)):
-            raise ExecutionError(f"devices={db.options.devices!r}: null devices compute no "
-                                 "values, so there are no results to return")
+        options = self.db.options
         steps = self.physical.output_steps
         for step in steps:
-            check_dense_fits(step.relation, db.options)
+            check_dense_fits(step.relation, options)
         writer = DenseResults(steps, out)
         self.last_stats.clear()
-        result = executor_for(db.options).run(self.physical.task_graph(), progress=progress,
-                                              sink=writer.sink, destination=writer.destination,
-                                              keep_outputs=False)
+        result = execute(self.physical, options, values="return", progress=progress,
+                         sink=writer.sink, destination=writer.destination, keep_outputs=False)
         self.last_stats.append(result.stats)
         return writer.tensors
 

@@ -2,67 +2,74 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from tensorql.exec import engine  # RankJob: the rank strategy's job
 from tensorql.exec.distributed import (
-    DistributedRuntime,
     check_same_plan,
     exchange_group,
     gather_rank_stats,
     join_process_group,
     share_results,
 )
-from tensorql.exec.run_types import ProgressCallback
-from tensorql.options import Options, device_names
+from tensorql.exec.run_types import ChunkDestination, ChunkSink, RunResult
+from tensorql.exec.taskgraph import ChunkRef
+from tensorql.optimizer.plan import PartitionPlan
+from tensorql.options import Options
 from tensorql.physical.explain import render_plan
-from tensorql.physical.result import QueryResult
+from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.results import DenseResults
-
-if TYPE_CHECKING:
-    from tensorql.pipeline.compile import CompiledQuery
 
 
 def job_devices(options: Options) -> int:
     """How many devices a query is planned for: the session's, times the ranks of the
     torch.distributed job when the session is one rank of it."""
-    local = len(device_names(options.devices))
+    local = options.device_set.count
     if not options.distributed:
         return local
     return join_process_group(local, options.distributed_timeout_s).devices
 
 
-def run_distributed(query: CompiledQuery, progress: ProgressCallback | None,
-                     rank_stats: bool = False) -> QueryResult:
-    """One rank's part of the query: check every rank has the same plan, run this rank's
-    tasks (transfers through torch.distributed); the result chunks are all-gathered (each
-    rank sends those it computed to every other), so each rank returns the dense result."""
+def rank_job(physical: PhysicalPlan, partition: PartitionPlan | None,
+             options: Options) -> engine.RankJob:
+    """This process's rank of the job, once every rank is checked to have the same plan (a
+    mismatch would pair transfers wrongly and hang)."""
     import hashlib
 
-    options = query.db.options
-    layout = join_process_group(len(device_names(options.devices)),
-                                options.distributed_timeout_s)
-    graph = query.physical.task_graph()
+    layout = join_process_group(options.device_set.count, options.distributed_timeout_s)
+    graph = physical.task_graph()
     checked = ("plan checked across ranks", layout)
     if checked not in graph.programs:  # once per plan and job: the plan does not change
-        text = render_plan(query.physical, None) + (query.partition.explain()
-                                                    if query.partition else "") + \
+        text = render_plan(physical, None) + (partition.explain() if partition else "") + \
             f"exchange={options.distributed_exchange}"
         check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
         graph.programs[checked] = True
-    runtime = DistributedRuntime(layout, options.devices, options.memory_limit,
-                                 workers=options.workers,
-                                 intra_op_threads=options.intra_op_threads,
-                                 exchange=options.distributed_exchange,
-                                 exchange_group=exchange_group(layout))
-    result = runtime.run(graph, progress=progress)
-    step = query.physical.result_step
-    rel = step.relation
-    dense = DenseResults([step])
-    out = dense.tensors[0]
-    shared = share_results(graph, result.outputs, layout, dense.destination)
+    return engine.RankJob(layout, options.distributed_exchange, exchange_group(layout))
+
+
+def share_rank_results(physical: PhysicalPlan, result: RunResult, job: engine.RankJob,
+                       sink: ChunkSink | None = None,
+                       destination: ChunkDestination | None = None,
+                       keep_outputs: bool = True, rank_stats: bool = False) -> RunResult:
+    """After a rank's part of a run: the result chunks all-gathered (each rank sends those
+    it computed to every other) into ``destination`` (by default fresh dense tensors),
+    handed to ``sink`` and, with ``keep_outputs``, returned, so each rank has the whole
+    result; with ``rank_stats`` every rank's figures are gathered too."""
+    graph = physical.task_graph()
+    if destination is None:
+        destination = DenseResults(physical.output_steps).destination
+    stats: Any = result.stats
+    shared = share_results(graph, result.outputs, job.layout, destination)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
-        result.stats.ranks = gather_rank_stats(
-            result.stats, layout, runtime.sent_bytes, runtime.received_bytes, shared,
-            calls=tuple(runtime.bytes_by_call.values()))
-    chunks = {key: out[rel.grid.slices(key)] for key in rel.grid.keys()}  # on every rank
-    return QueryResult(plan=query.physical, chunks=chunks, stats=result.stats, assembled=out)
+        stats.ranks = gather_rank_stats(stats, job.layout, stats.sent_bytes,
+                                        stats.received_bytes, shared, calls=stats.calls)
+    outputs = {}
+    for step in physical.output_steps:  # on every rank
+        for key in step.relation.grid.keys():
+            ref = ChunkRef(step.id, key)
+            chunk = destination(ref)
+            if sink is not None:
+                sink(ref, chunk)
+            if keep_outputs:
+                outputs[ref] = chunk
+    return RunResult(outputs=outputs, stats=result.stats)

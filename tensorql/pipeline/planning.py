@@ -9,7 +9,7 @@ from tensorql.exec.memplan import largest_task_bytes
 from tensorql.logical.plan import LogicalNode, walk
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
-from tensorql.options import Options, device_names
+from tensorql.options import Options
 from tensorql.physical.partitioned import build_partitioned
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
@@ -93,8 +93,8 @@ def _sub_tiles(options: Options, limit: int | None) -> bool:
     one large product runs at the library's best speed, where a series of 512-tile products
     ran ~10-15% slower (a 2048x1024x4096 MLP on 2 CPU devices: 1.21x torch cut, 1.03x whole).
     """
-    local = device_names(options.devices)  # this process's devices (a rank's, in a job)
-    cpu = all(name.startswith("cpu") for name in local)
+    local = options.device_set  # this process's devices (a rank's, in a job)
+    cpu = local.all_cpu
     return limit is not None or not cpu or options.workers // max(1, len(local)) > 1
 
 

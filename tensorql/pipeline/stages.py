@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 from tensorql.einsum.graph import explain_graph
 from tensorql.errors import OptionError
-from tensorql.exec.runtime import Runtime
+from tensorql.exec.engine import EngineConfig
 from tensorql.logical.plan import explain_logical
-from tensorql.options import device_names
 from tensorql.physical.explain import render_plan
 
 if TYPE_CHECKING:
@@ -22,16 +21,14 @@ class UnknownStageError(OptionError):
 
 def _explain_partition(query: CompiledQuery) -> str:
     if query.partition is None:
-        return (f"partitioning: one device ({', '.join(device_names(query.db.options.devices))})"
+        return (f"partitioning: one device ({', '.join(query.db.options.device_set.names)})"
                 ", nothing to partition")
     return query.partition.explain()
 
 
 def _explain_memory(query: CompiledQuery) -> str:
     options = query.db.options
-    runtime = Runtime(options.devices, options.memory_limit, workers=options.workers,
-                      intra_op_threads=options.intra_op_threads)
-    program = runtime.plan(query.physical.task_graph())
+    program = EngineConfig.of(options).build_runtime().plan(query.physical.task_graph())
     kinds: dict[str, int] = {}
     for op in program.ops:
         kinds[op.kind] = kinds.get(op.kind, 0) + 1

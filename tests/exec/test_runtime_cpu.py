@@ -142,11 +142,11 @@ def test_stats_and_timeline():
 
 
 def test_unlimited_cpu_runs_the_engine_in_direct_mode(db):
-    from tensorql.exec.runtime import executor_for
+    from tensorql.exec.engine import EngineConfig
 
-    assert executor_for(db.options.with_(devices="cpu")).direct
-    assert not executor_for(db.options.with_(devices=["cpu:0", "cpu:1"])).direct
-    assert not executor_for(db.options.with_(devices="cpu", memory_limit="1GiB")).direct
+    assert EngineConfig.of(db.options.with_(devices="cpu")).runs_direct
+    assert not EngineConfig.of(db.options.with_(devices=["cpu:0", "cpu:1"])).runs_direct
+    assert not EngineConfig.of(db.options.with_(devices="cpu", memory_limit="1GiB")).runs_direct
 
 
 def test_results_on_device():

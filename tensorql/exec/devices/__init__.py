@@ -1,6 +1,8 @@
 """Devices the runtime runs on: ``cpu`` (threads), ``cuda`` (streams), ``null`` (tests).
 
-:func:`resolve_devices` turns the ``devices`` option into device objects:
+:data:`DEVICE_CLASSES` maps each kind of :data:`tensorql.devices.DEVICE_KINDS` to the
+function that builds its device object; :func:`resolve_devices` builds a
+:class:`~tensorql.devices.DeviceSet` (or a ``devices`` option value) through it:
 
 >>> [d.name for d in resolve_devices("cpu", workers=2)]
 ['cpu:0']
@@ -9,41 +11,63 @@
 (['cpu:0', 'cpu:1'], 2)
 >>> [d.name for d in resolve_devices("null:2")]
 ['null:0', 'null:1']
+>>> sorted(DEVICE_CLASSES)
+['cpu', 'cuda', 'null']
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tensorql.devices import DeviceSet, DeviceSpec
 from tensorql.errors import OptionError
 from tensorql.exec.devices.base import Completion, Device, LaneThreads, ThreadedDevice
 from tensorql.exec.devices.cpu import CPUDevice
 from tensorql.exec.devices.null import NullDevice, SimClock
-from tensorql.options import device_names
 
-__all__ = ["Completion", "CPUDevice", "Device", "LaneThreads", "NullDevice", "SimClock",
-           "ThreadedDevice",
-           "resolve_devices"]
+__all__ = ["DEVICE_CLASSES", "Completion", "CPUDevice", "Device", "LaneThreads", "NullDevice",
+           "SimClock", "ThreadedDevice", "resolve_devices"]
+
+
+@dataclass
+class BuildContext:
+    """What the devices of one set share as they are built: the CPU workers each CPU device
+    gets, and one virtual clock for the null devices."""
+
+    cpu_workers: int
+    clock: SimClock
+
+
+def _cpu(spec: DeviceSpec, ctx: BuildContext) -> Device:
+    return CPUDevice(spec.name, workers=ctx.cpu_workers)
+
+
+def _cuda(spec: DeviceSpec, ctx: BuildContext) -> Device:
+    from tensorql.exec.devices.cuda import CUDADevice
+
+    if not torch.cuda.is_available():
+        raise OptionError(f"device {spec.name!r} needs CUDA, which is not available")
+    return CUDADevice(spec.name)
+
+
+def _null(spec: DeviceSpec, ctx: BuildContext) -> Device:
+    return NullDevice(spec.name, clock=ctx.clock)
+
+
+#: the device class of each kind, as a builder of one device from its spec
+DEVICE_CLASSES: dict[str, Callable[[DeviceSpec, BuildContext], Device]] = {
+    "cpu": _cpu, "cuda": _cuda, "null": _null,
+}
+
 
 def resolve_devices(spec: Any = "auto", workers: int = 1) -> list[Device]:
-    """Device objects for a ``devices`` option; CPU devices share ``workers`` threads."""
-    names = device_names(spec)
-    n_cpu = sum(n.startswith("cpu") for n in names)
-    clock = SimClock()
-    out: list[Device] = []
-    for name in names:
-        kind = name.split(":", 1)[0]
-        if kind == "cpu":
-            out.append(CPUDevice(name if ":" in name else "cpu:0",
-                                 workers=max(1, workers // max(1, n_cpu))))
-        elif kind == "cuda":
-            from tensorql.exec.devices.cuda import CUDADevice
-
-            if not torch.cuda.is_available():
-                raise OptionError(f"device {name!r} needs CUDA, which is not available")
-            out.append(CUDADevice(name if ":" in name else "cuda:0"))
-        elif kind == "null":
-            out.append(NullDevice(name, clock=clock))
-    return out
+    """Device objects for a :class:`~tensorql.devices.DeviceSet` (or a ``devices`` option
+    value, parsed here); CPU devices share ``workers`` threads."""
+    devices = spec if isinstance(spec, DeviceSet) else DeviceSet.parse(spec)
+    ctx = BuildContext(cpu_workers=max(1, workers // max(1, devices.count_of("cpu"))),
+                       clock=SimClock())
+    return [DEVICE_CLASSES[s.kind](s, ctx) for s in devices.specs]

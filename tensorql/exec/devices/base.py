@@ -103,6 +103,10 @@ class Device(abc.ABC):
 
     kind: str = "abstract"
     is_null: bool = False
+    #: its memory is the host's: a result chunk can be computed straight into a dense result
+    host_memory: bool = False
+    #: a device of another rank of a distributed job (this process runs nothing on it)
+    remote: bool = False
     #: ready ops a lane may be handed beyond its threads (queued in order), so a thread that
     #: finishes one op starts the next without a round trip through the runtime's loop
     lookahead: int = 0

@@ -39,6 +39,7 @@ class CPUDevice(ThreadedDevice):
     """
 
     kind = "cpu"
+    host_memory = True
     lookahead = 1
 
     def __init__(self, name: str = "cpu:0", workers: int = 1, *, inline: bool = False) -> None:

@@ -1,0 +1,209 @@
+"""The engine: one ``run`` of a task graph, with a scheduling strategy chosen per graph.
+
+Every run -- a query, a group of queries, a streamed store, a rank of a torch.distributed
+job -- comes here. The program is the :class:`~tensorql.exec.taskgraph.TaskGraph`; each
+strategy keeps what it prepares from it with the graph (``graph.programs``: the serial order,
+the lanes' starting state, the memory plan's ops), so a query run again prepares nothing.
+The strategies share one run state (:class:`~tensorql.exec.run_state.RunState`: sink,
+destination, progress, figures, failure):
+
+- ``serial`` -- on the calling thread, in one order worked out once
+  (:func:`~tensorql.exec.serial.run_serial`);
+- ``lanes`` -- worker threads take ready tasks straight from the graph
+  (:class:`~tensorql.exec.executor.Lanes`);
+- ``streams`` -- the memory plan's ops on the devices' lanes, driven by completion events
+  (:meth:`~tensorql.exec.runtime.Runtime.run_streams`);
+- ``rank`` -- the streams of one rank of a distributed job, its transfers through
+  torch.distributed (:class:`~tensorql.exec.distributed.DistributedRuntime`).
+
+:func:`choose_strategy` is the policy: a rank runs ``rank``; one CPU device with no memory
+limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
+(:func:`~tensorql.exec.executor.runs_serially`); anything else runs ``streams``.
+
+>>> import torch
+>>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+>>> class Const:
+...     def __init__(self, v): self.v = v
+...     def run(self, inputs, acc): return torch.tensor(self.v) if acc is None else acc + self.v
+...     def combine(self, acc, partial): return acc + partial
+>>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Const(1.0)),
+...                      Task(1, (), ChunkRef(0, ()), Const(2.0))), retain=frozenset({0}))
+>>> config = EngineConfig.cpu(workers=2)
+>>> choose_strategy(g, config)
+'serial'
+>>> [run(g, config, strategy=s).outputs[ChunkRef(0, ())].item() for s in STRATEGIES
+...  if s != "rank"]
+[3.0, 3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorql.devices import DeviceSet
+from tensorql.errors import ExecutionError
+from tensorql.exec.distributed import DistributedRuntime, RankLayout
+from tensorql.exec.executor import Lanes, runs_serially
+from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
+from tensorql.exec.runtime import Runtime
+from tensorql.exec.serial import run_serial
+from tensorql.exec.taskgraph import TaskGraph
+
+__all__ = ["STRATEGIES", "EngineConfig", "RankJob", "Strategy", "UnknownStrategyError",
+           "choose_strategy", "run"]
+
+
+class UnknownStrategyError(ExecutionError):
+    """A strategy name that is not in :data:`STRATEGIES`."""
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """This process's place in a torch.distributed job, and how its chunks travel."""
+
+    layout: RankLayout
+    exchange: str = "collective"
+    exchange_group: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a run needs of the session: the devices (parsed once), the memory limit, the
+    threads. ``runtime``: devices already built (a test's null devices, a runtime whose
+    memory plan is given) for the streams strategy; ``rank``: a rank's job."""
+
+    devices: DeviceSet
+    memory_limit: int | None = None
+    workers: int = 1
+    intra_op_threads: int = 1
+    timeline: bool = False
+    direct: bool = True  # may a run of one CPU with no limit skip the memory plan
+    runtime: Runtime | None = field(default=None, compare=False)
+    rank: RankJob | None = None
+
+    @classmethod
+    def of(cls, options: Any, *, timeline: bool = False,
+           rank: RankJob | None = None) -> EngineConfig:
+        """The engine a session's ``Options`` call for."""
+        return cls(options.device_set, options.memory_limit, options.workers,
+                   options.intra_op_threads, timeline, rank=rank)
+
+    @classmethod
+    def cpu(cls, workers: int = 1, intra_op_threads: int = 1) -> EngineConfig:
+        """One CPU of ``workers`` threads, no memory limit."""
+        return cls(_ONE_CPU, None, max(1, int(workers)), max(1, int(intra_op_threads)))
+
+    @classmethod
+    def of_runtime(cls, rt: Runtime) -> EngineConfig:
+        """A runtime's devices and settings (its ``direct`` flag says whether the policy may
+        skip the memory plan)."""
+        return cls(_ONE_CPU, rt.memory_limit, rt.workers, rt.intra_op_threads, rt.timeline,
+                   direct=rt.direct, runtime=rt)
+
+    @property
+    def runs_direct(self) -> bool:
+        """Whether the graph may run straight from the task graph (serial or lanes): one CPU
+        device, nothing to budget, nothing to record per op."""
+        if self.runtime is not None:
+            return self.direct and self.runtime.direct
+        return (self.direct and self.devices.count == 1 and self.devices.all_cpu
+                and self.memory_limit is None and not self.timeline)
+
+    def build_runtime(self) -> Runtime:
+        """The streams strategy's runtime on these devices (the given one, if any)."""
+        if self.runtime is not None:
+            return self.runtime
+        return Runtime(self.devices, self.memory_limit, workers=self.workers,
+                       intra_op_threads=self.intra_op_threads, timeline=self.timeline)
+
+
+_ONE_CPU = DeviceSet.parse("cpu")
+
+RunFn = Callable[[TaskGraph, EngineConfig, "ProgressCallback | None", "ChunkSink | None",
+                  "ChunkDestination | None", bool], RunResult]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way of scheduling one run: its name, what it does, and the function that runs it."""
+
+    name: str
+    summary: str
+    run: RunFn
+
+
+def _serial(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
+            sink: ChunkSink | None, destination: ChunkDestination | None,
+            keep_outputs: bool) -> RunResult:
+    return run_serial(graph, progress, sink, destination, keep_outputs,
+                      threads=config.workers * config.intra_op_threads)
+
+
+def _lanes(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
+           sink: ChunkSink | None, destination: ChunkDestination | None,
+           keep_outputs: bool) -> RunResult:
+    return Lanes(config.workers, config.intra_op_threads).run(
+        graph, progress, sink, destination, keep_outputs)
+
+
+def _streams(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
+             sink: ChunkSink | None, destination: ChunkDestination | None,
+             keep_outputs: bool) -> RunResult:
+    return config.build_runtime().run_streams(graph, progress, sink, destination, keep_outputs)
+
+
+def _rank(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
+          sink: ChunkSink | None, destination: ChunkDestination | None,
+          keep_outputs: bool) -> RunResult:
+    job = config.rank
+    if job is None:
+        raise UnknownStrategyError("strategy 'rank' needs a rank of a torch.distributed job "
+                                   "(EngineConfig.rank)")
+    runtime = DistributedRuntime(job.layout, config.devices, config.memory_limit,
+                                 workers=config.workers,
+                                 intra_op_threads=config.intra_op_threads,
+                                 exchange=job.exchange, exchange_group=job.exchange_group)
+    return runtime.run(graph, progress=progress, sink=sink)
+
+
+#: the scheduling strategies, by name
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("serial", "on the calling thread, in one order worked out once", _serial),
+    Strategy("lanes", "worker threads take ready tasks straight from the graph", _lanes),
+    Strategy("streams", "the memory plan's ops on the devices' lanes, by completion events",
+             _streams),
+    Strategy("rank", "one rank's streams of a torch.distributed job", _rank),
+)}
+
+
+def choose_strategy(graph: TaskGraph, config: EngineConfig) -> str:
+    """The strategy the engine runs ``graph`` with under ``config`` (see the module)."""
+    if config.rank is not None:
+        return "rank"
+    if not config.runs_direct:
+        return "streams"
+    return "serial" if runs_serially(graph, config.workers) else "lanes"
+
+
+def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = None,
+        progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
+        destination: ChunkDestination | None = None, keep_outputs: bool = True) -> RunResult:
+    """Run every task of ``graph`` under ``config`` (an :class:`EngineConfig` or a session's
+    ``Options``) with ``strategy`` (default: :func:`choose_strategy`).
+
+    ``progress(done, total)`` is called as tasks finish; ``sink(ref, chunk)`` as each chunk
+    of a retained step completes (e.g. to copy it into a dense result while other tasks still
+    run). ``destination(ref)`` may name a preallocated tensor for a retained chunk (a view of
+    a dense result) that its tasks write into directly. With ``keep_outputs=False`` a
+    retained chunk is released once ``sink`` has taken it (``outputs`` then holds only
+    chunks the sink never saw)."""
+    if not isinstance(config, EngineConfig):
+        config = EngineConfig.of(config)
+    name = strategy if strategy is not None else choose_strategy(graph, config)
+    chosen = STRATEGIES.get(name)
+    if chosen is None:
+        raise UnknownStrategyError(f"unknown strategy {name!r}; choose one of "
+                                   f"{', '.join(STRATEGIES)}")
+    return chosen.run(graph, config, progress, sink, destination, keep_outputs)
