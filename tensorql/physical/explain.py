@@ -30,6 +30,7 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
         f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks, "
         f"{format_bytes(total_bytes_in)} chunk reads"
     )
+    lines.extend(_rules_line(plan))
     if stats is not None:
         lines.append(
             f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
@@ -48,6 +49,11 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
             lines.append(f"output {k}:")
         _render(plan, root, "", "", lines, stats, seen)
     return "\n".join(lines)
+
+
+def _rules_line(plan: PhysicalPlan) -> list[str]:
+    """The logical rewrite rules that changed the plan, as a line (none when none did)."""
+    return [f"rewrite rules: {', '.join(plan.rules_fired)}"] if plan.rules_fired else []
 
 
 def _describe(step: Step, node: LogicalNode) -> str:
@@ -134,6 +140,7 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
     lines.append(f"estimate: {format_flops(plan.est_flops)}, {len(plan.steps)} steps, "
                  f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks on {n} devices, "
                  f"{format_bytes(predicted)} sent between devices")
+    lines.extend(_rules_line(plan))
     if stats is not None:
         moved = getattr(stats, "moved", None) or [[0] * n for _ in range(n)]
         lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "

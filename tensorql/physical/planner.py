@@ -22,16 +22,16 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
-
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 from tensorql.grid import Key, regrid_pieces
 from tensorql.logical.plan import (
     Aggregate,
+    Attention,
     Join,
     LogicalNode,
     Map,
+    Pointwise,
     Rekey,
     Reshape,
     Scan,
@@ -39,21 +39,22 @@ from tensorql.logical.plan import (
     TensorRelation,
     walk,
 )
+from tensorql.logical.rules import RULES, Rule, rewrite
+from tensorql.logical.rules.attention import match_attention
+from tensorql.logical.rules.pointwise import fuse_pointwise as fuse_pointwise_rule
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.physical.attention import AttentionGroup, attention_groups
+from tensorql.physical.attention import attention_kernel
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
     ContractSeries,
-    FusedArg,
-    FusedOp,
-    FusedPointwise,
     LoadChunk,
     LoadPiece,
     MapChunk,
     RekeyChunk,
     ReshapeChunk,
     SoftmaxChunk,
+    pointwise_kernel,
 )
 from tensorql.storage.chunk_store import ChunkStore
 
@@ -95,6 +96,7 @@ class PhysicalPlan:
     chunk_meta: dict[ChunkRef, tuple[tuple[int, ...], str]] | None = None  # their shapes
     also: tuple[LogicalNode, ...] = ()  # further results of a multi-output plan
     also_ids: tuple[int, ...] = ()        # their steps when step_of does not say
+    rules_fired: tuple[str, ...] = ()     # the logical rewrite rules that changed the plan
     # the task graph, made once on first use (a query run again reuses it, and with it the
     # memory plans the runtime keeps on it)
     _graph_memo: list[TaskGraph] = field(default_factory=list, init=False, compare=False,
@@ -153,98 +155,39 @@ class PhysicalPlan:
     def build(cls, root: LogicalNode, store: ChunkStore | None,
               max_temp_elems: int = 1 << 24, fuse_bytes: int | None = None,
               min_tasks: int = 4, also: tuple[LogicalNode, ...] = (),
-              fuse_pointwise: bool = True, fuse_attention: bool = True) -> PhysicalPlan:
+              fuse_pointwise: bool = True, fuse_attention: bool = True,
+              rules: tuple[Rule, ...] | None = None,
+              fired: tuple[str, ...] = ()) -> PhysicalPlan:
         """The plan of ``root`` (and of ``also``, further results sharing its steps where
         their graphs do); contributions to one output chunk are grouped into series
         (see :class:`ContributionSeries`) of at most ``fuse_bytes`` of inputs, keeping at
-        least ``min_tasks`` tasks a step where there are that many contributions. Chains of
-        pointwise steps run as one step (``fuse_pointwise``), and so do attention chains,
-        softmax(q . k + mask) . v (``fuse_attention``, :mod:`tensorql.physical.attention`)."""
+        least ``min_tasks`` tasks a step where there are that many contributions.
+
+        The logical rewrite rules (:mod:`tensorql.logical.rules`: chains of pointwise steps
+        run as one step, ``fuse_pointwise``; so do attention chains, softmax(q . k + mask) .
+        v, ``fuse_attention``) are applied first unless ``rules`` says which (``()``: the
+        plan was rewritten already, by the rules ``fired``)."""
+        if rules is None:
+            rules = tuple(rule for rule in RULES
+                          if (rule is not match_attention or fuse_attention)
+                          and (rule is not fuse_pointwise_rule or fuse_pointwise))
+        if rules:
+            done = rewrite([root, *also], rules)
+            root, also, fired = done.roots[0], done.roots[1:], fired + done.fired
         builder = _Builder(store, max_temp_elems, fuse_bytes, min_tasks)
         nodes = walk(root, *also)
-        attention = attention_groups(nodes, (root, *also)) if fuse_attention else {}
-        in_attention = {id(m) for group in attention.values() for m in group.members[:-1]}
+        # a Join feeding an Aggregate is one step with it (unless it is a result itself)
         fused = {id(n.input) for n in nodes if isinstance(n, Aggregate)
                  and isinstance(n.input, Join)} - {id(n) for n in (root, *also)}
-        groups = (pointwise_groups(nodes, (root, *also), fused | in_attention)
-                  if fuse_pointwise else {})
-        members = {id(m) for group in groups.values() for m in group[:-1]} | in_attention
         for node in nodes:
-            if id(node) in attention:
-                builder.add_attention(attention[id(node)])
-            elif id(node) in groups:
-                builder.add_fused(groups[id(node)])
-            elif id(node) not in fused and id(node) not in members:
+            if id(node) not in fused:
                 builder.add(node)
-        # a Join fused into its Aggregate answers for the same step
-        for node in nodes:
-            if isinstance(node, Aggregate) and id(node.input) in fused \
-                    and id(node) not in in_attention:
+        for node in nodes:  # a Join fused into its Aggregate answers for the same step
+            if isinstance(node, Aggregate) and id(node.input) in fused:
                 builder.step_of[id(node.input)] = builder.step_of[id(node)]
-        for group in groups.values():  # a fused member answers for its group's step
-            for member in group[:-1]:
-                builder.step_of[id(member)] = builder.step_of[id(group[-1])]
-        for chain in attention.values():  # so does a member of an attention chain
-            for member in chain.members[:-1]:
-                builder.step_of[id(member)] = builder.step_of[id(chain.members[-1])]
         steps = builder.finish()
-        return cls(root=root, steps=steps, step_of=builder.step_of, also=tuple(also))
-
-
-def _pointwise(node: LogicalNode, joins_in_aggregates: set[int]) -> bool:
-    """A map, or a join with no aggregation over it and no diagonal (repeated label)."""
-    if isinstance(node, Map):
-        return True
-    return (isinstance(node, Join) and id(node) not in joins_in_aggregates
-            and node.join not in UPDATE_JOINS  # stacks its slots: not blocked by rows
-            and all(len(set(labels)) == len(labels) for labels in node.input_labels))
-
-
-def _labels_in(consumer: LogicalNode, k: int) -> tuple[str, ...]:
-    """The labels ``consumer`` gives its input ``k``'s dims."""
-    return consumer.relation.labels if isinstance(consumer, Map) else consumer.input_labels[k]
-
-
-def _aligned(consumer: LogicalNode, k: int, producer: LogicalNode) -> bool:
-    """Whether each chunk of ``producer`` is exactly what one chunk of ``consumer`` reads
-    (the same labels, none broadcast, tiled alike)."""
-    labels, rel = _labels_in(consumer, k), consumer.relation
-    if sorted(labels) != sorted(rel.labels):
-        return False
-    grid = rel.grid
-    shape = tuple(grid.shape[rel.labels.index(lab)] for lab in labels)
-    tile = tuple(grid.tile[rel.labels.index(lab)] for lab in labels)
-    return producer.relation.grid.shape == shape and producer.relation.grid.tile == tile
-
-
-def pointwise_groups(nodes: list[LogicalNode], roots: tuple[LogicalNode, ...],
-                     joins_in_aggregates: set[int]) -> dict[int, list[LogicalNode]]:
-    """Chains of pointwise steps to fuse: a map or join whose only reader is another
-    pointwise step over the same chunks is computed inside that reader's task (see
-    :class:`~tensorql.physical.kernels.FusedPointwise`). Returns, by the id of each group's
-    last node, its members in dependency order (last node last); groups of two or more."""
-    readers: dict[int, set[int]] = {}
-    for node in nodes:
-        for child in node.inputs:
-            readers.setdefault(id(child), set()).add(id(node))
-    results = {id(r) for r in roots}
-    into: dict[int, int] = {}  # producer -> the consumer it is fused into
-    for node in nodes:
-        if not _pointwise(node, joins_in_aggregates):
-            continue
-        for k, child in enumerate(node.inputs):
-            if (_pointwise(child, joins_in_aggregates) and id(child) not in results
-                    and readers.get(id(child)) == {id(node)} and _aligned(node, k, child)):
-                into[id(child)] = id(node)
-    consumers = set(into.values())
-    groups: dict[int, list[LogicalNode]] = {}
-    for node in nodes:
-        if id(node) in into or id(node) in consumers:
-            top = id(node)
-            while top in into:
-                top = into[top]
-            groups.setdefault(top, []).append(node)
-    return groups
+        return cls(root=root, steps=steps, step_of=builder.step_of, also=tuple(also),
+                   rules_fired=tuple(fired))
 
 
 class ContributionSeries:
@@ -303,12 +246,6 @@ class ContributionSeries:
         return key, device, inputs, kernel, sum(f for _, f, _ in run)
 
 
-def _pointwise_name(node: LogicalNode) -> str:
-    if isinstance(node, Map):
-        return node.fn
-    return node.join
-
-
 class _Builder:
     def __init__(self, store: ChunkStore | None, max_temp_elems: int,
                  fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
@@ -341,6 +278,10 @@ class _Builder:
             step = self._reshape(sid, node)
         elif isinstance(node, Softmax):
             step = self._softmax(sid, node)
+        elif isinstance(node, Pointwise):
+            step = self._fused(sid, node)
+        elif isinstance(node, Attention):
+            step = self._attention(sid, node)
         elif isinstance(node, Aggregate):
             step = self._contract(sid, node.input, node)
         elif isinstance(node, Join):
@@ -350,106 +291,54 @@ class _Builder:
         self.steps.append(step)
         self.step_of[id(node)] = sid
 
-    def add_fused(self, group: list[LogicalNode]) -> None:
-        """One step computing a chain of pointwise nodes (``group``, last node last) chunk by
-        chunk in one task each, reading only the chunks of the chain's outside inputs."""
-        sid = len(self.steps)
-        root = group[-1]
-        position = {id(n): k for k, n in enumerate(group)}
-        # the dim of each member's output cut into row blocks: the root's first dim longer
-        # than 1 (a leading batch dim of 1 would leave one block)
-        longer = [d for d, n in enumerate(root.relation.grid.tile) if n > 1]
-        dim_of: dict[int, int | None] = {id(root): longer[0] if longer else None}
-        for node in reversed(group):
-            dim = dim_of[id(node)]
-            for k, child in enumerate(node.inputs):
-                if id(child) in position:
-                    label = node.relation.labels[dim] if dim is not None else None
-                    dim_of[id(child)] = (None if label is None
-                                         else _labels_in(node, k).index(label))
-        externals: list[tuple[LogicalNode, int, int]] = []  # (node, input k, op)
-        ops = []
-        for op_index, node in enumerate(group):
-            dim = dim_of[id(node)]
-            label = node.relation.labels[dim] if dim is not None else None
-            args = []
-            for k, child in enumerate(node.inputs):
-                if id(child) in position:
-                    args.append(FusedArg(-position[id(child)] - 1, None))
-                    continue
-                labels = _labels_in(node, k)
-                args.append(FusedArg(len(externals),
-                                     labels.index(label) if label in labels else None))
-                externals.append((node, k, op_index))
-            if isinstance(node, Map):
-                kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
-            else:
-                kernel = ContractChunk(in_labels=node.input_labels,
-                                       out_labels=node.relation.labels, join=node.join,
-                                       dtype=node.relation.dtype,
-                                       max_temp_elems=self.max_temp_elems)
-            ops.append(FusedOp(kernel, tuple(args)))
-        kernel = FusedPointwise(tuple(ops), dim_of[id(root)])
+    def _fused(self, sid: int, node: Pointwise) -> Step:
+        """One step computing a chain of pointwise ops chunk by chunk in one task each,
+        reading only the chunks of the chain's outside inputs."""
+        kernel = pointwise_kernel(node, self.max_temp_elems)
+        rel = node.relation
         tasks = []
         bytes_in = 0
-        for key in root.relation.grid.keys():
-            blocks = {id(root): dict(zip(root.relation.labels, key))}
-            for node in reversed(group):
-                for k, child in enumerate(node.inputs):
-                    if id(child) in position:
-                        labels = _labels_in(node, k)
-                        blocks[id(child)] = dict(zip(child.relation.labels,
-                                                     (blocks[id(node)][lab] for lab in labels)))
+        for key in rel.grid.keys():
+            block = dict(zip(rel.labels, key))
             inputs = []
-            for node, k, _ in externals:
-                child = node.inputs[k]
-                block = blocks[id(node)]
-                child_key = tuple(block[lab] for lab in _labels_in(node, k))
+            for child, labels in zip(node.sources, node.source_labels):
+                child_key = tuple(block[lab] for lab in labels)
                 inputs.append(self._ref(child, child_key))
                 bytes_in += (math.prod(child.relation.grid.chunk_shape(child_key))
                              * itemsize(child.relation.dtype))
             tasks.append(self._new_task(inputs, ChunkRef(sid, key), kernel,
-                                        math.prod(root.relation.grid.chunk_shape(key))
-                                        * len(group)))
-        names = " <- ".join(_pointwise_name(n) for n in reversed(group))
-        flops = math.prod(root.relation.shape) * len(group)
-        self.steps.append(Step(sid, f"Pointwise {names}", tuple(group), tuple(tasks), flops,
-                               bytes_in, root.relation.nbytes))
-        self.step_of[id(root)] = sid
+                                        math.prod(rel.grid.chunk_shape(key)) * len(node.ops)))
+        flops = math.prod(rel.shape) * len(node.ops)
+        return Step(sid, node.title, (node,), tuple(tasks), flops, bytes_in, rel.nbytes)
 
-    def add_attention(self, group: AttentionGroup) -> None:
+    def _attention(self, sid: int, node: Attention) -> Step:
         """One step computing an attention chain, one task per output chunk reading the
-        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`).
-        A source the chain reads on other tiles than its producer's comes first (a Rekey)."""
-        for source in group.sources:
-            if id(source) not in self.step_of:
-                self.add(source)
-        sid = len(self.steps)
-        out = group.members[-1].relation
-        key_label = group.kernel.t[0]
-        positions = group.k.relation.shape[group.kernel.k.index(key_label)]
+        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`)."""
+        labels = node.labels
+        key_label = labels.t[0]
+        k = node.sources[1]
+        kernel = attention_kernel(node, k.relation.grid.blocks[labels.k.index(key_label)])
+        out = node.relation
+        positions = k.relation.shape[labels.k.index(key_label)]
+        q = node.sources[0]
         tasks, bytes_in, flops = [], 0, 0
         for key in out.grid.keys():
             block = dict(zip(out.labels, key))
             inputs = []
-            for n, (source, labels) in enumerate(zip(group.sources, group.kernel.input_labels)):
+            for n, (source, src_labels) in enumerate(zip(node.sources, labels.sources)):
                 # q's chunk, then every chunk along the keys of k, v and the mask
-                for kb in range(1 if n == 0 else group.kernel.key_blocks):
+                for kb in range(1 if n == 0 else kernel.key_blocks):
                     source_key = tuple(kb if label == key_label and n > 0
-                                       else block.get(label, 0) for label in labels)
+                                       else block.get(label, 0) for label in src_labels)
                     inputs.append(self._ref(source, source_key))
                     bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
                                  * itemsize(source.relation.dtype))
-            q_key = tuple(block.get(label, 0) for label in group.kernel.q)
-            task_flops = 2 * positions * (math.prod(group.q.relation.grid.chunk_shape(q_key))
+            q_key = tuple(block.get(label, 0) for label in labels.q)
+            task_flops = 2 * positions * (math.prod(q.relation.grid.chunk_shape(q_key))
                                           + math.prod(out.grid.chunk_shape(key)))
             flops += task_flops
-            tasks.append(self._new_task(inputs, ChunkRef(sid, key), group.kernel, task_flops))
-        name = f"Attention softmax over [{key_label}]" + (
-            " with mask" if group.mask is not None else "")
-        self.steps.append(Step(sid, name, group.members, tuple(tasks), flops, bytes_in,
-                               out.nbytes))
-        self.step_of[id(group.members[-1])] = sid
+            tasks.append(self._new_task(inputs, ChunkRef(sid, key), kernel, task_flops))
+        return Step(sid, node.title, (node,), tuple(tasks), flops, bytes_in, out.nbytes)
 
     def finish(self) -> tuple[Step, ...]:
         # Tasks without inputs (loads) run just before their first reader.

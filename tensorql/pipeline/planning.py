@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.logical.plan import LogicalNode, walk
+from tensorql.logical.rules import rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options, device_names
@@ -33,7 +34,8 @@ class Session(Protocol):
 def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = True
                    ) -> tuple[PartitionPlan | None, PhysicalPlan]:
     """The physical plan of ``roots`` (one result, or several sharing their common steps):
-    the optimizer's partitioning when the session has several devices, else one device's."""
+    the optimizer's partitioning when the session has several devices, else one device's.
+    The logical rewrite rules (:mod:`tensorql.logical.rules`) are applied here, once."""
     options = db.options
     max_temp = max(1, options.kernel_temp_bytes // 4)
     count = job_devices(options)
@@ -41,9 +43,10 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     empty = any(0 in n.relation.shape for n in walk(*roots))
     if count > 1 and partitioned and not empty:
         return _partition(roots[0], db, count, max_temp, also=tuple(roots[1:]))
-    return None, PhysicalPlan.build(roots[0], db.chunk_store, max_temp_elems=max_temp,
+    done = rewrite(roots)
+    return None, PhysicalPlan.build(done.roots[0], db.chunk_store, max_temp_elems=max_temp,
                                     **_series(options, options.memory_limit, 1),
-                                    also=tuple(roots[1:]))
+                                    also=done.roots[1:], rules=(), fired=done.fired)
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
