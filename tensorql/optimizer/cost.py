@@ -363,9 +363,10 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
     """What a node's table depends on (equal keys share tables across identical layers)."""
     ins = tuple((tuple(node.labels.index(a) for a in e.axes),
                  graph.nodes[e.producer].itemsize) for e in node.inputs)
-    return (node.kind if node.kind in ("einsum", "map", "reshape", "softmax") else "leaf",
+    return (node.kind if node.kind in ("einsum", "map", "reshape", "softmax", "pointwise",
+                                       "attention") else "leaf",
             tuple(node.labels.index(lab) for lab in node.whole), node.sizes, node.n_out, ins,
-            node.itemsize, devices, pieces or devices)
+            node.itemsize, devices, pieces or devices, node.work)
 
 
 def build_table(graph: OpGraph, node: OpNode, devices: int,
@@ -399,7 +400,6 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     peak = np.zeros(K, dtype=np.int64)
     in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
-    work = max(1, len(node.inputs)) if node.kind in ("einsum", "map", "softmax") else 0
     for c, lay in enumerate(layouts):
         ln, dev = lay.lens, lay.device
         out = lay.outputs
@@ -413,7 +413,7 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
         piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
         partial[c] = sum(piece_elems[piece] for _, _, piece in lay.partial_sends()) \
             * node.itemsize
-        np.add.at(flops[c], dev, np.prod(ln, axis=1) * work)
+        np.add.at(flops[c], dev, node.flops(ln))
         working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item

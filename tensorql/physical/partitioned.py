@@ -54,6 +54,7 @@ from tensorql.optimizer.cost import (
     sub_tile,
 )
 from tensorql.optimizer.plan import PartitionPlan
+from tensorql.physical.attention import attention_kernel
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
@@ -62,6 +63,7 @@ from tensorql.physical.kernels import (
     RekeyChunk,
     ReshapeChunk,
     SoftmaxChunk,
+    pointwise_kernel,
 )
 from tensorql.physical.planner import ContributionSeries, PhysicalPlan, Step
 from tensorql.storage.chunk_store import ChunkStore
@@ -173,14 +175,16 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
 
 def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                       max_temp_elems: int = 1 << 24, sub_tiles: bool = True,
-                      fuse_bytes: int | None = None, min_tasks: int = 2) -> PhysicalPlan:
+                      fuse_bytes: int | None = None, min_tasks: int = 2,
+                      fired: tuple[str, ...] = ()) -> PhysicalPlan:
     """The physical plan running ``plan`` on its devices (see the module docstring); with
     ``sub_tiles`` each piece is cut into the logical plan's tiles (same bytes moved).
 
     The contributions of one device to one output chunk (the tiles of a contracted label)
     run as one task (:class:`ContractSeries`) while its inputs total at most ``fuse_bytes``
     (None: no bound), keeping ``min_tasks`` tasks a device (see
-    :class:`~tensorql.physical.planner.ContributionSeries`)."""
+    :class:`~tensorql.physical.planner.ContributionSeries`). ``fired``: the logical rewrite
+    rules that made the plan partitioned (for EXPLAIN)."""
     graph = plan.graph
     steps = _Steps()
     layouts = {node.index: _chunked(plan, node, sub_tiles) for node in graph.nodes}
@@ -205,6 +209,10 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
             continue
         if node.kind == "map":
             kernel = MapChunk(node.fn, node.scalar, node.dtype)
+        elif node.kind == "pointwise":
+            kernel = pointwise_kernel(node.logical, max_temp_elems)
+        elif node.kind == "attention":  # every key of a task's region in one chunk
+            kernel = attention_kernel(node.logical)
         elif node.kind == "reshape":
             kernel = ReshapeChunk(tuple(node.out_shape))
         elif node.kind == "softmax":
@@ -215,13 +223,12 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                                    out_labels=node.out_labels, join=node.join, agg=node.agg,
                                    dtype=node.dtype, max_temp_elems=max_temp_elems)
         partial_sid = None
-        work = 0 if node.kind == "reshape" else max(1, len(node.inputs))  # a copy at most
         series = ContributionSeries(kernel, fuse_bytes, min_tasks)
         for t in range(len(lay.device)):
             dev = int(lay.device[t])
             refs = [reads.ref(node, k, lay, t) for k in range(len(node.inputs))]
             piece = tuple(int(x) for x in lay.index[t, : node.n_out])
-            flops = int(np.prod(lay.lens[t])) * work
+            flops = int(node.flops(lay.lens[t:t + 1])[0])
             in_bytes = sum(math.prod(int(lay.lens[t, node.labels.index(a)]) for a in e.axes)
                            for e in node.inputs) * itemsize(node.dtype)
             if lay.scatter is None and owners[piece] == dev:
@@ -241,7 +248,7 @@ def build_partitioned(plan: PartitionPlan, store: ChunkStore | None,
                 steps.add(sid, (ChunkRef(partial_sid, (src, *piece)),), piece,
                           FoldPartial(node.agg, kernel), dst)
     return _assemble(plan, steps, step_of_node[graph.root],
-                     tuple(step_of_node[n] for n in graph.also))
+                     tuple(step_of_node[n] for n in graph.also), fired)
 
 
 def _reduce_scatter(steps: _Steps, node, lay: Layout, sid: int, partial_sid: int,
@@ -379,7 +386,7 @@ class _Reads:
 
 
 def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int,
-              also_sids: tuple[int, ...] = ()) -> PhysicalPlan:
+              also_sids: tuple[int, ...] = (), fired: tuple[str, ...] = ()) -> PhysicalPlan:
     out = []
     for sid, name in steps.names.items():
         rel = steps.relations[sid]
@@ -387,7 +394,7 @@ def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int,
         out.append(Step(sid, name, (), tasks, steps.flops[sid], 0, rel.nbytes, output=rel))
     return PhysicalPlan(root=plan.graph.logical, steps=tuple(out), step_of={},
                         result_id=root_sid, partition=plan, chunk_sizes=steps.sizes,
-                        chunk_meta=steps.meta, also_ids=also_sids)
+                        chunk_meta=steps.meta, also_ids=also_sids, rules_fired=fired)
 
 
 __all__ = ["FoldPartial", "LoadPiece", "SliceChunk", "build_partitioned"]

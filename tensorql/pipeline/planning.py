@@ -41,16 +41,18 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     count = job_devices(options)
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
-    if count > 1 and partitioned and not empty:
-        return _partition(roots[0], db, count, max_temp, also=tuple(roots[1:]))
     done = rewrite(roots)
+    if count > 1 and partitioned and not empty:
+        return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
+                          fired=done.fired)
     return None, PhysicalPlan.build(done.roots[0], db.chunk_store, max_temp_elems=max_temp,
                                     **_series(options, options.memory_limit, 1),
                                     also=done.roots[1:], rules=(), fired=done.fired)
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-               also: tuple[LogicalNode, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
+               also: tuple[LogicalNode, ...] = (), fired: tuple[str, ...] = ()
+               ) -> tuple[PartitionPlan, PhysicalPlan]:
     """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
     task's chunks (inputs and output) must fit the limit: when a task of the plan does not
     (assembling a region needs its pieces too), the optimizer is asked again with a tighter
@@ -58,7 +60,7 @@ def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
     options = db.options
     limit = options.memory_limit
     try:
-        return _plan_within(logical, db, devices, max_temp, limit, also)
+        return _plan_within(logical, db, devices, max_temp, limit, also, fired)
     except InfeasiblePlanError as err:
         if limit is None:
             raise
@@ -107,8 +109,8 @@ def _fuse_bytes(memory_limit: int | None) -> int | None:
 
 
 def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-                 limit: int | None, also: tuple[LogicalNode, ...] = ()
-                 ) -> tuple[PartitionPlan, PhysicalPlan]:
+                 limit: int | None, also: tuple[LogicalNode, ...] = (),
+                 fired: tuple[str, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
     target = limit
     smallest = None
     for _ in range(6):
@@ -123,7 +125,7 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
             break
         physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
                                      sub_tiles=_sub_tiles(db.options, limit),
-                                     **_series(db.options, limit, devices))
+                                     **_series(db.options, limit, devices), fired=fired)
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:
