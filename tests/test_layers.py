@@ -72,3 +72,17 @@ def test_no_upward_imports():
             if target is not None and target != unit and RANK[target] > RANK[unit]:
                 upward.append(f"{path.relative_to(ROOT)}:{line} ({unit}) imports {module}")
     assert not upward, "\n".join(upward)
+
+
+def test_one_module_builds_physical_tasks():
+    """Physical tasks are made in one place, the one builder (``tensorql/physical/builder.py``):
+    one device and many are the same code path's two inputs, not two planners."""
+    makers = set()
+    for _, path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if name == "Task":
+                    makers.add(str(path.relative_to(ROOT)))
+    assert makers == {"tensorql/physical/builder.py"}

@@ -317,6 +317,26 @@ class Results(LogicalNode):
         return self.sources
 
 
+def contraction_joins(nodes: list[LogicalNode], roots: tuple[LogicalNode, ...] = ()
+                      ) -> set[int]:
+    """The ids of the joins among ``nodes`` that are one contraction with the ``Aggregate``
+    reading them (one step, one partitioned operation), results excepted. The one place
+    this pairing is decided (the partition stage and the physical builder read it).
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> rel = TensorRelation(("i",), ChunkGrid((4,), (4,)), "float32")
+    >>> a = Scan(rel, source="A")
+    >>> join = Join(rel, sources=(a, a), input_labels=(("i",), ("i",)))
+    >>> total = Aggregate(TensorRelation((), ChunkGrid((), ()), "float32"), input=join,
+    ...                   over=("i",))
+    >>> contraction_joins(walk(total)) == {id(join)}, contraction_joins(walk(total), (join,))
+    (True, set())
+    """
+    results = {id(r) for r in roots}
+    return {id(n.input) for n in nodes if isinstance(n, Aggregate)
+            and isinstance(n.input, Join) and id(n.input) not in results}
+
+
 def walk(*roots: LogicalNode) -> list[LogicalNode]:
     """Every node reachable from ``roots`` once, inputs before users."""
     return inputs_first(*roots)

@@ -229,6 +229,15 @@ class Layout:
         s, f = self.scatter
         return [piece[:s] + (piece[s] * f + b,) + piece[s + 1:] for b in range(f)]
 
+    def extents(self) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each output piece's region ``(lo, hi)`` (see :func:`piece_extents`)."""
+        return piece_extents(self)
+
+    def sources_of(self, lo: Sequence[int], hi: Sequence[int]
+                   ) -> list[tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]]:
+        """The output pieces overlapping region ``[lo, hi)`` (see :func:`region_sources`)."""
+        return region_sources(self, lo, hi)
+
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
         owners = self.owners()

@@ -56,6 +56,7 @@ from tensorql.logical.plan import (
     Reshape,
     Scan,
     Softmax,
+    contraction_joins,
     walk,
 )
 
@@ -170,8 +171,7 @@ class OpGraph:
         logical = root if isinstance(root, LogicalNode) else lower(root)
         builder = _Builder(sources_everywhere)
         nodes = walk(logical, *also)
-        fused = {id(n.input) for n in nodes
-                 if isinstance(n, Aggregate) and isinstance(n.input, Join)}
+        fused = contraction_joins(nodes, (logical, *also))
         for node in nodes:
             if id(node) not in fused:  # a Join is planned with the Aggregate it feeds
                 builder.add(node)

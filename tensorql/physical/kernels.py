@@ -392,6 +392,47 @@ class FusedPointwise(_NoCombine):
             out.narrow(self.dim, lo, hi - lo).copy_(self._eval(inputs, lo, hi))
 
 
+
+@dataclass(frozen=True, eq=False)
+class SliceChunk:
+    """Cut ``slices`` out of one chunk (on the device holding it, before it is sent)."""
+
+    slices: tuple[slice, ...]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return inputs[0][self.slices].clone(memory_format=torch.contiguous_format)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a slice is cut once")
+
+
+@dataclass(frozen=True, eq=False)
+class FoldPartial:
+    """Fold a partial aggregate (received from another device, or the part ``slices`` of a
+    partial held here) into its output chunk."""
+
+    agg: str
+    kernel: ContractChunk
+    slices: tuple[slice, ...] | None = None
+
+    def _part(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return inputs[0] if self.slices is None else inputs[0][self.slices]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        if acc is None:
+            return self._part(inputs).clone(memory_format=torch.contiguous_format)
+        return self.kernel.combine(acc, self._part(inputs))
+
+    def run_into(self, inputs: Sequence[torch.Tensor], dest: torch.Tensor) -> torch.Tensor:
+        """The first contribution, copied straight into ``dest`` (a tile of a dense result)."""
+        part = self._part(inputs)
+        if part.shape != dest.shape or part.dtype != dest.dtype:
+            return self.run(inputs, None)
+        return dest.copy_(part)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)
+
 def pointwise_kernel(node: Pointwise, max_temp_elems: int = 1 << 24) -> FusedPointwise:
     """The kernel of a :class:`~tensorql.logical.plan.Pointwise` node: its ops in order,
     each outside input sliced into the row blocks of the node's ``row_dim`` where it has

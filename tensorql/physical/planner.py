@@ -1,9 +1,7 @@
-"""Lower a logical plan to a task graph: one step per logical node, one task per chunk job.
-
-``Aggregate(Join(...))`` fuses into one step: each combination of the joined labels' blocks
-contributes a partial aggregate to its output chunk, and the contributions to one output chunk
-run in series as one task (:class:`ContributionSeries`; below, 4 output chunks of 2
-contributions each). Estimates (FLOPs, bytes in and out) are kept per step for EXPLAIN.
+"""The physical plan's records: :class:`PhysicalPlan` (steps in dependency order, made into a
+task graph for the runtime) and :class:`Step`. The one builder that makes them is
+:mod:`tensorql.physical.builder`; ``PhysicalPlan.build`` is its one-device entry (below, 4
+output chunks of 2 contributions each, each a task of the product step).
 
 >>> from tensorql.grid import ChunkGrid
 >>> from tensorql.einsum.graph import EinsumOp, Constant
@@ -18,44 +16,16 @@ contributions each). Estimates (FLOPs, bytes in and out) are kept per step for E
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
-from tensorql.grid import Key, regrid_pieces
-from tensorql.logical.plan import (
-    Aggregate,
-    Attention,
-    Join,
-    LogicalNode,
-    Map,
-    Pointwise,
-    Rekey,
-    Reshape,
-    Scan,
-    Softmax,
-    TensorRelation,
-    walk,
-)
+from tensorql.logical.plan import LogicalNode, TensorRelation
 from tensorql.logical.rules import RULES, Rule, rewrite
 from tensorql.logical.rules.attention import match_attention
 from tensorql.logical.rules.pointwise import fuse_pointwise as fuse_pointwise_rule
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.physical.attention import attention_kernel
-from tensorql.physical.kernels import (
-    ConstChunk,
-    ContractChunk,
-    ContractSeries,
-    LoadChunk,
-    LoadPiece,
-    MapChunk,
-    RekeyChunk,
-    ReshapeChunk,
-    SoftmaxChunk,
-    pointwise_kernel,
-)
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -158,15 +128,14 @@ class PhysicalPlan:
               fuse_pointwise: bool = True, fuse_attention: bool = True,
               rules: tuple[Rule, ...] | None = None,
               fired: tuple[str, ...] = ()) -> PhysicalPlan:
-        """The plan of ``root`` (and of ``also``, further results sharing its steps where
-        their graphs do); contributions to one output chunk are grouped into series
-        (see :class:`ContributionSeries`) of at most ``fuse_bytes`` of inputs, keeping at
-        least ``min_tasks`` tasks a step where there are that many contributions.
+        """The one-device plan of ``root`` (and of ``also``) by the one builder
+        (:func:`tensorql.physical.builder.build`), after the logical rewrite rules
+        (:mod:`tensorql.logical.rules`: chains of pointwise steps run as one step,
+        ``fuse_pointwise``; so do attention chains, softmax(q . k + mask) . v,
+        ``fuse_attention``) unless ``rules`` says which (``()``: the plan was rewritten
+        already, by the rules ``fired``)."""
+        from tensorql.physical.builder import build
 
-        The logical rewrite rules (:mod:`tensorql.logical.rules`: chains of pointwise steps
-        run as one step, ``fuse_pointwise``; so do attention chains, softmax(q . k + mask) .
-        v, ``fuse_attention``) are applied first unless ``rules`` says which (``()``: the
-        plan was rewritten already, by the rules ``fired``)."""
         if rules is None:
             rules = tuple(rule for rule in RULES
                           if (rule is not match_attention or fuse_attention)
@@ -174,288 +143,5 @@ class PhysicalPlan:
         if rules:
             done = rewrite([root, *also], rules)
             root, also, fired = done.roots[0], done.roots[1:], fired + done.fired
-        builder = _Builder(store, max_temp_elems, fuse_bytes, min_tasks)
-        nodes = walk(root, *also)
-        # a Join feeding an Aggregate is one step with it (unless it is a result itself)
-        fused = {id(n.input) for n in nodes if isinstance(n, Aggregate)
-                 and isinstance(n.input, Join)} - {id(n) for n in (root, *also)}
-        for node in nodes:
-            if id(node) not in fused:
-                builder.add(node)
-        for node in nodes:  # a Join fused into its Aggregate answers for the same step
-            if isinstance(node, Aggregate) and id(node.input) in fused:
-                builder.step_of[id(node.input)] = builder.step_of[id(node)]
-        steps = builder.finish()
-        return cls(root=root, steps=steps, step_of=builder.step_of, also=tuple(also),
-                   rules_fired=tuple(fired))
-
-
-class ContributionSeries:
-    """Groups the contributions to each output chunk (on each device) into *series*: one task
-    runs a series as consecutive products folded into one accumulator
-    (:class:`~tensorql.physical.kernels.ContractSeries`) -- the same products as one task
-    each, with one scheduling round trip instead of one per tile of the contracted labels,
-    the accumulator hot in cache, and no two tasks racing for one chunk.
-
-    A series holds at most ``fuse_bytes`` of inputs (None: no bound); where a device has
-    fewer output chunks than ``min_tasks``, their contributions are cut into more series so
-    that the device's threads still have ``min_tasks`` tasks to share.
-
-    >>> series = ContributionSeries(ContractChunk((("i", "j"), ("j",)), ("i",)), None, 1)
-    >>> for j in range(3):
-    ...     series.add(("out", 0), device=0, refs=[f"a{j}", f"b{j}"], flops=8, in_bytes=64)
-    >>> [(key, inputs, type(kernel).__name__, flops)
-    ...  for key, _, inputs, kernel, flops in series.tasks()]
-    [(('out', 0), ['a0', 'b0', 'a1', 'b1', 'a2', 'b2'], 'ContractSeries', 24)]
-    """
-
-    def __init__(self, kernel: ContractChunk, fuse_bytes: int | None, min_tasks: int) -> None:
-        self.kernel = kernel
-        self.fuse_bytes = fuse_bytes
-        self.min_tasks = max(1, min_tasks)
-        self.parts: dict[tuple, list[tuple[list, int, int]]] = {}
-
-    def add(self, key: tuple, device: int | None, refs: list, flops: int, in_bytes: int) -> None:
-        """One contribution to output chunk ``key`` on ``device``."""
-        self.parts.setdefault((key, device), []).append((refs, flops, in_bytes))
-
-    def tasks(self):
-        """``(key, device, inputs, kernel, flops)`` of each series, in order of first use."""
-        outputs: dict[int | None, int] = {}
-        for _, device in self.parts:
-            outputs[device] = outputs.get(device, 0) + 1
-        for (key, device), parts in self.parts.items():
-            cuts = -(-self.min_tasks // outputs[device])  # series wanted per output chunk
-            longest = max(1, -(-len(parts) // cuts))
-            run: list = []
-            run_bytes = 0
-            for part in parts:
-                over = self.fuse_bytes is not None and run_bytes + part[2] > self.fuse_bytes
-                if run and (len(run) >= longest or over):
-                    yield self._task(key, device, run)
-                    run, run_bytes = [], 0
-                run.append(part)
-                run_bytes += part[2]
-            if run:
-                yield self._task(key, device, run)
-
-    def _task(self, key: tuple, device: int | None, run: list):
-        inputs = [r for refs, _, _ in run for r in refs]
-        kernel = (self.kernel if len(run) == 1
-                  else ContractSeries(self.kernel, len(run[0][0])))
-        return key, device, inputs, kernel, sum(f for _, f, _ in run)
-
-
-class _Builder:
-    def __init__(self, store: ChunkStore | None, max_temp_elems: int,
-                 fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
-        self.store = store
-        self.max_temp_elems = max_temp_elems
-        self.fuse_bytes = fuse_bytes
-        self.min_tasks = min_tasks
-        self.steps: list[Step] = []
-        self.step_of: dict[int, int] = {}
-        self.next_task = 0
-
-    def _new_task(self, inputs, output, kernel, flops: int = 0) -> Task:
-        task = Task(id=self.next_task, inputs=tuple(inputs), output=output, kernel=kernel,
-                    priority=float(self.next_task), flops=flops)
-        self.next_task += 1
-        return task
-
-    def _ref(self, node: LogicalNode, key: Key) -> ChunkRef:
-        return ChunkRef(self.step_of[id(node)], tuple(key))
-
-    def add(self, node: LogicalNode) -> None:
-        sid = len(self.steps)
-        if isinstance(node, Scan):
-            step = self._scan(sid, node)
-        elif isinstance(node, Map):
-            step = self._map(sid, node)
-        elif isinstance(node, Rekey):
-            step = self._rekey(sid, node)
-        elif isinstance(node, Reshape):
-            step = self._reshape(sid, node)
-        elif isinstance(node, Softmax):
-            step = self._softmax(sid, node)
-        elif isinstance(node, Pointwise):
-            step = self._fused(sid, node)
-        elif isinstance(node, Attention):
-            step = self._attention(sid, node)
-        elif isinstance(node, Aggregate):
-            step = self._contract(sid, node.input, node)
-        elif isinstance(node, Join):
-            step = self._contract(sid, node, None)
-        else:  # pragma: no cover - every logical node kind is handled above
-            raise TypeError(type(node).__name__)
-        self.steps.append(step)
-        self.step_of[id(node)] = sid
-
-    def _fused(self, sid: int, node: Pointwise) -> Step:
-        """One step computing a chain of pointwise ops chunk by chunk in one task each,
-        reading only the chunks of the chain's outside inputs."""
-        kernel = pointwise_kernel(node, self.max_temp_elems)
-        rel = node.relation
-        tasks = []
-        bytes_in = 0
-        for key in rel.grid.keys():
-            block = dict(zip(rel.labels, key))
-            inputs = []
-            for child, labels in zip(node.sources, node.source_labels):
-                child_key = tuple(block[lab] for lab in labels)
-                inputs.append(self._ref(child, child_key))
-                bytes_in += (math.prod(child.relation.grid.chunk_shape(child_key))
-                             * itemsize(child.relation.dtype))
-            tasks.append(self._new_task(inputs, ChunkRef(sid, key), kernel,
-                                        math.prod(rel.grid.chunk_shape(key)) * len(node.ops)))
-        flops = math.prod(rel.shape) * len(node.ops)
-        return Step(sid, node.title, (node,), tuple(tasks), flops, bytes_in, rel.nbytes)
-
-    def _attention(self, sid: int, node: Attention) -> Step:
-        """One step computing an attention chain, one task per output chunk reading the
-        chunks of q, k, v (and the mask) it needs (see :mod:`tensorql.physical.attention`)."""
-        labels = node.labels
-        key_label = labels.t[0]
-        k = node.sources[1]
-        kernel = attention_kernel(node, k.relation.grid.blocks[labels.k.index(key_label)])
-        out = node.relation
-        positions = k.relation.shape[labels.k.index(key_label)]
-        q = node.sources[0]
-        tasks, bytes_in, flops = [], 0, 0
-        for key in out.grid.keys():
-            block = dict(zip(out.labels, key))
-            inputs = []
-            for n, (source, src_labels) in enumerate(zip(node.sources, labels.sources)):
-                # q's chunk, then every chunk along the keys of k, v and the mask
-                for kb in range(1 if n == 0 else kernel.key_blocks):
-                    source_key = tuple(kb if label == key_label and n > 0
-                                       else block.get(label, 0) for label in src_labels)
-                    inputs.append(self._ref(source, source_key))
-                    bytes_in += (math.prod(source.relation.grid.chunk_shape(source_key))
-                                 * itemsize(source.relation.dtype))
-            q_key = tuple(block.get(label, 0) for label in labels.q)
-            task_flops = 2 * positions * (math.prod(q.relation.grid.chunk_shape(q_key))
-                                          + math.prod(out.grid.chunk_shape(key)))
-            flops += task_flops
-            tasks.append(self._new_task(inputs, ChunkRef(sid, key), kernel, task_flops))
-        return Step(sid, node.title, (node,), tuple(tasks), flops, bytes_in, out.nbytes)
-
-    def finish(self) -> tuple[Step, ...]:
-        # Tasks without inputs (loads) run just before their first reader.
-        first_use: dict[ChunkRef, float] = {}
-        for step in self.steps:
-            for task in step.tasks:
-                for ref in task.inputs:
-                    first_use[ref] = min(first_use.get(ref, task.priority), task.priority)
-        steps = []
-        for step in self.steps:
-            tasks = tuple(
-                Task(t.id, t.inputs, t.output, t.kernel, first_use.get(t.output, t.priority) - 0.5,
-                     t.flops, t.device)
-                if not t.inputs else t
-                for t in step.tasks
-            )
-            steps.append(Step(step.id, step.name, step.nodes, tasks, step.est_flops,
-                              step.est_bytes_in, step.est_bytes_out))
-        return tuple(steps)
-
-    def _scan(self, sid: int, node: Scan) -> Step:
-        grid = node.relation.grid
-        tasks = []
-        for key in grid.keys():
-            if node.constant is not None:
-                kernel = ConstChunk(node.constant, tuple(grid.slices(key)))
-            elif node.offset is not None:  # a region: only the stored chunks it overlaps
-                lo = [sl.start for sl in grid.slices(key)]
-                hi = [sl.stop for sl in grid.slices(key)]
-                kernel = LoadPiece.of_region(self.store, node, lo, hi)
-            else:
-                kernel = LoadChunk(self.store, node.source, key, tuple(grid.chunk_shape(key)),
-                                   node.relation.dtype)
-            tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
-        return Step(sid, f"Scan {node.source}", (node,), tuple(tasks), 0, node.relation.nbytes,
-                    node.relation.nbytes)
-
-    def _map(self, sid: int, node: Map) -> Step:
-        kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
-        grid = node.relation.grid
-        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
-                                     math.prod(grid.chunk_shape(key)))
-                      for key in grid.keys())
-        n = math.prod(node.relation.shape)
-        return Step(sid, f"Map {node.fn}", (node,), tasks, n, node.input.relation.nbytes,
-                    node.relation.nbytes)
-
-    def _rekey(self, sid: int, node: Rekey) -> Step:
-        old, new = node.input.relation.grid, node.relation.grid
-        tasks = []
-        bytes_in = 0
-        for key in new.keys():
-            regrid = regrid_pieces(old, new, key)
-            inputs = [self._ref(node.input, piece.source_key) for piece in regrid]
-            pieces = [(piece.source_slices, piece.target_slices) for piece in regrid]
-            bytes_in += sum(math.prod(old.chunk_shape(r.key)) for r in inputs)
-            tasks.append(self._new_task(inputs, ChunkRef(sid, key),
-                                        RekeyChunk(new.chunk_shape(key), tuple(pieces))))
-        size = itemsize(node.relation.dtype)
-        return Step(sid, f"Rekey to tiles {new.tile}", (node,), tuple(tasks), 0,
-                    bytes_in * size, node.relation.nbytes)
-
-    def _softmax(self, sid: int, node: Softmax) -> Step:
-        rel = node.relation
-        kernel = SoftmaxChunk.of(node)
-        tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
-                                     5 * math.prod(rel.grid.chunk_shape(key)))
-                      for key in rel.grid.keys())
-        n = math.prod(rel.shape)
-        return Step(sid, node.title, (node,), tasks, 5 * n, node.input.relation.nbytes,
-                    rel.nbytes)
-
-    def _reshape(self, sid: int, node: Reshape) -> Step:
-        grid = node.relation.grid
-        tasks = tuple(self._new_task((self._ref(node.input, node.layout.input_key(key)),),
-                                     ChunkRef(sid, key), ReshapeChunk(grid.chunk_shape(key)))
-                      for key in grid.keys())
-        return Step(sid, node.title, (node,), tasks, 0, node.input.relation.nbytes,
-                    node.relation.nbytes)
-
-    def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
-        out_rel = (aggregate or join).relation
-        agg = aggregate.agg if aggregate else "sum"
-        kernel_args = dict(in_labels=join.input_labels, out_labels=out_rel.labels,
-                           join=join.join, agg=agg, dtype=out_rel.dtype,
-                           max_temp_elems=self.max_temp_elems)
-        kernel = ContractChunk(**kernel_args)
-        joint = join.relation
-        blocks = {lab: joint.grid.blocks[n] for n, lab in enumerate(joint.labels)}
-        labels = list(blocks)
-        tasks = []
-        bytes_in = 0
-        in_grids = [src.relation.grid for src in join.sources]
-        series = ContributionSeries(kernel, self.fuse_bytes, self.min_tasks)
-        for combo in itertools.product(*(range(blocks[lab]) for lab in labels)):
-            block = dict(zip(labels, combo))
-            inputs = []
-            task_bytes = 0
-            for src, lab_set, grid in zip(join.sources, join.input_labels, in_grids):
-                key = tuple(block[lab] for lab in lab_set)
-                inputs.append(self._ref(src, key))
-                task_bytes += math.prod(grid.chunk_shape(key)) * itemsize(src.relation.dtype)
-            bytes_in += task_bytes
-            out_key = tuple(block[lab] for lab in out_rel.labels)
-            task_flops = math.prod(joint.grid.chunk_shape(combo)) * len(join.sources)
-            series.add(out_key, None, inputs, task_flops, task_bytes)
-        for out_key, _, inputs, task_kernel, task_flops in series.tasks():
-            tasks.append(self._new_task(inputs, ChunkRef(sid, out_key), task_kernel,
-                                        task_flops))
-        flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
-        if aggregate is None:
-            n_in = len(join.sources)
-            name = (f"Join {join.join} on [{', '.join(join.on)}]" if n_in >= 2
-                    else f"Project ({','.join(join.input_labels[0])})->"
-                         f"({','.join(join.relation.labels)})")
-            nodes: tuple[LogicalNode, ...] = (join,)
-        else:
-            name = f"Aggregate {agg} over [{', '.join(aggregate.over)}]"
-            nodes = (join, aggregate)
-        return Step(sid, name, nodes, tuple(tasks), flops, bytes_in, out_rel.nbytes)
+        return build(root, None, store, also=tuple(also), max_temp_elems=max_temp_elems,
+                     fuse_bytes=fuse_bytes, min_tasks=min_tasks, fired=fired)

@@ -11,7 +11,7 @@ from tensorql.logical.rules import rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options, device_names
-from tensorql.physical.partitioned import build_partitioned
+from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
 from tensorql.storage.chunk_store import ChunkStore
@@ -45,9 +45,9 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     if count > 1 and partitioned and not empty:
         return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
                           fired=done.fired)
-    return None, PhysicalPlan.build(done.roots[0], db.chunk_store, max_temp_elems=max_temp,
-                                    **_series(options, options.memory_limit, 1),
-                                    also=done.roots[1:], rules=(), fired=done.fired)
+    return None, build(done.roots[0], None, db.chunk_store, max_temp_elems=max_temp,
+                       **_series(options, options.memory_limit, 1), also=done.roots[1:],
+                       fired=done.fired)
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
@@ -123,9 +123,9 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
             if smallest is None:
                 raise
             break
-        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
-                                     sub_tiles=_sub_tiles(db.options, limit),
-                                     **_series(db.options, limit, devices), fired=fired)
+        physical = build(logical, plan, db.chunk_store, max_temp_elems=max_temp,
+                         sub_tiles=_sub_tiles(db.options, limit),
+                         **_series(db.options, limit, devices), fired=fired)
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:
