@@ -94,6 +94,11 @@ class Scan(LogicalNode):
     offset: tuple[int, ...] | None = None
     stored_grid: ChunkGrid | None = None
 
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Scan A``."""
+        return f"Scan {self.source}"
+
 
 @dataclass(frozen=True, eq=False)
 class Rekey(LogicalNode):
@@ -106,6 +111,11 @@ class Rekey(LogicalNode):
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:
         return (self.input,)
+
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Rekey to tiles (4, 6)``."""
+        return f"Rekey to tiles {self.relation.grid.tile}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,6 +142,15 @@ class Join(LogicalNode):
         seen = [lab for labels in self.input_labels for lab in dict.fromkeys(labels)]
         return tuple(lab for lab in dict.fromkeys(seen) if seen.count(lab) > 1)
 
+    @property
+    def title(self) -> str:
+        """The step's name in plans (a join with no aggregation over it), e.g. ``Join mul on
+        [j]``, or ``Project (i,j)->(j,i)`` for one input."""
+        if len(self.sources) >= 2:
+            return f"Join {self.join} on [{', '.join(self.on)}]"
+        return (f"Project ({','.join(self.input_labels[0])})->"
+                f"({','.join(self.relation.labels)})")
+
 
 @dataclass(frozen=True, eq=False)
 class Aggregate(LogicalNode):
@@ -147,6 +166,11 @@ class Aggregate(LogicalNode):
     def inputs(self) -> tuple[LogicalNode, ...]:
         return (self.input,)
 
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Aggregate sum over [j]``."""
+        return f"Aggregate {self.agg} over [{', '.join(self.over)}]"
+
 
 @dataclass(frozen=True, eq=False)
 class Map(LogicalNode):
@@ -161,6 +185,11 @@ class Map(LogicalNode):
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:
         return (self.input,)
+
+    @property
+    def title(self) -> str:
+        """The step's name in plans, e.g. ``Map relu``."""
+        return f"Map {self.fn}"
 
 
 @dataclass(frozen=True, eq=False)

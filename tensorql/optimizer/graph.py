@@ -18,7 +18,8 @@ one :mod:`tensorql.logical.path` chose) and makes one :class:`OpNode` per physic
   needs whole rows of keys; batch, heads and queries may be cut;
 * ``Rekey`` only retiles, and the partition stage picks its own pieces, so it is looked through.
 
-Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones;
+Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones,
+and is named as its step is on one device (``Aggregate sum over [j]``, ``Map relu``);
 labels are the logical plan's, so a dimension keeps its name from EXPLAIN's logical section to
 its partitioning. A dim of size 1 broadcast against a larger size has a private label ``i@n``.
 
@@ -197,15 +198,13 @@ class _Builder:
             return
         if isinstance(node, Scan):
             kind = "constant" if node.constant is not None else "source"
-            name = f"scan {node.source}"
             idx = self._append(kind=kind, labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
-                               inputs=(), dtype=rel.dtype, name=name, logical=node,
+                               inputs=(), dtype=rel.dtype, name=node.title, logical=node,
                                everywhere=self.sources_everywhere)
         elif isinstance(node, Map):
             edge = Edge(self.index_of[id(node.input)], rel.labels)
-            name = f"map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
             idx = self._append(kind="map", labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
-                               inputs=(edge,), dtype=rel.dtype, name=name, fn=node.fn,
+                               inputs=(edge,), dtype=rel.dtype, name=node.title, fn=node.fn,
                                scalar=node.scalar, logical=node)
         elif isinstance(node, Reshape):
             inner = tuple(f"in{k}" for k in range(node.input.relation.ndim))
@@ -213,14 +212,14 @@ class _Builder:
             idx = self._append(kind="reshape", labels=rel.labels + inner,
                                sizes=rel.shape + node.input.relation.shape, n_out=rel.ndim,
                                inputs=(edge,), dtype=rel.dtype,
-                               name=f"reshape {'x'.join(map(str, rel.shape)) or 'scalar'}",
+                               name=node.title,
                                logical=node, whole=rel.labels + inner)
         elif isinstance(node, Softmax):
             edge = Edge(self.index_of[id(node.input)], rel.labels)
             fn = "log_softmax" if node.log else "softmax"
             idx = self._append(kind="softmax", labels=rel.labels, sizes=rel.shape,
                                n_out=rel.ndim, inputs=(edge,), dtype=rel.dtype,
-                               name=f"{fn} over [{node.label}]", fn=fn, logical=node,
+                               name=node.title, fn=fn, logical=node,
                                whole=(node.label,))
         elif isinstance(node, Pointwise):
             edges = tuple(Edge(self.index_of[id(src)], labels)
@@ -259,8 +258,7 @@ class _Builder:
         labels = tuple(out.labels) + tuple(over)
         inputs = tuple(Edge(self.index_of[id(src)], tuple(axes))
                        for src, axes in zip(join.sources, join.input_labels))
-        name = describe_contraction(join.input_labels, out.labels, join.join,
-                                    aggregate.agg if aggregate else "sum")
+        name = (aggregate or join).title  # the step's name on one device too
         # an optimizer update computes its three slots in one pass: they stay together
         whole = (out.labels[0],) if join.join in UPDATE_JOINS else ()
         return self._append(kind="einsum", labels=labels,
@@ -268,16 +266,3 @@ class _Builder:
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
                             agg=aggregate.agg if aggregate else "sum",
                             logical=aggregate if aggregate is not None else join, whole=whole)
-
-
-def describe_contraction(inputs: tuple[tuple[str, ...], ...], output: tuple[str, ...],
-                         join: str, agg: str) -> str:
-    """A contraction step as text, e.g. ``(i,j),(j,k)->(i,k)``, with non-default operators.
-
-    >>> describe_contraction((("i", "j"), ("j", "k")), ("i", "k"), "add", "max")
-    '(i,j),(j,k)->(i,k) join=add agg=max'
-    """
-    text = ",".join("(" + ",".join(labels) + ")" for labels in inputs)
-    text += "->(" + ",".join(output) + ")"
-    return text + "".join(f" {k}={v}" for k, v in (("join", join), ("agg", agg))
-                          if v not in ("mul", "sum"))

@@ -316,7 +316,7 @@ class _OneDevice:
                 kernel = LoadChunk(self.store, node.source, key, tuple(grid.chunk_shape(key)),
                                    node.relation.dtype)
             tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
-        return Step(sid, f"Scan {node.source}", (node,), tuple(tasks), 0, node.relation.nbytes,
+        return Step(sid, node.title, (node,), tuple(tasks), 0, node.relation.nbytes,
                     node.relation.nbytes)
 
     def _map(self, sid: int, node: Map) -> Step:
@@ -326,7 +326,7 @@ class _OneDevice:
                                      math.prod(grid.chunk_shape(key)))
                       for key in grid.keys())
         n = math.prod(node.relation.shape)
-        return Step(sid, f"Map {node.fn}", (node,), tasks, n, node.input.relation.nbytes,
+        return Step(sid, node.title, (node,), tasks, n, node.input.relation.nbytes,
                     node.relation.nbytes)
 
     def _rekey(self, sid: int, node: Rekey) -> Step:
@@ -341,7 +341,7 @@ class _OneDevice:
             tasks.append(self._new_task(inputs, ChunkRef(sid, key),
                                         RekeyChunk(new.chunk_shape(key), tuple(pieces))))
         size = itemsize(node.relation.dtype)
-        return Step(sid, f"Rekey to tiles {new.tile}", (node,), tuple(tasks), 0,
+        return Step(sid, node.title, (node,), tuple(tasks), 0,
                     bytes_in * size, node.relation.nbytes)
 
     def _softmax(self, sid: int, node: Softmax) -> Step:
@@ -393,13 +393,10 @@ class _OneDevice:
                                         task_flops))
         flops = math.prod(joint.shape) * len(join.sources)  # one join op + one agg op each
         if aggregate is None:
-            n_in = len(join.sources)
-            name = (f"Join {join.join} on [{', '.join(join.on)}]" if n_in >= 2
-                    else f"Project ({','.join(join.input_labels[0])})->"
-                         f"({','.join(join.relation.labels)})")
+            name = join.title
             nodes: tuple[LogicalNode, ...] = (join,)
         else:
-            name = f"Aggregate {agg} over [{', '.join(aggregate.over)}]"
+            name = aggregate.title
             nodes = (join, aggregate)
         return Step(sid, name, nodes, tuple(tasks), flops, bytes_in, out_rel.nbytes)
 

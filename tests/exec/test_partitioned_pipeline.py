@@ -160,7 +160,7 @@ def test_same_order_in_lowering_and_optimizer():
                        isinstance(m, Aggregate) and m.input is n for m in walk(query.logical)))]
         planned = [n.logical for n in query.partition.graph.nodes if n.kind == "einsum"]
         assert planned == lowered
-        assert [s.name for s in query.physical.steps if s.name.startswith("(")][:4] == \
+        assert [s.name for s in query.physical.steps if s.name.startswith("Aggregate")][:4] == \
             [n.name for n in query.partition.graph.nodes if n.kind == "einsum"]
 
 
