@@ -54,6 +54,7 @@ chunk layouts, device reads, piece extents and region sources), never the cost m
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -128,6 +129,38 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
     steps = builder.finish()
     return PhysicalPlan(root=root, steps=steps, step_of=builder.step_of, also=tuple(also),
                         rules_fired=tuple(fired))
+
+
+def operation_kernel(node: LogicalNode, max_temp_elems: int = 1 << 24):
+    """The kernel every task of ``node``'s step runs, whatever the shape of its chunk -- a
+    chunk of the logical grid on one device, a piece (or a chunk of one) on several: the
+    same kernels on one device and many. (Scans, retilings and reshapes read or copy
+    chunks by their keys and shapes, so their kernels are made per task.)
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> rel = TensorRelation(("i",), ChunkGrid((4,), (2,)), "float32")
+    >>> type(operation_kernel(Map(rel, input=Scan(rel, source="A"), fn="exp"))).__name__
+    'MapChunk'
+    """
+    return _KERNELS[type(node)](node, max_temp_elems)
+
+
+def _contraction_kernel(join: Join, aggregate: Aggregate | None,
+                        max_temp_elems: int) -> ContractChunk:
+    out = (aggregate or join).relation
+    return ContractChunk(in_labels=join.input_labels, out_labels=out.labels, join=join.join,
+                         agg=aggregate.agg if aggregate is not None else "sum",
+                         dtype=out.dtype, max_temp_elems=max_temp_elems)
+
+
+_KERNELS = {
+    Map: lambda node, temp: MapChunk(node.fn, node.scalar, node.relation.dtype),
+    Softmax: lambda node, temp: SoftmaxChunk.of(node),
+    Pointwise: pointwise_kernel,
+    Attention: lambda node, temp: attention_kernel(node),
+    Aggregate: lambda node, temp: _contraction_kernel(node.input, node, temp),
+    Join: lambda node, temp: _contraction_kernel(node, None, temp),
+}
 
 
 class ContributionSeries:
@@ -237,7 +270,7 @@ class _OneDevice:
     def _fused(self, sid: int, node: Pointwise) -> Step:
         """One step computing a chain of pointwise ops chunk by chunk in one task each,
         reading only the chunks of the chain's outside inputs."""
-        kernel = pointwise_kernel(node, self.max_temp_elems)
+        kernel = operation_kernel(node, self.max_temp_elems)
         rel = node.relation
         tasks = []
         bytes_in = 0
@@ -260,7 +293,8 @@ class _OneDevice:
         labels = node.labels
         key_label = labels.t[0]
         k = node.sources[1]
-        kernel = attention_kernel(node, k.relation.grid.blocks[labels.k.index(key_label)])
+        kernel = dataclasses.replace(operation_kernel(node, self.max_temp_elems),
+                                     key_blocks=k.relation.grid.blocks[labels.k.index(key_label)])
         out = node.relation
         positions = k.relation.shape[labels.k.index(key_label)]
         q = node.sources[0]
@@ -320,7 +354,7 @@ class _OneDevice:
                     node.relation.nbytes)
 
     def _map(self, sid: int, node: Map) -> Step:
-        kernel = MapChunk(node.fn, node.scalar, node.relation.dtype)
+        kernel = operation_kernel(node, self.max_temp_elems)
         grid = node.relation.grid
         tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
                                      math.prod(grid.chunk_shape(key)))
@@ -346,7 +380,7 @@ class _OneDevice:
 
     def _softmax(self, sid: int, node: Softmax) -> Step:
         rel = node.relation
-        kernel = SoftmaxChunk.of(node)
+        kernel = operation_kernel(node, self.max_temp_elems)
         tasks = tuple(self._new_task((self._ref(node.input, key),), ChunkRef(sid, key), kernel,
                                      5 * math.prod(rel.grid.chunk_shape(key)))
                       for key in rel.grid.keys())
@@ -364,11 +398,7 @@ class _OneDevice:
 
     def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
         out_rel = (aggregate or join).relation
-        agg = aggregate.agg if aggregate else "sum"
-        kernel_args = dict(in_labels=join.input_labels, out_labels=out_rel.labels,
-                           join=join.join, agg=agg, dtype=out_rel.dtype,
-                           max_temp_elems=self.max_temp_elems)
-        kernel = ContractChunk(**kernel_args)
+        kernel = operation_kernel(aggregate or join, self.max_temp_elems)
         joint = join.relation
         blocks = {lab: joint.grid.blocks[n] for n, lab in enumerate(joint.labels)}
         labels = list(blocks)
@@ -485,21 +515,11 @@ def _partitioned(plan: PartitionPlan, store: ChunkStore | None, max_temp_elems: 
                 steps.add(sid, (), lay.index[t], _load_kernel(store, node, lo, hi),
                           int(lay.device[t]))
             continue
-        if node.kind == "map":
-            kernel = MapChunk(node.fn, node.scalar, node.dtype)
-        elif node.kind == "pointwise":
-            kernel = pointwise_kernel(node.logical, max_temp_elems)
-        elif node.kind == "attention":  # every key of a task's region in one chunk
-            kernel = attention_kernel(node.logical)
-        elif node.kind == "reshape":
-            kernel = ReshapeChunk(tuple(node.out_shape))
-        elif node.kind == "softmax":
-            kernel = SoftmaxChunk(node.labels.index(node.whole[0]), node.fn == "log_softmax",
-                                  node.dtype)
-        else:
-            kernel = ContractChunk(in_labels=tuple(e.axes for e in node.inputs),
-                                   out_labels=node.out_labels, join=node.join, agg=node.agg,
-                                   dtype=node.dtype, max_temp_elems=max_temp_elems)
+        # a reshape is one piece (its input gathered whole); any other operation's tasks run
+        # the kernel its step runs on one device (an attention task: every key of its region
+        # in one chunk)
+        kernel = (ReshapeChunk(tuple(node.out_shape)) if node.kind == "reshape"
+                  else operation_kernel(node.logical, max_temp_elems))
         partial_sid = None
         series = ContributionSeries(kernel, fuse_bytes, min_tasks)
         for t in range(len(lay.device)):
