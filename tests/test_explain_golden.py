@@ -43,11 +43,20 @@ def _softmax(db):
     return s.softmax(axis=1)
 
 
+def _mlp_bias(db):
+    x = db.from_numpy("X", np.ones((16, 8), np.float32))
+    w1 = db.from_numpy("W1", np.ones((8, 32), np.float32))
+    b1 = db.from_numpy("b1", np.ones((32,), np.float32))
+    w2 = db.from_numpy("W2", np.ones((32, 8), np.float32))
+    return (x @ w1 + b1).relu() @ w2
+
+
 QUERIES = {
     "matmul_1dev": (_matmul, {}),
     "chain_2dev": (_chain, {"devices": 2}),
     "mlp_4dev": (_mlp, {"devices": 4}),
     "softmax_3dev_limit": (_softmax, {"devices": 3, "memory_limit": 512}),
+    "mlp_bias_2dev": (_mlp_bias, {"devices": 2}),  # a rewrite rule fires: Pointwise
 }
 
 

@@ -139,3 +139,17 @@ def test_one_engine_entry_point():
                 ("engine.run(" in source or "from tensorql.exec.engine import run" in source):
             found.append(f"{rel} runs the engine (only pipeline/run.py does)")
     assert not found, "\n".join(found)
+
+
+def test_one_module_builds_physical_tasks():
+    """Physical tasks are made in one place, the one builder (``tensorql/physical/builder.py``):
+    one device and many are the same code path's two inputs, not two planners."""
+    makers = set()
+    for _, path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if name == "Task":
+                    makers.add(str(path.relative_to(ROOT)))
+    assert makers == {"tensorql/physical/builder.py"}

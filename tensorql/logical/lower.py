@@ -183,7 +183,7 @@ def contraction_paths(root: Node) -> list[tuple[EinsumOp, PathInfo]]:
     >>> b = Source(shape=(2, 8), dtype="float32", name="B", grid=ChunkGrid((2, 8), (2, 8)))
     >>> ((op, info),) = contraction_paths(EinsumOp.build("ij,jk,kl->il", [a, b, a]))
     >>> info.path, info.flops, info.naive_flops
-    (((1, 2), (0, 1)), 64, 512)
+    (((1, 2), (0, 1)), 128, 1024)
     """
     done: dict[int, LogicalNode] = {}
     found = []

@@ -12,12 +12,12 @@ and one row per pairwise step.
 >>> contraction_path([("i", "j"), ("j", "k"), ("k", "l")], ("i", "l"), sizes)
 [(1, 2), (0, 1)]
 >>> info = plan_path([("i", "j"), ("j", "k"), ("k", "l")], ("i", "l"), sizes)
->>> info.naive_flops, info.flops, info.largest_intermediate
-(524288, 8192, 64)
+>>> info.naive_flops, info.flops, info.multiply_adds, info.largest_intermediate
+(1048576, 16384, 8192, 64)
 >>> print(info.explain())  # doctest: +ELLIPSIS
-path: 2 pairwise steps, 8.19 KFLOP (naive 524.29 KFLOP, 64.0x less), largest ...
-  step 0: (j,k) * (k,l) -> (j,l)  4.10 KFLOP
-  step 1: (i,j) * (j,l) -> (i,l)  4.10 KFLOP
+path: 2 pairwise steps, 16.38 KFLOP (naive 1.05 MFLOP, 64.0x less), largest ...
+  step 0: (j,k) * (k,l) -> (j,l)  8.19 KFLOP
+  step 1: (i,j) * (j,l) -> (i,l)  8.19 KFLOP
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def search_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
     if chain:
         candidates.append(chain_path(inputs, output, sizes))
     if len(inputs) > OPTIMAL_MAX_OPERANDS and not is_chain(inputs):  # dp is exact on chains
-        greedy_flops = describe_path(candidates[0], inputs, output, sizes).flops
-        budget = SEARCH_FRACTION * greedy_flops / ASSUMED_FLOPS_PER_S
+        greedy = describe_path(candidates[0], inputs, output, sizes).multiply_adds
+        budget = SEARCH_FRACTION * greedy / ASSUMED_FLOPS_PER_S
         candidates.append(refined_path(inputs, output, sizes, candidates[0],
                                        min(MAX_SEARCH_S, max(MIN_SEARCH_S, budget))))
     costs = [path_cost(path, inputs, output, sizes, tiles, itemsize) for path in candidates]
@@ -378,7 +378,8 @@ def refined_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
 
 @dataclass(frozen=True)
 class PathStep:
-    """One pairwise step of a path: the operands' labels, the labels kept, its FLOPs."""
+    """One pairwise step of a path: the operands' labels, the labels kept, its FLOPs (two,
+    a multiply and an add, per element of the joined labels)."""
 
     operands: tuple[tuple[str, ...], ...]
     result: tuple[str, ...]
@@ -390,8 +391,10 @@ class PathInfo:
     """A contraction order a person can read (after opt_einsum's ``PathInfo``).
 
     ``path`` is in opt_einsum's format (pairs of positions in the shrinking operand list);
-    ``flops`` counts one multiply-add per joined element of every step, ``naive_flops`` the
-    same for contracting every operand at once.
+    ``flops`` counts two FLOPs (a multiply and an add) per joined element of every step --
+    what the physical plan's estimates and :func:`path_cost` count, so EXPLAIN's figures
+    agree -- and ``naive_flops`` the same for contracting every operand at once;
+    ``multiply_adds`` is half of ``flops`` (the count opt_einsum and cotengra report).
     """
 
     path: tuple[tuple[int, ...], ...]
@@ -399,6 +402,11 @@ class PathInfo:
     naive_flops: int
     flops: int
     largest_intermediate: int
+
+    @property
+    def multiply_adds(self) -> int:
+        """The multiply-adds of the path's steps (``flops`` counts two FLOPs each)."""
+        return self.flops // 2
 
     def explain(self) -> str:
         from tensorql.units import format_flops
@@ -437,10 +445,10 @@ def describe_path(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]]
         else:
             needed = {lab for labels in current for lab in labels} | set(output)
             kept = tuple(lab for lab in joint if lab in needed)
-        steps.append(PathStep(tuple(picked), kept, math.prod(sizes[lab] for lab in joint)))
+        steps.append(PathStep(tuple(picked), kept, 2 * math.prod(sizes[lab] for lab in joint)))
         current.append(kept)
     every = dict.fromkeys(lab for labels in inputs for lab in labels)
-    naive = math.prod(sizes[lab] for lab in every) * max(1, len(inputs) - 1)
+    naive = 2 * math.prod(sizes[lab] for lab in every) * max(1, len(inputs) - 1)
     largest = max((math.prod(sizes[lab] for lab in s.result) for s in steps[:-1]), default=0)
     return PathInfo(tuple(tuple(p) for p in path), tuple(steps), naive,
                     sum(s.flops for s in steps), largest)

@@ -229,6 +229,15 @@ class Layout:
         s, f = self.scatter
         return [piece[:s] + (piece[s] * f + b,) + piece[s + 1:] for b in range(f)]
 
+    def extents(self) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each output piece's region ``(lo, hi)`` (see :func:`piece_extents`)."""
+        return piece_extents(self)
+
+    def sources_of(self, lo: Sequence[int], hi: Sequence[int]
+                   ) -> list[tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]]:
+        """The output pieces overlapping region ``[lo, hi)`` (see :func:`region_sources`)."""
+        return region_sources(self, lo, hi)
+
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
         owners = self.owners()
@@ -363,9 +372,10 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
     """What a node's table depends on (equal keys share tables across identical layers)."""
     ins = tuple((tuple(node.labels.index(a) for a in e.axes),
                  graph.nodes[e.producer].itemsize) for e in node.inputs)
-    return (node.kind if node.kind in ("einsum", "map", "reshape", "softmax") else "leaf",
+    return (node.kind if node.kind in ("einsum", "map", "reshape", "softmax", "pointwise",
+                                       "attention") else "leaf",
             tuple(node.labels.index(lab) for lab in node.whole), node.sizes, node.n_out, ins,
-            node.itemsize, devices, pieces or devices)
+            node.itemsize, devices, pieces or devices, node.work)
 
 
 def build_table(graph: OpGraph, node: OpNode, devices: int,
@@ -399,7 +409,6 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     peak = np.zeros(K, dtype=np.int64)
     in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
-    work = max(1, len(node.inputs)) if node.kind in ("einsum", "map", "softmax") else 0
     for c, lay in enumerate(layouts):
         ln, dev = lay.lens, lay.device
         out = lay.outputs
@@ -413,7 +422,7 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
         piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
         partial[c] = sum(piece_elems[piece] for _, _, piece in lay.partial_sends()) \
             * node.itemsize
-        np.add.at(flops[c], dev, np.prod(ln, axis=1) * work)
+        np.add.at(flops[c], dev, node.flops(ln))
         working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item

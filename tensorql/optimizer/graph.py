@@ -10,9 +10,16 @@ one :mod:`tensorql.logical.path` chose) and makes one :class:`OpNode` per physic
 * ``Reshape`` -> a ``reshape`` node over its output labels and the input's (``in0``, ...),
   kept in one piece: its input is gathered whole on the device that reshapes it;
 * ``Softmax`` -> a ``softmax`` node whose axis is never cut (``whole``);
+* ``Pointwise`` (a fused chain of maps and joins) -> a ``pointwise`` node: elementwise over
+  its output labels, one operand per outside input (with its labels: a broadcast one has
+  fewer), priced at one op per element per fused op;
+* ``Attention`` -> an ``attention`` node over the output labels then the keys and the
+  contracted head dims, which -- with the value head dims -- are never cut: the fused kernel
+  needs whole rows of keys; batch, heads and queries may be cut;
 * ``Rekey`` only retiles, and the partition stage picks its own pieces, so it is looked through.
 
-Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones;
+Every :class:`OpNode` lists its labels with the output labels first, then the aggregated ones,
+and is named as its step is on one device (``Aggregate sum over [j]``, ``Map relu``);
 labels are the logical plan's, so a dimension keeps its name from EXPLAIN's logical section to
 its partitioning. A dim of size 1 broadcast against a larger size has a private label ``i@n``.
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
 from tensorql.dtypes import itemsize
@@ -40,13 +48,16 @@ from tensorql.errors import PlanError
 from tensorql.logical.lower import lower
 from tensorql.logical.plan import (
     Aggregate,
+    Attention,
     Join,
     LogicalNode,
     Map,
+    Pointwise,
     Rekey,
     Reshape,
     Scan,
     Softmax,
+    contraction_joins,
     walk,
 )
 
@@ -69,6 +80,7 @@ class OpNode:
 
     index: int
     kind: str  # "source" | "constant" | "einsum" | "map" | "reshape" | "softmax"
+    # | "pointwise" | "attention"
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
     n_out: int
@@ -86,6 +98,29 @@ class OpNode:
     @property
     def out_labels(self) -> tuple[str, ...]:
         return self.labels[: self.n_out]
+
+    @property
+    def work(self) -> int:
+        """Operations per element of a task's index space (its labels' extents multiplied):
+        one per operand for a join, one per fused op of a pointwise chain, two (a multiply
+        and an add) for attention; none for loads and reshapes (copies)."""
+        if self.kind == "pointwise":
+            return len(self.logical.ops)
+        if self.kind == "attention":
+            return 2
+        return max(1, len(self.inputs)) if self.kind in ("einsum", "map", "softmax") else 0
+
+    def flops(self, lens: np.ndarray) -> np.ndarray:
+        """The FLOPs of tasks whose labels' extents are the rows of ``lens``: ``work`` per
+        element of the index space, but for attention 2 per multiply-add of its two
+        products, ``2 * N*S*T * (E + V)`` (the figure the single-device step reports)."""
+        if self.kind != "attention":
+            return np.prod(lens, axis=1) * self.work
+        lab = self.logical.labels
+        at = [[self.labels.index(x) for x in group]
+              for group in (lab.n + lab.s + lab.t, lab.e, lab.v_only)]
+        base, e, v = (np.prod(lens[:, cols], axis=1) for cols in at)
+        return 2 * base * (e + v)
 
     @property
     def loaded_where_read(self) -> bool:
@@ -137,8 +172,7 @@ class OpGraph:
         logical = root if isinstance(root, LogicalNode) else lower(root)
         builder = _Builder(sources_everywhere)
         nodes = walk(logical, *also)
-        fused = {id(n.input) for n in nodes
-                 if isinstance(n, Aggregate) and isinstance(n.input, Join)}
+        fused = contraction_joins(nodes, (logical, *also))
         for node in nodes:
             if id(node) not in fused:  # a Join is planned with the Aggregate it feeds
                 builder.add(node)
@@ -164,15 +198,13 @@ class _Builder:
             return
         if isinstance(node, Scan):
             kind = "constant" if node.constant is not None else "source"
-            name = f"scan {node.source}"
             idx = self._append(kind=kind, labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
-                               inputs=(), dtype=rel.dtype, name=name, logical=node,
+                               inputs=(), dtype=rel.dtype, name=node.title, logical=node,
                                everywhere=self.sources_everywhere)
         elif isinstance(node, Map):
             edge = Edge(self.index_of[id(node.input)], rel.labels)
-            name = f"map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
             idx = self._append(kind="map", labels=rel.labels, sizes=rel.shape, n_out=rel.ndim,
-                               inputs=(edge,), dtype=rel.dtype, name=name, fn=node.fn,
+                               inputs=(edge,), dtype=rel.dtype, name=node.title, fn=node.fn,
                                scalar=node.scalar, logical=node)
         elif isinstance(node, Reshape):
             inner = tuple(f"in{k}" for k in range(node.input.relation.ndim))
@@ -180,15 +212,23 @@ class _Builder:
             idx = self._append(kind="reshape", labels=rel.labels + inner,
                                sizes=rel.shape + node.input.relation.shape, n_out=rel.ndim,
                                inputs=(edge,), dtype=rel.dtype,
-                               name=f"reshape {'x'.join(map(str, rel.shape)) or 'scalar'}",
+                               name=node.title,
                                logical=node, whole=rel.labels + inner)
         elif isinstance(node, Softmax):
             edge = Edge(self.index_of[id(node.input)], rel.labels)
             fn = "log_softmax" if node.log else "softmax"
             idx = self._append(kind="softmax", labels=rel.labels, sizes=rel.shape,
                                n_out=rel.ndim, inputs=(edge,), dtype=rel.dtype,
-                               name=f"{fn} over [{node.label}]", fn=fn, logical=node,
+                               name=node.title, fn=fn, logical=node,
                                whole=(node.label,))
+        elif isinstance(node, Pointwise):
+            edges = tuple(Edge(self.index_of[id(src)], labels)
+                          for src, labels in zip(node.sources, node.source_labels))
+            idx = self._append(kind="pointwise", labels=rel.labels, sizes=rel.shape,
+                               n_out=rel.ndim, inputs=edges, dtype=rel.dtype, name=node.title,
+                               logical=node)
+        elif isinstance(node, Attention):
+            idx = self._attention(node)
         elif isinstance(node, Aggregate) and isinstance(node.input, Join):
             idx = self._contraction(node.input, node)
         elif isinstance(node, Join):
@@ -196,6 +236,19 @@ class _Builder:
         else:
             raise PlanError(f"the optimizer cannot plan logical node {type(node).__name__}")
         self.index_of[id(node)] = idx
+
+    def _attention(self, node: Attention) -> int:
+        lab = node.labels
+        size: dict[str, int] = {}
+        for src, labels in zip(node.sources, lab.sources):
+            size |= dict(zip(labels, src.relation.shape))
+        labels = lab.out + lab.t + lab.e
+        edges = tuple(Edge(self.index_of[id(src)], labels)
+                      for src, labels in zip(node.sources, lab.sources))
+        return self._append(kind="attention", labels=labels,
+                            sizes=tuple(size[label] for label in labels), n_out=len(lab.out),
+                            inputs=edges, dtype=node.relation.dtype, name=node.title,
+                            logical=node, whole=lab.t + lab.e + lab.v_only)
 
     def _contraction(self, join: Join, aggregate: Aggregate | None) -> int:
         out = (aggregate or join).relation
@@ -205,8 +258,7 @@ class _Builder:
         labels = tuple(out.labels) + tuple(over)
         inputs = tuple(Edge(self.index_of[id(src)], tuple(axes))
                        for src, axes in zip(join.sources, join.input_labels))
-        name = describe_contraction(join.input_labels, out.labels, join.join,
-                                    aggregate.agg if aggregate else "sum")
+        name = (aggregate or join).title  # the step's name on one device too
         # an optimizer update computes its three slots in one pass: they stay together
         whole = (out.labels[0],) if join.join in UPDATE_JOINS else ()
         return self._append(kind="einsum", labels=labels,
@@ -214,16 +266,3 @@ class _Builder:
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
                             agg=aggregate.agg if aggregate else "sum",
                             logical=aggregate if aggregate is not None else join, whole=whole)
-
-
-def describe_contraction(inputs: tuple[tuple[str, ...], ...], output: tuple[str, ...],
-                         join: str, agg: str) -> str:
-    """A contraction step as text, e.g. ``(i,j),(j,k)->(i,k)``, with non-default operators.
-
-    >>> describe_contraction((("i", "j"), ("j", "k")), ("i", "k"), "add", "max")
-    '(i,j),(j,k)->(i,k) join=add agg=max'
-    """
-    text = ",".join("(" + ",".join(labels) + ")" for labels in inputs)
-    text += "->(" + ",".join(output) + ")"
-    return text + "".join(f" {k}={v}" for k, v in (("join", join), ("agg", agg))
-                          if v not in ("mul", "sum"))

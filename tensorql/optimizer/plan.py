@@ -21,7 +21,17 @@ import numpy as np
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
 from tensorql.logical.plan import LogicalNode
-from tensorql.optimizer.cost import Cost, Layout, layout, output_pieces, pair_bytes
+from tensorql.optimizer.cost import (
+    Cost,
+    DeviceReads,
+    Layout,
+    device_reads,
+    layout,
+    output_pieces,
+    pair_bytes,
+    refine,
+    sub_tile,
+)
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import Problem, get_strategy
 from tensorql.options import parse_bytes
@@ -86,6 +96,25 @@ class PartitionPlan:
         op, node = self.ops[index], self.graph.nodes[index]
         return layout(node.sizes, op.pieces, node.n_out, self.devices, op.order or None,
                       op.scatter)
+
+    def chunk_layout(self, index: int, target: dict[str, int]) -> Layout:
+        """Operation ``index``'s pieces, each cut into chunks of at most ``target`` elements
+        along each label (the logical plan's tiles; a label not named stays whole in its
+        piece), every chunk on its piece's device: the same bytes move between devices, in
+        cache-sized tasks that start as their own chunks arrive. A reduce-scatter's parts are
+        cut from whole pieces, so its layout stays as it is."""
+        lay, node = self.layout(index), self.graph.nodes[index]
+        if lay.scatter:
+            return lay
+        whole = tuple(-(-n // p) for n, p in zip(node.sizes, lay.pieces))
+        tiles = tuple(sub_tile(t, target.get(lab, n))
+                      for lab, n, t in zip(node.labels, node.sizes, whole))
+        return lay if tiles == whole else refine(lay, node.sizes, tiles, self.devices)
+
+    def reads(self, layouts: list[Layout]) -> dict[tuple[int, int], DeviceReads]:
+        """What each device reads of each producer under ``layouts`` (one per operation):
+        whole pieces and slices, ``(producer, device) -> DeviceReads``."""
+        return device_reads(self.graph, layouts)
 
     def pair_bytes(self) -> np.ndarray:
         """Predicted bytes sent from device ``src`` to ``dst``: an (N, N) matrix whose sum is

@@ -1,12 +1,14 @@
-"""Attention as one step: ``softmax(q . k [+ mask]) . v`` found in a logical plan and run by
-one fused chunk kernel per output chunk.
+"""Attention as one step: the kernel of an ``Attention`` node (``softmax(q . k [+ mask]) . v``,
+matched in the logical plan by the rule :mod:`tensorql.logical.rules.attention`), one fused
+chunk kernel per output chunk.
 
 The logical plan spells attention as four relational steps -- the scores (an aggregate of
 q joined with k), an optional additive mask (a join), a softmax over the key label (its
 input retiled to whole rows of keys), and the weighted values (an aggregate of the
 probabilities joined with v) -- each materialising a (queries x keys) relation per head.
-Where that chain stands alone (every intermediate read only by the next step), the physical
-planner runs it as one :class:`AttentionChunk` task per output chunk, which calls torch's
+Where that chain stands alone (every intermediate read only by the next step), the rule
+makes it one node and the planner runs it as one :class:`AttentionChunk` task per output
+chunk, which calls torch's
 ``scaled_dot_product_attention``: no scores relation in memory, one pass instead of four.
 A task reads its block of queries (q retiled to the output's blocks when they differ) and
 every block of keys, values and mask along the keys, joined in the kernel -- except the
@@ -39,11 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from tensorql.dtypes import torch_dtype
-from tensorql.logical.lower import retile
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Map, Rekey, Softmax
+from tensorql.logical.plan import Attention
 
 Labels = tuple[str, ...]
-_FLOATS = ("float32", "float64")
 MASKED_OUT = -1e9  # a mask entry at or below this hides its key (see AttentionChunk._seen)
 
 
@@ -170,155 +170,14 @@ def _mask(mask: torch.Tensor, labels: Labels, n: Labels, groups: Labels, positio
     return view.reshape(1, math.prod(sizes[label] for label in (*n, *groups)), rows, keys)
 
 
-@dataclass(frozen=True)
-class AttentionGroup:
-    """An attention chain of a logical plan: its nodes, last (the weighted values) last, and
-    the kernel computing it."""
-
-    members: tuple[LogicalNode, ...]
-    q: LogicalNode
-    k: LogicalNode
-    v: LogicalNode
-    mask: LogicalNode | None
-    kernel: AttentionChunk
-
-    @property
-    def sources(self) -> tuple[LogicalNode, ...]:
-        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+def attention_kernel(node: Attention, key_blocks: int = 1) -> AttentionChunk:
+    """The kernel of an :class:`~tensorql.logical.plan.Attention` node (the rule
+    :mod:`tensorql.logical.rules.attention` matched it), taking ``key_blocks`` chunks of
+    k, v and the mask along the keys per task."""
+    lab = node.labels
+    return AttentionChunk(q=lab.q, k=lab.k, v=lab.v, mask=lab.mask, out=lab.out, n=lab.n,
+                          s=lab.s, e=lab.e, t=lab.t, v_only=lab.v_only,
+                          dtype=node.relation.dtype, scale=node.scale, key_blocks=key_blocks)
 
 
-def attention_groups(nodes: list[LogicalNode],
-                     roots: tuple[LogicalNode, ...]) -> dict[int, AttentionGroup]:
-    """The attention chains among ``nodes`` that run as one step, by the id of each chain's
-    last node (see the module doc for what qualifies)."""
-    readers: dict[int, int] = {}
-    for node in nodes:
-        for child in node.inputs:
-            readers[id(child)] = readers.get(id(child), 0) + 1
-    for root in roots:  # a result is read by the caller
-        readers[id(root)] = readers.get(id(root), 0) + 1
-    groups = {}
-    for node in nodes:
-        group = _match(node, readers)
-        if group is not None:
-            groups[id(node)] = group
-    return groups
-
-
-def _product(node: LogicalNode) -> tuple[Aggregate, Join] | None:
-    """``node`` as a sum over a two-input product with no repeated label, else None."""
-    if not (isinstance(node, Aggregate) and node.agg == "sum" and isinstance(node.input, Join)):
-        return None
-    join = node.input
-    if join.join != "mul" or len(join.sources) != 2 or any(
-            len(set(labels)) != len(labels) for labels in join.input_labels):
-        return None
-    return node, join
-
-
-def _scaled_product(node: LogicalNode) -> tuple[tuple[Aggregate, Join], Map | None] | None:
-    """``node`` as a product (see :func:`_product`), or a product times a constant (a Map
-    ``scale``, as 1/sqrt(head_dim) often is); with that Map, else None in its place."""
-    if isinstance(node, Map) and node.fn == "scale" and node.scalar is not None:
-        product = _product(node.input)
-        return (product, node) if product is not None else None
-    product = _product(node)
-    return (product, None) if product is not None else None
-
-
-def _match(out: LogicalNode, readers: dict[int, int]) -> AttentionGroup | None:
-    """The attention chain ending at ``out``, or None. Each node names its labels afresh
-    (a consumer's input labels rename its producer's dims by position), so the chain's
-    labels are translated to those of the last product (q's and k's contracted labels get
-    names of their own)."""
-    pv = _product(out)
-    if pv is None:
-        return None
-    _, pv_join = pv
-    sides = [k for k, src in enumerate(pv_join.sources) if isinstance(src, Softmax)]
-    if len(sides) != 1:
-        return None
-    soft = pv_join.sources[sides[0]]
-    v, v_labels = pv_join.sources[1 - sides[0]], tuple(pv_join.input_labels[1 - sides[0]])
-    p_labels = tuple(pv_join.input_labels[sides[0]])
-    if soft.log or soft.relation.labels != soft.input.relation.labels:
-        return None
-    t = (p_labels[soft.relation.labels.index(soft.label)],)
-    if tuple(out.over) != t:
-        return None
-    # scores (perhaps scaled), with the mask added where there is one; a retiling of them
-    # for the softmax (whole rows of keys) is never made: the fused step has no scores
-    scores, rekey = soft.input, None
-    if isinstance(scores, Rekey):
-        rekey, scores = scores, scores.input
-    add, mask, mask_labels = None, None, None
-    if isinstance(scores, Join) and scores.join == "add" and len(scores.sources) == 2:
-        add = scores
-        firsts = [k for k, src in enumerate(add.sources) if _scaled_product(src) is not None
-                  and tuple(add.input_labels[k]) == add.relation.labels]
-        if not firsts:
-            return None
-        scores = add.sources[firsts[0]]
-        mask, mask_labels = add.sources[1 - firsts[0]], add.input_labels[1 - firsts[0]]
-        if len(set(mask_labels)) != len(mask_labels):
-            return None
-        mask_labels = tuple(p_labels[add.relation.labels.index(lab)] for lab in mask_labels)
-    scaled = _scaled_product(scores)
-    if scaled is None:
-        return None
-    (qk_agg, qk_join), scale_map = scaled
-    chain = ([qk_join, qk_agg] + ([scale_map] if scale_map is not None else [])
-             + ([add] if add is not None else []) + ([rekey] if rekey is not None else [])
-             + [soft, pv_join])
-    if any(readers.get(id(node), 0) != 1 for node in chain):
-        return None  # an intermediate read elsewhere (e.g. kept for a gradient) stays
-    rename = dict(zip(qk_agg.relation.labels, p_labels))
-    rename |= {lab: f"{lab}'qk" for lab in qk_agg.over}
-    (q, k) = qk_join.sources
-    q_labels, k_labels = (tuple(rename[lab] for lab in labels)
-                          for labels in qk_join.input_labels)
-    e = tuple(rename[lab] for lab in qk_agg.over)
-    n = tuple(lab for lab in q_labels if lab in k_labels and lab not in e)
-    s = tuple(lab for lab in q_labels if lab not in k_labels)
-    v_only = tuple(lab for lab in v_labels if lab not in n and lab not in t)
-    if (set(k_labels) != set(n) | set(e) | set(t) or set(p_labels) != set(n) | set(s) | set(t)
-            or not set(n) | set(t) <= set(v_labels) or set(v_only) & set(s)
-            or set(out.relation.labels) != set(n) | set(s) | set(v_only)):
-        return None
-    sources = [q, k, v] + ([mask] if mask is not None else [])
-    if any(src.relation.dtype not in _FLOATS for src in sources) or \
-            out.relation.dtype not in _FLOATS:
-        return None
-    # a source the lowering retiled for this chain alone is read from before that copy
-    copies = [src for src in sources if isinstance(src, Rekey) and readers.get(id(src)) == 1]
-    sources = [src.input if src in copies else src for src in sources]
-    k = sources[1]
-    labels = (q_labels, k_labels, v_labels) + ((mask_labels,) if mask is not None else ())
-    sources = [_fed(src, lab, out, e, t[0], k, k_labels) for src, lab in zip(sources, labels)]
-    kernel = AttentionChunk(q=q_labels, k=k_labels, v=v_labels, mask=mask_labels,
-                            out=out.relation.labels, n=n, s=s, e=e, t=t, v_only=v_only,
-                            dtype=out.relation.dtype,
-                            scale=scale_map.scalar if scale_map is not None else 1.0,
-                            key_blocks=sources[1].relation.grid.blocks[k_labels.index(t[0])])
-    q, k, v = sources[:3]
-    mask = sources[3] if mask is not None else None
-    return AttentionGroup(tuple(copies + chain + [out]), q, k, v, mask, kernel)
-
-
-def _fed(source: LogicalNode, labels: Labels, out: LogicalNode, e: Labels, key: str,
-         k: LogicalNode, k_labels: Labels) -> LogicalNode:
-    """``source`` (its dims named ``labels``) on the tiles the fused step reads it in: the
-    output's tiles along the output's labels (one chunk of it feeds one output chunk), the
-    head dim ``e`` whole, and along the keys ``key`` the tiles of k (a task takes every
-    chunk along the keys of k, v and the mask, in the same blocks). Already so, it is
-    itself; else a ``Rekey`` (or a constant's scan on those tiles) that the planner adds."""
-    tiles = dict(zip(labels, source.relation.grid.tile))
-    tiles |= {label: size for label, size in zip(labels, source.relation.shape) if label in e}
-    tiles |= {label: tile for label, tile in zip(out.relation.labels, out.relation.grid.tile)
-              if label in tiles}
-    if key in tiles:
-        tiles[key] = k.relation.grid.tile[k_labels.index(key)]
-    return retile(source, labels, tiles)
-
-
-__all__ = ["AttentionChunk", "AttentionGroup", "attention_groups"]
+__all__ = ["MASKED_OUT", "AttentionChunk", "attention_kernel"]

@@ -30,6 +30,7 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
         f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks, "
         f"{format_bytes(total_bytes_in)} chunk reads"
     )
+    lines.extend(_rules_line(plan))
     if stats is not None:
         lines.append(
             f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
@@ -48,6 +49,11 @@ def render_plan(plan: PhysicalPlan, stats: RunStats | None = None,
             lines.append(f"output {k}:")
         _render(plan, root, "", "", lines, stats, seen)
     return "\n".join(lines)
+
+
+def _rules_line(plan: PhysicalPlan) -> list[str]:
+    """The logical rewrite rules that changed the plan, as a line (none when none did)."""
+    return [f"rewrite rules: {', '.join(plan.rules_fired)}"] if plan.rules_fired else []
 
 
 def _describe(step: Step, node: LogicalNode) -> str:
@@ -125,8 +131,9 @@ def step_transfers(plan: PhysicalPlan) -> dict[int, dict[tuple[int, int], int]]:
 
 def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
                        title: str | None = None, extra: list[str] | None = None) -> str:
-    """A partitioned plan: per step its tasks by device and the bytes its chunks are sent
-    between devices; with ``stats`` the measured run and the bytes really copied per pair."""
+    """A partitioned plan as a tree (each step over the steps it reads, named as on one
+    device): per step its tasks by device and the bytes its chunks are sent between
+    devices; with ``stats`` the measured run and the bytes really copied per pair."""
     n = plan.devices
     moves = step_transfers(plan)
     predicted = sum(sum(pairs.values()) for pairs in moves.values())
@@ -134,6 +141,7 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
     lines.append(f"estimate: {format_flops(plan.est_flops)}, {len(plan.steps)} steps, "
                  f"{sum(len(s.tasks) for s in plan.steps)} chunk tasks on {n} devices, "
                  f"{format_bytes(predicted)} sent between devices")
+    lines.extend(_rules_line(plan))
     if stats is not None:
         moved = getattr(stats, "moved", None) or [[0] * n for _ in range(n)]
         lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
@@ -147,19 +155,59 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
         lines.extend("  dev" + str(src) + ": " + " ".join(format_bytes(b) for b in row)
                      for src, row in enumerate(moved))
     lines.extend(extra or [])
-    for step in plan.steps:
+
+    def figures(step: Step) -> str:
         per_dev: dict[int, int] = {}
         for task in step.tasks:
             per_dev[task.device] = per_dev.get(task.device, 0) + 1
         placed = " ".join(f"dev{d}:{c}" for d, c in sorted(per_dev.items()))
-        figures = f"tasks={len(step.tasks)} ({placed})"
+        text = f"tasks={len(step.tasks)} ({placed})"
         if step.est_flops:
-            figures += f" est={format_flops(step.est_flops)}"
+            text += f" est={format_flops(step.est_flops)}"
         sent = moves.get(step.id)
         if sent:
-            figures += " sent " + ", ".join(f"dev{a}->dev{b} {format_bytes(v)}"
-                                            for (a, b), v in sorted(sent.items()))
+            text += " sent " + ", ".join(f"dev{a}->dev{b} {format_bytes(v)}"
+                                         for (a, b), v in sorted(sent.items()))
         if stats is not None and (st := stats.steps.get(step.id)) is not None:
-            figures += f" | busy={st.busy_s * 1e3:.1f}ms span={st.span_s * 1e3:.1f}ms"
-        lines.append(f"[{step.id}] {step.name}  {step.relation.describe()}\n    {figures}")
+            text += f" | busy={st.busy_s * 1e3:.1f}ms span={st.span_s * 1e3:.1f}ms"
+        return text
+
+    children = _step_inputs(plan)
+    seen: set[int] = set()
+
+    def render(sid: int, prefix: str, child_prefix: str) -> None:
+        step = plan.steps[sid]
+        if sid in seen:
+            lines.append(f"{prefix}[{sid}] (shared, see above)")
+            return
+        seen.add(sid)
+        lines.append(f"{prefix}[{sid}] {step.name}  {step.relation.describe()}\n"
+                     f"{child_prefix}    {figures(step)}")
+        for n, child in enumerate(children[sid]):
+            last = n == len(children[sid]) - 1
+            render(child, child_prefix + ("└─ " if last else "├─ "),
+                   child_prefix + ("   " if last else "│  "))
+
+    outputs = [s.id for s in plan.output_steps]
+    for k, sid in enumerate(outputs):
+        if len(outputs) > 1:
+            lines.append(f"output {k}:")
+        render(sid, "", "")
+    for step in plan.steps:  # (every step feeds a result; this is a safeguard)
+        if step.id not in seen:
+            render(step.id, "", "")
     return "\n".join(lines)
+
+
+def _step_inputs(plan: PhysicalPlan) -> dict[int, list[int]]:
+    """For each step, the steps its tasks read, in order of first use (the tree of a
+    partitioned plan: its partials, reduce-scatter parts, slices and assembled regions are
+    steps between an operation and the ones it reads)."""
+    out: dict[int, list[int]] = {}
+    for step in plan.steps:
+        found = out.setdefault(step.id, [])
+        for task in step.tasks:
+            for ref in task.inputs:
+                if ref.step != step.id and ref.step not in found:
+                    found.append(ref.step)
+    return out

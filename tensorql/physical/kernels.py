@@ -24,7 +24,7 @@ from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.spec import COMPARISON_JOINS
 from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
-from tensorql.logical.plan import Softmax
+from tensorql.logical.plan import Pointwise, Softmax
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -390,3 +390,76 @@ class FusedPointwise(_NoCombine):
         for lo in range(start, n, rows):
             hi = min(n, lo + rows)
             out.narrow(self.dim, lo, hi - lo).copy_(self._eval(inputs, lo, hi))
+
+
+
+@dataclass(frozen=True, eq=False)
+class SliceChunk:
+    """Cut ``slices`` out of one chunk (on the device holding it, before it is sent)."""
+
+    slices: tuple[slice, ...]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return inputs[0][self.slices].clone(memory_format=torch.contiguous_format)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a slice is cut once")
+
+
+@dataclass(frozen=True, eq=False)
+class FoldPartial:
+    """Fold a partial aggregate (received from another device, or the part ``slices`` of a
+    partial held here) into its output chunk."""
+
+    agg: str
+    kernel: ContractChunk
+    slices: tuple[slice, ...] | None = None
+
+    def _part(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return inputs[0] if self.slices is None else inputs[0][self.slices]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        if acc is None:
+            return self._part(inputs).clone(memory_format=torch.contiguous_format)
+        return self.kernel.combine(acc, self._part(inputs))
+
+    def run_into(self, inputs: Sequence[torch.Tensor], dest: torch.Tensor) -> torch.Tensor:
+        """The first contribution, copied straight into ``dest`` (a tile of a dense result)."""
+        part = self._part(inputs)
+        if part.shape != dest.shape or part.dtype != dest.dtype:
+            return self.run(inputs, None)
+        return dest.copy_(part)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)
+
+def pointwise_kernel(node: Pointwise, max_temp_elems: int = 1 << 24) -> FusedPointwise:
+    """The kernel of a :class:`~tensorql.logical.plan.Pointwise` node: its ops in order,
+    each outside input sliced into the row blocks of the node's ``row_dim`` where it has
+    that label (a broadcast input without it is taken whole).
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> from tensorql.logical.plan import PointwiseOp, Scan, TensorRelation
+    >>> rel = TensorRelation(("i", "j"), ChunkGrid((3, 2), (3, 2)), "float32")
+    >>> node = Pointwise(rel, sources=(Scan(rel, source="x"),), source_labels=(("i", "j"),),
+    ...                  ops=(PointwiseOp("exp", (0,), rel), PointwiseOp("relu", (-1,), rel)))
+    >>> pointwise_kernel(node).run([torch.zeros(3, 2)], None).tolist()
+    [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    """
+    dim = node.row_dim
+    row = node.relation.labels[dim] if dim is not None else None
+    ops = []
+    for op in node.ops:
+        args = tuple(FusedArg(a, None) if a < 0 else
+                     FusedArg(a, node.source_labels[a].index(row)
+                              if row in node.source_labels[a] else None)
+                     for a in op.args)
+        if op.is_map:
+            kernel: MapChunk | ContractChunk = MapChunk(op.fn, op.scalar, op.relation.dtype)
+        else:
+            kernel = ContractChunk(in_labels=op.input_labels, out_labels=op.relation.labels,
+                                   join=op.fn, dtype=op.relation.dtype,
+                                   max_temp_elems=max_temp_elems)
+        ops.append(FusedOp(kernel, args))
+    return FusedPointwise(tuple(ops), dim)
+

@@ -7,10 +7,11 @@ from typing import Any, Protocol
 
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.logical.plan import LogicalNode, walk
+from tensorql.logical.rules import rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options
-from tensorql.physical.partitioned import build_partitioned
+from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
 from tensorql.storage.chunk_store import ChunkStore
@@ -33,21 +34,25 @@ class Session(Protocol):
 def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = True
                    ) -> tuple[PartitionPlan | None, PhysicalPlan]:
     """The physical plan of ``roots`` (one result, or several sharing their common steps):
-    the optimizer's partitioning when the session has several devices, else one device's."""
+    the optimizer's partitioning when the session has several devices, else one device's.
+    The logical rewrite rules (:mod:`tensorql.logical.rules`) are applied here, once."""
     options = db.options
     max_temp = max(1, options.kernel_temp_bytes // 4)
     count = job_devices(options)
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
+    done = rewrite(roots)
     if count > 1 and partitioned and not empty:
-        return _partition(roots[0], db, count, max_temp, also=tuple(roots[1:]))
-    return None, PhysicalPlan.build(roots[0], db.chunk_store, max_temp_elems=max_temp,
-                                    **_series(options, options.memory_limit, 1),
-                                    also=tuple(roots[1:]))
+        return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
+                          fired=done.fired)
+    return None, build(done.roots[0], None, db.chunk_store, max_temp_elems=max_temp,
+                       **_series(options, options.memory_limit, 1), also=done.roots[1:],
+                       fired=done.fired)
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-               also: tuple[LogicalNode, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
+               also: tuple[LogicalNode, ...] = (), fired: tuple[str, ...] = ()
+               ) -> tuple[PartitionPlan, PhysicalPlan]:
     """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
     task's chunks (inputs and output) must fit the limit: when a task of the plan does not
     (assembling a region needs its pieces too), the optimizer is asked again with a tighter
@@ -55,7 +60,7 @@ def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
     options = db.options
     limit = options.memory_limit
     try:
-        return _plan_within(logical, db, devices, max_temp, limit, also)
+        return _plan_within(logical, db, devices, max_temp, limit, also, fired)
     except InfeasiblePlanError as err:
         if limit is None:
             raise
@@ -104,8 +109,8 @@ def _fuse_bytes(memory_limit: int | None) -> int | None:
 
 
 def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-                 limit: int | None, also: tuple[LogicalNode, ...] = ()
-                 ) -> tuple[PartitionPlan, PhysicalPlan]:
+                 limit: int | None, also: tuple[LogicalNode, ...] = (),
+                 fired: tuple[str, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
     target = limit
     smallest = None
     for _ in range(6):
@@ -118,9 +123,9 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
             if smallest is None:
                 raise
             break
-        physical = build_partitioned(plan, db.chunk_store, max_temp_elems=max_temp,
-                                     sub_tiles=_sub_tiles(db.options, limit),
-                                     **_series(db.options, limit, devices))
+        physical = build(logical, plan, db.chunk_store, max_temp_elems=max_temp,
+                         sub_tiles=_sub_tiles(db.options, limit),
+                         **_series(db.options, limit, devices), fired=fired)
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:

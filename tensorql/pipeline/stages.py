@@ -38,7 +38,7 @@ def _explain_memory(query: CompiledQuery) -> str:
 
 STAGES: dict[str, Callable[[CompiledQuery], str]] = {
     "einsum": lambda q: explain_graph(q.node),
-    "logical": lambda q: explain_logical(q.logical),
+    "logical": lambda q: explain_logical(q.physical.root),  # after the rewrite rules
     "partition": _explain_partition,
     "physical": lambda q: render_plan(q.physical, None, title=f"EXPLAIN {q.title}"),
     "memory": _explain_memory,

@@ -66,7 +66,7 @@ def test_partitioned_reshape_moves_what_the_plan_predicts(devices):
                                    np.maximum(x, 0).reshape(8, 48) @ w, rtol=1e-10)
         measured = np.array(result.stats.moved)
         np.testing.assert_array_equal(measured, query.partition.pair_bytes())
-        assert "reshape 8x48" in query.explain()
+        assert "Reshape to 8x48" in query.explain()
 
 
 def test_reshape_is_chunk_local_after_one_retiling():

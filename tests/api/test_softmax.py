@@ -61,7 +61,7 @@ def test_partitioned_softmax_never_cuts_its_axis(devices):
         result = query.run(dense=True)
         np.testing.assert_allclose(result.dense().numpy(),
                                    torch.softmax(torch.tensor(x), 1).numpy(), rtol=1e-12)
-        (op,) = [o for o in query.partition.ops if o.name.startswith("softmax")]
+        (op,) = [o for o in query.partition.ops if o.kind == "softmax"]
         assert dict(zip(op.labels, op.pieces))["d1"] == 1
         np.testing.assert_array_equal(np.array(result.stats.moved),
                                       query.partition.pair_bytes())

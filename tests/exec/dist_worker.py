@@ -215,6 +215,8 @@ def main() -> None:
                 "devices": query.partition.devices if query.partition else 1,
                 "scattered": bool(query.partition and any(
                     op.scatter is not None for op in query.partition.ops)),
+                "fused": sorted({s.name.split(" ")[0] for s in query.physical.steps
+                                 if s.name.startswith(("Pointwise", "Attention"))}),
             }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

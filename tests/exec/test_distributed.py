@@ -87,6 +87,10 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
             assert calls == {0}
         moved += predicted.sum()
     assert all(seen["matmul"]["column_blocks"] for seen in ranks)
+    # every rank runs the rewrite rules' fused steps (the logical plan is rewritten before
+    # it is partitioned)
+    assert all(seen["llama_block"]["fused"] == ["Attention", "Pointwise"] for seen in ranks)
+    assert all("Attention" in seen["attention"]["fused"] for seen in ranks)
     # one row: the partial sums of the second product are reduce-scattered over the ranks
     assert all(seen["reduce"]["scattered"] for seen in ranks)
     # every rank loads the inputs it reads itself, so an MLP may move nothing; attention's

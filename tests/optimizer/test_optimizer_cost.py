@@ -45,7 +45,7 @@ def test_matmul_costs_by_hand(db):
     assert op.vector == "i:2 k:1 j:1"
     text = plan.explain()
     assert text.startswith("partitioning for 2 devices (strategy auto): 96 B moved")
-    assert "operand 1 <- [1] scan w: 96 B (all-gather: repartitioned from (j:1 k:2) to " \
+    assert "operand 1 <- [1] Scan w: 96 B (all-gather: repartitioned from (j:1 k:2) to " \
         "(j:1 k:1)" in text
 
 
