@@ -308,7 +308,7 @@ class Tensor:
         n = self.shape[axis]
         index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
                                                       for d in range(self.ndim)])
-        hits = where(self.eq(extreme), index, n)  # n where it is not the extreme
+        hits = self._first_nan_wins(where(self.eq(extreme), index, n), index)
         return hits._reduce(axis, "min", keepdims=False)
 
     def _flat_arg_extreme(self, agg: str) -> Tensor:
@@ -332,8 +332,22 @@ class Tensor:
             stride *= n
         flat = broadcast_join(vectors, "add") if len(vectors) > 1 else vectors[0]
         extreme = self._reduce(None, agg, keepdims=True)
-        hits = where(self.eq(extreme), flat, size)  # size where it is not the extreme
+        hits = self._first_nan_wins(where(self.eq(extreme), flat, size), flat)
         return hits._reduce(None, "min", keepdims=False)
+
+    def _first_nan_wins(self, hits: Tensor, index: Tensor | np.ndarray) -> Tensor:
+        """``hits`` (an element's index where it is the extreme, else a bound) with every NaN's
+        index put in: max/min propagate NaN, so a row holding one has NaN as its extreme, which
+        equals nothing, and the first NaN is the answer (as numpy and torch).
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([1.0, np.nan, 3.0, np.nan]))
+        >>> int(x.argmax()), int(x.argmin())
+        (1, 1)
+        """
+        if not self.dtype.startswith(("float", "bfloat")):
+            return hits  # integers and bools hold no NaN
+        return where(self.ne(self), index, hits)
 
     def __matmul__(self, other: Any) -> Tensor:
         return matmul(self, self._operand(other))

@@ -20,3 +20,20 @@ def test_numpy_float64_scalar_operand_keeps_float64():
     # a 0-d float64 array keeps its dtype too; a Python float stays float32 (as in torch)
     assert tq.einsum("->", np.array(0.1)).numpy() == np.float64(0.1)
     assert tq.einsum("->", 0.5).dtype == "float32"
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_arg_extreme_of_rows_holding_nan_is_the_first_nan(name):
+    rng = np.random.default_rng(32)
+    a = rng.standard_normal((5, 7))
+    a[0, 3] = a[0, 5] = np.nan  # two NaNs: the first one wins
+    a[2, 0] = np.nan
+    a[4, 6] = np.nan
+    x = tq.connect().constant(a)
+    fn = getattr(np, name)
+    for axis in (0, 1, -1):
+        np.testing.assert_array_equal(getattr(x, name)(axis=axis).numpy(), fn(a, axis=axis))
+    assert int(getattr(x, name)()) == fn(a)  # the flat index
+    row = tq.connect().constant(a[1])  # a row without NaN: unchanged
+    assert int(getattr(row, name)()) == fn(a[1])
+    assert int(getattr(tq.connect().constant(a[0]), name)()) == fn(a[0]) == 3
