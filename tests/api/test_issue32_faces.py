@@ -37,3 +37,30 @@ def test_arg_extreme_of_rows_holding_nan_is_the_first_nan(name):
     row = tq.connect().constant(a[1])  # a row without NaN: unchanged
     assert int(getattr(row, name)()) == fn(a[1])
     assert int(getattr(tq.connect().constant(a[0]), name)()) == fn(a[0]) == 3
+
+
+def _torch_ones(n):
+    import torch
+
+    return torch.ones(n)
+
+
+@pytest.mark.parametrize("make, position", [
+    (lambda: (np.ones((2, 3)), [0], np.ones(3)), 2),  # an array where the output list goes
+    (lambda: (np.ones((2, 3)), [0, 1], _torch_ones(3)), 2),  # a torch tensor there
+    (lambda: (np.ones((2, 3)), [0, 1], np.ones(3), [1], np.ones(3)), 4),
+    (lambda: (np.ones((2, 3)), np.ones(2), np.ones(3), [1]), 1),  # floats as a subscript list
+])
+def test_interleaved_form_with_an_array_for_subscripts_names_the_position(make, position):
+    args = make()
+    with pytest.raises(tq.ParseError, match=f"argument {position} ") as caught:
+        tq.einsum(*args)
+    assert "subscript" in str(caught.value)
+    with pytest.raises(TypeError):  # numpy refuses the same call
+        np.einsum(*[a.numpy() if hasattr(a, "numpy") else a for a in args])
+
+
+def test_interleaved_form_takes_integer_arrays_as_subscripts_like_numpy():
+    a, b = np.arange(6.0).reshape(2, 3), np.arange(3.0)
+    got = tq.einsum(a, np.array([0, 1]), b, [1], np.array([0])).numpy()
+    np.testing.assert_array_equal(got, np.einsum(a, np.array([0, 1]), b, [1], np.array([0])))
