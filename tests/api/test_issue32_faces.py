@@ -64,3 +64,33 @@ def test_interleaved_form_takes_integer_arrays_as_subscripts_like_numpy():
     a, b = np.arange(6.0).reshape(2, 3), np.arange(3.0)
     got = tq.einsum(a, np.array([0, 1]), b, [1], np.array([0])).numpy()
     np.testing.assert_array_equal(got, np.einsum(a, np.array([0, 1]), b, [1], np.array([0])))
+
+
+def test_explain_analyze_of_a_network_whose_naive_flops_pass_a_float():
+    from opt_einsum import get_symbol
+
+    from tensorql.logical.path import plan_path
+
+    n = 104  # a star of 104 (2 x 1000) operands: naive FLOPs 103 * 2 * 1000**104 > 1.8e308
+    labels = [("h", get_symbol(k + 10)) for k in range(n)]
+    sizes = {"h": 2, **{lab: 1000 for _, lab in labels}}
+    info = plan_path(labels, (), sizes)
+    assert info.naive_flops == (n - 1) * 2 * 1000 ** n  # exact, as a Python int
+    text = info.explain()
+    assert "naive 2.06e+314 FLOP" in text and "e+" in text.split("x less")[0]
+    db = tq.connect()
+    ops = [db.constant(np.full((2, 1000), 0.5 ** (k % 3))) for k in range(n)]
+    t = tq.einsum(",".join("".join(lab) for lab in labels) + "->", *ops)
+    plan = t.explain(analyze=True)
+    assert "naive 2.06e+314 FLOP" in plan
+    want = sum(np.prod([np.full((2, 1000), 0.5 ** (k % 3)).sum(axis=1)[h] for k in range(n)])
+               for h in range(2))
+    np.testing.assert_allclose(float(t), want, rtol=1e-9)
+
+
+def test_format_flops_and_bytes_of_numbers_beyond_a_float():
+    from tensorql.units import format_bytes, format_flops
+
+    assert format_flops(10 ** 400) == "1.00e+400 FLOP"
+    assert format_flops(2 * 10 ** 12) == "2.00 TFLOP"  # unchanged below
+    assert format_bytes(10 ** 400).endswith("TiB") and "e+" in format_bytes(10 ** 400)
