@@ -111,7 +111,7 @@ class Tensor:
                 return self._map("scale", value)
             if join == "sub":
                 return self._map("rsub", value) if reverse else self._map("shift", -value)
-            if join == "div":
+            if join == "div" and (reverse or (value != 0 and math.isfinite(1.0 / value))):
                 return self._map("rdiv", value) if reverse else self._map("scale", 1.0 / value)
             if join in ("max", "min"):
                 return self._map("maximum" if join == "max" else "minimum", value)
