@@ -63,6 +63,10 @@ class ShapeError(TensorQLError):
     """Shapes or label sizes do not agree (names the label and operands involved)."""
 
 
+class AmbiguousTruthError(ShapeError, ValueError):
+    """``bool()`` of a tensor of more than one element (or none), as numpy's ValueError."""
+
+
 class PlanError(TensorQLError):
     """A plan could not be built: an unknown strategy, an infeasible memory limit, ..."""
 
