@@ -50,7 +50,8 @@ JOIN_PAGES = "tq_join_pages"
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
-    "int8": "TINYINT", "uint8": "UTINYINT", "int32": "INTEGER", "int64": "BIGINT",
+    "int8": "TINYINT", "uint8": "UTINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+    "int64": "BIGINT",
     "bool": "BOOLEAN",
 }
 

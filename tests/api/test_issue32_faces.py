@@ -94,3 +94,74 @@ def test_format_flops_and_bytes_of_numbers_beyond_a_float():
     assert format_flops(10 ** 400) == "1.00e+400 FLOP"
     assert format_flops(2 * 10 ** 12) == "2.00 TFLOP"  # unchanged below
     assert format_bytes(10 ** 400).endswith("TiB") and "e+" in format_bytes(10 ** 400)
+
+
+@pytest.mark.parametrize("divisor", [0, 0.0, -0.0, np.float64(0.0)])
+def test_division_by_zero_gives_inf_and_nan_like_numpy(divisor):
+    a = np.array([[1.5, -2.0, 0.0], [np.inf, -0.0, 3.0]])
+    x = tq.connect().constant(a)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = a / divisor
+        np.testing.assert_array_equal((x / divisor).numpy(), want)
+        ints = np.array([3, -1, 0], dtype=np.int64)
+        got = (tq.connect().constant(ints) / divisor).numpy()
+        np.testing.assert_array_equal(got, ints / divisor)
+
+
+def test_bool_of_a_tensor_is_numpys():
+    db = tq.connect()
+    for value in (np.array(0.0), np.array(2.5), np.array([0]), np.array([[3]]), np.array(True)):
+        assert bool(db.constant(value)) is bool(value)
+    with pytest.raises(ValueError, match="more than one element is ambiguous") as caught:
+        bool(db.constant(np.array([1.0, 2.0])))
+    assert isinstance(caught.value, tq.TensorQLError)
+    with pytest.raises(ValueError):  # numpy refuses the same
+        bool(np.array([1.0, 2.0]))
+    with pytest.raises(TypeError, match="0-d"):
+        len(db.constant(np.array(1.0)))  # as numpy: len() of a 0-d array is a TypeError
+    with pytest.raises(TypeError):
+        len(np.array(1.0))
+
+
+@pytest.mark.parametrize("value", [np.array(2.5), np.arange(6.0).reshape(2, 3),
+                                   np.array([1, 2], dtype=np.int32), np.array([True, False])])
+def test_torch_as_tensor_and_np_asarray_of_a_tensor(value):
+    import torch
+
+    t = tq.connect().constant(value)
+    got = torch.as_tensor(t)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.as_tensor(value).dtype
+    np.testing.assert_array_equal(got.numpy(), value)
+    np.testing.assert_array_equal(np.asarray(t), value)
+    assert np.asarray(t).dtype == value.dtype
+    assert np.asarray(t, dtype=np.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("left, right", [("uint8", "int8"), ("int8", "uint8"),
+                                         ("int16", "int8"), ("uint8", "int16")])
+def test_mixed_small_integers_promote_like_numpy(left, right):
+    rng = np.random.default_rng(6)
+    a = rng.integers(0, 120, 8).astype(left)
+    b = rng.integers(-100, 100, 8).astype(right) if right != "uint8" else \
+        rng.integers(0, 250, 8).astype(right)
+    db = tq.connect()
+    x, y = db.constant(a), db.constant(b)
+    for got, want in [((x + y).numpy(), a + b), ((x * y).numpy(), a * b),
+                      ((x - y).numpy(), a - b)]:
+        assert got.dtype == want.dtype == np.int16
+        np.testing.assert_array_equal(got, want)
+    total = tq.einsum("i,i->", x, y).numpy()
+    assert total == np.einsum("i,i->", a.astype(np.int64), b.astype(np.int64))
+
+
+def test_int16_tensors_store_and_read_back_in_sql():
+    a = np.array([[-300, 7], [32000, -32768]], dtype=np.int16)
+    with tq.connect() as db:
+        t = db.from_numpy("s", a, tile=(1, 2))
+        assert t.dtype == "int16"
+        np.testing.assert_array_equal(t.numpy(), a)
+        assert (t + t).dtype == "int16"
+        rows = db.sql("SELECT d0, d1, val FROM s ORDER BY d0, d1").fetchall()
+        assert rows == [(0, 0, -300), (0, 1, 7), (1, 0, 32000), (1, 1, -32768)]
+        np.testing.assert_array_equal(db.sql("SELECT * FROM EINSUM('ij->j', s)").numpy(),
+                                      a.astype(np.int64).sum(axis=0))
