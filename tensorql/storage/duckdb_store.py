@@ -47,6 +47,7 @@ CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
 INTERNAL_SCHEMA = "tq_internal"  # the catalog and chunk tables: out of the user's ``main``
 ROW_GROUP_ROWS = 16384  # 64 MiB of pages: a big write goes to the file row group by row group
 JOIN_PAGES = "tq_join_pages"
+CHUNK_VIEW_SUFFIX = "__chunks"  # a tensor's chunk view is named "<name>__chunks"
 _RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped their table
 
 _VALUE_SQL_TYPE = {
@@ -292,6 +293,12 @@ class DuckDBChunkStore(ChunkStore):
             quote_ident(name)  # rejects NUL before anything is written
         if len(set(names)) != len(names):
             raise StorageError(f"tensor names given twice in one write: {names}")
+        lowered = {name.lower(): name for name in names}
+        for name in names:
+            view = lowered.get(name.lower() + CHUNK_VIEW_SUFFIX)
+            if view is not None:
+                raise StorageError(f"tensor name {view!r} is the name of the chunk view of "
+                                   f"{name!r}, stored in the same write; pick another name")
         with self._write_lock, self.cursor() as con:  # its own connection: a streamed
             # write runs on a writer thread while the query may use the main connection
             staged: list[tuple[TensorMeta, str]] = []
@@ -353,6 +360,12 @@ class DuckDBChunkStore(ChunkStore):
             if other != name and other.lower() == name.lower():
                 raise StorageError(f"tensor name {name!r} clashes with the stored tensor "
                                    f"{other!r}: names are case-insensitive, as in DuckDB")
+            if other.lower() + CHUNK_VIEW_SUFFIX == name.lower():
+                raise StorageError(f"tensor name {name!r} is the name of the chunk view of the "
+                                   f"stored tensor {other!r}; pick another name")
+            if name.lower() + CHUNK_VIEW_SUFFIX == other.lower():
+                raise StorageError(f"tensor name {name!r} would name its chunk view {other!r}, "
+                                   "the name of a stored tensor; pick another name")
         for suffix in ("", "__chunks"):
             rows = (con or self.connection).execute(  # a writer's own connection: the
                 # main one may be running the query whose result is being stored

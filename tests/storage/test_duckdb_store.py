@@ -315,3 +315,20 @@ def test_a_read_racing_a_replace_sees_a_version_not_a_missing_table():
             assert len(np.unique(values)) == 1  # one whole version, old or new
         results, errors = _race_replace_with_reads(db, (8, 8), 60)  # 16 chunks per version
         assert errors == []
+
+
+@pytest.mark.parametrize("first, second", [("base", "base__chunks"), ("x__chunks", "x"),
+                                           ("Base", "BASE__CHUNKS")])
+def test_a_tensor_name_never_shadows_another_tensors_chunk_view(first, second):
+    with tq.connect() as db:
+        db.from_numpy(first, np.arange(4.0), tile=(2,))
+        with pytest.raises(tq.StorageError, match="chunk view"):
+            db.from_numpy(second, np.arange(3.0))
+        assert db.tensors() == [first]
+        base = first.removesuffix("__chunks")
+        if first == base:  # the chunk view of the stored tensor is still its chunks
+            assert db.sql(f'SELECT count(*) FROM "{base}__chunks"').fetchall() == [(2,)]
+        else:  # the stored tensor's element view is still its elements
+            assert db.sql(f'SELECT count(*) FROM "{first}"').fetchall() == [(4,)]
+    with tq.connect() as db, pytest.raises(tq.StorageError, match="chunk view"):
+        db.store_many({"y": np.ones(2), "y__chunks": np.ones(2)})
