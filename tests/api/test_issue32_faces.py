@@ -165,3 +165,33 @@ def test_int16_tensors_store_and_read_back_in_sql():
         assert rows == [(0, 0, -300), (0, 1, 7), (1, 0, 32000), (1, 1, -32768)]
         np.testing.assert_array_equal(db.sql("SELECT * FROM EINSUM('ij->j', s)").numpy(),
                                       a.astype(np.int64).sum(axis=0))
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: tq.einsum("ij" + " " * 1_000_000 + "!->i", a),
+    lambda a: tq.einsum("ij" * 500_000 + "->", a),
+    lambda a: tq.einsum("ij->i", a, join="x" * 1_000_000),
+    lambda a: a.db.tensor("n" * 1_000_000),
+    lambda a: tq.einsum(a, ["x" * 1_000_000, 1]),
+    lambda a: tq.einsum("i" + "j" * 1_000_000 + "k->ik", a, a),
+], ids=["spaces", "labels", "join", "tensor", "interleaved", "operands"])
+def test_error_messages_bound_a_huge_echoed_spec(call):
+    a = tq.connect().constant(np.ones((2, 2)))
+    with pytest.raises(tq.TensorQLError) as caught:
+        call(a)
+    text = str(caught.value)
+    assert len(text) < 2_000, text[:300]
+    assert "characters)" in text  # says how long the elided text was
+
+
+def test_bounded_texts_keep_short_ones_and_say_how_long_long_ones_were():
+    from tensorql.errors import ParseError, TensorQLError
+
+    assert str(TensorQLError("unknown tensor 'abc'")) == "unknown tensor 'abc'"
+    err = TensorQLError(f"equation {'ab' * 300!r} is wrong")
+    assert str(err).startswith("equation 'abab") and "… (600 characters)'" in str(err)
+    assert str(err).endswith(" is wrong")
+    line = "x" * 5_000 + "!" + "y" * 5_000
+    err = ParseError("unexpected '!'", text=line, position=5_000)
+    rendered = str(err).splitlines()
+    assert len(rendered[1]) < 300 and rendered[1].index("!") == rendered[2].index("^")
