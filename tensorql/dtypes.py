@@ -18,8 +18,8 @@ import torch
 
 from tensorql.errors import DTypeError
 
-SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
-             "bool")
+SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32",
+             "int64", "bool")
 
 _TORCH = {
     "float16": torch.float16,
@@ -28,6 +28,7 @@ _TORCH = {
     "float64": torch.float64,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "int16": torch.int16,  # numpy's uint8 + int8
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,

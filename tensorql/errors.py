@@ -14,9 +14,64 @@ unexpected character '!' at position 2
 
 from __future__ import annotations
 
+import re
+
+ECHO_LIMIT = 200  # characters of an echoed spec, name or statement line an error repeats
+
+_LONG_QUOTED = re.compile("'[^'\\n]{N,}'|\"[^\"\\n]{N,}\"".replace("N", str(ECHO_LIMIT + 1)))
+
+
+def bounded(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` if at most ``limit`` characters, else its start and how long it was.
+
+    >>> bounded("ij,jk"), bounded("ab" * 150)[-30:]
+    ('ij,jk', 'abababababab… (300 characters)')
+    """
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def bound_quoted(message: str) -> str:
+    """``message`` with every quoted span (an echoed ``{value!r}``) longer than
+    :data:`ECHO_LIMIT` cut to its start and its length, so a 1 MB spec is not repeated.
+
+    >>> bound_quoted("unknown join 'mul'")
+    "unknown join 'mul'"
+    >>> bound_quoted("unknown join '" + "x" * 500 + "'")[-24:]
+    "xxxxx… (500 characters)'"
+    """
+    if len(message) <= ECHO_LIMIT:
+        return message
+    return _LONG_QUOTED.sub(lambda m: m[0][0] + bounded(m[0][1:-1]) + m[0][-1], message)
+
+
+def excerpt(line: str, column: int, width: int = ECHO_LIMIT // 2) -> tuple[str, int]:
+    """``(shown, caret column)``: ``line`` cut to ``width`` characters either side of 1-based
+    ``column`` (with ``…`` where cut), and where the caret goes in what is shown.
+
+    >>> excerpt("SELECT 1", 8)
+    ('SELECT 1', 8)
+    >>> shown, at = excerpt("x" * 500 + "!" + "y" * 500, 501, width=5)
+    >>> shown, shown[at - 1]
+    ('…xxxxx!yyyyy… (1001 characters)', '!')
+    """
+    if len(line) <= 2 * width:
+        return line, column
+    start = max(0, column - 1 - width)
+    end = min(len(line), column + width)
+    head = "…" if start else ""
+    tail = f"… ({len(line)} characters)" if end < len(line) or start else ""
+    return head + line[start:end] + tail, column - start + len(head)
+
 
 class TensorQLError(Exception):
-    """Base class of every error tensorql raises."""
+    """Base class of every error tensorql raises. A message echoing a long value (a 1 MB
+    equation, a name) keeps its start and says how long it was (:func:`bound_quoted`).
+    """
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str):
+            args = (bound_quoted(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class ParseError(TensorQLError):
@@ -55,12 +110,17 @@ class ParseError(TensorQLError):
         if "\n" in self.text:
             where = f"line {self.line}, column {self.column}"
         line_text = self.text.splitlines()[self.line - 1] if self.line and self.text else ""
-        caret = " " * ((self.column or 1) - 1) + "^"
+        line_text, column = excerpt(line_text, self.column or 1)
+        caret = " " * (column - 1) + "^"
         return f"{self.message} at {where}\n  {line_text}\n  {caret}"
 
 
 class ShapeError(TensorQLError):
     """Shapes or label sizes do not agree (names the label and operands involved)."""
+
+
+class AmbiguousTruthError(ShapeError, ValueError):
+    """``bool()`` of a tensor of more than one element (or none), as numpy's ValueError."""
 
 
 class PlanError(TensorQLError):

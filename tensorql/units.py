@@ -4,17 +4,22 @@ A foundation module: any layer may import it.
 
 >>> format_bytes(1536), format_bytes(3 * 2**20), format_bytes(12)
 ('1.5 KiB', '3.0 MiB', '12 B')
->>> format_flops(2.5e9), format_flops(999)
-('2.50 GFLOP', '999 FLOP')
+>>> format_flops(2.5e9), format_flops(999), format_flops(3 * 10 ** 400)
+('2.50 GFLOP', '999 FLOP', '3.00e+400 FLOP')
 """
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_flops"]
+__all__ = ["format_bytes", "format_flops", "scientific"]
+
+_HUGE = 10**21  # beyond this, figures print in scientific notation
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in binary units (B, KiB, MiB, GiB, TiB)."""
+    """Bytes in binary units (B, KiB, MiB, GiB, TiB); beyond a float, TiB in scientific
+    notation from the exact integer."""
+    if isinstance(n, int) and abs(n) >= _HUGE:
+        return f"{scientific(n // 2**40)} TiB"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -23,8 +28,28 @@ def format_bytes(n: float) -> str:
 
 
 def format_flops(n: float) -> str:
-    """Floating-point operations in decimal units (KFLOP ... TFLOP)."""
+    """Floating-point operations in decimal units (KFLOP ... TFLOP); counts past 10**21 (a
+    billion TFLOP, exact Python ints up to any size) in scientific notation."""
+    if n >= _HUGE:
+        return f"{scientific(n)} FLOP"
     for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} FLOP"
+
+
+def scientific(n: float) -> str:
+    """``n`` as ``d.dde+N``, read off the digits of an int, so numbers past a float's range
+    (naive FLOP counts of large networks) print too.
+
+    >>> scientific(2 * 1000 ** 104), scientific(12345), scientific(2.5e30)
+    ('2.00e+312', '1.23e+04', '2.50e+30')
+    """
+    if not isinstance(n, int):
+        return f"{n:.2e}"
+    sign, digits = ("-" if n < 0 else ""), str(abs(n))
+    exponent = len(digits) - 1
+    lead = int(digits[:3].ljust(3, "0")) + (len(digits) > 3 and digits[3] >= "5")
+    if lead == 1000:  # 9995... rounds up to the next power of ten
+        lead, exponent = 100, exponent + 1
+    return f"{sign}{lead // 100}.{lead % 100:02d}e{exponent:+03d}"

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import EinsumOp
 from tensorql.einsum.spec import interleaved_equation
-from tensorql.errors import DTypeError, ShapeError
+from tensorql.errors import DTypeError, ParseError, ShapeError
 
 
 def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
@@ -46,11 +48,44 @@ def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -
 
 
 def _from_interleaved(args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
-    """``(A, [0, 1], B, [1, 2], [0, 2])`` -> ``("ab,bc->ac", (A, B))``."""
+    """``(A, [0, 1], B, [1, 2], [0, 2])`` -> ``("ab,bc->ac", (A, B))``. A subscript list is a
+    list or tuple, or (as numpy takes it) a 1-d integer array; anything else where one goes
+    (an array of values, a tensor) is a ParseError naming the argument's position.
+
+    >>> import numpy as np
+    >>> _from_interleaved((np.ones(2), np.array([0]), [0]))[0]
+    'a->a'
+    >>> _from_interleaved((np.ones((2, 3)), [0], np.ones(3)))
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.ParseError: interleaved einsum: argument 2 (the output's subscript list) ...
+    """
     operands = args[0::2][: len(args) // 2]
-    subscripts = args[1::2][: len(args) // 2]
-    output = args[-1] if len(args) % 2 else None
+    subscripts = [_subscript_list(args[n], n, f"operand {n // 2}'s subscript list")
+                  for n in range(1, 2 * len(operands), 2)]
+    output = (_subscript_list(args[-1], len(args) - 1, "the output's subscript list")
+              if len(args) % 2 else None)
     return interleaved_equation(subscripts, output), tuple(operands)
+
+
+def _subscript_list(value: Any, position: int, role: str) -> Any:
+    if isinstance(value, (list, tuple)):
+        return value
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and dtype.kind in "iu":
+        return value.tolist()  # numpy takes a 1-d integer array as a subscript list
+    raise ParseError(f"interleaved einsum: argument {position} ({role}) must be a list of "
+                     f"subscripts (ints or ...), got {_describe(value)}; the form is "
+                     "einsum(A, [0, 1], B, [1, 2], [0, 2]) with operands and subscript lists "
+                     "alternating and an optional output list last")
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__module__}.{type(value).__name__} of shape {tuple(shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 def _operand(db: Any, n: int, value: Any) -> Tensor:
     """Operand ``n`` as a Tensor (a literal becomes a constant); errors name the operand."""
     if isinstance(value, Tensor):

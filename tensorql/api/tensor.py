@@ -22,7 +22,7 @@ import torch
 
 from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
-from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
+from tensorql.errors import AmbiguousTruthError, ShapeError, TensorQLError, UnsupportedError
 
 if TYPE_CHECKING:
     from tensorql.api.database import Database
@@ -61,6 +61,27 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
+    def __bool__(self) -> bool:
+        """The truth of a one-element tensor's value (it is computed); more elements, or none,
+        are ambiguous, as in numpy.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> bool(db.constant(np.array([2.0]))), bool(db.constant(np.array(0)))
+        (True, False)
+        >>> bool(db.constant(np.array([1.0, 2.0])))
+        Traceback (most recent call last):
+        ...
+        tensorql.errors.AmbiguousTruthError: the truth value of a tensor with more than one ...
+        """
+        size = math.prod(self.shape)
+        if size != 1:
+            which = "more than one element" if size else "no elements"
+            raise AmbiguousTruthError(f"the truth value of a tensor with {which} is ambiguous "
+                                      f"(shape {self.shape}); use .any() or .all(), or "
+                                      "compare one element")
+        return bool(self.numpy().reshape(()).item())
+
     # -- running -----------------------------------------------------------------------
     def compile(self) -> CompiledQuery:
         """The planned query (cached until the database's stored tensors or options change)."""
@@ -84,6 +105,31 @@ class Tensor:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """The computed values as a DLPack capsule (``torch.as_tensor(t)``,
+        ``torch.from_dlpack(t)``, ``np.from_dlpack(t)`` call this).
+
+        >>> import numpy as np, torch, tensorql as tq
+        >>> torch.as_tensor(tq.connect().constant(np.array([1.0, 2.0]))).tolist()
+        [1.0, 2.0]
+        """
+        return self._dlpack_values().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        return self._dlpack_values(keep=True).__dlpack_device__()
+
+    def _dlpack_values(self, keep: bool = False) -> torch.Tensor:
+        """The dense values for one DLPack exchange: ``__dlpack_device__`` computes and keeps
+        them, the ``__dlpack__`` that follows takes them (no second run)."""
+        stamp = (self.db.generation, self.db.options)
+        pending = self.__dict__.pop("_dlpack_pending", None)
+        values = pending[1] if pending is not None and pending[0] == stamp else None
+        if values is None:
+            values = self.torch().contiguous()
+        if keep:
+            self._dlpack_pending = (stamp, values)
+        return values
 
     def explain(self, analyze: bool = False, stage: str | None = None) -> str:
         """The plan as text; ``analyze=True`` runs it and adds measured figures. ``stage``
@@ -111,7 +157,7 @@ class Tensor:
                 return self._map("scale", value)
             if join == "sub":
                 return self._map("rsub", value) if reverse else self._map("shift", -value)
-            if join == "div":
+            if join == "div" and (reverse or (value != 0 and math.isfinite(1.0 / value))):
                 return self._map("rdiv", value) if reverse else self._map("scale", 1.0 / value)
             if join in ("max", "min"):
                 return self._map("maximum" if join == "max" else "minimum", value)
@@ -308,7 +354,7 @@ class Tensor:
         n = self.shape[axis]
         index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
                                                       for d in range(self.ndim)])
-        hits = where(self.eq(extreme), index, n)  # n where it is not the extreme
+        hits = self._first_nan_wins(where(self.eq(extreme), index, n), index)
         return hits._reduce(axis, "min", keepdims=False)
 
     def _flat_arg_extreme(self, agg: str) -> Tensor:
@@ -332,8 +378,22 @@ class Tensor:
             stride *= n
         flat = broadcast_join(vectors, "add") if len(vectors) > 1 else vectors[0]
         extreme = self._reduce(None, agg, keepdims=True)
-        hits = where(self.eq(extreme), flat, size)  # size where it is not the extreme
+        hits = self._first_nan_wins(where(self.eq(extreme), flat, size), flat)
         return hits._reduce(None, "min", keepdims=False)
+
+    def _first_nan_wins(self, hits: Tensor, index: Tensor | np.ndarray) -> Tensor:
+        """``hits`` (an element's index where it is the extreme, else a bound) with every NaN's
+        index put in: max/min propagate NaN, so a row holding one has NaN as its extreme, which
+        equals nothing, and the first NaN is the answer (as numpy and torch).
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([1.0, np.nan, 3.0, np.nan]))
+        >>> int(x.argmax()), int(x.argmin())
+        (1, 1)
+        """
+        if not self.dtype.startswith(("float", "bfloat")):
+            return hits  # integers and bools hold no NaN
+        return where(self.ne(self), index, hits)
 
     def __matmul__(self, other: Any) -> Tensor:
         return matmul(self, self._operand(other))

@@ -196,7 +196,7 @@ class SoftmaxOp(Node):
         return f"{'log_softmax' if self.log else 'softmax'} axis {self.axis}"
 
 
-INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int32", "int64")
+INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64")
 
 
 def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
@@ -212,8 +212,8 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
         dtype = torch.get_default_dtype()
     if dtype == torch.bool and len(operands) > 1 and spec.join in ("add", "sub"):
         dtype = torch.int64
-    if dtype in (torch.bool, torch.int8, torch.uint8, torch.int32) and spec.aggregated \
-            and spec.agg in ("sum", "prod"):
+    if dtype in (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32) \
+            and spec.aggregated and spec.agg in ("sum", "prod"):
         dtype = torch.int64  # sums accumulate in int64, as torch.sum does (no silent wrap)
     return canonical_dtype(dtype)
 

@@ -63,17 +63,20 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20,
     """A ``Constant`` holding ``value`` (torch tensor, numpy array or Python scalars/lists),
     chunked on ``tile`` (default: automatic tiles of about ``tile_target_elems`` elements).
 
-    Python floats become float32 (as in torch); numpy arrays keep their dtype. Read-only numpy
+    Python floats become float32 (as in torch); numpy arrays and numpy scalars keep their dtype
+    (``np.float64(0.1)`` stays float64, as numpy's promotion rules treat it). Read-only numpy
     arrays are copied, so torch never sees a non-writable buffer.
 
     >>> constant_node(np.zeros((4, 6)), tile=(2, 6)).grid.blocks
     (2, 1)
+    >>> constant_node(np.float64(0.1)).dtype, constant_node(0.1).dtype
+    ('float64', 'float32')
     """
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
     else:
         array = literal_array(value)
-        if array.dtype == np.float64 and not isinstance(value, np.ndarray):
+        if array.dtype == np.float64 and not isinstance(value, (np.ndarray, np.generic)):
             array = array.astype(np.float32)  # Python floats become float32, like torch
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = array.copy(order="C")

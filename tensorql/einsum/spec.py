@@ -282,7 +282,8 @@ def interleaved_equation(subscripts: Sequence[Sequence[Hashable]],
     """
     from opt_einsum import get_symbol
 
-    every = [sym for subs in [*subscripts, output or ()] for sym in _sublist(subs)]
+    every = [sym for subs in [*subscripts, () if output is None else output]
+             for sym in _sublist(subs)]
     symbols = {sym for sym in every if sym is not Ellipsis}
     if all(isinstance(sym, int) and not isinstance(sym, bool) and sym >= 0 for sym in symbols):
         names = {sym: get_symbol(sym) for sym in symbols}

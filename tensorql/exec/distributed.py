@@ -511,20 +511,183 @@ EXCHANGED_SEND = OpKind("send in an exchange", queue=_exchanged_queue)
 
 
 def collective_failed(layout: RankLayout, what: str, err: BaseException) -> DistributedError:
-    """The error of a collective that failed: a collective does not say which peer did not
-    answer, so every other rank is named.
+    """The error of a collective that failed, naming the rank(s) at fault where the job's
+    store tells (:func:`unanswering_ranks`): a rank whose process is gone died; a rank that
+    did not report the failure too stopped answering. Without the store (a job of one host
+    whose rank 0 died, or no default group) every other rank is named.
 
     >>> err = collective_failed(RankLayout(0, 3), "the exchange", RuntimeError("timed out"))
     >>> print(str(err).replace("; ", "\\n"))
     rank 0: the exchange failed (timed out)
     one of ranks 1, 2 died or stopped answering within the timeout
     """
-    suspects = [r for r in range(layout.world) if r != layout.rank]
-    named = (f"rank {suspects[0]}" if len(suspects) == 1 else
-             f"one of ranks {', '.join(map(str, suspects))}")
     first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-    return DistributedError(f"rank {layout.rank}: {what} failed ({first}); {named} died or "
-                            "stopped answering within the timeout")
+    found = unanswering_ranks(layout)
+    if not found:
+        suspects = [r for r in range(layout.world) if r != layout.rank]
+        named = (f"rank {suspects[0]}" if len(suspects) == 1 else
+                 f"one of ranks {', '.join(map(str, suspects))}")
+        blame = f"{named} died or stopped answering within the timeout"
+    else:
+        blame = "; ".join(found.describe())
+    return DistributedError(f"rank {layout.rank}: {what} failed ({first}); {blame}")
+
+
+_PROCESS_KEY = "tensorql/process/"  # + rank: "<host> <pid>", set as the rank joins
+_FAILED_KEY = "tensorql/failed/"  # + rank: the time.time() a collective of it failed
+_ANNOUNCED: list[Any] = []  # [(the default group, rank)] this process announced itself in
+
+
+@dataclass(frozen=True)
+class Unanswering:
+    """Who a failed collective waited for: ranks whose process is gone (``dead``), ranks
+    alive on this host that did not reach the failure too (``stalled``), ranks elsewhere
+    that did not (``silent``), and whether the job's store itself was unreachable."""
+
+    dead: tuple[int, ...] = ()
+    stalled: tuple[int, ...] = ()
+    silent: tuple[int, ...] = ()
+    store_lost: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.dead or self.stalled or self.silent or self.store_lost)
+
+    def describe(self) -> list[str]:
+        """One clause per kind of fault.
+
+        >>> Unanswering(dead=(1,), stalled=(2, 3)).describe()
+        ['rank 1 died (its process is gone)', 'ranks 2, 3 stopped answering (alive, they \
+did not reach this collective within the timeout)']
+        """
+        def ranks(group: tuple[int, ...]) -> str:
+            return (f"rank {group[0]}" if len(group) == 1 else
+                    f"ranks {', '.join(map(str, group))}")
+
+        clauses = []
+        if self.dead:
+            clauses.append(f"{ranks(self.dead)} died (its process is gone)" if len(self.dead) == 1
+                           else f"{ranks(self.dead)} died (their processes are gone)")
+        if self.stalled:
+            they = "it" if len(self.stalled) == 1 else "they"
+            clauses.append(f"{ranks(self.stalled)} stopped answering (alive, {they} did not "
+                           "reach this collective within the timeout)")
+        if self.silent:
+            clauses.append(f"{ranks(self.silent)} died or stopped answering (no failure "
+                           "reported by it within the timeout)")
+        if self.store_lost:
+            clauses.append("rank 0 died or stopped answering (the job's store it holds does "
+                           "not answer)")
+        return clauses
+
+
+def _job_store() -> Any:
+    """The default process group's store (the rendezvous ``TCPStore``), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no group, or a torch without it: nothing to ask
+        return None
+
+
+def announce_process(layout: RankLayout) -> None:
+    """Publish this rank's host and process id in the job's store, once per group, so that
+    a failed collective on another rank can tell a dead rank from a stalled one."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if layout.world < 2 or not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    if _ANNOUNCED and _ANNOUNCED[0] == (group, layout.rank):
+        return
+    store = _job_store()
+    if store is None:
+        return
+    try:
+        store.set(f"{_PROCESS_KEY}{layout.rank}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:  # noqa: BLE001 - only the error messages lose their precision
+        return
+    _ANNOUNCED[:] = [(group, layout.rank)]
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, exited but not yet reaped
+    by its parent, does not).
+
+    >>> import os
+    >>> _process_alive(os.getpid())
+    True
+    """
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def unanswering_ranks(layout: RankLayout, grace_s: float | None = None) -> Unanswering | None:
+    """Which ranks a failed collective of this rank waited for, from the job's store: this
+    rank records its failure; a rank whose process (announced as it joined) is gone on this
+    host died; otherwise the ranks that do not record a failure within ``grace_s`` (default:
+    half the job's timeout, 0.5 to 2 s) stopped answering. None without a store to ask.
+
+    >>> unanswering_ranks(RankLayout(0, 1)) is None  # no process group
+    True
+    """
+    import datetime
+    import socket
+
+    store = _job_store()
+    if store is None or layout.world < 2:
+        return None
+    others = [r for r in range(layout.world) if r != layout.rank]
+    job_timeout = store.timeout.total_seconds()
+    grace = grace_s if grace_s is not None else min(2.0, max(0.5, job_timeout / 2))
+    window = job_timeout + grace  # a failure recorded this recently is of the same episode
+    host = socket.gethostname()
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(1.0, grace)))
+        try:
+            store.set(f"{_FAILED_KEY}{layout.rank}", repr(time.time()))
+            processes = {}
+            for r in others:
+                key = f"{_PROCESS_KEY}{r}"
+                if store.check([key]):
+                    where, pid = store.get(key).decode().rsplit(" ", 1)
+                    processes[r] = (where == host, int(pid))
+            dead = tuple(r for r, (local, pid) in processes.items()
+                         if local and not _process_alive(pid))
+            if dead:
+                return Unanswering(dead=dead)
+            deadline = time.monotonic() + grace
+            while True:
+                now = time.time()
+                missing = [r for r in others if not _failed_since(store, r, now - window)]
+                if not missing or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            store.set_timeout(datetime.timedelta(seconds=job_timeout))
+    except Exception:  # noqa: BLE001 - the store went with its host
+        return Unanswering(store_lost=layout.rank != 0)
+    stalled = tuple(r for r in missing if processes.get(r, (False, 0))[0])
+    return Unanswering(stalled=stalled, silent=tuple(r for r in missing if r not in stalled))
+
+
+def _failed_since(store: Any, rank: int, since: float) -> bool:
+    key = f"{_FAILED_KEY}{rank}"
+    return bool(store.check([key])) and float(store.get(key).decode()) >= since
 
 
 def _result_owners(graph: TaskGraph, layout: RankLayout) -> tuple[tuple[ChunkRef, ...], ...]:
@@ -639,11 +802,50 @@ def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (ValueError, RuntimeError) as err:
-            raise DistributedError(
-                f"cannot join the torch.distributed job ({err}); launch the script with "
-                "torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE") from err
+            raise DistributedError(join_failed(err, timeout_s)) from err
         atexit.register(leave_process_group)  # tensorql joined it, so tensorql leaves it
-    return RankLayout(rank=dist.get_rank(), world=dist.get_world_size(), local=local_devices)
+    layout = RankLayout(rank=dist.get_rank(), world=dist.get_world_size(), local=local_devices)
+    announce_process(layout)
+    return layout
+
+
+_JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def join_failed(err: BaseException, timeout_s: float, environ: Any = None) -> str:
+    """Why joining the job failed, with advice that fits how the script was started: under
+    torchrun (``TORCHELASTIC_RUN_ID`` set) a rank did not join in time; with the variables
+    set by hand, the same; without them, how to launch it.
+
+    >>> print(join_failed(RuntimeError("Timed out ... 2/3 clients joined."), 5,
+    ...                   {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "3"}))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    rank 0: cannot join the torch.distributed job of 3 ranks within 5 s (Timed out ... 2/3
+    clients joined.); the script runs under torchrun, so some rank did not start or did not
+    reach tq.connect in time: check every node's torchrun (--nnodes, --nproc-per-node, the
+    rendezvous endpoint) and the other ranks' logs, or raise distributed_timeout_s
+    >>> join_failed(ValueError("no RANK"), 5, {"MASTER_ADDR": "h", "MASTER_PORT": "1"})[-62:]
+    'launch the script with torchrun, or set RANK, WORLD_SIZE there'
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+    who = f"rank {env['RANK']}: " if "RANK" in env else ""
+    size = f" of {env['WORLD_SIZE']} ranks" if "WORLD_SIZE" in env else ""
+    head = (f"{who}cannot join the torch.distributed job{size} within {timeout_s:g} s "
+            f"({first})")
+    if "TORCHELASTIC_RUN_ID" in env:
+        return (f"{head}; the script runs under torchrun, so some rank did not start or did "
+                "not reach tq.connect in time: check every node's torchrun (--nnodes, "
+                "--nproc-per-node, the rendezvous endpoint) and the other ranks' logs, or "
+                "raise distributed_timeout_s")
+    missing = [name for name in _JOB_VARIABLES if name not in env]
+    if not missing:
+        return (f"{head}; every rank 0..WORLD_SIZE-1 must start with the same MASTER_ADDR "
+                "and MASTER_PORT and reach tq.connect in time: check the other ranks' logs, "
+                "or raise distributed_timeout_s")
+    return (f"{head}; launch the script with torchrun, or set {', '.join(missing)} there")
 
 
 def leave_process_group(wait_s: float = 10.0) -> None:
@@ -684,8 +886,7 @@ def check_same_plan(fingerprint: str, layout: RankLayout, group: Any = None) -> 
     try:
         dist.all_gather_object(prints, fingerprint, group=group)
     except RuntimeError as err:
-        raise DistributedError(f"rank {layout.rank}: comparing plans with the other ranks "
-                               f"failed ({err}); a rank died or stopped answering") from err
+        raise collective_failed(layout, "comparing plans with the other ranks", err) from err
     differ = [r for r, p in enumerate(prints) if p != prints[0]]
     if differ:
         raise DistributedError(

@@ -34,7 +34,7 @@ from tensorql.errors import ParseError
 
 __all__ = [
     "CreateTensor", "DropTensor", "Einsum", "Explain", "Statement", "TensorQL", "has_einsum",
-    "parse_script", "position_of",
+    "parse_script", "position_of", "split_script",
 ]
 
 
@@ -172,16 +172,22 @@ class TensorQL(DuckDB):
 @dataclass(frozen=True)
 class Statement:
     """One statement of a script: its parsed form, its own text and where that text starts.
+    From :func:`split_script`, a statement without EINSUM or tensorql DDL is not parsed:
+    ``expression`` is None and DuckDB runs ``text`` as written (``explain``: it is an
+    EXPLAIN, whose plan comes back as text; ``created``: the name and offset of the table or
+    view a ``CREATE`` makes, if unqualified).
 
     >>> s = parse_script("SELECT 1;  SELECT 2")[1]
     >>> s.text, s.offset
     ('SELECT 2', 11)
     """
 
-    expression: exp.Expr
+    expression: exp.Expr | None
     text: str
     offset: int
     script: str
+    explain: bool = False
+    created: tuple[str, int] | None = None
 
 
 def _parse_error(err: Exception, script: str, offset: int) -> ParseError:
@@ -208,21 +214,193 @@ def _split(script: str) -> list[tuple[str, int]]:
         tokens: list[Token] = TensorQL().tokenize(script)
     except TokenError as err:
         raise ParseError(f"SQL syntax error: {err}", text=script, position=0) from None
-    pieces: list[tuple[str, int]] = []
-    start = 0
+    return [(text, offset) for text, offset, _ in _pieces(script, tokens)]
+
+
+def _pieces(script: str, tokens: list[Token]) -> list[tuple[str, int, list[Token]]]:
+    """Each statement's text, offset and tokens (their positions are the script's)."""
+    pieces: list[tuple[str, int, list[Token]]] = []
+    start, mine = 0, []
     for tok in tokens:
         if tok.token_type == TokenType.SEMICOLON:
-            pieces.append((script[start:tok.start], start))
-            start = tok.end + 1
-    pieces.append((script[start:], start))
+            pieces.append((script[start:tok.start], start, mine))
+            start, mine = tok.end + 1, []
+        else:
+            mine.append(tok)
+    pieces.append((script[start:], start, mine))
     out = []
-    for text, offset in pieces:
+    for text, offset, mine in pieces:
         stripped = text.lstrip()
         offset += len(text) - len(stripped)
         text = stripped.rstrip()
         if text:
-            out.append((text, offset))
+            out.append((text, offset, mine))
     return out
+
+
+# EINSUM calls may nest this deep inside one another (deeper: name the inner ones in WITH),
+# and a statement tensorql parses may nest parentheses this deep (sqlglot's parser recurses)
+MAX_EINSUM_NESTING = 16
+MAX_PAREN_NESTING = 64
+
+
+def _is_einsum(tokens: list[Token], k: int) -> bool:
+    tok = tokens[k]
+    return tok.token_type == TokenType.VAR and tok.text.upper() == "EINSUM" \
+        and k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.L_PAREN
+
+
+def _is_text(tok: Token | None, *words: str) -> bool:
+    return tok is not None and tok.token_type != TokenType.IDENTIFIER \
+        and tok.text.upper() in words
+
+
+def _needs_tensorql(tokens: list[Token]) -> tuple[bool, bool]:
+    """``(tensorql's, an EXPLAIN)``: whether the statement uses EINSUM (an unquoted
+    ``EINSUM(``; strings and comments are tokens of their own or none) or is ``CREATE
+    TENSOR`` / ``DROP TENSOR`` (after an optional ``EXPLAIN [ANALYZE]``).
+
+    >>> _needs_tensorql(TensorQL().tokenize("SELECT 'EINSUM(' -- EINSUM(A)"))
+    (False, False)
+    >>> _needs_tensorql(TensorQL().tokenize("EXPLAIN SELECT * FROM einsum('i', A)"))
+    (True, True)
+    """
+    at = 0
+    explain = _is_text(tokens[0] if tokens else None, "EXPLAIN")
+    if explain:
+        at = 1 + (len(tokens) > 1 and tokens[1].token_type == TokenType.ANALYZE)
+    head = tokens[at:at + 4]
+    ddl = bool(head) and (
+        (head[0].token_type == TokenType.CREATE and (
+            _is_text(head[1] if len(head) > 1 else None, "TENSOR")
+            or (len(head) > 3 and head[1].token_type == TokenType.OR
+                and _is_text(head[3], "TENSOR"))))
+        or (head[0].token_type == TokenType.DROP
+            and _is_text(head[1] if len(head) > 1 else None, "TENSOR")))
+    return ddl or any(_is_einsum(tokens, k) for k in range(len(tokens))), explain
+
+
+def _check_nesting(tokens: list[Token], script: str) -> None:
+    """ParseError past :data:`MAX_EINSUM_NESTING` EINSUM calls inside one another or
+    :data:`MAX_PAREN_NESTING` parentheses, before sqlglot's recursive parser sees them."""
+    depth, deepest, calls = 0, (0, 0), []  # calls: paren depth inside each open EINSUM
+    for k, tok in enumerate(tokens):
+        if tok.token_type == TokenType.L_PAREN:
+            depth += 1
+            if depth > deepest[0]:
+                deepest = (depth, tok.start)
+        elif tok.token_type == TokenType.R_PAREN:
+            depth -= 1
+            while calls and calls[-1] > depth:
+                calls.pop()
+        elif _is_einsum(tokens, k):
+            calls.append(depth + 1)
+            if len(calls) > MAX_EINSUM_NESTING:
+                total = _einsum_depth(tokens, k)
+                raise ParseError(
+                    f"EINSUM calls nest {total} deep, more than the {MAX_EINSUM_NESTING} "
+                    "tensorql takes: name the inner calls with WITH (a CTE each), e.g. "
+                    "WITH t1 AS (SELECT * FROM EINSUM(...)) SELECT * FROM EINSUM('...', t1)",
+                    text=script, position=tok.start)
+    if deepest[0] > MAX_PAREN_NESTING:
+        raise ParseError(
+            f"parentheses nest {deepest[0]} deep in a statement with EINSUM, more than the "
+            f"{MAX_PAREN_NESTING} tensorql parses: name inner queries with WITH (CTEs)",
+            text=script, position=deepest[1])
+
+
+def _einsum_depth(tokens: list[Token], start: int) -> int:
+    """How deep EINSUM calls nest in ``tokens`` (counted on from an over-deep one at
+    ``start``, which already has MAX_EINSUM_NESTING calls around it)."""
+    depth, calls, deepest = 0, [], 0
+    for k, tok in enumerate(tokens):
+        if tok.token_type == TokenType.L_PAREN:
+            depth += 1
+        elif tok.token_type == TokenType.R_PAREN:
+            depth -= 1
+            while calls and calls[-1] > depth:
+                calls.pop()
+        elif _is_einsum(tokens, k):
+            calls.append(depth + 1)
+            deepest = max(deepest, len(calls))
+    return max(deepest, MAX_EINSUM_NESTING + 1)
+
+
+def _created(tokens: list[Token]) -> tuple[str, int] | None:
+    """The unqualified name (and its offset) of the table or view a ``CREATE [OR REPLACE]
+    [TEMP] TABLE|VIEW [IF NOT EXISTS] name`` statement makes.
+
+    >>> _created(TensorQL().tokenize('CREATE OR REPLACE TEMP TABLE IF NOT EXISTS "T" (a INT)'))
+    ('T', 43)
+    >>> _created(TensorQL().tokenize("CREATE TABLE s.t AS SELECT 1")) is None
+    True
+    """
+    if not tokens or tokens[0].token_type != TokenType.CREATE:
+        return None
+    k = 1
+    if k + 1 < len(tokens) and tokens[k].token_type == TokenType.OR:
+        k += 2
+    if k < len(tokens) and tokens[k].token_type == TokenType.TEMPORARY:
+        k += 1
+    if k >= len(tokens) or tokens[k].token_type not in (TokenType.TABLE, TokenType.VIEW):
+        return None
+    k += 1
+    if k + 2 < len(tokens) and _is_text(tokens[k], "IF") \
+            and tokens[k + 1].token_type == TokenType.NOT:
+        k += 3
+    if k >= len(tokens) or (k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.DOT):
+        return None
+    return tokens[k].text, tokens[k].start
+
+
+def split_script(script: str) -> list[Statement]:
+    """The statements of ``script``, parsed only where tensorql has work: a statement with
+    EINSUM or tensorql DDL is parsed (sqlglot, within the nesting limits); any other keeps
+    ``expression=None`` and reaches DuckDB as written (parameters, DuckDB-only syntax and
+    any depth of nesting included). A script the tokenizer cannot read goes to DuckDB whole
+    unless it mentions EINSUM or TENSOR.
+
+    >>> [(s.expression is None, s.explain) for s in split_script(
+    ...     "SELECT ?::INT; EXPLAIN (FORMAT JSON) SELECT 1; SELECT * FROM EINSUM('i', A)")]
+    [(True, False), (True, True), (False, False)]
+    """
+    if not isinstance(script, str):
+        raise ParseError(f"SQL must be a string, got {type(script).__name__}")
+    try:
+        tokens: list[Token] = TensorQL().tokenize(script)
+    except TokenError as err:
+        upper = script.upper()
+        if "EINSUM" in upper or "TENSOR" in upper:
+            raise ParseError(f"SQL syntax error: {err}", text=script, position=0) from None
+        text = script.strip()
+        return [Statement(None, text, script.index(text), script)] if text else []
+    statements = []
+    for text, offset, mine in _pieces(script, tokens):
+        if not mine:  # only comments
+            continue
+        tensorql, explain = _needs_tensorql(mine)
+        if not tensorql:
+            statements.append(Statement(None, text, offset, script, explain=explain,
+                                        created=_created(mine)))
+            continue
+        _check_nesting(mine, script)
+        statements.append(_parse_one(script, text, offset))
+    return statements
+
+
+def _parse_one(script: str, text: str, offset: int) -> Statement:
+    try:
+        parsed = sqlglot.parse(text, read=TensorQL)
+    except (SqlglotParseError, TokenError) as err:
+        raise _parse_error(err, script, offset) from None
+    except RecursionError:
+        raise ParseError("this statement with EINSUM nests too deep for tensorql's parser: "
+                         "name inner queries with WITH (CTEs)", text=script,
+                         position=offset) from None
+    parsed = [p for p in parsed if p is not None]
+    if len(parsed) != 1:
+        raise ParseError("expected one statement", text=script, position=offset)
+    return Statement(parsed[0], text, offset, script)
 
 
 def parse_script(script: str) -> list[Statement]:

@@ -16,7 +16,13 @@ label 'j' has size 3 here but 4 in operand 0 at line 2, column 28
 from __future__ import annotations
 
 from tensorql.einsum.spec import UnknownOperatorError
-from tensorql.errors import ExecutionError, ParseError, ShapeError, UnknownTensorError
+from tensorql.errors import (
+    ExecutionError,
+    ParseError,
+    ShapeError,
+    UnknownTensorError,
+    excerpt,
+)
 
 __all__ = [
     "SQLExecutionError", "SQLOperatorError", "SQLShapeError", "SQLUnknownTensorError",
@@ -33,7 +39,8 @@ def where(text: str | None, position: int | None) -> tuple[int | None, int | Non
     line = before.count("\n") + 1
     column = position - (before.rfind("\n") + 1) + 1
     line_text = text.splitlines()[line - 1] if text.splitlines() else ""
-    caret = " " * (column - 1) + "^"
+    line_text, at = excerpt(line_text, column)
+    caret = " " * (at - 1) + "^"
     return line, column, f" at line {line}, column {column}\n  {line_text}\n  {caret}"
 
 

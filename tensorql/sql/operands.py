@@ -36,6 +36,7 @@ from tensorql.sql.relations import (
     absent_value,
     densify,
     filled_dtype,
+    label_columns,
     order_columns,
     validate_indices,
 )
@@ -481,6 +482,8 @@ def _check_indices(table: pa.Table, columns: Sequence[str], shape: Sequence[int]
 
 
 def _relation_dtype(table: pa.Table, join: str, agg: str, operands: int) -> str:
-    """The dtype a relation's values count as, as when densified (:func:`filled_dtype`)."""
+    """The dtype a relation's values count as, as when densified (:func:`filled_dtype`);
+    ShapeError (naming the columns) for a relation without a ``val`` column."""
+    label_columns(table)  # ShapeError without a val column
     val = next(n for n in table.column_names if n.lower() == "val")
     return canonical_dtype(filled_dtype(table.column(val), absent_value(join, agg, operands)))

@@ -43,7 +43,8 @@ __all__ = ["RelationalOperand", "dense_bytes", "duckdb_type", "relational_sql"]
 
 _DUCKDB_TYPES = {
     "float64": "DOUBLE", "float32": "REAL", "float16": "REAL", "bfloat16": "REAL",
-    "int64": "BIGINT", "int32": "INTEGER", "int8": "TINYINT", "uint8": "UTINYINT",
+    "int64": "BIGINT", "int32": "INTEGER", "int16": "SMALLINT", "int8": "TINYINT",
+    "uint8": "UTINYINT",
     "bool": "BOOLEAN",
 }
 _AGG_SQL = {"sum": "sum", "max": "max", "min": "min", "prod": "product"}
@@ -95,7 +96,8 @@ def _joined(join: str, values: list[str], dtype: str) -> str:
         cond, yes, no = values
         return f"CASE WHEN CAST({cond} AS BOOLEAN) THEN {yes} ELSE {no} END"
     out = values[0]
-    if join == "div" or (join == "pow" and dtype not in ("int64", "int32", "int8", "uint8")):
+    if join == "div" or (join == "pow" and dtype not in ("int64", "int32", "int16", "int8",
+                                                           "uint8")):
         out = f"CAST({out} AS DOUBLE)"
     for n, value in enumerate(values[1:], start=1):
         if join in _ARITHMETIC:

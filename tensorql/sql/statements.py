@@ -37,8 +37,8 @@ from tensorql.sql.dialect import (
     Explain,
     Statement,
     has_einsum,
-    parse_script,
     position_of,
+    split_script,
 )
 from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
@@ -83,7 +83,7 @@ class ScriptRunner:
 
     # -- statements -------------------------------------------------------------------
     def run(self) -> SQLResult:
-        statements = parse_script(self.script)
+        statements = split_script(self.script)
         if not statements:
             raise ParseError("no SQL statement given", text=self.script, position=0)
         if self.params is not None and len(statements) > 1:
@@ -115,6 +115,11 @@ class ScriptRunner:
 
     def statement_result(self, st: Statement) -> SQLResult:
         e = st.expression
+        if e is None:  # no EINSUM, no tensorql DDL: DuckDB runs it as written
+            if st.created is not None:
+                self.check_created_name(*st.created)
+            result = self.duckdb(st.text, params=self.params)
+            return self.explain_text(result) if st.explain else result
         if isinstance(e, Explain):
             return self.explain(e)
         if isinstance(e, CreateTensor):
@@ -137,13 +142,18 @@ class ScriptRunner:
         target = e.this.this if isinstance(e.this, exp.Schema) else e.this
         if not isinstance(target, exp.Table) or target.args.get("db"):
             return
-        name = target.name
+        self.check_created_name(target.name, self.pos(target))
+
+    def check_created_name(self, name: str, position: int | None) -> None:
+        """SQLExecutionError if a table or view ``name`` (created at ``position`` of the
+        script) would take a stored tensor's name or its chunk view's."""
         clash = [t for t in self.session.tensors()
                  if t.lower() in (name.lower(), name.lower().removesuffix("__chunks"))]
         if clash:
-            raise self.fail(SQLExecutionError, f"{name!r} clashes with the stored tensor "
-                            f"{clash[0]!r} (names are case-insensitive, as in DuckDB); pick "
-                            f"another name or DROP TENSOR {clash[0]}", target)
+            raise SQLExecutionError(f"{name!r} clashes with the stored tensor {clash[0]!r} "
+                                    "(names are case-insensitive, as in DuckDB); pick another "
+                                    f"name or DROP TENSOR {clash[0]}", text=self.script,
+                                    position=position)
 
     def duckdb(self, sql: str, params: Any = None) -> SQLResult:
         try:
@@ -159,6 +169,13 @@ class ScriptRunner:
         st = self.statement
         message = str(err).split("\n")[0]
         position = st.offset if st else 0
+        if isinstance(err, duckdb.ParserException) and st is not None:  # a syntax error:
+            near = re.search(r'at or near "([^"]*)"', message)  # where DuckDB's parser says
+            at = st.text.find(near.group(1)) if near else -1
+            if at < 0 and "end of input" in message:
+                at = len(st.text)
+            return ParseError(f"SQL syntax error (DuckDB): {message}", text=self.script,
+                              position=st.offset + max(at, 0))
         names = re.findall(r'(?:name|column) "?([A-Za-z_][\w]*)"?', message)
         if st is not None:
             for name in names:
@@ -209,11 +226,7 @@ class ScriptRunner:
         if isinstance(inner, CreateTensor):
             inner = inner.expression
         if not has_einsum(inner):
-            result = self.duckdb(self.statement.text)
-            if result.table is not None and "explain_value" in result.table.column_names:
-                text = "\n".join(result.table.column("explain_value").to_pylist())
-                return SQLResult(text=text.rstrip("\n"))
-            return result
+            return self.explain_text(self.duckdb(self.statement.text))
         self.explain_sections = []
         self.analyze = analyze
         try:
@@ -229,6 +242,14 @@ class ScriptRunner:
             self.explain_sections = None
             self.analyze = False
         return SQLResult(text="\n".join([self.statement.text, *sections]))
+
+    @staticmethod
+    def explain_text(result: SQLResult) -> SQLResult:
+        """DuckDB's EXPLAIN result as text (its ``explain_value`` column)."""
+        if result.table is not None and "explain_value" in result.table.column_names:
+            text = "\n".join(result.table.column("explain_value").to_pylist())
+            return SQLResult(text=text.rstrip("\n"))
+        return result
 
     # -- queries ----------------------------------------------------------------------
     def query(self, query: exp.Expr, ctes: dict[str, exp.CTE], explain: bool = False,
@@ -373,13 +394,13 @@ def explain_each(session: Any, script: str, analyze: bool = False,
                  backend: str | None = None) -> list[SQLResult]:
     """EXPLAIN (or EXPLAIN ANALYZE) every statement of ``script``, running none of them
     (except what ANALYZE runs): the CLI's ``tensorql explain``."""
-    statements = parse_script(script)
+    statements = split_script(script)
     if not statements:
         raise ParseError("no SQL statement given", text=script, position=0)
     prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
     out = []
     for st in statements:
-        if isinstance(st.expression, Explain):
+        if isinstance(st.expression, Explain) or st.explain:
             text = st.text
         else:
             text = prefix + st.text

@@ -47,10 +47,13 @@ CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
 INTERNAL_SCHEMA = "tq_internal"  # the catalog and chunk tables: out of the user's ``main``
 ROW_GROUP_ROWS = 16384  # 64 MiB of pages: a big write goes to the file row group by row group
 JOIN_PAGES = "tq_join_pages"
+CHUNK_VIEW_SUFFIX = "__chunks"  # a tensor's chunk view is named "<name>__chunks"
+_RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped their table
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
-    "int8": "TINYINT", "uint8": "UTINYINT", "int32": "INTEGER", "int64": "BIGINT",
+    "int8": "TINYINT", "uint8": "UTINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+    "int64": "BIGINT",
     "bool": "BOOLEAN",
 }
 
@@ -290,6 +293,12 @@ class DuckDBChunkStore(ChunkStore):
             quote_ident(name)  # rejects NUL before anything is written
         if len(set(names)) != len(names):
             raise StorageError(f"tensor names given twice in one write: {names}")
+        lowered = {name.lower(): name for name in names}
+        for name in names:
+            view = lowered.get(name.lower() + CHUNK_VIEW_SUFFIX)
+            if view is not None:
+                raise StorageError(f"tensor name {view!r} is the name of the chunk view of "
+                                   f"{name!r}, stored in the same write; pick another name")
         with self._write_lock, self.cursor() as con:  # its own connection: a streamed
             # write runs on a writer thread while the query may use the main connection
             staged: list[tuple[TensorMeta, str]] = []
@@ -351,6 +360,12 @@ class DuckDBChunkStore(ChunkStore):
             if other != name and other.lower() == name.lower():
                 raise StorageError(f"tensor name {name!r} clashes with the stored tensor "
                                    f"{other!r}: names are case-insensitive, as in DuckDB")
+            if other.lower() + CHUNK_VIEW_SUFFIX == name.lower():
+                raise StorageError(f"tensor name {name!r} is the name of the chunk view of the "
+                                   f"stored tensor {other!r}; pick another name")
+            if name.lower() + CHUNK_VIEW_SUFFIX == other.lower():
+                raise StorageError(f"tensor name {name!r} would name its chunk view {other!r}, "
+                                   "the name of a stored tensor; pick another name")
         for suffix in ("", "__chunks"):
             rows = (con or self.connection).execute(  # a writer's own connection: the
                 # main one may be running the query whose result is being stored
@@ -475,22 +490,46 @@ class DuckDBChunkStore(ChunkStore):
             self._tables.pop(name, None)
 
     # -- reading ------------------------------------------------------------------------
+    def _current(self, name: str, table: str, err: duckdb.Error) -> tuple[str, TensorMeta]:
+        """The entry of ``name`` after a read of its chunk table ``table`` failed with ``err``:
+        a ``replace=True`` from another thread committed and dropped that table between the
+        catalog lookup and the read, so the read goes again to the new version; any other
+        error (or the same table still named) is raised as it is."""
+        if not isinstance(err, duckdb.CatalogException) or table not in str(err):
+            raise err
+        self._tables.pop(name, None)
+        entry = self._entry(name)  # UnknownTensorError if it was dropped meanwhile
+        if entry[0] == table:
+            raise err
+        return entry
+
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:
         table, meta = self._entry(name)
         key = meta.grid.check_key(key)
-        cached = self.cache.get((table, key))
-        if cached is not None:
-            return cached
-        where = " AND ".join(f"{quote_ident(f'k{d}')} = ?" for d in range(len(key))) or "TRUE"
-        page = "page" if self._is_paged(table) else "0 AS page"
-        result = self._cursor().sql(
-            f"SELECT {page}, payload FROM {self._ref(table)} WHERE {where}", params=list(key)
-        ).to_arrow_table()
+        for attempt in range(_RACE_RETRIES + 1):
+            cached = self.cache.get((table, key))
+            if cached is not None:
+                return cached
+            try:
+                result = self._read_pages(table, key)
+                break
+            except duckdb.Error as err:
+                if attempt == _RACE_RETRIES:
+                    raise
+                table, meta = self._current(name, table, err)
+                key = meta.grid.check_key(key)
         if result.num_rows == 0:
             raise StorageError(f"tensor {name!r}: chunk {key} is missing from {table}")
         chunk = self._decode(meta, key, result.column(0).to_numpy(), result.column(1))
         self.cache.put((table, key), chunk)
         return chunk
+
+    def _read_pages(self, table: str, key: Key) -> pa.Table:
+        where = " AND ".join(f"{quote_ident(f'k{d}')} = ?" for d in range(len(key))) or "TRUE"
+        page = "page" if self._is_paged(table) else "0 AS page"
+        return self._cursor().sql(
+            f"SELECT {page}, payload FROM {self._ref(table)} WHERE {where}", params=list(key)
+        ).to_arrow_table()
 
     def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         """As :meth:`ChunkStore.read_region`, an assembled region kept in the chunk cache
@@ -527,15 +566,25 @@ class DuckDBChunkStore(ChunkStore):
     def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:
         """The chunks ``keys``, streamed from one scan in record batches."""
         table, meta = self._entry(name)
+        keys = list(keys)
         wanted = {meta.grid.check_key(k) for k in keys}
-        ndim = meta.grid.ndim
-        key_cols = "".join(f"{quote_ident(f'k{d}')}, " for d in range(ndim))
-        page = "page" if self._is_paged(table) else "0 AS page"
-        select = f"SELECT {key_cols}{page}, payload FROM {self._ref(table)}"
         rows = max(1024, self.batch_bytes // PAGE_BYTES)
         cursor = self.cursor()  # its own: the caller may stop iterating early
         try:
-            yield from self._group_pages(cursor.sql(select).to_arrow_reader(rows), meta, wanted)
+            for attempt in range(_RACE_RETRIES + 1):
+                ndim = meta.grid.ndim
+                key_cols = "".join(f"{quote_ident(f'k{d}')}, " for d in range(ndim))
+                page = "page" if self._is_paged(table) else "0 AS page"
+                select = f"SELECT {key_cols}{page}, payload FROM {self._ref(table)}"
+                try:  # the scan's snapshot holds its table: only opening it can race
+                    reader = cursor.sql(select).to_arrow_reader(rows)
+                    break
+                except duckdb.Error as err:
+                    if attempt == _RACE_RETRIES:
+                        raise
+                    table, meta = self._current(name, table, err)
+                    wanted = {meta.grid.check_key(k) for k in keys}
+            yield from self._group_pages(reader, meta, wanted)
         finally:
             cursor.close()
 

@@ -168,6 +168,8 @@ def _report_group_left_at_exit(out: str) -> None:
 
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2]
+    if os.environ["RANK"] == os.environ.get("TQ_TEST_ABSENT_RANK"):  # never joins the job
+        os._exit(5)
     _report_group_left_at_exit(out)
     if names.startswith("file:"):
         return from_file(out, names[len("file:"):])
@@ -182,13 +184,24 @@ def main() -> None:
         from tensorql.exec.distributed import DistributedRuntime
 
         DistributedRuntime.run = lambda *args, **kw: os._exit(3)
+    if rank == int(os.environ.get("TQ_TEST_STALL_RANK", "-1")):  # alive, but never answers
+        import time
+
+        from tensorql.exec.distributed import DistributedRuntime
+
+        def stall(*args, **kw):
+            time.sleep(float(os.environ.get("TQ_TEST_STALL_S", "30")))
+            os._exit(4)
+
+        DistributedRuntime.run = stall
     results = {}
     wire = _count_wire_bytes()
     exchange = os.environ.get("TQ_TEST_EXCHANGE", "collective")
     devices = os.environ.get("TQ_TEST_DEVICES", "cpu").replace(
         "{local_rank}", os.environ.get("LOCAL_RANK", "0"))
     limit = os.environ.get("TQ_TEST_MEMORY_LIMIT")
-    with tq.connect(distributed=True, workers=1, distributed_timeout_s=20, devices=devices,
+    timeout = float(os.environ.get("TQ_TEST_TIMEOUT_S", "20"))
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=timeout, devices=devices,
                     distributed_exchange=exchange,
                     memory_limit=int(limit) if limit else None) as db:
         for name in names:

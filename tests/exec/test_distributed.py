@@ -242,3 +242,38 @@ def test_local_ranks_share_the_cores(monkeypatch):
     assert Options().workers == 8  # a session that is not a rank keeps every core
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert Options(distributed=True, workers=1).intra_op_threads == 1
+
+
+def _messages(tmp_path, ranks):
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text())["mlp"] for r in ranks}
+
+
+def test_a_dead_rank_of_three_is_named_by_the_survivors(tmp_path):
+    done = _launch(3, "mlp", tmp_path, {"TQ_TEST_DIE_RANK": "1", "TQ_TEST_TIMEOUT_S": "5"},
+                   timeout=90)
+    assert [d.returncode for d in done] == [0, 3, 0], [d.stderr[-2000:] for d in done]
+    for seen in _messages(tmp_path, (0, 2)).values():
+        assert seen["error"] == "DistributedError"
+        assert "rank 1 died" in seen["message"], seen["message"]
+        assert "one of ranks" not in seen["message"]
+
+
+def test_a_rank_that_stalls_after_joining_is_named(tmp_path):
+    done = _launch(3, "mlp", tmp_path, {"TQ_TEST_STALL_RANK": "2", "TQ_TEST_TIMEOUT_S": "3",
+                                        "TQ_TEST_STALL_S": "12"}, timeout=90)
+    assert [d.returncode for d in done] == [0, 0, 4], [d.stderr[-2000:] for d in done]
+    for seen in _messages(tmp_path, (0, 1)).values():
+        assert seen["error"] == "DistributedError"
+        assert "rank 2 stopped answering" in seen["message"], seen["message"]
+        assert "one of ranks" not in seen["message"]
+
+
+def test_a_rank_that_never_joins_under_torchrun_gets_no_torchrun_advice(tmp_path):
+    env = {"TQ_TEST_ABSENT_RANK": "2", "TQ_TEST_TIMEOUT_S": "3",
+           "TORCHELASTIC_RUN_ID": "test-run"}  # what torchrun sets
+    done = _launch(3, "mlp", tmp_path, env, timeout=90)
+    assert [d.returncode for d in done] == [0, 0, 5], [d.stderr[-2000:] for d in done]
+    for seen in _messages(tmp_path, (0, 1)).values():
+        assert seen["error"] == "DistributedError"
+        assert "launch the script with torchrun" not in seen["message"], seen["message"]
+        assert "under torchrun" in seen["message"] and "3 ranks" in seen["message"]

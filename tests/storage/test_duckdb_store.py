@@ -277,3 +277,58 @@ def test_database_written_before_paging_still_reads(tmp_path):
         db.from_numpy("new", np.arange(4, dtype=np.float32))
         assert db.tensor("old").numpy().tolist() == [1, 1, 1, 2, 2, 2]
         assert db.tensor("new").numpy().tolist() == [0, 1, 2, 3]
+
+
+def _race_replace_with_reads(db, tile, reads):
+    """Read ``w`` ``reads`` times while another thread stores it again and again; the reads'
+    results (or errors)."""
+    import threading
+
+    db.from_numpy("w", np.zeros((32, 32)), tile=tile, replace=True)
+    stop, results, errors = threading.Event(), [], []
+
+    def writer():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            db.from_numpy("w", np.full((32, 32), float(k)), tile=tile, replace=True)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(reads):
+            try:
+                results.append(db.tensor("w").numpy())
+            except Exception as err:  # noqa: BLE001 - collected and asserted on below
+                errors.append(err)
+    finally:
+        stop.set()
+        thread.join()
+    return results, errors
+
+
+def test_a_read_racing_a_replace_sees_a_version_not_a_missing_table():
+    with tq.connect() as db:
+        results, errors = _race_replace_with_reads(db, (32, 32), 150)  # one chunk per version
+        assert errors == []
+        for values in results:
+            assert len(np.unique(values)) == 1  # one whole version, old or new
+        results, errors = _race_replace_with_reads(db, (8, 8), 60)  # 16 chunks per version
+        assert errors == []
+
+
+@pytest.mark.parametrize("first, second", [("base", "base__chunks"), ("x__chunks", "x"),
+                                           ("Base", "BASE__CHUNKS")])
+def test_a_tensor_name_never_shadows_another_tensors_chunk_view(first, second):
+    with tq.connect() as db:
+        db.from_numpy(first, np.arange(4.0), tile=(2,))
+        with pytest.raises(tq.StorageError, match="chunk view"):
+            db.from_numpy(second, np.arange(3.0))
+        assert db.tensors() == [first]
+        base = first.removesuffix("__chunks")
+        if first == base:  # the chunk view of the stored tensor is still its chunks
+            assert db.sql(f'SELECT count(*) FROM "{base}__chunks"').fetchall() == [(2,)]
+        else:  # the stored tensor's element view is still its elements
+            assert db.sql(f'SELECT count(*) FROM "{first}"').fetchall() == [(4,)]
+    with tq.connect() as db, pytest.raises(tq.StorageError, match="chunk view"):
+        db.store_many({"y": np.ones(2), "y__chunks": np.ones(2)})
