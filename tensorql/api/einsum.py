@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tensorql.algebra import AggName, JoinName
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import EinsumOp
 from tensorql.einsum.spec import interleaved_equation
 from tensorql.errors import DTypeError, ShapeError
 
 
-def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
+def einsum(equation: Any, *operands: Any, join: Any = JoinName.MUL,
+           agg: Any = AggName.SUM) -> Tensor:
     """``out = AGG over aggregated labels of JOIN(operands...)``, lazily.
 
     Operands are tensorql Tensors, numpy arrays or torch tensors (at least one must be a

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorql.algebra import AggName, JoinName
 from tensorql.dag import inputs_first
 from tensorql.dtypes import itemsize
 from tensorql.grid import ChunkGrid
@@ -101,7 +102,7 @@ class Join(LogicalNode):
 
     sources: tuple[LogicalNode, ...] = ()
     input_labels: tuple[tuple[str, ...], ...] = ()
-    join: str = "mul"
+    join: str = JoinName.MUL
 
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:
@@ -120,7 +121,7 @@ class Aggregate(LogicalNode):
 
     input: LogicalNode | None = None
     over: tuple[str, ...] = ()
-    agg: str = "sum"
+    agg: str = AggName.SUM
 
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:

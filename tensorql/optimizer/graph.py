@@ -32,8 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
-
+from tensorql.algebra import AggName, JoinName, is_update
 from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
@@ -75,8 +74,8 @@ class OpNode:
     inputs: tuple[Edge, ...]
     dtype: str
     name: str
-    join: str = "mul"
-    agg: str = "sum"
+    join: str = JoinName.MUL
+    agg: str = AggName.SUM
     fn: str = ""
     scalar: float | None = None
     logical: LogicalNode | None = None  # the logical node this step computes
@@ -206,13 +205,13 @@ class _Builder:
         inputs = tuple(Edge(self.index_of[id(src)], tuple(axes))
                        for src, axes in zip(join.sources, join.input_labels))
         name = describe_contraction(join.input_labels, out.labels, join.join,
-                                    aggregate.agg if aggregate else "sum")
+                                    aggregate.agg if aggregate else AggName.SUM)
         # an optimizer update computes its three slots in one pass: they stay together
-        whole = (out.labels[0],) if join.join in UPDATE_JOINS else ()
+        whole = (out.labels[0],) if is_update(join.join) else ()
         return self._append(kind="einsum", labels=labels,
                             sizes=tuple(size[lab] for lab in labels), n_out=len(out.labels),
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
-                            agg=aggregate.agg if aggregate else "sum",
+                            agg=aggregate.agg if aggregate else AggName.SUM,
                             logical=aggregate if aggregate is not None else join, whole=whole)
 
 
@@ -226,4 +225,4 @@ def describe_contraction(inputs: tuple[tuple[str, ...], ...], output: tuple[str,
     text = ",".join("(" + ",".join(labels) + ")" for labels in inputs)
     text += "->(" + ",".join(output) + ")"
     return text + "".join(f" {k}={v}" for k, v in (("join", join), ("agg", agg))
-                          if v not in ("mul", "sum"))
+                          if v not in (JoinName.MUL, AggName.SUM))

@@ -22,8 +22,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
-
+from tensorql.algebra import AggName, is_update
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 from tensorql.grid import Key, regrid_pieces
@@ -196,7 +195,7 @@ def _pointwise(node: LogicalNode, joins_in_aggregates: set[int]) -> bool:
     if isinstance(node, Map):
         return True
     return (isinstance(node, Join) and id(node) not in joins_in_aggregates
-            and node.join not in UPDATE_JOINS  # stacks its slots: not blocked by rows
+            and not is_update(node.join)  # stacks its slots: not blocked by rows
             and all(len(set(labels)) == len(labels) for labels in node.input_labels))
 
 
@@ -532,7 +531,7 @@ class _Builder:
 
     def _contract(self, sid: int, join: Join, aggregate: Aggregate | None) -> Step:
         out_rel = (aggregate or join).relation
-        agg = aggregate.agg if aggregate else "sum"
+        agg = aggregate.agg if aggregate else AggName.SUM
         kernel_args = dict(in_labels=join.input_labels, out_labels=out_rel.labels,
                            join=join.join, agg=agg, dtype=out_rel.dtype,
                            max_temp_elems=self.max_temp_elems)

@@ -23,16 +23,16 @@ import pyarrow as pa
 import torch
 from sqlglot import exp
 
+from tensorql.algebra import AggName, JoinName, offered_aggs, offered_joins, semiring_pairs
 from tensorql.dtypes import canonical_dtype, itemsize
 from tensorql.einsum.graph import EinsumOp, Node, Source
 from tensorql.einsum.literals import constant_node
-from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec
+from tensorql.einsum.spec import EinsumSpec
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 from tensorql.sql.dialect import Einsum
 from tensorql.sql.errors import SQLOperatorError, SQLShapeError, located
 from tensorql.sql.relational import RelationalOperand, dense_bytes, relational_sql
 from tensorql.sql.relations import (
-    SEMIRING_ZERO,
     absent_value,
     densify,
     filled_dtype,
@@ -161,8 +161,8 @@ class OperandResolver:
                              "as 'ij,jk->ik'", text=self.script, position=self.pos(spec or node))
         equation = spec.this
         named, operands = self._arguments(node)
-        join = self._word(named.get("join"), "mul", JOINS, "join")
-        agg = self._word(named.get("agg"), "sum", AGGS, "agg")
+        join = self._word(named.get("join"), JoinName.MUL, offered_joins(), "join")
+        agg = self._word(named.get("agg"), AggName.SUM, offered_aggs(), "agg")
         backend = self._backend(named.get("backend"))
         sizes = self._sizes(named.get("sizes"))
         parts = operand_labels(equation)
@@ -178,7 +178,7 @@ class OperandResolver:
         has_relation = any(isinstance(value, pa.Table) for value in resolved)
         fill = absent_value(join, agg, len(operands))
         if has_relation and fill is None and self._flag(named.get("sparse")) is False:
-            supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in SEMIRING_ZERO)
+            supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in semiring_pairs())
             raise self.fail(SQLOperatorError, f"join {join!r} with agg {agg!r} has no zero, so "
                             "an absent row of a relation operand cannot be left out of a "
                             "dense block; with sparse := false, relation operands of "
