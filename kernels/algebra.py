@@ -111,6 +111,10 @@ class Join:
                                                        compare=False)
     user: bool = False
     label: str = ""  # a readable name for EXPLAIN (a user's function's own name)
+    identity: float | None = None  # JOIN(identity, x) == x, where the join has one
+    listed: bool = True  # offered by name in messages and SQL (not updates, anonymous joins)
+    source: Callable[..., torch.Tensor] | None = field(default=None, repr=False,
+                                                      compare=False)  # a user's own fn
 
     def distributes(self, agg: str) -> bool:
         """Whether labels aggregated by ``agg`` may be aggregated early (a semiring)."""
@@ -201,8 +205,8 @@ _BUILTIN_JOINS = (
     Join(_J.NE, torch.ne, comparison=True, sql="{0} <> {1}", dtype_rule=BOOL),
     Join(_J.WHERE, _where, arity=3, nary=True,
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
-    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True),
-    Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True),
+    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False),
+    Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False),
 )
 _BUILTIN_AGGS = (
     Agg(_A.SUM, lambda x, dims: x.sum(dim=dims), lambda acc, p: acc.add_(p), 0.0,
@@ -263,10 +267,39 @@ def add_agg(record: Agg) -> Agg:
     return record
 
 
+def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` (a user's) made safe for the engine, which accumulates into results in place: a
+    result is broadcast to the operands' broadcast shape (a function may ignore an operand),
+    and one that is a view of an operand, or not laid out densely (an expanded broadcast),
+    comes back as a contiguous copy.
+
+    >>> x = torch.ones(2, 1)
+    >>> out = owned_result(lambda a, b: a.expand(2, 3))(x, torch.ones(1, 3))
+    >>> out.is_contiguous(), out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    (True, True)
+    """
+    def call(*operands: torch.Tensor) -> torch.Tensor:
+        out = fn(*operands)
+        if not isinstance(out, torch.Tensor):
+            return out
+        shape = torch.broadcast_shapes(*(x.shape for x in operands))
+        if out.shape != shape:
+            out = out.expand(shape)
+        if (not out.is_contiguous() or any(
+                isinstance(x, torch.Tensor)
+                and x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                for x in operands)):
+            return out.clone(memory_format=torch.contiguous_format)
+        return out
+
+    call.__name__ = getattr(fn, "__name__", "join")
+    return call
+
+
 def fold_reduce(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], identity: float,
                 associative: bool) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
-    """A reduction over dims by a binary function: pairwise halving (log steps) when it is
-    associative and commutative, else left to right.
+    """A reduction over dims by a binary function, from ``identity``: pairwise halving (log
+    steps) when it is associative and commutative, else left to right.
 
     >>> r = fold_reduce(torch.maximum, -math.inf, True)
     >>> r(torch.tensor([[1.0, 9.0, 3.0], [4.0, 0.0, 2.0]]), [1]).tolist()
@@ -278,17 +311,17 @@ def fold_reduce(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], identi
         flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
         if flat.shape[-1] == 0:  # nothing to aggregate: the identity
             return torch.full(flat.shape[:-1], identity, dtype=x.dtype)
-        if not associative:
-            value = flat[..., 0]
-            for k in range(1, flat.shape[-1]):
+        value = torch.full(flat.shape[:-1], identity, dtype=x.dtype)
+        if not associative:  # fn(...fn(fn(identity, x0), x1)..., xn)
+            for k in range(flat.shape[-1]):
                 value = fn(value, flat[..., k])
             return value
-        while flat.shape[-1] > 1:
+        while flat.shape[-1] > 1:  # the same, for an associative and commutative fn
             half = flat.shape[-1] // 2
             paired = fn(flat[..., :half], flat[..., half:2 * half])
             if flat.shape[-1] % 2:
                 paired = torch.cat([paired, flat[..., 2 * half:]], dim=-1)
             flat = paired
-        return flat[..., 0]
+        return fn(value, flat[..., 0])
 
     return reduce

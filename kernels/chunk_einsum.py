@@ -212,7 +212,7 @@ def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
         sizes.update(zip(lab_set, x.shape))
     aggregated = [lab for lab in sizes if lab not in out_labels]
     total = math.prod(sizes.values())
-    if total > max_temp_elems and aggregated:
+    if total > max_temp_elems and aggregated and agg_of(agg).associative:
         widest = max(aggregated, key=lambda lab: sizes[lab])
         if sizes[widest] > 1:
             step = max(1, sizes[widest] * max_temp_elems // total)

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from opt_einsum import get_symbol
 
+from tensorql.algebra import BUILTIN_AGGS, derivative_join, join_record
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
-from tensorql.algebra import join_record
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import (
@@ -344,7 +344,15 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
             others = [f for j, f in enumerate(e.operands) if j != k]
             grads[k] = e.to_operand(k, [out, *others])
         return grads
+    if spec.agg not in BUILTIN_AGGS and spec.aggregated:
+        raise GradientError(f"no gradient through the user's aggregation {spec.agg!r} (only "
+                            f"through {', '.join(BUILTIN_AGGS)})")
     adjoint = _aggregate_adjoint(e, out)  # of the joined values, over all labels
+    if join_record(spec.join).user:  # one call of the user's function: its partials
+        for k in needs:
+            partial = e.einsum(e.operands, e.every, join=_derivative(spec.join, k))
+            grads[k] = e.to_operand(k, [*adjoint, Factor(partial, e.every)])
+        return grads
     if spec.join == _J.WHERE:
         cond = e.operands[0]
         true = cond.tensor.astype(e.dtype)
@@ -375,6 +383,24 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
     if 0 in needs:
         grads[0] = e.to_operand(0, adjoint, scale)
     return grads
+
+
+def _derivative(join: str, k: int) -> str:
+    """The join of d JOIN / d operand ``k`` (the user's adjoint, or ``torch.func``'s), tried on
+    a small float64 probe first so a function torch cannot differentiate is a GradientError
+    here, not a failure while the gradient runs."""
+    name = derivative_join(join, k)
+    record = join_record(join)
+    probe = [torch.linspace(0.5, 1.5, 3, dtype=torch.float64)] * (record.arity or 2)
+    try:
+        value = join_record(name).apply(probe)
+    except Exception as err:  # the user's function (or adjoint)
+        raise GradientError(f"no gradient through join {join!r}: its derivative by operand "
+                            f"{k} failed ({type(err).__name__}: {err})") from err
+    if not isinstance(value, torch.Tensor) or value.shape != probe[0].shape:
+        raise GradientError(f"no gradient through join {join!r}: its adjoint for operand {k} "
+                            "is not an elementwise tensor")
+    return name
 
 
 def _joined(e: _Einsum) -> Factor:

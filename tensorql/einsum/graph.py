@@ -23,7 +23,17 @@ import torch
 from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
 from tensorql_kernels.optimizer_update import SLOTS, check_update_labels
 
-from tensorql.algebra import BOOL, CONDITION, FLOATING, NUMERIC, AggName, JoinName, join_record
+from tensorql.algebra import (
+    BOOL,
+    CONDITION,
+    FLOATING,
+    NUMERIC,
+    AggName,
+    JoinFunctionError,
+    JoinName,
+    join_dtype,
+    join_record,
+)
 from tensorql.algebra import agg_record as _agg_record
 from tensorql.dag import inputs_first
 from tensorql.dtypes import canonical_dtype, torch_dtype
@@ -99,8 +109,8 @@ class EinsumOp(Node):
             raise ShapeError(f"join {join!r} takes 3 operands (condition, value where true, "
                              f"value where false), got {len(operands)}")
         if record.arity is not None and len(operands) != record.arity:
-            raise ShapeError(f"join {join!r} takes {record.arity} operand(s), got "
-                             f"{len(operands)}")
+            error = JoinFunctionError if record.user else ShapeError
+            raise error(f"join {join!r} takes {record.arity} operand(s), got {len(operands)}")
         if record.update:
             wrong = check_update_labels(spec.inputs, spec.output)
             if wrong is not None or spec.sizes.get(spec.output[0]) != SLOTS:
@@ -226,11 +236,6 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
             and _agg_record(spec.agg).widens:
         dtype = torch.int64  # sums accumulate in int64, as torch.sum does (no silent wrap)
     return canonical_dtype(dtype)
-
-
-def join_dtype(join, dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The dtype a user's join gives on operands of ``dtypes``: torch's, on one element each."""
-    return join.apply([torch.ones((), dtype=d) for d in dtypes]).dtype
 
 
 def topological_order(*roots: Node) -> list[Node]:

@@ -169,6 +169,8 @@ def _operands(op: EinsumOp,
         for n, (op_labels, squeeze) in enumerate(zip(spec.inputs, spec.squeezed))
     ]
     tiles = _choose_tiles(children, labels)
+    if not agg_record(spec.agg).associative:  # its partials cannot be combined: one tile
+        tiles.update({lab: spec.sizes[lab] for lab in spec.aggregated})
     return [(retile(child, lab, tiles), lab) for child, lab in zip(children, labels)], tiles
 
 
@@ -257,8 +259,8 @@ def _step(operands: Sequence[Operand], out: Sequence[str], join: str, agg: str,
     joint = tuple(dict.fromkeys(lab for _, labels in operands for lab in labels))
     over = tuple(lab for lab in joint if lab not in out)
     if (len(operands) == 1 and not over and operands[0][1] == out
-            and operands[0][0].relation.dtype == dtype):
-        return operands[0][0]  # the identity: nothing to do
+            and operands[0][0].relation.dtype == dtype and not join_record(join).nary):
+        return operands[0][0]  # the identity: nothing to do (a user's unary join is not)
     join_labels = out if not over else out + over
     joined = Join(
         relation=_relation(join_labels, sizes, tiles, dtype),

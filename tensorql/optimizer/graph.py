@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tensorql.algebra import AggName, JoinName, is_update
+from tensorql.algebra import AggName, JoinName, agg_record, is_update
 from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
@@ -206,8 +206,10 @@ class _Builder:
                        for src, axes in zip(join.sources, join.input_labels))
         name = describe_contraction(join.input_labels, out.labels, join.join,
                                     aggregate.agg if aggregate else AggName.SUM)
-        # an optimizer update computes its three slots in one pass: they stay together
-        whole = (out.labels[0],) if is_update(join.join) else ()
+        # an optimizer update computes its three slots in one pass: they stay together; the
+        # labels of an aggregation that is not associative are never cut (no partials of it)
+        whole = ((out.labels[0],) if is_update(join.join) else ()) + \
+            (() if aggregate is None or agg_record(aggregate.agg).associative else tuple(over))
         return self._append(kind="einsum", labels=labels,
                             sizes=tuple(size[lab] for lab in labels), n_out=len(out.labels),
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
