@@ -115,6 +115,12 @@ class Join:
     listed: bool = True  # offered by name in messages and SQL (not updates, anonymous joins)
     source: Callable[..., torch.Tensor] | None = field(default=None, repr=False,
                                                       compare=False)  # a user's own fn
+    # the join with a Python number as one operand, as an elementwise map of the other
+    # (tensorql_kernels.elementwise): (map, its scalar from the number) for ``x JOIN c`` and
+    # for ``c JOIN x``; None where there is no such map
+    scalar_maps: tuple[tuple[str, Callable[[float], float]],
+                       tuple[str, Callable[[float], float]]] | None = field(
+        default=None, repr=False, compare=False)
 
     def distributes(self, agg: str) -> bool:
         """Whether labels aggregated by ``agg`` may be aggregated early (a semiring)."""
@@ -181,21 +187,38 @@ def _update(name: str) -> Callable[..., torch.Tensor]:
 
 
 _J, _A = JoinName, AggName
+
+
+def _same(c: float) -> float:
+    return c
+
+
+def _negated(c: float) -> float:
+    return -c
+
+
+def _inverse(c: float) -> float:
+    return 1.0 / c
+
+
 _BUILTIN_JOINS = (
     Join(_J.MUL, torch.mul, associative=True, commutative=True,
-         distributes_over=frozenset({_A.SUM}), zeros=((_A.SUM, 0.0),), sql="{0} * {1}"),
+         distributes_over=frozenset({_A.SUM}), zeros=((_A.SUM, 0.0),), sql="{0} * {1}",
+         scalar_maps=(("scale", _same), ("scale", _same))),
     Join(_J.ADD, torch.add, associative=True, commutative=True,
          distributes_over=frozenset({_A.MAX, _A.MIN}),
          zeros=((_A.MIN, math.inf), (_A.MAX, -math.inf)), sql="{0} + {1}",
-         dtype_rule=NUMERIC),
-    Join(_J.SUB, torch.sub, sql="{0} - {1}", dtype_rule=NUMERIC),
-    Join(_J.DIV, torch.div, sql="{0} / {1}", sql_double="always", dtype_rule=FLOATING),
+         dtype_rule=NUMERIC, scalar_maps=(("shift", _same), ("shift", _same))),
+    Join(_J.SUB, torch.sub, sql="{0} - {1}", dtype_rule=NUMERIC,
+         scalar_maps=(("shift", _negated), ("rsub", _same))),
+    Join(_J.DIV, torch.div, sql="{0} / {1}", sql_double="always", dtype_rule=FLOATING,
+         scalar_maps=(("scale", _inverse), ("rdiv", _same))),
     Join(_J.MAX, torch.maximum, associative=True, commutative=True,
          distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MIN, math.inf),),
-         sql="greatest({0}, {1})"),
+         sql="greatest({0}, {1})", scalar_maps=(("maximum", _same), ("maximum", _same))),
     Join(_J.MIN, torch.minimum, associative=True, commutative=True,
          distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MAX, -math.inf),),
-         sql="least({0}, {1})"),
+         sql="least({0}, {1})", scalar_maps=(("minimum", _same), ("minimum", _same))),
     Join(_J.POW, torch.pow, sql="pow({0}, {1})", sql_double="nonint"),
     Join(_J.LT, torch.lt, comparison=True, sql="{0} < {1}", dtype_rule=BOOL),
     Join(_J.LE, torch.le, comparison=True, sql="{0} <= {1}", dtype_rule=BOOL),

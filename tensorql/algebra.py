@@ -70,7 +70,7 @@ __all__ = [
     "JoinName", "UnknownOperatorError", "agg_record", "check_operators", "is_update",
     "join_record", "offered_aggs", "offered_joins", "semiring_pairs", "JoinFunctionError",
     "AggFunctionError", "register_join", "register_agg", "resolve_join", "resolve_agg",
-    "join_dtype", "derivative_join",
+    "join_dtype", "derivative_join", "add_user_join",
 ]
 
 
@@ -191,20 +191,30 @@ elements at other positions: the function is not elementwise
         raise JoinFunctionError(f"join {name!r} is built in; choose another name")
     if not callable(fn):
         raise JoinFunctionError(f"join {name!r}: {type(fn).__name__} is not callable")
-    arity = _arity(name, fn, JoinFunctionError, "join")
     old = JOINS.get(name)
     if old is not None:
         if old.source is fn:
             return name
         raise JoinFunctionError(f"join {name!r} is already registered to another function")
+    add_user_join(name, fn, arity=_arity(name, fn, JoinFunctionError, "join"), sql=sql,
+                  identity=identity, adjoint=adjoint, commutative=commutative,
+                  associative=associative, listed=_listed)
+    return name
+
+
+def add_user_join(name: str, fn: Callable[..., torch.Tensor], *, arity: int,
+                  sql: str | None = None, identity: float | None = None,
+                  adjoint: Callable[..., torch.Tensor] | None = None, commutative: bool = False,
+                  associative: bool = False, listed: bool = False) -> Join:
+    """Probe ``fn`` (JoinFunctionError unless it is an elementwise torch function of
+    ``arity`` operands) and register it as join ``name`` (the name is the caller's)."""
     if sql is not None:
         _check_template(name, sql, arity)
     _probe_join(name, fn, arity)
-    add_join(Join(name, owned_result(fn), source=fn, arity=arity, nary=arity != 2,
-                  associative=associative, commutative=commutative, sql=sql,
-                  dtype_rule=PROBE, adjoint=adjoint, user=True, identity=identity,
-                  label=getattr(fn, "__name__", name), listed=_listed))
-    return name
+    return add_join(Join(name, owned_result(fn), source=fn, arity=arity, nary=arity != 2,
+                         associative=associative, commutative=commutative, sql=sql,
+                         dtype_rule=PROBE, adjoint=adjoint, user=True, identity=identity,
+                         label=getattr(fn, "__name__", name), listed=listed))
 
 
 def _arity(name: str, fn: Callable[..., Any], error: type[TensorQLError], what: str) -> int:

@@ -454,33 +454,67 @@ class JoinPartials:
 def _join_partials(e: _Einsum, join: str, a: Factor, b: Factor,
                    out: Factor) -> JoinPartials:
     """d JOIN(a, b) / da and / db (the local derivatives of one step of the fold; ``out`` is
-    its value)."""
-    labels = out.labels
-    if join == _J.ADD:
-        return JoinPartials(Partial(), Partial())
-    if join == _J.SUB:
-        return JoinPartials(Partial(), Partial(scale=-1.0))
-    if join == _J.MUL:
-        return JoinPartials(Partial((b,)), Partial((a,)))
-    if join == _J.DIV:
-        inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
-        return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
-    if join in (_J.MAX, _J.MIN):  # torch.maximum / minimum: a tie gives each half
-        wins = _J.GT if join == _J.MAX else _J.LT
+    its value), by the built-in join's rule in :data:`PARTIALS`."""
+    rule = PARTIALS.get(join)
+    if rule is None:  # pragma: no cover - bool joins carry no gradient
+        raise GradientError(f"no gradient for join {join!r}")
+    return rule(e, a, b, out)
+
+
+def _add_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial(), Partial())
+
+
+def _sub_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial(), Partial(scale=-1.0))
+
+
+def _mul_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial((b,)), Partial((a,)))
+
+
+def _div_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
+    return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
+
+
+def _extreme_partials(wins: str):
+    """torch.maximum / minimum (``wins``: gt / lt): the winner takes it, a tie gives each
+    half."""
+    def partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+        labels = out.labels
         tie = e.einsum([a, b], labels, join=_J.EQ).astype(e.dtype) * 0.5
         a_wins = e.einsum([a, b], labels, join=wins).astype(e.dtype)
         b_wins = e.einsum([b, a], labels, join=wins).astype(e.dtype)
         return JoinPartials(Partial((Factor(a_wins + tie, labels),)),
                             Partial((Factor(b_wins + tie, labels),)))
-    if join == _J.POW:  # as torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)
-        lower = Factor(b.tensor - 1.0, b.labels)
-        da = e.einsum([b, Factor(e.einsum([a, lower], labels, join=_J.POW), labels)], labels)
-        da = _zero_where(e, [Factor(b.tensor.eq(0.0), b.labels)], da, labels)
-        db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
-        db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
-                              Factor(b.tensor >= 0.0, b.labels)], db_, labels)
-        return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
-    raise GradientError(f"no gradient for join {join!r}")  # pragma: no cover - bool joins
+
+    return partials
+
+
+def _pow_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """As torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)."""
+    labels = out.labels
+    lower = Factor(b.tensor - 1.0, b.labels)
+    da = e.einsum([b, Factor(e.einsum([a, lower], labels, join=_J.POW), labels)], labels)
+    da = _zero_where(e, [Factor(b.tensor.eq(0.0), b.labels)], da, labels)
+    db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
+    db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
+                          Factor(b.tensor >= 0.0, b.labels)], db_, labels)
+    return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
+
+
+# the built-in joins' adjoints (one step of the fold); a user's join has its own adjoint or
+# autograd's (tensorql.algebra.derivative_join), comparisons and where's condition none
+PARTIALS = {
+    _J.ADD: _add_partials,
+    _J.SUB: _sub_partials,
+    _J.MUL: _mul_partials,
+    _J.DIV: _div_partials,
+    _J.MAX: _extreme_partials(_J.GT),
+    _J.MIN: _extreme_partials(_J.LT),
+    _J.POW: _pow_partials,
+}
 
 
 def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str) -> Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
+from tensorql.algebra import join_record
 from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import ShapeError, TensorQLError, UnsupportedError
@@ -105,18 +106,11 @@ class Tensor:
         return self.db.constant(other)
 
     def _elementwise(self, other: Any, join: str, reverse: bool = False) -> Tensor:
-        if isinstance(other, numbers.Number) and not isinstance(other, bool):
-            value = other
-            if join == _J.ADD:
-                return self._map("shift", value)
-            if join == _J.MUL:
-                return self._map("scale", value)
-            if join == _J.SUB:
-                return self._map("rsub", value) if reverse else self._map("shift", -value)
-            if join == _J.DIV:
-                return self._map("rdiv", value) if reverse else self._map("scale", 1.0 / value)
-            if join in (_J.MAX, _J.MIN):
-                return self._map("maximum" if join == _J.MAX else "minimum", value)
+        maps = join_record(join).scalar_maps
+        if maps is not None and isinstance(other, numbers.Number) \
+                and not isinstance(other, bool):  # one map of self (see the algebra registry)
+            fn, scalar = maps[1 if reverse else 0]
+            return self._map(fn, scalar(other))
         other_t = self._operand(other)
         left, right = (other_t, self) if reverse else (self, other_t)
         return broadcast_binary(left, right, join)
