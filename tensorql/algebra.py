@@ -16,11 +16,11 @@ by the function object (a lambda is not hashable by value): the same object is t
 
 >>> join_record(JoinName.MUL).commutative, agg_record(AggName.PROD).identity
 (True, 1.0)
->>> join_record("nope")
+>>> join_record("nope")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 tensorql.algebra.UnknownOperatorError: unknown join 'nope'; choose one of mul, add, sub, div, max, \
-min, pow, lt, le, gt, ge, eq, ne, where
+min, pow, lt, le, gt, ge, eq, ne, where...
 >>> import torch
 >>> register_join("logaddexp", torch.logaddexp, identity=float("-inf"),
 ...               sql="ln(exp({0}) + exp({1}))")
@@ -276,12 +276,16 @@ def _probe_join(name: str, fn: Callable[..., Any], arity: int) -> None:
 
 def _call(name: str, fn: Callable[..., Any], xs: list[torch.Tensor], what: str,
           error: type[TensorQLError]) -> torch.Tensor:
+    before = [x.clone() for x in xs]
     try:
         out = fn(*xs)
     except Exception as err:  # the user's function: any failure is theirs to see
         raise error(f"{what} {name!r} raised {type(err).__name__} on torch tensors of "
                     f"shapes {[tuple(x.shape) for x in xs]}: {err} (it must be a torch "
                     "function of tensors)") from err
+    if any(not torch.equal(x, old) for x, old in zip(xs, before)):
+        raise error(f"{what} {name!r} changed its operands in place; it must compute a new "
+                    "tensor (the operands are stored data)")
     if not isinstance(out, torch.Tensor):
         raise error(f"{what} {name!r} returned {type(out).__name__}, not a torch tensor (it "
                     "must be a torch function of tensors)")

@@ -108,6 +108,8 @@ def test_bad_aggregations_are_clear_errors(db1):
         tq.register_agg("t_unary", lambda a: a, identity=0.0)
     with pytest.raises(tq.AggFunctionError, match="raised"):
         tq.register_agg("t_raises", lambda a, b: math.fsum([a, b]), identity=0.0)
+    with pytest.raises(tq.AggFunctionError, match="in place"):
+        tq.register_agg("t_inplace", lambda a, b: a.add_(b), identity=0.0)
     with pytest.raises(tq.AggFunctionError, match="built in"):
         tq.register_agg("sum", torch.add, identity=0.0)
     with pytest.raises(tq.AggFunctionError, match="identity"):

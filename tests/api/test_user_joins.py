@@ -161,6 +161,7 @@ BAD = [
     (lambda x, y: math.exp(x) * y, "raised ValueError"),            # not a torch function
     (lambda x, y: 1.0, "not a torch tensor"),                       # not a tensor
     (lambda x, y: x.numpy() * y.numpy(), "not a torch tensor"),     # numpy, not torch
+    (lambda x, y: x.mul_(2.0) + y, "changed its operands in place"),  # writes stored data
 ]
 
 
