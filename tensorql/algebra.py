@@ -166,15 +166,18 @@ def resolve_join(join: Any) -> str:
 def register_join(name: str, fn: Callable[..., torch.Tensor], *, identity: float | None = None,
                   sql: str | None = None, adjoint: Callable[..., torch.Tensor] | None = None,
                   commutative: bool = False, associative: bool = False,
-                  _listed: bool = True) -> str:
+                  arity: int | None = None, _listed: bool = True) -> str:
     """Register ``fn``, an elementwise torch function of the operands, as join ``name``.
 
-    Its arity is its number of positional parameters (an einsum using it has that many
-    operands). ``identity`` is the join's identity element, if any (logaddexp's is -inf);
-    ``sql`` spells it for DuckDB's relational path as a template over ``{0}``, ``{1}``, ...
-    (without it, sparse relation operands are densified or refused); ``adjoint(k, *operands)``
-    gives d out / d operand k elementwise (without it, torch's autograd derives it for
-    ``tq.grad``). Returns the name; JoinFunctionError when ``fn`` is not such a function.
+    Its arity is its number of positional parameters without defaults (an einsum using it has
+    that many operands), or ``arity`` where its signature does not say (a torch builtin).
+    ``identity`` is the join's identity element, if any (logaddexp's is -inf); ``sql``
+    spells it for DuckDB's relational path as a template over ``{0}``, ``{1}``, ...
+    (without it, sparse relation operands are densified or refused); ``adjoint(k,
+    *operands)`` gives d out / d operand k elementwise (without it, torch's autograd derives it for
+    ``tq.grad``). Returns the name; JoinFunctionError when ``fn`` is not such a function --
+    it is probed on small float64 tensors with values in [0.5, 1.5) that broadcast against
+    each other (so it must accept floating operands).
 
     >>> register_join("hypot2", lambda a, b: torch.sqrt(a * a + b * b))
     'hypot2'
@@ -196,7 +199,10 @@ elements at other positions: the function is not elementwise
         if old.source is fn:
             return name
         raise JoinFunctionError(f"join {name!r} is already registered to another function")
-    add_user_join(name, fn, arity=_arity(name, fn, JoinFunctionError, "join"), sql=sql,
+    if arity is not None and (not isinstance(arity, int) or arity < 1):
+        raise JoinFunctionError(f"join {name!r}: arity must be a positive int, got {arity!r}")
+    arity = arity or _arity(name, fn, JoinFunctionError, "join")
+    add_user_join(name, fn, arity=arity, sql=sql,
                   identity=identity, adjoint=adjoint, commutative=commutative,
                   associative=associative, listed=_listed)
     return name

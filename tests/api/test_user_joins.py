@@ -104,6 +104,17 @@ def test_registered_join_by_name_and_explain(db1):
     assert "join=t_logaddexp agg=max" in out.explain()
 
 
+def test_a_builtin_of_three_operands_with_its_arity(db1):
+    tq.register_join("t_lerp", torch.lerp, arity=3)  # its signature does not say
+    x = db1.from_numpy("wx", np.array([1.0, 2.0, 3.0]), replace=True)
+    y = db1.from_numpy("wy", np.array([-1.0, -2.0, -3.0]), replace=True)
+    w = db1.from_numpy("ww", np.array([0.0, 0.5, 1.0]), replace=True)
+    np.testing.assert_allclose(tq.einsum("i,i,i->i", x, y, w, join="t_lerp").numpy(),
+                               [1.0, 0.0, -3.0])
+    with pytest.raises(tq.JoinFunctionError, match="positive int"):
+        tq.register_join("t_zero", torch.add, arity=0)
+
+
 def test_the_same_function_is_the_same_join(db1):
     def scaled(x, y):
         return x * 2.0 + y
