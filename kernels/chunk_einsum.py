@@ -8,7 +8,8 @@ into them in place.
 >>> a, b = torch.ones(2, 3), torch.ones(3, 4)
 >>> chunk_einsum([a, b], [("i", "j"), ("j", "k")], ("i", "k")).tolist()[0]
 [3.0, 3.0, 3.0, 3.0]
->>> chunk_einsum([a, b], [("i", "j"), ("j", "k")], ("i", "k"), join="add", agg="max")[0, 0]
+>>> chunk_einsum([a, b], [("i", "j"), ("j", "k")], ("i", "k"), join=JoinName.ADD,
+...              agg=AggName.MAX)[0, 0]
 tensor(2.)
 """
 
@@ -20,26 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tensorql_kernels.optimizer_update import UPDATE_JOINS, optimizer_update
+from tensorql_kernels.algebra import JOINS, AggName, JoinName, agg_of, is_update
+from tensorql_kernels.optimizer_update import optimizer_update
 from tensorql_kernels.packed_weights import matmul as packed_matmul
 
 Labels = Sequence[str]
 
-_JOIN = {
-    "mul": torch.mul,
-    "add": torch.add,
-    "sub": torch.sub,
-    "div": torch.div,
-    "max": torch.maximum,
-    "min": torch.minimum,
-    "pow": torch.pow,
-    "lt": torch.lt,
-    "le": torch.le,
-    "gt": torch.gt,
-    "ge": torch.ge,
-    "eq": torch.eq,
-    "ne": torch.ne,
-}
+_MUL, _SUM = JoinName.MUL, AggName.SUM
 
 
 @dataclass(frozen=True)
@@ -49,10 +37,10 @@ class BroadcastJoin:
     the output's dims: no einsum call, no expanded copy. Planned once per kernel
     (:meth:`plan`), applied to each chunk's operands.
 
-    >>> j = BroadcastJoin.plan([("b", "d"), ("b",)], ("b", "d"), "mul")
+    >>> j = BroadcastJoin.plan([("b", "d"), ("b",)], ("b", "d"), JoinName.MUL)
     >>> j([torch.ones(2, 3), torch.tensor([2.0, 3.0])]).tolist()
     [[2.0, 2.0, 2.0], [3.0, 3.0, 3.0]]
-    >>> BroadcastJoin.plan([("i", "j"), ("j", "k")], ("i", "k"), "mul") is None  # j aggregated
+    >>> BroadcastJoin.plan([("i", "j"), ("j", "k")], ("i", "k"), _MUL) is None  # j aggregated
     True
     """
 
@@ -64,8 +52,9 @@ class BroadcastJoin:
     def plan(cls, in_labels: Sequence[Labels], out_labels: Labels,
              join: str) -> BroadcastJoin | None:
         """The broadcast form of the join, or None when a label is aggregated or repeated
-        (or the join has no elementwise torch function)."""
-        fn = _JOIN.get(join)
+        (or the join is not a binary function folded over the operands)."""
+        record = JOINS.get(join)
+        fn = None if record is None or record.nary else record.fn
         out = tuple(out_labels)
         if fn is None or len(in_labels) < 2 or len(set(out)) != len(out):
             return None
@@ -151,42 +140,24 @@ def _owned(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def reduce(x: torch.Tensor, dims: Sequence[int], agg: str) -> torch.Tensor:
-    """Reduce ``dims`` of ``x`` with ``agg`` (sum, max, min, prod)."""
+    """Reduce ``dims`` of ``x`` with aggregation ``agg`` (any registered one)."""
     dims = list(dims)
     if not dims:
         return x
-    if agg == "sum":
-        return x.sum(dim=dims)
-    if agg == "max":
-        return x.amax(dim=dims)
-    if agg == "min":
-        return x.amin(dim=dims)
-    if agg == "prod":
-        keep = [d for d in range(x.ndim) if d not in dims]
-        flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
-        return flat.prod(dim=-1)
-    raise ValueError(f"unknown agg {agg!r}")
+    return agg_of(agg).reduce(x, dims)
 
 
 def combine(acc: torch.Tensor, partial: torch.Tensor, agg: str) -> torch.Tensor:
     """Fold ``partial`` into ``acc`` in place with ``agg``; returns ``acc``."""
-    if agg == "sum":
-        return acc.add_(partial)
-    if agg == "max":
-        return torch.maximum(acc, partial, out=acc)
-    if agg == "min":
-        return torch.minimum(acc, partial, out=acc)
-    if agg == "prod":
-        return acc.mul_(partial)
-    raise ValueError(f"unknown agg {agg!r}")
+    return agg_of(agg).combine(acc, partial)
 
 
 def chunk_einsum(
     operands: Sequence[torch.Tensor],
     labels: Sequence[Labels],
     out_labels: Labels,
-    join: str = "mul",
-    agg: str = "sum",
+    join: str = _MUL,
+    agg: str = _SUM,
     *,
     max_temp_elems: int = 1 << 24,
 ) -> torch.Tensor:
@@ -195,13 +166,13 @@ def chunk_einsum(
     Non-multiplicative joins materialise the broadcast join; ``max_temp_elems`` bounds that
     temporary by slicing the largest aggregated label.
     """
-    if join in UPDATE_JOINS:  # an optimizer's update: one fused pass, no aggregation
+    if is_update(join):  # an optimizer's update: one fused pass, no aggregation
         return optimizer_update(join, operands)
     pairs = [diagonalize(x, lab) for x, lab in zip(operands, labels)]
     xs = [p[0] for p in pairs]
     labs = [p[1] for p in pairs]
     out_labels = tuple(out_labels)
-    if join == "mul" and agg == "sum":
+    if join == _MUL and agg == _SUM:
         dot = _rowwise_dot(xs, labs, out_labels)
         if dot is not None:
             return dot
@@ -241,7 +212,7 @@ def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
         sizes.update(zip(lab_set, x.shape))
     aggregated = [lab for lab in sizes if lab not in out_labels]
     total = math.prod(sizes.values())
-    if total > max_temp_elems and aggregated:
+    if total > max_temp_elems and aggregated and agg_of(agg).associative:
         widest = max(aggregated, key=lambda lab: sizes[lab])
         if sizes[widest] > 1:
             step = max(1, sizes[widest] * max_temp_elems // total)
@@ -263,13 +234,7 @@ def _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems):
         view = x.permute(order)
         shape = [sizes[lab] if lab in lab_set else 1 for lab in joint]
         expanded.append(view.reshape(shape))
-    value = expanded[0]
-    if join == "where":  # condition, value where true, value where false
-        value = torch.where(value.bool(), expanded[1], expanded[2])
-    else:
-        fn = _JOIN[join]
-        for other in expanded[1:]:
-            value = fn(value, other)
+    value = JOINS[join].apply(expanded)
     value = value.expand([sizes[lab] for lab in joint])
     return reduce(value, range(len(out_labels), len(joint)), agg)
 
@@ -279,8 +244,8 @@ def contract_into(
     operands: Sequence[torch.Tensor],
     labels: Sequence[Labels],
     out_labels: Labels,
-    join: str = "mul",
-    agg: str = "sum",
+    join: str = _MUL,
+    agg: str = _SUM,
     *,
     max_temp_elems: int = 1 << 24,
 ) -> torch.Tensor:
@@ -318,8 +283,8 @@ def contract_to(
     operands: Sequence[torch.Tensor],
     labels: Sequence[Labels],
     out_labels: Labels,
-    join: str = "mul",
-    agg: str = "sum",
+    join: str = _MUL,
+    agg: str = _SUM,
     *,
     max_temp_elems: int = 1 << 24,
 ) -> torch.Tensor:
@@ -341,7 +306,7 @@ def contract_to(
         else:
             packed_matmul(left, right, out=out)
         return out
-    if join in UPDATE_JOINS:
+    if is_update(join):
         return optimizer_update(join, operands, out)
     flat = _flat_matmul(operands, labels, out_labels, join, agg)
     if flat is not None:
@@ -358,7 +323,7 @@ def contract_to(
 def _matmul(operands, labels, out_labels, join, agg):
     """(left, right, output_transposed) when the chunk einsum is one plain 2-D matrix product
     of same-dtype floating matrices, else None."""
-    if join != "mul" or agg != "sum" or len(operands) != 2:
+    if join != _MUL or agg != _SUM or len(operands) != 2:
         return None
     mats = _as_matmul(operands, labels, out_labels)
     if mats is None or mats[0].dtype != mats[1].dtype:
@@ -377,13 +342,13 @@ def _flat_matmul(operands, labels, out_labels, join, agg):
 
     >>> a, b = torch.ones(2, 3, 4), torch.ones(5, 4)
     >>> left, right, shape = _flat_matmul([a, b], [("b", "s", "d"), ("v", "d")],
-    ...                                   ("b", "s", "v"), "mul", "sum")
+    ...                                   ("b", "s", "v"), _MUL, _SUM)
     >>> tuple(left.shape), tuple(right.shape), shape
     ((6, 4), (4, 5), (2, 3, 5))
-    >>> _flat_matmul([a, a], [("b", "s", "d"), ("b", "s", "e")], ("d", "e"), "mul", "sum")[2]
+    >>> _flat_matmul([a, a], [("b", "s", "d"), ("b", "s", "e")], ("d", "e"), _MUL, _SUM)[2]
     (4, 4)
     """
-    if join != "mul" or agg != "sum" or len(operands) != 2:
+    if join != _MUL or agg != _SUM or len(operands) != 2:
         return None
     a, b = operands
     if a.dtype != b.dtype or not a.is_floating_point():

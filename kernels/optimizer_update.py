@@ -20,7 +20,7 @@ is correct; a chunk holding all three slots computes them in one pass.
 >>> g, w = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
 >>> m, v = torch.zeros(2), torch.zeros(2)
 >>> scalars = [torch.tensor(x) for x in (0.1, 0.9, 0.999, 1e-8, 0.0, 1.0)]
->>> out = optimizer_update("adam", [g, w, m, v, torch.arange(3.0), *scalars])
+>>> out = optimizer_update(JoinName.ADAM, [g, w, m, v, torch.arange(3.0), *scalars])
 >>> [round(x, 4) for x in out[0].tolist()], [round(x, 4) for x in out[1].tolist()]
 ([0.4, 0.6], [0.1, -0.2])
 """
@@ -31,13 +31,14 @@ import math
 from collections.abc import Sequence
 
 import torch
+from tensorql_kernels.algebra import UPDATE_JOINS, JoinName
 
-UPDATE_JOINS = ("adam", "adamw")
+__all__ = ["UPDATE_JOINS", "check_update_labels", "optimizer_update"]
 UPDATE_ARITY = 11  # gradient, weight, exp_avg, exp_avg_sq, slots, 6 scalars
 SLOTS = 3  # weight, exp_avg, exp_avg_sq
 
-_FUSED = {"adam": getattr(torch, "_fused_adam_", None),
-          "adamw": getattr(torch, "_fused_adamw_", None)}
+_FUSED = {JoinName.ADAM: getattr(torch, "_fused_adam_", None),
+          JoinName.ADAMW: getattr(torch, "_fused_adamw_", None)}
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -118,7 +119,7 @@ def _update_in_place(join: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tenso
               beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
               maximize=False)
         return
-    if weight_decay and join == "adamw":
+    if weight_decay and join == JoinName.ADAMW:
         p.mul_(1.0 - lr * weight_decay)
     elif weight_decay:
         g = g.add(p, alpha=weight_decay)

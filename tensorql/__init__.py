@@ -7,6 +7,7 @@
 [4.0, 4.0, 4.0]
 """
 
+from tensorql.algebra import AggFunctionError, JoinFunctionError, register_agg, register_join
 from tensorql.api import optim
 from tensorql.api.autodiff import GradientError, grad
 from tensorql.api.database import Database, connect
@@ -45,4 +46,5 @@ __all__ = [
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
     "einsum", "optimize", "where", "grad", "GradientError", "optim", "substitute",
+    "register_join", "register_agg", "JoinFunctionError", "AggFunctionError",
 ]

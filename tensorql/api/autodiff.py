@@ -41,8 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 from opt_einsum import get_symbol
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
+from tensorql.algebra import BUILTIN_AGGS, derivative_join, join_record
+from tensorql.algebra import AggName as _A
+from tensorql.algebra import JoinName as _J
 from tensorql.api.tensor import Tensor
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import (
@@ -264,8 +266,8 @@ class _Einsum:
         return {lab for lab, n in zip(factor.labels, factor.tensor.shape)
                 if n == self.sizes[lab]}
 
-    def einsum(self, factors: Sequence[Factor], out: str, join: str = "mul",
-               agg: str = "sum") -> Tensor:
+    def einsum(self, factors: Sequence[Factor], out: str, join: str = _J.MUL,
+               agg: str = _A.SUM) -> Tensor:
         from tensorql.api.einsum import einsum
 
         equation = ",".join(f.labels for f in factors) + "->" + out
@@ -334,16 +336,24 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
     spec = node.spec
     grads: dict[int, Tensor] = {}
     out = Factor(g, e.output)
-    if spec.join in UPDATE_JOINS:
+    if join_record(spec.join).update:
         raise UnsupportedError(f"no gradient flows through an optimizer's update "
                                f"(join {spec.join!r})")
-    if spec.join == "mul" and spec.agg == "sum":  # the classic rule, one einsum per operand
+    if spec.join == _J.MUL and spec.agg == _A.SUM:  # the classic rule, one einsum per operand
         for k in needs:
             others = [f for j, f in enumerate(e.operands) if j != k]
             grads[k] = e.to_operand(k, [out, *others])
         return grads
+    if spec.agg not in BUILTIN_AGGS and spec.aggregated:
+        raise GradientError(f"no gradient through the user's aggregation {spec.agg!r} (only "
+                            f"through {', '.join(BUILTIN_AGGS)})")
     adjoint = _aggregate_adjoint(e, out)  # of the joined values, over all labels
-    if spec.join == "where":
+    if join_record(spec.join).user:  # one call of the user's function: its partials
+        for k in needs:
+            partial = e.einsum(e.operands, e.every, join=_derivative(spec.join, k))
+            grads[k] = e.to_operand(k, [*adjoint, Factor(partial, e.every)])
+        return grads
+    if spec.join == _J.WHERE:
         cond = e.operands[0]
         true = cond.tensor.astype(e.dtype)
         picks = {1: Factor(true, cond.labels), 2: Factor(1.0 - true, cond.labels)}
@@ -375,6 +385,24 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
     return grads
 
 
+def _derivative(join: str, k: int) -> str:
+    """The join of d JOIN / d operand ``k`` (the user's adjoint, or ``torch.func``'s), tried on
+    a small float64 probe first so a function torch cannot differentiate is a GradientError
+    here, not a failure while the gradient runs."""
+    name = derivative_join(join, k)
+    record = join_record(join)
+    probe = [torch.linspace(0.5, 1.5, 3, dtype=torch.float64)] * (record.arity or 2)
+    try:
+        value = join_record(name).apply(probe)
+    except Exception as err:  # the user's function (or adjoint)
+        raise GradientError(f"no gradient through join {join!r}: its derivative by operand "
+                            f"{k} failed ({type(err).__name__}: {err})") from err
+    if not isinstance(value, torch.Tensor) or value.shape != probe[0].shape:
+        raise GradientError(f"no gradient through join {join!r}: its adjoint for operand {k} "
+                            "is not an elementwise tensor")
+    return name
+
+
 def _joined(e: _Einsum) -> Factor:
     """The joined values over every label (before aggregation)."""
     if not e.node.spec.aggregated:
@@ -385,19 +413,19 @@ def _joined(e: _Einsum) -> Factor:
 def _aggregate_adjoint(e: _Einsum, out: Factor) -> list[Factor]:
     """Factors whose product is the adjoint of the joined values (over all labels)."""
     spec = e.node.spec
-    if not spec.aggregated or spec.agg == "sum":
+    if not spec.aggregated or spec.agg == _A.SUM:
         return [out]
     z = _joined(e)
     value = Factor(Tensor(e.node, e.db), e.output)
-    if spec.agg in ("max", "min"):  # ties share the gradient evenly (torch.amax / amin)
-        hit = Factor(e.einsum([z, value], e.every, join="eq").astype(e.dtype), e.every)
+    if spec.agg in (_A.MAX, _A.MIN):  # ties share the gradient evenly (torch.amax / amin)
+        hit = Factor(e.einsum([z, value], e.every, join=_J.EQ).astype(e.dtype), e.every)
         count = e.einsum([hit], e.output)
         return [out, hit, Factor(count._map("rdiv", 1.0), e.output)]
     # prod: d/dz_i = product of the others; with one zero only that zero gets the product of
     # the rest, with two or more every derivative is 0
     zero = z.tensor.eq(0.0).astype(e.dtype)
     nonzero = z.tensor + zero  # zeros read as 1
-    product = e.einsum([Factor(nonzero, e.every)], e.output, agg="prod")
+    product = e.einsum([Factor(nonzero, e.every)], e.output, agg=_A.PROD)
     zeros = e.einsum([Factor(zero, e.every)], e.output)
     none_zero = Factor(zeros.eq(0.0).astype(e.dtype), e.output)
     one_zero = Factor(zeros.eq(1.0).astype(e.dtype), e.output)
@@ -426,42 +454,76 @@ class JoinPartials:
 def _join_partials(e: _Einsum, join: str, a: Factor, b: Factor,
                    out: Factor) -> JoinPartials:
     """d JOIN(a, b) / da and / db (the local derivatives of one step of the fold; ``out`` is
-    its value)."""
-    labels = out.labels
-    if join == "add":
-        return JoinPartials(Partial(), Partial())
-    if join == "sub":
-        return JoinPartials(Partial(), Partial(scale=-1.0))
-    if join == "mul":
-        return JoinPartials(Partial((b,)), Partial((a,)))
-    if join == "div":
-        inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
-        return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
-    if join in ("max", "min"):  # torch.maximum / minimum: a tie gives each half
-        wins = "gt" if join == "max" else "lt"
-        tie = e.einsum([a, b], labels, join="eq").astype(e.dtype) * 0.5
+    its value), by the built-in join's rule in :data:`PARTIALS`."""
+    rule = PARTIALS.get(join)
+    if rule is None:  # pragma: no cover - bool joins carry no gradient
+        raise GradientError(f"no gradient for join {join!r}")
+    return rule(e, a, b, out)
+
+
+def _add_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial(), Partial())
+
+
+def _sub_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial(), Partial(scale=-1.0))
+
+
+def _mul_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    return JoinPartials(Partial((b,)), Partial((a,)))
+
+
+def _div_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    inverse = Factor(b.tensor._map("rdiv", 1.0), b.labels)
+    return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
+
+
+def _extreme_partials(wins: str):
+    """torch.maximum / minimum (``wins``: gt / lt): the winner takes it, a tie gives each
+    half."""
+    def partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+        labels = out.labels
+        tie = e.einsum([a, b], labels, join=_J.EQ).astype(e.dtype) * 0.5
         a_wins = e.einsum([a, b], labels, join=wins).astype(e.dtype)
         b_wins = e.einsum([b, a], labels, join=wins).astype(e.dtype)
         return JoinPartials(Partial((Factor(a_wins + tie, labels),)),
                             Partial((Factor(b_wins + tie, labels),)))
-    if join == "pow":  # as torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)
-        lower = Factor(b.tensor - 1.0, b.labels)
-        da = e.einsum([b, Factor(e.einsum([a, lower], labels, join="pow"), labels)], labels)
-        da = _zero_where(e, [Factor(b.tensor.eq(0.0), b.labels)], da, labels)
-        db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
-        db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
-                              Factor(b.tensor >= 0.0, b.labels)], db_, labels)
-        return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
-    raise GradientError(f"no gradient for join {join!r}")  # pragma: no cover - bool joins
+
+    return partials
+
+
+def _pow_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """As torch.pow: 0 where the exponent is 0 / where 0 ** (b >= 0)."""
+    labels = out.labels
+    lower = Factor(b.tensor - 1.0, b.labels)
+    da = e.einsum([b, Factor(e.einsum([a, lower], labels, join=_J.POW), labels)], labels)
+    da = _zero_where(e, [Factor(b.tensor.eq(0.0), b.labels)], da, labels)
+    db_ = e.einsum([out, Factor(a.tensor.log(), a.labels)], labels)
+    db_ = _zero_where(e, [Factor(a.tensor.eq(0.0), a.labels),
+                          Factor(b.tensor >= 0.0, b.labels)], db_, labels)
+    return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
+
+
+# the built-in joins' adjoints (one step of the fold); a user's join has its own adjoint or
+# autograd's (tensorql.algebra.derivative_join), comparisons and where's condition none
+PARTIALS = {
+    _J.ADD: _add_partials,
+    _J.SUB: _sub_partials,
+    _J.MUL: _mul_partials,
+    _J.DIV: _div_partials,
+    _J.MAX: _extreme_partials(_J.GT),
+    _J.MIN: _extreme_partials(_J.LT),
+    _J.POW: _pow_partials,
+}
 
 
 def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str) -> Tensor:
     """0 where every one of ``conditions`` holds, else ``value`` (so a NaN or inf of
     ``value`` there is dropped, not multiplied by 0)."""
     cond = conditions[0] if len(conditions) == 1 else \
-        Factor(e.einsum(conditions, labels, join="min"), labels)  # min of bools: and
+        Factor(e.einsum(conditions, labels, join=_J.MIN), labels)  # min of bools: and
     zero = Factor(e.const(np.zeros(())), "")
-    return e.einsum([cond, zero, Factor(value, labels)], labels, join="where")
+    return e.einsum([cond, zero, Factor(value, labels)], labels, join=_J.WHERE)
 
 
 # -- maps ------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@
 [[7.0, 6.0], [3.0, 7.0]]
 >>> tq.einsum(a, [0, 1], a, [1, 2], [0, 2]).numpy().tolist()  # numpy's interleaved form
 [[11.0, 5.0], [2.0, 10.0]]
+>>> import torch
+>>> tq.einsum("ij,jk->ik", a, a, join=lambda x, y: x * torch.exp(-y), agg="max").numpy().round(3)
+array([[0.677, 5.   ],
+       [0.736, 0.013]])
 """
 
 from __future__ import annotations
@@ -15,23 +19,29 @@ from typing import Any
 
 import numpy as np
 
+from tensorql.algebra import AggName, JoinName, resolve_agg, resolve_join
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import EinsumOp
 from tensorql.einsum.spec import interleaved_equation
 from tensorql.errors import DTypeError, ParseError, ShapeError
 
 
-def einsum(equation: Any, *operands: Any, join: str = "mul", agg: str = "sum") -> Tensor:
+def einsum(equation: Any, *operands: Any, join: Any = JoinName.MUL,
+           agg: Any = AggName.SUM) -> Tensor:
     """``out = AGG over aggregated labels of JOIN(operands...)``, lazily.
 
     Operands are tensorql Tensors, numpy arrays or torch tensors (at least one must be a
     tensorql Tensor, or a default in-memory session is used). ``join`` is one of mul, add,
-    sub, div, max, min; ``agg`` one of sum, max, min, prod (in any case). A label is any character
-    opt_einsum accepts; numpy's interleaved form ``einsum(A, [0, 1], B, [1, 2], [0, 2])``
-    works too.
+    sub, div, max, min, pow, the comparisons lt le gt ge eq ne, where (three operands), a
+    join registered with :func:`tq.register_join <tensorql.algebra.register_join>`, or any
+    elementwise torch function of the operands (``join=lambda a, b: a * torch.exp(b)``: its
+    arity is the number of operands; gradients through it come from torch's autograd);
+    ``agg`` one of sum, max, min, prod or one registered with ``tq.register_agg`` (names in
+    any case). A label is any character opt_einsum accepts; numpy's interleaved form
+    ``einsum(A, [0, 1], B, [1, 2], [0, 2])`` works too.
     """
-    join = join.lower() if isinstance(join, str) else join  # names in any case
-    agg = agg.lower() if isinstance(agg, str) else agg
+    join = resolve_join(join)  # a name in any case, or the user's elementwise function
+    agg = resolve_agg(agg)
     if not isinstance(equation, str):
         equation, operands = _from_interleaved((equation, *operands))
     if not operands:

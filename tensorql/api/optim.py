@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from opt_einsum import get_symbol
 
+from tensorql.algebra import JoinName
 from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Node, substitute
@@ -301,7 +302,7 @@ class Adam(Optimizer):
                                                   self.weight_decay)]
         return [einsum(equation, gradient, weight, state["m"], state["v"],
                        self._fixed_slots(dtype), *fixed, self._scalar("step", dtype),
-                       join="adamw" if self.decoupled else "adam")]
+                       join=JoinName.ADAMW if self.decoupled else JoinName.ADAM)]
 
     def take_results(self, param, results):
         packed = next(results)  # weight, m, v stacked: each a contiguous view

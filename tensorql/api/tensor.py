@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tensorql.algebra import AggName as _A
+from tensorql.algebra import JoinName as _J
+from tensorql.algebra import join_record
 from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import AmbiguousTruthError, ShapeError, TensorQLError, UnsupportedError
@@ -149,18 +152,16 @@ class Tensor:
         return self.db.constant(other)
 
     def _elementwise(self, other: Any, join: str, reverse: bool = False) -> Tensor:
-        if isinstance(other, numbers.Number) and not isinstance(other, bool):
-            value = other
-            if join == "add":
-                return self._map("shift", value)
-            if join == "mul":
-                return self._map("scale", value)
-            if join == "sub":
-                return self._map("rsub", value) if reverse else self._map("shift", -value)
-            if join == "div" and (reverse or (value != 0 and math.isfinite(1.0 / value))):
-                return self._map("rdiv", value) if reverse else self._map("scale", 1.0 / value)
-            if join in ("max", "min"):
-                return self._map("maximum" if join == "max" else "minimum", value)
+        maps = join_record(join).scalar_maps
+        if maps is not None and isinstance(other, numbers.Number) \
+                and not isinstance(other, bool):  # one map of self (see the algebra registry)
+            fn, scalar = maps[1 if reverse else 0]
+            try:
+                value = scalar(other)
+            except (ZeroDivisionError, OverflowError):  # x / 0: the join gives inf and nan
+                value = None
+            if value is not None and (math.isfinite(value) or not math.isfinite(other)):
+                return self._map(fn, value)
         other_t = self._operand(other)
         left, right = (other_t, self) if reverse else (self, other_t)
         return broadcast_binary(left, right, join)
@@ -169,28 +170,28 @@ class Tensor:
         return self._wrap(MapOp.build(fn, self.node, scalar))
 
     def __add__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "add")
+        return self._elementwise(other, _J.ADD)
 
     def __radd__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "add", reverse=True)
+        return self._elementwise(other, _J.ADD, reverse=True)
 
     def __sub__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "sub")
+        return self._elementwise(other, _J.SUB)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "sub", reverse=True)
+        return self._elementwise(other, _J.SUB, reverse=True)
 
     def __mul__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "mul")
+        return self._elementwise(other, _J.MUL)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "mul", reverse=True)
+        return self._elementwise(other, _J.MUL, reverse=True)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "div")
+        return self._elementwise(other, _J.DIV)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return self._elementwise(other, "div", reverse=True)
+        return self._elementwise(other, _J.DIV, reverse=True)
 
     def __neg__(self) -> Tensor:
         return self._map("neg")
@@ -200,10 +201,10 @@ class Tensor:
         ``self`` (the ``pow`` join)."""
         if isinstance(exponent, numbers.Number) and not isinstance(exponent, bool):
             return self._map("square") if exponent == 2 else self._map("pow", float(exponent))
-        return broadcast_binary(self, self._operand(exponent), "pow")
+        return broadcast_binary(self, self._operand(exponent), _J.POW)
 
     def __rpow__(self, base: Any) -> Tensor:
-        return broadcast_binary(self._operand(base), self, "pow")
+        return broadcast_binary(self._operand(base), self, _J.POW)
 
     # comparisons, elementwise as numpy's (bool results); ``==`` and ``!=`` keep Python's
     # identity meaning (tensors are used as keys), elementwise equality is ``eq`` / ``ne``
@@ -211,24 +212,24 @@ class Tensor:
         return broadcast_binary(self, self._operand(other), join)
 
     def __lt__(self, other: Any) -> Tensor:
-        return self._compare(other, "lt")
+        return self._compare(other, _J.LT)
 
     def __le__(self, other: Any) -> Tensor:
-        return self._compare(other, "le")
+        return self._compare(other, _J.LE)
 
     def __gt__(self, other: Any) -> Tensor:
-        return self._compare(other, "gt")
+        return self._compare(other, _J.GT)
 
     def __ge__(self, other: Any) -> Tensor:
-        return self._compare(other, "ge")
+        return self._compare(other, _J.GE)
 
     def eq(self, other: Any) -> Tensor:
         """Elementwise ``self == other`` (bool), as ``numpy.equal`` / ``torch.eq``."""
-        return self._compare(other, "eq")
+        return self._compare(other, _J.EQ)
 
     def ne(self, other: Any) -> Tensor:
         """Elementwise ``self != other`` (bool), as ``numpy.not_equal`` / ``torch.ne``."""
-        return self._compare(other, "ne")
+        return self._compare(other, _J.NE)
 
     def __getitem__(self, index: Any) -> Tensor:
         """Basic numpy indexing: ints, slices (any step, negative and open ends as numpy),
@@ -336,11 +337,11 @@ class Tensor:
 
     def argmax(self, axis: int | None = None) -> Tensor:
         """Index of the largest value along ``axis`` (the first one on ties, as numpy)."""
-        return self._arg_extreme(axis, "max")
+        return self._arg_extreme(axis, _A.MAX)
 
     def argmin(self, axis: int | None = None) -> Tensor:
         """Index of the smallest value along ``axis`` (the first one on ties, as numpy)."""
-        return self._arg_extreme(axis, "min")
+        return self._arg_extreme(axis, _A.MIN)
 
     def _arg_extreme(self, axis: int | None, agg: str) -> Tensor:
         if axis is None and self.ndim > 1:  # numpy's index into the flattened tensor
@@ -355,7 +356,7 @@ class Tensor:
         index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
                                                       for d in range(self.ndim)])
         hits = self._first_nan_wins(where(self.eq(extreme), index, n), index)
-        return hits._reduce(axis, "min", keepdims=False)
+        return hits._reduce(axis, _A.MIN, keepdims=False)
 
     def _flat_arg_extreme(self, agg: str) -> Tensor:
         """The row-major flat index of the first extreme value (numpy's ``argmax()``): the
@@ -376,10 +377,10 @@ class Tensor:
             vectors.append(self._operand((np.arange(n, dtype=np.int64) * stride).reshape(
                 [n if k == d else 1 for k in range(self.ndim)])))
             stride *= n
-        flat = broadcast_join(vectors, "add") if len(vectors) > 1 else vectors[0]
+        flat = broadcast_join(vectors, _J.ADD) if len(vectors) > 1 else vectors[0]
         extreme = self._reduce(None, agg, keepdims=True)
         hits = self._first_nan_wins(where(self.eq(extreme), flat, size), flat)
-        return hits._reduce(None, "min", keepdims=False)
+        return hits._reduce(None, _A.MIN, keepdims=False)
 
     def _first_nan_wins(self, hits: Tensor, index: Tensor | np.ndarray) -> Tensor:
         """``hits`` (an element's index where it is the extreme, else a bound) with every NaN's
@@ -402,10 +403,10 @@ class Tensor:
         return matmul(self._operand(other), self)
 
     def maximum(self, other: Any) -> Tensor:
-        return self._elementwise(other, "max")
+        return self._elementwise(other, _J.MAX)
 
     def minimum(self, other: Any) -> Tensor:
-        return self._elementwise(other, "min")
+        return self._elementwise(other, _J.MIN)
 
     def exp(self) -> Tensor:
         return self._map("exp")
@@ -449,23 +450,23 @@ class Tensor:
             keepdims: bool = False) -> Tensor:
         """Sum over ``axis`` (all axes by default); numpy's signature, so ``np.sum(t)`` works
         (``dtype`` and ``out`` must be None)."""
-        _no_numpy_extras("sum", dtype, out)
-        return self._reduce(axis, "sum", keepdims)
+        _no_numpy_extras(_A.SUM, dtype, out)
+        return self._reduce(axis, _A.SUM, keepdims)
 
     def max(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
-        _no_numpy_extras("max", None, out)
-        return self._reduce(axis, "max", keepdims)
+        _no_numpy_extras(_A.MAX, None, out)
+        return self._reduce(axis, _A.MAX, keepdims)
 
     def min(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
-        _no_numpy_extras("min", None, out)
-        return self._reduce(axis, "min", keepdims)
+        _no_numpy_extras(_A.MIN, None, out)
+        return self._reduce(axis, _A.MIN, keepdims)
 
     def prod(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
-        _no_numpy_extras("prod", dtype, out)
-        return self._reduce(axis, "prod", keepdims)
+        _no_numpy_extras(_A.PROD, dtype, out)
+        return self._reduce(axis, _A.PROD, keepdims)
 
     def mean(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
@@ -474,7 +475,7 @@ class Tensor:
         count = 1
         for d in axes:
             count *= self.shape[d]
-        return self._reduce(axis, "sum", keepdims) * (1.0 / count)
+        return self._reduce(axis, _A.SUM, keepdims) * (1.0 / count)
 
     def __float__(self) -> float:
         return float(self._scalar("float"))
@@ -641,7 +642,7 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
     if anchor is None:
         raise UnsupportedError("where needs at least one tensorql Tensor among its arguments")
     operands = [anchor._operand(v) for v in (condition, x, y)]
-    return broadcast_join(operands, "where")
+    return broadcast_join(operands, _J.WHERE)
 
 
 def matmul(left: Tensor, right: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ import pyarrow as pa
 import torch
 from tensorql_kernels.chunk_einsum import combine
 
+from tensorql.algebra import AggName
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
@@ -390,7 +391,7 @@ class _Builder:
     def _contract(self, join: Join, aggregate: Aggregate | None,
                   names: dict[int, str]) -> tuple[str, str]:
         out_rel = (aggregate or join).relation
-        agg = aggregate.agg if aggregate else "sum"
+        agg = aggregate.agg if aggregate else AggName.SUM
         kernel = ContractChunk(in_labels=join.input_labels, out_labels=out_rel.labels,
                                join=join.join, agg=agg, dtype=out_rel.dtype)
         grids = [src.relation.grid for src in join.sources]

@@ -21,11 +21,23 @@ from dataclasses import dataclass
 
 import torch
 from tensorql_kernels.elementwise import FLOAT_MAPS, MAP_FUNCTIONS, SCALAR_MAPS
-from tensorql_kernels.optimizer_update import SLOTS, UPDATE_JOINS, check_update_labels
+from tensorql_kernels.optimizer_update import SLOTS, check_update_labels
 
+from tensorql.algebra import (
+    BOOL,
+    CONDITION,
+    FLOATING,
+    NUMERIC,
+    AggName,
+    JoinFunctionError,
+    JoinName,
+    join_dtype,
+    join_record,
+)
+from tensorql.algebra import agg_record as _agg_record
 from tensorql.dag import inputs_first
 from tensorql.dtypes import canonical_dtype, torch_dtype
-from tensorql.einsum.spec import COMPARISON_JOINS, EinsumSpec
+from tensorql.einsum.spec import EinsumSpec
 from tensorql.errors import ShapeError
 from tensorql.grid import ChunkGrid
 
@@ -89,13 +101,17 @@ class EinsumOp(Node):
         return self.operands
 
     @classmethod
-    def build(cls, equation: str, operands: Sequence[Node], join: str = "mul",
-              agg: str = "sum") -> EinsumOp:
+    def build(cls, equation: str, operands: Sequence[Node], join: str = JoinName.MUL,
+              agg: str = AggName.SUM) -> EinsumOp:
         spec = EinsumSpec.parse(equation, [n.shape for n in operands], join=join, agg=agg)
-        if join == "where" and len(operands) != 3:
-            raise ShapeError(f"join 'where' takes 3 operands (condition, value where true, "
+        record = join_record(join)
+        if join == JoinName.WHERE and len(operands) != 3:
+            raise ShapeError(f"join {join!r} takes 3 operands (condition, value where true, "
                              f"value where false), got {len(operands)}")
-        if join in UPDATE_JOINS:
+        if record.arity is not None and len(operands) != record.arity:
+            error = JoinFunctionError if record.user else ShapeError
+            raise error(f"join {join!r} takes {record.arity} operand(s), got {len(operands)}")
+        if record.update:
             wrong = check_update_labels(spec.inputs, spec.output)
             if wrong is not None or spec.sizes.get(spec.output[0]) != SLOTS:
                 raise ShapeError(f"join {join!r} {wrong or 'needs 3 slots'}: "
@@ -106,7 +122,7 @@ class EinsumOp(Node):
     def describe(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("join", self.spec.join),
                                                   ("agg", self.spec.agg))
-                        if v not in ("mul", "sum"))
+                        if v not in (JoinName.MUL, AggName.SUM))
         return f"einsum {self.spec.equation}{extra}"
 
 
@@ -200,20 +216,24 @@ INTEGRAL_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64")
 
 
 def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
-    """The dtype an einsum yields, following torch's promotion rules."""
-    if spec.join == "where":  # the condition's dtype does not count
+    """The dtype an einsum yields, following torch's promotion rules (and the join's dtype
+    rule in the algebra registry)."""
+    join = join_record(spec.join)
+    if join.dtype_rule == CONDITION:  # the condition's dtype does not count
         operands = operands[1:]
     dtype = torch_dtype(operands[0].dtype)
     for node in operands[1:]:
         dtype = torch.promote_types(dtype, torch_dtype(node.dtype))
-    if spec.join in COMPARISON_JOINS and len(spec.inputs) > 1:
+    if join.dtype_rule == BOOL and len(spec.inputs) > 1:
         dtype = torch.bool
-    if spec.join == "div" and not dtype.is_floating_point:
+    if join.dtype_rule == FLOATING and not dtype.is_floating_point:
         dtype = torch.get_default_dtype()
-    if dtype == torch.bool and len(operands) > 1 and spec.join in ("add", "sub"):
+    if dtype == torch.bool and len(operands) > 1 and join.dtype_rule == NUMERIC:
         dtype = torch.int64
+    if join.user:
+        dtype = join_dtype(join, [torch_dtype(node.dtype) for node in operands])
     if dtype in (torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32) \
-            and spec.aggregated and spec.agg in ("sum", "prod"):
+            and spec.aggregated and _agg_record(spec.agg).widens:
         dtype = torch.int64  # sums accumulate in int64, as torch.sum does (no silent wrap)
     return canonical_dtype(dtype)
 

@@ -27,42 +27,31 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
+from tensorql.algebra import (
+    BUILTIN_AGGS,
+    BUILTIN_JOINS,
+    COMPARISON_JOINS,
+    AggName,
+    JoinName,
+    UnknownOperatorError,
+    check_operators,
+    is_update,
+    join_record,
+)
+from tensorql.errors import ParseError, ShapeError
 
-from tensorql.errors import ParseError, ShapeError, TensorQLError
+__all__ = ["AGGS", "COMPARISON_JOINS", "ELLIPSIS_PREFIX", "JOINS", "EinsumSpec",
+           "UnknownOperatorError", "check_operators", "interleaved_equation", "operand_labels"]
 
-JOINS = ("mul", "add", "sub", "div", "max", "min", "pow", "lt", "le", "gt", "ge", "eq", "ne",
-         "where")
-# UPDATE_JOINS ("adam", "adamw") are also accepted: an optimizer's whole update of one weight
-# as one n-ary join (see tensorql_kernels.optimizer_update); they are not offered in SQL.
-# Joins whose value is a comparison (bool, as numpy's ``<`` ...).
-COMPARISON_JOINS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
-AGGS = ("sum", "max", "min", "prod")
-
-# Joins that are associative and commutative (operands may be reordered) ...
-COMMUTATIVE_JOINS = frozenset({"mul", "add", "max", "min"})
-# ... and (join, agg) pairs where join distributes over agg, so a label can be aggregated as
-# soon as no remaining operand needs it (the semirings).
-DISTRIBUTIVE = frozenset({
-    ("mul", "sum"), ("add", "max"), ("add", "min"), ("max", "max"), ("min", "min"),
-    ("max", "min"), ("min", "max"),
-})
+# The built-in joins offered by name in Python and SQL (the optimizer updates, also built in,
+# are not offered in SQL) and the built-in aggregations; every fact about them, and the
+# user's own, is in the algebra registry (tensorql.algebra).
+JOINS = tuple(name for name in BUILTIN_JOINS if not is_update(name))
+AGGS = BUILTIN_AGGS
 
 ELLIPSIS_PREFIX = "…"
 # Characters with a meaning in an equation; every other non-space character is a label.
 RESERVED = frozenset(",->.…")
-
-
-class UnknownOperatorError(TensorQLError, ValueError):
-    """A join or agg name that tensorql does not know."""
-
-
-def check_operators(join: str, agg: str) -> None:
-    """UnknownOperatorError unless ``join`` and ``agg`` are known names."""
-    if join not in JOINS and join not in UPDATE_JOINS:
-        raise UnknownOperatorError(f"unknown join {join!r}; choose one of {', '.join(JOINS)}")
-    if agg not in AGGS:
-        raise UnknownOperatorError(f"unknown agg {agg!r}; choose one of {', '.join(AGGS)}")
 
 
 @dataclass(frozen=True)
@@ -79,8 +68,8 @@ class EinsumSpec:
     output: tuple[str, ...]
     sizes: dict[str, int] = field(hash=False, compare=False)
     squeezed: tuple[tuple[bool, ...], ...] = ()
-    join: str = "mul"
-    agg: str = "sum"
+    join: str = JoinName.MUL
+    agg: str = AggName.SUM
 
     @property
     def aggregated(self) -> tuple[str, ...]:
@@ -99,15 +88,15 @@ class EinsumSpec:
     @property
     def is_semiring(self) -> bool:
         """True when labels may be aggregated early and operands reordered."""
-        return self.join in COMMUTATIVE_JOINS and (self.join, self.agg) in DISTRIBUTIVE
+        return join_record(self.join).distributes(self.agg)
 
     @classmethod
     def parse(
         cls,
         equation: str,
         shapes: Sequence[Sequence[int]],
-        join: str = "mul",
-        agg: str = "sum",
+        join: str = JoinName.MUL,
+        agg: str = AggName.SUM,
     ) -> EinsumSpec:
         """Parse ``equation`` against operand ``shapes``; ParseError / ShapeError on bad input."""
         check_operators(join, agg)

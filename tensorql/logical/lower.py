@@ -28,8 +28,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
+from tensorql.algebra import agg_record, join_record
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import (
     Constant,
@@ -141,15 +141,12 @@ def _lower_softmax(node: SoftmaxOp, child: LogicalNode) -> LogicalNode:
                    input=child, label=rel.labels[node.axis], log=node.log)
 
 
-_IDENTITY = {"sum": 0, "prod": 1, "max": -math.inf, "min": math.inf}
-
-
 def _empty_einsum(op: EinsumOp) -> LogicalNode:
     """An einsum with a zero-size operand, as numpy computes it: no elements when the output
     has a zero-size dimension, else the aggregation's identity everywhere (nothing
     contributes to any cell)."""
     dtype = torch_dtype(op.dtype)
-    fill = _IDENTITY[op.spec.agg]
+    fill = agg_record(op.spec.agg).identity
     if not dtype.is_floating_point and math.isinf(fill):
         info = torch.iinfo(dtype) if dtype != torch.bool else None
         fill = (info.min if fill < 0 else info.max) if info else fill > 0
@@ -172,6 +169,8 @@ def _operands(op: EinsumOp,
         for n, (op_labels, squeeze) in enumerate(zip(spec.inputs, spec.squeezed))
     ]
     tiles = _choose_tiles(children, labels)
+    if not agg_record(spec.agg).associative:  # its partials cannot be combined: one tile
+        tiles.update({lab: spec.sizes[lab] for lab in spec.aggregated})
     return [(retile(child, lab, tiles), lab) for child, lab in zip(children, labels)], tiles
 
 
@@ -203,7 +202,7 @@ def _lower_einsum(op: EinsumOp, children: list[LogicalNode]) -> LogicalNode:
     operands, tiles = _operands(op, children)
     if len(operands) > 2 and spec.is_semiring:
         return _contract_by_path(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
-    if spec.join == "where" or spec.join in UPDATE_JOINS:  # n-ary: one step over all
+    if join_record(spec.join).nary:  # n-ary (where, an update, a user's): one step over all
         return _step(operands, spec.output, spec.join, spec.agg, tiles, op.dtype)
     result = operands[0]
     for n in range(1, len(operands) - 1):  # left fold keeps every label until the end
@@ -260,8 +259,8 @@ def _step(operands: Sequence[Operand], out: Sequence[str], join: str, agg: str,
     joint = tuple(dict.fromkeys(lab for _, labels in operands for lab in labels))
     over = tuple(lab for lab in joint if lab not in out)
     if (len(operands) == 1 and not over and operands[0][1] == out
-            and operands[0][0].relation.dtype == dtype):
-        return operands[0][0]  # the identity: nothing to do
+            and operands[0][0].relation.dtype == dtype and not join_record(join).nary):
+        return operands[0][0]  # the identity: nothing to do (a user's unary join is not)
     join_labels = out if not over else out + over
     joined = Join(
         relation=_relation(join_labels, sizes, tiles, dtype),

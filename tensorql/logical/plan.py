@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from tensorql.algebra import AggName, JoinName
 from tensorql.dag import inputs_first
 from tensorql.dtypes import itemsize
 from tensorql.grid import ChunkGrid
@@ -130,7 +131,7 @@ class Join(LogicalNode):
 
     sources: tuple[LogicalNode, ...] = ()
     input_labels: tuple[tuple[str, ...], ...] = ()
-    join: str = "mul"
+    join: str = JoinName.MUL
 
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:
@@ -160,7 +161,7 @@ class Aggregate(LogicalNode):
 
     input: LogicalNode | None = None
     over: tuple[str, ...] = ()
-    agg: str = "sum"
+    agg: str = AggName.SUM
 
     @property
     def inputs(self) -> tuple[LogicalNode, ...]:

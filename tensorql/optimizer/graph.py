@@ -40,8 +40,8 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
 
+from tensorql.algebra import AggName, JoinName, agg_record, is_update
 from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
@@ -87,8 +87,8 @@ class OpNode:
     inputs: tuple[Edge, ...]
     dtype: str
     name: str
-    join: str = "mul"
-    agg: str = "sum"
+    join: str = JoinName.MUL
+    agg: str = AggName.SUM
     fn: str = ""
     scalar: float | None = None
     logical: LogicalNode | None = None  # the logical node this step computes
@@ -259,10 +259,12 @@ class _Builder:
         inputs = tuple(Edge(self.index_of[id(src)], tuple(axes))
                        for src, axes in zip(join.sources, join.input_labels))
         name = (aggregate or join).title  # the step's name on one device too
-        # an optimizer update computes its three slots in one pass: they stay together
-        whole = (out.labels[0],) if join.join in UPDATE_JOINS else ()
+        # an optimizer update computes its three slots in one pass: they stay together; the
+        # labels of an aggregation that is not associative are never cut (no partials of it)
+        whole = ((out.labels[0],) if is_update(join.join) else ()) + \
+            (() if aggregate is None or agg_record(aggregate.agg).associative else tuple(over))
         return self._append(kind="einsum", labels=labels,
                             sizes=tuple(size[lab] for lab in labels), n_out=len(out.labels),
                             inputs=inputs, dtype=out.dtype, name=name, join=join.join,
-                            agg=aggregate.agg if aggregate else "sum",
+                            agg=aggregate.agg if aggregate else AggName.SUM,
                             logical=aggregate if aggregate is not None else join, whole=whole)

@@ -60,6 +60,7 @@ import math
 
 import numpy as np
 
+from tensorql.algebra import AggName
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task
 from tensorql.grid import ChunkGrid, Key, regrid_pieces
@@ -149,7 +150,7 @@ def _contraction_kernel(join: Join, aggregate: Aggregate | None,
                         max_temp_elems: int) -> ContractChunk:
     out = (aggregate or join).relation
     return ContractChunk(in_labels=join.input_labels, out_labels=out.labels, join=join.join,
-                         agg=aggregate.agg if aggregate is not None else "sum",
+                         agg=aggregate.agg if aggregate is not None else AggName.SUM,
                          dtype=out.dtype, max_temp_elems=max_temp_elems)
 
 

@@ -20,8 +20,8 @@ import torch
 from tensorql_kernels.chunk_einsum import BroadcastJoin, combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
+from tensorql.algebra import BOOL, PROBE, AggName, JoinName, join_record
 from tensorql.dtypes import itemsize, torch_dtype
-from tensorql.einsum.spec import COMPARISON_JOINS
 from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
 from tensorql.logical.plan import Pointwise, Softmax
@@ -216,14 +216,20 @@ class ContractChunk:
 
     in_labels: tuple[tuple[str, ...], ...]
     out_labels: tuple[str, ...]
-    join: str = "mul"
-    agg: str = "sum"
+    join: str = JoinName.MUL
+    agg: str = AggName.SUM
     dtype: str = "float32"
     max_temp_elems: int = 1 << 24
 
+    @functools.cached_property
+    def _in_common_dtype(self) -> bool:
+        """Whether the operands meet in their common dtype rather than the result's (a
+        comparison's bool result; a user's function, whose result dtype is its own)."""
+        return join_record(self.join).dtype_rule in (BOOL, PROBE)
+
     def _cast(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dtype = torch_dtype(self.dtype)
-        if self.join in COMPARISON_JOINS:  # compared in the operands' common dtype
+        if self._in_common_dtype:  # compared in the operands' common dtype
             dtype = functools.reduce(torch.promote_types, (x.dtype for x in inputs))
         return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
 
@@ -240,8 +246,12 @@ class ContractChunk:
             out = join(self._cast(inputs))
             dtype = torch_dtype(self.dtype)
             return out if out.dtype == dtype else out.to(dtype)
-        return contract_into(acc, self._cast(inputs), self.in_labels, self.out_labels,
-                             self.join, self.agg, max_temp_elems=self.max_temp_elems)
+        out = contract_into(acc, self._cast(inputs), self.in_labels, self.out_labels,
+                            self.join, self.agg, max_temp_elems=self.max_temp_elems)
+        if acc is None and self._in_common_dtype:
+            dtype = torch_dtype(self.dtype)
+            return out if out.dtype == dtype else out.to(dtype)
+        return out
 
     def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Like ``run(inputs, None)`` but written into ``out`` (a tile of a dense result)."""

@@ -3,7 +3,8 @@
 Parsing is sqlglot's DuckDB parser with a few additions, never a hand-written parser:
 
 - ``EINSUM('spec', operand, ... [, join := '...'] [, agg := '...'])`` parses as
-  :class:`Einsum` (a table function in ``FROM``);
+  :class:`Einsum` (a table function in ``FROM``); ``join := (a, b) -> a * exp(b)`` holds a
+  DuckDB lambda (``exp.Lambda``);
 - ``CREATE [OR REPLACE] TENSOR name AS <query>`` as :class:`CreateTensor`,
   ``DROP TENSOR [IF EXISTS] name`` as :class:`DropTensor`;
 - ``EXPLAIN [ANALYZE] <statement>`` as :class:`Explain` (sqlglot's DuckDB dialect keeps it as
@@ -78,12 +79,34 @@ class _Parser(DuckDB.Parser):
         # every argument remembers where it starts (errors about an operand point at it)
         def argument() -> exp.Expr | None:
             token = self._curr
-            arg = self._parse_lambda(alias=alias)
+            arg = self._parse_named_lambda() or self._parse_lambda(alias=alias)
             if arg is not None and token is not None:
                 arg.meta["arg_start"] = token.start
             return arg
 
         return self._parse_csv(argument)
+
+    def _parse_named_lambda(self) -> exp.Expr | None:
+        """``name := (a, b) -> body`` (or ``=>``, or one parameter ``a -> body``) as a named
+        argument holding a Lambda; DuckDB's parser would read the right side as a JSON arrow
+        over a tuple. None (nothing consumed) for any other argument."""
+        tokens, i = self._tokens, self._index
+        if i + 3 >= len(tokens) or tokens[i + 1].token_type not in (TokenType.COLON_EQ,
+                                                                     TokenType.FARROW):
+            return None
+        j = i + 2
+        if tokens[j].token_type == TokenType.L_PAREN:  # a parenthesised parameter list
+            j += 1
+            while j < len(tokens) and tokens[j].token_type not in (TokenType.R_PAREN,
+                                                                   TokenType.L_PAREN):
+                j += 1
+        j += 1
+        if j >= len(tokens) or tokens[j].token_type != TokenType.ARROW:
+            return None
+        name = exp.Identifier(this=self._curr.text, quoted=False)
+        self._advance(2)
+        value = self._parse_lambda()
+        return self.expression(exp.PropertyEQ(this=name, expression=value))
 
     def _parse_statement(self) -> exp.Expr | None:
         if self._curr and self._curr.token_type == TokenType.VAR \

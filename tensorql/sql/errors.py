@@ -15,6 +15,7 @@ label 'j' has size 3 here but 4 in operand 0 at line 2, column 28
 
 from __future__ import annotations
 
+from tensorql.algebra import JoinFunctionError
 from tensorql.einsum.spec import UnknownOperatorError
 from tensorql.errors import (
     ExecutionError,
@@ -25,7 +26,8 @@ from tensorql.errors import (
 )
 
 __all__ = [
-    "SQLExecutionError", "SQLOperatorError", "SQLShapeError", "SQLUnknownTensorError",
+    "SQLExecutionError", "SQLJoinFunctionError", "SQLOperatorError", "SQLShapeError",
+    "SQLUnknownTensorError",
     "located", "where",
 ]
 
@@ -73,6 +75,15 @@ class SQLOperatorError(_Located, UnknownOperatorError):
         super().__init__(self._place(message, text, position))
 
 
+class SQLJoinFunctionError(_Located, JoinFunctionError):
+    """A ``join :=`` lambda that cannot be a join: a name that is not a parameter, a function
+    outside the whitelist, a function that is not elementwise (with the SQL position)."""
+
+    def __init__(self, message: str, *, text: str | None = None,
+                 position: int | None = None) -> None:
+        super().__init__(self._place(message, text, position))
+
+
 class SQLExecutionError(_Located, ExecutionError):
     """DuckDB rejected or failed a statement (its message, and the position when known)."""
 
@@ -99,6 +110,8 @@ def located(err: Exception, text: str, position: int | None) -> Exception:
         return SQLUnknownTensorError(err.name, None, text=text, position=position)
     if isinstance(err, UnknownOperatorError):
         return SQLOperatorError(message, text=text, position=position)
+    if isinstance(err, JoinFunctionError):
+        return SQLJoinFunctionError(message, text=text, position=position)
     if isinstance(err, ShapeError):
         return SQLShapeError(message, text=text, position=position)
     if isinstance(err, ExecutionError):

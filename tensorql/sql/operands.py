@@ -23,16 +23,24 @@ import pyarrow as pa
 import torch
 from sqlglot import exp
 
+from tensorql.algebra import (
+    AggName,
+    JoinFunctionError,
+    JoinName,
+    offered_aggs,
+    offered_joins,
+    semiring_pairs,
+)
 from tensorql.dtypes import canonical_dtype, itemsize
 from tensorql.einsum.graph import EinsumOp, Node, Source
 from tensorql.einsum.literals import constant_node
-from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec
+from tensorql.einsum.spec import EinsumSpec
 from tensorql.errors import ParseError, ShapeError, TensorQLError
 from tensorql.sql.dialect import Einsum
-from tensorql.sql.errors import SQLOperatorError, SQLShapeError, located
+from tensorql.sql.errors import SQLJoinFunctionError, SQLOperatorError, SQLShapeError, located
+from tensorql.sql.lambdas import LambdaSyntaxError, lambda_join
 from tensorql.sql.relational import RelationalOperand, dense_bytes, relational_sql
 from tensorql.sql.relations import (
-    SEMIRING_ZERO,
     absent_value,
     densify,
     filled_dtype,
@@ -162,8 +170,8 @@ class OperandResolver:
                              "as 'ij,jk->ik'", text=self.script, position=self.pos(spec or node))
         equation = spec.this
         named, operands = self._arguments(node)
-        join = self._word(named.get("join"), "mul", JOINS, "join")
-        agg = self._word(named.get("agg"), "sum", AGGS, "agg")
+        join = self._join(named.get("join"), len(operands))
+        agg = self._word(named.get("agg"), AggName.SUM, offered_aggs(), "agg")
         backend = self._backend(named.get("backend"))
         sizes = self._sizes(named.get("sizes"))
         parts = operand_labels(equation)
@@ -179,7 +187,7 @@ class OperandResolver:
         has_relation = any(isinstance(value, pa.Table) for value in resolved)
         fill = absent_value(join, agg, len(operands))
         if has_relation and fill is None and self._flag(named.get("sparse")) is False:
-            supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in SEMIRING_ZERO)
+            supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in semiring_pairs())
             raise self.fail(SQLOperatorError, f"join {join!r} with agg {agg!r} has no zero, so "
                             "an absent row of a relation operand cannot be left out of a "
                             "dense block; with sparse := false, relation operands of "
@@ -378,13 +386,31 @@ class OperandResolver:
             return default
         value = arg.expression
         if not (isinstance(value, exp.Literal) and value.is_string):
+            lam = " or a lambda such as (a, b) -> a * exp(b)" if what == "join" else ""
             raise self.fail(SQLOperatorError, f"{what} := takes a string such as "
-                            f"'{allowed[0]}'", value)
+                            f"'{allowed[0]}'{lam}", value)
         word = value.this.lower()
         if word not in allowed:
             raise self.fail(SQLOperatorError, f"unknown {what} {value.this!r}; choose one of "
                             f"{', '.join(allowed)}", value)
         return word
+
+    def _join(self, arg: exp.Expr | None, operands: int) -> str:
+        """The join's registered name: a DuckDB lambda's (translated to torch and SQL), or a
+        registered join's name."""
+        if arg is not None and isinstance(arg.expression, exp.Lambda):
+            params = len(arg.expression.expressions)
+            if params != operands:
+                raise self.fail(SQLJoinFunctionError, f"the join lambda takes {params} "
+                                f"parameter(s) but EINSUM has {operands} operand(s)",
+                                arg.expression)
+            try:
+                return lambda_join(arg.expression).name
+            except LambdaSyntaxError as err:
+                raise self.fail(SQLJoinFunctionError, str(err), err.node) from None
+            except JoinFunctionError as err:
+                raise self.fail(SQLJoinFunctionError, str(err), arg.expression) from None
+        return self._word(arg, JoinName.MUL, offered_joins(), "join")
 
     def _backend(self, arg: exp.Expr | None) -> str | None:
         from tensorql.pipeline import BACKENDS

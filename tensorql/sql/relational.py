@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from tensorql.algebra import agg_record, join_record
 from tensorql.einsum.spec import EinsumSpec
-from tensorql.errors import ShapeError
+from tensorql.errors import UnsupportedError
 from tensorql.storage.sql_text import quote_ident as q
 
 __all__ = ["RelationalOperand", "dense_bytes", "duckdb_type", "relational_sql"]
@@ -47,10 +48,7 @@ _DUCKDB_TYPES = {
     "uint8": "UTINYINT",
     "bool": "BOOLEAN",
 }
-_AGG_SQL = {"sum": "sum", "max": "max", "min": "min", "prod": "product"}
-_BOOL_AGG = {"sum": "bool_or", "max": "bool_or", "min": "bool_and", "prod": "bool_and"}
-_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "=", "ne": "<>"}
-_ARITHMETIC = {"mul": "*", "add": "+", "sub": "-"}
+_INTEGRAL = ("int64", "int32", "int16", "int8", "uint8")
 
 
 def duckdb_type(dtype: str) -> str:
@@ -91,28 +89,21 @@ class RelationalOperand:
 
 
 def _joined(join: str, values: list[str], dtype: str) -> str:
-    """SQL for JOIN folded left to right over ``values`` (as the chunk kernels fold it)."""
-    if join == "where":
-        cond, yes, no = values
-        return f"CASE WHEN CAST({cond} AS BOOLEAN) THEN {yes} ELSE {no} END"
+    """SQL for JOIN folded left to right over ``values`` (as the chunk kernels fold it), from
+    the join's SQL template in the algebra registry."""
+    record = join_record(join)
+    if record.sql is None:
+        raise UnsupportedError(f"join {join!r} has no SQL spelling (register it with sql=...) "
+                               "and cannot run over sparse rows; densify the operands instead")
+    if record.nary:
+        return record.sql.format(*values)
     out = values[0]
-    if join == "div" or (join == "pow" and dtype not in ("int64", "int32", "int16", "int8",
-                                                           "uint8")):
+    if record.sql_double == "always" or (record.sql_double == "nonint"
+                                         and dtype not in _INTEGRAL):
         out = f"CAST({out} AS DOUBLE)"
     for n, value in enumerate(values[1:], start=1):
-        if join in _ARITHMETIC:
-            out = f"{out} {_ARITHMETIC[join]} {value}"
-        elif join == "div":
-            out = f"{out} / {value}"
-        elif join == "pow":
-            out = f"pow({out}, {value})"
-        elif join in ("max", "min"):
-            out = f"{'greatest' if join == 'max' else 'least'}({out}, {value})"
-        elif join in _COMPARISONS:
-            left = out if n == 1 else f"CAST({out} AS DOUBLE)"  # a bool against a number
-            out = f"{left} {_COMPARISONS[join]} {value}"
-        else:  # pragma: no cover - the spec checked the join
-            raise ShapeError(f"join {join!r} has no SQL form")
+        left = out if n == 1 or not record.comparison else f"CAST({out} AS DOUBLE)"
+        out = record.sql.format(left, value)  # a bool against a number: compared as one
         if n < len(values) - 1:
             out = f"({out})"
     return out
@@ -138,13 +129,17 @@ def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtyp
                 home[label] = ref
     sources = [f"{op.ref} AS t{k}" for k, op in enumerate(operands)]
     value = _joined(spec.join, [f"t{k}.{q(op.val)}" for k, op in enumerate(operands)], dtype)
+    agg = agg_record(spec.agg)
     if dtype == "bool":
         inner = value
     elif dtype in ("float64", "float32", "float16", "bfloat16"):
-        inner = f"CAST({value} AS DOUBLE)" if spec.agg in ("sum", "prod") else value
+        inner = f"CAST({value} AS DOUBLE)" if agg.widens else value
     else:
-        inner = f"CAST({value} AS BIGINT)" if spec.agg in ("sum", "prod") else value
-    function = _BOOL_AGG[spec.agg] if dtype == "bool" else _AGG_SQL[spec.agg]
+        inner = f"CAST({value} AS BIGINT)" if agg.widens else value
+    function = agg.bool_sql if dtype == "bool" else agg.sql
+    if function is None:
+        raise UnsupportedError(f"agg {spec.agg!r} has no SQL spelling (register it with "
+                               "sql=...) and cannot run over sparse rows")
     aggregate = f"CAST({function}({inner}) AS {duckdb_type(dtype)})"
     select = [f"CAST({home[label]} AS BIGINT) AS {q(label)}" for label in spec.output]
     lines = ["SELECT " + ",\n       ".join([*select, f"{aggregate} AS val"]),

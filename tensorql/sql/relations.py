@@ -25,22 +25,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from tensorql.algebra import agg_record, join_record
 from tensorql.errors import MemoryLimitError, ShapeError
 
 __all__ = ["DenseRelation", "absent_value", "densify", "filled_dtype", "label_columns",
            "order_columns", "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
 
-# (join, agg) -> the value an absent row stands for when several operands join: the semiring's
-# zero, which the join maps to the aggregation's identity whatever the other operands hold.
-SEMIRING_ZERO: dict[tuple[str, str], float] = {
-    ("mul", "sum"): 0.0,
-    ("add", "min"): math.inf,
-    ("add", "max"): -math.inf,
-    ("max", "min"): math.inf,
-    ("min", "max"): -math.inf,
-}
-AGG_IDENTITY: dict[str, float] = {"sum": 0.0, "prod": 1.0, "max": -math.inf, "min": math.inf}
-_SCATTER = {"sum": "sum", "prod": "prod", "max": "amax", "min": "amin"}
+
+
+def agg_identity(agg: str) -> float:
+    """The aggregation's identity (what an empty group yields), from the algebra registry."""
+    return agg_record(agg).identity
 
 
 def absent_value(join: str, agg: str, operands: int) -> float | None:
@@ -54,8 +49,10 @@ def absent_value(join: str, agg: str, operands: int) -> float | None:
     True
     """
     if operands == 1:
-        return AGG_IDENTITY[agg]
-    return SEMIRING_ZERO.get((join, agg))
+        return agg_record(agg).identity
+    # the semiring's zero, which the join maps to the aggregation's identity whatever the
+    # other operands hold
+    return join_record(join).zero(agg)
 
 
 @dataclass(frozen=True)
@@ -142,10 +139,35 @@ def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fi
     present = torch.zeros(cells, dtype=torch.bool)
     if values.numel():
         index = torch.from_numpy(flat)
-        out.scatter_reduce_(0, index, values, reduce=_SCATTER[agg], include_self=True)
+        _scatter(out, index, values, agg)
         present[index] = True
     return DenseRelation(values=out.reshape(tuple(shape)),
                          present=present.reshape(tuple(shape)))
+
+
+def _scatter(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor, agg: str) -> None:
+    """Fold ``values`` into ``out[index]`` with the aggregation (duplicates combine): torch's
+    ``scatter_reduce`` where it has the aggregation, else the aggregation's binary function
+    applied in rounds, one value per cell each.
+
+    >>> out = torch.zeros(2)
+    >>> _scatter(out, torch.tensor([1, 1, 0]), torch.tensor([2.0, 3.0, 4.0]), "sum")
+    >>> out.tolist()
+    [4.0, 5.0]
+    """
+    record = agg_record(agg)
+    if record.scatter is not None:
+        out.scatter_reduce_(0, index, values, reduce=record.scatter, include_self=True)
+        return
+    order = torch.argsort(index, stable=True)
+    index, values = index[order], values[order]
+    starts = torch.ones_like(index, dtype=torch.bool)
+    starts[1:] = index[1:] != index[:-1]
+    first = torch.cummax(torch.where(starts, torch.arange(len(index)), 0), dim=0).values
+    rank = torch.arange(len(index)) - first
+    for r in range(int(rank.max()) + 1 if len(rank) else 0):
+        pick = rank == r
+        out[index[pick]] = record.combine(out[index[pick]], values[pick])
 
 
 def filled_dtype(column: pa.ChunkedArray | pa.Array, fill: float | None) -> torch.dtype:

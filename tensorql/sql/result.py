@@ -27,7 +27,7 @@ import torch
 
 from tensorql.errors import ShapeError
 from tensorql.sql.relational import dense_bytes
-from tensorql.sql.relations import AGG_IDENTITY, densify, label_columns, rows_to_dense, tensor_rows
+from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
 
 __all__ = ["DenseForm", "SQLResult", "format_table"]
 
@@ -153,7 +153,7 @@ class SQLResult:
                              f"tensor of shape {form.shape} it would take {need:,} bytes, more "
                              f"than the limit of {form.limit:,} (Options.relation_dense_bytes / "
                              "memory_limit); read its rows (fetchall, arrow, fetchnumpy)")
-        return densify(table, list(self.labels), form.shape, fill=AGG_IDENTITY[form.agg],
+        return densify(table, list(self.labels), form.shape, fill=agg_identity(form.agg),
                        agg=form.agg, max_bytes=None).values
 
     def numpy(self) -> np.ndarray:

@@ -27,6 +27,7 @@ and k, ``T`` the softmax label (key positions, in k and v), ``V`` labels only in
 
 from __future__ import annotations
 
+from tensorql.algebra import AggName, JoinName
 from tensorql.logical.lower import retile
 from tensorql.logical.plan import (
     Aggregate,
@@ -64,10 +65,11 @@ def match_attention(root: LogicalNode) -> LogicalNode:
 
 def _product(node: LogicalNode) -> tuple[Aggregate, Join] | None:
     """``node`` as a sum over a two-input product with no repeated label, else None."""
-    if not (isinstance(node, Aggregate) and node.agg == "sum" and isinstance(node.input, Join)):
+    if not (isinstance(node, Aggregate) and node.agg == AggName.SUM
+            and isinstance(node.input, Join)):
         return None
     join = node.input
-    if join.join != "mul" or len(join.sources) != 2 or any(
+    if join.join != JoinName.MUL or len(join.sources) != 2 or any(
             len(set(labels)) != len(labels) for labels in join.input_labels):
         return None
     return node, join
@@ -109,7 +111,7 @@ def _match(out: LogicalNode, readers: dict[int, int]):
     if isinstance(scores, Rekey):
         rekey, scores = scores, scores.input
     add, mask, mask_labels = None, None, None
-    if isinstance(scores, Join) and scores.join == "add" and len(scores.sources) == 2:
+    if isinstance(scores, Join) and scores.join == JoinName.ADD and len(scores.sources) == 2:
         add = scores
         firsts = [k for k, src in enumerate(add.sources) if _scaled_product(src) is not None
                   and tuple(add.input_labels[k]) == add.relation.labels]

@@ -21,8 +21,7 @@ True
 
 from __future__ import annotations
 
-from tensorql_kernels.optimizer_update import UPDATE_JOINS
-
+from tensorql.algebra import is_update
 from tensorql.logical.plan import (
     Aggregate,
     Join,
@@ -55,7 +54,7 @@ def _pointwise(node: LogicalNode, joins_in_aggregates: set[int]) -> bool:
     if isinstance(node, Map):
         return True
     return (isinstance(node, Join) and id(node) not in joins_in_aggregates
-            and node.join not in UPDATE_JOINS  # stacks its slots: not blocked by rows
+            and not is_update(node.join)  # stacks its slots: not blocked by rows
             and all(len(set(labels)) == len(labels) for labels in node.input_labels))
 
 

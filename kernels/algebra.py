@@ -1,0 +1,350 @@
+"""The algebra registry: every join and every aggregation an extended einsum may use.
+
+``out[o] = AGG_{a} JOIN(in1[..], in2[..], ...)``: a :class:`Join` is one record (its torch
+function, folded left to right over the operands, or called once with all of them when
+``nary``; its algebraic flags; the aggregations it distributes over and the semiring zero it
+has with each; its SQL spelling; how its result dtype is found) and an :class:`Agg` another
+(its torch reduction, in-place combine of partials, identity, SQL spelling, whether it is
+associative). Every module that needs one of these facts reads it here, by the names below
+(:class:`JoinName`, :class:`AggName`) -- no other module spells an operator's name.
+
+The registry lives in ``tensorql_kernels``, the bottom layer, because the chunk kernels need
+the torch functions and may import nothing above them; ``tensorql.algebra`` re-exports it and
+adds what needs the engine's errors: validated registration of the user's own joins and
+aggregations (``tq.register_join`` / ``tq.register_agg``) and lookups that raise
+``UnknownOperatorError``. The registry is process-wide (not per session), so a plan cached by
+a join's name means the same function in every session and on every device.
+
+>>> join_of(JoinName.ADD).fn(torch.tensor(1.0), torch.tensor(2.0)).item()
+3.0
+>>> join_of(JoinName.MUL).distributes(AggName.SUM), join_of(JoinName.MUL).zero(AggName.SUM)
+(True, 0.0)
+>>> agg_of(AggName.MAX).reduce(torch.tensor([[1.0, 5.0], [7.0, 2.0]]), [1]).tolist()
+[5.0, 7.0]
+>>> sorted(JOINS)[:4], sorted(AGGS)
+(['adam', 'adamw', 'add', 'div'], ['max', 'min', 'prod', 'sum'])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+
+class JoinName:
+    """The built-in joins' names (use these, never the strings)."""
+
+    MUL = "mul"
+    ADD = "add"
+    SUB = "sub"
+    DIV = "div"
+    MAX = "max"
+    MIN = "min"
+    POW = "pow"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+    EQ = "eq"
+    NE = "ne"
+    WHERE = "where"
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+
+class AggName:
+    """The built-in aggregations' names (use these, never the strings)."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+
+# How a join's result dtype follows from its operands' (see tensorql.einsum.graph.result_dtype)
+PROMOTE = "promote"        # torch's type promotion of the operands
+BOOL = "bool"              # a comparison: bool (with two or more operands)
+FLOATING = "floating"      # division: promoted, integral results become the default float
+NUMERIC = "numeric"        # arithmetic: promoted, bool results become int64
+CONDITION = "condition"    # where: promotion of every operand but the first (the condition)
+PROBE = "probe"            # a user's function: the dtype torch gives it on the operands'
+
+DTYPE_RULES = (PROMOTE, BOOL, FLOATING, NUMERIC, CONDITION, PROBE)
+
+
+@dataclass(frozen=True)
+class Join:
+    """One elementwise join.
+
+    ``fn`` is a binary torch function folded left to right over the operands (``nary`` False)
+    or a function of all ``arity`` operands at once (``nary`` True: ``where``, the optimizer
+    updates, a user's function of three operands). ``sql`` spells one step of the fold for
+    DuckDB as a template over ``{0}`` and ``{1}`` (all operands ``{0}..{n-1}`` for an n-ary
+    join); ``sql_double`` casts the first operand to DOUBLE first ("always", or "nonint": only
+    when the result is not integral). ``zeros`` maps an aggregation to the semiring's zero (a
+    value ``z`` with ``JOIN(z, x) = JOIN(x, z) = identity`` of the aggregation, which an absent
+    sparse row may stand for); ``distributes_over`` names the aggregations the join
+    distributes over (with ``commutative``: labels may be aggregated early and operands
+    reordered -- the contraction path's freedom). ``adjoint`` is a user's derivative
+    ``adjoint(k, *operands) -> d out / d operand k``; None means the built-in rule of
+    ``tensorql.api.autodiff`` (built-ins) or one derived with ``torch.func`` (``user``).
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor] = field(repr=False, compare=False)
+    arity: int | None = None
+    nary: bool = False
+    associative: bool = False
+    commutative: bool = False
+    comparison: bool = False
+    update: bool = False
+    distributes_over: frozenset[str] = frozenset()
+    zeros: tuple[tuple[str, float], ...] = ()
+    sql: str | None = None
+    sql_double: str = ""
+    dtype_rule: str = PROMOTE
+    adjoint: Callable[..., torch.Tensor] | None = field(default=None, repr=False,
+                                                       compare=False)
+    user: bool = False
+    label: str = ""  # a readable name for EXPLAIN (a user's function's own name)
+    identity: float | None = None  # JOIN(identity, x) == x, where the join has one
+    listed: bool = True  # offered by name in messages and SQL (not updates, anonymous joins)
+    source: Callable[..., torch.Tensor] | None = field(default=None, repr=False,
+                                                      compare=False)  # a user's own fn
+    # the join with a Python number as one operand, as an elementwise map of the other
+    # (tensorql_kernels.elementwise): (map, its scalar from the number) for ``x JOIN c`` and
+    # for ``c JOIN x``; None where there is no such map
+    scalar_maps: tuple[tuple[str, Callable[[float], float]],
+                       tuple[str, Callable[[float], float]]] | None = field(
+        default=None, repr=False, compare=False)
+
+    def distributes(self, agg: str) -> bool:
+        """Whether labels aggregated by ``agg`` may be aggregated early (a semiring)."""
+        return self.commutative and agg in self.distributes_over
+
+    def zero(self, agg: str) -> float | None:
+        """The semiring zero of (this join, ``agg``), None where there is none."""
+        return dict(self.zeros).get(agg)
+
+    def apply(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The join of ``operands`` (broadcast against each other)."""
+        if self.nary:
+            return self.fn(*operands)
+        if len(operands) == 1:  # nothing to fold
+            return operands[0]
+        value = self.fn(operands[0], operands[1])
+        for other in operands[2:]:
+            value = self.fn(value, other)
+        return value
+
+
+@dataclass(frozen=True)
+class Agg:
+    """One aggregation: ``reduce(x, dims)`` reduces dims of a chunk, ``combine(acc, partial)``
+    folds a partial result into ``acc`` in place (and returns it), ``identity`` is what an
+    empty aggregation yields. ``sql`` / ``bool_sql`` are DuckDB's aggregate functions (for
+    numbers / for bools), ``scatter`` torch's ``scatter_reduce`` name. Only an
+    ``associative`` aggregation may be computed as partials over pieces of its labels and
+    combined; ``widens`` says small integers accumulate in int64 (as ``torch.sum``)."""
+
+    name: str
+    reduce: Callable[[torch.Tensor, list[int]], torch.Tensor] = field(repr=False, compare=False)
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(repr=False,
+                                                                           compare=False)
+    identity: float = 0.0
+    associative: bool = True
+    commutative: bool = True
+    sql: str | None = None
+    bool_sql: str | None = None
+    scatter: str | None = None
+    widens: bool = False
+    user: bool = False
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
+        default=None, repr=False, compare=False)  # the binary function of a user's fold
+
+
+def _prod(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    keep = [d for d in range(x.ndim) if d not in dims]
+    flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
+    return flat.prod(dim=-1)
+
+
+def _where(cond: torch.Tensor, yes: torch.Tensor, no: torch.Tensor) -> torch.Tensor:
+    return torch.where(cond.bool(), yes, no)
+
+
+def _update(name: str) -> Callable[..., torch.Tensor]:
+    def fn(*operands: torch.Tensor) -> torch.Tensor:
+        from tensorql_kernels.optimizer_update import optimizer_update
+
+        return optimizer_update(name, operands)
+
+    return fn
+
+
+_J, _A = JoinName, AggName
+
+
+def _same(c: float) -> float:
+    return c
+
+
+def _negated(c: float) -> float:
+    return -c
+
+
+def _inverse(c: float) -> float:
+    return 1.0 / c
+
+
+_BUILTIN_JOINS = (
+    Join(_J.MUL, torch.mul, associative=True, commutative=True,
+         distributes_over=frozenset({_A.SUM}), zeros=((_A.SUM, 0.0),), sql="{0} * {1}",
+         scalar_maps=(("scale", _same), ("scale", _same))),
+    Join(_J.ADD, torch.add, associative=True, commutative=True,
+         distributes_over=frozenset({_A.MAX, _A.MIN}),
+         zeros=((_A.MIN, math.inf), (_A.MAX, -math.inf)), sql="{0} + {1}",
+         dtype_rule=NUMERIC, scalar_maps=(("shift", _same), ("shift", _same))),
+    Join(_J.SUB, torch.sub, sql="{0} - {1}", dtype_rule=NUMERIC,
+         scalar_maps=(("shift", _negated), ("rsub", _same))),
+    Join(_J.DIV, torch.div, sql="{0} / {1}", sql_double="always", dtype_rule=FLOATING,
+         scalar_maps=(("scale", _inverse), ("rdiv", _same))),
+    Join(_J.MAX, torch.maximum, associative=True, commutative=True,
+         distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MIN, math.inf),),
+         sql="greatest({0}, {1})", scalar_maps=(("maximum", _same), ("maximum", _same))),
+    Join(_J.MIN, torch.minimum, associative=True, commutative=True,
+         distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MAX, -math.inf),),
+         sql="least({0}, {1})", scalar_maps=(("minimum", _same), ("minimum", _same))),
+    Join(_J.POW, torch.pow, sql="pow({0}, {1})", sql_double="nonint"),
+    Join(_J.LT, torch.lt, comparison=True, sql="{0} < {1}", dtype_rule=BOOL),
+    Join(_J.LE, torch.le, comparison=True, sql="{0} <= {1}", dtype_rule=BOOL),
+    Join(_J.GT, torch.gt, comparison=True, sql="{0} > {1}", dtype_rule=BOOL),
+    Join(_J.GE, torch.ge, comparison=True, sql="{0} >= {1}", dtype_rule=BOOL),
+    Join(_J.EQ, torch.eq, comparison=True, sql="{0} = {1}", dtype_rule=BOOL),
+    Join(_J.NE, torch.ne, comparison=True, sql="{0} <> {1}", dtype_rule=BOOL),
+    Join(_J.WHERE, _where, arity=3, nary=True,
+         sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
+    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False),
+    Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False),
+)
+_BUILTIN_AGGS = (
+    Agg(_A.SUM, lambda x, dims: x.sum(dim=dims), lambda acc, p: acc.add_(p), 0.0,
+        sql="sum", bool_sql="bool_or", scatter="sum", widens=True),
+    Agg(_A.MAX, lambda x, dims: x.amax(dim=dims),
+        lambda acc, p: torch.maximum(acc, p, out=acc), -math.inf, sql="max",
+        bool_sql="bool_or", scatter="amax"),
+    Agg(_A.MIN, lambda x, dims: x.amin(dim=dims),
+        lambda acc, p: torch.minimum(acc, p, out=acc), math.inf, sql="min",
+        bool_sql="bool_and", scatter="amin"),
+    Agg(_A.PROD, _prod, lambda acc, p: acc.mul_(p), 1.0, sql="product", bool_sql="bool_and",
+        scatter="prod", widens=True),
+)
+
+_JOINS: dict[str, Join] = {j.name: j for j in _BUILTIN_JOINS}
+_AGGS: dict[str, Agg] = {a.name: a for a in _BUILTIN_AGGS}
+JOINS: Mapping[str, Join] = MappingProxyType(_JOINS)  # every join, the user's too
+AGGS: Mapping[str, Agg] = MappingProxyType(_AGGS)
+BUILTIN_JOINS = tuple(j.name for j in _BUILTIN_JOINS)
+BUILTIN_AGGS = tuple(a.name for a in _BUILTIN_AGGS)
+UPDATE_JOINS = tuple(j.name for j in _BUILTIN_JOINS if j.update)
+COMPARISON_JOINS = frozenset(j.name for j in _BUILTIN_JOINS if j.comparison)
+
+
+def join_of(name: str) -> Join:
+    """The record of join ``name`` (KeyError when none is registered)."""
+    return _JOINS[name]
+
+
+def agg_of(name: str) -> Agg:
+    """The record of aggregation ``name`` (KeyError when none is registered)."""
+    return _AGGS[name]
+
+
+def is_update(join: str) -> bool:
+    """Whether ``join`` is an optimizer's n-ary update (adam, adamw).
+
+    >>> is_update(JoinName.ADAM), is_update(JoinName.MUL), is_update("nope")
+    (True, False, False)
+    """
+    record = _JOINS.get(join)
+    return record is not None and record.update
+
+
+def add_join(record: Join) -> Join:
+    """Register a user's join (the caller validated it); a built-in name cannot be replaced."""
+    if record.name in BUILTIN_JOINS:
+        raise ValueError(f"join {record.name!r} is built in")
+    _JOINS[record.name] = record
+    return record
+
+
+def add_agg(record: Agg) -> Agg:
+    """Register a user's aggregation (the caller validated it)."""
+    if record.name in BUILTIN_AGGS:
+        raise ValueError(f"agg {record.name!r} is built in")
+    _AGGS[record.name] = record
+    return record
+
+
+def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` (a user's) made safe for the engine, which accumulates into results in place: a
+    result is broadcast to the operands' broadcast shape (a function may ignore an operand),
+    and one that is a view of an operand, or not laid out densely (an expanded broadcast),
+    comes back as a contiguous copy.
+
+    >>> x = torch.ones(2, 1)
+    >>> out = owned_result(lambda a, b: a.expand(2, 3))(x, torch.ones(1, 3))
+    >>> out.is_contiguous(), out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    (True, True)
+    """
+    def call(*operands: torch.Tensor) -> torch.Tensor:
+        out = fn(*operands)
+        if not isinstance(out, torch.Tensor):
+            return out
+        shape = torch.broadcast_shapes(*(x.shape for x in operands))
+        if out.shape != shape:
+            out = out.expand(shape)
+        if (not out.is_contiguous() or any(
+                isinstance(x, torch.Tensor)
+                and x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                for x in operands)):
+            return out.clone(memory_format=torch.contiguous_format)
+        return out
+
+    call.__name__ = getattr(fn, "__name__", "join")
+    return call
+
+
+def fold_reduce(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], identity: float,
+                associative: bool) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
+    """A reduction over dims by a binary function, from ``identity``: pairwise halving (log
+    steps) when it is associative and commutative, else left to right.
+
+    >>> r = fold_reduce(torch.maximum, -math.inf, True)
+    >>> r(torch.tensor([[1.0, 9.0, 3.0], [4.0, 0.0, 2.0]]), [1]).tolist()
+    [9.0, 4.0]
+    """
+    def reduce(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+        dims = list(dims)
+        keep = [d for d in range(x.ndim) if d not in dims]
+        flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
+        if flat.shape[-1] == 0:  # nothing to aggregate: the identity
+            return torch.full(flat.shape[:-1], identity, dtype=x.dtype)
+        value = torch.full(flat.shape[:-1], identity, dtype=x.dtype)
+        if not associative:  # fn(...fn(fn(identity, x0), x1)..., xn)
+            for k in range(flat.shape[-1]):
+                value = fn(value, flat[..., k])
+            return value
+        while flat.shape[-1] > 1:  # the same, for an associative and commutative fn
+            half = flat.shape[-1] // 2
+            paired = fn(flat[..., :half], flat[..., half:2 * half])
+            if flat.shape[-1] % 2:
+                paired = torch.cat([paired, flat[..., 2 * half:]], dim=-1)
+            flat = paired
+        return fn(value, flat[..., 0])
+
+    return reduce
