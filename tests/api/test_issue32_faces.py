@@ -71,18 +71,20 @@ def test_explain_analyze_of_a_network_whose_naive_flops_pass_a_float():
 
     from tensorql.logical.path import plan_path
 
-    n = 104  # a star of 104 (2 x 1000) operands: naive FLOPs 103 * 2 * 1000**104 > 1.8e308
+    # a star of 104 (2 x 1000) operands: naive FLOPs 2 * 103 * 2 * 1000**104 > 1.8e308 (two
+    # FLOPs, a multiply and an add, per joined element, as PathInfo counts them)
+    n = 104
     labels = [("h", get_symbol(k + 10)) for k in range(n)]
     sizes = {"h": 2, **{lab: 1000 for _, lab in labels}}
     info = plan_path(labels, (), sizes)
-    assert info.naive_flops == (n - 1) * 2 * 1000 ** n  # exact, as a Python int
+    assert info.naive_flops == 2 * (n - 1) * 2 * 1000 ** n  # exact, as a Python int
     text = info.explain()
-    assert "naive 2.06e+314 FLOP" in text and "e+" in text.split("x less")[0]
+    assert "naive 4.12e+314 FLOP" in text and "e+" in text.split("x less")[0]
     db = tq.connect()
     ops = [db.constant(np.full((2, 1000), 0.5 ** (k % 3))) for k in range(n)]
     t = tq.einsum(",".join("".join(lab) for lab in labels) + "->", *ops)
     plan = t.explain(analyze=True)
-    assert "naive 2.06e+314 FLOP" in plan
+    assert "naive 4.12e+314 FLOP" in plan
     want = sum(np.prod([np.full((2, 1000), 0.5 ** (k % 3)).sum(axis=1)[h] for k in range(n)])
                for h in range(2))
     np.testing.assert_allclose(float(t), want, rtol=1e-9)
