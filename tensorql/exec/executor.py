@@ -156,16 +156,15 @@ class _Run(RunState):
 
     def finish(self, task: Task, started: float, ended: float, new_bytes: int) -> bool:
         """Record a finished task; True when it completed its output chunk."""
-        stats = record_task(self.stats, task.output.step, started, ended,
-                            bytes_in=sum(self.values[r].nbytes for r in task.inputs),
-                            bytes_read=getattr(task.kernel, "bytes_read", 0))
+        record_task(self.stats, task.output.step, started, ended,
+                    bytes_in=sum(self.values[r].nbytes for r in task.inputs),
+                    bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
         self.running_big -= _big(task)
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
         if completed:
-            stats.bytes_out += self.values[task.output].nbytes
             self._complete_chunk(task.output)
         for ref in task.inputs:
             self.uses[ref] -= 1

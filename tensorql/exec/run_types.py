@@ -38,7 +38,6 @@ class StepStats:
     tasks: int = 0
     busy_s: float = 0.0
     bytes_in: int = 0
-    bytes_out: int = 0
     bytes_read: int = 0
     first_start: float = float("inf")
     last_end: float = 0.0

@@ -368,9 +368,8 @@ def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
         run.host_load_done(op)
         return False
     first = op.ref not in run.loaded_sources
-    step = record_task(run.stats, op.ref.step, start, end,
-                       bytes_read=getattr(op.task.kernel, "bytes_read", 0), tasks=int(first))
-    step.bytes_out += op.nbytes
+    record_task(run.stats, op.ref.step, start, end,
+                bytes_read=getattr(op.task.kernel, "bytes_read", 0), tasks=int(first))
     if not first:
         stats.reloads += 1
         return False
@@ -428,8 +427,6 @@ def _d2h_done(run: StreamRun, op: Op, c: Completion) -> bool:
     run.timed(op, c)
     run.stats.devices[op.device].bytes_d2h += op.nbytes
     if op.ref.step in run.graph.retain and not op.evict:
-        step = run.stats.steps.setdefault(op.ref.step, StepStats())
-        step.bytes_out += op.nbytes
         if run.sink is not None and not run.devices[op.device].is_null:
             run.sink(op.ref, run.sunk(op.ref))
     return False

@@ -168,15 +168,13 @@ def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
                 value = task.kernel.run(inputs, values[entry.output])
             ended = time.perf_counter()
             values[entry.output] = value
-            step = record_task(stats, task.output.step, started, ended,
-                               bytes_in=sum(x.nbytes for x in inputs),
-                               bytes_read=getattr(task.kernel, "bytes_read", 0))
+            record_task(stats, task.output.step, started, ended,
+                        bytes_in=sum(x.nbytes for x in inputs),
+                        bytes_read=getattr(task.kernel, "bytes_read", 0))
             del inputs
             peak = max(peak, live)
-            if entry.completes:
-                step.bytes_out += value.nbytes
-                if entry.retained and sink is not None:
-                    sink(task.output, value)
+            if entry.completes and entry.retained and sink is not None:
+                sink(task.output, value)
             del value
             for i in entry.frees:
                 live -= values[i].nbytes

@@ -102,11 +102,6 @@ def candidates(sizes: tuple[int, ...], pieces: int) -> tuple[tuple[int, ...], ..
     return tuple(sorted(c for c in found if math.prod(c) == best))
 
 
-def device_of(rank: int, pieces: int, devices: int) -> int:
-    """The device of piece/task ``rank`` of ``pieces``."""
-    return rank * devices // pieces
-
-
 @dataclass(frozen=True, eq=False)
 class OutputPieces:
     """The output pieces of a :class:`Layout`: index, start and length along every output

@@ -48,7 +48,7 @@ def test_serial_and_threaded_runs_agree(build):
     assert serial.stats.tasks == threaded.stats.tasks == len(graph.tasks)
     for step, figures in threaded.stats.steps.items():
         assert serial.stats.steps[step].tasks == figures.tasks
-        assert serial.stats.steps[step].bytes_out == figures.bytes_out
+        assert serial.stats.steps[step].bytes_in == figures.bytes_in
     assert serial.stats.bytes_read == threaded.stats.bytes_read
     assert len(graph.tasks) > 20
 
