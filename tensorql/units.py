@@ -42,14 +42,23 @@ def scientific(n: float) -> str:
     """``n`` as ``d.dde+N``, read off the digits of an int, so numbers past a float's range
     (naive FLOP counts of large networks) print too.
 
-    >>> scientific(2 * 1000 ** 104), scientific(12345), scientific(2.5e30)
-    ('2.00e+312', '1.23e+04', '2.50e+30')
+    >>> scientific(2 * 1000 ** 104), scientific(12345), scientific(2.5e30), scientific(7)
+    ('2.00e+312', '1.23e+04', '2.50e+30', '7.00e+00')
+    >>> scientific(3 * 10 ** 9000)  # past the digits Python turns into a str
+    '3.00e+9000'
     """
     if not isinstance(n, int):
         return f"{n:.2e}"
-    sign, digits = ("-" if n < 0 else ""), str(abs(n))
-    exponent = len(digits) - 1
-    lead = int(digits[:3].ljust(3, "0")) + (len(digits) > 3 and digits[3] >= "5")
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    if n == 0:
+        return "0.00e+00"
+    exponent = int((n.bit_length() - 1) * 0.30102999566398120)  # log10(2): near, then exact
+    while 10 ** (exponent + 1) <= n:  # (powers of ten, no int -> str: that has a limit)
+        exponent += 1
+    while 10 ** exponent > n:
+        exponent -= 1
+    scaled = n * 1000 // 10 ** exponent if exponent < 3 else n // 10 ** (exponent - 3)
+    lead = (scaled + 5) // 10  # three significant digits, rounded half up
     if lead == 1000:  # 9995... rounds up to the next power of ten
         lead, exponent = 100, exponent + 1
     return f"{sign}{lead // 100}.{lead % 100:02d}e{exponent:+03d}"

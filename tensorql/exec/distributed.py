@@ -640,7 +640,8 @@ def unanswering_ranks(layout: RankLayout, grace_s: float | None = None) -> Unans
     """Which ranks a failed collective of this rank waited for, from the job's store: this
     rank records its failure; a rank whose process (announced as it joined) is gone on this
     host died; otherwise the ranks that do not record a failure within ``grace_s`` (default:
-    half the job's timeout, 0.5 to 2 s) stopped answering. None without a store to ask.
+    the job's timeout, 1 to 5 s, as the others time out a little earlier or later) stopped
+    answering. None without a store to ask.
 
     >>> unanswering_ranks(RankLayout(0, 1)) is None  # no process group
     True
@@ -653,7 +654,7 @@ def unanswering_ranks(layout: RankLayout, grace_s: float | None = None) -> Unans
         return None
     others = [r for r in range(layout.world) if r != layout.rank]
     job_timeout = store.timeout.total_seconds()
-    grace = grace_s if grace_s is not None else min(2.0, max(0.5, job_timeout / 2))
+    grace = grace_s if grace_s is not None else min(5.0, max(1.0, job_timeout))
     window = job_timeout + grace  # a failure recorded this recently is of the same episode
     host = socket.gethostname()
     try:

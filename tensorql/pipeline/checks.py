@@ -50,9 +50,15 @@ def check_task_count(logical: LogicalNode) -> None:
 SMALL_RESULT_BYTES = 16 << 20  # below this a result is checked against the process figure only
 
 
-def check_dense_fits(relation: Any, options: Options) -> None:
+PYTHON_ADVICE = ("store it with db.store(name, expr) and read it chunk by chunk "
+                 "(db.iter_chunks), or compute a slice of it")
+
+
+def check_dense_fits(relation: Any, options: Options, advice: str = PYTHON_ADVICE) -> None:
     """MemoryLimitError, before any allocation, when a dense result of ``relation`` (shape and
-    dtype) is larger than :meth:`Options.dense_result_budget`.
+    dtype) is larger than :meth:`Options.dense_result_budget`; the error ends with
+    ``advice`` (what to do instead, in the caller's terms: Python's by default, SQL's from
+    the SQL face).
 
     >>> from tensorql.grid import ChunkGrid
     >>> from tensorql.logical.plan import TensorRelation
@@ -73,5 +79,4 @@ def check_dense_fits(relation: Any, options: Options) -> None:
             f"may hold {format_bytes(budget)} more (Options.process_memory_limit "
             f"{format_bytes(options.process_memory_bytes)}, less the chunk cache, DuckDB's "
             f"memory and device budgets; {format_bytes(available_memory_bytes())} available "
-            "on the system); store it with db.store(name, expr) and read it chunk by chunk "
-            "(db.iter_chunks), or compute a slice of it")
+            f"on the system); {advice}")

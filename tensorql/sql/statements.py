@@ -28,8 +28,9 @@ import torch
 from sqlglot import exp
 
 from tensorql.dtypes import torch_dtype
-from tensorql.errors import ParseError, TensorQLError
+from tensorql.errors import MemoryLimitError, ParseError, TensorQLError
 from tensorql.pipeline import CompiledQuery
+from tensorql.pipeline.checks import check_dense_fits
 from tensorql.sql.dialect import (
     CreateTensor,
     DropTensor,
@@ -44,9 +45,14 @@ from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
 from tensorql.sql.result import DenseForm, SQLResult
 from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
+from tensorql.sql.streaming import chunk_rows
 from tensorql.storage.sql_text import quote_ident
 
 __all__ = ["ScriptRunner", "explain_each"]
+
+SQL_ADVICE = ("store it as a tensor (CREATE TENSOR t AS SELECT * FROM EINSUM(...)) and query "
+              "t, or read the EINSUM in a larger query (a WHERE, an aggregate, a LIMIT): its "
+              "rows then stream through DuckDB chunk by chunk")
 
 _TEMP = itertools.count()
 
@@ -280,8 +286,7 @@ class ScriptRunner:
                 if isinstance(resolved, RelationalEinsum):
                     rows = self.relational(resolved).arrow()
                 else:
-                    rows = SQLResult(tensor=self.compute(resolved), labels=resolved.labels,
-                                     present=resolved.present).arrow()
+                    rows = self.call_rows(resolved)
                 self.register(name, rows)
             parent.set("this", exp.to_identifier(name, quoted=True))
         sql = tree.sql(dialect="duckdb")
@@ -302,12 +307,28 @@ class ScriptRunner:
             return None
         return self.operands.call(node, {**ctes, **scope_of(node)})
 
-    def compute(self, call: EinsumCall) -> torch.Tensor:
-        """Run the call on its backend through the pipeline (adding EXPLAIN text when
-        explaining; plain EXPLAIN computes nothing and returns a placeholder)."""
+    def call_rows(self, call: EinsumCall) -> pa.Table | pa.RecordBatchReader:
+        """The element rows of a call another statement reads: a table of them, or, when the
+        dense result would pass the memory limit, a stream DuckDB pulls chunk by chunk."""
         compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
+        if self.explain_sections is None and call.present is None:
+            try:
+                check_dense_fits(compiled.physical.result_step.relation, self.session.options)
+            except MemoryLimitError:
+                return chunk_rows(compiled, call.labels)
+        return SQLResult(tensor=self.compute(call, compiled), labels=call.labels,
+                         present=call.present).arrow()
+
+    def compute(self, call: EinsumCall, compiled: CompiledQuery | None = None) -> torch.Tensor:
+        """Run the call on its backend through the pipeline (adding EXPLAIN text when
+        explaining; plain EXPLAIN computes nothing and returns a placeholder). A dense result
+        past the memory limit is a MemoryLimitError with advice in SQL."""
+        if compiled is None:
+            compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
         sections = self.explain_sections
         if sections is None:
+            check_dense_fits(compiled.physical.result_step.relation, self.session.options,
+                             advice=SQL_ADVICE)
             return compiled.run(dense=True).dense()
         text, result = compiled.explain_and_result(analyze=self.analyze)
         head = f"-- {call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"

@@ -102,3 +102,40 @@ def test_nested_einsums_have_a_depth_limit_not_a_recursion_error(db):
     deep = "SELECT * FROM EINSUM('ij->ij', (" + _nested_subqueries(97) + "))"
     with pytest.raises(tq.ParseError, match="nest"):  # deep, but not in EINSUMs
         db.sql(deep)
+
+
+@pytest.fixture
+def small():
+    """A session whose dense results may take about 36 MiB, and a (4096 x 16) tensor whose
+    Gram matrix (64 MiB) passes that."""
+    rng = np.random.default_rng(32)
+    a = rng.standard_normal((4096, 16)).astype(np.float32)
+    with tq.connect(process_memory_limit="80MiB", chunk_cache_bytes=8 << 20,
+                    memory_limit="16MiB") as session:
+        session.from_numpy("A", a, tile=(512, 16))
+        yield session, a
+
+
+def test_a_query_over_an_einsum_past_the_memory_limit_streams_its_rows(small):
+    db, a = small
+    gram = a.astype(np.float64) @ a.T.astype(np.float64)
+    got = db.sql("SELECT count(*) AS n, sum(val) AS s FROM EINSUM('ik,jk->ij', A, A) "
+                 "WHERE val > 0").fetchall()
+    assert got[0][0] == int(((a @ a.T) > 0).sum())  # float32 products, as computed
+    np.testing.assert_allclose(got[0][1], gram[gram > 0].sum(), rtol=1e-4)
+    rows = db.sql("SELECT i, j, val FROM EINSUM('ik,jk->ij', A, A) WHERE i = 4000 AND j < 3 "
+                  "ORDER BY j").fetchall()
+    assert [(i, j) for i, j, _ in rows] == [(4000, 0), (4000, 1), (4000, 2)]
+    np.testing.assert_allclose([v for *_, v in rows], gram[4000, :3], rtol=1e-4)
+    assert len(db.sql("SELECT * FROM EINSUM('ik,jk->ij', A, A) LIMIT 3").fetchall()) == 3
+
+
+def test_a_dense_einsum_result_past_the_memory_limit_gets_sql_advice(small):
+    db, _ = small
+    with pytest.raises(tq.MemoryLimitError) as caught:
+        db.sql("SELECT * FROM EINSUM('ik,jk->ij', A, A)")
+    message = str(caught.value)
+    assert "CREATE TENSOR" in message and "db.iter_chunks" not in message
+    db.sql("CREATE TENSOR G AS SELECT * FROM EINSUM('ik,jk->ij', A, A)")  # the advice works
+    assert db.sql("SELECT count(*) FROM G WHERE d0 = d1").fetchall() == [(4096,)]
+    assert "EINSUM" in db.sql("EXPLAIN SELECT * FROM EINSUM('ik,jk->ij', A, A)").text
