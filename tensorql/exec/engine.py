@@ -18,7 +18,7 @@ destination, progress, figures, failure):
 
 :func:`choose_strategy` is the policy: a rank runs ``rank``; one CPU device with no memory
 limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
-(:func:`~tensorql.exec.executor.runs_serially`); anything else runs ``streams``.
+(:func:`runs_serially`); anything else runs ``streams``.
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -45,14 +45,14 @@ from typing import Any
 from tensorql.devices import DeviceSet
 from tensorql.errors import ExecutionError
 from tensorql.exec.distributed import DistributedRuntime, RankLayout
-from tensorql.exec.executor import Lanes, runs_serially
+from tensorql.exec.executor import Lanes, _weighted_flops
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import TaskGraph
 
 __all__ = ["STRATEGIES", "EngineConfig", "RankJob", "Strategy", "UnknownStrategyError",
-           "choose_strategy", "run"]
+           "choose_strategy", "narrow_share", "run", "runs_serially"]
 
 
 class UnknownStrategyError(ExecutionError):
@@ -176,6 +176,72 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              _streams),
     Strategy("rank", "one rank's streams of a torch.distributed job", _rank),
 )}
+
+
+# -- the policy: which strategy runs a graph -------------------------------------------
+
+# A graph whose tasks average fewer estimated FLOPs than this (~0.1 ms of one core) runs in
+# the serial mode: a worker would spend about as long taking a task as running it.
+SERIAL_TASK_FLOPS = 1_000_000
+# A graph whose work is mostly in steps of fewer tasks than workers (``narrow_share``) runs in
+# the serial mode too, each task on every worker's torch threads: its workers could not share
+# that work out anyway, and a run on the calling thread uses the OpenMP threads torch already
+# keeps there (see Executor.runs_serially).
+SERIAL_NARROW_SHARE = 0.5
+
+
+def narrow_share(graph: TaskGraph, workers: int) -> float:
+    """The share of ``graph``'s (weighted) FLOPs in steps of fewer tasks than ``workers``:
+    work the workers cannot share out task by task.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task
+    >>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, (0,)), None, flops=30),
+    ...                      Task(1, (), ChunkRef(1, (0,)), None, flops=10),
+    ...                      Task(2, (), ChunkRef(1, (1,)), None, flops=10)))
+    >>> narrow_share(g, 2)
+    0.6
+    """
+    per_step: dict[int, list[int]] = {}
+    for task in graph.tasks:
+        entry = per_step.setdefault(task.output.step, [0, 0])
+        entry[0] += 1
+        entry[1] += _weighted_flops(task)
+    total = sum(flops for _, flops in per_step.values())
+    narrow = sum(flops for count, flops in per_step.values() if count < workers)
+    return narrow / total if total else 1.0
+
+
+def runs_serially(graph: TaskGraph, workers: int) -> bool:
+    """Whether the engine runs ``graph`` on one CPU of ``workers`` threads in the serial
+    strategy (:mod:`tensorql.exec.serial`) on the calling thread rather than on its lanes:
+    with one worker, or when the graph's tasks are short on average (estimated FLOPs below
+    ``SERIAL_TASK_FLOPS`` a task: a LLaMA decoder's token, ~0.4 MFLOP), so that handing each
+    to a worker would cost about what a second worker could gain, or when at least
+    ``SERIAL_NARROW_SHARE`` of its work is in steps of fewer tasks than workers
+    (:func:`narrow_share`: chains of one-chunk products, as in a tensor network or a
+    transformer block's training step), which the workers could not share out: each task
+    then runs on every worker's torch threads, on the calling thread, whose OpenMP threads
+    torch keeps (a LLaMA block's training step 44-48 -> 42-44 ms, and no longer 6-8 ms slower
+    right after a torch step; einsum_benchmark's tree 1.4x faster).
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task
+    >>> tiny = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), None, flops=1000),))
+    >>> runs_serially(tiny, 2), runs_serially(tiny, 1)
+    (True, True)
+    """
+    if workers == 1:
+        return True
+    mean = graph.programs.get("mean-task-flops")
+    if mean is None:
+        mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
+        graph.programs["mean-task-flops"] = mean
+    if mean < SERIAL_TASK_FLOPS:
+        return True
+    key = ("narrow-share", workers)
+    share = graph.programs.get(key)
+    if share is None:
+        share = graph.programs[key] = narrow_share(graph, workers)
+    return share >= SERIAL_NARROW_SHARE
 
 
 def choose_strategy(graph: TaskGraph, config: EngineConfig) -> str:

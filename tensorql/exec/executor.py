@@ -186,36 +186,6 @@ WIDE_TASK_FLOPS = 20_000_000
 MEMORY_BOUND_FACTOR = 100
 
 
-# A graph whose tasks average fewer estimated FLOPs than this (~0.1 ms of one core) runs in
-# the serial mode: a worker would spend about as long taking a task as running it.
-SERIAL_TASK_FLOPS = 1_000_000
-# A graph whose work is mostly in steps of fewer tasks than workers (``narrow_share``) runs in
-# the serial mode too, each task on every worker's torch threads: its workers could not share
-# that work out anyway, and a run on the calling thread uses the OpenMP threads torch already
-# keeps there (see Executor.runs_serially).
-SERIAL_NARROW_SHARE = 0.5
-
-
-def narrow_share(graph: TaskGraph, workers: int) -> float:
-    """The share of ``graph``'s (weighted) FLOPs in steps of fewer tasks than ``workers``:
-    work the workers cannot share out task by task.
-
-    >>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, (0,)), None, flops=30),
-    ...                      Task(1, (), ChunkRef(1, (0,)), None, flops=10),
-    ...                      Task(2, (), ChunkRef(1, (1,)), None, flops=10)))
-    >>> narrow_share(g, 2)
-    0.6
-    """
-    per_step: dict[int, list[int]] = {}
-    for task in graph.tasks:
-        entry = per_step.setdefault(task.output.step, [0, 0])
-        entry[0] += 1
-        entry[1] += _weighted_flops(task)
-    total = sum(flops for _, flops in per_step.values())
-    narrow = sum(flops for count, flops in per_step.values() if count < workers)
-    return narrow / total if total else 1.0
-
-
 def _weighted_flops(task: Task) -> int:
     """``task``'s estimated FLOPs in product-FLOP equivalents (elementwise kernels' scaled
     by ``MEMORY_BOUND_FACTOR``)."""
@@ -228,38 +198,6 @@ def _big(task: Task) -> bool:
     return _weighted_flops(task) >= WIDE_TASK_FLOPS
 
 
-def runs_serially(graph: TaskGraph, workers: int) -> bool:
-    """Whether the engine runs ``graph`` on one CPU of ``workers`` threads in the serial
-    strategy (:mod:`tensorql.exec.serial`) on the calling thread rather than on its lanes:
-    with one worker, or when the graph's tasks are short on average (estimated FLOPs below
-    ``SERIAL_TASK_FLOPS`` a task: a LLaMA decoder's token, ~0.4 MFLOP), so that handing each
-    to a worker would cost about what a second worker could gain, or when at least
-    ``SERIAL_NARROW_SHARE`` of its work is in steps of fewer tasks than workers
-    (:func:`narrow_share`: chains of one-chunk products, as in a tensor network or a
-    transformer block's training step), which the workers could not share out: each task
-    then runs on every worker's torch threads, on the calling thread, whose OpenMP threads
-    torch keeps (a LLaMA block's training step 44-48 -> 42-44 ms, and no longer 6-8 ms slower
-    right after a torch step; einsum_benchmark's tree 1.4x faster).
-
-    >>> tiny = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), None, flops=1000),))
-    >>> runs_serially(tiny, 2), runs_serially(tiny, 1)
-    (True, True)
-    """
-    if workers == 1:
-        return True
-    mean = graph.programs.get("mean-task-flops")
-    if mean is None:
-        mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
-        graph.programs["mean-task-flops"] = mean
-    if mean < SERIAL_TASK_FLOPS:
-        return True
-    key = ("narrow-share", workers)
-    share = graph.programs.get(key)
-    if share is None:
-        share = graph.programs[key] = narrow_share(graph, workers)
-    return share >= SERIAL_NARROW_SHARE
-
-
 EXECUTOR_MODES = ("auto", "threads", "serial")
 
 
@@ -268,7 +206,7 @@ class Executor:
     on ``workers`` threads with ``intra_op_threads`` torch threads each (``mode="threads"``,
     the lanes strategy), or on the calling thread in one precomputed order
     (``mode="serial"``, :mod:`tensorql.exec.serial`); ``mode="auto"`` leaves the choice to
-    the engine's policy (:func:`runs_serially`)."""
+    the engine's policy (:func:`tensorql.exec.engine.runs_serially`)."""
 
     def __init__(self, workers: int = 1, intra_op_threads: int = 1, mode: str = "auto") -> None:
         if mode not in EXECUTOR_MODES:
@@ -291,10 +229,12 @@ class Executor:
 
     def runs_serially(self, graph: TaskGraph) -> bool:
         """Whether :meth:`run` runs ``graph`` in the serial strategy (see
-        :func:`runs_serially`)."""
+        :func:`tensorql.exec.engine.runs_serially`)."""
+        from tensorql.exec import engine
+
         if self.mode != "auto":
             return self.mode == "serial"
-        return runs_serially(graph, self.workers)
+        return engine.runs_serially(graph, self.workers)
 
 
 class Lanes:
@@ -455,4 +395,4 @@ def _execute(state: _Run, task: Task) -> int:
 
 
 __all__ = ["ChunkDestination", "ChunkSink", "Executor", "Lanes", "RunResult", "RunStats",
-           "StepStats", "runs_serially"]
+           "StepStats"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tensorql as tq
+import tensorql.exec.engine as engine
 import tensorql.exec.executor as executor
 
 
@@ -65,7 +66,7 @@ def test_a_wide_graph_keeps_its_workers():
 @pytest.fixture
 def threaded(monkeypatch):
     """Narrow graphs on the workers too (what the wide-task rule is for)."""
-    monkeypatch.setattr(executor, "SERIAL_NARROW_SHARE", 2.0)
+    monkeypatch.setattr(engine, "SERIAL_NARROW_SHARE", 2.0)
 
 
 def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch, threaded):
