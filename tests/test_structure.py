@@ -13,6 +13,7 @@ import ast
 import pathlib
 from collections import Counter
 
+import pytest
 from tensorql_kernels.algebra import BUILTIN_AGGS, BUILTIN_JOINS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,3 +91,28 @@ def test_the_scan_sees_operator_names(tmp_path):
     probe.write_text('"""A docstring naming sum."""\n__all__ = ["where"]\n'
                      'x = f(join="mul")\n')
     assert operator_literals(probe, {"sum", "mul", "where"}) == [(3, "mul")]
+
+
+@pytest.mark.parametrize("devices, most", [("cpu", 14), (2, 19)])
+def test_a_query_passes_each_stage_once(devices, most):
+    """``tq.einsum("ij,jk->ik", A, B).numpy()`` -- docs/architecture.md's hand trace --
+    enters each stage once: lowering, the rewrite rules, the one builder and the engine each
+    run once, and the modules it passes through (leaf records and helpers aside, see
+    tests/stage_trace.py) are at most ``most + 1``: under 15 hops on one device, under 20 on
+    two (the partition stage is added)."""
+    import numpy as np
+    from stage_trace import ENTRIES, stage_modules
+
+    import tensorql as tq
+
+    with tq.connect(devices=devices) as db:
+        a = db.from_numpy("A", np.ones((64, 32), np.float32))
+        b = db.from_numpy("B", np.ones((32, 16), np.float32))
+        tq.einsum("ij,jk->ik", a, b).numpy()  # imports and caches warm
+        c = db.from_numpy("C", np.full((64, 32), 2.0, np.float32))
+        out: list = []
+        order, calls = stage_modules(lambda: out.append(tq.einsum("ij,jk->ik", c, b).numpy()))
+    np.testing.assert_allclose(out[0], np.full((64, 16), 64.0))
+    assert calls == {entry: 1 for entry in ENTRIES}, calls
+    assert len(order) - 1 <= most, order
+    assert ("optimizer" in order) == (devices != "cpu")

@@ -45,7 +45,7 @@ from typing import Any
 from tensorql.devices import DeviceSet
 from tensorql.errors import ExecutionError
 from tensorql.exec.distributed import DistributedRuntime, RankLayout
-from tensorql.exec.executor import Lanes, _weighted_flops
+from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
@@ -205,7 +205,7 @@ def narrow_share(graph: TaskGraph, workers: int) -> float:
     for task in graph.tasks:
         entry = per_step.setdefault(task.output.step, [0, 0])
         entry[0] += 1
-        entry[1] += _weighted_flops(task)
+        entry[1] += task.weighted_flops
     total = sum(flops for _, flops in per_step.values())
     narrow = sum(flops for count, flops in per_step.values() if count < workers)
     return narrow / total if total else 1.0
@@ -233,7 +233,7 @@ def runs_serially(graph: TaskGraph, workers: int) -> bool:
         return True
     mean = graph.programs.get("mean-task-flops")
     if mean is None:
-        mean = sum(map(_weighted_flops, graph.tasks)) / max(1, len(graph.tasks))
+        mean = sum(task.weighted_flops for task in graph.tasks) / max(1, len(graph.tasks))
         graph.programs["mean-task-flops"] = mean
     if mean < SERIAL_TASK_FLOPS:
         return True

@@ -181,21 +181,9 @@ class _Run(RunState):
 # A task this big (estimated FLOPs) of a step too narrow to occupy every worker runs with all
 # the workers' torch threads (~0.2 ms of one core: smaller kernels gain nothing from threads).
 WIDE_TASK_FLOPS = 20_000_000
-# Elementwise kernels (``memory_bound`` set) do about 100x less work per "FLOP" counted (an
-# element and op) than products do: theirs is WIDE_TASK_FLOPS / MEMORY_BOUND_FACTOR.
-MEMORY_BOUND_FACTOR = 100
-
-
-def _weighted_flops(task: Task) -> int:
-    """``task``'s estimated FLOPs in product-FLOP equivalents (elementwise kernels' scaled
-    by ``MEMORY_BOUND_FACTOR``)."""
-    factor = MEMORY_BOUND_FACTOR if getattr(task.kernel, "memory_bound", False) else 1
-    return task.flops * factor
-
-
 def _big(task: Task) -> bool:
     """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
-    return _weighted_flops(task) >= WIDE_TASK_FLOPS
+    return task.weighted_flops >= WIDE_TASK_FLOPS
 
 
 EXECUTOR_MODES = ("auto", "threads", "serial")

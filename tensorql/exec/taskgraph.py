@@ -29,6 +29,11 @@ class ChunkRef:
     key: tuple[int, ...]
 
 
+# Elementwise kernels (``memory_bound`` set) do about 100x less work per "FLOP" counted (an
+# element and op) than products do.
+MEMORY_BOUND_FACTOR = 100
+
+
 @dataclass(frozen=True)
 class Task:
     """Run ``kernel`` on ``inputs`` and contribute the result to ``output``.
@@ -51,6 +56,17 @@ class Task:
     def is_source(self) -> bool:
         """True for a task without inputs: it reads data at rest (a store or a constant)."""
         return not self.inputs
+
+    @property
+    def weighted_flops(self) -> int:
+        """``flops`` in product-FLOP equivalents: an elementwise kernel's (``memory_bound``
+        set: its FLOPs count elements) scaled by ``MEMORY_BOUND_FACTOR``.
+
+        >>> Task(0, (), ChunkRef(0, ()), None, flops=10).weighted_flops
+        10
+        """
+        factor = MEMORY_BOUND_FACTOR if getattr(self.kernel, "memory_bound", False) else 1
+        return self.flops * factor
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 One module per job: :mod:`.compile` (the stage chain; CompiledQuery / CompiledGroup),
 :mod:`.planning` (the physical plan, partitioned or not), :mod:`.backends` (the registry of
 execution backends and what each supports), :mod:`.run` (the one place a plan is handed to
-the engine), :mod:`.distributed` (one rank's part of a torch.distributed job),
-:mod:`.stages` (EXPLAIN's stage table), :mod:`.results` (dense results), :mod:`.checks`.
+the engine, and the dense results it writes into), :mod:`.distributed` (one rank's part of a
+torch.distributed job), :mod:`.stages` (EXPLAIN's stage table).
 
 Python (``tensorql.api``) and SQL (``tensorql.sql``) both hand a graph node to
 :meth:`CompiledQuery.compile` and call ``run`` / ``explain`` on the result; neither knows how
@@ -33,12 +33,10 @@ from tensorql.pipeline.backends import (
     get_backend,
     register_backend,
 )
-from tensorql.pipeline.checks import check_dense_fits, check_task_count
 from tensorql.pipeline.compile import CompiledGroup, CompiledQuery
 from tensorql.pipeline.distributed import job_devices, rank_job, share_rank_results
-from tensorql.pipeline.planning import Session, physical_plan
-from tensorql.pipeline.results import DenseResults
-from tensorql.pipeline.run import execute
+from tensorql.pipeline.planning import Session, check_task_count, physical_plan
+from tensorql.pipeline.run import DenseResults, check_dense_fits, execute
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
 __all__ = [

@@ -13,8 +13,7 @@ from tensorql.exec.run_types import ProgressCallback
 from tensorql.logical.lower import contraction_paths
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
-from tensorql.pipeline.results import DenseResults
-from tensorql.pipeline.run import execute, result_chunks
+from tensorql.pipeline.run import DenseResults, execute, result_chunks
 
 if TYPE_CHECKING:
     from tensorql.pipeline.compile import CompiledQuery

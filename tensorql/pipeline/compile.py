@@ -20,10 +20,8 @@ from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.backends import get_backend
-from tensorql.pipeline.checks import check_dense_fits, check_task_count
 from tensorql.pipeline.planning import Session, physical_plan
-from tensorql.pipeline.results import DenseResults
-from tensorql.pipeline.run import execute
+from tensorql.pipeline.run import DenseResults, check_dense_fits, execute
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
 
@@ -46,7 +44,6 @@ class CompiledQuery:
         name = backend or options.backend
         supports = get_backend(name).supports
         logical = lower(node)
-        check_task_count(logical)
         partition, physical = physical_plan([logical], db, partitioned=supports.partitioned)
         return cls(node=node, logical=logical, physical=physical, db=db, backend=name,
                    partition=partition)
@@ -148,8 +145,6 @@ class CompiledGroup:
             return cls(nodes=tuple(nodes), db=db,
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
         roots = lower_many(nodes)
-        for root in roots:
-            check_task_count(root)
         _, physical = physical_plan(roots, db)  # on N devices: the whole group partitioned
         return cls(nodes=tuple(nodes), db=db, physical=physical)
 

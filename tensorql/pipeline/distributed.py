@@ -18,7 +18,6 @@ from tensorql.optimizer.plan import PartitionPlan
 from tensorql.options import Options
 from tensorql.physical.explain import render_plan
 from tensorql.physical.planner import PhysicalPlan
-from tensorql.pipeline.results import DenseResults
 
 
 def job_devices(options: Options) -> int:
@@ -48,16 +47,13 @@ def rank_job(physical: PhysicalPlan, partition: PartitionPlan | None,
 
 
 def share_rank_results(physical: PhysicalPlan, result: RunResult, job: engine.RankJob,
-                       sink: ChunkSink | None = None,
-                       destination: ChunkDestination | None = None,
+                       sink: ChunkSink | None, destination: ChunkDestination,
                        keep_outputs: bool = True, rank_stats: bool = False) -> RunResult:
     """After a rank's part of a run: the result chunks all-gathered (each rank sends those
-    it computed to every other) into ``destination`` (by default fresh dense tensors),
+    it computed to every other) into ``destination`` (a tile of each result's dense tensor),
     handed to ``sink`` and, with ``keep_outputs``, returned, so each rank has the whole
     result; with ``rank_stats`` every rank's figures are gathered too."""
     graph = physical.task_graph()
-    if destination is None:
-        destination = DenseResults(physical.output_steps).destination
     stats: Any = result.stats
     shared = share_results(graph, result.outputs, job.layout, destination)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures

@@ -3,8 +3,10 @@ device's plan otherwise, within the session's memory limit."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
+from tensorql.errors import PlanError
 from tensorql.exec.memplan import largest_task_bytes
 from tensorql.logical.plan import LogicalNode, walk
 from tensorql.logical.rules import rewrite
@@ -38,7 +40,10 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     The logical rewrite rules (:mod:`tensorql.logical.rules`) are applied here, once."""
     options = db.options
     max_temp = max(1, options.kernel_temp_bytes // 4)
-    count = job_devices(options)
+    for root in roots:
+        check_task_count(root)
+    # a local session plans for its own devices; a rank of a job for the job's
+    count = job_devices(options) if options.distributed else options.device_set.count
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
     done = rewrite(roots)
@@ -133,3 +138,39 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
         target = max(1, target * limit // need)
     raise InfeasiblePlanError(
         f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
+
+
+MANY_TASKS = 100_000  # beyond this many chunk tasks, per-task overhead (~100 µs) is seconds
+TINY_TASK_ELEMS = 1 << 16  # ... and is what the run spends when tasks are this small
+
+
+def check_task_count(logical: LogicalNode) -> None:
+    """PlanError when tiles are so small that per-task overhead swamps the work: more than
+    ``MANY_TASKS`` chunk tasks doing fewer than ``TINY_TASK_ELEMS`` element operations each
+    (a 300x300 matmul with 1x1 tiles is 27 million tasks, minutes for 54 MFLOP).
+
+    >>> import numpy as np, tensorql as tq
+    >>> from tensorql.logical.lower import lower
+    >>> db = tq.connect()
+    >>> a = db.from_numpy("a", np.ones((300, 300), np.float32), tile=(1, 1))
+    >>> check_task_count(lower((a @ a).node))
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.PlanError: this plan has 27,180,000 chunk tasks of ~1 element operations ...
+    """
+    from tensorql.logical.plan import walk
+
+    tasks = work = 0
+    smallest: tuple[int, ...] = ()
+    for node in walk(logical):
+        grid = node.relation.grid
+        tasks += grid.num_chunks
+        work += math.prod(grid.shape)
+        if not smallest or math.prod(grid.tile) < math.prod(smallest):
+            smallest = grid.tile
+    if tasks > MANY_TASKS and work < tasks * TINY_TASK_ELEMS:
+        raise PlanError(
+            f"this plan has {tasks:,} chunk tasks of ~{work // tasks:,} element operations "
+            f"each (tiles as small as {smallest}); at ~100 µs of overhead per task it would "
+            f"spend ~{tasks * 1e-4:,.0f} s on overhead alone. Store the operands with larger "
+            "tiles (tile=None picks them automatically) or rechunk them with db.store")

@@ -30,7 +30,7 @@ from sqlglot import exp
 from tensorql.dtypes import torch_dtype
 from tensorql.errors import MemoryLimitError, ParseError, TensorQLError
 from tensorql.pipeline import CompiledQuery
-from tensorql.pipeline.checks import check_dense_fits
+from tensorql.pipeline.run import check_dense_fits
 from tensorql.sql.dialect import (
     CreateTensor,
     DropTensor,
