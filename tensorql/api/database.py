@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -134,13 +135,28 @@ class Database:
         statement's result (see ``tensorql.sql.result.SQLResult``). ``params`` binds DuckDB
         query parameters (``?`` / ``$1`` from a sequence, ``$name`` from a dict).
 
-        >>> import tensorql as tq
+        A pandas or polars DataFrame or an Arrow table in a variable of the caller is usable
+        by its name, as with ``duckdb.sql`` (see ``tensorql.sql.replacement``).
+
+        >>> import pyarrow as pa, tensorql as tq
         >>> tq.connect().sql("SELECT ? + 1 AS x", [41]).fetchall()
         [(42,)]
+        >>> prices = pa.table({"p": [1.5, 2.5]})
+        >>> tq.connect().sql("SELECT sum(p) AS total FROM prices").fetchall()
+        [(4.0,)]
         """
+        from tensorql.sql.replacement import frame_objects, registered
         from tensorql.sql.session import run_sql
 
-        return run_sql(self, query, backend=backend, params=params)
+        caller = inspect.currentframe().f_back
+        try:
+            scope = {**caller.f_globals, **caller.f_locals} if caller is not None else {}
+        finally:
+            del caller
+        con = self.connection
+        with registered(con, frame_objects(query, scope, con)):
+            result = run_sql(self, query, backend=backend, params=params)
+        return result.bound(con)
 
     # -- tensors at rest ----------------------------------------------------------------
     def tensors(self) -> list[str]:
