@@ -208,6 +208,38 @@ class Database:
         return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
                          lambda sl: tensor[sl].cpu().contiguous(), replace, progress)
 
+    def from_dlpack(self, name: str, tensor: Any, tile: Sequence[int] | None = None, *,
+                    replace: bool = False) -> Tensor:
+        """Store any tensor that exports DLPack (torch, numpy, JAX, CuPy, a tensorql tensor)
+        under ``name`` (see ``tensorql.api.interchange.from_dlpack``)."""
+        from tensorql.api.interchange import from_dlpack
+
+        return from_dlpack(self, name, tensor, tile, replace=replace)
+
+    def from_arrow(self, name: str, data: Any, tile: Sequence[int] | None = None, *,
+                   replace: bool = False) -> Tensor:
+        """Store numeric Arrow data under ``name``: an array (1-D), a table or record batch
+        of numeric columns (2-D, rows x columns), a fixed-shape tensor array or a
+        ``pyarrow.Tensor`` (its shape); DTypeError / UnsupportedError naming a column that
+        is not numeric or holds nulls.
+
+        >>> import pyarrow as pa, tensorql as tq
+        >>> tq.connect().from_arrow("v", pa.array([1.5, 2.5])).shape
+        (2,)
+        """
+        from tensorql.api.interchange import arrow_to_numpy
+
+        return self.from_numpy(name, arrow_to_numpy(data), tile, replace=replace)
+
+    def from_pandas(self, name: str, frame: Any, tile: Sequence[int] | None = None, *,
+                    replace: bool = False) -> Tensor:
+        """Store a pandas DataFrame of numeric columns under ``name`` as a 2-D tensor (rows x
+        columns, numpy's common dtype), a Series as 1-D; DTypeError naming a column that is
+        not numeric, UnsupportedError for missing values."""
+        from tensorql.api.interchange import pandas_to_numpy
+
+        return self.from_numpy(name, pandas_to_numpy(frame), tile, replace=replace)
+
     def _put(self, name, shape, dtype, tile, slicer, replace, progress=None) -> Tensor:
         if not isinstance(name, str) or not name:
             raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
