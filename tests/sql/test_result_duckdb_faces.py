@@ -109,13 +109,13 @@ def test_repr_html_is_a_bounded_escaped_table(small):
 
 
 def test_local_frames_are_usable_by_name(small):
-    df_prices = pd.DataFrame({"k": [0, 1, 2], "p": [1.5, 2.5, 4.0]})
-    arrow_qty = pa.table({"k": [0, 2], "q": [10, 3]})
+    df_prices = pd.DataFrame({"k": [0, 1, 2], "p": [1.5, 2.5, 4.0]})  # noqa: F841 - by name
+    arrow_qty = pa.table({"k": [0, 2], "q": [10, 3]})  # noqa: F841 - read by name in SQL
     got = small.sql("SELECT p.k, p * q AS cost FROM df_prices p JOIN arrow_qty USING (k) "
                     "ORDER BY k").fetchall()
     assert got == [(0, 15.0), (2, 12.0)]
     # as a relation operand of EINSUM too
-    vec = pd.DataFrame({"j": [0, 1, 2], "val": [1.0, 10.0, 100.0]})
+    vec = pd.DataFrame({"j": [0, 1, 2], "val": [1.0, 10.0, 100.0]})  # noqa: F841
     r = small.sql("SELECT * FROM EINSUM('ij,j->i', A, (SELECT j, val FROM vec))")
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(r.numpy(), a @ np.array([1.0, 10.0, 100.0]))
