@@ -23,6 +23,7 @@ rows) and like a tensor (``numpy`` / ``torch``).
 from __future__ import annotations
 
 import html
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,12 +128,8 @@ class SQLResult:
 
     def fetchdf(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``fetchdf``; needs pandas)."""
-        try:
-            return self.arrow().to_pandas()
-        except ModuleNotFoundError as err:
-            raise UnsupportedError(f"df() / fetchdf() need pandas, which is not installed "
-                                   f"({err}); pip install pandas, or use .arrow() / "
-                                   ".fetchnumpy()") from None
+        _optional("pandas", "df() / fetchdf()", ".arrow() / .fetchnumpy()")
+        return self.arrow().to_pandas()
 
     def df(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``df``; needs pandas)."""
@@ -140,12 +137,7 @@ class SQLResult:
 
     def pl(self) -> Any:
         """The rows as a polars DataFrame (as DuckDB's ``pl``; needs polars)."""
-        try:
-            import polars
-        except ModuleNotFoundError:
-            raise UnsupportedError("pl() needs polars, which is not installed; pip install "
-                                   "polars, or use .arrow() / .df()") from None
-        return polars.from_arrow(self.arrow())
+        return _optional("polars", "pl()", ".arrow() / .df()").from_arrow(self.arrow())
 
     # -- as a DuckDB relation --------------------------------------------------------------
     def bound(self, connection: Any) -> SQLResult:
@@ -343,6 +335,16 @@ class SQLResult:
                     f"{str(self.tensor.dtype).removeprefix('torch.')}>")
         return f"<SQLResult {len(self)} row(s), columns {self.columns}>\n" \
                + format_table(self.arrow(), limit=10)
+
+
+def _optional(module: str, what: str, instead: str) -> Any:
+    """The optional ``module``; UnsupportedError saying ``what`` needs it when it is not
+    installed (and what to use ``instead``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UnsupportedError(f"{what} needs {module}, which is not installed; pip install "
+                               f"{module}, or use {instead}") from None
 
 
 def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> str:

@@ -4,6 +4,7 @@ the oracle, and local DataFrames / Arrow tables usable by name (DuckDB's replace
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import duckdb
 import numpy as np
@@ -56,6 +57,16 @@ def test_pl_gives_polars_or_says_it_is_missing(small):
             r.pl()
     else:
         assert r.pl().to_arrow().equals(duckdb.sql(QUERY).pl().to_arrow())
+
+
+def test_df_and_pl_say_which_package_is_missing(small, monkeypatch):
+    r = small.sql(QUERY)
+    monkeypatch.setitem(sys.modules, "pandas", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "polars", None)
+    with pytest.raises(tq.UnsupportedError, match="df\\(\\) / fetchdf\\(\\) needs pandas"):
+        r.df()
+    with pytest.raises(tq.UnsupportedError, match="pl\\(\\) needs polars, which is not"):
+        r.pl()
 
 
 def test_relational_chaining_matches_duckdb(small):
