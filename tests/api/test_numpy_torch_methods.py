@@ -215,3 +215,18 @@ def test_unsupported_array_indices_say_what_is_supported(x):
         x[np.array([True, False])]
     with pytest.raises(tq.UnsupportedError, match="covers one dimension or the whole"):
         x[np.ones((4, 5), dtype=bool)]
+
+
+def test_gradients_of_floordiv_and_mod_match_torch(db):
+    a = torch.tensor([[7.5, -7.5, 3.25], [1.0, -2.5, 9.0]], dtype=torch.float64)
+    b = torch.tensor([2.0, -1.5, 0.75], dtype=torch.float64)
+    x, y = db.from_torch("a", a), db.from_torch("b", b)
+    w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    ga, gb = tq.grad(((x % y) * w).sum(), [x, y])
+    ta, tb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    (torch.remainder(ta, tb) * w).sum().backward()
+    torch.testing.assert_close(ga.torch(), ta.grad)
+    torch.testing.assert_close(gb.torch(), tb.grad)
+    ga, gb = tq.grad(((x // y) * w + x).sum(), [x, y])  # piecewise constant: 0 (+ 1 from x)
+    torch.testing.assert_close(ga.torch(), torch.ones_like(a))
+    torch.testing.assert_close(gb.torch(), torch.zeros_like(b))
