@@ -38,14 +38,20 @@ REPR_INPUT_ELEMENTS = 1 << 20  # ... computed from inputs this small (in all)
 CUMSUM_MATRIX_ELEMENTS = 1 << 24  # cumsum's triangular matrix (n x n) up to this size
 
 
+REPR_NODES = 64  # ... by a graph of at most this many steps
+
+
 def _input_elements(node: Node) -> int:
-    """The elements of every stored tensor and constant ``node`` reads (each once)."""
+    """The elements of every stored tensor and constant ``node`` reads (each once); a
+    graph of more than ``REPR_NODES`` steps counts as too large to compute for a repr."""
     seen: dict[int, int] = {}
     stack = [node]
     while stack:
         current = stack.pop()
         if id(current) in seen:
             continue
+        if len(seen) >= REPR_NODES:
+            return REPR_INPUT_ELEMENTS + 1
         inputs = current.inputs
         seen[id(current)] = 0 if inputs else math.prod(current.shape)
         stack.extend(inputs)
@@ -104,7 +110,8 @@ class Tensor:
     def __repr__(self) -> str:
         """The values, as numpy prints them, when the result is small and cheap to compute
         (at most ``REPR_ELEMENTS`` elements, from inputs of at most ``REPR_INPUT_ELEMENTS``
-        elements in all); else the shape and dtype only. Never raises for a failed run.
+        elements in all, by at most ``REPR_NODES`` steps); else the shape and dtype only.
+        Never raises for a failed run.
 
         >>> import numpy as np, tensorql as tq
         >>> tq.connect().constant(np.array([1.5, 2.0])) * 2

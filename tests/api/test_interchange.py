@@ -116,3 +116,10 @@ def test_repr_of_a_failing_query_does_not_raise(db):
     x = db.from_numpy("x", np.ones(3))
     db.drop("x")
     assert "array(" not in repr(x * 2.0)
+
+
+def test_repr_does_not_compute_a_long_graph(db):
+    x = db.from_numpy("x", np.ones(3))
+    for _ in range(70):
+        x = x + 1.0
+    assert "array(" not in repr(x) and x.numpy().tolist() == [71.0, 71.0, 71.0]
