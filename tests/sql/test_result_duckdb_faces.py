@@ -134,6 +134,9 @@ def test_local_frames_are_usable_by_name(small):
     assert "df_prices" not in [row[0] for row in small.sql("SHOW TABLES").fetchall()]
     small.sql("CREATE TABLE arrow_qty AS SELECT 7 AS k")
     assert small.sql("SELECT * FROM arrow_qty").fetchall() == [(7,)]
+    a = pd.DataFrame({"other": [1]})  # noqa: F841 - the stored tensor A wins (any case)
+    assert small.sql("SELECT count(*) FROM a").fetchall() == [(6,)]
+    assert small.sql("SELECT * FROM EINSUM('ij->', a)").numpy() == 15.0
 
 
 def test_a_missing_name_is_still_duckdbs_error(small):
