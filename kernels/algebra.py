@@ -52,6 +52,8 @@ class JoinName:
     EQ = "eq"
     NE = "ne"
     WHERE = "where"
+    FLOORDIV = "floordiv"
+    MOD = "mod"
     ADAM = "adam"
     ADAMW = "adamw"
 
@@ -177,6 +179,49 @@ def _where(cond: torch.Tensor, yes: torch.Tensor, no: torch.Tensor) -> torch.Ten
     return torch.where(cond.bool(), yes, no)
 
 
+def _floordiv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """numpy's ``a // b``: the floor of the quotient (toward -inf), integers divided by 0
+    give 0 (numpy's value; torch raises), floats inf / nan.
+
+    >>> _floordiv(torch.tensor([7, -7, 7]), torch.tensor([2, 2, 0])).tolist()
+    [3, -4, 0]
+    """
+    return _integral_by_zero(torch.floor_divide, a, b)
+
+
+def _mod(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """numpy's ``a % b``: the remainder with the divisor's sign (``a - b * (a // b)``),
+    integers modulo 0 give 0 (numpy's value; torch raises), floats nan.
+
+    >>> _mod(torch.tensor([7, -7, 7, -7]), torch.tensor([3, 3, -3, 0])).tolist()
+    [1, 2, -2, 0]
+    """
+    return _integral_by_zero(torch.remainder, a, b)
+
+
+def _integral_by_zero(fn: Callable[..., torch.Tensor], a: torch.Tensor,
+                      b: torch.Tensor) -> torch.Tensor:
+    if a.is_floating_point() or b.is_floating_point() or a.dtype == b.dtype == torch.bool:
+        return fn(a, b)
+    zero = b == 0
+    if not bool(zero.any()):
+        return fn(a, b)
+    out = fn(a, torch.where(zero, torch.ones_like(b), b))
+    return out.masked_fill(zero.expand(out.shape), 0)
+
+
+# numpy's remainder in DuckDB: ``%`` is C's fmod (the dividend's sign), moved to the divisor's
+# sign; an integer modulo 0 is 0 (DuckDB raises: TRY makes it NULL), a float one NaN
+_FMOD = "COALESCE(TRY({0} % {1}), 0)"
+_MOD_SQL = (f"CASE WHEN {_FMOD} <> 0 AND ({_FMOD} < 0) <> ({{1}} < 0) THEN {_FMOD} + {{1}} "
+            f"ELSE {_FMOD} END")
+# numpy's floor division: (a - a % b) / b rounded (numpy's divmod), an integer // 0 is 0
+# (the integer % 0 that DuckDB refuses), a float one inf or NaN (a / 0)
+_FLOORDIV_SQL = (f"CASE WHEN {{1}} = 0 THEN (CASE WHEN TRY({{0}} % {{1}}) IS NULL THEN 0 "
+                 f"ELSE {{0}} / {{1}} END) "
+                 f"ELSE round(({{0}} - ({_MOD_SQL})) / {{1}}) END")
+
+
 def _update(name: str) -> Callable[..., torch.Tensor]:
     def fn(*operands: torch.Tensor) -> torch.Tensor:
         from tensorql_kernels.optimizer_update import optimizer_update
@@ -228,6 +273,8 @@ _BUILTIN_JOINS = (
     Join(_J.NE, torch.ne, comparison=True, sql="{0} <> {1}", dtype_rule=BOOL),
     Join(_J.WHERE, _where, arity=3, nary=True,
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
+    Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
+    Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
     Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False),
     Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False),
 )

@@ -12,6 +12,7 @@ from tensorql.api import optim
 from tensorql.api.autodiff import GradientError, grad
 from tensorql.api.database import Database, connect
 from tensorql.api.einsum import einsum
+from tensorql.api.interchange import from_dlpack
 from tensorql.api.tensor import Tensor, substitute, where
 from tensorql.einsum.spec import AGGS, JOINS, EinsumSpec, UnknownOperatorError
 from tensorql.errors import (
@@ -46,5 +47,5 @@ __all__ = [
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
     "einsum", "optimize", "where", "grad", "GradientError", "optim", "substitute",
-    "register_join", "register_agg", "JoinFunctionError", "AggFunctionError",
+    "register_join", "register_agg", "JoinFunctionError", "AggFunctionError", "from_dlpack",
 ]

@@ -478,6 +478,18 @@ def _div_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials
     return JoinPartials(Partial((inverse,)), Partial((out, inverse), -1.0))
 
 
+def _floordiv_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``a // b`` is piecewise constant: 0 by either (where it is differentiable)."""
+    return JoinPartials(Partial(scale=0.0), Partial(scale=0.0))
+
+
+def _mod_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``a % b = a - b * floor(a / b)``: 1 by ``a``, ``-floor(a / b)`` by ``b`` (torch's
+    ``remainder`` rule)."""
+    quotient = Factor(e.einsum([a, b], out.labels, join=_J.FLOORDIV), out.labels)
+    return JoinPartials(Partial(), Partial((quotient,), -1.0))
+
+
 def _extreme_partials(wins: str):
     """torch.maximum / minimum (``wins``: gt / lt): the winner takes it, a tie gives each
     half."""
@@ -514,6 +526,8 @@ PARTIALS = {
     _J.MAX: _extreme_partials(_J.GT),
     _J.MIN: _extreme_partials(_J.LT),
     _J.POW: _pow_partials,
+    _J.FLOORDIV: _floordiv_partials,
+    _J.MOD: _mod_partials,
 }
 
 

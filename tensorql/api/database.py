@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -134,13 +135,28 @@ class Database:
         statement's result (see ``tensorql.sql.result.SQLResult``). ``params`` binds DuckDB
         query parameters (``?`` / ``$1`` from a sequence, ``$name`` from a dict).
 
-        >>> import tensorql as tq
+        A pandas or polars DataFrame or an Arrow table in a variable of the caller is usable
+        by its name, as with ``duckdb.sql`` (see ``tensorql.sql.replacement``).
+
+        >>> import pyarrow as pa, tensorql as tq
         >>> tq.connect().sql("SELECT ? + 1 AS x", [41]).fetchall()
         [(42,)]
+        >>> prices = pa.table({"p": [1.5, 2.5]})
+        >>> tq.connect().sql("SELECT sum(p) AS total FROM prices").fetchall()
+        [(4.0,)]
         """
+        from tensorql.sql.replacement import frame_objects, registered
         from tensorql.sql.session import run_sql
 
-        return run_sql(self, query, backend=backend, params=params)
+        caller = inspect.currentframe().f_back
+        try:
+            scope = {**caller.f_globals, **caller.f_locals} if caller is not None else {}
+        finally:
+            del caller
+        con = self.connection
+        with registered(con, frame_objects(query, scope, con)):
+            result = run_sql(self, query, backend=backend, params=params)
+        return result.bound(con)
 
     # -- tensors at rest ----------------------------------------------------------------
     def tensors(self) -> list[str]:
@@ -191,6 +207,38 @@ class Database:
         tensor = tensor.detach()
         return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
                          lambda sl: tensor[sl].cpu().contiguous(), replace, progress)
+
+    def from_dlpack(self, name: str, tensor: Any, tile: Sequence[int] | None = None, *,
+                    replace: bool = False) -> Tensor:
+        """Store any tensor that exports DLPack (torch, numpy, JAX, CuPy, a tensorql tensor)
+        under ``name`` (see ``tensorql.api.interchange.from_dlpack``)."""
+        from tensorql.api.interchange import from_dlpack
+
+        return from_dlpack(self, name, tensor, tile, replace=replace)
+
+    def from_arrow(self, name: str, data: Any, tile: Sequence[int] | None = None, *,
+                   replace: bool = False) -> Tensor:
+        """Store numeric Arrow data under ``name``: an array (1-D), a table or record batch
+        of numeric columns (2-D, rows x columns), a fixed-shape tensor array or a
+        ``pyarrow.Tensor`` (its shape); DTypeError / UnsupportedError naming a column that
+        is not numeric or holds nulls.
+
+        >>> import pyarrow as pa, tensorql as tq
+        >>> tq.connect().from_arrow("v", pa.array([1.5, 2.5])).shape
+        (2,)
+        """
+        from tensorql.api.interchange import arrow_to_numpy
+
+        return self.from_numpy(name, arrow_to_numpy(data), tile, replace=replace)
+
+    def from_pandas(self, name: str, frame: Any, tile: Sequence[int] | None = None, *,
+                    replace: bool = False) -> Tensor:
+        """Store a pandas DataFrame of numeric columns under ``name`` as a 2-D tensor (rows x
+        columns, numpy's common dtype), a Series as 1-D; DTypeError naming a column that is
+        not numeric, UnsupportedError for missing values."""
+        from tensorql.api.interchange import pandas_to_numpy
+
+        return self.from_numpy(name, pandas_to_numpy(frame), tile, replace=replace)
 
     def _put(self, name, shape, dtype, tile, slicer, replace, progress=None) -> Tensor:
         if not isinstance(name, str) or not name:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 import numbers
 import operator
@@ -32,6 +33,29 @@ if TYPE_CHECKING:
     from tensorql.pipeline import CompiledQuery
 
 _LETTERS = string.ascii_lowercase + string.ascii_uppercase
+REPR_ELEMENTS = 1000  # repr shows the values of results this small ...
+REPR_INPUT_ELEMENTS = 1 << 20  # ... computed from inputs this small (in all)
+CUMSUM_MATRIX_ELEMENTS = 1 << 24  # cumsum's triangular matrix (n x n) up to this size
+
+
+REPR_NODES = 64  # ... by a graph of at most this many steps
+
+
+def _input_elements(node: Node) -> int:
+    """The elements of every stored tensor and constant ``node`` reads (each once); a
+    graph of more than ``REPR_NODES`` steps counts as too large to compute for a repr."""
+    seen: dict[int, int] = {}
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        if len(seen) >= REPR_NODES:
+            return REPR_INPUT_ELEMENTS + 1
+        inputs = current.inputs
+        seen[id(current)] = 0 if inputs else math.prod(current.shape)
+        stack.extend(inputs)
+    return sum(seen.values())
 
 
 class Tensor:
@@ -56,8 +80,72 @@ class Tensor:
     def ndim(self) -> int:
         return self.node.ndim
 
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The dtype as a numpy dtype object (``.dtype`` is its name, a string); bfloat16,
+        which numpy lacks, is float32 -- what :meth:`numpy` returns.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.arange(3, dtype=np.int16))
+        >>> x.np_dtype, x.np_dtype == np.int16, x.dtype
+        (dtype('int16'), True, 'int16')
+        """
+        return np.dtype("float32" if self.dtype == "bfloat16" else self.dtype)
+
+    @property
+    def size(self) -> int:
+        """The number of elements (numpy's ``size``)."""
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (of the stored dtype; bfloat16: 2)."""
+        return torch_dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the dense values take (numpy's ``nbytes``; torch's ``nbytes`` too)."""
+        return self.size * self.itemsize
+
     def __repr__(self) -> str:
-        return f"<tensorql.Tensor {self.node.describe()} shape={self.shape} dtype={self.dtype}>"
+        """The values, as numpy prints them, when the result is small and cheap to compute
+        (at most ``REPR_ELEMENTS`` elements, from inputs of at most ``REPR_INPUT_ELEMENTS``
+        elements in all, by at most ``REPR_NODES`` steps); else the shape and dtype only.
+        Never raises for a failed run.
+
+        >>> import numpy as np, tensorql as tq
+        >>> tq.connect().constant(np.array([1.5, 2.0])) * 2
+        <tensorql.Tensor map scale(2) shape=(2,) dtype=float64
+        array([3., 4.])>
+        """
+        head = f"<tensorql.Tensor {self.node.describe()} shape={self.shape} dtype={self.dtype}"
+        values = self._small_values()
+        return head + ">" if values is None else f"{head}\n{values!r}>"
+
+    def _small_values(self) -> np.ndarray | None:
+        """The values for ``repr`` when cheap (see ``__repr__``), else None."""
+        if self.size > REPR_ELEMENTS or _input_elements(self.node) > REPR_INPUT_ELEMENTS:
+            return None
+        try:
+            return self.numpy()
+        except Exception:  # noqa: BLE001 - a repr must not fail; the run's error shows on use
+            return None
+
+    def _repr_html_(self) -> str:
+        """For notebooks: the shape and dtype, and the values when small (as ``repr``)."""
+        head = html.escape(f"tensorql.Tensor {self.node.describe()} shape={self.shape} "
+                           f"dtype={self.dtype}")
+        values = self._small_values()
+        body = "" if values is None else f"<pre>{html.escape(repr(values))}</pre>"
+        return f"<div><b>{head}</b>{body}</div>"
+
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python number (numpy's ``item()``)."""
+        return self._scalar("a Python scalar")
+
+    def tolist(self) -> Any:
+        """The values as nested Python lists (numpy's ``tolist``; computes them)."""
+        return self.numpy().tolist()
 
     def __len__(self) -> int:
         if not self.shape:
@@ -193,8 +281,31 @@ class Tensor:
     def __rtruediv__(self, other: Any) -> Tensor:
         return self._elementwise(other, _J.DIV, reverse=True)
 
+    def __floordiv__(self, other: Any) -> Tensor:
+        """``self // other``: numpy's floor division (toward -inf; an integer // 0 is 0)."""
+        return self._elementwise(other, _J.FLOORDIV)
+
+    def __rfloordiv__(self, other: Any) -> Tensor:
+        return self._elementwise(other, _J.FLOORDIV, reverse=True)
+
+    def __mod__(self, other: Any) -> Tensor:
+        """``self % other``: numpy's remainder, with the sign of the divisor.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([7, -7]))
+        >>> (x // 2).tolist(), (x % 3).tolist(), (x % -3).tolist()
+        ([3, -4], [1, 2], [-2, -1])
+        """
+        return self._elementwise(other, _J.MOD)
+
+    def __rmod__(self, other: Any) -> Tensor:
+        return self._elementwise(other, _J.MOD, reverse=True)
+
     def __neg__(self) -> Tensor:
         return self._map("neg")
+
+    def __abs__(self) -> Tensor:
+        return self.abs()
 
     def __pow__(self, exponent: Any) -> Tensor:
         """``self ** exponent``: a number (a map), or a tensor / array broadcast against
@@ -244,15 +355,33 @@ class Tensor:
         ([[8.0, 9.0], [13.0, 14.0]], [10.0, 11.0, 12.0, 13.0, 14.0], (4,))
         >>> (a * 2)[::3, ::-2].numpy().tolist()
         [[8.0, 4.0, 0.0], [38.0, 34.0, 30.0]]
+
+        One array may index too (numpy's advanced indexing, as a gather: the same 0/1-matrix
+        selection): an integer array (any shape, negatives count from the end) or a boolean
+        mask of one dimension, or a boolean mask of the tensor's whole shape (the selected
+        elements in row-major order). A lazy tensor used as an index is computed first.
+
+        >>> a[[3, 0, -1], 1].numpy().tolist(), a[:, np.array([1, 0, 1, 0, 0]) > 0].shape
+        ([16.0, 1.0, 16.0], (4, 2))
+        >>> a[a > 17.5].numpy().tolist()
+        [18.0, 19.0]
         """
+        flat = _whole_mask(index, self.shape)
+        if flat is not None:
+            return self.reshape(-1)[flat]
         items = list(index) if isinstance(index, tuple) else [index]
+        items = [_index_array(item) for item in items]
+        if sum(isinstance(item, np.ndarray) for item in items) > 1:
+            raise UnsupportedError("indexing with more than one array (numpy broadcasts them "
+                                   "together) is not supported: index one dimension with an "
+                                   "array at a time, e.g. t[rows][:, cols]")
         if sum(item is Ellipsis for item in items) > 1:
             raise IndexError("an index can only have a single ellipsis ('...')")
         used = sum(1 for item in items if item is not None and item is not Ellipsis)
         if used > self.ndim:
             raise IndexError(f"too many indices for a tensor of {self.ndim} dimension(s): "
                              f"{used} were given")
-        at = items.index(Ellipsis) if Ellipsis in items else len(items)
+        at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
         items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
         picks: list[range] = []  # per dim, the positions it keeps
         shape = []  # the result's shape
@@ -271,11 +400,16 @@ class Tensor:
                     raise IndexError(f"index {int(item)} is out of bounds for dimension "
                                      f"{dim} of size {n}")
                 picks.append(range(k, k + 1))
+            elif isinstance(item, np.ndarray):
+                positions = _array_positions(item, dim, n)
+                picks.append(positions.tolist())
+                shape.extend(positions.shape if item.dtype != np.bool_ else (len(positions),))
             else:
                 raise UnsupportedError(f"index {item!r} of dimension {dim}: only ints, "
-                                       "slices, '...' and None are supported")
+                                       "slices, '...', None, an integer array or a boolean "
+                                       "mask are supported")
             dim += 1
-        kept = [list(p) for p in picks]
+        kept = [np.asarray(p, dtype=np.int64).reshape(-1).tolist() for p in picks]
         out = self
         if isinstance(self.node, Source):  # read the region the index spans, then select in it
             starts = [min(p) if p else 0 for p in kept]
@@ -477,6 +611,113 @@ class Tensor:
             count *= self.shape[d]
         return self._reduce(axis, _A.SUM, keepdims) * (1.0 / count)
 
+    def var(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
+            ddof: float = 0, keepdims: bool = False) -> Tensor:
+        """The variance over ``axis`` (numpy's: ``sum((x - mean)**2) / (n - ddof)``), as two
+        reductions and elementwise maps.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[1.0, 2.0, 4.0], [3.0, 3.0, 3.0]]))
+        >>> a = x.numpy()
+        >>> np.allclose(x.var(axis=1), [14 / 9, 0.0]), np.allclose(x.std(ddof=1), a.std(ddof=1))
+        (True, True)
+        """
+        _no_numpy_extras("var", dtype, out)
+        axes = _normalize_axes(axis, self.ndim)
+        count = math.prod(self.shape[d] for d in axes)
+        x = self if self.dtype.startswith(("float", "bfloat")) else self.astype("float64")
+        centered = x - x.mean(axis=axes, keepdims=True)
+        return (centered * centered)._reduce(axes, _A.SUM, keepdims) / float(count - ddof)
+
+    def std(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
+            ddof: float = 0, keepdims: bool = False) -> Tensor:
+        """The standard deviation over ``axis``: the square root of :meth:`var`."""
+        _no_numpy_extras("std", dtype, out)
+        return self.var(axis, ddof=ddof, keepdims=keepdims).sqrt()
+
+    def any(self, axis: int | Sequence[int] | None = None, out: Any = None,
+            keepdims: bool = False) -> Tensor:
+        """Whether any element over ``axis`` is nonzero (numpy's ``any``; NaN counts as
+        true): the max of ``self != 0``.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[0.0, 2.0], [0.0, 0.0]]))
+        >>> x.any(axis=1).tolist(), bool(x.any()), bool(x.all())
+        ([True, False], True, False)
+        """
+        _no_numpy_extras("any", None, out)
+        return self._truth()._reduce(axis, _A.MAX, keepdims)
+
+    def all(self, axis: int | Sequence[int] | None = None, out: Any = None,
+            keepdims: bool = False) -> Tensor:
+        """Whether every element over ``axis`` is nonzero (numpy's ``all``): the min of
+        ``self != 0``."""
+        _no_numpy_extras("all", None, out)
+        return self._truth()._reduce(axis, _A.MIN, keepdims)
+
+    def _truth(self) -> Tensor:
+        return self if self.dtype == "bool" else self.ne(0)
+
+    def clip(self, min: Any = None, max: Any = None, out: Any = None) -> Tensor:  # noqa: A002
+        """The values limited to [``min``, ``max``] (numpy's ``clip``; either may be None,
+        each a number or a broadcastable tensor): ``minimum(maximum(x, min), max)``.
+
+        >>> import numpy as np, tensorql as tq
+        >>> tq.connect().constant(np.array([-2.0, 0.5, 3.0])).clip(0, 1).tolist()
+        [0.0, 0.5, 1.0]
+        """
+        _no_numpy_extras("clip", None, out)
+        if min is None and max is None:
+            raise UnsupportedError("clip: give min, max or both (numpy: one must be given)")
+        result = self if min is None else self.maximum(min)
+        return result if max is None else result.minimum(max)
+
+    def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Tensor:
+        """Running sums along ``axis`` (numpy's ``cumsum``; ``axis=None`` runs over the
+        flattened tensor), as one einsum with an upper-triangular 0/1 matrix
+        (``cumsum(x)[j] = sum_i x[i] * [i <= j]``): UnsupportedError when that matrix would
+        have more than ``CUMSUM_MATRIX_ELEMENTS`` elements.
+
+        >>> import numpy as np, tensorql as tq
+        >>> tq.connect().constant(np.array([[1, 2], [3, 4]])).cumsum(axis=0).tolist()
+        [[1, 2], [4, 6]]
+        """
+        _no_numpy_extras("cumsum", dtype, out)
+        if axis is None:
+            return self.reshape(-1).cumsum(0) if self.ndim != 1 else self.cumsum(0)
+        (axis,) = _normalize_axes(axis, self.ndim)
+        n = self.shape[axis]
+        if n * n > CUMSUM_MATRIX_ELEMENTS:
+            raise UnsupportedError(f"cumsum along dimension {axis} of size {n}: its "
+                                   f"triangular matrix would have {n * n:,} elements (at most "
+                                   f"{CUMSUM_MATRIX_ELEMENTS:,}); store the tensor in pieces "
+                                   "along that dimension or compute it with torch.cumsum")
+        x = self.astype("int64") if self.dtype == "bool" else self
+        tri = np.triu(np.ones((n, n), dtype=x.np_dtype))
+        labels = _LETTERS[: self.ndim]
+        fresh = _LETTERS[self.ndim]
+        out_labels = labels.replace(labels[axis], fresh)
+        from tensorql.api.einsum import einsum
+
+        return einsum(f"{labels},{labels[axis]}{fresh}->{out_labels}", x,
+                      self.db.constant(torch.from_numpy(tri).to(torch_dtype(x.dtype))))
+
+    def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
+        """The tensor without size-1 dims (those of ``axis``; all by default), as numpy.
+
+        >>> import numpy as np, tensorql as tq
+        >>> tq.connect().constant(np.zeros((1, 3, 1))).squeeze().shape
+        (3,)
+        """
+        axes = _normalize_axes(axis, self.ndim) if axis is not None else \
+            tuple(d for d, n in enumerate(self.shape) if n == 1)
+        wide = [d for d in axes if self.shape[d] != 1]
+        if wide:
+            raise ShapeError(f"cannot squeeze dimension {wide[0]} of size "
+                             f"{self.shape[wide[0]]} (shape {self.shape}): only size-1 "
+                             "dimensions can be removed")
+        return self.reshape(tuple(n for d, n in enumerate(self.shape) if d not in axes))
+
     def __float__(self) -> float:
         return float(self._scalar("float"))
 
@@ -557,6 +798,56 @@ class Tensor:
     def flatten(self) -> Tensor:
         """The elements as one dim, in row-major order (numpy's ``flatten``)."""
         return self.reshape(-1)
+
+
+def _index_array(item: Any) -> Any:
+    """An index item that is an array (a list, numpy array, torch or tensorql tensor: a lazy
+    one is computed) as a numpy array of integers or bools; any other item as is."""
+    if isinstance(item, Tensor):
+        item = item.numpy()
+    elif isinstance(item, torch.Tensor):
+        item = item.detach().cpu().numpy()
+    elif isinstance(item, list):
+        item = np.asarray(item) if item else np.zeros(0, dtype=np.int64)
+    elif isinstance(item, np.generic) and not isinstance(item, np.bool_):
+        return item
+    if not isinstance(item, np.ndarray):
+        return item
+    if item.dtype != np.bool_ and not np.issubdtype(item.dtype, np.integer):
+        raise UnsupportedError(f"an index array must hold integers or bools, not {item.dtype} "
+                               "(as in numpy)")
+    return item
+
+
+def _array_positions(item: np.ndarray, dim: int, n: int) -> np.ndarray:
+    """The positions of dimension ``dim`` (of size ``n``) that an integer array (negatives
+    from the end; its shape kept) or a one-dimensional boolean mask picks."""
+    if item.dtype == np.bool_:
+        if item.ndim != 1 or item.shape[0] != n:
+            raise IndexError(f"boolean index of shape {item.shape} does not match dimension "
+                             f"{dim} of size {n}: a mask indexes one dimension (shape ({n},)) "
+                             "or the whole tensor")
+        return np.flatnonzero(item)
+    positions = item.astype(np.int64) + np.where(item < 0, n, 0)
+    bad = (positions < 0) | (positions >= n)
+    if bad.any():
+        raise IndexError(f"index {int(item[bad].flat[0])} is out of bounds for dimension {dim} "
+                         f"of size {n}")
+    return positions
+
+
+def _whole_mask(index: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The flat positions a boolean mask of the whole ``shape`` (of at least 2 dims) selects,
+    None for any other index."""
+    if not isinstance(index, (np.ndarray, list, torch.Tensor, Tensor)) or len(shape) < 2:
+        return None
+    item = _index_array(index)
+    if item.dtype != np.bool_ or item.ndim < 2:
+        return None
+    if item.shape != shape:
+        raise UnsupportedError(f"a boolean mask of shape {item.shape} for a tensor of shape "
+                               f"{shape}: a mask covers one dimension or the whole tensor")
+    return np.flatnonzero(item)
 
 
 def _reshape_target(args: tuple, current: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,10 +1,15 @@
 """What a SQL statement returns: element rows, a dense tensor or text, used like a DuckDB
-relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``arrow``, ``show``,
-``len``, iteration) and like a tensor (``numpy`` / ``torch``).
+relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``fetchdf`` / ``df``,
+``pl``, ``arrow``, ``description``, ``types``, ``shape``, ``show``, ``len``, iteration,
+``to_table`` / ``write_parquet`` / ``write_csv``, and the relational chaining of
+``filter`` / ``project`` / ``order`` / ``limit`` / ``aggregate``, which DuckDB runs over the
+rows) and like a tensor (``numpy`` / ``torch``).
 
 >>> r = SQLResult(table=pa.table({"i": [0, 1], "val": [2.5, 4.0]}))
 >>> len(r), r.fetchone(), r.fetchmany(5)
 (2, (0, 2.5), [(1, 4.0)])
+>>> r.types, r.shape, r.filter("val > 3").fetchall()
+(['BIGINT', 'DOUBLE'], (2, 2), [(1, 4.0)])
 >>> print(r)
 ┌───────┬────────┐
 │   i   │  val   │
@@ -17,6 +22,8 @@ relation (``fetchone`` / ``fetchmany`` / ``fetchall``, ``fetchnumpy``, ``arrow``
 
 from __future__ import annotations
 
+import html
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,11 +32,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from tensorql.errors import ShapeError
+from tensorql.errors import ShapeError, UnsupportedError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
 
-__all__ = ["DenseForm", "SQLResult", "format_table"]
+__all__ = ["DenseForm", "SQLResult", "format_html", "format_table"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,110 @@ class SQLResult:
     def __iter__(self) -> Iterator[tuple]:
         return iter(self._rows(0, None))
 
+    def fetchdf(self) -> Any:
+        """The rows as a pandas DataFrame (as DuckDB's ``fetchdf``; needs pandas)."""
+        _optional("pandas", "df() / fetchdf()", ".arrow() / .fetchnumpy()")
+        return self.arrow().to_pandas()
+
+    def df(self) -> Any:
+        """The rows as a pandas DataFrame (as DuckDB's ``df``; needs pandas)."""
+        return self.fetchdf()
+
+    def pl(self) -> Any:
+        """The rows as a polars DataFrame (as DuckDB's ``pl``; needs polars)."""
+        return _optional("polars", "pl()", ".arrow() / .df()").from_arrow(self.arrow())
+
+    # -- as a DuckDB relation --------------------------------------------------------------
+    def bound(self, connection: Any) -> SQLResult:
+        """This result, with the DuckDB ``connection`` that :meth:`to_table` writes to and
+        the relational methods run on (``Database.sql`` binds its own); returns ``self``."""
+        self._cache["connection"] = connection
+        return self
+
+    def relation(self) -> Any:
+        """A ``duckdb.DuckDBPyRelation`` over the rows (the element rows ``(labels..., val)``
+        of a tensor result), on the bound connection (else a private in-memory one)."""
+        if "relation" not in self._cache:
+            con = self._cache.get("connection")
+            if con is None:
+                import duckdb
+
+                con = self._cache["connection"] = duckdb.connect()
+            self._cache["relation"] = con.from_arrow(self.arrow())
+        return self._cache["relation"]
+
+    @property
+    def description(self) -> list[tuple]:
+        """One 7-tuple per column, as DuckDB's (and the DB-API's): name, type, then None."""
+        return [(name, str(kind), None, None, None, None, None)
+                for name, kind in zip(self.columns, self.types)]
+
+    @property
+    def types(self) -> list[str]:
+        """DuckDB's names of the columns' types ("BIGINT", "DOUBLE", ...)."""
+        if "types" not in self._cache:
+            self._cache["types"] = [str(t) for t in self.relation().types]
+        return self._cache["types"]
+
+    dtypes = types
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns), as DuckDB's relation's ``shape``."""
+        table = self.arrow()
+        return (table.num_rows, table.num_columns)
+
+    def _chain(self, relation: Any) -> SQLResult:
+        return SQLResult(table=relation.to_arrow_table()).bound(self._cache.get("connection"))
+
+    def filter(self, condition: str) -> SQLResult:
+        """The rows where the SQL ``condition`` holds (DuckDB's ``filter``)."""
+        return self._chain(self.relation().filter(condition))
+
+    def project(self, *expressions: str) -> SQLResult:
+        """The SQL ``expressions`` of each row (DuckDB's ``project``; several strings are
+        one list)."""
+        if all(isinstance(e, str) for e in expressions):
+            expressions = (", ".join(expressions),)
+        return self._chain(self.relation().project(*expressions))
+
+    select = project
+
+    def order(self, expression: str) -> SQLResult:
+        """The rows sorted by the SQL ``expression`` (DuckDB's ``order``)."""
+        return self._chain(self.relation().order(expression))
+
+    def limit(self, n: int, offset: int = 0) -> SQLResult:
+        """At most ``n`` rows from ``offset`` (DuckDB's ``limit``)."""
+        return self._chain(self.relation().limit(n, offset))
+
+    def aggregate(self, expressions: str, group: str = "") -> SQLResult:
+        """The SQL aggregate ``expressions`` per ``group`` (DuckDB's ``aggregate``)."""
+        return self._chain(self.relation().aggregate(expressions, group))
+
+    def distinct(self) -> SQLResult:
+        """The distinct rows (DuckDB's ``distinct``)."""
+        return self._chain(self.relation().distinct())
+
+    def to_table(self, name: str) -> None:
+        """Create table ``name`` from the rows on the bound connection (DuckDB's
+        ``to_table``)."""
+        self.relation().to_table(name)
+
+    create = to_table
+
+    def write_parquet(self, path: str, **options: Any) -> None:
+        """Write the rows to a Parquet file (DuckDB's ``write_parquet``)."""
+        self.relation().write_parquet(str(path), **options)
+
+    to_parquet = write_parquet
+
+    def write_csv(self, path: str, **options: Any) -> None:
+        """Write the rows to a CSV file (DuckDB's ``write_csv``)."""
+        self.relation().write_csv(str(path), **options)
+
+    to_csv = write_csv
+
     # -- tensors --------------------------------------------------------------------------
     def torch(self) -> torch.Tensor:
         """The dense tensor: label columns index it (sizes: max index + 1), missing rows are 0."""
@@ -203,6 +314,17 @@ class SQLResult:
     def __str__(self) -> str:
         return self.render()
 
+    def _repr_html_(self, max_rows: int = 40) -> str:
+        """An HTML table of the first ``max_rows`` rows (names and DuckDB types on top), for
+        notebooks; the text of an EXPLAIN as preformatted text."""
+        if self.text is not None:
+            return f"<pre>{html.escape(self.text)}</pre>"
+        if self.tensor is not None and "arrow" not in self._cache:
+            table, total = self._tensor_head(max_rows)
+        else:
+            table, total = self.arrow().slice(0, max_rows), len(self)
+        return format_html(table, total)
+
     def __repr__(self) -> str:
         if self.text is not None:
             text = self.text if len(self.text) <= 200 else self.text[:200] + "..."
@@ -213,6 +335,16 @@ class SQLResult:
                     f"{str(self.tensor.dtype).removeprefix('torch.')}>")
         return f"<SQLResult {len(self)} row(s), columns {self.columns}>\n" \
                + format_table(self.arrow(), limit=10)
+
+
+def _optional(module: str, what: str, instead: str) -> Any:
+    """The optional ``module``; UnsupportedError saying ``what`` needs it when it is not
+    installed (and what to use ``instead``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UnsupportedError(f"{what} needs {module}, which is not installed; pip install "
+                               f"{module}, or use {instead}") from None
 
 
 def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> str:
@@ -249,6 +381,25 @@ def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> 
     if total > len(rows):
         out.append(f"  {total} rows ({len(rows)} shown)")
     return "\n".join(out)
+
+
+def format_html(table: pa.Table, total: int | None = None) -> str:
+    """``table`` as an HTML table (column names over their DuckDB-style Arrow types), with a
+    footer counting ``total`` rows when more exist than are shown.
+
+    >>> format_html(pa.table({"x": [1]}))[:60]
+    '<table><thead><tr><th>x<br><small>int64</small></th></tr></t'
+    """
+    head = "".join(f"<th>{html.escape(name)}<br><small>{html.escape(str(kind))}</small></th>"
+                   for name, kind in zip(table.column_names, table.schema.types))
+    rows = zip(*(col.to_pylist() for col in table.columns))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
+                   for row in rows)
+    out = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    total = table.num_rows if total is None else total
+    if total > table.num_rows:
+        out += f"<p>{total} rows ({table.num_rows} shown)</p>"
+    return out
 
 
 def _cell(value: Any) -> str:

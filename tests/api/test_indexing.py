@@ -79,7 +79,9 @@ def test_bad_indices_say_why():
         with pytest.raises(IndexError, match="too many indices"):
             a[0, 0, 0, 0]
         with pytest.raises(tq.UnsupportedError, match="only ints, slices"):
-            a[[0, 1]]
+            a[1.5]
+        with pytest.raises(tq.UnsupportedError, match="more than one array"):
+            a[[0, 1], [0, 1]]  # numpy broadcasts index arrays together; one array is a gather
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -1,0 +1,81 @@
+"""DuckDB's replacement scans for ``db.sql``: a pandas or polars DataFrame or an Arrow table
+held in a variable of the caller is usable by its name in SQL, as with ``duckdb.sql``.
+
+DuckDB does this itself only for ``duckdb.sql`` called from the frame that holds the
+variable; tensorql runs statements on its own connection, several frames below the caller.
+So ``Database.sql`` passes the caller's frame here: every name that appears in the statement
+as a word, is not a table or view of the connection, and holds such a frame in the caller's
+locals or globals is registered on the connection for the statement and unregistered after.
+
+>>> import duckdb, pyarrow as pa
+>>> prices = pa.table({"p": [1.5, 2.5]})
+>>> con = duckdb.connect()
+>>> found = frame_objects("SELECT sum(p) FROM prices", {"prices": prices}, con)
+>>> list(found)
+['prices']
+>>> with registered(con, found):
+...     con.sql("SELECT sum(p) FROM prices").fetchall()
+[(4.0,)]
+>>> frame_objects("SELECT 1", {"prices": prices}, con)
+{}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["frame_objects", "is_frame", "registered"]
+
+# (top-level module, class name) of the objects DuckDB scans by name
+_FRAMES = frozenset({
+    ("pandas", "DataFrame"), ("polars", "DataFrame"), ("polars", "LazyFrame"),
+    ("pyarrow", "Table"), ("pyarrow", "RecordBatch"), ("pyarrow", "RecordBatchReader"),
+    ("pyarrow", "Dataset"), ("pyarrow", "FileSystemDataset"), ("pyarrow", "Scanner"),
+})
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_frame(obj: Any) -> bool:
+    """Whether DuckDB scans ``obj`` as a table (a pandas / polars DataFrame, an Arrow table,
+    record batch, reader or dataset), judged without importing pandas or polars.
+
+    >>> import pyarrow as pa
+    >>> is_frame(pa.table({"x": [1]})), is_frame([1, 2])
+    (True, False)
+    """
+    kind = type(obj)
+    return (kind.__module__.split(".")[0], kind.__name__) in _FRAMES
+
+
+def frame_objects(query: str, scope: Mapping[str, Any], connection: Any) -> dict[str, Any]:
+    """The objects of ``scope`` (a frame's globals updated by its locals) that ``query``
+    names and DuckDB would scan: frames (:func:`is_frame`) under a name that is a word of the
+    query and not a table or view of ``connection`` (the catalog wins, as in DuckDB)."""
+    if not isinstance(query, str):
+        return {}
+    found = {word: scope[word] for word in set(_WORD.findall(query))
+             if word in scope and is_frame(scope[word])}
+    if found:
+        taken = {row[0].lower() for row in connection.execute(
+            "SELECT table_name FROM duckdb_tables() UNION ALL "
+            "SELECT view_name FROM duckdb_views()").fetchall()}
+        found = {name: obj for name, obj in found.items() if name.lower() not in taken}
+    return found
+
+
+@contextmanager
+def registered(connection: Any, objects: Mapping[str, Any]) -> Iterator[None]:
+    """``objects`` registered on ``connection`` by name for the block, unregistered after
+    (also when it raises)."""
+    done: list[str] = []
+    try:
+        for name, obj in objects.items():
+            connection.register(name, obj)
+            done.append(name)
+        yield
+    finally:
+        for name in done:
+            connection.unregister(name)
