@@ -43,6 +43,7 @@ Cost(flops=11, bytes_moved=5, peak_bytes=9)
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -356,6 +357,14 @@ class NodeTable:
     partial_bytes: np.ndarray       # (K,)
     flops_dev: np.ndarray           # (K, N)
     peak: np.ndarray                # (K,)
+    fold_peak: np.ndarray | None = None  # (K,) bytes of a task folding partials (or 0)
+
+    @functools.cached_property
+    def task_peak(self) -> np.ndarray:
+        """The most bytes any one task of the node's own steps needs at once: its working
+        set (``peak``) or, where partial aggregates are folded, a partial and the part of
+        the output it is folded into (a reduce-scatter also cuts parts out of a partial)."""
+        return self.peak if self.fold_peak is None else np.maximum(self.peak, self.fold_peak)
 
     @functools.cached_property
     def scattered(self) -> np.ndarray:
@@ -402,6 +411,7 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     partial = np.zeros(K, dtype=np.int64)
     flops = np.zeros((K, N), dtype=np.int64)
     peak = np.zeros(K, dtype=np.int64)
+    fold = np.zeros(K, dtype=np.int64)
     in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
     in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
     for c, lay in enumerate(layouts):
@@ -415,15 +425,17 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
             has_piece[c, d, slot[d]] = True
             slot[d] += 1
         piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
-        partial[c] = sum(piece_elems[piece] for _, _, piece in lay.partial_sends()) \
-            * node.itemsize
+        sends = lay.partial_sends()
+        partial[c] = sum(piece_elems[piece] for _, _, piece in sends) * node.itemsize
+        if sends:  # a fold reads a partial (a task's output region) and writes a piece
+            fold[c] = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize
         np.add.at(flops[c], dev, node.flops(ln))
         working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
         for axes, item in zip(in_axes, in_items):
             working = working + np.prod(ln[:, axes], axis=1) * item
         peak[c] = int(working.max())
     return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops,
-                     peak)
+                     peak, fold)
 
 
 def scatter_options(node: OpNode, cand: Sequence[int]) -> list[tuple[int, int]]:
@@ -506,6 +518,103 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
                       - np.maximum(lo[None, :, :, None], plo), 0, None)
     local = (np.prod(overlap, axis=4) * has).sum(axis=3)
     return (region.sum(axis=1)[None, :] - local.sum(axis=2)) * itemsize
+
+
+def chunk_tiles(node: OpNode, lay: Layout) -> tuple[int, ...]:
+    """The tile along each label that the physical plan cuts ``node``'s pieces under
+    ``lay`` into (:meth:`~tensorql.optimizer.plan.PartitionPlan.chunk_layout`): the piece
+    tile cut to the logical plan's tile (:attr:`OpNode.chunk_target`); a reduce-scatter and
+    a reshape run piece by piece.
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> node = OpNode(0, "map", ("i", "j"), (8, 6), 2, (), "float32", "m")
+    >>> chunk_tiles(node, layout((8, 6), (2, 1), 2, 2))
+    (4, 6)
+    """
+    whole = tuple(-(-n // p) for n, p in zip(node.sizes, lay.pieces))
+    target = node.chunk_target
+    if lay.scatter is not None or target is None:
+        return whole
+    return tuple(sub_tile(t, target.get(lab, n))
+                 for lab, n, t in zip(node.labels, node.sizes, whole))
+
+
+def assembly_peak(producer: NodeTable, consumer: NodeTable, producer_node: OpNode,
+                  consumer_node: OpNode, edge: Edge) -> np.ndarray:
+    """A bound on the bytes one task needs to put operand ``edge`` of a consumer task
+    together, (K_producer, K_consumer). Where a consumer chunk's region is not exactly a
+    chunk of the producer, an *assemble* task holds the region and the producer's chunks (or
+    slices of them) overlapping it, and a *slice* task on a holder a chunk and the slice;
+    both fit in the region plus the span of the producer's chunks overlapping it, bounded
+    label by label (:func:`_axis_reads`); 0 where every region is a chunk of the producer.
+    A producer every device loads itself is read region by region (0).
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> ta = build_table(OpGraph((a,), 0), a, 2, allowed=[(1,), (2,)])
+    >>> tm = build_table(OpGraph((a, m), 1), m, 2, allowed=[(1,), (2,)])
+    >>> assembly_peak(ta, tm, a, m, m.inputs[0]).tolist()  # half of 32 B; whole of 2 halves
+    [[0, 48], [64, 0]]
+    """
+    kp, kc = len(producer.cands), len(consumer.cands)
+    out = np.zeros((kp, kc), dtype=np.int64)
+    if producer_node.loaded_where_read:
+        return out
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    sizes = [consumer_node.sizes[k] for k in axes]
+    ours = []
+    for lay in consumer.layouts:
+        tiles = chunk_tiles(consumer_node, lay)
+        ours.append(tuple((lay.pieces[k], tiles[k]) for k in axes))
+    theirs = []
+    for lay in producer.layouts:
+        tiles = chunk_tiles(producer_node, lay)[: producer_node.n_out]
+        scattered = lay.scatter is not None
+        theirs.append(tuple((p, n if scattered else t)
+                            for p, t, n in zip(lay.out_pieces, tiles, sizes)))
+    for q, prod in enumerate(theirs):
+        for c, cons in enumerate(ours):
+            reads = [_axis_reads(n, pc, tc, pp, tp)
+                     for n, (pc, tc), (pp, tp) in zip(sizes, cons, prod)]
+            if all(exact for exact, _, _ in reads):
+                continue
+            out[q, c] = (math.prod(r for _, r, _ in reads)
+                         + math.prod(span for _, _, span in reads)) * producer_node.itemsize
+    return out
+
+
+@lru_cache(maxsize=1 << 14)
+def _intervals(n: int, pieces: int, tile: int) -> tuple[tuple[int, int], ...]:
+    """The chunks along a label of size ``n`` cut into ``pieces`` pieces, each piece into
+    chunks of ``tile`` (the last one shorter): ``(start, stop)`` each."""
+    bounds = piece_bounds(n, pieces)
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        out.extend((x, min(x + tile, hi)) for x in range(lo, hi, max(1, tile)))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1 << 14)
+def _axis_reads(n: int, pieces: int, tile: int, their_pieces: int,
+                their_tile: int) -> tuple[bool, int, int]:
+    """Along one label: whether every chunk of ours is one of theirs, our longest chunk, and
+    the longest span of their chunks overlapping one of ours.
+
+    >>> _axis_reads(8, 1, 8, 2, 4), _axis_reads(8, 2, 2, 1, 4)
+    ((False, 8, 8), (False, 2, 4))
+    """
+    mine, other = _intervals(n, pieces, tile), _intervals(n, their_pieces, their_tile)
+    known = set(other)
+    exact = all(iv in known for iv in mine)
+    starts = [a for a, _ in other]
+    longest = span = 0
+    for lo, hi in mine:
+        longest = max(longest, hi - lo)
+        first = bisect.bisect_right(starts, lo) - 1
+        last = bisect.bisect_left(starts, hi) - 1
+        span = max(span, other[last][1] - other[first][0])
+    return exact, longest, span
 
 
 def region_sources(producer: Layout, lo: Sequence[int], hi: Sequence[int]

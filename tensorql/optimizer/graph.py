@@ -123,6 +123,23 @@ class OpNode:
         return 2 * base * (e + v)
 
     @property
+    def chunk_target(self) -> dict[str, int] | None:
+        """The tile along each label that a piece of this operation is cut into in the
+        physical plan (its logical step's tiles; a label read as a diagonal stays whole; a
+        label not named stays whole), or None where pieces run whole (a reshape, a scan
+        of no logical node)."""
+        if self.logical is None or self.kind == "reshape":
+            return None
+        logical = self.logical.input if isinstance(self.logical, Aggregate) else self.logical
+        rel = logical.relation
+        target = dict(zip(rel.labels, rel.grid.tile))
+        for edge in self.inputs:  # a diagonal reads blocks of its pieces whole
+            for lab in edge.axes:
+                if edge.axes.count(lab) > 1:
+                    target[lab] = 1 << 62
+        return target
+
+    @property
     def loaded_where_read(self) -> bool:
         """A stored tensor or constant that every device can load itself (the ranks of a
         torch.distributed job each hold the inputs): each device loads the regions its

@@ -33,7 +33,7 @@ from tensorql.optimizer.cost import (
     sub_tile,
 )
 from tensorql.optimizer.graph import OpGraph
-from tensorql.optimizer.search import Problem, get_strategy
+from tensorql.optimizer.search import InfeasiblePlanError, Problem, get_strategy
 from tensorql.options import parse_bytes
 from tensorql.units import format_bytes, format_flops
 
@@ -195,9 +195,58 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     search = get_strategy(strategy)
     limit = parse_bytes(memory_limit)
     graph = OpGraph.build(node, also=tuple(also), sources_everywhere=sources_everywhere)
-    problem = Problem.build(graph, n_dev, limit, cache=cache)
-    choice = search(problem)
-    return make_plan(problem, choice, strategy, limit)
+    cache = {} if cache is None else cache
+    if limit is None:
+        problem = Problem.build(graph, n_dev, None, cache=cache)
+        return make_plan(problem, search(problem), strategy, None)
+    try:
+        return _plan_within(graph, n_dev, search, strategy, limit, cache)
+    except InfeasiblePlanError as err:
+        minimum = _smallest_limit(graph, n_dev, search, strategy, limit, cache, err)
+        raise InfeasiblePlanError(
+            f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
+            f"on {n_dev} devices: no partitioning fits every task (inputs and output) in it; "
+            f"the smallest memory_limit that plans it is {minimum} bytes "
+            f"({format_bytes(minimum)})", minimum=minimum) from None
+
+
+_TRIES = 8  # plans tried within one memory limit, each cut finer than the last
+
+
+def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int,
+                 cache: dict) -> PartitionPlan:
+    """The search's plan whose every task fits ``limit``. When the plan the search finds
+    still has tasks that do not (it priced them out, but no plan of those pieces avoids
+    them), the pieces are cut finer -- fitted to a tighter limit -- and the search runs
+    again; InfeasiblePlanError when none fits (``minimum``: the least a plan tried needs)."""
+    target, least = limit, None
+    for _ in range(_TRIES):
+        try:
+            problem = Problem.build(graph, devices, target, cache=cache, task_limit=limit)
+        except InfeasiblePlanError:
+            if least is None:
+                raise
+            break  # no finer pieces to try
+        choice = search(problem)
+        need = problem.need(choice)
+        if need <= limit:
+            return make_plan(problem, choice, strategy, limit)
+        least = need if least is None else min(least, need)
+        target = max(1, min(target - 1, target * limit // need))
+    raise InfeasiblePlanError(f"its largest task needs {least} bytes at once", minimum=least)
+
+
+def _smallest_limit(graph: OpGraph, devices: int, search, strategy: str, limit: int,
+                    cache: dict, err: InfeasiblePlanError) -> int:
+    """The smallest memory limit (above ``limit``, which ``err`` refused) that plans."""
+    minimum = max(limit + 1, err.minimum or limit + 1)
+    for _ in range(_TRIES):
+        try:
+            _plan_within(graph, devices, search, strategy, minimum, cache)
+            return minimum
+        except InfeasiblePlanError as again:
+            minimum = max(minimum + 1, again.minimum or 2 * minimum)
+    return minimum
 
 
 def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,

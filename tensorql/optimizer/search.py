@@ -33,6 +33,7 @@ import numpy as np
 from tensorql.errors import PlanError
 from tensorql.optimizer.cost import (
     NodeTable,
+    assembly_peak,
     build_table,
     candidates,
     node_key,
@@ -75,11 +76,21 @@ class Problem:
     allowed: tuple[np.ndarray, ...]          # per node: bool mask over its candidates
     edges: tuple[tuple[int, int, int, np.ndarray], ...]  # (producer, consumer, k, matrix)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # per edge: the bytes one task needs to assemble the operand (producer x consumer
+    # candidates, see assembly_peak); set under a memory limit
+    assembly: tuple[np.ndarray, ...] = ()
 
     @classmethod
     def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
-              cache: dict | None = None) -> Problem:
+              cache: dict | None = None, task_limit: int | None = None) -> Problem:
+        """The problem of ``graph`` on ``devices`` devices: each node's pieces cut until
+        one fits ``memory_limit`` (see :func:`_fitting_table`), and every task of the
+        physical plan -- the node's own, and those assembling its operands -- within
+        ``task_limit`` (default ``memory_limit``): candidates whose own tasks do not fit are
+        not allowed, and a pair of producer and consumer candidates whose assembling does
+        not is priced out (:data:`UNFIT`), so the search avoids it where any plan can."""
         cache = {} if cache is None else cache
+        task_limit = memory_limit if task_limit is None else task_limit
         keys, tables = [], []
         for node in graph.nodes:
             key, table = _fitting_table(graph, node, devices, memory_limit, cache)
@@ -88,13 +99,14 @@ class Problem:
         allowed = []
         for table in tables:
             ok = np.ones(len(table.cands), dtype=bool)
-            if memory_limit is not None:
-                ok = table.peak <= memory_limit
+            if task_limit is not None:
+                ok = table.task_peak <= task_limit
             allowed.append(ok)
-        edges = []
+        edges, assembly = [], []
         for node in graph.nodes:
             for k, edge in enumerate(node.inputs):
-                free = graph.nodes[edge.producer].loaded_where_read
+                producer = graph.nodes[edge.producer]
+                free = producer.loaded_where_read
                 key = ("edge", keys[edge.producer], keys[node.index], k, free)
                 if key not in cache and free:  # every reader loads it itself
                     cache[key] = np.zeros((len(tables[edge.producer].cands),
@@ -102,9 +114,25 @@ class Problem:
                 elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
-                        graph.nodes[edge.producer].itemsize, devices)
-                edges.append((edge.producer, node.index, k, cache[key]))
-        return cls(graph, devices, tuple(tables), tuple(allowed), tuple(edges))
+                        producer.itemsize, devices)
+                moved = cache[key]
+                if task_limit is not None:
+                    akey = ("assembly", key, _targets(producer), _targets(node))
+                    if akey not in cache:
+                        cache[akey] = assembly_peak(tables[edge.producer], tables[node.index],
+                                                    producer, node, edge)
+                    assembly.append(cache[akey])
+                    moved = moved + np.where(cache[akey] > task_limit, UNFIT, 0)
+                edges.append((edge.producer, node.index, k, moved))
+        return cls(graph, devices, tuple(tables), tuple(allowed), tuple(edges),
+                   assembly=tuple(assembly))
+
+    def need(self, choice: tuple[int, ...]) -> int:
+        """The most bytes one task of the physical plan of ``choice`` needs at once (a
+        bound: an operation's own tasks, and those assembling its operands' regions)."""
+        own = max((int(t.task_peak[c]) for t, c in zip(self.tables, choice)), default=0)
+        return max([own] + [int(a[choice[p], choice[c]])
+                            for (p, c, _, _), a in zip(self.edges, self.assembly)])
 
     # -- evaluation ---------------------------------------------------------------------
     def total(self, choice: tuple[int, ...]) -> int:
@@ -157,6 +185,13 @@ class Problem:
 
 
 MAX_PIECES_PER_DEVICE = 64
+UNFIT = 1 << 48  # the price of a pair of candidates whose assembling tasks exceed the limit
+
+
+def _targets(node) -> tuple | None:
+    """A node's chunk tiles as a cache key (they are not in its table's key)."""
+    target = node.chunk_target
+    return None if target is None else tuple(sorted(target.items()))
 
 
 def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict):
@@ -178,7 +213,7 @@ def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None,
     smallest limit that plans the whole graph when even the finest split does not fit."""
     factor = 1
     key, table = _table(graph, node, devices, devices, cache)
-    while memory_limit is not None and not (table.peak <= memory_limit).any():
+    while memory_limit is not None and not (table.task_peak <= memory_limit).any():
         made = int(np.prod(table.cands[0])) if len(table.cands[0]) else 1
         if factor >= MAX_PIECES_PER_DEVICE or made < devices * factor:
             need = max(_smallest_peak(graph, n, devices, cache) for n in graph.nodes)
@@ -198,7 +233,7 @@ def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
     factor = 1
     while True:
         _, table = _table(graph, node, devices, devices * factor, cache)
-        low = int(table.peak.min())
+        low = int(table.task_peak.min())
         best = low if best is None else min(best, low)
         made = int(np.prod(table.cands[0])) if len(table.cands[0]) else 1
         if factor >= MAX_PIECES_PER_DEVICE or made < devices * factor:

@@ -477,16 +477,10 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
     """The node's pieces, each cut into chunks no larger than the logical plan's tiles (the
     stored tiles for a scan), so that a device works in cache-sized tasks that start as their
     own chunks arrive, and a stored piece is read chunk by chunk, without reassembly."""
-    if not sub_tiles or node.logical is None or node.kind == "reshape":
-        return plan.layout(node.index)  # a reshape is one piece whose input region is the
-        # whole input
-    logical = node.logical.input if isinstance(node.logical, Aggregate) else node.logical
-    rel = logical.relation
-    target = dict(zip(rel.labels, rel.grid.tile))
-    for edge in node.inputs:  # a diagonal reads blocks of its pieces whole: keep those whole
-        for lab in edge.axes:
-            if edge.axes.count(lab) > 1:
-                target[lab] = 1 << 62
+    target = node.chunk_target  # None: a reshape is one piece whose input region is the
+    # whole input
+    if not sub_tiles or target is None:
+        return plan.layout(node.index)
     return plan.chunk_layout(node.index, target)
 
 

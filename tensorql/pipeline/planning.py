@@ -7,17 +7,14 @@ import math
 from typing import Any, Protocol
 
 from tensorql.errors import PlanError
-from tensorql.exec.memplan import largest_task_bytes
 from tensorql.logical.plan import LogicalNode, walk
 from tensorql.logical.rules import rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
-from tensorql.optimizer.search import InfeasiblePlanError
 from tensorql.options import Options
 from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
 from tensorql.storage.chunk_store import ChunkStore
-from tensorql.units import format_bytes
 
 
 class Session(Protocol):
@@ -58,31 +55,19 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
                also: tuple[LogicalNode, ...] = (), fired: tuple[str, ...] = ()
                ) -> tuple[PartitionPlan, PhysicalPlan]:
-    """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` every
-    task's chunks (inputs and output) must fit the limit: when a task of the plan does not
-    (assembling a region needs its pieces too), the optimizer is asked again with a tighter
-    limit, so that it cuts finer; InfeasiblePlanError names the smallest limit found."""
+    """The optimizer's partitioning and its physical plan. Under a ``memory_limit`` the
+    optimizer chooses pieces whose every task (inputs and output, assembling a region from
+    its pieces included) fits the limit, so the physical plan is built once;
+    InfeasiblePlanError names the smallest limit that plans."""
     options = db.options
     limit = options.memory_limit
-    try:
-        return _plan_within(logical, db, devices, max_temp, limit, also, fired)
-    except InfeasiblePlanError as err:
-        if limit is None:
-            raise
-        minimum = err.minimum if err.minimum is not None and err.minimum > limit else None
-        if minimum is None:
-            raise
-        for _ in range(8):  # find the limit the physical plan really needs
-            try:
-                _plan_within(logical, db, devices, max_temp, minimum, also)
-                break
-            except InfeasiblePlanError as again:
-                minimum = max(minimum + 1, again.minimum or minimum * 2)
-        raise InfeasiblePlanError(
-            f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
-            f"on {devices} devices: no partitioning fits every task (inputs and output) in "
-            f"it; the smallest memory_limit that plans it is "
-            f"{minimum} bytes ({format_bytes(minimum)})", minimum=minimum) from None
+    # the ranks of a torch.distributed job each hold the inputs
+    plan = optimize(logical, devices=devices, strategy=options.strategy, memory_limit=limit,
+                    also=also, sources_everywhere=options.distributed)
+    physical = build(logical, plan, db.chunk_store, max_temp_elems=max_temp,
+                     sub_tiles=_sub_tiles(options, limit),
+                     **_series(options, limit, devices), fired=fired)
+    return plan, physical
 
 
 def _series(options: Options, limit: int | None, devices: int) -> dict[str, Any]:
@@ -111,33 +96,6 @@ def _sub_tiles(options: Options, limit: int | None) -> bool:
 def _fuse_bytes(memory_limit: int | None) -> int | None:
     """The input bytes one task may fold in series: a quarter of the memory limit."""
     return None if memory_limit is None else max(1, memory_limit // 4)
-
-
-def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
-                 limit: int | None, also: tuple[LogicalNode, ...] = (),
-                 fired: tuple[str, ...] = ()) -> tuple[PartitionPlan, PhysicalPlan]:
-    target = limit
-    smallest = None
-    for _ in range(6):
-        try:
-            # the ranks of a torch.distributed job each hold the inputs
-            plan = optimize(logical, devices=devices, strategy=db.options.strategy,
-                            memory_limit=target, also=also,
-                            sources_everywhere=db.options.distributed)
-        except InfeasiblePlanError:
-            if smallest is None:
-                raise
-            break
-        physical = build(logical, plan, db.chunk_store, max_temp_elems=max_temp,
-                         sub_tiles=_sub_tiles(db.options, limit),
-                         **_series(db.options, limit, devices), fired=fired)
-        need = largest_task_bytes(physical.task_graph())
-        smallest = need if smallest is None else min(smallest, need)
-        if limit is None or need <= limit:
-            return plan, physical
-        target = max(1, target * limit // need)
-    raise InfeasiblePlanError(
-        f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
 
 
 MANY_TASKS = 100_000  # beyond this many chunk tasks, per-task overhead (~100 µs) is seconds

@@ -11,6 +11,7 @@ import tensorql as tq
 from tensorql.exec.memplan import largest_task_bytes, plan_program
 from tensorql.models import llama, mlp
 from tensorql.optimizer.search import InfeasiblePlanError
+from tensorql.physical.builder import build
 from tensorql.physical.partitioned import build_partitioned
 
 
@@ -62,3 +63,48 @@ def test_runs_under_a_limit_and_names_the_minimum():
     with tq.connect(devices=2, workers=2, memory_limit=need) as db:
         a, b = db.from_numpy("a", x), db.from_numpy("b", y)
         np.testing.assert_allclose((a @ b).numpy(), x @ y, rtol=1e-4, atol=1e-3)
+
+
+def _limit_queries(db, rng):
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    a = db.from_numpy("a", r(64, 48), tile=(16, 48))
+    b = db.from_numpy("b", r(48, 40), tile=(48, 8))
+    c = db.from_numpy("c", r(40, 24))
+    bias = db.from_numpy("bias", r(40))
+    q = db.from_numpy("q", r(2, 16, 8), tile=(1, 8, 8))
+    k, v = db.from_numpy("k", r(2, 24, 8)), db.from_numpy("v", r(2, 24, 8))
+    return {"mlp": (a @ b + bias).relu() @ c, "chain": (a @ b @ c).sum(axis=1),
+            "softmax": (a @ b).softmax(-1),
+            "attention": tq.einsum("bst,bte->bse",
+                                   tq.einsum("bse,bte->bst", q, k).softmax(-1), v)}
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("limit", [1 << 10, 3 << 10, 12 << 10])
+def test_the_optimizer_plans_every_task_within_the_limit(devices, limit, monkeypatch):
+    """Whatever plan the optimizer returns under a memory_limit, every task of its physical
+    plan (assembling regions, slices and folds included) fits the limit, and the physical
+    plan is built once; where none fits, the named minimum plans."""
+    from tensorql.pipeline import planning
+
+    builds = []
+    monkeypatch.setattr(planning, "build",
+                        lambda *a, **k: builds.append(1) or build(*a, **k))
+    for name in ("mlp", "chain", "softmax", "attention"):
+        with tq.connect(devices=devices, workers=2, memory_limit=limit) as db:
+            query = _limit_queries(db, np.random.default_rng(0))[name]
+            builds.clear()
+            try:
+                compiled = query.compile()
+            except InfeasiblePlanError as err:
+                minimum = err.minimum
+            else:
+                assert largest_task_bytes(compiled.physical.task_graph()) <= limit, name
+                assert len(builds) == 1
+                continue
+        assert minimum > limit
+        with tq.connect(devices=devices, workers=2, memory_limit=minimum) as db:
+            compiled = _limit_queries(db, np.random.default_rng(0))[name].compile()
+            assert largest_task_bytes(compiled.physical.task_graph()) <= minimum, name
