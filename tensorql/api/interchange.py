@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from tensorql.errors import DTypeError, UnsupportedError
@@ -49,9 +48,12 @@ def arrow_to_numpy(data: Any) -> np.ndarray:
     fixed-shape tensor array (its shape with the rows first), a ``pyarrow.Tensor``, a table
     or record batch of numeric columns (2-D: rows x columns).
 
+    >>> import pyarrow as pa
     >>> arrow_to_numpy(pa.chunked_array([[1, 2], [3]])).tolist()
     [1, 2, 3]
     """
+    import pyarrow as pa  # here, not at import: pyarrow's allocator set-up is not every user's
+
     if isinstance(data, pa.Tensor):
         return data.to_numpy()
     if isinstance(data, (pa.Table, pa.RecordBatch)):
@@ -68,6 +70,8 @@ def arrow_to_numpy(data: Any) -> np.ndarray:
 
 
 def _column(column: Any, name: str | None) -> np.ndarray:
+    import pyarrow as pa
+
     what = "the array" if name is None else f"column {name!r}"
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()

@@ -121,3 +121,13 @@ def test_big_buffers_are_reused_and_free_memory_can_be_given_back():
     assert kept == "True" and released == "True"
     assert int(dropped_kib) > 32 << 10, dropped_kib  # most of the 64 MiB left the process
     assert int(after_query_kib) > 32 << 10, after_query_kib  # and again at a query's end
+
+
+def test_importing_tensorql_leaves_pyarrow_unloaded():
+    """pyarrow loads its own allocator when imported, and with it loaded the heap tuning
+    above no longer keeps big buffers in the heap (seen: 16,384 page faults for a buffer
+    asked for again, as if mapped afresh): tensorql imports it only where Arrow is used."""
+    done = subprocess.run([sys.executable, "-c", "import sys, tensorql; "
+                           "print('pyarrow' in sys.modules)"], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "False"
