@@ -105,6 +105,7 @@ class TimelineEvent:
     label: str
     start: float
     end: float
+    ref: Any = None  # the op's chunk (ChunkRef: its step and key)
 
 
 @dataclass
@@ -711,7 +712,8 @@ class StreamRun(RunState):
         self.lane_times.setdefault((op.device, op.lane), []).append((start, end))
         if self.rt.timeline:
             self.stats.timeline.append(TimelineEvent(
-                self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end))
+                self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end,
+                op.ref))
         return start, end
 
     def sunk(self, ref: ChunkRef) -> torch.Tensor:
