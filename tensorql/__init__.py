@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
 from typing import TYPE_CHECKING
@@ -33,6 +34,10 @@ from tensorql.exec.host_malloc import tune_malloc
 # now, before any thread (DuckDB's, torch's, the executor's) makes a malloc arena of its own
 # (see tensorql.exec.host_malloc; TENSORQL_MALLOC_TUNING=0 leaves the allocator alone)
 tune_malloc()
+
+# planning and spilling decisions are logged to "tensorql" (and its children, one per module);
+# silent unless the application configures logging (logging.basicConfig(level="INFO"))
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # The rest of the public names load on first use (PEP 562): ``import tensorql`` does not
 # import torch or DuckDB, so ``tensorql --version`` and ``--help`` start in well under 0.5 s.

@@ -3,6 +3,7 @@ device's plan otherwise, within the session's memory limit."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Protocol
 
@@ -17,7 +18,9 @@ from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
 from tensorql.storage.chunk_store import ChunkStore
-from tensorql.units import format_bytes
+from tensorql.units import format_bytes, format_flops
+
+log = logging.getLogger(__name__)
 
 
 class Session(Protocol):
@@ -47,6 +50,8 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
     done = rewrite(roots)
+    if done.fired:
+        log.debug("rewrite rules fired: %s", ", ".join(done.fired))
     if count > 1 and partitioned and not empty:
         return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
                           fired=done.fired)
@@ -134,8 +139,15 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:
+            log.info("partitioned for %d devices (strategy %s): %s moved between devices, "
+                     "busiest device %s, peak %s per device", devices, plan.strategy,
+                     format_bytes(plan.cost.bytes_moved), format_flops(plan.cost.flops),
+                     format_bytes(plan.cost.peak_bytes))
             return plan, physical
         target = max(1, target * limit // need)
+        log.info("the plan's largest task needs %s of chunks, more than memory_limit %s: "
+                 "partitioning again for %s", format_bytes(need), format_bytes(limit),
+                 format_bytes(target))
     raise InfeasiblePlanError(
         f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
 
