@@ -350,7 +350,11 @@ class Shell:
                 except EOFError:
                     print(file=self.out)
                     break
-                self.feed(line)
+                try:
+                    self.feed(line)
+                except KeyboardInterrupt:  # Ctrl-C while a statement runs: back to the prompt
+                    print("interrupted", file=sys.stderr)
+                    self.buffer = []
         finally:
             if readline is not None:
                 try:
