@@ -126,7 +126,8 @@ class CompiledQuery:
             elif stage in (None, "physical"):
                 stats = None
                 if analyze:
-                    stats = self._explained(analyze, trace)[1].stats
+                    result = self._explained(analyze, trace)[1]
+                    stats = result.stats if result is not None else None
                 doc = plan_json(self.physical, stats, title=self.title)
             else:
                 raise OptionError(f"EXPLAIN format {format!r} draws the logical or the "

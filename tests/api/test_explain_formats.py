@@ -121,3 +121,13 @@ def test_trace_has_one_event_per_task(tmp_path):
     lanes = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert [p["args"]["name"] for p in processes] == ["cpu:0"]
     assert {(e["pid"], e["tid"]) for e in events} <= lanes
+
+
+def test_duckdb_backend_draws_the_plan_and_refuses_a_trace(tmp_path):
+    with tq.connect(backend="duckdb") as db:
+        expr = _query(db)
+        doc = json.loads(expr.explain(analyze=True, format="json"))
+        assert len(doc["nodes"]) == len(expr.compile().physical.steps)
+        with pytest.raises(tq.UnsupportedError, match="native backend"):
+            expr.explain(analyze=True, trace=str(tmp_path / "run.json"))
+    assert not (tmp_path / "run.json").exists()
