@@ -18,9 +18,7 @@ from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.pipeline.distributed import job_devices
 from tensorql.storage.chunk_store import ChunkStore
-from tensorql.units import format_bytes, format_flops
-
-log = logging.getLogger(__name__)
+from tensorql.units import format_bytes
 
 
 class Session(Protocol):
@@ -34,6 +32,9 @@ class Session(Protocol):
 
     @property
     def connection(self) -> Any: ...
+
+
+log = logging.getLogger(__name__)
 
 
 def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = True
@@ -53,8 +54,19 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     if done.fired:
         log.debug("rewrite rules fired: %s", ", ".join(done.fired))
     if count > 1 and partitioned and not empty:
-        return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
-                          fired=done.fired)
+        partition, physical = _partition(done.roots[0], db, count, max_temp,
+                                         also=done.roots[1:], fired=done.fired)
+        if log.isEnabledFor(logging.INFO):
+            from tensorql.units import format_bytes as size  # only when it is logged
+            from tensorql.units import format_flops
+
+            cost = partition.cost
+            log.info("partitioned for %d devices (strategy %s): %s moved between devices, "
+                     "busiest device %s, peak %s per device%s", count, partition.strategy,
+                     size(cost.bytes_moved), format_flops(cost.flops), size(cost.peak_bytes),
+                     "" if options.memory_limit is None else
+                     f" (memory_limit {size(options.memory_limit)})")
+        return partition, physical
     return None, build(done.roots[0], None, db.chunk_store, max_temp_elems=max_temp,
                        **_series(options, options.memory_limit, 1), also=done.roots[1:],
                        fired=done.fired)
@@ -139,15 +151,8 @@ def _plan_within(logical: LogicalNode, db: Session, devices: int, max_temp: int,
         need = largest_task_bytes(physical.task_graph())
         smallest = need if smallest is None else min(smallest, need)
         if limit is None or need <= limit:
-            log.info("partitioned for %d devices (strategy %s): %s moved between devices, "
-                     "busiest device %s, peak %s per device", devices, plan.strategy,
-                     format_bytes(plan.cost.bytes_moved), format_flops(plan.cost.flops),
-                     format_bytes(plan.cost.peak_bytes))
             return plan, physical
         target = max(1, target * limit // need)
-        log.info("the plan's largest task needs %s of chunks, more than memory_limit %s: "
-                 "partitioning again for %s", format_bytes(need), format_bytes(limit),
-                 format_bytes(target))
     raise InfeasiblePlanError(
         f"its largest task needs {smallest} bytes of chunks at once", minimum=smallest)
 
