@@ -222,11 +222,22 @@ class Tensor:
             self._dlpack_pending = (stamp, values)
         return values
 
-    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+    def explain(self, analyze: bool = False, stage: str | None = None,
+                format: str = "text", trace: str | None = None) -> str:
         """The plan as text; ``analyze=True`` runs it and adds measured figures. ``stage``
         shows one stage of the chain: "einsum", "logical", "partition", "physical" or
-        "memory" (see ``tensorql.pipeline.STAGES``)."""
-        return self.compile().explain(analyze=analyze, stage=stage)
+        "memory" (see ``tensorql.pipeline.STAGES``). ``format="json" | "dot" | "mermaid"``
+        draws the physical plan (or ``stage="logical"``'s) as a graph; ``trace="run.json"``
+        (with ``analyze``) writes the run's timeline as Chrome-trace JSON for Perfetto.
+
+        >>> import json, numpy as np, tensorql as tq
+        >>> A = tq.connect().from_numpy("A", np.ones((4, 6), np.float32), tile=(2, 3))
+        >>> doc = json.loads(tq.einsum("ij->i", A).explain(format="json"))
+        >>> doc["schema"], [n["name"] for n in doc["nodes"]]
+        ('tensorql.plan/1', ['Scan A', 'Aggregate sum over [j]'])
+        """
+        return self.compile().explain(analyze=analyze, stage=stage, format=format,
+                                      trace=trace)
 
     # -- building blocks -----------------------------------------------------------------
     def _wrap(self, node: Node) -> Tensor:

@@ -38,6 +38,7 @@ limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallbac
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
 from tensorql.exec.taskgraph import TaskGraph
+
+log = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "EngineConfig", "RankJob", "Strategy", "UnknownStrategyError",
            "choose_strategy", "narrow_share", "run", "runs_serially"]
@@ -268,6 +271,8 @@ def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = 
     if not isinstance(config, EngineConfig):
         config = EngineConfig.of(config)
     name = strategy if strategy is not None else choose_strategy(graph, config)
+    log.debug("engine strategy %s for %d tasks (%d worker(s), memory_limit %s)", name,
+              len(graph.tasks), config.workers, config.memory_limit)
     chosen = STRATEGIES.get(name)
     if chosen is None:
         raise UnknownStrategyError(f"unknown strategy {name!r}; choose one of "

@@ -42,8 +42,10 @@ import mmap
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `tensorql --version` needs none
+    import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -95,10 +97,13 @@ def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with ``TENSORQL_MALLOC_TUNING=0``) it is ``torch.empty``. The mapping lives as long as
     the tensor (and any numpy array over it).
 
+    >>> import torch
     >>> big = empty_result((64, 1 << 17), torch.float32)  # 32 MiB
     >>> big.shape, big.dtype, big.is_contiguous()
     (torch.Size([64, 131072]), torch.float32, True)
     """
+    import torch
+
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_RESULT_BYTES or _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)

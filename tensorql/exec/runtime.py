@@ -35,6 +35,7 @@ budget (ExecutionError if ever exceeded). Each kind of op is one :class:`OpKind`
 from __future__ import annotations
 
 import heapq
+import logging
 import queue
 import threading
 import time
@@ -61,6 +62,8 @@ from tensorql.exec.run_types import (
 )
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.units import format_bytes
+
+log = logging.getLogger(__name__)
 
 COPY_LANES = ("h2d", "d2h", "d2d")
 
@@ -105,6 +108,7 @@ class TimelineEvent:
     label: str
     start: float
     end: float
+    ref: Any = None  # the op's chunk (ChunkRef: its step and key)
 
 
 @dataclass
@@ -711,7 +715,8 @@ class StreamRun(RunState):
         self.lane_times.setdefault((op.device, op.lane), []).append((start, end))
         if self.rt.timeline:
             self.stats.timeline.append(TimelineEvent(
-                self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end))
+                self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end,
+                op.ref))
         return start, end
 
     def sunk(self, ref: ChunkRef) -> torch.Tensor:
@@ -738,6 +743,14 @@ class StreamRun(RunState):
         self.stats.peak_live_bytes = max((d.peak_bytes for d in self.stats.devices), default=0)
         self.stats.pinned_bytes = self.host.pinned_bytes
         self.stats.spilled_bytes = self.host.spilled_bytes
+        evictions = sum(d.evictions for d in self.stats.devices)
+        reloads = sum(d.reloads for d in self.stats.devices)
+        spilled = format_bytes(self.stats.spilled_bytes)
+        if evictions or reloads:
+            log.info("memory limit: %d chunk(s) evicted from device memory, %d reloaded; %s of "
+                     "host copies beyond the pinned pool", evictions, reloads, spilled)
+        elif self.stats.spilled_bytes:
+            log.debug("%s of host copies beyond the pinned pool", spilled)
 
 
 def _queue_on_lane(run: StreamRun, op: Op) -> None:

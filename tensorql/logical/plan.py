@@ -372,6 +372,28 @@ def walk(*roots: LogicalNode) -> list[LogicalNode]:
     return inputs_first(*roots)
 
 
+def node_title(node: LogicalNode) -> str:
+    """A logical node's name in plans (EXPLAIN's text and its graphs), e.g.
+    ``Aggregate sum over [j]``."""
+    if isinstance(node, Scan):
+        return f"Scan {node.source}"
+    if isinstance(node, Rekey):
+        return f"Rekey to tiles {node.relation.grid.tile}"
+    if isinstance(node, Join):
+        ins = ",".join("(" + ",".join(labels) + ")" for labels in node.input_labels)
+        on = f" on [{', '.join(node.on)}]" if node.on else ""
+        return f"Join {node.join}{on} {ins}"
+    if isinstance(node, Aggregate):
+        return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
+    if isinstance(node, Map):
+        return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
+    if isinstance(node, (Softmax, Reshape)):
+        return node.title
+    if isinstance(node, (Pointwise, Attention)):
+        return f"{node.title} [rule {node.rule}]"
+    return type(node).__name__
+
+
 def explain_logical(root: LogicalNode) -> str:
     """The logical plan as a tree (the EXPLAIN stage "logical"): relational operators over
     chunk relations, each with its labels, shape, dtype and chunk grid. A label keeps its name
@@ -386,25 +408,7 @@ def explain_logical(root: LogicalNode) -> str:
     """
     lines: list[str] = []
     seen: dict[int, int] = {}
-
-    def head(node: LogicalNode) -> str:
-        if isinstance(node, Scan):
-            return f"Scan {node.source}"
-        if isinstance(node, Rekey):
-            return f"Rekey to tiles {node.relation.grid.tile}"
-        if isinstance(node, Join):
-            ins = ",".join("(" + ",".join(labels) + ")" for labels in node.input_labels)
-            on = f" on [{', '.join(node.on)}]" if node.on else ""
-            return f"Join {node.join}{on} {ins}"
-        if isinstance(node, Aggregate):
-            return f"Aggregate {node.agg} over [{', '.join(node.over)}]"
-        if isinstance(node, Map):
-            return f"Map {node.fn}" + (f"({node.scalar:g})" if node.scalar is not None else "")
-        if isinstance(node, (Softmax, Reshape)):
-            return node.title
-        if isinstance(node, (Pointwise, Attention)):
-            return f"{node.title} [rule {node.rule}]"
-        return type(node).__name__
+    head = node_title
 
     def render(node: LogicalNode, prefix: str, child_prefix: str) -> None:
         if id(node) in seen:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tensorql.einsum.graph import Node
-from tensorql.errors import OptionError
+from tensorql.errors import OptionError, UnsupportedError
 from tensorql.exec.run_types import ProgressCallback
+from tensorql.exec.timeline import write_trace
 from tensorql.logical.lower import contraction_paths
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
@@ -50,8 +51,10 @@ class ExecutionBackend(Protocol):
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
             dense: bool) -> QueryResult: ...
 
-    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
-        """The plan text; with ``analyze`` the query runs and its result comes back too."""
+    def explain(self, query: CompiledQuery, analyze: bool,
+                trace: str | None = None) -> tuple[str, QueryResult | None]:
+        """The plan text; with ``analyze`` the query runs and its result comes back too
+        (``trace``: a file to write the run's timeline to, as Chrome-trace JSON)."""
         ...
 
 
@@ -61,24 +64,35 @@ class NativeBackend:
     supports = Capabilities(multi_output=True, streaming=True, partitioned=True)
 
     def run(self, query: CompiledQuery, progress: ProgressCallback | None,
-            dense: bool, rank_stats: bool = False) -> QueryResult:
+            dense: bool, rank_stats: bool = False, timeline: bool = False) -> QueryResult:
         """Run the query; in a distributed session every rank's figures are gathered too
-        when ``rank_stats`` (EXPLAIN ANALYZE: a collective every rank joins)."""
+        when ``rank_stats`` (EXPLAIN ANALYZE: a collective every rank joins). ``timeline``
+        records every op's start and end (``stats.timeline``)."""
         options = query.db.options
         writer = DenseResults([query.physical.result_step]) if dense else None
         result = execute(query.physical, options, values="return" if dense else None,
                          progress=progress, sink=writer.sink if writer else None,
                          destination=writer.destination if writer else None,
                          keep_outputs=not dense, partition=query.partition,
-                         title=query.node.describe(), rank_stats=rank_stats)
+                         title=query.node.describe(), rank_stats=rank_stats,
+                         timeline=timeline)
         return QueryResult(plan=query.physical, chunks=result_chunks(query.physical, result),
                            stats=result.stats,
                            assembled=writer.tensors[0] if writer else None,
                            computed=options.device_set.computes_values)
 
-    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
+    def explain(self, query: CompiledQuery, analyze: bool,
+                trace: str | None = None) -> tuple[str, QueryResult | None]:
         values = query.db.options.device_set.computes_values
-        result = self.run(query, None, dense=values, rank_stats=True) if analyze else None
+        if trace is not None and query.db.options.distributed:
+            raise UnsupportedError("a run's trace (explain(trace=...)) covers one process; "
+                                   "run it outside torch.distributed")
+        result = None
+        if analyze:
+            result = self.run(query, None, dense=values, rank_stats=True,
+                              timeline=trace is not None)
+            if trace is not None:
+                write_trace(trace, result.stats, {s.id: s.name for s in query.physical.steps})
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:
@@ -105,9 +119,14 @@ class DuckDBBackend:
 
         return run_compiled(query)
 
-    def explain(self, query: CompiledQuery, analyze: bool) -> tuple[str, QueryResult | None]:
+    def explain(self, query: CompiledQuery, analyze: bool,
+                trace: str | None = None) -> tuple[str, QueryResult | None]:
         from tensorql.backend.duckdb_sql import explain_compiled
 
+        if trace is not None:
+            raise UnsupportedError("a run's trace (explain(trace=...)) is recorded by the "
+                                   "native backend's runtime; the duckdb backend runs the "
+                                   "query inside DuckDB")
         text, dense = explain_compiled(query, analyze=analyze)
         result = None
         if dense is not None:

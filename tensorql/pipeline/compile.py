@@ -17,6 +17,8 @@ from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.explain import render_plan
+from tensorql.physical.plan_graph import FORMATS as PLAN_FORMATS
+from tensorql.physical.plan_graph import logical_json, plan_json, render_doc
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.backends import get_backend
@@ -93,20 +95,52 @@ class CompiledQuery:
                 sink(ref.key, chunk)
         return None
 
-    def explain(self, analyze: bool = False, stage: str | None = None) -> str:
+    def explain(self, analyze: bool = False, stage: str | None = None,
+                format: str = "text", trace: str | None = None) -> str:
         """The plan as text. ``stage`` picks one stage of the chain (see :data:`STAGES`):
         ``einsum`` (the graph as written), ``logical`` (the relational rewrite), ``partition``
         (pieces and placement per operation), ``physical`` (steps and tasks), ``memory`` (the
         runtime's memory plan); by default the physical plan and, on several devices, the
-        partitioning -- with ``analyze`` the query runs and measured figures are added."""
-        if stage is None:
-            return self.explain_and_result(analyze)[0]
-        if stage not in STAGES:
+        partitioning -- with ``analyze`` the query runs and measured figures are added.
+
+        ``format`` "json", "dot" or "mermaid" gives the physical (or, with
+        ``stage="logical"``, the logical) plan as a graph instead (see
+        :mod:`tensorql.physical.plan_graph` for the JSON schema). ``trace`` (with
+        ``analyze``) writes the run's timeline to that file as Chrome-trace JSON, for
+        Perfetto or chrome://tracing: an event per task (see
+        :func:`tensorql.exec.timeline.chrome_trace`)."""
+        if format != "text" and format not in PLAN_FORMATS:
+            raise OptionError(f"unknown EXPLAIN format {format!r}; choose one of text, "
+                              f"{', '.join(PLAN_FORMATS)}")
+        if trace is not None and not analyze:
+            raise OptionError("explain(trace=...) records a run: pass analyze=True too")
+        if stage is not None and stage not in STAGES:
             raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
                                     f"{', '.join(STAGES)}")
-        if analyze:
+        if stage is not None and analyze:
             raise OptionError("EXPLAIN ANALYZE shows the whole plan; leave stage unset")
+        if format != "text":
+            if stage == "logical":
+                doc = logical_json((self.physical.root, *self.physical.also), title=self.title,
+                                   rules_fired=self.physical.rules_fired)
+            elif stage in (None, "physical"):
+                stats = None
+                if analyze:
+                    result = self._explained(analyze, trace)[1]
+                    stats = result.stats if result is not None else None
+                doc = plan_json(self.physical, stats, title=self.title)
+            else:
+                raise OptionError(f"EXPLAIN format {format!r} draws the logical or the "
+                                  f"physical plan; stage {stage!r} is text only")
+            return render_doc(doc, format)
+        if stage is None:
+            return self._explained(analyze, trace)[0]
         return STAGES[stage](self)
+
+    def _explained(self, analyze: bool, trace: str | None) -> tuple[str, QueryResult | None]:
+        if trace is None:
+            return self.explain_and_result(analyze)
+        return get_backend(self.backend).explain(self, analyze, trace=trace)
 
     def explain_and_result(self, analyze: bool = False) -> tuple[str, QueryResult | None]:
         """The EXPLAIN text and, with ``analyze``, the result of the run it measured."""

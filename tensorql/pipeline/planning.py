@@ -3,6 +3,7 @@ device's plan otherwise, within the session's memory limit."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Protocol
 
@@ -30,6 +31,9 @@ class Session(Protocol):
     def connection(self) -> Any: ...
 
 
+log = logging.getLogger(__name__)
+
+
 def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = True
                    ) -> tuple[PartitionPlan | None, PhysicalPlan]:
     """The physical plan of ``roots`` (one result, or several sharing their common steps):
@@ -44,9 +48,22 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
     done = rewrite(roots)
+    if done.fired:
+        log.debug("rewrite rules fired: %s", ", ".join(done.fired))
     if count > 1 and partitioned and not empty:
-        return _partition(done.roots[0], db, count, max_temp, also=done.roots[1:],
-                          fired=done.fired)
+        partition, physical = _partition(done.roots[0], db, count, max_temp,
+                                         also=done.roots[1:], fired=done.fired)
+        if log.isEnabledFor(logging.INFO):
+            from tensorql.units import format_bytes as size  # only when it is logged
+            from tensorql.units import format_flops
+
+            cost = partition.cost
+            log.info("partitioned for %d devices (strategy %s): %s moved between devices, "
+                     "busiest device %s, peak %s per device%s", count, partition.strategy,
+                     size(cost.bytes_moved), format_flops(cost.flops), size(cost.peak_bytes),
+                     "" if options.memory_limit is None else
+                     f" (memory_limit {size(options.memory_limit)})")
+        return partition, physical
     return None, build(done.roots[0], None, db.chunk_store, max_temp_elems=max_temp,
                        **_series(options, options.memory_limit, 1), also=done.roots[1:],
                        fired=done.fired)

@@ -44,7 +44,7 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
             progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None, keep_outputs: bool = True,
             partition: PartitionPlan | None = None, title: str | None = None,
-            rank_stats: bool = False) -> RunResult:
+            rank_stats: bool = False, timeline: bool = False) -> RunResult:
     """Run ``physical``'s task graph on the session's devices through the engine.
 
     ``values`` says what the caller does with the values the run computes ("return",
@@ -55,6 +55,7 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
     ``keep_outputs`` as :func:`tensorql.exec.engine.run`. In a distributed session the
     run is this rank's part (``partition`` and the plan are checked to be every rank's);
     each rank then holds every result chunk, and with ``rank_stats`` every rank's figures.
+    ``timeline`` records every op's start and end in ``stats.timeline`` (one process).
     """
     if values is not None and not options.device_set.computes_values:
         raise ExecutionError(
@@ -65,9 +66,10 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
         with progress_bar(title) as bar:
             return execute(physical, options, values=values, progress=bar, sink=sink,
                            destination=destination, keep_outputs=keep_outputs,
-                           partition=partition, rank_stats=rank_stats)
+                           partition=partition, rank_stats=rank_stats, timeline=timeline)
     if not options.distributed:
-        return engine.run(physical.task_graph(), engine.EngineConfig.of(options),
+        config = engine.EngineConfig.of(options, timeline=timeline)
+        return engine.run(physical.task_graph(), config,
                           progress=progress, sink=sink, destination=destination,
                           keep_outputs=keep_outputs)
     # every rank takes part (the rank strategy); each then gets the whole result

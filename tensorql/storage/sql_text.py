@@ -10,7 +10,9 @@ from pathlib import Path
 
 from tensorql.errors import StorageError
 
-SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
+# a wheel ships sql/ as tensorql/storage/ddl (pyproject.toml maps it); a checkout reads sql/
+_INSTALLED = Path(__file__).resolve().parent / "ddl"
+SQL_DIR = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parents[2] / "sql"
 
 
 def quote_ident(name: str) -> str:

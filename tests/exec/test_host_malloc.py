@@ -78,6 +78,7 @@ _BIG_BUFFERS = """
 import resource
 import torch
 import tensorql
+tensorql.Database  # the API's modules loaded, as before a session (import tensorql loads few)
 from tensorql.exec import host_malloc
 from tensorql.exec.host_malloc import free_heap_bytes, heap_only, release_free_memory
 

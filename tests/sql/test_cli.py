@@ -107,3 +107,164 @@ def test_max_rows_limits_the_rows_printed(capsys):
     assert main(["sql", "SELECT range AS i FROM range(100)", "--max-rows", "5"]) == 0
     out = capsys.readouterr().out
     assert "100 rows (5 shown)" in out and "│     4 │" in out and "│     5 │" not in out
+
+
+# -- the shell (tensorql [DATABASE] [-c SQL] [--mode MODE]) ------------------------------
+def test_c_prints_every_statement_in_a_box_with_duckdb_types(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    path = str(tmp_path / "work.duckdb")
+    with tq.connect(path) as db:
+        db.from_numpy("A", np.arange(6, dtype=np.float32).reshape(2, 3))
+    script = ("CREATE TABLE t(i INT, s VARCHAR, b BLOB, d DOUBLE, f FLOAT);\n"
+              "INSERT INTO t VALUES (1, repeat('xy', 30), '\\xAA\\xBBabc'::BLOB, 1.5, 0.1),"
+              " (2, NULL, NULL, NULL, NULL);\n"
+              "SELECT * FROM t; SELECT * FROM EINSUM('ij->i', A);\n"
+              "CREATE TENSOR S AS SELECT * FROM EINSUM('ij->j', A); DROP TABLE t")
+    assert main([path, "-c", script]) == 0
+    assert capsys.readouterr().out == (
+        "┌─────────┬─────────────────┬─────────────┬────────┬───────┐\n"
+        "│    i    │        s        │      b      │   d    │   f   │\n"
+        "│ INTEGER │     VARCHAR     │     BLOB    │ DOUBLE │ FLOAT │\n"
+        "├─────────┼─────────────────┼─────────────┼────────┼───────┤\n"
+        "│       1 │ xyxyxyxyxyxyxy… │ \\xAA\\xBBabc │    1.5 │   0.1 │\n"
+        "│       2 │ NULL            │ NULL        │   NULL │  NULL │\n"
+        "└─────────┴─────────────────┴─────────────┴────────┴───────┘\n"
+        "┌────────┬───────┐\n"
+        "│   i    │  val  │\n"
+        "│ BIGINT │ FLOAT │\n"
+        "├────────┼───────┤\n"
+        "│      0 │   3.0 │\n"
+        "│      1 │  12.0 │\n"
+        "└────────┴───────┘\n")  # CREATE, INSERT, CREATE TENSOR and DROP print nothing
+    with tq.connect(path) as db:
+        assert "S" in db.tensors()
+
+
+def test_box_is_cut_to_the_terminal_width(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "50")
+    columns = ", ".join(f"range + {k} AS column_{k}" for k in range(20))
+    assert main(["-c", f"SELECT {columns} FROM range(100)", "--max-rows", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 50 for line in lines)
+    assert lines[1].split("│")[1].strip() == "column_0" and "column_19" in lines[1]
+    assert "│ … │" in lines[1] and lines[-1] == "  100 rows (3 shown)  20 columns (3 shown)"
+    assert len(lines) == 9  # top, names, types, rule, 3 rows, bottom, footer
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["-c", f"SELECT {columns} FROM range(2)"]) == 0
+    assert "column_10" in capsys.readouterr().out  # wide enough: every column
+
+
+def test_output_modes(capsys):
+    query = "SELECT range::INT AS i, 'a,' || range AS s, NULL AS n FROM range(2)"
+    expected = {
+        "csv": 'i,s,n\n0,"a,0",\n1,"a,1",\n',
+        "json": '[{"i":0,"s":"a,0","n":null},\n{"i":1,"s":"a,1","n":null}]\n',
+        "markdown": "|  i  |  s  |  n   |\n|----:|-----|------|\n|   0 | a,0 | NULL |\n"
+                    "|   1 | a,1 | NULL |\n",
+        "line": "i = 0\ns = a,0\nn = NULL\n\ni = 1\ns = a,1\nn = NULL\n",
+    }
+    for mode, text in expected.items():
+        assert main(["-c", query, "--mode", mode]) == 0
+        assert capsys.readouterr().out == text, mode
+    from tensorql.cli import MODES
+    from tensorql.sql.render import MODES as RENDERERS
+
+    assert set(MODES) == set(RENDERERS)
+
+
+def test_script_on_stdin_with_dot_commands_stops_at_an_error(tmp_path, capsys, monkeypatch):
+    fresh = tmp_path / "fresh.duckdb"
+    monkeypatch.setattr("sys.stdin", io.StringIO(
+        "CREATE TABLE t AS SELECT 1 AS x;\n.tables\n.mode csv\nSELECT x,\n  x + 1 AS y\n"
+        "FROM t;\nSELECT nope;\nSELECT 3 AS never;\n"))
+    assert main([str(fresh)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "t\nx,y\n1,2\n" and "never" not in captured.out
+    assert '"nope" was not found' in captured.err and "Traceback" not in captured.err
+    assert not fresh.exists()  # a failed script leaves no new database file
+    monkeypatch.setattr("sys.stdin", io.StringIO("SELECT 7 AS seven\n"))  # no final ';'
+    assert main(["--mode", "csv"]) == 0
+    assert capsys.readouterr().out == "seven\n7\n"
+    assert main(["-c", ".mode nope"]) == 1
+    assert "unknown mode 'nope'" in capsys.readouterr().err
+
+
+def test_statement_complete_ignores_semicolons_in_quotes_and_comments():
+    from tensorql.cli import statement_complete
+
+    assert statement_complete("SELECT 1;") and statement_complete("SELECT 1;\n-- end\n")
+    assert not statement_complete("SELECT ';'") and not statement_complete("SELECT 1; /* ;")
+    assert not statement_complete('SELECT 1 AS "a;b"') and statement_complete("SELECT 1 /* ; */;")
+
+
+def _run_python(code: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    return done.stdout
+
+
+def test_version_and_help_import_neither_torch_nor_duckdb():
+    out = _run_python(
+        "import sys, tensorql.cli\n"
+        "assert tensorql.cli.main(['--version']) == 0\n"
+        "assert tensorql.cli.main(['--help']) == 0\n"
+        "heavy = {'torch', 'duckdb', 'pyarrow', 'numpy'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n")
+    assert out.startswith("tensorql ") and "-c SQL" in out and "train-demo" in out
+
+
+def test_interactive_shell_in_a_pseudo_terminal(tmp_path):
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    main_fd, child_fd = pty.openpty()
+    env = {**os.environ, "HOME": str(tmp_path), "COLUMNS": "80", "TERM": "dumb"}
+    proc = subprocess.Popen([sys.executable, "-m", "tensorql.cli", str(tmp_path / "w.duckdb")],
+                            stdin=child_fd, stdout=child_fd, stderr=child_fd, env=env,
+                            close_fds=True)
+    os.close(child_fd)
+    seen = b""
+
+    def expect(marker: str, timeout: float = 60.0) -> str:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker.encode() not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} in {seen.decode(errors='replace')!r}"
+            if select.select([main_fd], [], [], left)[0]:
+                try:
+                    seen += os.read(main_fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert marker.encode() in seen, seen
+        text, _, rest = seen.decode().partition(marker)
+        seen = rest.encode()
+        return text
+
+    try:
+        expect("D ")  # the prompt
+        os.write(main_fd, b"SELECT 40\n")
+        expect("· ")  # a statement goes on until ';'
+        os.write(main_fd, b"  + 2 AS answer;\n")
+        expect("│      42 │")
+        os.write(main_fd, b".mode line\nSELECT 'x' AS letter;\n")
+        expect("letter = x")
+        os.write(main_fd, b"SELECT nope;\n")  # an error: reported, the shell goes on
+        expect("not found")
+        os.write(main_fd, b"CREATE TABLE t AS SELECT 1 AS x;\n.tables\n")
+        expect("\nt\r\n")
+        os.write(main_fd, b".quit\n")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main_fd)
+    assert (tmp_path / ".tensorql_history").exists()
