@@ -16,6 +16,8 @@ import sys
 import threading
 
 LEAVES = frozenset({
+    # the package's lazy public names (``tq.einsum`` looked up on first use)
+    "__init__",
     # foundation: any layer may call them
     "dag", "grid", "dtypes", "units", "options", "devices", "algebra", "errors",
     "kernels.algebra",
