@@ -443,32 +443,39 @@ class Tensor:
 
     def _select(self, picks: list[list[int]]) -> Tensor:
         """Keep positions ``picks[d]`` of each dim ``d`` (in that order): the identity where a
-        dim keeps everything, else an einsum with a (kept x size) 0/1 matrix."""
-        if all(p == list(range(n)) for p, n in zip(picks, self.shape)):
-            return self
+        dim keeps everything, else, dim by dim, an einsum joining a (kept x size) boolean
+        matrix with the values by ``where`` (the picked value, else 0) and summing over the
+        size: exactly one value of each sum is picked, so a NaN or inf elsewhere in the dim
+        never reaches it (a product with a 0/1 matrix made 0 * inf a NaN).
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[1.0, 2.0], [np.nan, np.inf]]))
+        >>> (x * 1)[0].numpy().tolist(), (x * 1)[1].numpy().tolist()
+        ([1.0, 2.0], [nan, inf])
+        """
+        from tensorql.api.einsum import einsum
+
+        picked = self
         labels = _LETTERS[: self.ndim]
-        fresh = iter(_LETTERS[self.ndim:])
-        operands, terms, out = [self], [labels], ""
         for d, (p, n) in enumerate(zip(picks, self.shape)):
             if p == list(range(n)):
-                out += labels[d]
                 continue
             if len(p) * n > 1 << 24:
                 raise UnsupportedError(f"selecting {len(p)} of {n} positions of dimension {d} "
-                                       "of a computed tensor needs a 0/1 matrix of "
+                                       "of a computed tensor needs a boolean matrix of "
                                        f"{len(p) * n} elements; store the expression first "
                                        "(db.store) and index the stored tensor")
-            matrix = np.zeros((len(p), n), dtype=np.float64)
-            matrix[np.arange(len(p)), np.asarray(p, dtype=np.int64)] = 1.0
-            label = next(fresh)
-            operands.append(self.db.constant(torch.from_numpy(matrix).to(
-                torch.float32 if self.dtype == "bool" else torch_dtype(self.dtype))))
-            terms.append(label + labels[d])
-            out += label
-        from tensorql.api.einsum import einsum
-
-        picked = einsum(",".join(terms) + "->" + out, *operands)
-        return picked.astype(self.dtype) if picked.dtype != self.dtype else picked
+            matrix = np.zeros((len(p), n), dtype=np.bool_)
+            matrix[np.arange(len(p)), np.asarray(p, dtype=np.int64)] = True
+            kept = _LETTERS[self.ndim]
+            out = labels[:d] + kept + labels[d + 1:]
+            zero = self.db.constant(torch.zeros((), dtype=torch_dtype(self.dtype)))
+            picked = einsum(f"{kept}{labels[d]},{labels},->{out}",
+                            self.db.constant(torch.from_numpy(matrix)), picked, zero,
+                            join=_J.WHERE)
+            if picked.dtype != self.dtype:  # bools summed as int64
+                picked = picked.astype(self.dtype)
+        return picked
 
     def astype(self, dtype: Any) -> Tensor:
         """The values converted to ``dtype`` (numpy's and torch's conversion rules).
@@ -797,7 +804,9 @@ class Tensor:
         fresh = iter(_LETTERS[self.ndim:])
         kept = iter(big)
         out = "".join(next(kept) if n != 1 else next(fresh) for n in shape)
-        squeeze_sum = EinsumOp.build(f"{src}->{''.join(big)}", [self.node])
+        # over size-1 dims only: max is the identity and, unlike a sum, keeps bools and
+        # small integers their dtype
+        squeeze_sum = EinsumOp.build(f"{src}->{''.join(big)}", [self.node], agg=_A.MAX)
         if len(shape) == len(big):
             return self._wrap(squeeze_sum)
         ones = self.db.constant(np.ones([1] * (len(shape) - len(big)),

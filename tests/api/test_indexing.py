@@ -106,3 +106,25 @@ def test_gradient_flows_through_a_strided_index():
         expected = np.zeros_like(A, dtype=np.float64)
         expected[::2, 1::3] = 2 * 9.0 * A[::2, 1::3]
         np.testing.assert_allclose(g.numpy(), expected)
+
+
+def test_indexing_a_computed_tensor_never_mixes_in_other_rows():
+    """A pick from a computed tensor is that value alone: a NaN or inf elsewhere in the dim
+    does not reach it (a product with a 0/1 matrix made 0 * inf a NaN), and the dtype stays
+    (an int index squeezed a bool or int8 through a sum, which widened it to int64)."""
+    import numpy as np
+
+    import tensorql as tq
+
+    a = np.array([[1.0, 2.0, 5.0], [np.nan, np.inf, -1.0], [3.0, -np.inf, 7.0]])
+    db = tq.connect()
+    x = db.constant(a) * 1
+    for index in (0, 1, -1, (slice(0, 2), 2), (np.array([2, 0]),), (slice(None), np.array([1, 2])),
+                  (1, 2), (a[:, 0] > 2,), (2, slice(None, None, -1))):
+        got = x[index].numpy()
+        np.testing.assert_array_equal(got, a[index])
+        assert got.dtype == a[index].dtype
+    flags = db.constant(np.array([[True, False], [False, True]])).eq(db.constant(np.ones((2, 2))))
+    assert flags[1].dtype == "bool" and flags[1].numpy().tolist() == [False, True]
+    small = db.constant(np.array([[1, 2], [3, 4]], dtype=np.int8)) * 1
+    assert small[:, 1].dtype == "int8" and small[:, 1].numpy().tolist() == [2, 4]
