@@ -201,6 +201,27 @@ def test_distributed_demo_runs_under_torchrun():
     assert "max abs difference against torch" in done.stdout
 
 
+def test_the_demo_runs_on_two_node_groups_with_c10d_rendezvous():
+    """Two torchrun agents, ``--nnodes 2`` of one process each, meeting through a c10d
+    rendezvous on this host (as two machines would): the ranks join one job, run the LLaMA
+    block partitioned across both and agree with torch."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", f"tq-two-nodes-{port}", "-m", "tensorql.distributed_demo",
+         "--rank-main", "--seq", "8", "--d-model", "32"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)]
+    outs = [agent.communicate(timeout=240) for agent in agents]
+    for agent, (_, stderr) in zip(agents, outs):
+        assert agent.returncode == 0, stderr[-3000:]
+    printed = "".join(stdout for stdout, _ in outs)  # rank 0 prints, on either agent
+    assert "rank 1: wall" in printed
+    assert "max abs difference against torch" in printed
+
+
 def test_store_of_a_distributed_result(tmp_path):
     """Each rank stores the result in its own session (rank 0: a DuckDB file); the stored
     tensor equals the reference, and reopening the file finds it."""
