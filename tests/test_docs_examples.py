@@ -53,6 +53,19 @@ def test_python_examples_run(name, tmp_path, monkeypatch):
             exec(compile(code, f"{name}:{line}", "exec"), namespace)  # noqa: S102
 
 
+STANDALONE = ["training.md"]  # pages whose examples are copied one at a time
+
+
+@pytest.mark.parametrize("name", STANDALONE)
+def test_each_python_example_runs_alone(name, tmp_path, monkeypatch):
+    """Each example of these pages runs in a fresh namespace (a reader copies one block)."""
+    monkeypatch.chdir(tmp_path)
+    for lang, code, line in blocks(ROOT / "docs" / name):
+        if lang == "python":
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(code, f"{name}:{line}", "exec"), {"__name__": "__docs__"})  # noqa: S102
+
+
 @pytest.mark.parametrize("name", _ids("sql"))
 def test_sql_examples_run(name):
     path = ROOT / name if name == "README.md" else ROOT / "docs" / name
