@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import opt_einsum
+from cachetools import LRUCache
 
 # One byte moved counts as this many FLOPs when paths are compared.
 BYTE_WEIGHT = 4.0
@@ -122,20 +122,17 @@ class PathCache:
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
-        self._paths: OrderedDict[PathKey, tuple[tuple[int, ...], ...]] = OrderedDict()
+        self._paths: LRUCache[PathKey, tuple[tuple[int, ...], ...]] = LRUCache(capacity)
 
     def get(self, key: PathKey) -> tuple[tuple[int, ...], ...]:
         path = self._paths.get(key)
         if path is not None:
             self.hits += 1
-            self._paths.move_to_end(key)
             return path
         self.misses += 1
         path = tuple(search_path(key.inputs, key.output, dict(key.sizes), dict(key.tiles),
                                  key.itemsize))
-        self._paths[key] = path
-        if len(self._paths) > self.capacity:
-            self._paths.popitem(last=False)
+        self._paths[key] = path  # the least recently used goes beyond ``capacity``
         return path
 
     def clear(self) -> None:

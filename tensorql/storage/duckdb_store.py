@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import torch
+from cachetools import LRUCache
 from tensorql_kernels.packed_weights import mark_immutable
 
 from tensorql.dtypes import SUPPORTED, itemsize
@@ -632,10 +632,17 @@ class ChunkCache:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity = max(0, int(capacity_bytes))
-        self.size = 0
         self.hits = self.misses = 0
-        self._items: OrderedDict[tuple[str, Key], torch.Tensor] = OrderedDict()
+        # cachetools' LRU, sized in bytes (each chunk weighs its nbytes); it is not
+        # thread-safe, so every access holds the lock
+        self._items: LRUCache[tuple[str, Key], torch.Tensor] = LRUCache(
+            maxsize=max(1, self.capacity), getsizeof=_chunk_bytes)
         self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        """Bytes of the chunks held."""
+        return int(self._items.currsize)
 
     def get(self, ident: tuple[str, Key]) -> torch.Tensor | None:
         with self._lock:
@@ -643,24 +650,22 @@ class ChunkCache:
             if chunk is None:
                 self.misses += 1
                 return None
-            self._items.move_to_end(ident)
             self.hits += 1
             return chunk
 
     def put(self, ident: tuple[str, Key], chunk: torch.Tensor) -> None:
-        nbytes = chunk.nbytes
-        if nbytes > self.capacity:
+        if chunk.nbytes > self.capacity or self.capacity == 0:
             return
         with self._lock:
             if ident in self._items:
                 return
             # never written again: products may use a packed copy of it while it is cached
             mark_immutable(chunk)
-            self._items[ident] = chunk
-            self.size += nbytes
-            while self.size > self.capacity:
-                _, old = self._items.popitem(last=False)
-                self.size -= old.nbytes
+            self._items[ident] = chunk  # the least recently used go, to stay within capacity
+
+
+def _chunk_bytes(chunk: torch.Tensor) -> int:
+    return max(1, chunk.nbytes)
 
 
 def _drop_table_quietly(con: duckdb.DuckDBPyConnection, ref: str) -> None:
