@@ -21,6 +21,20 @@ def db():
         yield database
 
 
+@pytest.fixture(scope="module")
+def db1():
+    """One session on one device, shared by a module's tests (user-defined operator tests)."""
+    with tq.connect(workers=2) as database:
+        yield database
+
+
+@pytest.fixture(scope="module")
+def db3():
+    """One session on three CPU devices, shared by a module's tests."""
+    with tq.connect(devices=3) as database:
+        yield database
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -3,26 +3,8 @@
 :func:`build_partitioned` (the one builder's entry for a partition plan,
 :func:`tensorql.physical.builder.build`) turns a
 :class:`~tensorql.optimizer.plan.PartitionPlan` into a
-:class:`~tensorql.physical.planner.PhysicalPlan` whose tasks carry ``device``. A partitioned
-operation's chunks are its pieces (the cost model cuts pieces like a chunk grid), one task per
-piece combination, placed by the plan's layout. Data moves between devices only through the
-runtime's copies, and only the bytes the cost model predicts:
-
-* a task reading a producer's piece held by another device gets it sent whole (once per
-  device) when it needs all of it;
-* when it needs part of a remote piece, a **slice** task on the producer's device cuts that
-  part first, and only the slice is sent; an **assemble** task on the reader's device puts the
-  region together from local pieces and received slices (a repartition is thus slice +
-  all-to-all + concatenate, never a regather onto one owner);
-* a device holding **partial aggregates** of an output piece it does not own folds them
-  locally, and a **reduce** task on the owner folds in the one partial it receives; in a
-  **reduce-scatter** (``Layout.scatter``) every contributor owns a part of the piece: it cuts
-  the parts it does not own out of its partial and sends each to its owner, and folds the
-  ones it receives into its own part;
-* stored pieces are read by the device that holds them (each reads only its own chunks);
-  where every device can load the inputs itself (``OpNode.loaded_where_read``: the ranks of
-  a torch.distributed job), a stored tensor or constant is never sent: each device loads the
-  regions its tasks read, once each, and its pieces as such only when it is a result.
+:class:`~tensorql.physical.planner.PhysicalPlan` whose tasks carry ``device``; what the
+builder does with the pieces, transfers and partial aggregates is told in that module.
 
 >>> import numpy as np, tensorql as tq
 >>> from tensorql.optimizer import optimize

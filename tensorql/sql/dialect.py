@@ -305,8 +305,10 @@ def _needs_tensorql(tokens: list[Token]) -> tuple[bool, bool]:
 
 def _check_nesting(tokens: list[Token], script: str) -> None:
     """ParseError past :data:`MAX_EINSUM_NESTING` EINSUM calls inside one another or
-    :data:`MAX_PAREN_NESTING` parentheses, before sqlglot's recursive parser sees them."""
+    :data:`MAX_PAREN_NESTING` parentheses, before sqlglot's recursive parser sees them (one
+    walk: the EINSUM error names the deepest nesting and points at the first call too deep)."""
     depth, deepest, calls = 0, (0, 0), []  # calls: paren depth inside each open EINSUM
+    einsum_deepest, too_deep_at = 0, None
     for k, tok in enumerate(tokens):
         if tok.token_type == TokenType.L_PAREN:
             depth += 1
@@ -318,35 +320,20 @@ def _check_nesting(tokens: list[Token], script: str) -> None:
                 calls.pop()
         elif _is_einsum(tokens, k):
             calls.append(depth + 1)
-            if len(calls) > MAX_EINSUM_NESTING:
-                total = _einsum_depth(tokens, k)
-                raise ParseError(
-                    f"EINSUM calls nest {total} deep, more than the {MAX_EINSUM_NESTING} "
-                    "tensorql takes: name the inner calls with WITH (a CTE each), e.g. "
-                    "WITH t1 AS (SELECT * FROM EINSUM(...)) SELECT * FROM EINSUM('...', t1)",
-                    text=script, position=tok.start)
+            einsum_deepest = max(einsum_deepest, len(calls))
+            if len(calls) > MAX_EINSUM_NESTING and too_deep_at is None:
+                too_deep_at = tok.start
+    if too_deep_at is not None:
+        raise ParseError(
+            f"EINSUM calls nest {einsum_deepest} deep, more than the {MAX_EINSUM_NESTING} "
+            "tensorql takes: name the inner calls with WITH (a CTE each), e.g. "
+            "WITH t1 AS (SELECT * FROM EINSUM(...)) SELECT * FROM EINSUM('...', t1)",
+            text=script, position=too_deep_at)
     if deepest[0] > MAX_PAREN_NESTING:
         raise ParseError(
             f"parentheses nest {deepest[0]} deep in a statement with EINSUM, more than the "
             f"{MAX_PAREN_NESTING} tensorql parses: name inner queries with WITH (CTEs)",
             text=script, position=deepest[1])
-
-
-def _einsum_depth(tokens: list[Token], start: int) -> int:
-    """How deep EINSUM calls nest in ``tokens`` (counted on from an over-deep one at
-    ``start``, which already has MAX_EINSUM_NESTING calls around it)."""
-    depth, calls, deepest = 0, [], 0
-    for k, tok in enumerate(tokens):
-        if tok.token_type == TokenType.L_PAREN:
-            depth += 1
-        elif tok.token_type == TokenType.R_PAREN:
-            depth -= 1
-            while calls and calls[-1] > depth:
-                calls.pop()
-        elif _is_einsum(tokens, k):
-            calls.append(depth + 1)
-            deepest = max(deepest, len(calls))
-    return max(deepest, MAX_EINSUM_NESTING + 1)
 
 
 def _created(tokens: list[Token]) -> tuple[str, int] | None:

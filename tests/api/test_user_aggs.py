@@ -42,17 +42,6 @@ NUMPY = {
 }
 
 
-@pytest.fixture(scope="module")
-def db1():
-    with tq.connect(workers=2) as database:
-        yield database
-
-
-@pytest.fixture(scope="module")
-def db3():
-    with tq.connect(devices=3) as database:
-        yield database
-
 
 @pytest.mark.parametrize("agg", [ABSMAX, LSE, L2, PAIRAVG])
 def test_each_user_agg_against_numpy_on_one_and_three_devices(db1, db3, agg):

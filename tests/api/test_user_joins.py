@@ -29,18 +29,6 @@ from tests.user_algebra import (
 )
 
 
-@pytest.fixture(scope="module")
-def db1():
-    with tq.connect(workers=2) as database:
-        yield database
-
-
-@pytest.fixture(scope="module")
-def db3():
-    with tq.connect(devices=3) as database:
-        yield database
-
-
 def _operands(db, r: random.Random, shapes):
     arrays = [np.asarray(np.random.default_rng(r.randint(0, 2**31)).uniform(0.5, 1.5, s))
               for s in shapes]

@@ -30,18 +30,6 @@ from tests.user_algebra import (
 )
 
 
-@pytest.fixture(scope="module")
-def db1():
-    with tq.connect(workers=2) as database:
-        yield database
-
-
-@pytest.fixture(scope="module")
-def db3():
-    with tq.connect(devices=3) as database:
-        yield database
-
-
 def _case(seed: int):
     r = random.Random(seed)
     arity = r.choice((1, 2, 2, 3))
