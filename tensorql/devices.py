@@ -133,11 +133,12 @@ def _spec_of(name: str) -> DeviceSpec:
 
 def _names(spec: Any) -> tuple[str, ...]:
     """The names ``spec`` stands for, checked against :data:`DEVICE_KINDS`."""
-    import torch
+    import tensorql.cuda_api as cuda_api
 
+    cuda = cuda_api.current()
     if spec is None or spec == "auto":
-        if torch.cuda.is_available():
-            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+        if cuda.is_available():
+            return tuple(f"cuda:{i}" for i in range(cuda.device_count()))
         return ("cpu:0",)
     if isinstance(spec, bool):
         raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
@@ -151,10 +152,10 @@ def _names(spec: Any) -> tuple[str, ...]:
         if text == "cpu":
             return ("cpu:0",)
         if text == "cuda":
-            if not torch.cuda.is_available():
+            if not cuda.is_available():
                 raise OptionError("devices='cuda' but no CUDA device is available; "
                                   "use devices='cpu' or 'auto'")
-            return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+            return tuple(f"cuda:{i}" for i in range(cuda.device_count()))
         if text.startswith("null"):  # null[:N]: N devices of virtual time
             count = text.split(":", 1)[1] if ":" in text else "1"
             if not count.isdigit() or int(count) < 1:

@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # bottom to top; units in one tuple are one layer
 LAYERS: list[tuple[str, ...]] = [
     ("tensorql_kernels",),
-    ("errors", "devices", "options", "units", "dtypes", "grid", "dag", "algebra"),
+    ("errors", "devices", "options", "units", "dtypes", "grid", "dag", "algebra",
+     "cuda_api"),
     ("einsum",),
     ("logical",),
     ("storage",),

@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tensorql.devices import DeviceSet, DeviceSpec
 from tensorql.errors import OptionError
 from tensorql.exec.devices.base import Completion, Device, LaneThreads, ThreadedDevice
@@ -47,9 +45,10 @@ def _cpu(spec: DeviceSpec, ctx: BuildContext) -> Device:
 
 
 def _cuda(spec: DeviceSpec, ctx: BuildContext) -> Device:
+    import tensorql.cuda_api as cuda_api
     from tensorql.exec.devices.cuda import CUDADevice
 
-    if not torch.cuda.is_available():
+    if not cuda_api.current().is_available():
         raise OptionError(f"device {spec.name!r} needs CUDA, which is not available")
     return CUDADevice(spec.name)
 

@@ -5,7 +5,8 @@ on that event before reporting completion, so the runtime reacts to real complet
 the copy streams overlap the compute streams. Host buffers come from the runtime's pinned pool
 (allocated once); ``to_device`` on a pinned tensor is an asynchronous copy.
 
-Needs ``torch.cuda.is_available()``; constructing one without CUDA raises ExecutionError.
+It reaches the GPU only through :func:`tensorql.cuda_api.current` (the real ``torch.cuda``, or
+the recording fake of the tests). Needs CUDA; constructing one without it raises ExecutionError.
 
 >>> CUDADevice.kind, CUDADevice.default_reserve(None, 1 << 30) == 64 << 20
 ('cuda', True)
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+import tensorql.cuda_api as cuda_api
 from tensorql.errors import ExecutionError
 from tensorql.exec.devices.base import Post, ThreadedDevice
 
@@ -24,17 +26,18 @@ from tensorql.exec.devices.base import Post, ThreadedDevice
 class _StreamContext:
     """Runs work on ``stream``; the handle is the start event, ``finish`` waits for the end."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+    def __init__(self, api: Any, device: torch.device, stream: Any) -> None:
+        self.api = api
         self.device = device
         self.stream = stream
         self._ctx: Any = None
-        self._start: torch.cuda.Event | None = None
+        self._start: Any = None
 
     def __enter__(self) -> _StreamContext:
-        torch.cuda.set_device(self.device)
-        self._ctx = torch.cuda.stream(self.stream)
+        self.api.set_device(self.device)
+        self._ctx = self.api.stream_context(self.stream)
         self._ctx.__enter__()
-        self._start = torch.cuda.Event(enable_timing=True)
+        self._start = self.api.event(enable_timing=True)
         self._start.record(self.stream)
         return self
 
@@ -42,7 +45,7 @@ class _StreamContext:
         self._ctx.__exit__(*exc)
 
     def finish(self) -> float:
-        end = torch.cuda.Event(enable_timing=True)
+        end = self.api.event(enable_timing=True)
         end.record(self.stream)
         end.synchronize()
         return self._start.elapsed_time(end) / 1e3
@@ -52,11 +55,13 @@ class CUDADevice(ThreadedDevice):
     kind = "cuda"
 
     def __init__(self, name: str = "cuda:0", compute_streams: int = 2) -> None:
-        if not torch.cuda.is_available():
-            raise ExecutionError(f"device {name!r} needs CUDA, but torch.cuda.is_available() "
-                                 "is False; use devices='cpu'")
+        self.api = cuda_api.current()
+        if not self.api.is_available():
+            raise ExecutionError(f"device {name!r} needs CUDA, but {self.api.name} has no "
+                                 "device; use devices='cpu'")
         super().__init__(name, {"compute": compute_streams, "h2d": 1, "d2h": 1, "d2d": 1})
-        self.device = torch.device(name)
+        _, _, index = name.partition(":")
+        self.device = self.api.torch_device(int(index or 0))
 
     @property
     def torch_device(self) -> torch.device:
@@ -64,7 +69,7 @@ class CUDADevice(ThreadedDevice):
 
     def open(self, post: Post) -> None:
         def context_for() -> _StreamContext:
-            return _StreamContext(self.device, torch.cuda.Stream(self.device))
+            return _StreamContext(self.api, self.device, self.api.stream(self.device))
 
         self._start_lanes(post, context_for, finish=lambda ctx: ctx.finish())
 
@@ -81,7 +86,7 @@ class CUDADevice(ThreadedDevice):
         return value.to(self.device, non_blocking=True)
 
     def capacity(self) -> int | None:
-        return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return self.api.total_memory(self.device)
 
     @property
     def uses_pinned_host(self) -> bool:
