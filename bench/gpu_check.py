@@ -9,10 +9,10 @@ Steps, in order (each a subprocess with its own time cap, all within ``--budget`
 2. ``environment``: one line (GPU, driver, torch, CUDA, Python, commit);
 3. ``pytest -m gpu``: the GPU tests (skipped in a dry run);
 4. ``gpu_matmul``: chunked bf16 matmul 16384^3 vs ``torch.matmul`` (goal >= 0.95x);
-5. ``gpu_llama_layer``: a LLaMA-7B-shaped layer's prefill, seq 4096, vs torch with SDPA;
-6. ``gpu_offload``: working set 3x the memory_limit, wall <= 1.05x max(compute, PCIe);
-7. ``gpu_probe``: the public API's paths on the GPU (fused chains, Adam, LoRA, device-resident
+5. ``gpu_offload``: working set 3x the memory_limit, wall <= 1.05x max(compute, PCIe);
+6. ``gpu_probe``: the public API's paths on the GPU (fused chains, Adam, LoRA, device-resident
    inputs, workspace growth over 5 runs, ...);
+7. ``gpu_llama_layer``: a LLaMA-7B-shaped layer's prefill, seq 4096, vs torch with SDPA;
 8. ``cpu suite``: the whole CPU test suite on the GPU machine (``pytest -n 14``), capped at
    ``--suite-timeout`` seconds and by what is left of the budget (skipped in a dry run: that
    suite is ``make test``).
@@ -40,6 +40,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,9 +342,9 @@ STEPS = (
     Step("environment", step_environment, 60),
     Step("pytest -m gpu", step_pytest_gpu, 150),
     Step("gpu_matmul", _bench("gpu_matmul", _matmul_key), 120),
-    Step("gpu_llama_layer", _bench("gpu_llama_layer", _llama_key), 180),
     Step("gpu_offload", _bench("gpu_offload", _offload_key), 150),
     Step("gpu_probe", step_probe, 150),
+    Step("gpu_llama_layer", _bench("gpu_llama_layer", _llama_key), 180),
     Step("cpu suite", step_suite, 600),
 )
 
@@ -385,6 +386,7 @@ def run_all(args: argparse.Namespace) -> int:
                 section = f.read().rsplit(f"===== {step.name} =====", 1)[-1]
             print(_tail(section, 15), flush=True)
         check.write_json()
+    shutil.rmtree(check.parts, ignore_errors=True)  # every record is in gpu_check.json
     text = summary(check)
     (check.out / "summary.txt").write_text(text + "\n")
     check.log.write("\n" + text + "\n")

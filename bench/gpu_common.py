@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,16 +49,22 @@ def sync(device: str) -> None:
 
 
 def median_seconds(fn: Callable[[], object], device: str, repeat: int = 5,
-                   warmup: int = 1) -> tuple[float, list[float]]:
+                   warmup: int = 1, max_seconds: float | None = None
+                   ) -> tuple[float, list[float]]:
     """The median and the samples of ``fn``'s time on ``device``: after ``warmup`` untimed
-    calls, ``repeat`` timed ones. On CUDA each sample is a pair of events on the current
+    calls, ``repeat`` timed ones (with ``max_seconds``, no new sample once that many seconds
+    have gone, but at least 3). On CUDA each sample is a pair of events on the current
     stream around ``fn`` and a device-wide synchronize (so work ``fn`` put on other streams
     counts too); on the CPU the wall clock."""
     for _ in range(warmup):
         fn()
     sync(device)
-    samples = []
+    samples: list[float] = []
+    t0 = time.perf_counter()
     for _ in range(repeat):
+        if (max_seconds is not None and len(samples) >= 3
+                and time.perf_counter() - t0 > max_seconds):
+            break
         if is_cuda(device):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
@@ -215,6 +222,30 @@ def finish(record: Record, json_path: str | None) -> int:
         Path(json_path).write_text(json.dumps(data, indent=1, default=str))
         print(f"wrote {json_path}")
     return 1 if failed else 0
+
+
+def guarded(record: Record, json_path: str | None, body: Callable[[], None]) -> int:
+    """Run ``body`` (which fills ``record``) and :func:`finish`: an exception is printed,
+    recorded as a failed check, and the figures measured before it are still written.
+
+    >>> import contextlib, io
+    >>> def broken():
+    ...     raise RuntimeError("out of memory")
+    >>> r = Record("x", "cpu", True)
+    >>> with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    ...     status = guarded(r, None, broken)
+    >>> status, r.checks[-1]["name"]
+    (1, 'ran to the end (RuntimeError)')
+    """
+    try:
+        body()
+    except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
+        traceback.print_exc()
+        sys.stdout.flush()
+        record.notes.append(f"stopped by {type(exc).__name__}: {exc}"[:2000])
+        record.checks.append({"name": f"ran to the end ({type(exc).__name__})",
+                              "value": math.inf, "tolerance": 0.0, "ok": False})
+    return finish(record, json_path)
 
 
 def check(record: Record, name: str, value: float, tolerance: float) -> None:

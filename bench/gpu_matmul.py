@@ -19,7 +19,7 @@ import itertools
 import sys
 
 import torch
-from gpu_common import Record, SumOfSquares, check, cuda_unavailable, finish, goal, median_seconds
+from gpu_common import Record, SumOfSquares, check, cuda_unavailable, goal, guarded, median_seconds
 
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -98,11 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         "n": n, "tile": tile, "dtype": str(dtype), "workers": args.workers, "repeat": repeat,
         "timing": "CUDA events + device synchronize, 1 warm-up, median" if cuda
         else "wall clock, 1 warm-up, median"})
+    return guarded(record, args.json, lambda: measure(record, dev, n, tile, dtype, repeat,
+                                                      args.workers))
+
+
+def measure(record: Record, dev: str, n: int, tile: int, dtype: torch.dtype, repeat: int,
+            workers: int) -> None:
+    """Time torch.matmul and the runtime, check the runtime's blocks; fills ``record``."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the exact reference is plain fp32
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
-    runtime = Runtime(dev, None, workers=args.workers, results_on_device=True)
+    runtime = Runtime(dev, None, workers=workers, results_on_device=True)
     graph = tiled_matmul_graph(a, b, tile)
     flops = 2 * n ** 3
     holder = {}
@@ -113,30 +120,30 @@ def main(argv: list[str] | None = None) -> int:
     def run_chunked():
         holder["runtime"] = runtime.run(graph)
 
+    print(f"device={dev} n={n} tile={tile} dtype={dtype} workers={workers}", flush=True)
     t_torch, s_torch = median_seconds(run_torch, dev, repeat)
+    record.figures.update({"torch_ms": t_torch * 1e3, "torch_tflops": flops / t_torch / 1e12})
+    record.samples["torch_s"] = s_torch
+    print(f"torch.matmul: {t_torch * 1e3:.2f} ms  {flops / t_torch / 1e12:.1f} TFLOP/s",
+          flush=True)
     t_rt, s_rt = median_seconds(run_chunked, dev, repeat)
+    ratio = t_torch / t_rt
+    record.figures.update({"runtime_ms": t_rt * 1e3, "runtime_tflops": flops / t_rt / 1e12,
+                           "runtime_over_torch_throughput": ratio})
+    record.samples["runtime_s"] = s_rt
+    print(f"runtime     : {t_rt * 1e3:.2f} ms  {flops / t_rt / 1e12:.1f} TFLOP/s "
+          "(result chunks left on the device, like torch.matmul)")
+    print(f"ratio runtime/torch throughput: {ratio:.3f}  (goal >= {GOAL})", flush=True)
+    goal(record, "runtime/torch.matmul throughput", ratio, ">=", GOAL)
     exact = torch.matmul(a.float(), b.float())
     err = blockwise_error(holder["runtime"].outputs, exact, tile)
     err_torch = SumOfSquares()
     err_torch.add(holder["torch"], exact)
-    ratio = t_torch / t_rt
-    record.figures.update({
-        "torch_ms": t_torch * 1e3, "runtime_ms": t_rt * 1e3,
-        "torch_tflops": flops / t_torch / 1e12, "runtime_tflops": flops / t_rt / 1e12,
-        "runtime_over_torch_throughput": ratio, "runtime_rel_error": err,
-        "torch_rel_error": err_torch.value()})
-    record.samples.update({"torch_s": s_torch, "runtime_s": s_rt})
-    print(f"device={dev} n={n} tile={tile} dtype={dtype} workers={args.workers}")
-    print(f"torch.matmul: {t_torch * 1e3:.2f} ms  {flops / t_torch / 1e12:.1f} TFLOP/s")
-    print(f"runtime     : {t_rt * 1e3:.2f} ms  {flops / t_rt / 1e12:.1f} TFLOP/s "
-          "(result chunks left on the device, like torch.matmul)")
-    print(f"ratio runtime/torch throughput: {ratio:.3f}  (goal >= {GOAL})")
+    record.figures.update({"runtime_rel_error": err, "torch_rel_error": err_torch.value()})
     print(f"max relative error vs exact fp32: runtime {err:.2e}, torch.matmul "
           f"{err_torch.value():.2e}")
     check(record, "runtime result vs exact fp32 product", err,
           1e-2 if dtype == torch.bfloat16 else 1e-4)
-    goal(record, "runtime/torch.matmul throughput", ratio, ">=", GOAL)
-    return finish(record, args.json)
 
 
 if __name__ == "__main__":

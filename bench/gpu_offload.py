@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-from gpu_common import Record, check, cuda_unavailable, finish, goal, is_cuda, median_seconds, sync
+from gpu_common import Record, check, cuda_unavailable, goal, guarded, is_cuda, median_seconds, sync
 from gpu_matmul import blockwise_error, tiled_matmul_graph
 
 from tensorql.exec.runtime import Runtime
@@ -220,28 +220,67 @@ def main(argv: list[str] | None = None) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     working_set = 3 * n * n * element
     limit = working_set // 3
-    nb = n // tile
     record = Record("gpu_offload", device, not cuda, config={
         "n": n, "tile": tile, "dtype": str(dtype), "workers": args.workers, "repeat": repeat,
         "working_set_bytes": working_set, "memory_limit_bytes": limit,
         "timing": "CUDA events + device synchronize, 1 warm-up, median" if cuda
         else "wall clock, 1 warm-up, median"})
 
+    return guarded(record, args.json, lambda: measure(record, device, n, tile, dtype, repeat,
+                                                      args.workers))
+
+
+def measure(record: Record, device: str, n: int, tile: int, dtype: torch.dtype, repeat: int,
+            workers: int) -> None:
+    """Bandwidth, compute alone, the runtime and the baseline, each checked; fills
+    ``record`` as it goes (so a failure late keeps the figures measured before it)."""
+    cuda = is_cuda(device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    limit = n * n * element  # working set (A, B, C) / 3
+    nb = n // tile
+    gib = 2 ** 30
+    fig = record.figures
+    print(f"device={device} n={n} tile={tile} dtype={dtype} working set "
+          f"{3 * limit / gib:.2f} GiB = 3x memory_limit {limit / gib:.3f} GiB", flush=True)
+
     # inputs at rest on the host as contiguous tiles (pinned on a GPU)
     a_blocks = host_tiles(n, tile, dtype, device, 0, cuda)
     b_blocks = host_tiles(n, tile, dtype, device, 1, cuda)
     h2d = copy_bandwidth(min(1 << 30, limit), device, to_device=True)
     d2h = copy_bandwidth(min(1 << 30, limit), device, to_device=False)
+    traffic = min_traffic_bytes(n, n, n, element)
+    fig.update({"h2d_bandwidth_gbs": h2d / 1e9, "d2h_bandwidth_gbs": d2h / 1e9,
+                "min_traffic_bytes": traffic, "pcie_bound_ms": traffic / h2d * 1e3})
+
+    # compute alone, everything resident: torch.matmul; it is also the reference
+    a_dev, b_dev = assemble(a_blocks, device), assemble(b_blocks, device)
+    holder = {}
+
+    def run_compute():
+        holder["reference"] = torch.matmul(a_dev, b_dev)
+
+    compute, compute_s = median_seconds(run_compute, device, repeat)
+    ref = holder.pop("reference")
+    a_dev = b_dev = None  # 4 GiB back before the runtime runs
+    if cuda:
+        torch.cuda.empty_cache()
+    bound = lower_bound(compute, traffic, h2d)
+    fig.update({"compute_torch_matmul_ms": compute * 1e3, "lower_bound_ms": bound * 1e3})
+    record.samples["compute_s"] = compute_s
+    print(f"pinned copies: H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s; minimum traffic "
+          f"{traffic / gib:.2f} GiB -> {traffic / h2d * 1e3:.1f} ms; compute alone "
+          f"(torch.matmul, resident) {compute * 1e3:.1f} ms; lower bound {bound * 1e3:.1f} ms",
+          flush=True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
 
     # the runtime, under memory_limit = working set / 3
-    meta_a = torch.empty(n, n, dtype=dtype, device="meta")
-    graph = tiled_matmul_graph(meta_a, meta_a, tile)
+    meta = torch.empty(n, n, dtype=dtype, device="meta")
+    graph = tiled_matmul_graph(meta, meta, tile)
     tasks = tuple(replace(t, kernel=ConstChunk((a_blocks if t.output.step == 0 else b_blocks)
                                                [t.output.key[0]][t.output.key[1]]))
                   if not t.inputs else t for t in graph.tasks)
     graph = replace(graph, tasks=tasks)
-    runtime = Runtime(device, limit, workers=args.workers, host_pool_bytes=2 * limit)
-    holder = {}
+    runtime = Runtime(device, limit, workers=workers, host_pool_bytes=2 * limit)
 
     def run_runtime():
         holder["runtime"] = runtime.run(graph)
@@ -253,9 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     wall, wall_s = median_seconds(run_runtime, device, repeat, warmup=0)
-    peak = (torch.cuda.max_memory_allocated(device) - base if cuda
-            else holder["runtime"].stats.devices[0].peak_bytes)
     dev_stats = holder["runtime"].stats.devices[0]
+    peak = (torch.cuda.max_memory_allocated(device) - base if cuda
+            else dev_stats.peak_bytes)
+    ratio = wall / bound
+    fig.update({
+        "runtime_ms": wall * 1e3, "runtime_over_bound": ratio,
+        "runtime_peak_device_bytes": peak, "runtime_bytes_h2d": dev_stats.bytes_h2d,
+        "runtime_bytes_d2h": dev_stats.bytes_d2h, "runtime_evictions": dev_stats.evictions,
+        "runtime_reloads": dev_stats.reloads, "runtime_overlap_ms": dev_stats.overlap_s * 1e3})
+    record.samples["runtime_s"] = wall_s
+    print(f"runtime wall {wall * 1e3:.1f} ms = {ratio:.3f}x the lower bound "
+          f"(goal <= {GOAL_BOUND}); moved H2D {dev_stats.bytes_h2d / gib:.2f} GiB, D2H "
+          f"{dev_stats.bytes_d2h / gib:.2f} GiB; evictions {dev_stats.evictions}, reloads "
+          f"{dev_stats.reloads}; peak device memory {peak / 2**20:.1f} MiB vs limit "
+          f"{limit / 2**20:.1f} MiB", flush=True)
+    goal(record, "runtime wall / max(compute, min traffic / H2D bandwidth)", ratio, "<=",
+         GOAL_BOUND)
+    goal(record, "runtime peak device memory / memory_limit", peak / limit, "<=", 1.0)
+    err = blockwise_error(holder.pop("runtime").outputs, ref, tile)
+    fig["runtime_rel_error"] = err
+    check(record, "runtime result vs torch.matmul", err, tol)
 
     # the double-buffered baseline under the same budget
     out_blocks = [[torch.empty(tile, tile, dtype=dtype, pin_memory=cuda) for _ in range(nb)]
@@ -273,58 +330,19 @@ def main(argv: list[str] | None = None) -> int:
     t_base, base_s = median_seconds(run_baseline, device, repeat)
     base_peak = torch.cuda.max_memory_allocated(device) - base if cuda else (
         stats.device_tiles * tile * tile * element)
-
-    # compute alone, everything resident: torch.matmul; it is also the reference
-    a_dev, b_dev = assemble(a_blocks, device), assemble(b_blocks, device)
-
-    def run_compute():
-        holder["reference"] = torch.matmul(a_dev, b_dev)
-
-    compute, compute_s = median_seconds(run_compute, device, repeat)
-    ref = holder["reference"]
-    err = blockwise_error(holder["runtime"].outputs, ref, tile)
     base_err = blockwise_error(_as_outputs(out_blocks), ref, tile)
-
-    traffic = min_traffic_bytes(n, n, n, element)
-    pcie = traffic / h2d
-    bound = lower_bound(compute, traffic, h2d)
-    ratio = wall / bound
-    record.figures.update({
-        "runtime_ms": wall * 1e3, "compute_torch_matmul_ms": compute * 1e3,
-        "h2d_bandwidth_gbs": h2d / 1e9, "d2h_bandwidth_gbs": d2h / 1e9,
-        "min_traffic_bytes": traffic, "pcie_bound_ms": pcie * 1e3,
-        "lower_bound_ms": bound * 1e3, "runtime_over_bound": ratio,
-        "runtime_peak_device_bytes": peak, "runtime_bytes_h2d": dev_stats.bytes_h2d,
-        "runtime_bytes_d2h": dev_stats.bytes_d2h, "runtime_evictions": dev_stats.evictions,
-        "runtime_reloads": dev_stats.reloads, "runtime_overlap_ms": dev_stats.overlap_s * 1e3,
+    fig.update({
         "baseline_ms": t_base * 1e3, "baseline_over_bound": t_base / bound,
         "baseline_rows_per_panel": stats.rows_per_panel,
         "baseline_bytes_h2d": stats.bytes_h2d, "baseline_bytes_d2h": stats.bytes_d2h,
         "baseline_peak_device_bytes": base_peak, "runtime_speedup_over_baseline": t_base / wall,
-        "runtime_rel_error": err, "baseline_rel_error": base_err})
-    record.samples.update({"runtime_s": wall_s, "baseline_s": base_s, "compute_s": compute_s})
-    gib = 2 ** 30
-    print(f"device={device} n={n} tile={tile} dtype={dtype} working set "
-          f"{working_set / gib:.2f} GiB = 3x memory_limit {limit / gib:.3f} GiB")
-    print(f"pinned copies: H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s; minimum traffic "
-          f"{traffic / gib:.2f} GiB -> {pcie * 1e3:.1f} ms; compute alone (torch.matmul, "
-          f"resident) {compute * 1e3:.1f} ms; lower bound {bound * 1e3:.1f} ms")
-    print(f"runtime wall {wall * 1e3:.1f} ms = {ratio:.3f}x the lower bound "
-          f"(goal <= {GOAL_BOUND}); moved H2D {dev_stats.bytes_h2d / gib:.2f} GiB, D2H "
-          f"{dev_stats.bytes_d2h / gib:.2f} GiB; evictions {dev_stats.evictions}, reloads "
-          f"{dev_stats.reloads}; peak device memory {peak / 2**20:.1f} MiB vs limit "
-          f"{limit / 2**20:.1f} MiB")
+        "baseline_rel_error": base_err})
+    record.samples["baseline_s"] = base_s
     print(f"double-buffered baseline {t_base * 1e3:.1f} ms = {t_base / bound:.3f}x the bound "
           f"({stats.rows_per_panel} rows of A per panel, H2D {stats.bytes_h2d / gib:.2f} GiB, "
           f"D2H {stats.bytes_d2h / gib:.2f} GiB, peak {base_peak / 2**20:.1f} MiB); speed-up "
           f"of the runtime over it {t_base / wall:.2f}x")
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    check(record, "runtime result vs torch.matmul", err, tol)
     check(record, "baseline result vs torch.matmul", base_err, tol)
-    goal(record, "runtime wall / max(compute, min traffic / H2D bandwidth)", ratio, "<=",
-         GOAL_BOUND)
-    goal(record, "runtime peak device memory / memory_limit", peak / limit, "<=", 1.0)
-    return finish(record, args.json)
 
 
 def _as_outputs(blocks):
