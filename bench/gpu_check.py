@@ -204,6 +204,13 @@ def step_setup(check: Check, result: StepResult) -> None:
         result.status = "FAIL"
         result.key = (f"not importable: {', '.join(missing)} (no wheel in .whl: run "
                       "`make gpu-wheels` here and carry .whl)")
+        return
+    # found is not loaded: import them (a binary wheel of the wrong ABI fails here)
+    modules = ["tensorql", "tensorql_kernels", *sorted(set(WHEELS.values()))]
+    rc, out, _ = check.run(check.python("-c", "import importlib, sys\nfor m in sys.argv[1:]: "
+                                        "importlib.import_module(m)", *modules), 120)
+    if rc != 0:
+        result.status, result.key = "FAIL", f"import failed: {_tail(out, 1)[:150]}"
     else:
         result.status = "ok"
         result.key = (f"installed {len(installed)} wheel(s) from .whl" if installed
@@ -288,7 +295,7 @@ def _bench(script: str, key: Callable[[dict], str]) -> Callable[[Check, StepResu
 def _matmul_key(r: dict) -> str:
     f = r["figures"]
     return (f"runtime/torch.matmul throughput {f['runtime_over_torch_throughput']:.3f} "
-            f"(goal >= 0.95; {f['runtime_tflops']:.0f} vs {f['torch_tflops']:.0f} TFLOP/s), "
+            f"(goal >= 0.95; {f['runtime_tflops']:.3g} vs {f['torch_tflops']:.3g} TFLOP/s), "
             f"rel err {f['runtime_rel_error']:.1e}")
 
 
