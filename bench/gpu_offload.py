@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--tile", type=int, default=None)
-    p.add_argument("--repeat", type=int, default=5, help="timed samples (median)")
+    p.add_argument("--repeat", type=int, default=5, help="timed samples (median; >= 5)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--json", help="write the record here")
     args = p.parse_args(argv)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--n {n} must be a multiple of --tile {tile}")
     dtype = torch.bfloat16 if cuda else torch.float32
     device = "cuda:0" if cuda else "cpu"
-    repeat = max(3, args.repeat)
+    repeat = max(5, args.repeat)
     element = torch.tensor([], dtype=dtype).element_size()
     working_set = 3 * n * n * element
     limit = working_set // 3
@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         "working_set_bytes": working_set, "memory_limit_bytes": limit,
         "timing": "CUDA events + device synchronize, 1 warm-up, median" if cuda
         else "wall clock, 1 warm-up, median"})
-
     return guarded(record, args.json, lambda: measure(record, device, n, tile, dtype, repeat,
                                                       args.workers))
 
