@@ -31,6 +31,8 @@ It ends with a one-screen summary (each step ok / FAIL / skipped with its key fi
 ['setup', 'environment', 'pytest -m gpu']
 >>> pytest_counts("== 3 failed, 1235 passed, 2 skipped in 161.73s ==")
 {'failed': 3, 'passed': 1235, 'skipped': 2}
+>>> pytest_counts("4 skipped, 1060 deselected in 12.05s")
+{'skipped': 4, 'deselected': 1060}
 """
 
 from __future__ import annotations
@@ -154,12 +156,9 @@ class Step:
 
 def pytest_counts(text: str) -> dict[str, int]:
     """The counts of pytest's last summary line in ``text`` (passed, failed, error, ...)."""
-    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
-    if not lines:
-        return {}
-    found = re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)",
-                       lines[-1])
-    return {word: int(count) for count, word in found}
+    words = r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)"
+    lines = [ln for ln in text.splitlines() if re.search(words + r".* in [\d.]+s", ln)]
+    return {word: int(count) for count, word in re.findall(words, lines[-1])} if lines else {}
 
 
 def _tail(text: str, lines: int = 25) -> str:
