@@ -184,7 +184,7 @@ def step_setup(check: Check, result: StepResult) -> None:
         extra.append(check.shim)
     check._set_path(extra + [check.site])
     missing = _missing(check, sorted(set(WHEELS.values())))
-    installed = []
+    installed: list[str] = []
     if missing:
         wheels = [w for w in sorted(WHEEL_DIR.glob("*.whl"))
                   if _wheel_module(w.name) in missing]
@@ -192,7 +192,7 @@ def step_setup(check: Check, result: StepResult) -> None:
             rc, out, _ = check.run(check.python(
                 "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                 "--no-cache-dir", "--upgrade", "--target", str(check.site),
-                *map(str, wheels)), result_cap(check, 120))
+                *map(str, wheels)), 120)
             result.command = ["pip install --no-index --target", str(check.site)]
             installed = [w.name for w in wheels] if rc == 0 else []
         missing = _missing(check, sorted(set(WHEELS.values())) + ["tensorql",
@@ -204,7 +204,7 @@ def step_setup(check: Check, result: StepResult) -> None:
         result.key = (f"not importable: {', '.join(missing)} (no wheel in .whl: run "
                       "`make gpu-wheels` here and carry .whl)")
         return
-    # found is not loaded: import them (a binary wheel of the wrong ABI fails here)
+    # find_spec only finds: import each (a binary wheel of the wrong ABI fails here)
     modules = ["tensorql", "tensorql_kernels", *sorted(set(WHEELS.values()))]
     rc, out, _ = check.run(check.python("-c", "import importlib, sys\nfor m in sys.argv[1:]: "
                                         "importlib.import_module(m)", *modules), 120)
@@ -214,10 +214,6 @@ def step_setup(check: Check, result: StepResult) -> None:
         result.status = "ok"
         result.key = (f"installed {len(installed)} wheel(s) from .whl" if installed
                       else "every module importable; nothing installed")
-
-
-def result_cap(check: Check, cap: float) -> float:
-    return min(cap, check.left() - 5)
 
 
 def _wheel_module(filename: str) -> str:
@@ -387,7 +383,7 @@ def run_all(args: argparse.Namespace) -> int:
         result.seconds = round(time.monotonic() - t0, 1)
         print(f"[gpu-check] {result.status:<8} {step.name} ({result.seconds:.1f} s) "
               f"{result.key}", flush=True)
-        if result.failed and result.command:
+        if result.failed:
             with check.log_path.open() as f:
                 section = f.read().rsplit(f"===== {step.name} =====", 1)[-1]
             print(_tail(section, 15), flush=True)
