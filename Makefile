@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo distributed-demo train-demo bench lint clean
+.PHONY: setup test demo distributed-demo train-demo bench lint clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -30,6 +30,19 @@ train-demo: setup
 
 bench: setup
 	$(BIN)/python bench/cpu_einsum.py
+
+# GPU checks (docs/benchmarks.md, "GPU"): `make gpu-wheels` here downloads the cp312 wheels the
+# device image lacks into .whl (carried along); `make gpu-check` there runs every GPU check in
+# one command (bench/gpu_check.py); `DEV=cpu make gpu-check` is its dry run on the CPU. Neither
+# needs `setup` (the device image has torch but no network): the venv's python when there is
+# one, else python3.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py --device $(or $(DEV),cuda)
+
+gpu-wheels:
+	$(GPU_PY) bench/gpu_check.py --prepare
 
 lint: setup
 	$(BIN)/ruff check tensorql kernels tests bench
