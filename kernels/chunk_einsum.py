@@ -274,7 +274,8 @@ def contract_into(
 ) -> torch.Tensor:
     """Compute the chunk einsum and fold it into ``acc`` (None: start a new accumulator).
 
-    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary).
+    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary); into
+    a wider ``acc`` (float32 for bfloat16 operands) its product is added.
     """
     mats = _matmul(operands, labels, out_labels, join, agg)
     if mats is not None:
@@ -284,15 +285,20 @@ def contract_into(
         target = acc.T if mats[2] else acc
         if target.dtype == left.dtype:
             _addmm_into(target, left, right)
-            return acc
+        else:  # a wider accumulator: a low-precision sum folded in float32
+            target.add_(torch.mm(left, right))
+        return acc
     flat = _flat_matmul(operands, labels, out_labels, join, agg)
     if flat is not None:
         left, right, shape = blas_operand(flat[0]), blas_operand(flat[1]), flat[2]
         if acc is None:
             return packed_matmul(left, right).view(shape)
         target = _as_2d(acc, left.shape[0], right.shape[1])
-        if target is not None and target.dtype == left.dtype:
-            _addmm_into(target, left, right)
+        if target is not None:
+            if target.dtype == left.dtype:
+                _addmm_into(target, left, right)
+            else:
+                target.add_(torch.mm(left, right))
             return acc
     partial = chunk_einsum(operands, labels, out_labels, join, agg,
                            max_temp_elems=max_temp_elems)
