@@ -286,7 +286,7 @@ def contract_into(
         if target.dtype == left.dtype:
             _addmm_into(target, left, right)
         else:  # a wider accumulator: a low-precision sum folded in float32
-            target.add_(torch.mm(left, right))
+            target.add_(_mm_wide(left, right, target.dtype))
         return acc
     flat = _flat_matmul(operands, labels, out_labels, join, agg)
     if flat is not None:
@@ -298,7 +298,7 @@ def contract_into(
             if target.dtype == left.dtype:
                 _addmm_into(target, left, right)
             else:
-                target.add_(torch.mm(left, right))
+                target.add_(_mm_wide(left, right, target.dtype))
             return acc
     partial = chunk_einsum(operands, labels, out_labels, join, agg,
                            max_temp_elems=max_temp_elems)
@@ -390,6 +390,21 @@ def _mm_transposed(left: torch.Tensor, right: torch.Tensor,
     output wants it), the transposed operands made BLAS-legal too."""
     a, b = blas_operand(right.T), blas_operand(left.T)
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+
+
+# Devices whose torch.mm returns a low-precision product in float32 (``out_dtype``): the
+# tensor cores' float32 sums, unrounded.
+_WIDE_MM_DEVICES = frozenset({"cuda"})
+
+
+def _mm_wide(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``left @ right`` for an accumulator of the wider ``dtype``: on CUDA straight in
+    ``dtype`` (float32 from bf16/fp16, no rounding to the operands' dtype); elsewhere in the
+    operands' dtype (the CPU has no such product), rounded once, to be widened by the add."""
+    if left.device.type in _WIDE_MM_DEVICES and dtype == torch.float32 \
+            and left.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(left, right, out_dtype=dtype)
+    return torch.mm(left, right)
 
 
 def _addmm_into(target: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:

@@ -159,6 +159,25 @@ def test_a_bf16_matmul_tiled_along_k_is_rounded_once_through_the_engine():
     assert ((got.double() - exact).abs() / exact).max().item() <= torch.finfo(torch.bfloat16).eps
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_bf16_series_on_cuda_is_rounded_exactly_once():
+    """On CUDA each tile's product joins the float32 sum unrounded (``mm(out_dtype=)``):
+    one rounding in all, at the end."""
+    gen = torch.Generator().manual_seed(29)
+    a = torch.rand(64, 8 * 64, generator=gen).to(torch.bfloat16)
+    b = torch.rand(8 * 64, 64, generator=gen).to(torch.bfloat16)
+    exact = a.double() @ b.double()
+    kernel = ContractSeries(ContractChunk((("i", "j"), ("j", "k")), ("i", "k"),
+                                          dtype="bfloat16"), arity=2)
+    inputs = []
+    for t in range(64):
+        inputs += [a[:, t * 8:(t + 1) * 8].cuda(), b[t * 8:(t + 1) * 8].cuda()]
+    got = kernel.run(inputs, None).cpu().double()
+    unit = torch.finfo(torch.bfloat16).eps / 2
+    assert ((got - exact).abs() / exact.abs()).max().item() <= unit * (1 + 1e-3)
+
+
 def test_exp_reads_no_device_value_on_the_host():
     x = torch.empty(64, 64, device=META)
     with StrictDevices():
