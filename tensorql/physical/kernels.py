@@ -300,13 +300,19 @@ class ContractSeries:
 
     def _wide_sum(self, groups: Sequence[Sequence[torch.Tensor]], acc: torch.Tensor | None,
                   wide: torch.dtype) -> torch.Tensor:
-        """``acc`` plus every group's product, summed in ``wide``, in the result's dtype."""
-        total = None if acc is None else acc.to(wide)
+        """``acc`` plus every group's product, summed in ``wide`` from zero (so that no
+        product is rounded to the result's dtype first), in the result's dtype."""
+        if acc is not None:
+            total = acc.to(wide)
+        else:
+            sizes: dict[str, int] = {}
+            for x, labels in zip(groups[0], self.kernel.in_labels):
+                for label, size in zip(labels, x.shape):
+                    sizes[label] = max(size, sizes.get(label, 1))
+            total = torch.zeros([sizes[label] for label in self.kernel.out_labels], dtype=wide,
+                                device=groups[0][0].device)
         for group in groups:
-            if total is None:
-                total = self.kernel.run(group, None).to(wide)
-            else:
-                total = self.kernel.run(group, total)
+            total = self.kernel.run(group, total)
         return total.to(torch_dtype(self.kernel.dtype))
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
