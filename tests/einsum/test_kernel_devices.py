@@ -6,6 +6,8 @@ before its fix (issue 29, findings 1, 2 and 9, and what a real H100 run of the s
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorql_kernels.chunk_einsum as chunk_kernels
@@ -257,6 +259,21 @@ def test_blas_legal_strides():
     assert blas_legal(torch.ones(1, 1).T)
     row = blas_operand(torch.ones(3, 1).T)
     assert blas_legal(row) and row.stride() == (3, 1)
+
+
+def test_blas_legal_reads_every_small_view_as_torch_reads_it():
+    """Against torch's own reading (``prepare_matrix_for_cublas``): a dense matrix is row-major
+    when contiguous, else column-major; any other is whichever has a unit stride and a long
+    enough leading dimension -- on every view of up to 4 x 4 with strides up to 6."""
+    base = torch.zeros(400)
+    for rows, cols, s0, s1 in itertools.product(range(1, 5), range(1, 5), range(7), range(7)):
+        t = base.as_strided((rows, cols), (s0, s1))
+        row = (s1 == 1 or cols == 1) and s0 >= max(1, cols)
+        col = (s0 == 1 or rows == 1) and s1 >= max(1, rows)
+        dense = sorted((st, sz) for sz, st in zip((rows, cols), (s0, s1)) if sz > 1) in (
+            [], [(1, rows)], [(1, cols)], [(1, cols), (cols, rows)], [(1, rows), (rows, cols)])
+        want = (row if t.is_contiguous() else col) if dense else (row or col)
+        assert blas_legal(t) == want, (rows, cols, s0, s1)
 
 
 @pytest.mark.parametrize("m,k,n", [(3, 1, 3), (1, 3, 3), (3, 3, 1), (1, 1, 3), (3, 1, 1),
