@@ -380,8 +380,8 @@ def fold_reduce(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], identi
         keep = [d for d in range(x.ndim) if d not in dims]
         flat = x.permute(keep + dims).reshape(*[x.shape[d] for d in keep], -1)
         if flat.shape[-1] == 0:  # nothing to aggregate: the identity
-            return torch.full(flat.shape[:-1], identity, dtype=x.dtype)
-        value = torch.full(flat.shape[:-1], identity, dtype=x.dtype)
+            return torch.full(flat.shape[:-1], identity, dtype=x.dtype, device=x.device)
+        value = torch.full(flat.shape[:-1], identity, dtype=x.dtype, device=x.device)
         if not associative:  # fn(...fn(fn(identity, x0), x1)..., xn)
             for k in range(flat.shape[-1]):
                 value = fn(value, flat[..., k])

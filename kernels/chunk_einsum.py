@@ -15,6 +15,7 @@ tensor(2.)
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from collections.abc import Callable, Sequence
@@ -172,7 +173,13 @@ def chunk_einsum(
     xs = [p[0] for p in pairs]
     labs = [p[1] for p in pairs]
     out_labels = tuple(out_labels)
-    if join == _MUL and agg == _SUM:
+    if join == _MUL and agg == _SUM and exact_integer_path(xs):
+        # no BLAS for integers here: the products and their sum in exact integer arithmetic,
+        # wrapped to the operands' dtype as the BLAS path (and numpy) wrap
+        dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs))
+        out = _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems)
+        out = out if out.dtype == dtype else out.to(dtype)
+    elif join == _MUL and agg == _SUM:
         dot = _rowwise_dot(xs, labs, out_labels)
         if dot is not None:
             return dot
@@ -183,6 +190,22 @@ def chunk_einsum(
     else:
         out = _broadcast_join_reduce(xs, labs, out_labels, join, agg, max_temp_elems)
     return _owned(out if _dense(out) else out.contiguous(), operands)
+
+
+def exact_integer_path(operands: Sequence[torch.Tensor]) -> bool:
+    """Whether a sum of products of ``operands`` must avoid ``torch.einsum``: integer (or
+    bool) operands off the CPU, where torch has no integer matrix product (CUDA's ``bmm`` /
+    ``baddbmm`` are floating only). Such a contraction multiplies and sums elementwise instead
+    (:func:`_broadcast_join_reduce`, bounded by ``max_temp_elems``): exact, as integers must be.
+
+    >>> x = torch.ones(2, 2, dtype=torch.int64)
+    >>> exact_integer_path([x, x]), exact_integer_path([x.to("meta"), x.to("meta")])
+    (False, True)
+    >>> exact_integer_path([x.to("meta").float(), x.to("meta").float()])
+    False
+    """
+    return any(not (x.dtype.is_floating_point or x.dtype.is_complex) for x in operands) \
+        and any(x.device.type != "cpu" for x in operands)
 
 
 def _rowwise_dot(xs, labs, out_labels) -> torch.Tensor | None:
@@ -251,25 +274,31 @@ def contract_into(
 ) -> torch.Tensor:
     """Compute the chunk einsum and fold it into ``acc`` (None: start a new accumulator).
 
-    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary).
+    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary); into
+    a wider ``acc`` (float32 for bfloat16 operands) its product is added.
     """
     mats = _matmul(operands, labels, out_labels, join, agg)
     if mats is not None:
-        left, right, transposed = mats
+        left, right = blas_operand(mats[0]), blas_operand(mats[1])
         if acc is None:  # a fresh product, laid out as the output wants it
-            return torch.mm(right.T, left.T) if transposed else packed_matmul(left, right)
-        target = acc.T if transposed else acc
+            return _mm_transposed(left, right) if mats[2] else packed_matmul(left, right)
+        target = acc.T if mats[2] else acc
         if target.dtype == left.dtype:
-            target.addmm_(left, right)
-            return acc
+            _addmm_into(target, left, right)
+        else:  # a wider accumulator: a low-precision sum folded in float32
+            target.add_(_mm_wide(left, right, target.dtype))
+        return acc
     flat = _flat_matmul(operands, labels, out_labels, join, agg)
     if flat is not None:
-        left, right, shape = flat
+        left, right, shape = blas_operand(flat[0]), blas_operand(flat[1]), flat[2]
         if acc is None:
             return packed_matmul(left, right).view(shape)
         target = _as_2d(acc, left.shape[0], right.shape[1])
-        if target is not None and target.dtype == left.dtype:
-            target.addmm_(left, right)
+        if target is not None:
+            if target.dtype == left.dtype:
+                _addmm_into(target, left, right)
+            else:
+                target.add_(_mm_wide(left, right, target.dtype))
             return acc
     partial = chunk_einsum(operands, labels, out_labels, join, agg,
                            max_temp_elems=max_temp_elems)
@@ -300,9 +329,11 @@ def contract_to(
     """
     mats = _matmul(operands, labels, out_labels, join, agg)
     if mats is not None and mats[0].dtype == out.dtype:
-        left, right, transposed = mats
-        if transposed:
-            torch.mm(right.T, left.T, out=out)
+        left, right = blas_operand(mats[0]), blas_operand(mats[1])
+        if not blas_legal(out):  # into a scratch product, then copied
+            return out.copy_(_mm_transposed(left, right) if mats[2] else torch.mm(left, right))
+        if mats[2]:
+            _mm_transposed(left, right, out=out)
         else:
             packed_matmul(left, right, out=out)
         return out
@@ -310,14 +341,81 @@ def contract_to(
         return optimizer_update(join, operands, out)
     flat = _flat_matmul(operands, labels, out_labels, join, agg)
     if flat is not None:
-        left, right, shape = flat
+        left, right, shape = blas_operand(flat[0]), blas_operand(flat[1]), flat[2]
         target = _as_2d(out, left.shape[0], right.shape[1])
-        if target is not None and target.dtype == left.dtype:
+        if target is not None and target.dtype == left.dtype and blas_legal(target):
             packed_matmul(left, right, out=target)
             return out
         return out.copy_(packed_matmul(left, right).view(shape))
     value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
     return out.copy_(value)
+
+
+def blas_legal(t: torch.Tensor) -> bool:
+    """Whether the 2-D ``t`` can be handed to a BLAS as it is: read the way torch reads it
+    (row-major when torch calls it contiguous, column-major otherwise), one dim has unit
+    stride and the other's stride -- the leading dimension -- is at least the extent of the
+    first. CPU BLAS tolerates a short leading dimension on a dim of size 1 (torch patches it
+    for cuBLAS's classic interface too); cuBLASLt rejects it (``CUBLAS_STATUS_INVALID_VALUE``)
+    -- a (1, k) row of a column-major buffer, the transpose of an (n, 1) result.
+
+    >>> x = torch.ones(4, 6)
+    >>> blas_legal(x), blas_legal(x.T), blas_legal(x[:, 1:3]), blas_legal(x[::2, ::2])
+    (True, True, True, False)
+    >>> blas_legal(torch.ones(3, 1).T), blas_legal(torch.ones(3, 1))  # strides (1, 1)
+    (False, True)
+    """
+    rows, cols = t.shape
+    s0, s1 = t.stride()
+    if rows > 1 and cols > 1:  # the common case: each reading is legal where torch takes it
+        return (s1 == 1 and s0 >= cols) or (s0 == 1 and s1 >= rows)
+    row_major = (s1 == 1 or cols == 1) and s0 >= max(1, cols)
+    col_major = (s0 == 1 or rows == 1) and s1 >= max(1, rows)
+    if _dense(t):  # torch reads it one way only (non-overlapping and dense)
+        return row_major if t.is_contiguous() else col_major
+    return row_major or col_major
+
+
+def blas_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when :func:`blas_legal`, else a row-major copy (only where a dim of size 1 or
+    an odd stride makes it illegal: a copy of a row or a column, or one torch would make).
+
+    >>> blas_operand(torch.ones(3, 1).T).stride()
+    (3, 1)
+    """
+    return t if blas_legal(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _mm_transposed(left: torch.Tensor, right: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(left @ right).T`` computed as ``right.T @ left.T`` (laid out as a transposed
+    output wants it), the transposed operands made BLAS-legal too."""
+    a, b = blas_operand(right.T), blas_operand(left.T)
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+
+
+# Devices whose torch.mm returns a low-precision product in float32 (``out_dtype``): the
+# tensor cores' float32 sums, unrounded.
+_WIDE_MM_DEVICES = frozenset({"cuda"})
+
+
+def _mm_wide(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``left @ right`` for an accumulator of the wider ``dtype``: on CUDA straight in
+    ``dtype`` (float32 from bf16/fp16, no rounding to the operands' dtype); elsewhere in the
+    operands' dtype (the CPU has no such product), rounded once, to be widened by the add."""
+    if left.device.type in _WIDE_MM_DEVICES and dtype == torch.float32 \
+            and left.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(left, right, out_dtype=dtype)
+    return torch.mm(left, right)
+
+
+def _addmm_into(target: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``target += left @ right``: in place when ``target``'s strides are BLAS-legal, else
+    through a scratch product."""
+    if blas_legal(target):
+        target.addmm_(left, right)
+    else:
+        target.add_(torch.mm(left, right))
 
 
 def _matmul(operands, labels, out_labels, join, agg):

@@ -42,13 +42,22 @@ _EXP_NORMAL_FLOOR = {torch.float32: -87.3365, torch.float64: -708.3964}
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)``, subnormal results flushed to zero (see ``_EXP_NORMAL_FLOOR``).
+    """``exp(x)``, subnormal results flushed to zero (see ``_EXP_NORMAL_FLOOR``). On the CPU
+    the flush is skipped when no input is below the floor (a host read of a host tensor);
+    elsewhere reading the minimum back would stall the host on the device every call, so the
+    device masks unconditionally (its exp has no slow path to avoid): the same values.
 
     >>> _exp(torch.tensor([0.0, -1e9, -90.0, 1.0])).tolist()
     [1.0, 0.0, 0.0, 2.7182817459106445]
+    >>> _exp(torch.zeros(3, device="meta")).device  # no host read of device memory
+    device(type='meta')
     """
     floor = _EXP_NORMAL_FLOOR.get(x.dtype)
-    if floor is None or x.numel() == 0 or float(torch.amin(x)) >= floor:
+    if floor is None or x.numel() == 0:
+        return torch.exp(x)
+    if x.device.type != "cpu":
+        return torch.exp(x).masked_fill_(x < floor, 0.0)
+    if float(torch.amin(x)) >= floor:
         return torch.exp(x)
     return torch.exp(torch.clamp_min(x, floor)).masked_fill_(x < floor, 0.0)
 

@@ -74,14 +74,14 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
         _update_through_scratch(join, g, w, m, v, out, lr=lr, beta1=beta1, beta2=beta2,
                                 eps=eps, weight_decay=weight_decay, step=step)
         return out
-    packed = out if direct else torch.empty((SLOTS, *w.shape), dtype=w.dtype)
+    packed = out if direct else torch.empty((SLOTS, *w.shape), dtype=w.dtype, device=w.device)
     packed[0].copy_(w)
     packed[1].copy_(m)
     packed[2].copy_(v)
     _update_in_place(join, packed[0], g.contiguous(), packed[1], packed[2], lr=lr,
                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     if not whole:
-        packed = packed[torch.tensor(wanted, dtype=torch.long)]
+        packed = packed[torch.tensor(wanted, dtype=torch.long, device=packed.device)]
     return packed if out is None or direct else out.copy_(packed)
 
 
@@ -98,7 +98,8 @@ def _update_through_scratch(join: str, g: torch.Tensor, w: torch.Tensor, m: torc
     each output written once."""
     rows = w.shape[0]
     step = max(1, SCRATCH_ELEMS // max(1, w[0].numel()))
-    scratch = torch.empty((SLOTS, min(step, rows), *w.shape[1:]), dtype=w.dtype)
+    scratch = torch.empty((SLOTS, min(step, rows), *w.shape[1:]), dtype=w.dtype,
+                          device=w.device)
     for lo in range(0, rows, step):
         n = min(step, rows - lo)
         block = scratch[:, :n]
@@ -112,10 +113,13 @@ def _update_through_scratch(join: str, g: torch.Tensor, w: torch.Tensor, m: torc
 def _update_in_place(join: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
                      v: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                      weight_decay: float, step: float) -> None:
-    """torch.optim.Adam's (AdamW's) update of ``p``, ``m`` and ``v`` in place."""
+    """torch.optim.Adam's (AdamW's) update of ``p``, ``m`` and ``v`` in place: torch's fused
+    kernel for the device of ``p`` (its step counter lives on that device too, as the CUDA
+    kernel requires), the same formula in torch ops where there is none."""
     fused = _FUSED[join]
     if fused is not None and p.dtype in _FUSED_DTYPES and g.dtype == p.dtype:
-        fused([p], [g], [m], [v], [], [torch.tensor(step, dtype=torch.float32)], lr=lr,
+        steps = [torch.full((), step, dtype=torch.float32, device=p.device)]
+        fused([p], [g], [m], [v], [], steps, lr=lr,
               beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
               maximize=False)
         return

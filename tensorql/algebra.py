@@ -338,7 +338,7 @@ def derivative_join(name: str, k: int) -> str:
             x = xs[k].detach().expand(shape).contiguous().requires_grad_(True)
             out = fn(*[y.detach() for y in xs[:k]], x, *[y.detach() for y in xs[k + 1:]])
             if not out.requires_grad:  # a constant in operand k (a comparison, ...)
-                return torch.zeros(shape, dtype=out.dtype)
+                return torch.zeros(shape, dtype=out.dtype, device=out.device)
             (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
         return grad
 

@@ -52,7 +52,7 @@ def _mlp_bias(db):
 
 
 QUERIES = {
-    "matmul_1dev": (_matmul, {}),
+    "matmul_1dev": (_matmul, {"devices": "cpu"}),  # the golden names cpu:0
     "chain_2dev": (_chain, {"devices": 2}),
     "mlp_4dev": (_mlp, {"devices": 4}),
     "softmax_3dev_limit": (_softmax, {"devices": 3, "memory_limit": 512}),

@@ -262,16 +262,27 @@ class ContractChunk:
         return combine(acc, partial, self.agg)
 
 
+# Result dtypes whose sums over several tiles are folded in a wider dtype (rounded once).
+WIDE_SUMS = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 @dataclass(frozen=True, eq=False)
 class ContractSeries:
     """Several contributions to one output chunk as one task: ``kernel`` runs on each
     consecutive group of ``arity`` inputs (one tile of the contracted labels each), folding
     into one accumulator -- the products separate tasks would compute, with one scheduling
-    round trip instead of one per tile.
+    round trip instead of one per tile. A sum in bfloat16 or float16 is folded in float32
+    and rounded once at the end (:data:`WIDE_SUMS`): summed in its own dtype, every tile
+    would round the running total again, an error growing with the number of tiles.
 
     >>> k = ContractSeries(ContractChunk((("i", "j"), ("j", "k")), ("i", "k")), arity=2)
     >>> k.run([torch.ones(2, 2)] * 4, None)[0, 0].item()
     4.0
+    >>> k16 = ContractSeries(ContractChunk((("i",), ("i",)), (), dtype="bfloat16"), arity=2)
+    >>> ones = torch.ones(1, dtype=torch.bfloat16)
+    >>> k16.run([torch.tensor([256.0], dtype=torch.bfloat16), ones] + [ones, ones] * 2,
+    ...         None).item()  # 256 + 1 + 1 is 258; 256 + 1 alone rounds back to 256
+    258.0
     """
 
     kernel: ContractChunk
@@ -280,14 +291,47 @@ class ContractSeries:
     def _groups(self, inputs: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
         return [inputs[i:i + self.arity] for i in range(0, len(inputs), self.arity)]
 
+    @functools.cached_property
+    def _wide(self) -> torch.dtype | None:
+        """The dtype the series' sum is folded in, when wider than the result's."""
+        if self.kernel.agg != AggName.SUM:
+            return None
+        return WIDE_SUMS.get(torch_dtype(self.kernel.dtype))
+
+    def _wide_sum(self, groups: Sequence[Sequence[torch.Tensor]], acc: torch.Tensor | None,
+                  wide: torch.dtype) -> torch.Tensor:
+        """``acc`` plus every group's product, summed in ``wide`` from zero (so that no
+        product is rounded to the result's dtype first), in the result's dtype."""
+        if acc is not None:
+            total = acc.to(wide)
+        else:
+            sizes: dict[str, int] = {}
+            for x, labels in zip(groups[0], self.kernel.in_labels):
+                for label, size in zip(labels, x.shape):
+                    sizes[label] = max(size, sizes.get(label, 1))
+            total = torch.zeros([sizes[label] for label in self.kernel.out_labels], dtype=wide,
+                                device=groups[0][0].device)
+        for group in groups:
+            total = self.kernel.run(group, total)
+        return total.to(torch_dtype(self.kernel.dtype))
+
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
-        for group in self._groups(inputs):
+        groups = self._groups(inputs)
+        wide = self._wide
+        if wide is not None and len(groups) > 1:
+            total = self._wide_sum(groups, acc, wide)
+            return total if acc is None else acc.copy_(total)
+        for group in groups:
             acc = self.kernel.run(group, acc)
         return acc
 
     def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Like ``run(inputs, None)`` but the first product is written into ``out``."""
-        first, *rest = self._groups(inputs)
+        groups = self._groups(inputs)
+        wide = self._wide
+        if wide is not None and len(groups) > 1:
+            return out.copy_(self._wide_sum(groups, None, wide))
+        first, *rest = groups
         acc = self.kernel.run_into(first, out)
         for group in rest:
             acc = self.kernel.run(group, acc)
@@ -383,7 +427,7 @@ class FusedPointwise(_NoCombine):
         first = self._eval(inputs, 0, rows)
         shape = list(first.shape)
         shape[self.dim] = n
-        out = torch.empty(shape, dtype=first.dtype)
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
         out.narrow(self.dim, 0, rows).copy_(first)
         self._fill(out, inputs, rows, n, rows)
         return out

@@ -99,7 +99,7 @@ def test_analyze_json_has_measured_figures():
 
 def test_trace_has_one_event_per_task(tmp_path):
     path = tmp_path / "run.json"
-    with tq.connect(workers=2) as db:
+    with tq.connect(devices="cpu", workers=2) as db:  # the trace's lanes are cpu:0's
         expr = _query(db)
         plan = expr.compile().physical
         assert "measured: wall" in expr.explain(analyze=True, trace=str(path))

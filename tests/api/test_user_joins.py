@@ -126,7 +126,7 @@ def test_three_operand_function_and_user_adjoint(db1):
     def adjoint(k, x, y, z):
         calls.append(k)
         return [y, x, torch.ones_like(z)][k] * torch.ones(torch.broadcast_shapes(
-            x.shape, y.shape, z.shape), dtype=x.dtype)
+            x.shape, y.shape, z.shape), dtype=x.dtype, device=x.device)  # the chunk's device
 
     tq.register_join("t_fma", fma, adjoint=adjoint)
     rng = np.random.default_rng(3)

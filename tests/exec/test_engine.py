@@ -61,7 +61,7 @@ def test_the_policy_picks_what_the_run_paths_picked():
     assert engine.choose_strategy(graph, engine.EngineConfig(one_cpu, rank=rank)) == "rank"
     # a graph of big tasks in wide steps keeps its worker threads
     rng = np.random.default_rng(0)
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:  # CPU threads
         x = db.from_numpy("A", rng.standard_normal((512, 512)).astype(np.float32),
                           tile=(128, 128))
         wide = (x @ x).compile().physical.task_graph()

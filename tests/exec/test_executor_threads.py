@@ -47,7 +47,7 @@ def test_a_chain_of_big_one_chunk_products_runs_serially_on_every_thread(monkeyp
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 320)).astype(np.float32)
     previous = torch.get_num_threads()
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(320, 320))  # one chunk: each product is one task
         result = ((a @ a) @ a).compile().run(dense=True)
         np.testing.assert_allclose(result.dense().numpy(), (x @ x) @ x, rtol=1e-3, atol=1e-2)
@@ -57,7 +57,7 @@ def test_a_chain_of_big_one_chunk_products_runs_serially_on_every_thread(monkeyp
 
 def test_a_wide_graph_keeps_its_workers():
     x = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(128, 128))  # 16 output chunks a step
         result = (a @ a).compile().run(dense=True)
         assert not result.stats.serial
@@ -73,7 +73,7 @@ def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch, thread
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 320)).astype(np.float32)
     previous = torch.get_num_threads()
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(320, 320))  # one chunk: each product is one task
         query, result, seen = _threads_by_step(monkeypatch, (a @ a) @ a)
         np.testing.assert_allclose(result.dense().numpy(), (x @ x) @ x, rtol=1e-3, atol=1e-2)
@@ -84,7 +84,7 @@ def test_a_chain_of_big_one_chunk_products_uses_every_thread(monkeypatch, thread
 
 def test_tasks_of_a_wide_step_keep_their_share(monkeypatch):
     x = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(128, 128))  # 16 output chunks: a wide step
         query, result, seen = _threads_by_step(monkeypatch, a @ a)
         np.testing.assert_allclose(result.dense().numpy(), x @ x, rtol=1e-3, atol=1e-2)
@@ -94,7 +94,7 @@ def test_tasks_of_a_wide_step_keep_their_share(monkeypatch):
 
 def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch, threaded):
     x = np.random.default_rng(2).standard_normal((1024, 512)).astype(np.float32)
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(1024, 512))  # one chunk of 512K elements
         query, result, seen = _threads_by_step(monkeypatch, (a * 2.0).exp())
         np.testing.assert_allclose(result.dense().numpy(), np.exp(2 * x), rtol=1e-6)
@@ -121,7 +121,7 @@ def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, thread
         return out
 
     monkeypatch.setattr(executor, "_execute", timed)
-    with tq.connect(workers=2, intra_op_threads=1) as db:
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(320, 320))
         b = db.from_numpy("B", y, tile=(320, 320))
         expr = ((a @ a) + (b @ b)) @ a  # two big products side by side, then one alone

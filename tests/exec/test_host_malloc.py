@@ -19,7 +19,7 @@ import numpy as np
 import tensorql as tq
 
 x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
-with tq.connect(workers=2) as db:
+with tq.connect(devices="cpu", workers=2) as db:  # chunks in host memory
     a = db.from_numpy("a", x, tile=(256, 1024))  # 1 MiB chunks
     expr = (((a @ a).relu() * 0.01) @ a).exp().sum()
     for _ in range(3):
@@ -64,7 +64,7 @@ def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
     rng = np.random.default_rng(3)
     a = rng.standard_normal(rows).astype(np.float32)
     b = rng.standard_normal(cols).astype(np.float32)
-    with tq.connect() as db:
+    with tq.connect(devices="cpu") as db:  # a result in host memory
         out = tq.einsum("i,j->ij", db.constant(a), db.constant(b)).numpy()
     gc.collect()
     np.testing.assert_array_equal(out, np.outer(a, b))

@@ -25,7 +25,7 @@ def test_a_query_over_a_stored_weight_packs_it_once_and_gives_the_same_bits_each
     rng = _rng()
     x = rng.standard_normal((64, 96)).astype(np.float32)
     w = rng.standard_normal((96, 80)).astype(np.float32)
-    with tq.connect() as db:
+    with tq.connect(devices="cpu") as db:  # oneDNN packs for the CPU
         db.from_numpy("w", w)
         query = (db.constant(x) @ db.tensor("w")).compile()
         before = packed_bytes()
@@ -43,7 +43,7 @@ def test_a_tensor_not_marked_immutable_is_never_packed():
     rng = _rng()
     x = rng.standard_normal((32, 16)).astype(np.float32)
     w = rng.standard_normal((16, 8)).astype(np.float32)
-    with tq.connect() as db:
+    with tq.connect(devices="cpu") as db:  # oneDNN packs for the CPU
         query = (db.constant(x) @ db.constant(w)).compile()
         np.testing.assert_allclose(query.run(dense=True).dense().numpy(), x @ w, rtol=1e-5,
                                    atol=1e-5)

@@ -32,7 +32,7 @@ def test_mlp_with_bias_and_activation_runs_fused(devices):
     text = out.explain()
     assert "Pointwise relu <- add" in text and "rewrite rules: fuse_pointwise" in text
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
-    one = tq.connect()
+    one = tq.connect(devices="cpu")  # one device of the same kind as the partitioned run's
     ones = [one.from_numpy(n, a) for n, a in zip(("x", "w1", "b1", "w2", "b2"), arrays)]
     single = ((ones[0] @ ones[1] + ones[2]).relu() @ ones[3] + ones[4]).numpy()
     np.testing.assert_allclose(out.numpy(), single, rtol=1e-5, atol=1e-5)

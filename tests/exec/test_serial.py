@@ -123,7 +123,7 @@ def test_a_graph_that_cannot_finish_is_refused():
 
 def test_explain_analyze_says_a_small_query_ran_serially():
     rng = np.random.default_rng(3)
-    db = tq.connect(workers=2)
+    db = tq.connect(devices="cpu", workers=2)  # the CPU's serial path
     x = db.from_numpy("x", rng.standard_normal((8, 8)).astype(np.float32), tile=(4, 4))
     text = (x @ x).relu().explain(analyze=True)
     assert "on 1 thread (serial)" in text
