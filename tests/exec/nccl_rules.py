@@ -82,19 +82,22 @@ def arrays() -> dict[str, np.ndarray]:
             "q": rng.standard_normal((16, 24)).astype(np.float32)}
 
 
-def run(exchange: str, rules: NCCLRules) -> dict[str, Any]:
-    """A two-layer MLP (checked against numpy) and a LLaMA block (against torch) with
-    ``exchange``; what this rank saw, and the calls it issued with each peer."""
+def run(mode: str, rules: NCCLRules) -> dict[str, Any]:
+    """A two-layer MLP (checked against numpy) and a LLaMA block (against torch) with the
+    exchange ``mode`` ("p2p" or "collective", "@<bytes>" adding a memory limit); what this
+    rank saw, and the calls it issued with each peer."""
     import tensorql as tq
     from tensorql.models import llama_block
 
+    exchange, _, limit = mode.partition("@")
     rules.issued.clear()
     seen: dict[str, Any] = {}
     a = arrays()
     want = (np.maximum(a["x"] @ a["w1"], 0) @ a["w2"]).T @ a["q"].T
     try:
         with tq.connect(distributed=True, workers=1, devices="cpu", distributed_timeout_s=10,
-                        distributed_exchange=exchange) as db:
+                        distributed_exchange=exchange,
+                        memory_limit=int(limit) if limit else None) as db:
             x, w1, w2, q = (db.from_numpy(k, v, tile=(8, 8)) for k, v in a.items())
             got = ((x @ w1).relu() @ w2).T @ q.T
             seen["mlp_err"] = float(np.abs(got.numpy() - want).max())
