@@ -273,8 +273,9 @@ def p2p_order(ops: Any, exchanges: tuple[Exchange, ...],
     ties broken by op id: a rank waiting, in this order, for a transfer to become ready never
     waits for one it has held back, nor for an exchange that waits on one.
 
-    A transfer (op 3) waiting for an exchange that waits, through a later transfer (op 5),
-    on nothing else comes after that later transfer, though its id is smaller:
+    Op 3 waits (through ops 1 and 2) for the exchange of ops 0 and 6, and op 6 for op 5: op 3
+    is issued after op 5, though its id is smaller (by id, a rank would hold op 5 back behind
+    op 3, which waits for it):
 
     >>> from tensorql.exec.memplan import Op
     >>> from tensorql.exec.taskgraph import ChunkRef
