@@ -151,8 +151,9 @@ def _alternating(fns, repeat: int) -> list[float]:
 
 
 def _count_tq_bytes() -> list[int]:
-    """Wrap the torch.distributed calls tensorql makes (send, all_to_all_single for the
-    exchanges, batch_isend_irecv for the result's all-gather); returns the running byte count."""
+    """Wrap the torch.distributed calls tensorql makes (isend for a transfer of its own,
+    all_to_all_single for the exchanges, batch_isend_irecv for the result's all-gather);
+    returns the running byte count."""
     import torch.distributed as dist
 
     sent = [0]
@@ -164,7 +165,9 @@ def _count_tq_bytes() -> list[int]:
             return fn(tensor, *args, **kwargs)
         return wrapped
 
+    original_isend = dist.isend  # what the result's all-gather passes in its P2POps
     dist.send = wrap(dist.send, lambda kw, a: True)
+    dist.isend = wrap(dist.isend, lambda kw, a: True)  # a transfer of its own
     original_all_to_all = dist.all_to_all_single
 
     def all_to_all_single(output, input, *args, **kwargs):
@@ -175,7 +178,7 @@ def _count_tq_bytes() -> list[int]:
     original_batch = dist.batch_isend_irecv
 
     def batch_isend_irecv(ops):  # the result's all-gather: pairs issued together
-        sent[0] += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
+        sent[0] += sum(op.tensor.nbytes for op in ops if op.op is original_isend)
         return original_batch(ops)
 
     dist.batch_isend_irecv = batch_isend_irecv

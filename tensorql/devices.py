@@ -74,8 +74,14 @@ class DeviceSet:
     spec: Any = "auto"
 
     @classmethod
-    def parse(cls, spec: Any) -> DeviceSet:
-        """The devices ``spec`` names ("auto" resolves to the machine's GPUs, else one CPU)."""
+    def parse(cls, spec: Any, distributed: bool = False, environ: Any = None) -> DeviceSet:
+        """The devices ``spec`` names ("auto" resolves to the machine's GPUs, else one CPU).
+
+        With ``distributed`` (one rank of a torch.distributed job) "auto" and "cuda" mean
+        this rank's share of the machine's GPUs (:func:`rank_gpus`): never a GPU of another
+        local rank."""
+        if distributed and (spec is None or spec in ("auto", "cuda")):
+            return cls(tuple(_spec_of(name) for name in _rank_names(spec, environ)), spec)
         return cls(tuple(_spec_of(name) for name in _names(spec)), spec)
 
     @property
@@ -124,6 +130,73 @@ def device_names(spec: Any) -> tuple[str, ...]:
     (('cpu:0',), ('cuda:0', 'cuda:1'), ('null:0', 'null:1'))
     """
     return DeviceSet.parse(spec).names
+
+
+def local_place(environ: Any = None) -> tuple[int, int]:
+    """This process's ``(LOCAL_RANK, LOCAL_WORLD_SIZE)``: its place among the ranks of a
+    torch.distributed job that torchrun starts on this machine ((0, 1) when unset).
+
+    >>> local_place({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}), local_place({})
+    ((1, 2), (0, 1))
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    try:
+        local_world = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+    except ValueError as err:
+        raise OptionError(f"cannot read LOCAL_RANK / LOCAL_WORLD_SIZE ({err})") from err
+    if not 0 <= local_rank < local_world:
+        raise OptionError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}")
+    return local_rank, local_world
+
+
+def rank_gpus(gpus: int, local_rank: int, local_world: int) -> tuple[int, ...]:
+    """The GPUs (indices) a rank of a job uses when it has ``local_world`` ranks on a machine
+    with ``gpus`` GPUs: an equal share each, ``gpus // local_world`` consecutive GPUs (one
+    rank alone takes them all); none when there are more local ranks than GPUs, since NCCL
+    cannot run two ranks on one GPU.
+
+    >>> rank_gpus(2, 1, 2), rank_gpus(8, 1, 2), rank_gpus(4, 0, 1), rank_gpus(1, 0, 2)
+    ((1,), (4, 5, 6, 7), (0, 1, 2, 3), ())
+    """
+    share = gpus // local_world
+    return tuple(range(local_rank * share, (local_rank + 1) * share))
+
+
+_WARNED: set[tuple[int, int]] = set()  # (local ranks, GPUs) whose CPU fallback was logged
+
+
+def _rank_names(spec: Any, environ: Any = None) -> tuple[str, ...]:
+    """A rank's devices for ``devices`` "auto" / "cuda": its share of the machine's GPUs
+    (:func:`rank_gpus`). With more local ranks than GPUs, "auto" falls back to the CPU (gloo
+    carries the transfers; the ``tensorql`` logger says why), and "cuda" is refused before
+    NCCL is touched."""
+    import logging
+
+    import tensorql.cuda_api as cuda_api
+    from tensorql.errors import DistributedError
+
+    cuda = cuda_api.current()
+    gpus = cuda.device_count() if cuda.is_available() else 0
+    local_rank, local_world = local_place(environ)
+    mine = rank_gpus(gpus, local_rank, local_world)
+    if mine:
+        return tuple(f"cuda:{i}" for i in mine)
+    if spec == "cuda":
+        raise DistributedError(
+            f"devices='cuda' on local rank {local_rank} of {local_world} on this machine "
+            f"(LOCAL_WORLD_SIZE), but {cuda.name} sees {gpus} GPU(s) and NCCL cannot run two "
+            f"ranks on one GPU: start at most {max(gpus, 1)} rank(s) per machine (torchrun "
+            "--nproc-per-node), or use devices='cpu' (gloo)")
+    if gpus and (local_world, gpus) not in _WARNED:
+        _WARNED.add((local_world, gpus))
+        logging.getLogger(__name__).warning(
+            "devices='auto': %d ranks on this machine but %d GPU(s); NCCL cannot run two "
+            "ranks on one GPU, so each rank runs on the CPU (gloo). Start at most %d rank(s) "
+            "per machine to use the GPUs.", local_world, gpus, gpus)
+    return ("cpu:0",)
 
 
 def _spec_of(name: str) -> DeviceSpec:
@@ -177,4 +250,5 @@ def _names(spec: Any) -> tuple[str, ...]:
     return names
 
 
-__all__ = ["DEVICE_KINDS", "DeviceKind", "DeviceSet", "DeviceSpec", "device_names"]
+__all__ = ["DEVICE_KINDS", "DeviceKind", "DeviceSet", "DeviceSpec", "device_names", "local_place",
+           "rank_gpus"]

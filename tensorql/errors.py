@@ -164,6 +164,11 @@ class OptionError(TensorQLError, ValueError):
     """A configuration value is invalid (names the option and the accepted values)."""
 
 
+class DistributedError(TensorQLError):
+    """A distributed run failed: a peer rank died or stopped answering, ranks disagree, or a
+    rank's devices cannot work (two local ranks on one GPU)."""
+
+
 class UnsupportedError(TensorQLError, TypeError):
     """An operation or argument tensorql does not support (e.g. numpy's ``out=``)."""
 

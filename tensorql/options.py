@@ -75,7 +75,10 @@ class Options:
         devices: "auto" | "cpu" | "cuda" | N (N CPU devices) | "cuda:0,cuda:1" | a list
             such as ["cuda:0", "cuda:1"] | "null[:N]" (scheduler tests); parsed once into
             :attr:`device_set`. With several devices the optimizer partitions every
-            operation across them and that partitioning is what runs.
+            operation across them and that partitioning is what runs. In a distributed
+            session "auto" and "cuda" are this rank's share of the machine's GPUs (cuda:
+            LOCAL_RANK with one GPU a rank); with more local ranks than GPUs "auto" is the
+            CPU and "cuda" a DistributedError (NCCL cannot run two ranks on one GPU).
         strategy: the optimizer's partitioning strategy on several devices (auto, data,
             model, exhaustive).
         memory_limit: bytes each device may hold (None: unlimited).
@@ -144,7 +147,8 @@ class Options:
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         # parsed once, here (OptionError now rather than at the first query)
-        object.__setattr__(self, "_device_set", DeviceSet.parse(self.devices))
+        object.__setattr__(self, "_device_set",
+                           DeviceSet.parse(self.devices, distributed=self.distributed))
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
                            parse_bytes(self.relation_dense_bytes))

@@ -6,9 +6,15 @@ devices. The cross-rank transfers of one step travel together, one ``all_to_all_
 per round (an exchange, :mod:`tensorql.exec.exchanges`), issued by every rank in one order;
 any other chunk sent from a device of one rank to a device of another becomes a
 ``torch.distributed`` send on the holder's rank and a receive on the reader's (gloo for host
-tensors, NCCL for GPU ones), tagged with the op's id so that transfers never pair up wrongly.
-Transfers are awaited on parked threads (:mod:`tensorql.exec.threads`), like any other op with
-dependencies: what waits for a chunk becomes ready when it has arrived. The result chunks are
+tensors, NCCL for GPU ones). NCCL ignores tags and pairs point-to-point calls by the order
+they are issued in, so every rank issues its sends and receives in one order the whole job
+agrees on (:func:`p2p_order`, from the plan every rank builds alike), each when it is ready and
+all before it are issued; the calls are asynchronous, and each is awaited on a parked thread
+(:mod:`tensorql.exec.threads`), like any other op with dependencies: what waits for a chunk
+becomes ready when it has arrived -- on a GPU, once the stream that received it has finished,
+so that it is safe on whichever stream reads it. Every buffer handed to torch.distributed is
+on the rank's communication device (:func:`communication_device`): a GPU's chunks where it
+has one, host copies moved there first. The result chunks are
 then all-gathered (each rank sends those it computed to every other, see
 :func:`share_results`), so a script runs unchanged on all.
 
@@ -31,7 +37,9 @@ from typing import Any
 
 import torch
 
-from tensorql.errors import ExecutionError, TensorQLError
+import tensorql.cuda_api as cuda_api
+from tensorql.devices import DeviceSet
+from tensorql.errors import DistributedError, ExecutionError
 from tensorql.exec.devices import Completion, CPUDevice, Device, resolve_devices
 from tensorql.exec.devices.base import Post
 from tensorql.exec.exchanges import Exchange, plan_exchanges
@@ -41,10 +49,6 @@ from tensorql.exec.runtime import OpKind, Runtime, StreamRun, op_kinds
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.exec.threads import PARKED
 from tensorql.units import format_bytes
-
-
-class DistributedError(TensorQLError):
-    """A distributed run failed: a peer rank died or stopped answering, or ranks disagree."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,9 @@ class DistributedRuntime:
         self.group = group
         self.exchange = exchange
         self.exchange_group = exchange_group if exchange_group is not None else group
-        # an exchange's buffers: on the rank's (first) device -- CUDA for NCCL
-        self.collective_device = local[0].torch_device if local else torch.device("cpu")
+        # every buffer handed to torch.distributed: on the rank's GPU for NCCL, else host
+        self.collective_device = communication_device(
+            [(d.kind, d.torch_device) for d in local])
 
     def exchanges(self, graph: TaskGraph, program: Any) -> tuple[Exchange, ...]:
         """The collectives the cross-rank transfers of ``program`` are grouped into (none
@@ -223,6 +228,100 @@ class DistributedRuntime:
         return result
 
 
+def communication_device(devices: Any) -> torch.device:
+    """Where a rank's buffers for torch.distributed are: its first GPU when it has one (NCCL
+    carries them), else the host (gloo). ``devices``: the rank's devices, a
+    :class:`~tensorql.devices.DeviceSet` or ``(kind, torch device)`` pairs. Every rank of a
+    job must find the same kind of device (the plans they compare include it).
+
+    >>> communication_device(DeviceSet.parse(2))
+    device(type='cpu')
+    >>> communication_device([("cpu", torch.device("cpu")), ("cuda", torch.device("cuda", 1))])
+    device(type='cuda', index=1)
+    """
+    if isinstance(devices, DeviceSet):
+        api = cuda_api.current()
+        devices = [(s.kind, api.torch_device(s.index) if s.kind == "cuda" else None)
+                   for s in devices.specs]
+    return next((where for kind, where in devices if kind == "cuda"), torch.device("cpu"))
+
+
+def arrived(chunk: torch.Tensor) -> torch.Tensor:
+    """``chunk`` once the work that wrote it on this thread's stream is done: after an NCCL
+    call's ``wait()``, which only makes the calling thread's current stream wait for NCCL's,
+    the host waits for that stream (an event recorded on it), so the chunk is safe on any
+    stream that reads it next. A host tensor is returned as it is.
+
+    >>> arrived(torch.ones(2))
+    tensor([1., 1.])
+    """
+    if chunk.device.type != "cpu":
+        api = cuda_api.current()
+        done = api.event()
+        done.record(api.current_stream(chunk.device))
+        done.synchronize()
+    return chunk
+
+
+def p2p_order(ops: Any, exchanges: tuple[Exchange, ...],
+              rank_of: Callable[[int], int]) -> tuple[int, ...]:
+    """The job's point-to-point transfers (sends between ranks outside every exchange), by
+    op id, in the order every rank issues its own: NCCL ignores tags and pairs a rank's
+    sends and receives with its peer's by issue order, so both sides of each transfer must
+    issue them alike. It is a topological order of the plan with each exchange taken as one
+    node (an exchange's transfers complete together) and the exchanges in their issue order,
+    ties broken by op id: a rank waiting, in this order, for a transfer to become ready never
+    waits for one it has held back, nor for an exchange that waits on one.
+
+    Op 3 waits (through ops 1 and 2) for the exchange of ops 0 and 6, and op 6 for op 5: op 3
+    is issued after op 5, though its id is smaller (by id, a rank would hold op 5 back behind
+    op 3, which waits for it):
+
+    >>> from tensorql.exec.memplan import Op
+    >>> from tensorql.exec.taskgraph import ChunkRef
+    >>> def op(i, kind, src, dst, deps=()):
+    ...     return Op(i, kind, dst, ChunkRef(i, ()), deps, 8, "d2d", src_device=src)
+    >>> ops = [op(0, "send", 0, 1), op(1, "compute", 1, 1, (0,)), op(2, "compute", 1, 1, (1,)),
+    ...        op(3, "send", 1, 0, (2,)), op(4, "send", 0, 1), op(5, "send", 1, 0, (4,)),
+    ...        op(6, "send", 1, 0, (5,))]
+    >>> p2p_order(ops, (Exchange(0, 0, (0, 6)),), rank_of=lambda d: d)
+    (4, 5, 3)
+    """
+    import heapq
+
+    n = len(ops)
+    node_of = list(range(n))
+    for ex in exchanges:
+        for i in ex.ops:
+            node_of[i] = n + ex.index
+    first = list(range(n)) + [min(ex.ops) for ex in exchanges]
+    successors: list[set[int]] = [set() for _ in range(n + len(exchanges))]
+    for op in ops:
+        for dep in op.deps:
+            if node_of[dep] != node_of[op.id]:
+                successors[node_of[dep]].add(node_of[op.id])
+    for a, b in zip(exchanges, exchanges[1:]):  # exchanges are issued in their order
+        successors[n + a.index].add(n + b.index)
+    waiting = [0] * len(successors)
+    for succ in successors:
+        for t in succ:
+            waiting[t] += 1
+    ready = [(first[v], v) for v in range(len(successors)) if waiting[v] == 0 and
+             (v >= n or node_of[v] == v)]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, v = heapq.heappop(ready)
+        if v < n and ops[v].kind == "send" and ops[v].src_device is not None and \
+                rank_of(ops[v].src_device) != rank_of(ops[v].device):
+            order.append(v)
+        for t in successors[v]:
+            waiting[t] -= 1
+            if waiting[t] == 0:
+                heapq.heappush(ready, (first[t], t))
+    return tuple(order)
+
+
 EXCHANGE_MODES = ("collective", "p2p")
 EXCHANGE_LANE = (-1, "exchange")  # in-flight key of the exchanges a rank has issued
 
@@ -252,6 +351,7 @@ class _RankView:
     sides: tuple[_ExchangeSides, ...]
     exchange_of: dict[int, int]
     kinds: tuple[OpKind, ...]  # by op: a transfer between ranks is a kind of its own
+    p2p: tuple[int, ...] = ()  # its point-to-point transfers, in the job's issue order
 
 
 class RankPart:
@@ -268,8 +368,9 @@ class RankPart:
         self.sent_bytes = 0
         self.received_bytes = 0
         self.bytes_by_call: dict[str, CallBytes] = {}
-        self.transfers_ready: list[Op] = []
+        self.transfers_ready: set[int] = set()  # ready point-to-point transfers, not issued
         self.next_exchange = 0
+        self.next_p2p = 0
 
     def attach(self, run: StreamRun) -> None:
         """Make ``run`` this rank's: its successors, readiness counts and op kinds from the
@@ -282,6 +383,7 @@ class RankPart:
         run.done_ops += view.others - len(view.exchanges)
         self.exchanges, self.sides, self.exchange_of = view.exchanges, view.sides, \
             view.exchange_of
+        self.p2p = view.p2p
         self.unready = [len(side.mine) for side in self.sides]  # own transfers not ready
 
     def _view(self, run: StreamRun) -> _RankView:
@@ -305,8 +407,10 @@ class RankPart:
                 (EXCHANGED_SEND if op.id in exchange_of else CROSS_RANK_SEND)
                 if self._cross_rank(op) else kind
                 for op, kind in zip(ops, op_kinds(run.graph, run.program)))
+            p2p = tuple(i for i in p2p_order(ops, exchanges, self.layout.rank_of)
+                        if mine[i])
             view = _RankView(successors, ndeps, mine.count(False), exchanges, sides,
-                             exchange_of, kinds)
+                             exchange_of, kinds, p2p)
             run.graph.programs[key] = view
         return view
 
@@ -337,13 +441,17 @@ class RankPart:
         self.received_bytes += received
 
     def dispatch(self, run: StreamRun) -> None:
-        """Transfers between ranks start as soon as they are ready, outside the lanes' slots:
-        a receive waits on a peer, and queueing transfers behind one another could make two
-        ranks wait on each other. A transfer of an exchange waits for the rest of this rank's
-        side of it; exchanges are issued in their order once their side is ready."""
-        for op in self.transfers_ready:
-            run.submit(op)
-        self.transfers_ready.clear()
+        """Transfers between ranks start outside the lanes' slots (a receive waits on a
+        peer, and queueing transfers behind the lanes' work could make two ranks wait on each
+        other), in the job's order: a point-to-point transfer is issued once it is ready and
+        every one before it in :func:`p2p_order` is issued (NCCL pairs sends and receives by
+        issue order); a transfer of an exchange waits for the rest of this rank's side of it,
+        and exchanges are issued in their order once their side is ready."""
+        while self.next_p2p < len(self.p2p) and run.error is None and \
+                self.p2p[self.next_p2p] in self.transfers_ready:
+            self.transfers_ready.discard(self.p2p[self.next_p2p])
+            run.submit(run.ops[self.p2p[self.next_p2p]])
+            self.next_p2p += 1
         while self.next_exchange < len(self.exchanges) and run.error is None \
                 and self.unready[self.next_exchange] == 0:
             self._issue(run, self.exchanges[self.next_exchange])
@@ -360,7 +468,7 @@ class RankPart:
         side = self.sides[ex.index]
         dtype = torch_dtype(run.graph.chunk_meta[run.ops[ex.ops[0]].ref][1])
         where = self.rt.collective_device
-        parts = [self._outgoing(run, op) for ops in side.sends for op in ops]
+        parts = [self._outgoing(run, op, where) for ops in side.sends for op in ops]
         if len(parts) == 1 and parts[0].is_contiguous():
             send = parts[0].view(-1)
         elif parts:
@@ -387,11 +495,19 @@ class RankPart:
                      started, None, send)
 
     @staticmethod
-    def _outgoing(run: StreamRun, op: Op) -> torch.Tensor:
-        """The chunk a send of this rank passes: on its device, or its host copy."""
-        if op.from_host:
-            return run.host.get(op.ref)
-        return run.values[op.src_device][op.ref]
+    def _outgoing(run: StreamRun, op: Op, where: torch.device) -> torch.Tensor:
+        """The chunk a send of this rank passes, on ``where`` (the rank's communication
+        device): a chunk written back to the host under a memory limit is moved there
+        first, as NCCL takes GPU tensors only and ``torch.cat`` one device."""
+        chunk = run.host.get(op.ref) if op.from_host else run.values[op.src_device][op.ref]
+        return chunk if chunk.device == where else chunk.to(where)
+
+    def _wire_device(self, run: StreamRun, device: int) -> torch.device:
+        """Where a point-to-point transfer's buffer is on this rank's ``device``: on the
+        device itself if it is a GPU, else on the rank's communication device -- so a
+        transfer's two sides use one backend (gloo for host tensors, NCCL for GPU ones)."""
+        dev = run.devices[device]
+        return dev.torch_device if dev.kind == "cuda" else self.rt.collective_device
 
     @staticmethod
     def _numel(run: StreamRun, op: Op) -> int:
@@ -403,8 +519,7 @@ class RankPart:
         if error is None:
             try:
                 work.wait()
-                if received.is_cuda:  # NCCL: wait() orders streams only
-                    torch.cuda.synchronize(received.device)
+                arrived(received)  # NCCL: wait() orders this thread's stream only
             except BaseException as err:  # noqa: BLE001 - reported to the coordinator
                 error = err
         if error is not None:
@@ -448,36 +563,60 @@ class RankPart:
                 run.make_ready(nxt)
 
     def start_transfer(self, run: StreamRun, op: Op) -> None:
-        """A send of its own between this rank and another: awaited on a parked thread."""
+        """Issue a send of its own between this rank and another (asynchronous, on this
+        thread, in the job's order: see :meth:`dispatch`), awaited on a parked thread."""
         key = (op.device, op.lane)  # counted in flight (the coordinator waits for it)
         run.inflight[key] = run.inflight.get(key, 0) + 1
         receiving = self.layout.is_local(op.device)
+        peer = self.layout.rank_of(op.src_device if receiving else op.device)
+        started = time.perf_counter()
+        work, buffer = None, None
         if receiving:
             run.allocate(op)
-        PARKED.start("tensorql-transfer", self._transfer, run, op, receiving)
-
-    def _transfer(self, run: StreamRun, op: Op, receiving: bool) -> None:
-        started = time.perf_counter()
-        value, error = None, None
-        peer = self.layout.rank_of(op.src_device if receiving else op.device)
         try:
             if receiving:
-                shape, dtype = run.graph.chunk_meta[op.ref]
                 from tensorql.dtypes import torch_dtype
 
-                value = torch.empty(shape, dtype=torch_dtype(dtype),
-                                    device=run.devices[op.device].torch_device)
-                torch.distributed.recv(value, src=peer, tag=op.id, group=self.rt.group)
+                shape, dtype = run.graph.chunk_meta[op.ref]
+                buffer = torch.empty(shape, dtype=torch_dtype(dtype),
+                                     device=self._wire_device(run, op.device))
+                work = torch.distributed.irecv(buffer, src=peer, tag=op.id,
+                                               group=self.rt.group)
             else:
-                chunk = self._outgoing(run, op).contiguous()
-                torch.distributed.send(chunk, dst=peer, tag=op.id, group=self.rt.group)
-                value = chunk.nbytes
+                buffer = self._outgoing(run, op, self._wire_device(run, op.src_device))
+                buffer = buffer.contiguous()
+                work = torch.distributed.isend(buffer, dst=peer, tag=op.id, group=self.rt.group)
         except BaseException as err:  # noqa: BLE001 - reported to the coordinator
-            error = DistributedError(
-                f"rank {self.layout.rank}: {'receiving from' if receiving else 'sending to'} "
-                f"rank {peer} failed ({type(err).__name__}: {err}); rank {peer} died or "
-                "stopped answering within the timeout")
+            run.events.put(Completion(op.id, started, time.perf_counter(), None,
+                                      self._transfer_failed(receiving, peer, err)))
+            return
+        PARKED.start("tensorql-transfer", self._transfer, run, op, receiving, peer, work,
+                     buffer, started)
+
+    def _transfer(self, run: StreamRun, op: Op, receiving: bool, peer: int, work: Any,
+                  buffer: torch.Tensor, started: float) -> None:
+        """Await one transfer; a received chunk is handed over once it has arrived (on its
+        device, where the stream that received it has finished)."""
+        value: Any = None
+        error = None
+        try:
+            work.wait()
+            if receiving:
+                arrived(buffer)
+                target = run.devices[op.device].torch_device
+                value = buffer if buffer.device == target else arrived(buffer.to(target))
+            else:
+                value = buffer.nbytes
+        except BaseException as err:  # noqa: BLE001 - reported to the coordinator
+            error = self._transfer_failed(receiving, peer, err)
         run.events.put(Completion(op.id, started, time.perf_counter(), value, error))
+
+    def _transfer_failed(self, receiving: bool, peer: int,
+                         err: BaseException) -> DistributedError:
+        return DistributedError(
+            f"rank {self.layout.rank}: {'receiving from' if receiving else 'sending to'} "
+            f"rank {peer} failed ({type(err).__name__}: {err}); rank {peer} died or "
+            "stopped answering within the timeout")
 
     def transfer_done(self, run: StreamRun, op: Op, c: Completion) -> bool:
         if not self.layout.is_local(op.device):  # the sender's side: nothing lands here
@@ -494,7 +633,7 @@ class RankPart:
 
 
 def _cross_rank_queue(run: StreamRun, op: Op) -> None:
-    run.rank.transfers_ready.append(op)  # submitted at the next dispatch
+    run.rank.transfers_ready.add(op.id)  # issued at a dispatch, in the job's order
 
 
 def _exchanged_queue(run: StreamRun, op: Op) -> None:
@@ -710,7 +849,7 @@ def _result_owners(graph: TaskGraph, layout: RankLayout) -> tuple[tuple[ChunkRef
 
 def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
                   layout: RankLayout, destination: Callable[[ChunkRef], torch.Tensor],
-                  group: Any = None) -> int:
+                  group: Any = None, device: torch.device | None = None) -> int:
     """Every retained chunk on every rank, in its ``destination`` (a view of the dense
     result): an all-gather of the chunks each rank computed, as point-to-point pairs issued
     together (``batch_isend_irecv``): every rank sends each chunk it computed to each other
@@ -718,8 +857,11 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     that region is contiguous (a block of rows) -- no buffer is packed or unpacked. On 4
     gloo ranks of a 2-core host, shares of 256 KiB / 6 MiB a rank took 2.5 / 32 ms so,
     3.2 / 39 ms as one packed ``all_to_all_single``, 4.7 / 38 ms with
-    ``all_gather_into_tensor`` and 3.5 / 30 ms as a broadcast per chunk. Returns the bytes
+    ``all_gather_into_tensor`` and 3.5 / 30 ms as a broadcast per chunk. The buffers are on
+    ``device``, the rank's :func:`communication_device` (None: the host). Returns the bytes
     this rank sent (its chunks' bytes times world - 1)."""
+    from torch.distributed import distributed_c10d as c10d  # P2POp takes torch's own
+
     from tensorql.dtypes import torch_dtype
 
     owners = _result_owners(graph, layout)
@@ -728,7 +870,7 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
         destination(ref).copy_(outputs[ref])
     if world == 1 or not any(owners):
         return 0
-    device = _broadcast_device(group)
+    device = device if device is not None else torch.device("cpu")
     sent = 0
     p2p: list[Any] = []
     unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, where it goes)
@@ -739,7 +881,7 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
                 chunk = outputs[ref].to(device).contiguous()
                 for peer in range(world):
                     if peer != me:
-                        p2p.append(torch.distributed.P2POp(torch.distributed.isend, chunk,
+                        p2p.append(torch.distributed.P2POp(c10d.isend, chunk,
                                                            peer, group, tag))
                         sent += chunk.nbytes
                 continue
@@ -750,22 +892,16 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
                 shape, dtype = graph.chunk_meta[ref]
                 buf = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
                 unpack.append((buf, view))
-            p2p.append(torch.distributed.P2POp(torch.distributed.irecv, buf, r, group, tag))
+            p2p.append(torch.distributed.P2POp(c10d.irecv, buf, r, group, tag))
     try:
         for work in torch.distributed.batch_isend_irecv(p2p):
             work.wait()
+        arrived(torch.empty(0, device=device))  # the received chunks, on any stream
     except RuntimeError as err:
         raise collective_failed(layout, "the all-gather of the result chunks", err) from err
     for buf, view in unpack:
         view.copy_(buf)
     return sent
-
-
-def _broadcast_device(group: Any = None) -> torch.device:
-    """Where a collective's buffer must be: the rank's current GPU under NCCL, else host."""
-    if torch.distributed.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 _EXCHANGE_GROUP: list[Any] = []  # [(the default group it was made in, the group)]
@@ -786,20 +922,27 @@ def exchange_group(layout: RankLayout) -> Any:
     return _EXCHANGE_GROUP[0][1]
 
 
-def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
+def join_process_group(local_devices: int, timeout_s: float,
+                       devices: DeviceSet | None = None) -> RankLayout:
     """This process's place in the ``torch.distributed`` job, joining the default process
     group first when the script has not (``env://``: the ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK`` and ``WORLD_SIZE`` variables torchrun sets; gloo for CPU tensors, NCCL for CUDA
-    ones where the machine has GPUs)."""
+    ``RANK`` and ``WORLD_SIZE`` variables torchrun sets). ``devices``: this rank's (the
+    session's): when they include a GPU the group is gloo for host tensors and NCCL for CUDA
+    ones, and the rank's first GPU becomes its current device (NCCL's); on CPU devices it is
+    gloo alone, so NCCL is never touched (None: NCCL too where the machine has a GPU)."""
     import datetime
 
     import torch.distributed as dist
 
     if not dist.is_available():
         raise DistributedError("this torch build has no torch.distributed")
+    uses_cuda = devices.uses_cuda if devices is not None else cuda_api.current().is_available()
+    if devices is not None and devices.uses_cuda:
+        api = cuda_api.current()
+        api.set_device(api.torch_device(devices.specs[devices.kinds.index("cuda")].index))
     if not dist.is_initialized():
         # each tensor's device picks: gloo for host chunks, NCCL for GPU ones
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if uses_cuda else "gloo"
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (ValueError, RuntimeError) as err:
@@ -807,7 +950,71 @@ def join_process_group(local_devices: int, timeout_s: float) -> RankLayout:
         atexit.register(leave_process_group)  # tensorql joined it, so tensorql leaves it
     layout = RankLayout(rank=dist.get_rank(), world=dist.get_world_size(), local=local_devices)
     announce_process(layout)
+    check_gpus_not_shared(layout, devices)
     return layout
+
+
+_GPUS_CHECKED: list[Any] = []  # [the default group whose ranks' GPUs were compared]
+
+
+def gpu_names(devices: DeviceSet | None, environ: Any = None) -> list[str]:
+    """The GPUs ``devices`` use as the machine knows them: ``CUDA_VISIBLE_DEVICES``'s entry
+    for each index where it is set.
+
+    >>> gpu_names(DeviceSet.parse(["cpu:0", "cuda:1"]), {"CUDA_VISIBLE_DEVICES": "4,5"})
+    ['5']
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    indices = [s.index for s in devices.specs if s.kind == "cuda"] if devices is not None else []
+    return [visible[i] if i < len(visible) else str(i) for i in indices]
+
+
+def shared_gpus(places: list[tuple[str, list[str]]]) -> str | None:
+    """Why two ranks would share a GPU, given each rank's (host, GPUs), or None.
+
+    >>> shared_gpus([("a", ["0"]), ("b", ["0"])]) is None
+    True
+    >>> shared_gpus([("a", ["0"]), ("a", ["1"]), ("a", ["0"])])
+    'ranks 0 and 2 both use GPU 0 of host a'
+    """
+    seen: dict[tuple[str, str], int] = {}
+    for rank, (host, gpus) in enumerate(places):
+        for gpu in gpus:
+            if (host, gpu) in seen:
+                return f"ranks {seen[host, gpu]} and {rank} both use GPU {gpu} of host {host}"
+            seen[host, gpu] = rank
+    return None
+
+
+def check_gpus_not_shared(layout: RankLayout, devices: DeviceSet | None) -> None:
+    """DistributedError, before NCCL is touched, when two ranks of the job would use one GPU
+    (NCCL refuses them with "invalid usage"): ranks of one machine started by separate
+    launchers each see ``LOCAL_WORLD_SIZE`` 1 and take the first GPU. Once per job: every
+    rank sends its host and GPUs to every other (an all-gather, on the host)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if layout.world < 2 or not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    if _GPUS_CHECKED and _GPUS_CHECKED[0] is group:
+        return
+    places: list[Any] = [None] * layout.world
+    try:
+        dist.all_gather_object(places, (socket.gethostname(), gpu_names(devices)))
+    except RuntimeError as err:
+        raise collective_failed(layout, "comparing GPUs with the other ranks", err) from err
+    _GPUS_CHECKED[:] = [group]
+    why = shared_gpus(places)
+    if why is not None:
+        raise DistributedError(
+            f"rank {layout.rank}: {why}, and NCCL cannot run two ranks on one GPU: start the "
+            "ranks of one machine with one torchrun (--nproc-per-node sets LOCAL_RANK and "
+            "LOCAL_WORLD_SIZE, and each rank then takes its own GPU), or use devices='cpu'")
 
 
 _JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -864,6 +1071,7 @@ def leave_process_group(wait_s: float = 10.0) -> None:
     import torch.distributed as dist
 
     _EXCHANGE_GROUP.clear()
+    _GPUS_CHECKED.clear()
     if not (dist.is_available() and dist.is_initialized()):
         return
 

@@ -69,6 +69,7 @@ class RankJob:
     layout: RankLayout
     exchange: str = "collective"
     exchange_group: Any = field(default=None, compare=False)
+    device: Any = None  # where its buffers for torch.distributed are (None: the host)
 
 
 @dataclass(frozen=True)

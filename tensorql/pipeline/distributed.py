@@ -7,6 +7,7 @@ from typing import Any
 from tensorql.exec import engine  # RankJob: the rank strategy's job
 from tensorql.exec.distributed import (
     check_same_plan,
+    communication_device,
     exchange_group,
     gather_rank_stats,
     join_process_group,
@@ -26,7 +27,7 @@ def job_devices(options: Options) -> int:
     local = options.device_set.count
     if not options.distributed:
         return local
-    return join_process_group(local, options.distributed_timeout_s).devices
+    return join_process_group(local, options.distributed_timeout_s, options.device_set).devices
 
 
 def rank_job(physical: PhysicalPlan, partition: PartitionPlan | None,
@@ -35,15 +36,19 @@ def rank_job(physical: PhysicalPlan, partition: PartitionPlan | None,
     mismatch would pair transfers wrongly and hang)."""
     import hashlib
 
-    layout = join_process_group(options.device_set.count, options.distributed_timeout_s)
+    layout = join_process_group(options.device_set.count, options.distributed_timeout_s,
+                                options.device_set)
     graph = physical.task_graph()
+    device = communication_device(options.device_set)
     checked = ("plan checked across ranks", layout)
     if checked not in graph.programs:  # once per plan and job: the plan does not change
+        # the kind of device the ranks' buffers are on too: NCCL on one, gloo on another
+        # would never pair up
         text = render_plan(physical, None) + (partition.explain() if partition else "") + \
-            f"exchange={options.distributed_exchange}"
+            f"exchange={options.distributed_exchange} buffers={device.type}"
         check_same_plan(hashlib.sha256(text.encode()).hexdigest(), layout)
         graph.programs[checked] = True
-    return engine.RankJob(layout, options.distributed_exchange, exchange_group(layout))
+    return engine.RankJob(layout, options.distributed_exchange, exchange_group(layout), device)
 
 
 def share_rank_results(physical: PhysicalPlan, result: RunResult, job: engine.RankJob,
@@ -55,7 +60,7 @@ def share_rank_results(physical: PhysicalPlan, result: RunResult, job: engine.Ra
     result; with ``rank_stats`` every rank's figures are gathered too."""
     graph = physical.task_graph()
     stats: Any = result.stats
-    shared = share_results(graph, result.outputs, job.layout, destination)
+    shared = share_results(graph, result.outputs, job.layout, destination, device=job.device)
     if rank_stats:  # EXPLAIN ANALYZE, run by every rank alike: each rank's figures
         stats.ranks = gather_rank_stats(stats, job.layout, stats.sent_bytes,
                                         stats.received_bytes, shared, calls=stats.calls)

@@ -128,11 +128,15 @@ def _count_wire_bytes() -> dict:
     import torch.distributed as dist
 
     wire: dict = {}
-    send, all_to_all = dist.send, dist.all_to_all_single
+    send, isend, all_to_all = dist.send, dist.isend, dist.all_to_all_single
 
     def counted_send(tensor, *args, **kwargs):
         wire["send"] = wire.get("send", 0) + tensor.nbytes
         return send(tensor, *args, **kwargs)
+
+    def counted_isend(tensor, *args, **kwargs):  # a transfer of its own: issued, then awaited
+        wire["send"] = wire.get("send", 0) + tensor.nbytes
+        return isend(tensor, *args, **kwargs)
 
     def counted_all_to_all(output, input, *args, **kwargs):
         wire["all_to_all"] = wire.get("all_to_all", 0) + input.nbytes  # own split empty
@@ -143,11 +147,15 @@ def _count_wire_bytes() -> dict:
 
     def counted_batch(ops):  # the result's all-gather: pairs issued together
         wire["results"] = wire.get("results", 0) + sum(
-            op.tensor.nbytes for op in ops if op.op is dist.isend)
+            op.tensor.nbytes for op in ops if op.op in (isend, counted_isend))
         wire["results_calls"] = wire.get("results_calls", 0) + 1
+        for op in ops:  # torch's own isend, as batch_isend_irecv checks
+            if op.op is counted_isend:
+                op.op = isend
         return batch(ops)
 
-    dist.send, dist.all_to_all_single = counted_send, counted_all_to_all
+    dist.send, dist.isend, dist.all_to_all_single = counted_send, counted_isend, \
+        counted_all_to_all
     dist.batch_isend_irecv = counted_batch
     return wire
 

@@ -206,7 +206,9 @@ def test_the_demo_runs_on_two_node_groups_with_c10d_rendezvous():
     rendezvous on this host (as two machines would): the ranks join one job, run the LLaMA
     block partitioned across both and agree with torch."""
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # two "machines" on one host: on a GPU host both would take its first GPU (refused, see
+    # test_nccl_rules.py); this test is about the rendezvous, on the CPU
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
          "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
