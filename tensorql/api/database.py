@@ -98,12 +98,30 @@ class Database:
         self._closed = False
         self._connection: Any = None  # a private DuckDB connection when the store has none
         self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
+        self._spill_space: Any = None
+
+    @property
+    def spill_space(self) -> Any:
+        """Where this session's runs spill host copies beyond the host tier's budget: the
+        session's DuckDB file, or (in memory) a temporary DuckDB file made at the first
+        spill and deleted at :meth:`close` (:class:`~tensorql.storage.spill.SpillSpace`)."""
+        if self._spill_space is None:
+            from tensorql.storage.spill import SpillSpace
+
+            store = self.chunk_store if not getattr(self.chunk_store, "read_only", False) \
+                else None
+            self._spill_space = SpillSpace(
+                store, memory_bytes=min(self.options.store_memory_limit or (64 << 20),
+                                        64 << 20))
+        return self._spill_space
 
     # -- context management -----------------------------------------------------------
     def close(self) -> None:
         if not self._closed:
             if self._connection is not None:
                 self._connection.close()
+            if self._spill_space is not None:
+                self._spill_space.close()
             self.chunk_store.close()
             self._closed = True
 

@@ -157,6 +157,15 @@ class Program:
         return tuple(len(op.deps) for op in self.ops)
 
     @functools.cached_property
+    def host_reads(self) -> tuple[tuple[int, ChunkRef], ...]:
+        """The reads of host copies (a ``load`` from the host, a ``send`` of a host copy), in
+        plan order: the order the host tier keeps chunks in memory and prefetches spilled
+        ones by (:class:`~tensorql.exec.hostpool.HostTier`)."""
+        return tuple((op.id, op.ref) for op in self.ops
+                     if (op.kind == "load" and not op.from_rest)
+                     or (op.kind == "send" and op.from_host))
+
+    @functools.cached_property
     def result_copies(self) -> tuple[Op, ...]:
         """The ops that leave a chunk on the host for good (``d2h`` or ``fetch``, not an
         eviction): a run's results are among their chunks."""
