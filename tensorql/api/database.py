@@ -102,17 +102,15 @@ class Database:
 
     @property
     def spill_space(self) -> Any:
-        """Where this session's runs spill host copies beyond the host tier's budget: the
-        session's DuckDB file, or (in memory) a temporary DuckDB file made at the first
-        spill and deleted at :meth:`close` (:class:`~tensorql.storage.spill.SpillSpace`)."""
+        """Where this session's runs spill host copies beyond the host tier's budget: a DuckDB
+        file of its own beside the session's file (in memory: in the temporary directory),
+        made at the first spill and deleted at :meth:`close`
+        (:class:`~tensorql.storage.spill.SpillSpace`)."""
         if self._spill_space is None:
             from tensorql.storage.spill import SpillSpace
 
-            store = self.chunk_store if not getattr(self.chunk_store, "read_only", False) \
-                else None
-            self._spill_space = SpillSpace(
-                store, memory_bytes=min(self.options.store_memory_limit or (64 << 20),
-                                        64 << 20))
+            self._spill_space = SpillSpace(self.path,
+                                           memory_bytes=self.options.spill_memory_bytes)
         return self._spill_space
 
     # -- context management -----------------------------------------------------------

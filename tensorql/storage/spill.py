@@ -1,19 +1,18 @@
 """DuckDB as the spill tier: chunk copies the host tier has no room for, as BLOB pages.
 
-A :class:`SpillSpace` belongs to a session. It writes into the session's DuckDB file, or,
-for an in-memory session, into a temporary DuckDB file of its own (made at the first spill,
-deleted at close). Each run that spills gets a :class:`SpillPages`: one table
-``tq_internal."tq_spill_<run id>"`` of ``(id BIGINT, page INTEGER, payload BLOB)`` rows, a
-chunk being the 4 KiB pages of its C-contiguous bytes (as chunks at rest, ``pages.py``; no
-pickle), written in one transaction per chunk and read back by ``id``. The table is dropped
-when the run ends; a process killed mid-run leaves it behind, and the next writer to open
-the file drops every ``tq_spill_*`` table (:func:`clear_leftovers`: only one process may
-write a DuckDB file, so any found then are leftovers). Temporary files of in-memory
-sessions are named after their process; an in-memory session removes those of processes
-that no longer run.
+A :class:`SpillSpace` belongs to a session: a DuckDB database file of its own, made at the
+first spill -- beside the session's file (``work.duckdb.spill-<pid>-<id>.duckdb``), or for an
+in-memory session in the temporary directory -- and deleted when the session closes. Each
+run that spills gets a :class:`SpillPages`: one table ``tq_internal."tq_spill_<run>"`` of
+``(id BIGINT, page INTEGER, payload BLOB)`` rows, a chunk being the 4 KiB pages of its
+C-contiguous bytes (as chunks at rest, ``pages.py``; no pickle), written in one transaction
+per chunk and read back by ``id``. The table is dropped when the run ends. A process killed
+while spilling leaves its file behind: the file is named after the process, and the next
+session to open the database file (or to spill, for in-memory sessions) removes those of
+processes that no longer run (:func:`remove_stale_files`).
 
 >>> import torch
->>> space = SpillSpace()  # an in-memory session's: a temporary DuckDB file
+>>> space = SpillSpace()  # an in-memory session's: in the temporary directory
 >>> pages = space.open_run("r1")
 >>> n = pages.write(torch.arange(3000, dtype=torch.float32))
 >>> pages.read(n, (3000,), "float32")[-1].item(), pages.bytes_written
@@ -47,21 +46,17 @@ log = logging.getLogger("tensorql.spill")
 
 SPILL_PREFIX = "tq_spill_"
 SCHEMA = "tq_internal"
-_TEMP_PATTERN = "tensorql-spill-{pid}-*.duckdb"
+MIN_MEMORY_BYTES = 32 << 20  # below about this, DuckDB fails to commit pages it must pin
 _RUNS = itertools.count(1)
 
 
-def clear_leftovers(con: Any, schema: str = SCHEMA) -> list[str]:
-    """Drop every spill table in ``schema`` of ``con``'s current database (a crashed run's);
-    the names dropped."""
-    rows = con.execute(
-        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-        "AND schema_name = ? AND starts_with(table_name, ?)", [schema, SPILL_PREFIX]).fetchall()
-    for (table,) in rows:
-        con.execute(f"DROP TABLE IF EXISTS {quote_ident(schema)}.{quote_ident(table)}")
-    if rows:
-        log.info("dropped %d spill table(s) a crashed run left behind", len(rows))
-    return [table for (table,) in rows]
+def spill_prefix(path: str | None, directory: str | None = None) -> str:
+    """The start of the name of a session's spill files: ``<file>.spill-`` beside a
+    session's database file (the disk the user chose for it; ``/tmp`` may be RAM), else
+    ``tensorql-spill-`` in ``directory`` (default: the system's temporary directory)."""
+    if path is not None:
+        return os.fspath(path) + ".spill-"
+    return os.path.join(directory or tempfile.gettempdir(), "tensorql-spill-")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -74,14 +69,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temp_files(directory: str | None = None) -> list[str]:
-    """Remove the temporary spill files of in-memory sessions whose process is gone."""
-    directory = directory or tempfile.gettempdir()
+def remove_stale_files(prefix: str) -> list[str]:
+    """Remove the spill files ``<prefix><pid>-*.duckdb`` (and their WAL) of processes that
+    no longer run: a process killed while spilling leaves its file behind."""
     removed = []
-    for path in glob.glob(os.path.join(directory, _TEMP_PATTERN.format(pid="*"))):
+    for path in glob.glob(glob.escape(prefix) + "*-*.duckdb"):
         try:
-            pid = int(os.path.basename(path).split("-")[2])
-        except (IndexError, ValueError):
+            pid = int(path[len(prefix):].split("-", 1)[0])
+        except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
             for leftover in (path, path + ".wal"):
@@ -90,57 +85,63 @@ def remove_stale_temp_files(directory: str | None = None) -> list[str]:
                     removed.append(leftover)
                 except FileNotFoundError:
                     pass
+    if removed:
+        log.info("removed %d spill file(s) a killed process left behind", len(removed))
     return removed
 
 
 class SpillSpace:
-    """Where a session's runs spill: ``store`` (a file-backed ``DuckDBChunkStore``) or, with
-    none, a temporary DuckDB file in ``directory`` made at the first spill and deleted by
-    :meth:`close`. ``memory_bytes`` caps a temporary file's DuckDB memory."""
+    """Where a session's runs spill: a DuckDB database file of its own, made at the first
+    spill beside the session's file (``path``) or, in memory, in ``directory``, and deleted
+    by :meth:`close`. It is not the session's own database: its memory limit
+    (``memory_bytes``) and checkpoints are its own, so a spill never competes with the
+    store for DuckDB's memory (a commit that cannot pin a block fails, and a checkpoint that
+    fails invalidates the database) and no spilled page is ever in the user's file. Its
+    data need not survive a crash, so it is never fsynced."""
 
-    def __init__(self, store: Any = None, *, directory: str | None = None,
+    def __init__(self, path: str | None = None, *, directory: str | None = None,
                  memory_bytes: int = 64 << 20) -> None:
-        self.store = store if store is not None and getattr(store, "path", None) else None
-        self.directory = directory
-        self.memory_bytes = int(memory_bytes)
-        self.path: str | None = self.store.path if self.store is not None else None
-        self._temp: Any = None  # the temporary file's connection
+        self.prefix = spill_prefix(path, directory)
+        self.memory_bytes = max(MIN_MEMORY_BYTES, int(memory_bytes))
+        # pages written between checkpoints stay pinned in DuckDB's memory: a quarter of it
+        self.checkpoint_bytes = max(1 << 20, self.memory_bytes // 4)
+        self.path: str | None = None
+        self._con: Any = None
         self._lock = threading.Lock()
 
     def _connection(self) -> Any:
-        """A connection the spill tables' DDL runs on (the temporary file's, made here)."""
-        if self.store is not None:
-            return self.store.connection
         with self._lock:
-            if self._temp is None:
+            if self._con is None:
                 import duckdb
 
-                remove_stale_temp_files(self.directory)
-                fd, path = tempfile.mkstemp(prefix=f"tensorql-spill-{os.getpid()}-",
-                                            suffix=".duckdb", dir=self.directory)
+                remove_stale_files(self.prefix)
+                directory, stem = os.path.split(self.prefix)
+                fd, path = tempfile.mkstemp(prefix=f"{stem}{os.getpid()}-", suffix=".duckdb",
+                                            dir=directory or None)
                 os.close(fd)
                 os.remove(path)  # DuckDB makes the file itself
                 con = duckdb.connect(path)
-                con.execute(f"SET memory_limit = '{max(16 << 20, self.memory_bytes)}B'")
+                con.execute(f"SET memory_limit = '{self.memory_bytes}B'")
+                con.execute("SET fsync_mode = 'NONE'")
+                con.execute(f"SET temp_directory = '{path}.tmp'")
                 con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(SCHEMA)}")
-                self._temp, self.path = con, path
-                log.debug("in-memory session: spill tier in temporary file %s", path)
-            return self._temp
+                self._con, self.path = con, path
+                log.debug("spill tier in %s (DuckDB memory %d MiB)", path,
+                          self.memory_bytes >> 20)
+            return self._con
 
     def cursor(self) -> Any:
-        """A cursor (one thread's) on the database the spill tables live in."""
-        if self.store is not None:
-            return self.store.cursor()
+        """A cursor (one thread's) on the spill database."""
         return self._connection().cursor()
 
     def open_run(self, tag: str) -> SpillPages:
         """A fresh spill table for one run."""
-        return SpillPages(self, f"{SPILL_PREFIX}{os.getpid()}_{next(_RUNS)}_{tag}")
+        return SpillPages(self, f"{SPILL_PREFIX}{next(_RUNS)}_{tag}")
 
     def close(self) -> None:
-        """Close and delete the temporary file, if one was made."""
+        """Close and delete the spill file, if one was made."""
         with self._lock:
-            con, path, self._temp = self._temp, self.path, None
+            con, path, self._con = self._con, self.path, None
         if con is None:
             return
         con.close()
@@ -165,6 +166,7 @@ class SpillPages:
         self._cursors: list[Any] = []
         self._write_lock = threading.Lock()
         self._created = False
+        self._unflushed = 0
         self.bytes_written = self.bytes_read = 0
         self.chunks_written = self.chunks_read = 0
 
@@ -199,7 +201,19 @@ class SpillPages:
                 con.unregister("tq_spill_batch")
             self.bytes_written += raw.size
             self.chunks_written += 1
+            self._unflushed += raw.size
+            if self._unflushed >= self.space.checkpoint_bytes:
+                self._checkpoint(con)
         return ident
+
+    def _checkpoint(self, con: Any) -> None:
+        """Write committed pages to the file: DuckDB keeps them pinned in its memory until a
+        checkpoint, and a commit that cannot pin a block fails (seen with 8 MiB of memory)."""
+        self._unflushed = 0
+        try:
+            con.execute("CHECKPOINT")
+        except Exception as err:  # noqa: BLE001 - another transaction is writing: later
+            log.debug("spill checkpoint deferred: %s", err)
 
     def read(self, ident: int, shape: tuple[int, ...], dtype: str | torch.dtype) -> torch.Tensor:
         """The chunk written under ``ident``, as a tensor of ``shape`` and ``dtype``."""
