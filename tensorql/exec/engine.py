@@ -93,10 +93,12 @@ class EngineConfig:
     @classmethod
     def of(cls, options: Any, *, timeline: bool = False, rank: RankJob | None = None,
            spill: Any = None, dense_bytes: int = 0) -> EngineConfig:
-        """The engine a session's ``Options`` call for; with a ``spill`` space the host tier
-        holds at most :meth:`~tensorql.options.Options.host_tier_bytes` (less
-        ``dense_bytes``, the run's dense results) in host memory."""
-        budget = options.host_tier_bytes(dense_bytes) if spill is not None else None
+        """The engine a session's ``Options`` call for. Under a memory limit the memory plan
+        counts on a host tier of :meth:`~tensorql.options.Options.host_tier_bytes` (less
+        ``dense_bytes``, the run's dense results); with a ``spill`` space the host tier
+        holds no more in host memory and spills the rest to DuckDB."""
+        budget = (options.host_tier_bytes(dense_bytes)
+                  if spill is not None or options.memory_limit is not None else None)
         return cls(options.device_set, options.memory_limit, options.workers,
                    options.intra_op_threads, timeline, rank=rank, spill=spill,
                    host_budget=budget)

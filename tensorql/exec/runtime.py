@@ -258,12 +258,12 @@ class Runtime:
         budgets = self.budgets()
         domains = self.host_domains()
         key = (tuple(d.name for d in self.devices), tuple(budgets), self.prefetch,
-               self.results_on_device, domains)
+               self.results_on_device, domains, self.host_budget)
         program = graph.programs.get(key)
         if program is None:
             program = plan_program(graph, len(self.devices), budgets, prefetch=self.prefetch,
                                    results_on_device=self.results_on_device,
-                                   host_domains=domains)
+                                   host_domains=domains, host_budget=self.host_budget)
             graph.programs[key] = program
         return program
 

@@ -118,8 +118,15 @@ class SpillSpace:
 
                 remove_stale_files(self.prefix)
                 directory, stem = os.path.split(self.prefix)
-                path = tempfile.mkdtemp(prefix=f"{stem}{os.getpid()}-",
-                                        dir=directory or None)
+                try:
+                    path = tempfile.mkdtemp(prefix=f"{stem}{os.getpid()}-",
+                                            dir=directory or None)
+                except OSError as err:  # e.g. a read-only session's folder
+                    self.prefix = spill_prefix(None)
+                    log.info("cannot spill beside the database (%s); spilling in %s", err,
+                             tempfile.gettempdir())
+                    remove_stale_files(self.prefix)
+                    path = tempfile.mkdtemp(prefix=f"tensorql-spill-{os.getpid()}-")
                 con = duckdb.connect(":memory:")
                 con.execute(f"SET memory_limit = '{self.memory_bytes}B'")
                 con.execute("SET temp_directory = ?", [path])

@@ -70,6 +70,10 @@ def test_results_match_numpy_with_the_duckdb_tier_used(tmp_path):
         assert stats.spill_read_bytes > 0 and stats.spill_chunks > 0
         assert stats.spill_reads_ahead > 0  # the prefetcher read chunks back before their use
         assert stats.host_peak_bytes <= stats.host_budget
+        planned = stats.program.host  # the memory plan accounts for the host and DuckDB tiers
+        assert planned.budget == stats.host_budget and planned.peak_bytes > stats.host_budget
+        assert 0.5 < planned.spill_bytes / stats.spill_written_bytes < 2
+        assert "; DuckDB tier spill=" in query.explain(stage="memory")
         text = query.explain(analyze=True)
         assert "DuckDB tier: " in text and " spilled (" in text and " reloaded (" in text
         assert _spill_tables(db.connection) == []  # dropped with the run
