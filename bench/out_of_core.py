@@ -4,9 +4,10 @@
                                 [--threads N] [--repeat 3] [--smoke]
 
 ``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``A @ B`` is an
-n x n intermediate that ``(A @ B) @ C`` needs whole (each of its chunks is read by every
-chunk of the result's row), so with the defaults the inputs and live intermediates are
-1.2 GiB against a 384 MiB budget (>= 3x). Contenders, each run in a process of its own, in
+n x n intermediate, which tensorql's plan computes whole before ``(A @ B) @ C`` reads it, so
+with the defaults the inputs and live intermediates are 1.2 GiB against a 384 MiB budget
+(>= 3x). (dask orders its tasks by rows of the result and frees each row of ``A @ B`` once
+used, so it never holds the intermediate: its peak is no measure of a spill tier.) Contenders, each run in a process of its own, in
 alternating order, ``--repeat`` times:
 
 * ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget of

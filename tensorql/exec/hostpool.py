@@ -146,6 +146,7 @@ class HostTier:
         self.spilled_bytes = 0  # host copies beyond the pinned pool (plain memory or DuckDB)
         self.pinned_bytes = 0
         self.plain_bytes = 0  # plain host memory held now (or reserved for a read)
+        self._pending = 0  # bytes of puts making room for themselves
         self.peak_plain_bytes = 0
         self.spill_written = self.spill_read = 0  # bytes to and from DuckDB
         self.spill_chunks = 0
@@ -220,6 +221,8 @@ class HostTier:
                 if fresh:
                     self._fresh.add(ref)
                 victims, spill_this = self._choose(ref, nbytes)
+                if not spill_this:  # the room victims leave is this chunk's, not a prefetch's
+                    self._pending += nbytes
             for victim in victims:
                 self._evict(victim)
             if spill_this:
@@ -229,6 +232,7 @@ class HostTier:
                     self._cond.notify_all()
                 return
             with self._cond:
+                self._pending -= nbytes
                 self._data[ref] = value
                 self._add_plain(nbytes)
                 self._cond.notify_all()
@@ -316,7 +320,7 @@ class HostTier:
             self.reads_on_demand += 1
             uses = self._uses.get(ref)
             if ref in self._spilled and uses is not None and len(uses) > 1 and \
-                    self.plain_bytes + value.nbytes <= self.budget:
+                    self.plain_bytes + self._pending + value.nbytes <= self.budget:
                 self._data[ref] = value  # read again later: keep it while there is room
                 self._add_plain(value.nbytes)
         return value
@@ -336,7 +340,7 @@ class HostTier:
             ref = self._order[k]
             if ref in self._data or ref in self._reading or ref not in self._spilled:
                 continue
-            if self.plain_bytes + self._sizes[ref] > self.budget:
+            if self.plain_bytes + self._pending + self._sizes[ref] > self.budget:
                 return None
             return ref
         return None

@@ -242,3 +242,37 @@ def test_kill_during_a_spilling_query_leaves_no_spilled_pages(tmp_path):
         assert db.tensors() == ["A", "B", "C"]
         assert _spill_tables(db.connection) == []
         np.testing.assert_array_equal(db.tensor("A").numpy(), a)
+
+
+def test_host_tier_spills_what_is_read_last_and_reads_it_back_in_plan_order():
+    import torch
+
+    from tensorql.exec.hostpool import HostTier
+    from tensorql.exec.taskgraph import ChunkRef
+
+    refs = [ChunkRef(1, (i,)) for i in range(20)]
+    values = {ref: torch.full((256,), float(i)) for i, ref in enumerate(refs)}  # 1 KiB each
+    order = [refs[i] for i in (7, 3, 19, 0, 12, 5, 8, 1, 15, 2, 18, 4, 9, 6, 11, 10, 17, 13,
+                               16, 14)]
+    loads = [(100 + k, ref) for k, ref in enumerate(order)]
+    space = SpillSpace()
+    tier = HostTier(spill=space, budget=4 * 1024, loads=loads)
+    try:
+        for ref in refs:
+            tier.put(ref, values[ref].clone())
+        assert tier.plain_bytes == 4 * 1024
+        assert set(tier._data) == set(order[:4])  # Belady: the four read soonest stay
+        assert tier.spill_written == 16 * 1024 and tier.spill_chunks == 16
+        for op_id, ref in loads:
+            got = tier.get(ref)
+            torch.testing.assert_close(got, values[ref])
+            tier.load_done(op_id)
+            tier.drop(ref)
+            assert tier.plain_bytes <= 4 * 1024
+        assert tier.reads_ahead + tier.reads_on_demand >= 16
+        assert tier.spill_read >= 16 * 1024
+        assert tier.peak_plain_bytes <= 4 * 1024 and tier.over_budget == 0
+        assert tier.plain_bytes == 0
+    finally:
+        tier.close()
+        space.close()
