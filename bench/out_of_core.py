@@ -7,12 +7,12 @@
 n x n intermediate, which tensorql's plan computes whole before ``(A @ B) @ C`` reads it, so
 with the defaults the inputs and live intermediates are 1.2 GiB against a 384 MiB budget
 (>= 3x). (dask orders its tasks by rows of the result and frees each row of ``A @ B`` once
-used, so it never holds the intermediate: its peak is no measure of a spill tier.) Contenders, each run in a process of its own, in
-alternating order, ``--repeat`` times:
+used, so it never holds the intermediate: its peak is no measure of a spill tier.)
+Contenders, each run in a process of its own, in alternating order, ``--repeat`` times:
 
-* ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget of
-  1/8 of it: chunks beyond the host tier's share go to DuckDB (the spill tier) and come back
-  prefetched;
+* ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget
+  (``--memory-limit``) of 1/8 of it: chunks beyond the host tier's share go to DuckDB (the
+  spill tier) and come back prefetched;
 * ``tq-unlimited`` -- tensorql with no memory limit (everything in RAM);
 * ``dask`` -- ``dask.array`` over ``np.memmap`` copies of the inputs, the threaded scheduler
   with as many workers as tensorql's threads (one BLAS thread each).
@@ -96,7 +96,7 @@ def setup(work: Path, n: int, k: int, tile: int, seed: int = 0) -> None:
 
 
 # -- a child: one contender, one run ----------------------------------------------------------
-def child(kind: str, work: Path, tile: int, threads: int, budget: int) -> dict:
+def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: int) -> dict:
     out = work / f"result-{kind}.npy"
     if kind == "dask":
         import dask
@@ -117,7 +117,7 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int) -> dict:
     else:
         import tensorql as tq
 
-        limits = (dict(memory_limit=budget // 8, process_memory_limit=budget)
+        limits = (dict(memory_limit=limit, process_memory_limit=budget)
                   if kind == "tq-budget" else {})
         db = tq.connect(str(work / "inputs.duckdb"), devices="cpu", workers=threads,
                         read_only=False, **limits)
@@ -142,14 +142,15 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int) -> dict:
             "baseline_rss": base, **figures}
 
 
-def run_child(kind: str, work: Path, tile: int, threads: int, budget: int) -> dict:
+def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
+              limit: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if kind == "dask":  # dask's workers are the threads: one BLAS thread each
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     done = subprocess.run([sys.executable, __file__, "--child", kind, "--work", str(work),
                            "--tile", str(tile), "--threads", str(threads),
-                           "--budget-bytes", str(budget)],
+                           "--budget-bytes", str(budget), "--limit-bytes", str(limit)],
                           capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{done.stderr[-4000:]}")
@@ -200,6 +201,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=1024)
     parser.add_argument("--tile", type=int, default=2048)
     parser.add_argument("--budget", default="384MiB", help="tensorql's process_memory_limit")
+    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 1/8 of "
+                        "--budget)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
@@ -208,19 +211,22 @@ def main() -> int:
     parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, Path(args.work), args.tile, args.threads,
-                               args.budget_bytes)))
+                               args.budget_bytes, args.limit_bytes)))
         return 0
     if args.smoke:
         args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
     budget = _parse_bytes(args.budget)
+    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget // 8
     n, k = args.n, args.k
     total = (3 * n * k + n * n) * 4
     print(f"out-of-core (A @ B) @ C: A {n}x{k}, B {k}x{n}, C {n}x{k} float32, tile {args.tile}; "
           f"inputs + intermediate {total / MiB:.0f} MiB = {total / budget:.1f}x the budget of "
-          f"{budget / MiB:.0f} MiB; {args.threads} thread(s), {args.repeat} repeat(s)")
+          f"{budget / MiB:.0f} MiB (device budget {limit / MiB:.0f} MiB); {args.threads} "
+          f"thread(s), {args.repeat} repeat(s)")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tq-ooc-",
                                                                    dir=ROOT / ".bench-out"
                                                                    if (ROOT / ".bench-out")
@@ -233,7 +239,7 @@ def main() -> int:
         setup(work, n, k, args.tile)
         for r in range(args.repeat):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                sample = run_child(kind, work, args.tile, args.threads, budget)
+                sample = run_child(kind, work, args.tile, args.threads, budget, limit)
                 errors[kind] = max(errors.get(kind, 0.0), check(work, kind))
                 samples[kind].append(sample)
     finally:
