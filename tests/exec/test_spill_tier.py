@@ -276,3 +276,19 @@ def test_host_tier_spills_what_is_read_last_and_reads_it_back_in_plan_order():
     finally:
         tier.close()
         space.close()
+
+
+@pytest.mark.parametrize("devices", ["cpu", ["cpu:0", "cpu:1"]])
+def test_stored_result_and_two_devices_under_the_host_budget(tmp_path, devices):
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=4)
+    limits = {**SMALL_LIMITS, "devices": devices}
+    with tq.connect(str(tmp_path / "w.duckdb"), **limits) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        expr = (A @ B) @ C
+        stats = expr.compile().run(dense=True).stats
+        assert stats.spill_written_bytes > 0 and stats.host_peak_bytes <= stats.host_budget
+        db.store("D", expr)  # streamed: each result chunk goes to the store as it completes
+        np.testing.assert_allclose(db.tensor("D").numpy(), _reference(a, b, c),
+                                   rtol=1e-4, atol=1e-3)
+        assert db.tensors() == ["A", "B", "C", "D"]
+        assert _spill_tables(db.connection) == []
