@@ -11,8 +11,9 @@ used, so it never holds the intermediate: its peak is no measure of a spill tier
 Contenders, each run in a process of its own, in alternating order, ``--repeat`` times:
 
 * ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget
-  (``--memory-limit``) of 1/8 of it: chunks beyond the host tier's share go to DuckDB (the
-  spill tier) and come back prefetched;
+  (``--memory-limit``) of 3/8 of it (1/8 serialised the kernels: one task's chunks filled it):
+  chunks beyond the host tier's share go to DuckDB (the spill tier) and come back
+  prefetched;
 * ``tq-unlimited`` -- tensorql with no memory limit (everything in RAM);
 * ``dask`` -- ``dask.array`` over ``np.memmap`` copies of the inputs, the threaded scheduler
   with as many workers as tensorql's threads (one BLAS thread each).
@@ -201,7 +202,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=1024)
     parser.add_argument("--tile", type=int, default=2048)
     parser.add_argument("--budget", default="384MiB", help="tensorql's process_memory_limit")
-    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 1/8 of "
+    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 3/8 of "
                         "--budget)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeat", type=int, default=3)
@@ -220,7 +221,7 @@ def main() -> int:
     if args.smoke:
         args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
     budget = _parse_bytes(args.budget)
-    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget // 8
+    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget * 3 // 8
     n, k = args.n, args.k
     total = (3 * n * k + n * n) * 4
     print(f"out-of-core (A @ B) @ C: A {n}x{k}, B {k}x{n}, C {n}x{k} float32, tile {args.tile}; "
