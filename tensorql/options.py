@@ -241,6 +241,35 @@ class Options:
         budget = max(0, self.process_memory_bytes - reserved)
         return min(budget, available_memory_bytes()) if system else budget
 
+    @property
+    def spill_memory_bytes(self) -> int:
+        """DuckDB's memory in the session's spill database (the DuckDB tier, a database of
+        its own): a quarter of ``store_memory_limit``, within 32-256 MiB.
+
+        >>> Options(process_memory_limit="512MiB").spill_memory_bytes >> 20
+        32
+        """
+        share = (self.store_memory_limit or (1 << 30)) // 4
+        return max(32 << 20, min(256 << 20, share))
+
+    def host_tier_bytes(self, dense_bytes: int = 0) -> int:
+        """Bytes of chunk copies a run's host tier may keep in host memory (beyond a GPU's
+        pinned pool); the rest goes to DuckDB, the spill tier. On CPU devices, where device
+        memory is host memory, it is what the process figure leaves once the chunk cache,
+        DuckDB's memory (the store's and the spill database's), the CPU devices' budgets and
+        the run's dense results (``dense_bytes``) have their shares; at least 1/16 of the
+        figure.
+
+        >>> opts = Options(devices="cpu", memory_limit="1GiB", process_memory_limit="4GiB")
+        >>> from tensorql.units import format_bytes
+        >>> format_bytes(opts.host_tier_bytes()), format_bytes(opts.host_tier_bytes(1 << 30))
+        ('1.2 GiB', '256.0 MiB')
+        """
+        total = self.process_memory_bytes
+        left = (self.dense_result_budget(system=False) - self.spill_memory_bytes
+                - max(0, int(dense_bytes)))
+        return max(total // 16, left)
+
 
 def _meminfo(field: str) -> int | None:
     try:

@@ -22,6 +22,7 @@ SMOKE_RUNS = {
     "gpu_matmul": (["--device", "cpu", "--n", "512", "--tile", "128", "--repeat", "1"],
                    "max relative error"),
     "memory": (["--tiny"], "goals: store peak"),
+    "out_of_core": (["--smoke"], "goals: tq-budget peak RSS growth"),
     "gpu_offload": (["--device", "cpu", "--n", "512", "--tile", "128"], "speed-up"),
     "llama": (["--tiny", "--repeat", "1", "--new", "2"], "goals:"),
     "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5"], "goals:"),

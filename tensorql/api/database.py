@@ -98,12 +98,28 @@ class Database:
         self._closed = False
         self._connection: Any = None  # a private DuckDB connection when the store has none
         self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
+        self._spill_space: Any = None
+
+    @property
+    def spill_space(self) -> Any:
+        """Where this session's runs spill host copies beyond the host tier's budget: a DuckDB
+        file of its own beside the session's file (in memory: in the temporary directory),
+        made at the first spill and deleted at :meth:`close`
+        (:class:`~tensorql.storage.spill.SpillSpace`)."""
+        if self._spill_space is None:
+            from tensorql.storage.spill import SpillSpace
+
+            self._spill_space = SpillSpace(self.path,
+                                           memory_bytes=self.options.spill_memory_bytes)
+        return self._spill_space
 
     # -- context management -----------------------------------------------------------
     def close(self) -> None:
         if not self._closed:
             if self._connection is not None:
                 self._connection.close()
+            if self._spill_space is not None:
+                self._spill_space.close()
             self.chunk_store.close()
             self._closed = True
 

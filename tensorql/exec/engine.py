@@ -76,7 +76,9 @@ class RankJob:
 class EngineConfig:
     """What a run needs of the session: the devices (parsed once), the memory limit, the
     threads. ``runtime``: devices already built (a test's null devices, a runtime whose
-    memory plan is given) for the streams strategy; ``rank``: a rank's job."""
+    memory plan is given) for the streams strategy; ``rank``: a rank's job. ``spill``: the
+    session's :class:`~tensorql.storage.spill.SpillSpace`, where host copies beyond
+    ``host_budget`` bytes of host memory go (the DuckDB tier)."""
 
     devices: DeviceSet
     memory_limit: int | None = None
@@ -86,13 +88,21 @@ class EngineConfig:
     direct: bool = True  # may a run of one CPU with no limit skip the memory plan
     runtime: Runtime | None = field(default=None, compare=False)
     rank: RankJob | None = None
+    spill: Any = field(default=None, compare=False)
+    host_budget: int | None = None
 
     @classmethod
-    def of(cls, options: Any, *, timeline: bool = False,
-           rank: RankJob | None = None) -> EngineConfig:
-        """The engine a session's ``Options`` call for."""
+    def of(cls, options: Any, *, timeline: bool = False, rank: RankJob | None = None,
+           spill: Any = None, dense_bytes: int = 0) -> EngineConfig:
+        """The engine a session's ``Options`` call for. Under a memory limit the memory plan
+        counts on a host tier of :meth:`~tensorql.options.Options.host_tier_bytes` (less
+        ``dense_bytes``, the run's dense results); with a ``spill`` space the host tier
+        holds no more in host memory and spills the rest to DuckDB."""
+        budget = (options.host_tier_bytes(dense_bytes)
+                  if spill is not None or options.memory_limit is not None else None)
         return cls(options.device_set, options.memory_limit, options.workers,
-                   options.intra_op_threads, timeline, rank=rank)
+                   options.intra_op_threads, timeline, rank=rank, spill=spill,
+                   host_budget=budget)
 
     @classmethod
     def cpu(cls, workers: int = 1, intra_op_threads: int = 1) -> EngineConfig:
@@ -120,7 +130,8 @@ class EngineConfig:
         if self.runtime is not None:
             return self.runtime
         return Runtime(self.devices, self.memory_limit, workers=self.workers,
-                       intra_op_threads=self.intra_op_threads, timeline=self.timeline)
+                       intra_op_threads=self.intra_op_threads, timeline=self.timeline,
+                       spill_store=self.spill, host_budget=self.host_budget)
 
 
 _ONE_CPU = DeviceSet.parse("cpu")

@@ -45,7 +45,7 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tensorql.errors import PlanError
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -101,6 +101,35 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
+class HostPlan:
+    """Planned figures of the host tier: the most bytes of host copies held at once with no
+    budget (``peak_bytes``), and under ``budget`` the bytes that go to DuckDB (the spill
+    tier) and come back from it, with the rule the host tier follows at run time
+    (:class:`~tensorql.exec.hostpool.HostTier`: the copies read again furthest in the
+    future leave first)."""
+
+    budget: int | None
+    peak_bytes: int
+    spill_bytes: int = 0
+    reload_bytes: int = 0
+
+    def describe(self) -> str:
+        """One line for the memory plan's summary.
+
+        >>> HostPlan(None, 3 << 20).describe()
+        'host tier peak=3.0 MiB (unlimited)'
+        """
+        from tensorql.units import format_bytes
+
+        budget = format_bytes(self.budget) if self.budget is not None else "unlimited"
+        text = f"host tier peak={format_bytes(self.peak_bytes)} ({budget})"
+        if self.spill_bytes:
+            text += (f"; DuckDB tier spill={format_bytes(self.spill_bytes)} "
+                     f"reload={format_bytes(self.reload_bytes)}")
+        return text
+
+
+@dataclass(frozen=True)
 class Program:
     """The ops of a run in simulated order, with per-device plans and ranks for the runtime.
 
@@ -114,6 +143,7 @@ class Program:
     rank: tuple[float, ...]
     graph_tasks: int
     host_loads: dict[ChunkRef, int] = field(default_factory=dict, compare=False)
+    host: HostPlan | None = None
 
     def explain(self) -> str:
         """A short text summary of the memory plan.
@@ -134,6 +164,8 @@ class Program:
             if d.bytes_d2d:
                 text += f" d2d={format_bytes(d.bytes_d2d)}"
             parts.append(text)
+        if self.host is not None and self.host.spill_bytes:  # (the budget is the machine's
+            parts.append(self.host.describe())                # otherwise: not shown)
         return "memory plan: " + "; ".join(parts)
 
     @functools.cached_property
@@ -155,6 +187,15 @@ class Program:
     def dep_counts(self) -> tuple[int, ...]:
         """How many ops each op waits for."""
         return tuple(len(op.deps) for op in self.ops)
+
+    @functools.cached_property
+    def host_reads(self) -> tuple[tuple[int, ChunkRef], ...]:
+        """The reads of host copies (a ``load`` from the host, a ``send`` of a host copy), in
+        plan order: the order the host tier keeps chunks in memory and prefetches spilled
+        ones by (:class:`~tensorql.exec.hostpool.HostTier`)."""
+        return tuple((op.id, op.ref) for op in self.ops
+                     if (op.kind == "load" and not op.from_rest)
+                     or (op.kind == "send" and op.from_host))
 
     @functools.cached_property
     def result_copies(self) -> tuple[Op, ...]:
@@ -571,7 +612,8 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
                  budgets: Sequence[int | None] | None = None, prefetch: int = 2,
                  sizes: dict[ChunkRef, int] | None = None,
                  results_on_device: bool = False,
-                 host_domains: Sequence[int] | None = None) -> Program:
+                 host_domains: Sequence[int] | None = None,
+                 host_budget: int | None = None) -> Program:
     """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
 
     ``sizes`` defaults to ``graph.chunk_bytes``; a budget needs every chunk's size (PlanError
@@ -579,7 +621,9 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
     ``results_on_device`` leaves retained chunks in device memory (no budget allowed).
     ``host_domains`` gives each device's host memory (the rank of a torch.distributed job;
     default: one host for all): a chunk written back to one host and needed by a device of
-    another is a ``send`` from the host copy (``from_host``), not a load.
+    another is a ``send`` from the host copy (``from_host``), not a load. ``host_budget``:
+    the host tier's bytes of host memory, beyond which copies spill to DuckDB
+    (:class:`HostPlan`, in ``Program.host``).
     """
     if results_on_device and budgets and any(b is not None for b in budgets):
         raise PlanError("results_on_device needs an unlimited budget")
@@ -593,5 +637,76 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
             raise PlanError(f"a memory_limit needs chunk sizes; chunk {missing[0]} has none")
     if host_domains is not None and len(host_domains) != n_devices:
         raise PlanError(f"{len(host_domains)} host domains for {n_devices} devices")
-    return _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device,
-                    host_domains).run()
+    program = _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device,
+                       host_domains).run()
+    return replace(program, host=plan_host_tier(program, sizes, host_budget))
+
+
+def plan_host_tier(program: Program, sizes: dict[ChunkRef, int],
+                   budget: int | None = None) -> HostPlan:
+    """The host tier through ``program``'s ops in plan order: a write-back enters it, a read
+    that takes the copy or is its last leaves it; over ``budget``, the copies read again
+    furthest in the future (the incoming one included) go to DuckDB, and one is read back
+    from there when a read needs it.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef
+    >>> a, b = ChunkRef(0, (0,)), ChunkRef(0, (1,))
+    >>> ops = (Op(0, "d2h", 0, a, (), 8, "d2h", evict=True),
+    ...        Op(1, "d2h", 0, b, (), 8, "d2h", evict=True),
+    ...        Op(2, "load", 0, b, (1,), 8, "h2d"), Op(3, "load", 0, a, (0,), 8, "h2d"))
+    >>> prog = Program(ops, (), frozenset(), (0.0,) * 4, 0, host_loads={a: 1, b: 1})
+    >>> plan_host_tier(prog, {a: 8, b: 8}, budget=8)
+    HostPlan(budget=8, peak_bytes=16, spill_bytes=8, reload_bytes=8)
+    """
+    reads: dict[ChunkRef, list[int]] = {}
+    for k, (_, ref) in enumerate(program.host_reads):
+        reads.setdefault(ref, []).append(k)
+    position = {op_id: k for k, (op_id, _) in enumerate(program.host_reads)}
+    held: dict[ChunkRef, int] = {}  # in host memory
+    spilled: set[ChunkRef] = set()  # with a copy in DuckDB
+    total = peak = in_memory = spill = reload = 0
+
+    def next_read(ref: ChunkRef) -> float:
+        left = reads.get(ref)
+        return left[0] if left else math.inf
+
+    def make_room(ref: ChunkRef, nbytes: int) -> bool:
+        """Room for ``ref``; False when ``ref`` itself goes to DuckDB."""
+        nonlocal in_memory, spill
+        if budget is None:
+            return True
+        for victim in sorted([*held, ref], key=next_read, reverse=True):
+            if in_memory + nbytes <= budget:
+                return True
+            if victim == ref:
+                return False
+            in_memory -= held.pop(victim)
+            if victim not in spilled:
+                spilled.add(victim)
+                spill += sizes.get(victim, 0)
+        return in_memory + nbytes <= budget
+
+    for op in program.ops:
+        ref = op.ref
+        if op.kind == "d2h" and (op.evict or program.host_loads.get(ref, 0) > 0):
+            nbytes = sizes.get(ref, op.nbytes)
+            total += nbytes
+            peak = max(peak, total)
+            spilled.discard(ref)
+            if make_room(ref, nbytes):
+                held[ref] = nbytes
+                in_memory += nbytes
+            else:
+                spilled.add(ref)
+                spill += nbytes
+        elif op.id in position:
+            left = reads.get(ref, [])
+            if left:
+                left.pop(0)
+            if ref not in held and ref in spilled:
+                reload += sizes.get(ref, op.nbytes)
+            if not op.keep_host or not left:
+                total -= sizes.get(ref, op.nbytes)
+                in_memory -= held.pop(ref, 0)
+                spilled.discard(ref)
+    return HostPlan(budget, peak, spill, reload)

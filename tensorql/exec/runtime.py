@@ -120,7 +120,14 @@ class RuntimeStats(RunStats):
     program: Program | None = None
     timeline: list[TimelineEvent] = field(default_factory=list)
     pinned_bytes: int = 0
-    spilled_bytes: int = 0
+    spilled_bytes: int = 0  # host copies beyond the pinned pool (host memory or DuckDB)
+    host_budget: int | None = None  # plain host memory the host tier may hold
+    host_peak_bytes: int = 0
+    spill_written_bytes: int = 0  # the DuckDB tier: chunk bytes written, read back
+    spill_read_bytes: int = 0
+    spill_chunks: int = 0
+    spill_reads_ahead: int = 0  # read back by the prefetcher ahead of the load
+    spill_reads_on_demand: int = 0
     moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
     # one record per rank of a distributed run (a RankStats each), gathered after it
     ranks: list[Any] = field(default_factory=list)
@@ -134,16 +141,30 @@ class RuntimeStats(RunStats):
         """Bytes the run copied from one device to another."""
         return sum(map(sum, self.moved))
 
+    def tier_lines(self) -> list[str]:
+        """The host and DuckDB tiers' figures for EXPLAIN ANALYZE (none when unused)."""
+        if not (self.pinned_bytes or self.spilled_bytes):
+            return []
+        budget = (format_bytes(self.host_budget) if self.host_budget is not None
+                  else "unlimited")
+        lines = [f"  host tier: {format_bytes(self.pinned_bytes)} written to the pinned pool, "
+                 f"{format_bytes(self.spilled_bytes)} beyond it; host memory peak "
+                 f"{format_bytes(self.host_peak_bytes)} of {budget}"]
+        if self.spill_written_bytes or self.spill_read_bytes:
+            reads = self.spill_reads_ahead + self.spill_reads_on_demand
+            lines.append(f"  DuckDB tier: {format_bytes(self.spill_written_bytes)} spilled "
+                         f"({self.spill_chunks} chunk(s)), "
+                         f"{format_bytes(self.spill_read_bytes)} reloaded "
+                         f"({self.spill_reads_ahead} of {reads} read(s) ahead of use)")
+        return lines
+
     def device_lines(self) -> list[str]:
         """Text lines for EXPLAIN ANALYZE, one per device."""
         lines = []
         for dev, kind in zip(self.devices, self.device_kinds):
             if kind != "remote":  # another rank's device: its figures are in ``ranks``
                 lines.append("  " + dev.describe(cpu_like=kind != "cuda"))
-        if self.pinned_bytes or self.spilled_bytes:
-            lines.append(f"  host tier: {format_bytes(self.pinned_bytes)} written to the pinned "
-                         f"pool, {format_bytes(self.spilled_bytes)} to plain host memory or "
-                         "the spill store")
+        lines.extend(self.tier_lines())
         if self.ranks:
             lines.append("ranks (bytes handed to torch.distributed):")
             lines += ["  " + rank.describe() for rank in self.ranks]
@@ -183,17 +204,20 @@ class Runtime:
     ``devices`` is a ``devices`` option value ("cpu", "cuda", ["cpu:0", "cpu:1"], "null", ...)
     or a list of :class:`~tensorql.exec.devices.Device`. ``reserve_bytes`` of the limit is kept
     back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
-    ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
-    takes host copies beyond it. ``timeline=True`` records every op for
-    :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
-    result chunks in device memory instead of copying them to the host. ``direct=True`` lets
-    a run on one CPU with no limit skip the memory plan (see :meth:`run`).
+    ``host_pool_bytes`` sizes the pinned pool GPUs copy through; beyond it host copies are
+    plain host memory, at most ``host_budget`` bytes of it when ``spill_store`` (a
+    :class:`~tensorql.storage.spill.SpillSpace`) takes the rest into DuckDB.
+    ``timeline=True`` records every op for :func:`tensorql.exec.timeline.timeline_html`.
+    ``results_on_device=True`` (no limit) leaves result chunks in device memory instead of
+    copying them to the host. ``direct=True`` lets a run on one CPU with no limit skip the
+    memory plan (see :meth:`run`).
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
                  reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
-                 spill_store: Any = None, timeline: bool = False,
+                 spill_store: Any = None, host_budget: int | None = None,
+                 timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False,
                  host_domains: Sequence[int] | None = None) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
@@ -206,6 +230,7 @@ class Runtime:
         self.reserve_bytes = reserve_bytes
         self.host_pool_bytes = host_pool_bytes
         self.spill_store = spill_store
+        self.host_budget = host_budget
         self.timeline = timeline
         self.results_on_device = results_on_device
         self._host_domains = tuple(host_domains) if host_domains is not None else None
@@ -233,12 +258,12 @@ class Runtime:
         budgets = self.budgets()
         domains = self.host_domains()
         key = (tuple(d.name for d in self.devices), tuple(budgets), self.prefetch,
-               self.results_on_device, domains)
+               self.results_on_device, domains, self.host_budget)
         program = graph.programs.get(key)
         if program is None:
             program = plan_program(graph, len(self.devices), budgets, prefetch=self.prefetch,
                                    results_on_device=self.results_on_device,
-                                   host_domains=domains)
+                                   host_domains=domains, host_budget=self.host_budget)
             graph.programs[key] = program
         return program
 
@@ -403,7 +428,8 @@ def _send_done(run: StreamRun, op: Op, c: Completion) -> bool:
 
 # -- fetch: a source read straight into the host tier --------------------------------------
 def _fetch_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
-    return lambda: run.host.put(op.ref, op.task.kernel.run([], None))
+    return lambda: run.host.put(op.ref, op.task.kernel.run([], None),
+                                fresh=run.sink is not None)
 
 
 def _fetch_done(run: StreamRun, op: Op, c: Completion) -> bool:
@@ -419,11 +445,13 @@ def _fetch_done(run: StreamRun, op: Op, c: Completion) -> bool:
 # -- d2h: a chunk written back to the host tier (a result, or an eviction) -----------------
 def _d2h_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
     values = run.values[op.device]
+    # a result its sink takes at once is not spilled before that
+    fresh = (run.sink is not None and not op.evict and op.ref.step in run.graph.retain)
 
     def d2h() -> None:
         value = values[op.ref]
         buf = run.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
-        run.host.put(op.ref, dev.to_host(value, buf))
+        run.host.put(op.ref, dev.to_host(value, buf), fresh=fresh)
     return d2h
 
 
@@ -492,7 +520,9 @@ class StreamRun(RunState):
         self.values: list[dict[ChunkRef, Any]] = [{} for _ in self.devices]
         self.live = [0] * len(self.devices)
         self.budgets = [d.budget for d in program.devices]
-        self.host = HostTier(rt.pool(), rt.spill_store, run_tag=f"{id(self):x}")
+        self.host = HostTier(rt.pool(), rt.spill_store, run_tag=f"{id(self):x}",
+                             budget=rt.host_budget if rt.spill_store is not None else None,
+                             loads=program.host_reads)
         self.host_loads = dict(program.host_loads)
         self.cleanup: dict[int, Callable[[], None]] = {}
         self.done_ops = 0
@@ -727,6 +757,7 @@ class StreamRun(RunState):
         return self.host.get(ref)
 
     def host_load_done(self, op: Op) -> None:
+        self.host.load_done(op.id)
         left = self.host_loads.get(op.ref, 0) - 1
         self.host_loads[op.ref] = left
         if not op.keep_host or (left <= 0 and op.ref.step not in self.graph.retain):
@@ -741,8 +772,22 @@ class StreamRun(RunState):
             dev_stats.copy_s = _length(copies)
             dev_stats.overlap_s = _intersection(compute, copies)
         self.stats.peak_live_bytes = max((d.peak_bytes for d in self.stats.devices), default=0)
-        self.stats.pinned_bytes = self.host.pinned_bytes
-        self.stats.spilled_bytes = self.host.spilled_bytes
+        host = self.host
+        self.stats.pinned_bytes = host.pinned_bytes
+        self.stats.spilled_bytes = host.spilled_bytes
+        self.stats.host_budget = host.budget
+        self.stats.host_peak_bytes = host.peak_plain_bytes
+        self.stats.spill_written_bytes = host.spill_written
+        self.stats.spill_read_bytes = host.spill_read
+        self.stats.spill_chunks = host.spill_chunks
+        self.stats.spill_reads_ahead = host.ahead_used
+        self.stats.spill_reads_on_demand = host.reads_on_demand
+        if host.spill_written:
+            log.info("DuckDB spill tier: %s spilled in %d chunk(s), %s reloaded (%d read(s) "
+                     "ahead of use, %d on demand); host memory peak %s of %s",
+                     format_bytes(host.spill_written), host.spill_chunks,
+                     format_bytes(host.spill_read), host.ahead_used, host.reads_on_demand,
+                     format_bytes(host.peak_plain_bytes), format_bytes(host.budget))
         evictions = sum(d.evictions for d in self.stats.devices)
         reloads = sum(d.reloads for d in self.stats.devices)
         spilled = format_bytes(self.stats.spilled_bytes)

@@ -75,7 +75,7 @@ class NativeBackend:
                          destination=writer.destination if writer else None,
                          keep_outputs=not dense, partition=query.partition,
                          title=query.node.describe(), rank_stats=rank_stats,
-                         timeline=timeline)
+                         timeline=timeline, spill=query.db.spill_space)
         return QueryResult(plan=query.physical, chunks=result_chunks(query.physical, result),
                            stats=result.stats,
                            assembled=writer.tensors[0] if writer else None,

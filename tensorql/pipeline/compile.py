@@ -89,7 +89,8 @@ class CompiledQuery:
 
         result = execute(self.physical, self.db.options, values="stream",
                          progress=progress, sink=result_sink, keep_outputs=False,
-                         partition=self.partition, title=self.node.describe())
+                         partition=self.partition, title=self.node.describe(),
+                         spill=self.db.spill_space)
         for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
             if ref.step == sid and chunk is not None and ref.key not in sent:
                 sink(ref.key, chunk)
@@ -196,7 +197,8 @@ class CompiledGroup:
         writer = DenseResults(steps, out)
         self.last_stats.clear()
         result = execute(self.physical, options, values="return", progress=progress,
-                         sink=writer.sink, destination=writer.destination, keep_outputs=False)
+                         sink=writer.sink, destination=writer.destination, keep_outputs=False,
+                         spill=self.db.spill_space)
         self.last_stats.append(result.stats)
         return writer.tensors
 

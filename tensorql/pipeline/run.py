@@ -44,7 +44,7 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
             progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None, keep_outputs: bool = True,
             partition: PartitionPlan | None = None, title: str | None = None,
-            rank_stats: bool = False, timeline: bool = False) -> RunResult:
+            rank_stats: bool = False, timeline: bool = False, spill: Any = None) -> RunResult:
     """Run ``physical``'s task graph on the session's devices through the engine.
 
     ``values`` says what the caller does with the values the run computes ("return",
@@ -56,6 +56,8 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
     run is this rank's part (``partition`` and the plan are checked to be every rank's);
     each rank then holds every result chunk, and with ``rank_stats`` every rank's figures.
     ``timeline`` records every op's start and end in ``stats.timeline`` (one process).
+    ``spill``: the session's :class:`~tensorql.storage.spill.SpillSpace` (``db.spill_space``):
+    under a memory limit, host copies beyond :meth:`Options.host_tier_bytes` go to DuckDB.
     """
     if values is not None and not options.device_set.computes_values:
         raise ExecutionError(
@@ -66,9 +68,13 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
         with progress_bar(title) as bar:
             return execute(physical, options, values=values, progress=bar, sink=sink,
                            destination=destination, keep_outputs=keep_outputs,
-                           partition=partition, rank_stats=rank_stats, timeline=timeline)
+                           partition=partition, rank_stats=rank_stats, timeline=timeline,
+                           spill=spill)
     if not options.distributed:
-        config = engine.EngineConfig.of(options, timeline=timeline)
+        dense = (sum(math.prod(s.relation.shape) * itemsize(s.relation.dtype)
+                     for s in physical.output_steps) if destination is not None else 0)
+        config = engine.EngineConfig.of(options, timeline=timeline, spill=spill,
+                                        dense_bytes=dense)
         return engine.run(physical.task_graph(), config,
                           progress=progress, sink=sink, destination=destination,
                           keep_outputs=keep_outputs)

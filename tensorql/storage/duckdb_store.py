@@ -41,6 +41,7 @@ from tensorql.grid import ChunkGrid, Key
 from tensorql.storage.blob_codec import chunk_bytes, decode_values, view_bytes
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta, as_chunk_tensor, check_chunk
 from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
+from tensorql.storage.spill import remove_stale_files, spill_prefix
 from tensorql.storage.sql_text import ddl, quote_ident
 
 CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
@@ -102,6 +103,8 @@ class DuckDBChunkStore(ChunkStore):
         self.read_only = read_only
         self.batch_bytes = batch_bytes
         self.connection = self._open(path, read_only, lock_timeout)
+        if path is not None:  # spill files of a process killed while it spilled
+            remove_stale_files(spill_prefix(path))
         register_functions(self.connection)
         if path is not None and duckdb_memory_bytes:
             self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")

@@ -14,7 +14,7 @@ import tensorql as tq
 from tensorql.errors import ExecutionError
 from tensorql.exec.runtime import Runtime, RuntimeStats
 from tensorql.exec.timeline import timeline_html
-from tensorql.storage.memory_store import MemoryChunkStore
+from tensorql.storage.spill import SpillSpace
 
 
 @pytest.mark.parametrize("chunks", [3, 5, 9])
@@ -46,12 +46,15 @@ def test_partials_written_back_and_reloaded_stay_exact():
                                       if t.inputs else -1) for t in graph.tasks)
     graph = dataclasses.replace(graph, tasks=tasks)
     budget = 4 * chunk(graph)
-    runtime = Runtime("cpu", budget, workers=2, spill_store=MemoryChunkStore())
+    space = SpillSpace()
+    runtime = Runtime("cpu", budget, workers=2, spill_store=space, host_budget=chunk(graph))
     result = runtime.run(graph)
+    space.close()
     assert result.stats.program.devices[0].writebacks > 0
     torch.testing.assert_close(dense(q, result.outputs), torch.from_numpy(a @ b))
     assert result.stats.devices[0].peak_bytes <= budget
-    assert result.stats.spilled_bytes > 0  # went through the chunk store tier
+    assert result.stats.spill_written_bytes > 0  # went through the DuckDB tier
+    assert result.stats.spill_read_bytes > 0
 
 
 def test_api_connect_memory_limit_chain_of_operators(rng):

@@ -1,0 +1,297 @@
+"""Out-of-core bench: ``(A @ B) @ C`` whose intermediate is several times the host budget.
+
+    python bench/out_of_core.py [--n 16384] [--k 1024] [--tile 2048] [--budget 384MiB]
+                                [--threads N] [--repeat 3] [--smoke]
+
+``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``A @ B`` is an
+n x n intermediate, which tensorql's plan computes whole before ``(A @ B) @ C`` reads it, so
+with the defaults the inputs and live intermediates are 1.2 GiB against a 384 MiB budget
+(>= 3x). (dask orders its tasks by rows of the result and frees each row of ``A @ B`` once
+used, so it never holds the intermediate: its peak is no measure of a spill tier.)
+Contenders, each run in a process of its own, in alternating order, ``--repeat`` times:
+
+* ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget
+  (``--memory-limit``) of 3/8 of it (1/8 serialised the kernels: one task's chunks filled it):
+  chunks beyond the host tier's share go to DuckDB (the spill tier) and come back
+  prefetched;
+* ``tq-unlimited`` -- tensorql with no memory limit (everything in RAM);
+* ``dask`` -- ``dask.array`` over ``np.memmap`` copies of the inputs, the threaded scheduler
+  with as many workers as tensorql's threads (one BLAS thread each).
+
+Each child warms up (reads a slice of every input and runs the chain on a corner of it: the
+libraries' one-off allocations), resets its peak RSS (``/proc/self/clear_refs``), then runs
+once; it reports the time, the growth of its peak RSS over that warmed-up baseline (the
+figure the budget bounds; the absolute peak is printed too) and, for tensorql, the bytes of
+each tier. Every result is checked against numpy on the memmaps (64 sampled rows in full,
+and the whole result times a random vector).
+
+Goals: ``tq-budget``'s peak RSS growth <= budget + 25 %, and its median time <= 1.5x
+``tq-unlimited``'s. Prints the figures with their spread (min..max) and writes a JSON
+record (figures, samples, commit, CPU, cores, torch version, date) under ``.bench-out/``.
+Exits 1 on a missed goal or a wrong result; ``--smoke`` (a small size, one repeat, for
+tests/test_benches.py) checks the results only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _parse_bytes(text: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from tensorql.options import parse_bytes
+
+    return int(parse_bytes(text))
+
+
+# -- setup: the inputs, in a DuckDB file and as .npy files for the memmaps --------------------
+def setup(work: Path, n: int, k: int, tile: int, seed: int = 0) -> None:
+    import tensorql as tq
+
+    rng = np.random.default_rng(seed)
+    shapes = {"A": (n, k), "B": (k, n), "C": (n, k)}
+    tiles = {"A": (tile, k), "B": (k, tile), "C": (tile, k)}
+    with tq.connect(str(work / "inputs.duckdb"), devices="cpu") as db:
+        for name, shape in shapes.items():
+            mm = np.lib.format.open_memmap(work / f"{name}.npy", mode="w+", dtype=np.float32,
+                                           shape=shape)
+            for lo in range(0, shape[0], 1024):  # bounded memory
+                hi = min(shape[0], lo + 1024)
+                mm[lo:hi] = rng.standard_normal((hi - lo, shape[1]), dtype=np.float32)
+            mm.flush()
+            db.from_numpy(name, mm, tile=tiles[name])
+            del mm
+
+
+# -- a child: one contender, one run ----------------------------------------------------------
+def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: int) -> dict:
+    out = work / f"result-{kind}.npy"
+    if kind == "dask":
+        import dask
+        import dask.array as da
+
+        arrays = [np.load(work / f"{name}.npy", mmap_mode="r") for name in "ABC"]
+        a, b, c = (da.from_array(arrays[0], chunks=(tile, -1)),
+                   da.from_array(arrays[1], chunks=(-1, tile)),
+                   da.from_array(arrays[2], chunks=(tile, -1)))
+        with dask.config.set(scheduler="threads", num_workers=threads):
+            ((a[:tile] @ b[:, :tile]) @ c[:tile]).compute()  # warm-up
+            _reset_peak()
+            base = _status("VmRSS")
+            start = time.perf_counter()
+            result = ((a @ b) @ c).compute()
+            seconds = time.perf_counter() - start
+        figures: dict = {}
+    else:
+        import tensorql as tq
+
+        limits = (dict(memory_limit=limit, process_memory_limit=budget)
+                  if kind == "tq-budget" else {})
+        db = tq.connect(str(work / "inputs.duckdb"), devices="cpu", workers=threads,
+                        read_only=False, **limits)
+        A, B, C = db.tensor("A"), db.tensor("B"), db.tensor("C")
+        ((A[:tile, :] @ B[:, :tile]) @ C[:tile, :]).numpy()  # warm-up
+        query = ((A @ B) @ C).compile()
+        _reset_peak()
+        base = _status("VmRSS")
+        start = time.perf_counter()
+        run = query.run(dense=True)
+        result = run.dense().numpy()
+        seconds = time.perf_counter() - start
+        stats = run.stats
+        figures = {key: getattr(stats, key, None) for key in (
+            "host_budget", "host_peak_bytes", "spill_written_bytes", "spill_read_bytes",
+            "spill_chunks", "spill_reads_ahead", "spill_reads_on_demand")}
+        figures["device_peak_bytes"] = stats.peak_live_bytes
+        db.close()
+    peak = _status("VmHWM")
+    np.save(out, result)
+    return {"kind": kind, "seconds": seconds, "growth": peak - base, "peak_rss": peak,
+            "baseline_rss": base, **figures}
+
+
+def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
+              limit: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    if kind == "dask":  # dask's workers are the threads: one BLAS thread each
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, __file__, "--child", kind, "--work", str(work),
+                           "--tile", str(tile), "--threads", str(threads),
+                           "--budget-bytes", str(budget), "--limit-bytes", str(limit)],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the check: sampled rows in full, and the whole result against a random vector -----------
+def check(work: Path, kind: str, seed: int = 1) -> float:
+    a, b, c = (np.load(work / f"{name}.npy", mmap_mode="r") for name in "ABC")
+    got = np.load(work / f"result-{kind}.npy", mmap_mode="r")
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(a.shape[0], size=min(64, a.shape[0]), replace=False))
+    want_rows = (np.asarray(a[rows], np.float64) @ b) @ c
+    x = rng.standard_normal(c.shape[1])
+    want_vec = np.asarray(a, np.float64) @ (np.asarray(b, np.float64) @ (c @ x))
+    err_rows = np.abs(got[rows] - want_rows).max() / np.abs(want_rows).max()
+    err_vec = np.abs(got @ x - want_vec).max() / np.abs(want_vec).max()
+    return float(max(err_rows, err_vec))
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3g} ({min(values):.3g}..{max(values):.3g})"
+
+
+def _environment() -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"commit": commit, "cpu": model, "cores": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--tile", type=int, default=2048)
+    parser.add_argument("--budget", default="384MiB", help="tensorql's process_memory_limit")
+    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 3/8 of "
+                        "--budget)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a small size, one repeat: results checked, goals not")
+    parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.work), args.tile, args.threads,
+                               args.budget_bytes, args.limit_bytes)))
+        return 0
+    if args.smoke:
+        args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
+    budget = _parse_bytes(args.budget)
+    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget * 3 // 8
+    n, k = args.n, args.k
+    total = (3 * n * k + n * n) * 4
+    print(f"out-of-core (A @ B) @ C: A {n}x{k}, B {k}x{n}, C {n}x{k} float32, tile {args.tile}; "
+          f"inputs + intermediate {total / MiB:.0f} MiB = {total / budget:.1f}x the budget of "
+          f"{budget / MiB:.0f} MiB (device budget {limit / MiB:.0f} MiB); {args.threads} "
+          f"thread(s), {args.repeat} repeat(s)")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tq-ooc-",
+                                                                   dir=ROOT / ".bench-out"
+                                                                   if (ROOT / ".bench-out")
+                                                                   .is_dir() else None))
+    work.mkdir(parents=True, exist_ok=True)
+    kinds = ["tq-budget", "tq-unlimited"] + ([] if args.skip_dask else ["dask"])
+    samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    errors: dict[str, float] = {}
+    try:
+        setup(work, n, k, args.tile)
+        for r in range(args.repeat):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                sample = run_child(kind, work, args.tile, args.threads, budget, limit)
+                errors[kind] = max(errors.get(kind, 0.0), check(work, kind))
+                samples[kind].append(sample)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"{'contender':<13} {'time s, median (min..max)':<28} {'peak RSS growth MiB':<26} "
+          f"{'abs peak MiB':>12}  max rel. error")
+    for kind in kinds:
+        times = [s["seconds"] for s in samples[kind]]
+        growth = [s["growth"] / MiB for s in samples[kind]]
+        peak = max(s["peak_rss"] for s in samples[kind]) / MiB
+        print(f"{kind:<13} {_spread(times):<28} {_spread(growth):<26} {peak:>12.0f}  "
+              f"{errors[kind]:.2e}")
+    last = samples["tq-budget"][-1]
+    print(f"tq-budget tiers: host memory peak {last['host_peak_bytes'] / MiB:.0f} MiB of "
+          f"{(last['host_budget'] or 0) / MiB:.0f} MiB, DuckDB "
+          f"{last['spill_written_bytes'] / MiB:.0f} MiB spilled in {last['spill_chunks']} "
+          f"chunk(s), {last['spill_read_bytes'] / MiB:.0f} MiB reloaded "
+          f"({last['spill_reads_ahead']} read(s) ahead of use, "
+          f"{last['spill_reads_on_demand']} on demand)")
+    median = {kind: statistics.median(s["seconds"] for s in samples[kind]) for kind in kinds}
+    worst_growth = max(s["growth"] for s in samples["tq-budget"])
+    ratio = median["tq-budget"] / median["tq-unlimited"]
+    wrong = [kind for kind, err in errors.items() if not err < 1e-3]
+    goals = {
+        "peak RSS growth <= budget + 25%": worst_growth <= 1.25 * budget,
+        "time <= 1.5x in-memory": ratio <= 1.5,
+        "results match numpy": not wrong,
+    }
+    missed = [goal for goal, ok in goals.items() if not ok]
+    versus_dask = (f"; {median['tq-budget'] / median['dask']:.2f}x dask's time"
+                   if "dask" in median else "")
+    print(f"goals: tq-budget peak RSS growth {worst_growth / MiB:.0f} MiB vs budget + 25% "
+          f"{1.25 * budget / MiB:.0f} MiB; time {ratio:.2f}x the in-memory run (<= 1.5x)"
+          f"{versus_dask} -> {'met' if not missed else 'MISSED: ' + ', '.join(missed)}")
+    record = {"bench": "out_of_core", "args": vars(args), "budget_bytes": budget,
+              "total_bytes": total, "samples": samples, "errors": errors,
+              "median_seconds": median, "goals": goals, **_environment()}
+    out_dir = ROOT / ".bench-out"
+    out_dir.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"out_of_core-{'smoke-' if args.smoke else ''}{stamp}.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    print(f"figures written to {path}")
+    if wrong:
+        print(f"WRONG RESULT: {', '.join(wrong)}")
+        return 1
+    if args.smoke:
+        return 0
+    return 0 if all(goals.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

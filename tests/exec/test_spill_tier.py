@@ -1,0 +1,294 @@
+"""DuckDB as the spill tier: under a host budget smaller than a query's live intermediates the
+results match numpy, the host tier holds at most its budget, EXPLAIN ANALYZE and RunStats give
+the DuckDB tier's bytes, the process's peak RSS stays within the budget + 25 %, and nothing
+spilled outlives the run -- nor a process killed with SIGKILL while it spills."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+import tensorql as tq
+from tensorql.storage.spill import SPILL_PREFIX, SpillSpace
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def _operands(n: int, k: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, k), dtype=np.float32),
+            rng.standard_normal((k, n), dtype=np.float32),
+            rng.standard_normal((n, k), dtype=np.float32))
+
+
+def _reference(a, b, c):
+    return (a.astype(np.float64) @ b) @ c
+
+
+def _spill_tables(con) -> list[str]:
+    return [r[0] for r in con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, ?)",
+        [SPILL_PREFIX]).fetchall()]
+
+
+def _store(db, a, b, c, tile: int):
+    k = a.shape[1]
+    return (db.from_numpy("A", a, tile=(tile, k)), db.from_numpy("B", b, tile=(k, tile)),
+            db.from_numpy("C", c, tile=(tile, k)))
+
+
+# A (n x k) @ B (k x n) is an n x n intermediate, all of it computed before (AB) @ C reads it
+SMALL = dict(n=3072, k=16, tile=256)
+SMALL_LIMITS = dict(devices="cpu", workers=2, memory_limit="2MiB",
+                    process_memory_limit="32MiB")
+
+
+def test_results_match_numpy_with_the_duckdb_tier_used(tmp_path):
+    a, b, c = _operands(SMALL["n"], SMALL["k"])
+    with tq.connect(str(tmp_path / "w.duckdb"), **SMALL_LIMITS) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        query = ((A @ B) @ C).compile()
+        result = query.run(dense=True)
+        stats = result.stats
+        intermediate = SMALL["n"] ** 2 * 4
+        assert stats.host_budget is not None and stats.host_budget < intermediate / 2
+        np.testing.assert_allclose(result.dense().numpy(), _reference(a, b, c),
+                                   rtol=1e-4, atol=1e-3)
+        assert stats.spill_written_bytes > intermediate - stats.host_budget - 2 * MiB
+        assert stats.spill_read_bytes > 0 and stats.spill_chunks > 0
+        assert stats.spill_reads_ahead > 0  # the prefetcher read chunks back before their use
+        assert stats.host_peak_bytes <= stats.host_budget
+        planned = stats.program.host  # the memory plan accounts for the host and DuckDB tiers
+        assert planned.budget == stats.host_budget and planned.peak_bytes > stats.host_budget
+        assert 0.5 < planned.spill_bytes / stats.spill_written_bytes < 2
+        assert "; DuckDB tier spill=" in query.explain(stage="memory")
+        text = query.explain(analyze=True)
+        assert "DuckDB tier: " in text and " spilled (" in text and " reloaded (" in text
+        assert _spill_tables(db.connection) == []  # dropped with the run
+        assert db.tensors() == ["A", "B", "C"]
+
+
+def test_without_a_memory_limit_nothing_spills(tmp_path):
+    a, b, c = _operands(512, 8)
+    with tq.connect(str(tmp_path / "w.duckdb"), devices="cpu", workers=2,
+                    process_memory_limit="32MiB") as db:
+        A, B, C = _store(db, a, b, c, 128)
+        result = ((A @ B) @ C).compile().run(dense=True)
+        np.testing.assert_allclose(result.dense().numpy(), _reference(a, b, c),
+                                   rtol=1e-4, atol=1e-3)
+        assert getattr(result.stats, "spill_written_bytes", 0) == 0
+
+
+def test_in_memory_session_spills_to_a_temporary_file_removed_at_close():
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=1)
+    db = tq.connect(**SMALL_LIMITS)
+    A, B, C = _store(db, a, b, c, 256)
+    result = ((A @ B) @ C).compile().run(dense=True)
+    np.testing.assert_allclose(result.dense().numpy(), _reference(a, b, c),
+                               rtol=1e-4, atol=1e-3)
+    assert result.stats.spill_written_bytes > 0
+    path = db.spill_space.path
+    assert path is not None and os.path.exists(path)
+    assert os.path.dirname(path) == tempfile.gettempdir()
+    con = db.spill_space.cursor()
+    assert _spill_tables(con) == []
+    con.close()
+    db.close()
+    assert not os.path.exists(path)
+
+
+def test_stale_temporary_files_of_dead_processes_are_removed(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / f"tensorql-spill-{int(done.stdout)}-x"
+    dead.mkdir()
+    (dead / "duckdb_temp_storage-0.tmp").write_bytes(b"left by a killed process")
+    mine = tmp_path / f"tensorql-spill-{os.getpid()}-y"
+    mine.mkdir()
+    space = SpillSpace(directory=str(tmp_path))
+    pages = space.open_run("t")
+    pages.write(np.ones(4, np.float32))
+    assert not dead.exists() and mine.exists()
+    assert space.path is not None and os.path.basename(space.path).startswith(
+        f"tensorql-spill-{os.getpid()}-")
+    pages.close()
+    space.close()
+
+
+RSS_CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    import tensorql as tq
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    path, limited = sys.argv[1], sys.argv[2] == "1"
+    kw = dict(memory_limit="16MiB", process_memory_limit="160MiB") if limited else {}
+    with tq.connect(path, devices="cpu", workers=2, **kw) as db:
+        A, B, C = db.tensor("A"), db.tensor("B"), db.tensor("C")
+        for t in (A, B, C):  # warm up: DuckDB's scan state and torch's threads
+            t[:8].numpy()
+        ((A[:256, :] @ B[:, :256]) @ C[:256, :]).numpy()
+        q = ((A @ B) @ C).compile()
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM
+        base = status("VmRSS")
+        result = q.run(dense=True)
+        growth = status("VmHWM") - base
+        out = result.dense().numpy()
+        spilled = getattr(result.stats, "spill_written_bytes", 0)
+        np.save(sys.argv[3], out)
+        print("GROWTH", growth, "SPILLED", spilled)
+""")
+
+
+def _child_growth(path: str, limited: bool, out: Path) -> tuple[int, int]:
+    done = subprocess.run([sys.executable, "-c", RSS_CHILD, path, "1" if limited else "0",
+                           str(out)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    return int(words[words.index("GROWTH") + 1]), int(words[words.index("SPILLED") + 1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_peak_rss_within_the_budget_plus_a_quarter(tmp_path):
+    n, k = 8192, 16
+    a, b, c = _operands(n, k, seed=2)
+    path = str(tmp_path / "big.duckdb")
+    with tq.connect(path, devices="cpu") as db:
+        _store(db, a, b, c, 512)
+    budget = 160 * MiB
+    growth, spilled = _child_growth(path, True, tmp_path / "limited.npy")
+    np.testing.assert_allclose(np.load(tmp_path / "limited.npy"), _reference(a, b, c),
+                               rtol=1e-4, atol=1e-3)
+    assert spilled > n * n * 4 - budget  # the 256 MiB intermediate went through DuckDB
+    assert growth <= budget * 1.25, f"peak RSS grew by {growth / MiB:.0f} MiB"
+    free, _ = _child_growth(path, False, tmp_path / "free.npy")
+    assert free > budget * 1.25  # unbounded, the same query needs more than that
+
+
+KILL_CHILD = textwrap.dedent("""
+    import logging, sys, numpy as np
+    import tensorql as tq
+
+    class Announce(logging.Handler):
+        seen = 0
+        def emit(self, record):
+            if record.getMessage().startswith("spilled chunk"):
+                Announce.seen += 1
+                if Announce.seen == 3:
+                    print("SPILLING", flush=True)
+
+    log = logging.getLogger("tensorql")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Announce())
+    with tq.connect(sys.argv[1], devices="cpu", workers=2, memory_limit="2MiB",
+                    process_memory_limit="32MiB") as db:
+        for _ in range(20):
+            ((db.tensor("A") @ db.tensor("B")) @ db.tensor("C")).numpy()
+""")
+
+
+def test_kill_during_a_spilling_query_leaves_no_spilled_pages(tmp_path):
+    a, b, c = _operands(4096, 16, seed=3)  # 64 MiB spilled a run: beyond DuckDB's memory
+    path = str(tmp_path / "crash.duckdb")
+    with tq.connect(path, devices="cpu") as db:
+        _store(db, a, b, c, SMALL["tile"])
+    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, path], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    on_disk: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "SPILLING" not in line and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line and child.poll() is not None:
+                break
+        assert "SPILLING" in line, child.stderr.read()[-3000:]
+        folder = glob.glob(path + f".spill-{child.pid}-*")
+        assert len(folder) == 1 and os.path.isdir(folder[0])
+        while not on_disk and time.monotonic() < deadline and child.poll() is None:
+            on_disk = os.listdir(folder[0])  # DuckDB wrote spilled pages to its files
+            time.sleep(0.01)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert on_disk, "the process was killed before DuckDB wrote spilled pages to disk"
+    assert os.path.isdir(folder[0])  # left behind by the killed process
+    raw = duckdb.connect(path, read_only=True)  # none of it was ever in the session's file
+    try:
+        assert _spill_tables(raw) == []
+    finally:
+        raw.close()
+    with tq.connect(path) as db:  # the next open removes the dead process's spill folder
+        assert not os.path.exists(folder[0])
+        assert glob.glob(path + ".spill-*") == []
+        assert db.tensors() == ["A", "B", "C"]
+        assert _spill_tables(db.connection) == []
+        np.testing.assert_array_equal(db.tensor("A").numpy(), a)
+
+
+def test_host_tier_spills_what_is_read_last_and_reads_it_back_in_plan_order():
+    import torch
+
+    from tensorql.exec.hostpool import HostTier
+    from tensorql.exec.taskgraph import ChunkRef
+
+    refs = [ChunkRef(1, (i,)) for i in range(20)]
+    values = {ref: torch.full((256,), float(i)) for i, ref in enumerate(refs)}  # 1 KiB each
+    order = [refs[i] for i in (7, 3, 19, 0, 12, 5, 8, 1, 15, 2, 18, 4, 9, 6, 11, 10, 17, 13,
+                               16, 14)]
+    loads = [(100 + k, ref) for k, ref in enumerate(order)]
+    space = SpillSpace()
+    tier = HostTier(spill=space, budget=4 * 1024, loads=loads)
+    try:
+        for ref in refs:
+            tier.put(ref, values[ref].clone())
+        assert tier.plain_bytes == 4 * 1024
+        assert set(tier._data) == set(order[:4])  # Belady: the four read soonest stay
+        assert tier.spill_written == 16 * 1024 and tier.spill_chunks == 16
+        for op_id, ref in loads:
+            got = tier.get(ref)
+            torch.testing.assert_close(got, values[ref])
+            tier.load_done(op_id)
+            tier.drop(ref)
+            assert tier.plain_bytes <= 4 * 1024
+        assert tier.reads_ahead + tier.reads_on_demand >= 16
+        assert tier.spill_read >= 16 * 1024
+        assert tier.peak_plain_bytes <= 4 * 1024 and tier.over_budget == 0
+        assert tier.plain_bytes == 0
+    finally:
+        tier.close()
+        space.close()
+
+
+@pytest.mark.parametrize("devices", ["cpu", ["cpu:0", "cpu:1"]])
+def test_stored_result_and_two_devices_under_the_host_budget(tmp_path, devices):
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=4)
+    limits = {**SMALL_LIMITS, "devices": devices}
+    with tq.connect(str(tmp_path / "w.duckdb"), **limits) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        expr = (A @ B) @ C
+        stats = expr.compile().run(dense=True).stats
+        assert stats.spill_written_bytes > 0 and stats.host_peak_bytes <= stats.host_budget
+        db.store("D", expr)  # streamed: each result chunk goes to the store as it completes
+        np.testing.assert_allclose(db.tensor("D").numpy(), _reference(a, b, c),
+                                   rtol=1e-4, atol=1e-3)
+        assert db.tensors() == ["A", "B", "C", "D"]
+        assert _spill_tables(db.connection) == []
