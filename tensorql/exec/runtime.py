@@ -47,7 +47,7 @@ import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
-from tensorql.exec.hostpool import HostTier, PinnedPool
+from tensorql.exec.hostpool import HostTier, PinnedPool, shared_pool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.run_state import RunState
@@ -183,7 +183,8 @@ class Runtime:
     ``devices`` is a ``devices`` option value ("cpu", "cuda", ["cpu:0", "cpu:1"], "null", ...)
     or a list of :class:`~tensorql.exec.devices.Device`. ``reserve_bytes`` of the limit is kept
     back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
-    ``host_pool_bytes`` sizes the pinned pool GPUs copy through; ``spill_store`` (a ChunkStore)
+    ``host_pool_bytes`` is the least size of the process's pinned pool GPUs copy through
+    (default :func:`~tensorql.exec.hostpool.default_pool_bytes`); ``spill_store`` (a ChunkStore)
     takes host copies beyond it. ``timeline=True`` records every op for
     :func:`tensorql.exec.timeline.timeline_html`. ``results_on_device=True`` (no limit) leaves
     result chunks in device memory instead of copying them to the host. ``direct=True`` lets
@@ -192,7 +193,7 @@ class Runtime:
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
-                 reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
+                 reserve_bytes: int | None = None, host_pool_bytes: int | None = None,
                  spill_store: Any = None, timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False,
                  host_domains: Sequence[int] | None = None) -> None:
@@ -249,9 +250,11 @@ class Runtime:
         return self._host_domains
 
     def pool(self) -> PinnedPool | None:
-        """The pinned host pool, created once per runtime when a device copies through it."""
+        """The pinned host pool when a device copies through it: the process's one pool
+        (:func:`~tensorql.exec.hostpool.shared_pool`, allocated at its first use and kept),
+        not one per runtime, hence not one per query."""
         if self._pool is None and any(d.uses_pinned_host for d in self.devices):
-            self._pool = PinnedPool(self.host_pool_bytes, pin=True)
+            self._pool = shared_pool(self.host_pool_bytes)
         return self._pool
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
@@ -663,8 +666,10 @@ class StreamRun(RunState):
     def load(self, op: Op, dev: Device) -> torch.Tensor:
         if op.from_rest:
             host = op.task.kernel.run([], None)
+            if host.device.type != "cpu":  # resident on a device already: no staging
+                return dev.to_device(host)
             pool = self.host.pool if dev.uses_pinned_host else None
-            if pool is not None and not host.is_pinned():
+            if pool is not None and not dev.is_pinned(host):
                 offset = pool.alloc(host.nbytes)
                 if offset is not None:  # stage through the pinned pool: an async copy
                     staged = pool.view(offset, tuple(host.shape), host.dtype)

@@ -156,6 +156,10 @@ class Device(abc.ABC):
     def uses_pinned_host(self) -> bool:
         return False
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether a host tensor is page-locked (an H2D copy from it runs asynchronously)."""
+        return False
+
     def default_reserve(self, budget: int) -> int:
         """Bytes of a memory_limit kept back for kernel temporaries."""
         return 0
