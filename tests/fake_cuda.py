@@ -139,7 +139,10 @@ class FakeEvent:
         now = time.perf_counter()
         with fake.lock:
             self.stream, self.seq, self.recorded_at = stream, stream.seq, now
-            self.complete_at = max(now, stream.busy_until) + fake.event_seconds
+            seconds = fake.event_seconds
+            if isinstance(seconds, dict):
+                seconds = seconds.get(stream.label, 0.0)
+            self.complete_at = max(now, stream.busy_until) + seconds
             stream.busy_until = self.complete_at
             self.observed = False
             fake.events_recorded += 1
@@ -204,7 +207,8 @@ class FakeCuda:
     """A fake of :class:`tensorql.cuda_api.TorchCuda` that records what is done (see module).
 
     ``devices``: how many; ``capacity``: bytes of memory of each; ``event_seconds``: the
-    simulated device time of the work between two events on a stream; ``blas_workspace``:
+    simulated device time of the work between two events on a stream (or a dict of it by
+    stream label); ``blas_workspace``:
     bytes of the per (thread, stream) workspace of the first matrix product there;
     ``fill``: the value of copies to the host; ``strict``: raise at the first violation
     (they are recorded either way)."""
@@ -212,7 +216,7 @@ class FakeCuda:
     name = "fake cuda"
 
     def __init__(self, devices: int = 1, capacity: int = 16 << 30, *,
-                 event_seconds: float = 0.0, blas_workspace: int = 0,
+                 event_seconds: float | dict[str, float] = 0.0, blas_workspace: int = 0,
                  fill: float = math.nan, strict: bool = True) -> None:
         self.devices = devices
         self.capacity = capacity

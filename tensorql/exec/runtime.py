@@ -288,7 +288,7 @@ class Runtime:
             # a budgeted chunk is never a view of the result
             run = StreamRun(self, graph, program, progress, sink,
                             destination if self.memory_limit is None else None, keep_outputs,
-                            rank=rank)
+                            rank=rank, result_destination=destination)
             return run.execute()
         finally:
             torch.set_num_threads(previous)
@@ -423,10 +423,15 @@ def _fetch_done(run: StreamRun, op: Op, c: Completion) -> bool:
 def _d2h_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
     values = run.values[op.device]
 
-    def d2h() -> None:
+    tile = run.result_tile(op, dev)
+
+    def d2h() -> torch.Tensor | None:
         value = values[op.ref]
+        if tile is not None:  # straight into the dense result: no pinned slot, no clone
+            return dev.to_host(value, tile)
         buf = run.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
         run.host.put(op.ref, dev.to_host(value, buf))
+        return None
     return d2h
 
 
@@ -435,7 +440,8 @@ def _d2h_done(run: StreamRun, op: Op, c: Completion) -> bool:
     run.stats.devices[op.device].bytes_d2h += op.nbytes
     if op.ref.step in run.graph.retain and not op.evict:
         if run.sink is not None and not run.devices[op.device].is_null:
-            run.sink(op.ref, run.sunk(op.ref))
+            # a chunk the lane wrote into its tile of the result is there already
+            run.sink(op.ref, c.value if c.value is not None else run.sunk(op.ref))
     return False
 
 
@@ -475,8 +481,11 @@ class StreamRun(RunState):
     def __init__(self, rt: Runtime, graph: TaskGraph, program: Program,
                  progress: ProgressCallback | None, sink: ChunkSink | None,
                  destination: ChunkDestination | None = None, keep_outputs: bool = True,
-                 rank: Any = None) -> None:
+                 rank: Any = None,
+                 result_destination: ChunkDestination | None = None) -> None:
         self.devices = rt.devices
+        # where the D2H lane writes a result chunk of a device with memory of its own
+        self.result_destination = result_destination
         kinds = [d.kind for d in self.devices]
         super().__init__(graph, progress, sink, destination, keep_outputs,
                          RuntimeStats(tasks=len(graph.tasks), workers=rt.workers,
@@ -723,6 +732,17 @@ class StreamRun(RunState):
                 self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end,
                 op.ref))
         return start, end
+
+    def result_tile(self, op: Op, dev: Device) -> torch.Tensor | None:
+        """The tile of the dense result a device with memory of its own writes a result
+        chunk into on its D2H lane (one copy, off the coordinator's thread), instead of a
+        pinned slot that the coordinator would clone and then copy into the tile: only for
+        a run that keeps no outputs (a dense result) and a chunk no later op reloads."""
+        if (self.result_destination is None or dev.host_memory or dev.is_null or op.evict
+                or self.keep_outputs or op.ref.step not in self.graph.retain
+                or self.host_loads.get(op.ref, 0) > 0):
+            return None
+        return self.result_destination(op.ref)
 
     def sunk(self, ref: ChunkRef) -> torch.Tensor:
         """The host copy of a result chunk for the sink; a streamed run (``keep_outputs``

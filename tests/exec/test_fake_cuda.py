@@ -200,7 +200,7 @@ def test_ops_stay_in_flight_without_a_host_sync_per_op(fake_cuda):
     assert CUDA_LOOKAHEAD + dev.lanes["compute"] > 2  # the runtime's dispatch depth
 
 
-@pytest.mark.parametrize("fake_cuda", [{"event_seconds": 0.01}], indirect=True)
+@pytest.mark.parametrize("fake_cuda", [{"event_seconds": {"compute": 0.02}}], indirect=True)
 def test_the_runtime_keeps_more_than_two_kernels_in_flight(fake_cuda):
     rng = np.random.default_rng(3)
     a = rng.standard_normal((64, 64)).astype(np.float32)
@@ -348,3 +348,29 @@ def test_cuda_device_without_cuda_raises():
 
     with cuda_api.use(Absent()), pytest.raises(ExecutionError, match="needs CUDA"):
         CUDADevice("cuda:0")
+
+
+def test_a_dense_result_is_written_by_the_d2h_lane_into_its_tiles(fake_cuda):
+    """Finding 6: result chunks of a dense result went D2H into pinned slots, then the
+    coordinator cloned each and copied the clone into its tile (two host copies on the
+    thread that schedules). Now the D2H lane copies each chunk into its tile: nothing of the
+    result passes through the pinned pool, and the sink gets the tile itself."""
+    from runtime_helpers import matmul_graph
+
+    from tensorql.pipeline.run import DenseResults
+
+    q, graph, _, _ = matmul_graph(n=64, tile=16)
+    writer = DenseResults([q.physical.result_step])
+    writer.tensors[0].zero_()
+    sunk = []
+
+    def sink(ref, chunk):
+        sunk.append(chunk.data_ptr() == writer.destination(ref).data_ptr())
+        writer.sink(ref, chunk)
+
+    result = Runtime("cuda:0").run(graph, sink=sink, destination=writer.destination,
+                                   keep_outputs=False)
+    assert all_nan(writer.tensors[0])
+    assert sunk and all(sunk)
+    assert result.stats.pinned_bytes == 0
+    assert all(v is None for v in result.outputs.values())  # none kept

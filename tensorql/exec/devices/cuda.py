@@ -195,9 +195,12 @@ class CUDADevice(Device):
         return host.to(self.device, non_blocking=self.api.is_pinned(host))
 
     def to_host(self, value: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``value`` copied to the host: into ``out`` when given, asynchronously when ``out``
+        is pinned (a slot of the pinned pool), else a copy the D2H lane waits for (pageable
+        memory, e.g. a tile of a dense result)."""
         if out is None:
             return value.to("cpu")
-        out.copy_(value, non_blocking=True)
+        out.copy_(value, non_blocking=self.api.is_pinned(out))
         return out
 
     def from_peer(self, value: torch.Tensor) -> torch.Tensor:
