@@ -346,7 +346,11 @@ def _compute_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
             values[op.ref] = first_contribution(task.kernel, inputs, dest)
             return
         value = task.kernel.run(inputs, acc)
-        values[op.ref] = dev.to_device(value) if not task.inputs else value
+        if not task.inputs:
+            value = dev.to_device(value)
+        else:
+            dev.check_placement(value, task.kernel)
+        values[op.ref] = value
     return compute
 
 

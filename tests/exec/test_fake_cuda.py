@@ -374,3 +374,25 @@ def test_a_dense_result_is_written_by_the_d2h_lane_into_its_tiles(fake_cuda):
     assert sunk and all(sunk)
     assert result.stats.pinned_bytes == 0
     assert all(v is None for v in result.outputs.values())  # none kept
+
+
+def test_a_kernel_whose_output_is_not_on_the_device_is_an_error(fake_cuda):
+    """A kernel that allocates its output without the inputs' device (finding 1's kind of
+    bug) fails where it happens, naming the kernel, not at a later kernel or never (a
+    result chunk computed on the CPU would just be copied out)."""
+    graph, _ = _graph(lambda x: torch.zeros(tuple(x.shape)))
+    with pytest.raises(ExecutionError, match="_Kernel returned a chunk on cpu"):
+        Runtime("cuda:0").run(graph)
+
+
+#: kernels/elementwise.py's exp reads a maximum with .item() (finding 9) and FusedPointwise
+#: allocates big outputs without a device (finding 1): fixed outside this branch
+@pytest.mark.xfail(strict=True, raises=ExecutionError,
+                   reason="finding 9 (_exp syncs to the host) / finding 1 (FusedPointwise "
+                          "output device) are fixed in kernels/ outside this branch")
+def test_a_fused_chain_over_a_big_chunk(fake_cuda):
+    with violations_raised(fake_cuda), tq.connect(devices="cuda:0") as db:
+        A = db.from_numpy("A", np.ones((1024, 1024), np.float32), tile=(1024, 1024))
+        got = ((A * 2.0 + 1.0).relu().exp() - 1.0).numpy()
+    assert all_nan(got)
+    ran_on_device(fake_cuda)

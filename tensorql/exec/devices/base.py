@@ -147,6 +147,11 @@ class Device(abc.ABC):
         """Physical memory in bytes, when the device knows it."""
         return None
 
+    def check_placement(self, value: Any, kernel: Any) -> None:
+        """ExecutionError if a kernel's output chunk is not in this device's memory (a
+        device with memory of its own checks; the host's memory holds anything)."""
+        return None
+
     @property
     def torch_device(self) -> torch.device:
         """Where this device's chunks live for torch (and torch.distributed buffers)."""

@@ -210,6 +210,12 @@ class CUDADevice(Device):
         out.copy_(value, non_blocking=True)
         return out
 
+    def check_placement(self, value: Any, kernel: Any) -> None:
+        if isinstance(value, torch.Tensor) and not self.holds(value):
+            raise ExecutionError(f"{type(kernel).__name__} returned a chunk on {value.device}, "
+                                 f"not in the memory of {self.name}: the kernel allocates its "
+                                 "output without the inputs' device")
+
     def capacity(self) -> int | None:
         return self.api.total_memory(self.device)
 
