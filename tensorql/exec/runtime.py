@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.errors import ExecutionError, PlanError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
 from tensorql.exec.hostpool import HostTier, PinnedPool, shared_pool
 from tensorql.exec.memplan import Op, Program, plan_program
@@ -225,6 +225,12 @@ class Runtime:
         for dev in self.devices:
             reserve = (self.reserve_bytes if self.reserve_bytes is not None
                        else dev.default_reserve(self.memory_limit))
+            if reserve and reserve >= self.memory_limit:
+                raise PlanError(
+                    f"memory_limit {format_bytes(self.memory_limit)} of {dev.name} leaves "
+                    f"nothing for chunks: {format_bytes(reserve)} of it is kept for kernel "
+                    "workspaces and temporaries (cuBLAS keeps a workspace per compute "
+                    f"stream); give a memory_limit above {format_bytes(reserve)}")
             out.append(max(0, self.memory_limit - reserve))
         return out
 

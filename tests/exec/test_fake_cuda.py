@@ -396,3 +396,16 @@ def test_a_fused_chain_over_a_big_chunk(fake_cuda):
         got = ((A * 2.0 + 1.0).relu().exp() - 1.0).numpy()
     assert all_nan(got)
     ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1, "blas_workspace": 32 << 20}],
+                         indirect=True)
+def test_a_limit_below_the_reserve_says_so(fake_cuda):
+    from tensorql.errors import PlanError
+
+    a = np.ones((64, 64), np.float32)
+    with tq.connect(devices="cuda:0", memory_limit="16MiB") as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        with pytest.raises(PlanError, match=r"16\.0 MiB of cuda:0 leaves nothing for chunks: "
+                                            r"65\.0 MiB of it is kept"):
+            (A @ A).numpy()
