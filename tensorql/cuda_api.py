@@ -66,8 +66,9 @@ class TorchCuda:
     def current_stream(self, device: torch.device | None = None) -> Any:
         return torch.cuda.current_stream(device)
 
-    def event(self, enable_timing: bool = False) -> Any:
-        return torch.cuda.Event(enable_timing=enable_timing)
+    def event(self, enable_timing: bool = False, blocking: bool = False) -> Any:
+        """A new event; ``blocking``: its ``synchronize`` sleeps instead of spinning."""
+        return torch.cuda.Event(enable_timing=enable_timing, blocking=blocking)
 
     def synchronize(self, device: torch.device | None = None) -> None:
         torch.cuda.synchronize(device)

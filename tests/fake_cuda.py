@@ -297,7 +297,7 @@ class FakeCuda:
         index = _index(device) if device is not None else getattr(self._tls, "device", 0)
         return self._default[index]
 
-    def event(self, enable_timing: bool = False) -> FakeEvent:
+    def event(self, enable_timing: bool = False, blocking: bool = False) -> FakeEvent:
         return FakeEvent(self, enable_timing)
 
     def synchronize(self, device: torch.device | None = None) -> None:

@@ -142,6 +142,7 @@ def test_partitioned_plan_on_two_devices(fake_cuda):
         got = expr.numpy()
     assert got.shape == (64, 48) and all_nan(got)
     assert "cuda:0" in text and "cuda:1" in text
+    assert fake_cuda.copies["d2d"] > 0  # chunks sent between the devices
     ran_on_device(fake_cuda, devices=(0, 1))
 
 

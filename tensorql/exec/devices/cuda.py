@@ -118,7 +118,7 @@ class _Lane:
                     start = api.event(enable_timing=True)
                     start.record(stream)
                     value = fn()
-                    end = api.event(enable_timing=True)
+                    end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
                     end.record(stream)
             except BaseException as err:  # noqa: BLE001 - reported to the runtime
                 self.waits[k].put(_Pending(op_id, started, None, None, None, err))
