@@ -16,7 +16,7 @@ threads) a :class:`StrictDevice` dispatch mode watches every aten op and records
 * reads a tensor another stream wrote before that write is known complete to the reading
   stream: the reader waited on an event recorded after it (``wait_event``), or the host saw
   that event or the writer's stream complete (``synchronize``, ``query``);
-* reads a tensor of another fake device (other than the copy ``copy_`` of a peer stream).
+* reads a tensor of another fake device in anything but a copy.
 
 It also checks frees: a device tensor used on a stream other than the one that allocated it
 must not be freed before that use is known complete (the caching allocator would hand its
@@ -494,8 +494,7 @@ class StrictDevice(TorchDispatchMode):
             tag = fake._tag_of(t)
             if tag is None:
                 continue
-            if tag.device != stream.device and not (func is aten.copy_.default
-                                                    and t is not dst):
+            if tag.device != stream.device and not is_copy:  # a copy may read a peer
                 fake.violate(f"{where}: reads a tensor of fake cuda:{tag.device}")
             if t is dst:
                 continue
