@@ -1,8 +1,8 @@
 """Everything tensorql asks of ``torch.cuda``, behind one small interface.
 
 The CUDA device class, the host pool, device detection and the distributed exchange reach the
-GPU only through :func:`current` (streams, events, pinned host memory, device-memory queries),
-never through ``torch.cuda`` directly. On a machine with a GPU that is :class:`TorchCuda`, a thin
+GPU only through :func:`current` (streams, events, pinned host memory, device-memory queries,
+the size of cuBLAS's workspaces), never through ``torch.cuda`` directly. On a machine with a GPU that is :class:`TorchCuda`, a thin
 pass-through. Tests install a recording fake with :func:`use` (``tests/fake_cuda.py``): the CUDA
 device class's own code then runs in CPU CI with the ``meta`` device standing in for device
 memory, so a kernel that allocates on the wrong device, mixes devices or syncs to the host fails
