@@ -146,6 +146,11 @@ def test_partitioned_plan_on_two_devices(fake_cuda):
     ran_on_device(fake_cuda, devices=(0, 1))
 
 
+@pytest.mark.parametrize("fake_cuda", [
+    {"devices": 1},
+    # kernels and copies that take time: many ops in flight, frees racing uses
+    {"devices": 1, "event_seconds": {"compute": 0.002, "h2d": 0.001, "d2h": 0.001}},
+], indirect=True, ids=["instant", "slow-gpu"])
 def test_offload_under_a_memory_limit(fake_cuda):
     rng = np.random.default_rng(2)
     a = rng.standard_normal((128, 128)).astype(np.float32)
@@ -216,7 +221,8 @@ def test_the_runtime_keeps_more_than_two_kernels_in_flight(fake_cuda):
 
 def test_the_check_catches_a_read_before_the_copy_is_known_complete(fake_cuda, monkeypatch):
     """Post completions without waiting on the events (what finding 7's fix must not do):
-    a kernel then reads a chunk the H2D stream wrote before any event ordered it."""
+    a kernel then reads a chunk the H2D stream wrote before any event ordered it, and a
+    chunk is freed while another stream's use of it may still run."""
     import tensorql.exec.devices.cuda as cuda_mod
 
     def wait_not(self, waits):
@@ -231,6 +237,9 @@ def test_the_check_catches_a_read_before_the_copy_is_known_complete(fake_cuda, m
         A = db.from_numpy("A", a, tile=(16, 16))
         (A @ A).numpy()
     assert any("before waiting on an event" in v for v in fake_cuda.violations)
+    # and chunks were freed (their blocks free for the allocating stream) while kernels of
+    # other streams still read them
+    assert any("was freed while its use on stream" in v for v in fake_cuda.violations)
     fake_cuda.violations.clear()
 
 
