@@ -380,16 +380,17 @@ class FakeCuda:
                     or self._done.get(writer.id, 0) >= seq)
 
     def _tag_of(self, tensor: torch.Tensor) -> _Tag | None:
-        tag = self._tags.get(tensor)
-        if tag is None and tensor._base is not None:
-            tag = self._tags.get(tensor._base)
+        with self.lock:  # lane threads tag concurrently
+            tag = self._tags.get(tensor)
+            if tag is None and tensor._base is not None:
+                tag = self._tags.get(tensor._base)
         return tag
 
     def _new_storage(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         nbytes = tensor.untyped_storage().nbytes()
         tag = _Tag(stream.device, stream, stream, stream.seq, nbytes)
-        self._tags[tensor] = tag
         with self.lock:
+            self._tags[tensor] = tag
             self._allocated[tag.device] += nbytes
             self._peak[tag.device] = max(self._peak[tag.device], self._allocated[tag.device])
         weakref.finalize(tensor, self._freed, tag)
@@ -558,11 +559,12 @@ class StrictDevice(TorchDispatchMode):
         for t in outs:
             tag = fake._tag_of(t)
             if aliasing and tag is not None:
-                if returns[0].alias_info.is_write:  # in place: a write on this stream
-                    tag.write_stream, tag.write_seq = stream, stream.seq
-                    tag.device = stream.device
-                elif t not in fake._tags:
-                    fake._tags[t] = tag
+                with fake.lock:
+                    if returns[0].alias_info.is_write:  # in place: a write on this stream
+                        tag.write_stream, tag.write_seq = stream, stream.seq
+                        tag.device = stream.device
+                    elif t not in fake._tags:
+                        fake._tags[t] = tag
                 continue
             if tag is None:
                 fake._new_storage(t, stream)
