@@ -2,11 +2,11 @@
 
 The CUDA device class, the host pool, device detection and the distributed exchange reach the
 GPU only through :func:`current` (streams, events, pinned host memory, device-memory queries,
-the size of cuBLAS's workspaces), never through ``torch.cuda`` directly. On a machine with a GPU that is :class:`TorchCuda`, a thin
-pass-through. Tests install a recording fake with :func:`use` (``tests/fake_cuda.py``): the CUDA
-device class's own code then runs in CPU CI with the ``meta`` device standing in for device
-memory, so a kernel that allocates on the wrong device, mixes devices or syncs to the host fails
-there, before a GPU is at hand.
+the size of cuBLAS's workspaces), never through ``torch.cuda`` directly. On a machine with a
+GPU that is :class:`TorchCuda`, a thin pass-through. Tests install a recording fake with
+:func:`use` (``tests/fake_cuda.py``): the CUDA device class's own code then runs in CPU CI
+with the ``meta`` device standing in for device memory, so a kernel that allocates on the
+wrong device, mixes devices or syncs to the host fails there, before a GPU is at hand.
 
 >>> api = current()
 >>> isinstance(api, TorchCuda), api.is_available() == torch.cuda.is_available()
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,6 +134,24 @@ def blas_workspace_from_env(env: Any, capability_major: int) -> int:
 
 _default = TorchCuda()
 _installed: list[Any] = []
+_cache_lock = threading.Lock()
+
+
+def cache_of(api: Any) -> dict[Any, Any]:
+    """A dict kept on ``api`` itself for what is made once per interface (a device's streams,
+    the pinned pool), so it lives exactly as long as ``api`` (a test's fake is collected with
+    everything made for it).
+
+    >>> api = TorchCuda()
+    >>> cache_of(api) is cache_of(api), cache_of(api) is cache_of(TorchCuda())
+    (True, False)
+    """
+    with _cache_lock:
+        found = getattr(api, "_tensorql_cache", None)
+        if found is None:
+            found = {}
+            api._tensorql_cache = found
+        return found
 
 
 def current() -> Any:

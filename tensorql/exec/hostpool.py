@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -93,7 +92,6 @@ class PinnedPool:
 DEFAULT_POOL_BYTES = 2 << 30
 
 _pools_lock = threading.Lock()
-_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def default_pool_bytes() -> int:
@@ -120,10 +118,10 @@ def shared_pool(capacity: int | None = None, api: Any = None) -> PinnedPool:
     api = api if api is not None else cuda_api.current()
     want = int(capacity) if capacity is not None else default_pool_bytes()
     with _pools_lock:
-        pool = _POOLS.get(api)
+        cache = cuda_api.cache_of(api)
+        pool = cache.get("pinned pool")
         if pool is None or (pool.capacity < want and pool.in_use == 0):
-            pool = PinnedPool(want, pin=True, api=api)
-            _POOLS[api] = pool
+            pool = cache["pinned pool"] = PinnedPool(want, pin=True, api=api)
         return pool
 
 

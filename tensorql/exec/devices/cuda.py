@@ -33,7 +33,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,14 +46,12 @@ from tensorql.exec.devices.base import Completion, Device, Post
 CUDA_LOOKAHEAD = 6
 
 _streams_lock = threading.Lock()
-_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def device_streams(api: Any, device: torch.device, lane: str, count: int) -> list[Any]:
     """The ``count`` streams of ``lane`` on ``device``, made once per process (per ``api``)."""
     with _streams_lock:
-        per_api = _STREAMS.setdefault(api, {})
-        streams = per_api.setdefault((str(device), lane), [])
+        streams = cuda_api.cache_of(api).setdefault(("streams", str(device), lane), [])
         while len(streams) < count:
             streams.append(api.stream(device, label=lane))
         return streams[:count]
