@@ -182,7 +182,8 @@ class Runtime:
 
     ``devices`` is a ``devices`` option value ("cpu", "cuda", ["cpu:0", "cpu:1"], "null", ...)
     or a list of :class:`~tensorql.exec.devices.Device`. ``reserve_bytes`` of the limit is kept
-    back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
+    back for kernel workspaces and temporaries (default: none on CPU; on a GPU the cuBLAS
+    workspace of each compute stream plus 1/16 of the limit, at most 512 MiB).
     ``host_pool_bytes`` is the least size of the process's pinned pool GPUs copy through
     (default :func:`~tensorql.exec.hostpool.default_pool_bytes`); ``spill_store`` (a ChunkStore)
     takes host copies beyond it. ``timeline=True`` records every op for
