@@ -59,3 +59,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_cuda(request):
+    """A recording fake of ``torch.cuda`` installed process-wide (``tests/fake_cuda.py``):
+    two devices by default; parametrize indirectly with a dict of ``FakeCuda`` keyword
+    arguments for others. Fails the test if the strict device check recorded a violation."""
+    from fake_cuda import FakeCuda
+
+    import tensorql.cuda_api as cuda_api
+
+    fake = FakeCuda(**{"devices": 2, **getattr(request, "param", {})})
+    with cuda_api.use(fake):
+        yield fake
+    fake.assert_clean()

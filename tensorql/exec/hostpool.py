@@ -13,6 +13,9 @@ in ordinary host memory, at most ``budget`` bytes of them; with a spill space
 (0, 1024, None)
 >>> pool.free(a); pool.alloc(512)
 0
+
+A process keeps one pinned pool (:func:`shared_pool`): every runtime, hence every query of
+every session, copies through it instead of pinning a buffer of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+import tensorql.cuda_api as cuda_api
 from tensorql.exec.taskgraph import ChunkRef
 from tensorql.units import format_bytes
 
@@ -37,9 +41,10 @@ _ALIGN = 512
 class PinnedPool:
     """First-fit allocator over one (pinned) byte buffer; offsets are aligned to 512 bytes."""
 
-    def __init__(self, capacity: int, pin: bool = True) -> None:
+    def __init__(self, capacity: int, pin: bool = True, api: Any = None) -> None:
         self.capacity = int(capacity)
         self.pin = pin
+        self.api = api
         self._buffer: torch.Tensor | None = None
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), sorted
         self._used: dict[int, int] = {}
@@ -50,7 +55,11 @@ class PinnedPool:
     @property
     def buffer(self) -> torch.Tensor:
         if self._buffer is None:  # allocated once, at first use
-            self._buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
+            with self._lock:
+                if self._buffer is None:
+                    self._buffer = ((self.api or cuda_api.current()).pinned_empty(self.capacity)
+                                    if self.pin
+                                    else torch.empty(self.capacity, dtype=torch.uint8))
         return self._buffer
 
     def alloc(self, nbytes: int) -> int | None:
@@ -85,6 +94,43 @@ class PinnedPool:
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
+#: the pinned pool's default size: 2 GiB, at most 1/16 of the machine's memory
+DEFAULT_POOL_BYTES = 2 << 30
+
+_pools_lock = threading.Lock()
+
+
+def default_pool_bytes() -> int:
+    """The shared pool's size when none is asked for: 2 GiB, at most 1/16 of physical memory
+    (page-locked memory is taken from what the OS can page)."""
+    from tensorql.options import physical_memory_bytes
+
+    return max(64 << 20, min(DEFAULT_POOL_BYTES, physical_memory_bytes() // 16))
+
+
+def shared_pool(capacity: int | None = None, api: Any = None) -> PinnedPool:
+    """The process's pinned pool (one per :mod:`tensorql.cuda_api` in force), made at the first
+    call and reused by every later one: of ``capacity`` bytes (default
+    :func:`default_pool_bytes`). A call asking for more than the pool has gets a larger pool
+    in its place while nothing is in the old one, else the pool as it is (chunks beyond it
+    go to plain memory).
+
+    >>> class Api:
+    ...     def pinned_empty(self, n): return torch.empty(n, dtype=torch.uint8)
+    >>> api = Api()
+    >>> shared_pool(1 << 20, api) is shared_pool(4096, api), shared_pool(1 << 20, api).capacity
+    (True, 1048576)
+    """
+    api = api if api is not None else cuda_api.current()
+    want = int(capacity) if capacity is not None else default_pool_bytes()
+    with _pools_lock:
+        cache = cuda_api.cache_of(api)
+        pool = cache.get("pinned pool")
+        if pool is None or (pool.capacity < want and pool.in_use == 0):
+            pool = cache["pinned pool"] = PinnedPool(want, pin=True, api=api)
+        return pool
 
 
 _NEVER = float("inf")

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.errors import ExecutionError, PlanError, TensorQLError
 from tensorql.exec.devices import Completion, Device, resolve_devices
-from tensorql.exec.hostpool import HostTier, PinnedPool
+from tensorql.exec.hostpool import HostTier, PinnedPool, shared_pool
 from tensorql.exec.memplan import Op, Program, plan_program
 from tensorql.exec.progress import ProgressCallback
 from tensorql.exec.run_state import RunState
@@ -203,8 +203,10 @@ class Runtime:
 
     ``devices`` is a ``devices`` option value ("cpu", "cuda", ["cpu:0", "cpu:1"], "null", ...)
     or a list of :class:`~tensorql.exec.devices.Device`. ``reserve_bytes`` of the limit is kept
-    back for kernel temporaries (default: none on CPU, 1/16 up to 512 MiB on a GPU).
-    ``host_pool_bytes`` sizes the pinned pool GPUs copy through; beyond it host copies are
+    back for kernel workspaces and temporaries (default: none on CPU; on a GPU the cuBLAS
+    workspace of each compute stream plus 1/16 of the limit, at most 512 MiB).
+    ``host_pool_bytes`` is the least size of the process's pinned pool GPUs copy through
+    (default :func:`~tensorql.exec.hostpool.default_pool_bytes`); beyond it host copies are
     plain host memory, at most ``host_budget`` bytes of it when ``spill_store`` (a
     :class:`~tensorql.storage.spill.SpillSpace`) takes the rest into DuckDB.
     ``timeline=True`` records every op for :func:`tensorql.exec.timeline.timeline_html`.
@@ -215,7 +217,7 @@ class Runtime:
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
                  workers: int = 1, intra_op_threads: int = 1, prefetch: int = 2,
-                 reserve_bytes: int | None = None, host_pool_bytes: int = 2 << 30,
+                 reserve_bytes: int | None = None, host_pool_bytes: int | None = None,
                  spill_store: Any = None, host_budget: int | None = None,
                  timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False,
@@ -249,6 +251,12 @@ class Runtime:
         for dev in self.devices:
             reserve = (self.reserve_bytes if self.reserve_bytes is not None
                        else dev.default_reserve(self.memory_limit))
+            if reserve and reserve >= self.memory_limit:
+                raise PlanError(
+                    f"memory_limit {format_bytes(self.memory_limit)} of {dev.name} leaves "
+                    f"nothing for chunks: {format_bytes(reserve)} of it is kept for kernel "
+                    "workspaces and temporaries (cuBLAS keeps a workspace per compute "
+                    f"stream); give a memory_limit above {format_bytes(reserve)}")
             out.append(max(0, self.memory_limit - reserve))
         return out
 
@@ -274,9 +282,11 @@ class Runtime:
         return self._host_domains
 
     def pool(self) -> PinnedPool | None:
-        """The pinned host pool, created once per runtime when a device copies through it."""
+        """The pinned host pool when a device copies through it: the process's one pool
+        (:func:`~tensorql.exec.hostpool.shared_pool`, allocated at its first use and kept),
+        not one per runtime, hence not one per query."""
         if self._pool is None and any(d.uses_pinned_host for d in self.devices):
-            self._pool = PinnedPool(self.host_pool_bytes, pin=True)
+            self._pool = shared_pool(self.host_pool_bytes)
         return self._pool
 
     def run(self, graph: TaskGraph, progress: ProgressCallback | None = None,
@@ -310,7 +320,7 @@ class Runtime:
             # a budgeted chunk is never a view of the result
             run = StreamRun(self, graph, program, progress, sink,
                             destination if self.memory_limit is None else None, keep_outputs,
-                            rank=rank)
+                            rank=rank, result_destination=destination)
             return run.execute()
         finally:
             torch.set_num_threads(previous)
@@ -368,7 +378,11 @@ def _compute_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
             values[op.ref] = first_contribution(task.kernel, inputs, dest)
             return
         value = task.kernel.run(inputs, acc)
-        values[op.ref] = dev.to_device(value) if not task.inputs else value
+        if not task.inputs:
+            value = dev.to_device(value)
+        else:
+            dev.check_placement(value, task.kernel)
+        values[op.ref] = value
     return compute
 
 
@@ -448,10 +462,15 @@ def _d2h_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
     # a result its sink takes at once is not spilled before that
     fresh = (run.sink is not None and not op.evict and op.ref.step in run.graph.retain)
 
-    def d2h() -> None:
+    tile = run.result_tile(op, dev)
+
+    def d2h() -> torch.Tensor | None:
         value = values[op.ref]
+        if tile is not None:  # straight into the dense result: no pinned slot, no clone
+            return dev.to_host(value, tile)
         buf = run.host.buffer_for(op.ref, value) if dev.uses_pinned_host else None
         run.host.put(op.ref, dev.to_host(value, buf), fresh=fresh)
+        return None
     return d2h
 
 
@@ -460,7 +479,8 @@ def _d2h_done(run: StreamRun, op: Op, c: Completion) -> bool:
     run.stats.devices[op.device].bytes_d2h += op.nbytes
     if op.ref.step in run.graph.retain and not op.evict:
         if run.sink is not None and not run.devices[op.device].is_null:
-            run.sink(op.ref, run.sunk(op.ref))
+            # a chunk the lane wrote into its tile of the result is there already
+            run.sink(op.ref, c.value if c.value is not None else run.sunk(op.ref))
     return False
 
 
@@ -500,8 +520,11 @@ class StreamRun(RunState):
     def __init__(self, rt: Runtime, graph: TaskGraph, program: Program,
                  progress: ProgressCallback | None, sink: ChunkSink | None,
                  destination: ChunkDestination | None = None, keep_outputs: bool = True,
-                 rank: Any = None) -> None:
+                 rank: Any = None,
+                 result_destination: ChunkDestination | None = None) -> None:
         self.devices = rt.devices
+        # where the D2H lane writes a result chunk of a device with memory of its own
+        self.result_destination = result_destination
         kinds = [d.kind for d in self.devices]
         super().__init__(graph, progress, sink, destination, keep_outputs,
                          RuntimeStats(tasks=len(graph.tasks), workers=rt.workers,
@@ -693,8 +716,10 @@ class StreamRun(RunState):
     def load(self, op: Op, dev: Device) -> torch.Tensor:
         if op.from_rest:
             host = op.task.kernel.run([], None)
+            if host.device.type != "cpu":  # resident on a device already: no staging
+                return dev.to_device(host)
             pool = self.host.pool if dev.uses_pinned_host else None
-            if pool is not None and not host.is_pinned():
+            if pool is not None and not dev.is_pinned(host):
                 offset = pool.alloc(host.nbytes)
                 if offset is not None:  # stage through the pinned pool: an async copy
                     staged = pool.view(offset, tuple(host.shape), host.dtype)
@@ -748,6 +773,17 @@ class StreamRun(RunState):
                 self.devices[op.device].name, op.lane, op.kind, op.describe(), start, end,
                 op.ref))
         return start, end
+
+    def result_tile(self, op: Op, dev: Device) -> torch.Tensor | None:
+        """The tile of the dense result a device with memory of its own writes a result
+        chunk into on its D2H lane (one copy, off the coordinator's thread), instead of a
+        pinned slot that the coordinator would clone and then copy into the tile: only for
+        a run that keeps no outputs (a dense result) and a chunk no later op reloads."""
+        if (self.result_destination is None or dev.host_memory or dev.is_null or op.evict
+                or self.keep_outputs or op.ref.step not in self.graph.retain
+                or self.host_loads.get(op.ref, 0) > 0):
+            return None
+        return self.result_destination(op.ref)
 
     def sunk(self, ref: ChunkRef) -> torch.Tensor:
         """The host copy of a result chunk for the sink; a streamed run (``keep_outputs``

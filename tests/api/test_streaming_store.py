@@ -33,7 +33,7 @@ def _tables(db):
 @pytest.mark.parametrize("memory_limit", [None, "64KiB"])
 def test_store_streams_the_right_values(tmp_path, memory_limit):
     rng = np.random.default_rng(0)
-    with tq.connect(str(tmp_path / "s.duckdb"), memory_limit=memory_limit) as db:
+    with tq.connect(str(tmp_path / "s.duckdb"), memory_limit=memory_limit, devices="cpu") as db:
         a, b, A, B = _operands(db, rng)
         stored = db.store("C", A @ B)
         np.testing.assert_allclose(stored.numpy(), a @ b, rtol=1e-5, atol=1e-5)

@@ -69,7 +69,7 @@ def weight_bytes(model) -> int:
 def test_logits_and_generation_under_half_the_weights_memory():
     model = hf_model("gqa")
     limit = weight_bytes(model) // 2
-    db = tq.connect(memory_limit=limit)
+    db = tq.connect(memory_limit=limit, devices="cpu")
     ours = Llama.from_transformers(db, model)
     ids = prompt("gqa", 9, model.config.vocab_size)
     result = ours.logits([ids]).compile().run(dense=True)
@@ -171,7 +171,7 @@ def test_decoder_under_a_memory_limit_streams_the_weights():
     model = hf_model("gqa")
     limit = weight_bytes(model) // 2
     free = Llama.from_transformers(tq.connect(), model)
-    limited = Llama.from_transformers(tq.connect(memory_limit=limit), model)
+    limited = Llama.from_transformers(tq.connect(memory_limit=limit, devices="cpu"), model)
     ids = prompt("gqa", 5, model.config.vocab_size)
     caches = [m.step([ids], KVCache(()))[1] for m in (free, limited)]
     a, b = free.decoder(caches[0], 8), limited.decoder(caches[1], 8)
@@ -184,7 +184,7 @@ def test_decoder_under_a_memory_limit_streams_the_weights():
 @pytest.mark.parametrize("limited", [False, True])
 def test_a_prefill_plans_once_and_matches_transformers_prompt_after_prompt(limited):
     model = hf_model("gqa")
-    db = tq.connect(memory_limit=weight_bytes(model) // 2 if limited else None)
+    db = tq.connect(memory_limit=weight_bytes(model) // 2 if limited else None, devices="cpu")
     ours = Llama.from_transformers(db, model)
     prefill = ours.prefill(batch=2, seq=7)
     rng = np.random.default_rng(5)

@@ -111,7 +111,7 @@ def small():
     rng = np.random.default_rng(32)
     a = rng.standard_normal((4096, 16)).astype(np.float32)
     with tq.connect(process_memory_limit="80MiB", chunk_cache_bytes=8 << 20,
-                    memory_limit="16MiB") as session:
+                    memory_limit="16MiB", devices="cpu") as session:
         session.from_numpy("A", a, tile=(512, 16))
         yield session, a
 

@@ -147,6 +147,11 @@ class Device(abc.ABC):
         """Physical memory in bytes, when the device knows it."""
         return None
 
+    def check_placement(self, value: Any, kernel: Any) -> None:
+        """ExecutionError if a kernel's output chunk is not in this device's memory (a
+        device with memory of its own checks; the host's memory holds anything)."""
+        return None
+
     @property
     def torch_device(self) -> torch.device:
         """Where this device's chunks live for torch (and torch.distributed buffers)."""
@@ -154,6 +159,10 @@ class Device(abc.ABC):
 
     @property
     def uses_pinned_host(self) -> bool:
+        return False
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether a host tensor is page-locked (an H2D copy from it runs asynchronously)."""
         return False
 
     def default_reserve(self, budget: int) -> int:

@@ -1,58 +1,151 @@
-"""CUDA device: a stream per compute thread, dedicated H2D, D2H and peer-copy streams.
+"""CUDA device: compute streams, dedicated H2D, D2H and peer-copy streams, completion events.
 
-Each lane thread launches its work on its own stream, records a CUDA event after it and waits
-on that event before reporting completion, so the runtime reacts to real completion events while
-the copy streams overlap the compute streams. Host buffers come from the runtime's pinned pool
-(allocated once); ``to_device`` on a pinned tensor is an asynchronous copy.
+Each lane has one launching thread that runs the lane's work on its streams in turn (the
+``compute`` lane has ``compute_streams`` of them, each copy lane one) and records a CUDA event
+after each op; it does not wait for it. One waiter thread per stream waits on that stream's
+events in the order they were recorded (a stream completes its work in order) and posts each
+op's :class:`~tensorql.exec.devices.base.Completion` once its event has completed. So the
+host never blocks a launch on the GPU: a lane keeps up to ``lanes[lane] + lookahead`` ops in
+flight (the runtime's dispatch depth), and the GPU runs them back to back.
+
+Why that is safe: the runtime makes an op ready only after the completions of the ops it
+depends on were posted, that is after the host saw their events complete; work launched after
+that on any stream is ordered after them. A chunk's memory is freed (its tensor dropped) only
+by a ``free`` op, which depends on every op that used the chunk, so a block the caching
+allocator hands out again is never still read by a kernel of another stream.
+
+The streams of a device are made once per process (:func:`device_streams`) and reused by every
+run, so the cuBLAS workspaces torch keeps per (handle, stream) pair stay
+``compute_streams`` many (the launching thread of a lane has one handle, which the next run's
+thread takes back from torch's pool) instead of growing with every query.
+:meth:`CUDADevice.default_reserve` keeps those workspaces and a share for kernel temporaries
+out of the chunk budget.
 
 It reaches the GPU only through :func:`tensorql.cuda_api.current` (the real ``torch.cuda``, or
 the recording fake of the tests). Needs CUDA; constructing one without it raises ExecutionError.
 
->>> CUDADevice.kind, CUDADevice.default_reserve(None, 1 << 30) == 64 << 20
-('cuda', True)
+>>> CUDADevice.kind, reserve_for(1 << 30, compute_streams=2, workspace=32 << 20) >> 20
+('cuda', 128)
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import tensorql.cuda_api as cuda_api
 from tensorql.errors import ExecutionError
-from tensorql.exec.devices.base import Post, ThreadedDevice
+from tensorql.exec.devices.base import Completion, Device, Post
+
+#: ready ops a lane of a CUDA device is handed beyond its streams: launched, not yet done
+CUDA_LOOKAHEAD = 6
+
+_streams_lock = threading.Lock()
 
 
-class _StreamContext:
-    """Runs work on ``stream``; the handle is the start event, ``finish`` waits for the end."""
-
-    def __init__(self, api: Any, device: torch.device, stream: Any) -> None:
-        self.api = api
-        self.device = device
-        self.stream = stream
-        self._ctx: Any = None
-        self._start: Any = None
-
-    def __enter__(self) -> _StreamContext:
-        self.api.set_device(self.device)
-        self._ctx = self.api.stream_context(self.stream)
-        self._ctx.__enter__()
-        self._start = self.api.event(enable_timing=True)
-        self._start.record(self.stream)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
-
-    def finish(self) -> float:
-        end = self.api.event(enable_timing=True)
-        end.record(self.stream)
-        end.synchronize()
-        return self._start.elapsed_time(end) / 1e3
+def device_streams(api: Any, device: torch.device, lane: str, count: int) -> list[Any]:
+    """The ``count`` streams of ``lane`` on ``device``, made once per process (per ``api``)."""
+    with _streams_lock:
+        streams = cuda_api.cache_of(api).setdefault(("streams", str(device), lane), [])
+        while len(streams) < count:
+            streams.append(api.stream(device, label=lane))
+        return streams[:count]
 
 
-class CUDADevice(ThreadedDevice):
+def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
+    """Bytes of a device's ``memory_limit`` kept out of the chunk budget: the cuBLAS workspace
+    of each compute stream, plus 1/16 of the limit (at most 512 MiB) for the temporaries of
+    the kernel the compute lane is launching (one at a time: one launching thread)."""
+    return compute_streams * workspace + min(budget // 16, 512 << 20)
+
+
+class _Pending:
+    __slots__ = ("error", "end", "op_id", "start", "started", "value")
+
+    def __init__(self, op_id: int, started: float, start: Any, end: Any, value: Any,
+                 error: BaseException | None) -> None:
+        self.op_id, self.started, self.start, self.end = op_id, started, start, end
+        self.value, self.error = value, error
+
+
+class _Lane:
+    """One lane of a CUDA device: its launching thread and a waiter thread per stream."""
+
+    def __init__(self, name: str, api: Any, device: torch.device, streams: list[Any],
+                 post: Post) -> None:
+        self.api, self.device, self.streams, self.post = api, device, streams, post
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.waits: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in streams]
+        self.threads = [threading.Thread(target=self._launch, daemon=True,
+                                         name=f"tensorql-{name}")]
+        self.threads += [threading.Thread(target=self._wait, args=(w,), daemon=True,
+                                          name=f"tensorql-{name}-wait-{i}")
+                         for i, w in enumerate(self.waits)]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, op_id: int, fn: Callable[[], Any]) -> None:
+        self.queue.put((op_id, fn))
+
+    def _launch(self) -> None:
+        api = self.api
+        turn = 0
+        try:
+            api.set_device(self.device)
+        except BaseException:  # noqa: BLE001 - each op reports it below
+            pass
+        while True:
+            item = self.queue.get()
+            if item is None:
+                for w in self.waits:
+                    w.put(None)
+                return
+            op_id, fn = item
+            k = turn % len(self.streams)
+            turn += 1
+            stream = self.streams[k]
+            started = time.perf_counter()
+            try:
+                with api.stream_context(stream):
+                    start = api.event(enable_timing=True)
+                    start.record(stream)
+                    value = fn()
+                    end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
+                    end.record(stream)
+            except BaseException as err:  # noqa: BLE001 - reported to the runtime
+                self.waits[k].put(_Pending(op_id, started, None, None, None, err))
+                continue
+            self.waits[k].put(_Pending(op_id, started, start, end, value, None))
+
+    def _wait(self, waits: queue.SimpleQueue) -> None:
+        while True:
+            item = waits.get()
+            if item is None:
+                return
+            device_s, error = None, item.error
+            if error is None:
+                try:
+                    item.end.synchronize()  # this waiter only: the launcher has moved on
+                    device_s = item.start.elapsed_time(item.end) / 1e3
+                except BaseException as err:  # noqa: BLE001 - reported to the runtime
+                    error = err
+            self.post(Completion(item.op_id, item.started, time.perf_counter(),
+                                 item.value if error is None else None, error, device_s))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+class CUDADevice(Device):
     kind = "cuda"
+    lookahead = CUDA_LOOKAHEAD
 
     def __init__(self, name: str = "cuda:0", compute_streams: int = 2) -> None:
         self.api = cuda_api.current()
@@ -61,29 +154,64 @@ class CUDADevice(ThreadedDevice):
                                  "device; use devices='cpu'")
         super().__init__(name, {"compute": compute_streams, "h2d": 1, "d2h": 1, "d2d": 1})
         _, _, index = name.partition(":")
-        self.device = self.api.torch_device(int(index or 0))
+        self.index = int(index or 0)
+        self.device = self.api.torch_device(self.index)
+        self._lanes: dict[str, _Lane] = {}
 
     @property
     def torch_device(self) -> torch.device:
         return self.device
 
     def open(self, post: Post) -> None:
-        def context_for() -> _StreamContext:
-            return _StreamContext(self.api, self.device, self.api.stream(self.device))
+        self._lanes = {
+            lane: _Lane(f"{self.name}-{lane}", self.api, self.device,
+                        device_streams(self.api, self.device, lane, n), post)
+            for lane, n in self.lanes.items()}
 
-        self._start_lanes(post, context_for, finish=lambda ctx: ctx.finish())
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes = {}
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        self._lanes[lane].submit(op_id, fn)
+
+    def holds(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is already in this device's memory."""
+        return self.api.device_of(value) == self.index
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device, non_blocking=host.is_pinned())
+        """``host`` in this device's memory: itself when it is there already (a source
+        chunk resident on the GPU is not copied), a peer copy from another GPU, else a copy
+        from the host (asynchronous from pinned memory)."""
+        where = self.api.device_of(host)
+        if where == self.index:
+            return host
+        if where is not None:
+            return self.from_peer(host)
+        return host.to(self.device, non_blocking=self.api.is_pinned(host))
 
     def to_host(self, value: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``value`` copied to the host: into ``out`` when given, asynchronously when ``out``
+        is pinned (a slot of the pinned pool), else a copy the D2H lane waits for (pageable
+        memory, e.g. a tile of a dense result)."""
         if out is None:
             return value.to("cpu")
-        out.copy_(value, non_blocking=True)
+        out.copy_(value, non_blocking=self.api.is_pinned(out))
         return out
 
     def from_peer(self, value: torch.Tensor) -> torch.Tensor:
-        return value.to(self.device, non_blocking=True)
+        """A copy of a chunk of another device (or of the host) made on this device's copy
+        stream into memory of this device."""
+        out = torch.empty(tuple(value.shape), dtype=value.dtype, device=self.device)
+        out.copy_(value, non_blocking=True)
+        return out
+
+    def check_placement(self, value: Any, kernel: Any) -> None:
+        if isinstance(value, torch.Tensor) and not self.holds(value):
+            raise ExecutionError(f"{type(kernel).__name__} returned a chunk on {value.device}, "
+                                 f"not in the memory of {self.name}: the kernel allocates its "
+                                 "output without the inputs' device")
 
     def capacity(self) -> int | None:
         return self.api.total_memory(self.device)
@@ -92,5 +220,11 @@ class CUDADevice(ThreadedDevice):
     def uses_pinned_host(self) -> bool:
         return True
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        return self.api.is_pinned(host)
+
     def default_reserve(self, budget: int) -> int:
-        return min(budget // 16, 512 << 20)
+        """Kept out of the chunk budget (see :func:`reserve_for`): cuBLAS workspaces of the
+        compute streams and a share for kernel temporaries."""
+        return reserve_for(budget, self.lanes["compute"],
+                           self.api.blas_workspace_bytes(self.device))
