@@ -64,9 +64,13 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
     the slot axis (only the slots the chunk's slot operand names), written into ``out``
     when given."""
     g, w, m, v, slots, *scalars = operands
+    # on a GPU each float() of a 0-d operand is a host read (six per chunk update; the fake
+    # CUDA of the tests counts it as a sync, tests/exec/test_fake_cuda.py::OPTIMIZER_SYNC)
     lr, beta1, beta2, eps, weight_decay, step = (float(s) for s in scalars)
-    wanted = [int(k) for k in slots.tolist()]
-    whole = wanted == list(range(SLOTS))
+    # the slot operand holds distinct slot indices: all of them when the slot axis is whole
+    # (as the optimizer plans it), known without reading the values back from a device
+    whole = slots.numel() == SLOTS
+    wanted = list(range(SLOTS)) if whole else [int(k) for k in slots.tolist()]
     # the fused kernel wants each of the three contiguous (a row block of a larger result
     # is, even when the stacked block is not)
     direct = out is not None and whole and all(out[k].is_contiguous() for k in range(SLOTS))
