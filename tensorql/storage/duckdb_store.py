@@ -48,6 +48,7 @@ from tensorql.storage.chunk_store import (
 )
 from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
 from tensorql.storage.sql_text import ddl, quote_ident
+from tensorql.units import format_bytes
 
 CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
 INTERNAL_SCHEMA = "tq_internal"  # the catalog and chunk tables: out of the user's ``main``
@@ -676,8 +677,9 @@ class DuckDBChunkStore(ChunkStore):
         shape = meta.grid.chunk_shape(key)
         expected = int(np.prod(shape, dtype=np.int64)) * itemsize(meta.dtype)
         if raw.size != expected:
-            raise StorageError(f"tensor {meta.name!r}: chunk {key} holds {raw.size} bytes, "
-                               f"expected {expected}")
+            raise StorageError(f"tensor {meta.name!r}: chunk {key} holds "
+                               f"{format_bytes(raw.size)} ({raw.size} bytes), expected "
+                               f"{format_bytes(expected)} ({expected} bytes)")
         return view_bytes(raw, meta.dtype, shape)
 
     def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:
