@@ -129,6 +129,10 @@ class DuckDBChunkStore(ChunkStore):
         self._pins: dict[str, int] = {}  # chunk table -> pins held
         self._retired: set[str] = set()  # replaced or dropped, still pinned
         self._unpinned: set[str] = set()  # replaced or dropped, no pin left: to drop
+        # the current version of each tensor a pin resolved: a run pins without a catalog
+        # query; only this store changes the catalog while it is open (DuckDB: one writer),
+        # and every change it commits clears its names here (_release_tables)
+        self._versions: dict[str, StoredVersion] = {}
         if not read_only:
             self._drop_stored_views()
         self.sync_views()
@@ -364,8 +368,10 @@ class DuckDBChunkStore(ChunkStore):
                                        f"{err}") from err
                 raise
             finally:
-                for name in names:
-                    self._tables.pop(name, None)
+                with self._pins_lock:
+                    for name in names:
+                        self._tables.pop(name, None)
+                        self._versions.pop(name, None)
 
     def _committed(self, staged: list[tuple[TensorMeta, str]]) -> bool:
         """Whether the catalog already points at the staged tables (the commit happened)."""
@@ -503,6 +509,7 @@ class DuckDBChunkStore(ChunkStore):
             # section no pin can reach the old tables
             for name in names:
                 self._tables.pop(name, None)
+                self._versions.pop(name, None)
             for table in tables:
                 if self._pins.get(table):
                     self._retired.add(table)
@@ -549,8 +556,9 @@ class DuckDBChunkStore(ChunkStore):
         return entry
 
     def pin(self, names: Iterable[str]) -> dict[str, StoredVersion]:
-        """As :meth:`ChunkStore.pin`: each tensor's chunk table, read from the catalog in
-        one query and counted, so that a replace or drop keeps it until :meth:`unpin`.
+        """As :meth:`ChunkStore.pin`: each tensor's chunk table, counted, so that a replace
+        or drop keeps it until :meth:`unpin`. The tables come from the catalog, in one query
+        for the names not pinned since this store last changed them.
 
         >>> from tensorql.grid import ChunkGrid
         >>> store = DuckDBChunkStore()
@@ -565,25 +573,34 @@ class DuckDBChunkStore(ChunkStore):
         names = list(dict.fromkeys(names))
         if not names:
             return {}
-        page_bytes = "page_bytes" if self._paged_catalog else "0"
-        with self._pins_lock:
-            rows = self._cursor().execute(
-                f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
-                f"FROM {self._catalog} WHERE list_contains(?, name)", [names]).fetchall()
-            found = {row[0]: row[1:] for row in rows}
-            missing = [name for name in names if name not in found]
-            if missing:
-                raise UnknownTensorError(missing[0], self.names())
-            pinned = {}
-            for name in names:
-                table, dtype, shape, tile, paged = found[name]
-                if not paged:
-                    self._unpaged_tables.add(table)
-                grid = ChunkGrid(tuple(shape), tuple(tile))
-                meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
-                pinned[name] = StoredVersion(meta, table)
-                self._pins[table] = self._pins.get(table, 0) + 1
+        with self._pins_lock:  # (a writer clears _versions under it after its commit)
+            unknown = [name for name in names if name not in self._versions]
+            if unknown:
+                self._versions.update(self._catalog_versions(unknown))
+            pinned = {name: self._versions[name] for name in names}
+            for version in pinned.values():
+                self._pins[version.handle] = self._pins.get(version.handle, 0) + 1
         return pinned
+
+    def _catalog_versions(self, names: list[str]) -> dict[str, StoredVersion]:
+        """The current version of each of ``names``, from the catalog in one query."""
+        page_bytes = "page_bytes" if self._paged_catalog else "0"
+        rows = self._cursor().execute(
+            f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
+            f"FROM {self._catalog} WHERE list_contains(?, name)", [names]).fetchall()
+        found = {row[0]: row[1:] for row in rows}
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise UnknownTensorError(missing[0], self.names())
+        versions = {}
+        for name in names:
+            table, dtype, shape, tile, paged = found[name]
+            if not paged:
+                self._unpaged_tables.add(table)
+            grid = ChunkGrid(tuple(shape), tuple(tile))
+            meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
+            versions[name] = StoredVersion(meta, table)
+        return versions
 
     def unpin(self, versions: Iterable[StoredVersion]) -> None:
         """As :meth:`ChunkStore.unpin`. A retired table whose last pin goes is dropped now if
