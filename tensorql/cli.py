@@ -6,6 +6,7 @@
     tensorql sql "SELECT * FROM EINSUM('ij,jk->ik', A, B)" --db work.duckdb
     tensorql sql --file script.sql --db work.duckdb      # or: ... | tensorql sql -
     tensorql explain "SELECT * FROM EINSUM('ij,jk->ik', A, B)" --db work.duckdb [--analyze]
+    tensorql explain --format json|dot|mermaid "SELECT ..." --db work.duckdb  # as graphs
     tensorql demo [--help]
     tensorql distributed-demo [--ranks K] [--help]
     tensorql train-demo [--steps N] [--db FILE] [--help]
@@ -87,7 +88,11 @@ def _connect(args: argparse.Namespace):
 def _cmd_sql(args: argparse.Namespace, explain: bool = False) -> int:
     script = _read_query(args)
     with _connect(args) as db:
-        if explain:
+        if explain and args.format != "text":
+            from tensorql.sql.statements import explain_graphs
+
+            print(explain_graphs(db, script, args.format, analyze=args.analyze))
+        elif explain:
             from tensorql.sql.session import explain_each
 
             results = explain_each(db, script, analyze=args.analyze)
@@ -140,12 +145,18 @@ def _parser() -> argparse.ArgumentParser:
         if name == "explain":
             p.add_argument("--analyze", action="store_true",
                            help="run the statements and add measured times and bytes")
+            p.add_argument("--format", choices=EXPLAIN_FORMATS, default="text",
+                           help="text (default), or each EINSUM's plan as a graph: json "
+                                "(one document, schema tensorql.explain/1), dot (Graphviz) "
+                                "or mermaid")
     for name in ("demo", "distributed-demo", "train-demo"):
         sub.add_parser(name, help=COMMANDS[name], add_help=False)
     return ap
 
 
 # -- the shell ---------------------------------------------------------------------------
+EXPLAIN_FORMATS = ("text", "json", "dot", "mermaid")  # text and tensorql.physical.plan_graph's
+# FORMATS (not imported: --help must start at once)
 MODES = ("box", "csv", "json", "markdown", "line")  # tensorql.sql.render.MODES (not imported:
 # it needs pyarrow, and --help must start at once)
 COMMANDS = {

@@ -233,7 +233,8 @@ def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int
             return make_plan(problem, choice, strategy, limit)
         least = need if least is None else min(least, need)
         target = max(1, min(target - 1, target * limit // need))
-    raise InfeasiblePlanError(f"its largest task needs {least} bytes at once", minimum=least)
+    raise InfeasiblePlanError(f"its largest task needs {format_bytes(least)} at once",
+                              minimum=least)
 
 
 def _smallest_limit(graph: OpGraph, devices: int, search, strategy: str, limit: int,

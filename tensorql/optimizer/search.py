@@ -219,7 +219,8 @@ def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None,
             need = max(_smallest_peak(graph, n, devices, cache) for n in graph.nodes)
             raise InfeasiblePlanError(
                 f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, sizes "
-                f"{node.sizes}) fits memory_limit={memory_limit} bytes on {devices} devices, "
+                f"{node.sizes}) fits memory_limit={memory_limit} bytes "
+                f"({format_bytes(memory_limit)}) on {devices} devices, "
                 f"even cut into {made} pieces; the smallest memory_limit that plans this "
                 f"query is {need} bytes ({format_bytes(need)})", minimum=need)
         factor *= 2

@@ -96,7 +96,7 @@ from tensorql.physical.kernels import (
     pointwise_kernel,
 )
 from tensorql.physical.planner import PhysicalPlan, Step
-from tensorql.storage.chunk_store import ChunkStore
+from tensorql.storage.chunk_store import ChunkStore, PlanReads
 
 
 def build(root: LogicalNode, partition: PartitionPlan | None = None,
@@ -112,13 +112,17 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
     of at most ``fuse_bytes`` of inputs (None: no bound), keeping at least ``min_tasks``
     tasks a step (a device, when partitioned). With ``sub_tiles`` a partitioned operation's
     pieces are cut into the logical plan's tiles (same bytes moved). ``fired``: the logical
-    rewrite rules that made ``root`` (for EXPLAIN)."""
+    rewrite rules that made ``root`` (for EXPLAIN). The plan's load tasks read ``store``
+    through its :class:`~tensorql.storage.chunk_store.PlanReads` (``plan.reads``), which
+    pins the version of each stored tensor per run."""
+    reads = PlanReads(store) if store is not None else None
     if partition is not None:
         if partition.graph.logical is not root:
             raise ValueError("the partition plan is of another logical plan")
-        return _partitioned(partition, store, max_temp_elems, sub_tiles, fuse_bytes,
-                            min_tasks, fired)
-    builder = _OneDevice(store, max_temp_elems, fuse_bytes, min_tasks)
+        return dataclasses.replace(
+            _partitioned(partition, reads, max_temp_elems, sub_tiles, fuse_bytes, min_tasks,
+                         fired), reads=reads)
+    builder = _OneDevice(reads, max_temp_elems, fuse_bytes, min_tasks)
     nodes = walk(root, *also)
     joins = contraction_joins(nodes, (root, *also))
     for node in nodes:
@@ -129,7 +133,7 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
             builder.step_of[id(node.input)] = builder.step_of[id(node)]
     steps = builder.finish()
     return PhysicalPlan(root=root, steps=steps, step_of=builder.step_of, also=tuple(also),
-                        rules_fired=tuple(fired))
+                        rules_fired=tuple(fired), reads=reads)
 
 
 def operation_kernel(node: LogicalNode, max_temp_elems: int = 1 << 24):
@@ -224,7 +228,7 @@ class _OneDevice:
     """The steps of a plan on one device: one step per logical node, its tasks the chunks of
     the node's grid (an Aggregate with the Join it reads as one step)."""
 
-    def __init__(self, store: ChunkStore | None, max_temp_elems: int,
+    def __init__(self, store: PlanReads | None, max_temp_elems: int,
                  fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
         self.store = store
         self.max_temp_elems = max_temp_elems
@@ -484,7 +488,7 @@ def _chunked(plan: PartitionPlan, node, sub_tiles: bool) -> Layout:
     return plan.chunk_layout(node.index, target)
 
 
-def _partitioned(plan: PartitionPlan, store: ChunkStore | None, max_temp_elems: int,
+def _partitioned(plan: PartitionPlan, store: PlanReads | None, max_temp_elems: int,
                  sub_tiles: bool, fuse_bytes: int | None, min_tasks: int,
                  fired: tuple[str, ...]) -> PhysicalPlan:
     """The physical plan running ``plan`` on its devices (see the module doc)."""
@@ -579,7 +583,7 @@ def _reduce_scatter(steps: _Steps, node, lay: Layout, sid: int, partial_sid: int
             steps.add(sid, (cut,), part, FoldPartial(node.agg, kernel), owner)
 
 
-def _load_kernel(store: ChunkStore | None, node, lo: tuple[int, ...],
+def _load_kernel(store: PlanReads | None, node, lo: tuple[int, ...],
                  hi: tuple[int, ...]) -> ConstChunk | LoadPiece:
     """The kernel reading region ``[lo, hi)`` of a scan node: a view of a constant, or the
     region of a stored tensor (through the store's cache)."""
@@ -597,7 +601,7 @@ class _Reads:
 
     def __init__(self, steps: _Steps, graph, layouts: dict[int, Layout],
                  step_of_node: dict[int, int], reads: dict,
-                 store: ChunkStore | None = None) -> None:
+                 store: PlanReads | None = None) -> None:
         self.store = store
         self.loads: dict[tuple, ChunkRef] = {}
         self.steps = steps

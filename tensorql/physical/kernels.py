@@ -25,7 +25,7 @@ from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
 from tensorql.logical.plan import Pointwise, Softmax
-from tensorql.storage.chunk_store import ChunkStore
+from tensorql.storage.chunk_store import ChunkStore, PlanReads
 
 
 class _NoCombine:
@@ -39,7 +39,7 @@ class LoadChunk(_NoCombine):
     chunk of another layout (the tensor stored again with another shape, dtype or tiling
     after the query was planned) is a :class:`StaleTensorError`, not a wrong result."""
 
-    store: ChunkStore
+    store: ChunkStore | PlanReads  # a plan's: its PlanReads (one version per run)
     name: str
     key: Key
     shape: tuple[int, ...]
@@ -81,7 +81,7 @@ def check_layout(name: str, what: str, value: torch.Tensor, shape: Sequence[int]
 class LoadPiece:
     """Assemble one piece ``[lo, hi)`` of a stored tensor from the chunks it overlaps."""
 
-    store: ChunkStore
+    store: ChunkStore | PlanReads  # a plan's: its PlanReads (one version per run)
     name: str
     grid: ChunkGrid
     lo: tuple[int, ...]
@@ -108,7 +108,7 @@ class LoadPiece:
         raise AssertionError("a piece is loaded once")
 
     @classmethod
-    def of_region(cls, store: ChunkStore, scan, lo: Sequence[int],
+    def of_region(cls, store: ChunkStore | PlanReads, scan, lo: Sequence[int],
                   hi: Sequence[int]) -> LoadPiece:
         """The piece ``[lo, hi)`` of a logical Scan of a stored tensor (of the region it
         reads, when the scan is a slice)."""

@@ -16,7 +16,9 @@ output chunks of 2 contributions each, each a task of the product step).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tensorql.dtypes import itemsize
@@ -26,7 +28,7 @@ from tensorql.logical.rules import RULES, Rule, rewrite
 from tensorql.logical.rules.attention import match_attention
 from tensorql.logical.rules.pointwise import fuse_pointwise as fuse_pointwise_rule
 from tensorql.optimizer.plan import PartitionPlan
-from tensorql.storage.chunk_store import ChunkStore
+from tensorql.storage.chunk_store import ChunkStore, PlanReads
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,14 @@ class PhysicalPlan:
     also: tuple[LogicalNode, ...] = ()  # further results of a multi-output plan
     also_ids: tuple[int, ...] = ()        # their steps when step_of does not say
     rules_fired: tuple[str, ...] = ()     # the logical rewrite rules that changed the plan
+    # what its load tasks read stored tensors through (None: it reads none from a store)
+    reads: PlanReads | None = field(default=None, compare=False, repr=False)
     # the task graph, made once on first use (a query run again reuses it, and with it the
     # memory plans the runtime keeps on it)
     _graph_memo: list[TaskGraph] = field(default_factory=list, init=False, compare=False,
                                          repr=False)
+    _names_memo: list[tuple[str, ...]] = field(default_factory=list, init=False,
+                                               compare=False, repr=False)
 
     @property
     def result_step(self) -> Step:
@@ -101,6 +107,28 @@ class PhysicalPlan:
         if not self._graph_memo:
             self._graph_memo.append(self._make_task_graph())
         return self._graph_memo[0]
+
+    @property
+    def stored_names(self) -> tuple[str, ...]:
+        """The stored tensors the plan's load tasks read, sorted."""
+        from tensorql.physical.kernels import LoadChunk, LoadPiece
+
+        return tuple(sorted({task.kernel.name for task in self.task_graph().tasks
+                             if isinstance(task.kernel, (LoadChunk, LoadPiece))}))
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Around a run: the version of each stored tensor the plan reads is pinned when the
+        run begins, and every chunk the run loads is of that version (a tensor replaced by
+        another thread meanwhile is read whole, old or new; see
+        :class:`~tensorql.storage.chunk_store.PlanReads`)."""
+        if self.reads is None:
+            yield
+            return
+        if not self._names_memo:
+            self._names_memo.append(self.stored_names)
+        with self.reads.run(self._names_memo[0]):
+            yield
 
     def _make_task_graph(self) -> TaskGraph:
         sizes: dict[ChunkRef, int] = dict(self.chunk_sizes or {})

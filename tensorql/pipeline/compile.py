@@ -125,11 +125,7 @@ class CompiledQuery:
                 doc = logical_json((self.physical.root, *self.physical.also), title=self.title,
                                    rules_fired=self.physical.rules_fired)
             elif stage in (None, "physical"):
-                stats = None
-                if analyze:
-                    result = self._explained(analyze, trace)[1]
-                    stats = result.stats if result is not None else None
-                doc = plan_json(self.physical, stats, title=self.title)
+                doc = self.plan_doc(self._explained(analyze, trace)[1] if analyze else None)
             else:
                 raise OptionError(f"EXPLAIN format {format!r} draws the logical or the "
                                   f"physical plan; stage {stage!r} is text only")
@@ -137,6 +133,13 @@ class CompiledQuery:
         if stage is None:
             return self._explained(analyze, trace)[0]
         return STAGES[stage](self)
+
+    def plan_doc(self, result: QueryResult | None = None) -> dict:
+        """The physical plan as a JSON-ready graph document
+        (:func:`tensorql.physical.plan_graph.plan_json`), with the figures ``result``'s run
+        measured when given."""
+        stats = result.stats if result is not None else None
+        return plan_json(self.physical, stats, title=self.title)
 
     def _explained(self, analyze: bool, trace: str | None) -> tuple[str, QueryResult | None]:
         if trace is None:

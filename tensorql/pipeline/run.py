@@ -75,15 +75,17 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
                      for s in physical.output_steps) if destination is not None else 0)
         config = engine.EngineConfig.of(options, timeline=timeline, spill=spill,
                                         dense_bytes=dense)
-        return engine.run(physical.task_graph(), config,
-                          progress=progress, sink=sink, destination=destination,
-                          keep_outputs=keep_outputs)
+        with physical.pinned():  # one version of each stored tensor for the whole run
+            return engine.run(physical.task_graph(), config,
+                              progress=progress, sink=sink, destination=destination,
+                              keep_outputs=keep_outputs)
     # every rank takes part (the rank strategy); each then gets the whole result
     job = rank_job(physical, partition, options)
     if destination is None:
         destination = DenseResults(physical.output_steps).destination
-    result = engine.run(physical.task_graph(), engine.EngineConfig.of(options, rank=job),
-                        progress=progress)
+    with physical.pinned():
+        result = engine.run(physical.task_graph(), engine.EngineConfig.of(options, rank=job),
+                            progress=progress)
     return share_rank_results(physical, result, job, sink, destination, keep_outputs,
                               rank_stats)
 

@@ -49,6 +49,7 @@ from tensorql.sql.relations import (
     validate_indices,
 )
 from tensorql.sql.rewriting import operand_labels, pure_einsum, scope_of
+from tensorql.units import format_bytes
 
 __all__ = ["DerivedOperand", "EinsumCall", "OperandResolver", "RelationalEinsum", "TensorOperand",
            "presence_equation"]
@@ -274,9 +275,10 @@ class OperandResolver:
                 return None  # the dense path reports the bad column where it is
             need = dense_bytes(shape, size)
             if need > limit:
-                return (f"operand {k} ({resolved[k].num_rows} row(s)) would take {need:,} "
-                        f"bytes dense (shape {tuple(shape)}), more than the limit of "
-                        f"{limit:,} bytes (Options.relation_dense_bytes / memory_limit)")
+                return (f"operand {k} ({resolved[k].num_rows} row(s)) would take "
+                        f"{format_bytes(need)} dense (shape {tuple(shape)}), more than the "
+                        f"limit of {format_bytes(limit)} (Options.relation_dense_bytes / "
+                        "memory_limit)")
         try:
             spec = EinsumSpec.parse(equation, [shapes[k] if k in shapes else value.node.shape
                                                for k, value in enumerate(resolved)], join, agg)
@@ -285,8 +287,9 @@ class OperandResolver:
         else:
             need = dense_bytes(spec.output_shape, 8)  # the result (<= 8-byte values) + mask
             if need > limit:
-                return (f"the result would take {need:,} bytes dense, more than the limit "
-                        f"of {limit:,} bytes (Options.relation_dense_bytes / memory_limit)")
+                return (f"the result would take {format_bytes(need)} dense, more than the "
+                        f"limit of {format_bytes(limit)} (Options.relation_dense_bytes / "
+                        "memory_limit)")
         return None
 
     def _flag(self, arg: exp.Expr | None) -> bool | None:

@@ -27,6 +27,7 @@ import torch
 
 from tensorql.algebra import agg_record, join_record
 from tensorql.errors import MemoryLimitError, ShapeError
+from tensorql.units import format_bytes
 
 __all__ = ["DenseRelation", "absent_value", "densify", "filled_dtype", "label_columns",
            "order_columns", "rows_to_dense", "tensor_rows", "validate_indices", "value_dtype"]
@@ -114,9 +115,10 @@ def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fi
     cells = math.prod(shape)
     need = cells * (torch.empty((), dtype=dtype).element_size() + 1)
     if max_bytes is not None and need > max_bytes:
-        raise ShapeError(f"the relation operand would take {need:,} bytes once densified "
-                         f"(shape {tuple(shape)}, {table.num_rows} row(s)), more than the "
-                         f"limit of {max_bytes:,} bytes (Options.relation_dense_bytes / "
+        raise ShapeError(f"the relation operand would take {format_bytes(need)} once "
+                         f"densified (shape {tuple(shape)}, {table.num_rows} row(s)), more "
+                         f"than the limit of {format_bytes(max_bytes)} "
+                         "(Options.relation_dense_bytes / "
                          "memory_limit); filter it, give smaller sizes := {...}, or store it "
                          "as a tensor")
     val = table.column(val_name)
@@ -253,9 +255,9 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
     nbytes = math.prod(int(n) for n in shape) * torch.empty((), dtype=dtype).element_size()
     if max_bytes is not None and nbytes > max_bytes:
         raise MemoryLimitError(
-            f"densifying this relation takes {nbytes / 2**30:.1f} GiB (shape "
+            f"densifying this relation takes {format_bytes(nbytes)} (shape "
             f"{tuple(int(n) for n in shape)}) but this process may hold "
-            f"{max_bytes / 2**30:.1f} GiB (Options.process_memory_limit); give smaller "
+            f"{format_bytes(max_bytes)} (Options.process_memory_limit); give smaller "
             "sizes := or filter the rows (indices are positions, so a large index makes a "
             "large tensor)")
     if val.null_count:

@@ -35,6 +35,7 @@ import torch
 from tensorql.errors import ShapeError, UnsupportedError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
+from tensorql.units import format_bytes
 
 __all__ = ["DenseForm", "SQLResult", "format_html", "format_table"]
 
@@ -261,8 +262,9 @@ class SQLResult:
         need = dense_bytes(form.shape, 8)  # as the relational path's bound counts it
         if form.limit is not None and need > form.limit:
             raise ShapeError(f"this EINSUM's result has {table.num_rows:,} row(s) but as a dense "
-                             f"tensor of shape {form.shape} it would take {need:,} bytes, more "
-                             f"than the limit of {form.limit:,} (Options.relation_dense_bytes / "
+                             f"tensor of shape {form.shape} it would take {format_bytes(need)}, "
+                             f"more than the limit of {format_bytes(form.limit)} "
+                             "(Options.relation_dense_bytes / "
                              "memory_limit); read its rows (fetchall, arrow, fetchnumpy)")
         return densify(table, list(self.labels), form.shape, fill=agg_identity(form.agg),
                        agg=form.agg, max_bytes=None).values

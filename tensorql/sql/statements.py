@@ -28,7 +28,7 @@ import torch
 from sqlglot import exp
 
 from tensorql.dtypes import torch_dtype
-from tensorql.errors import MemoryLimitError, ParseError, TensorQLError
+from tensorql.errors import MemoryLimitError, OptionError, ParseError, TensorQLError
 from tensorql.pipeline import CompiledQuery
 from tensorql.pipeline.run import check_dense_fits
 from tensorql.sql.dialect import (
@@ -48,13 +48,14 @@ from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of,
 from tensorql.sql.streaming import chunk_rows
 from tensorql.storage.sql_text import quote_ident
 
-__all__ = ["ScriptRunner", "explain_each"]
+__all__ = ["ScriptRunner", "explain_each", "explain_graphs"]
 
 SQL_ADVICE = ("store it as a tensor (CREATE TENSOR t AS SELECT * FROM EINSUM(...)) and query "
               "t, or read the EINSUM in a larger query (a WHERE, an aggregate, a LIMIT): its "
               "rows then stream through DuckDB chunk by chunk")
 
 _TEMP = itertools.count()
+_EXPLAIN_HEAD = re.compile(r"^\s*EXPLAIN\s+(ANALYZE\s+)?", re.I)  # before what DuckDB runs
 
 
 class ScriptRunner:
@@ -72,6 +73,9 @@ class ScriptRunner:
         self.views: list[str] = []  # temporary views of relational EINSUMs
         self.statement: Statement | None = None
         self.explain_sections: list[str] | None = None
+        # what an EXPLAIN found, part by part, for the graph formats (explain_graphs): an
+        # EINSUM's {"einsum", "compiled", "result"}, or DuckDB's {"duckdb", "plan"}
+        self.explain_parts: list[dict[str, Any]] = []
         self.analyze = False
         self.operands = OperandResolver(session, script, self.rows, self.relational_rows,
                                         self.fail, self.pos, backend)
@@ -125,7 +129,11 @@ class ScriptRunner:
             if st.created is not None:
                 self.check_created_name(*st.created)
             result = self.duckdb(st.text, params=self.params)
-            return self.explain_text(result) if st.explain else result
+            if not st.explain:
+                return result
+            result = self.explain_text(result)
+            self.explain_parts = [{"duckdb": _EXPLAIN_HEAD.sub("", st.text), "plan": result.text}]
+            return result
         if isinstance(e, Explain):
             return self.explain(e)
         if isinstance(e, CreateTensor):
@@ -231,8 +239,12 @@ class ScriptRunner:
                                   "tensor, its chunk table and its views (one transaction)")
         if isinstance(inner, CreateTensor):
             inner = inner.expression
+        self.explain_parts = []
         if not has_einsum(inner):
-            return self.explain_text(self.duckdb(self.statement.text))
+            result = self.explain_text(self.duckdb(self.statement.text))
+            self.explain_parts.append({"duckdb": _EXPLAIN_HEAD.sub("", self.statement.text),
+                                       "plan": result.text})
+            return result
         self.explain_sections = []
         self.analyze = analyze
         try:
@@ -296,6 +308,7 @@ class ScriptRunner:
             text = "\n".join(plan.table.column("explain_value").to_pylist()) \
                 if plan.table is not None else str(plan)
             self.explain_sections.append(f"-- DuckDB runs the rest: {sql}\n{text.rstrip()}")
+            self.explain_parts.append({"duckdb": sql, "plan": text.rstrip()})
             return plan
         return self.duckdb(sql, params=params)
 
@@ -331,8 +344,9 @@ class ScriptRunner:
                              advice=SQL_ADVICE)
             return compiled.run(dense=True).dense()
         text, result = compiled.explain_and_result(analyze=self.analyze)
-        head = f"-- {call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
-        sections.append(f"{head}\n{text}")
+        einsum = f"{call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
+        sections.append(f"-- {einsum}\n{text}")
+        self.explain_parts.append({"einsum": einsum, "compiled": compiled, "result": result})
         if result is not None:
             return result.dense()
         return torch.zeros(call.node.shape, dtype=torch_dtype(call.node.dtype))
@@ -367,6 +381,7 @@ class ScriptRunner:
             head = (f"-- {call.einsum.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, "
                     f"val)\nrelational join over element rows in DuckDB: {call.reason}")
             sections.append(f"{head}\n{call.sql}\n{text.rstrip()}")
+            self.explain_parts.append({"duckdb": call.sql, "plan": text.rstrip()})
             if not self.analyze:
                 empty = self.duckdb(f"SELECT * FROM ({call.sql}) LIMIT 0").table
                 return SQLResult(table=empty, labels=call.labels, dense=dense)
@@ -418,6 +433,12 @@ def explain_each(session: Any, script: str, analyze: bool = False,
     statements = split_script(script)
     if not statements:
         raise ParseError("no SQL statement given", text=script, position=0)
+    return [result for result, _ in _explained(session, statements, analyze, backend)]
+
+
+def _explained(session: Any, statements: list[Statement], analyze: bool,
+               backend: str | None) -> list[tuple[SQLResult, list[dict[str, Any]]]]:
+    """Each statement EXPLAINed: its result and the parts its plan is made of."""
     prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
     out = []
     for st in statements:
@@ -425,5 +446,76 @@ def explain_each(session: Any, script: str, analyze: bool = False,
             text = st.text
         else:
             text = prefix + st.text
-        out.append(ScriptRunner(session, text, backend).run())
+        runner = ScriptRunner(session, text, backend)
+        out.append((runner.run(), runner.explain_parts))
     return out
+
+
+EXPLAIN_SCHEMA = "tensorql.explain/1"
+_COMMENT = {"dot": "// ", "mermaid": "%% "}  # how each graph language writes a comment line
+
+
+def explain_graphs(session: Any, script: str, fmt: str, analyze: bool = False,
+                   backend: str | None = None) -> str:
+    """Every statement of ``script`` EXPLAINed as ``fmt`` ("json", "dot" or "mermaid"): the
+    CLI's ``tensorql explain --format``. Each EINSUM's plan is drawn as
+    ``explain(format=fmt)`` draws it (:mod:`tensorql.physical.plan_graph`); what DuckDB runs
+    is DuckDB's EXPLAIN text. JSON is one document::
+
+        {"schema": "tensorql.explain/1",
+         "statements": [{"sql": str,
+                         "einsum": [{"call": str, "plan": <a tensorql.plan/1 document>}],
+                         "duckdb": [{"sql": str, "plan": str}]}]}
+
+    DOT and mermaid give one graph per EINSUM, each headed by comment lines naming the
+    statement and the call; DuckDB's plans are comment lines too, so the text stays valid.
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> _ = db.from_numpy("A", np.ones((4, 6), np.float32), tile=(2, 3))
+    >>> print(explain_graphs(db, "SELECT * FROM EINSUM('ij->i', A)", "mermaid"))
+    %% SELECT * FROM EINSUM('ij->i', A)
+    %% EINSUM('ij->i', A) -> (i, val)
+    flowchart BT
+      s0["Scan A<br/>(d0,d1) 4x6 float32 grid 2x2 of 2x3<br/>tasks=4"]
+      s1["Aggregate sum over [j]<br/>(i) 4 float32 grid 2 of 2<br/>tasks=4"]
+      s0 --> s1
+    """
+    import json
+
+    from tensorql.physical.plan_graph import FORMATS
+
+    if fmt not in FORMATS:
+        raise OptionError(f"unknown EXPLAIN format {fmt!r}; choose one of text, "
+                          f"{', '.join(FORMATS)}")
+    statements = split_script(script)
+    if not statements:
+        raise ParseError("no SQL statement given", text=script, position=0)
+    explained = _explained(session, statements, analyze, backend)
+    if fmt == "json":
+        docs = []
+        for st, (_, parts) in zip(statements, explained):
+            docs.append({
+                "sql": st.text,
+                "einsum": [{"call": p["einsum"],
+                            "plan": p["compiled"].plan_doc(p["result"])}
+                           for p in parts if "einsum" in p],
+                "duckdb": [{"sql": p["duckdb"], "plan": p["plan"]}
+                           for p in parts if "duckdb" in p]})
+        return json.dumps({"schema": EXPLAIN_SCHEMA, "statements": docs}, indent=2)
+    comment = _COMMENT[fmt]
+
+    def commented(text: str) -> str:
+        return "\n".join(comment + line for line in text.splitlines())
+
+    blocks = []
+    for st, (_, parts) in zip(statements, explained):
+        lines = [commented(st.text)]
+        for part in parts:
+            if "einsum" in part:
+                doc = part["compiled"].plan_doc(part["result"])
+                lines.append(f"{commented(part['einsum'])}\n{FORMATS[fmt](doc)}")
+            else:
+                lines.append(commented(f"DuckDB runs: {part['duckdb']}\n{part['plan']}"))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

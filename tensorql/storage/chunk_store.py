@@ -12,8 +12,10 @@ needs, when it needs them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import math
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,22 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class StoredVersion:
+    """One version of a stored tensor, as :meth:`ChunkStore.pin` resolved it: its catalog
+    entry and the store's handle on that version's chunks (``handle``: the DuckDB store's
+    chunk table, the memory store's chunk dict; None where a store keeps no versions and
+    reads go by name). A replace makes a new version; a pinned one stays readable through
+    :meth:`ChunkStore.read_chunk_at` until it is unpinned."""
+
+    meta: TensorMeta
+    handle: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
 
 
 class ChunkStore(abc.ABC):
@@ -84,10 +102,31 @@ class ChunkStore(abc.ABC):
         for key in keys:
             yield key, self.read_chunk(name, key)
 
+    # -- versions: what a run reads ------------------------------------------------------
+    def pin(self, names: Iterable[str]) -> dict[str, StoredVersion]:
+        """The current version of each of ``names``, resolved at once (one catalog read where
+        the store has a catalog, so a multi-tensor commit is seen whole or not at all) and
+        kept readable through :meth:`read_chunk_at` until :meth:`unpin`, whatever is stored
+        under those names meanwhile. UnknownTensorError for a name not stored. A run pins
+        the tensors it reads when it starts, so every chunk it loads is of one version.
+
+        The default keeps no versions: its reads go by name (a store that replaces tensors
+        while reading them overrides this)."""
+        return {name: StoredVersion(self.meta(name)) for name in names}
+
+    def unpin(self, versions: Iterable[StoredVersion]) -> None:  # noqa: B027 - optional
+        """Release versions :meth:`pin` returned (each once): a replaced version's chunks
+        may go once no pin holds them."""
+
+    def read_chunk_at(self, version: StoredVersion, key: Key) -> torch.Tensor:
+        """Chunk ``key`` of a pinned ``version`` (as :meth:`read_chunk`)."""
+        return self.read_chunk(version.name, key)
+
     def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         """The region ``[lo, hi)`` of ``name``: the one chunk it is, or assembled from the
-        chunks it overlaps (stores with a chunk cache keep assembled regions there too, so
-        a partitioned plan's pieces are cut once, not every run). Do not modify the result.
+        chunks it overlaps, all of one version (pinned while they are read). Stores with a
+        chunk cache keep assembled regions there too, so a partitioned plan's pieces are cut
+        once, not every run. Do not modify the result.
 
         >>> from tensorql.storage.memory_store import MemoryChunkStore
         >>> from tensorql.grid import ChunkGrid
@@ -99,16 +138,25 @@ class ChunkStore(abc.ABC):
         >>> store.read_region("t", (1, 1), (3, 4)).tolist()
         [[5.0, 6.0, 7.0], [9.0, 10.0, 11.0]]
         """
-        grid = self.meta(name).grid
+        versions = self.pin([name])
+        try:
+            return self.read_region_at(versions[name], lo, hi)
+        finally:
+            self.unpin(versions.values())
+
+    def read_region_at(self, version: StoredVersion, lo: Sequence[int],
+                       hi: Sequence[int]) -> torch.Tensor:
+        """The region ``[lo, hi)`` of a pinned ``version`` (as :meth:`read_region`)."""
+        grid = version.meta.grid
         lo, hi = tuple(int(a) for a in lo), tuple(int(b) for b in hi)
         spans = [range(a // t, (b - 1) // t + 1) for a, b, t in zip(lo, hi, grid.tile)]
         keys = list(itertools.product(*spans))
         if len(keys) == 1 and grid.slices(keys[0]) == tuple(
                 slice(a, b) for a, b in zip(lo, hi)):
-            return self.read_chunk(name, keys[0])  # the region is one stored chunk
+            return self.read_chunk_at(version, keys[0])  # the region is one stored chunk
         out = None
         for key in keys:
-            chunk = self.read_chunk(name, key)
+            chunk = self.read_chunk_at(version, key)
             if out is None:
                 out = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=chunk.dtype)
             src, dst = [], []
@@ -147,6 +195,64 @@ class ChunkStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; the default store holds none."""
+
+
+class PlanReads:
+    """The stored tensors one plan's load tasks read, through ``store``: while a run of the
+    plan is under way (:meth:`run`) every chunk or region is read from the version of its
+    tensor pinned when the run began, so a tensor replaced meanwhile is read whole in the old
+    version (the next run reads the new one); outside a run reads go by name.
+
+    Runs of one plan that overlap (the same compiled query run from two threads at once)
+    share the versions the first of them pinned until the last one ends.
+
+    >>> from tensorql.storage.memory_store import MemoryChunkStore
+    >>> from tensorql.grid import ChunkGrid
+    >>> store = MemoryChunkStore()
+    >>> meta = TensorMeta("t", (2,), "float32", ChunkGrid((2,), (1,)))
+    >>> store.put_tensor(meta, [((0,), np.zeros(1)), ((1,), np.zeros(1))])
+    >>> reads = PlanReads(store)
+    >>> with reads.run(["t"]):
+    ...     first = reads.read_chunk("t", (0,)).item()
+    ...     store.put_tensor(meta, [((0,), np.ones(1)), ((1,), np.ones(1))], replace=True)
+    ...     second = reads.read_chunk("t", (1,)).item()
+    >>> first, second, reads.read_chunk("t", (1,)).item()
+    (0.0, 0.0, 1.0)
+    """
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._pinned: dict[str, StoredVersion] = {}
+        self._runs = 0
+
+    @contextlib.contextmanager
+    def run(self, names: Iterable[str]) -> Iterator[None]:
+        """Pin the current versions of ``names`` (the tensors the plan reads) for a run."""
+        with self._lock:
+            if self._runs == 0:
+                self._pinned = self.store.pin(names)
+            self._runs += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._runs -= 1
+                if self._runs == 0:
+                    pinned, self._pinned = self._pinned, {}
+                    self.store.unpin(pinned.values())
+
+    def read_chunk(self, name: str, key: Key) -> torch.Tensor:
+        version = self._pinned.get(name)
+        if version is None:
+            return self.store.read_chunk(name, key)
+        return self.store.read_chunk_at(version, key)
+
+    def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        version = self._pinned.get(name)
+        if version is None:
+            return self.store.read_region(name, lo, hi)
+        return self.store.read_region_at(version, lo, hi)
 
 
 def as_chunk_tensor(data: np.ndarray | torch.Tensor, dtype: str) -> torch.Tensor:

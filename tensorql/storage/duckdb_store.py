@@ -39,10 +39,17 @@ from tensorql.dtypes import SUPPORTED, itemsize
 from tensorql.errors import StorageError, UnknownTensorError
 from tensorql.grid import ChunkGrid, Key
 from tensorql.storage.blob_codec import chunk_bytes, decode_values, view_bytes
-from tensorql.storage.chunk_store import ChunkStore, TensorMeta, as_chunk_tensor, check_chunk
+from tensorql.storage.chunk_store import (
+    ChunkStore,
+    StoredVersion,
+    TensorMeta,
+    as_chunk_tensor,
+    check_chunk,
+)
 from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
 from tensorql.storage.spill import remove_stale_files, spill_prefix
 from tensorql.storage.sql_text import ddl, quote_ident
+from tensorql.units import format_bytes
 
 CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
 INTERNAL_SCHEMA = "tq_internal"  # the catalog and chunk tables: out of the user's ``main``
@@ -119,6 +126,16 @@ class DuckDBChunkStore(ChunkStore):
         self._views_lock = threading.RLock()  # the main connection's temp views
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
         self._views: dict[str, str] = {}  # tensor name -> chunk table its temp views read
+        # versions pinned by runs: a chunk table replaced or dropped while pinned is kept
+        # (retired) until its last pin goes, then dropped by the next writer
+        self._pins_lock = threading.Lock()
+        self._pins: dict[str, int] = {}  # chunk table -> pins held
+        self._retired: set[str] = set()  # replaced or dropped, still pinned
+        self._unpinned: set[str] = set()  # replaced or dropped, no pin left: to drop
+        # the current version of each tensor a pin resolved: a run pins without a catalog
+        # query; only this store changes the catalog while it is open (DuckDB: one writer),
+        # and every change it commits clears its names here (_release_tables)
+        self._versions: dict[str, StoredVersion] = {}
         if not read_only:
             self._drop_stored_views()
         self.sync_views()
@@ -230,6 +247,11 @@ class DuckDBChunkStore(ChunkStore):
                 self._views[name] = table
 
     def close(self) -> None:
+        if not self.read_only and self._write_lock.acquire(blocking=False):
+            try:
+                self._drop_unpinned(self.connection)
+            finally:
+                self._write_lock.release()
         try:
             self.connection.close()
         except duckdb.Error:  # pragma: no cover - closing twice
@@ -318,6 +340,7 @@ class DuckDBChunkStore(ChunkStore):
                     staged.append((meta, table))
                     self._stage(con, meta, chunks, table)
                 con.execute("BEGIN TRANSACTION")
+                replaced: list[str] = []
                 try:
                     for meta, table in staged:
                         old = self._lookup(meta.name)
@@ -325,7 +348,8 @@ class DuckDBChunkStore(ChunkStore):
                             if not replace:
                                 raise StorageError(
                                     f"tensor {meta.name!r} already exists (pass replace=True)")
-                            self._drop_objects(con, meta.name, old[0])
+                            self._drop_objects(con, meta.name)
+                            replaced.append(old[0])
                         con.execute(
                             f"INSERT INTO {self._catalog} (name, chunk_table, dtype, shape, "
                             "tile, nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -335,6 +359,7 @@ class DuckDBChunkStore(ChunkStore):
                 except BaseException:
                     _rollback(con)
                     raise
+                self._release_tables(con, names, replaced)
                 for meta, table in staged:
                     self._publish_views(meta, table)
             except BaseException as err:
@@ -346,8 +371,10 @@ class DuckDBChunkStore(ChunkStore):
                                        f"{err}") from err
                 raise
             finally:
-                for name in names:
-                    self._tables.pop(name, None)
+                with self._pins_lock:
+                    for name in names:
+                        self._tables.pop(name, None)
+                        self._versions.pop(name, None)
 
     def _committed(self, staged: list[tuple[TensorMeta, str]]) -> bool:
         """Whether the catalog already points at the staged tables (the commit happened)."""
@@ -470,10 +497,35 @@ class DuckDBChunkStore(ChunkStore):
             con.execute(f"DROP VIEW IF EXISTS temp.main.{quote_ident(view)}")
         self._views.pop(name, None)
 
-    def _drop_objects(self, con, name: str, table: str) -> None:
+    def _drop_objects(self, con, name: str) -> None:
+        """Remove ``name``'s views and catalog row (its chunk table goes after the commit,
+        by :meth:`_release_tables`, unless a run still reads it)."""
         self._drop_views(con, name)
-        con.execute(f"DROP TABLE IF EXISTS {self._ref(table)}")
         con.execute(f"DELETE FROM {self._catalog} WHERE name = ?", [name])
+
+    def _release_tables(self, con, names: Sequence[str], tables: Sequence[str]) -> None:
+        """After a commit that replaced or dropped ``names``, whose chunk tables were
+        ``tables``: drop each table no run has pinned; a pinned one is retired, dropped by
+        a writer after its last pin goes. (A crash before the drop leaves a table no catalog
+        row names, which the next writer to open the file removes.)"""
+        with self._pins_lock:  # a pin resolves and counts under this lock: after this
+            # section no pin can reach the old tables
+            for name in names:
+                self._tables.pop(name, None)
+                self._versions.pop(name, None)
+            for table in tables:
+                if self._pins.get(table):
+                    self._retired.add(table)
+                else:
+                    self._unpinned.add(table)
+        self._drop_unpinned(con)
+
+    def _drop_unpinned(self, con) -> None:
+        """Drop the replaced chunk tables no pin holds (the caller holds the write lock)."""
+        with self._pins_lock:
+            tables, self._unpinned = self._unpinned, set()
+        for table in sorted(tables):
+            _drop_table_quietly(con, self._ref(table))
 
     def drop(self, name: str) -> None:
         if self.read_only:
@@ -485,12 +537,12 @@ class DuckDBChunkStore(ChunkStore):
             con = self.connection
             con.execute("BEGIN TRANSACTION")
             try:
-                self._drop_objects(con, name, entry[0])
+                self._drop_objects(con, name)
                 con.execute("COMMIT")
             except BaseException:
                 _rollback(con)
                 raise
-            self._tables.pop(name, None)
+            self._release_tables(con, [name], [entry[0]])
 
     # -- reading ------------------------------------------------------------------------
     def _current(self, name: str, table: str, err: duckdb.Error) -> tuple[str, TensorMeta]:
@@ -505,6 +557,76 @@ class DuckDBChunkStore(ChunkStore):
         if entry[0] == table:
             raise err
         return entry
+
+    def pin(self, names: Iterable[str]) -> dict[str, StoredVersion]:
+        """As :meth:`ChunkStore.pin`: each tensor's chunk table, counted, so that a replace
+        or drop keeps it until :meth:`unpin`. The tables come from the catalog, in one query
+        for the names not pinned since this store last changed them.
+
+        >>> from tensorql.grid import ChunkGrid
+        >>> store = DuckDBChunkStore()
+        >>> meta = TensorMeta("v", (2,), "float32", ChunkGrid((2,), (2,)))
+        >>> store.put_tensor(meta, [((0,), np.zeros(2, np.float32))])
+        >>> pinned = store.pin(["v"])
+        >>> store.put_tensor(meta, [((0,), np.ones(2, np.float32))], replace=True)
+        >>> store.read_chunk_at(pinned["v"], (0,)).tolist(), store.read_chunk("v", (0,)).tolist()
+        ([0.0, 0.0], [1.0, 1.0])
+        >>> store.unpin(pinned.values()); store.close()
+        """
+        names = list(dict.fromkeys(names))
+        if not names:
+            return {}
+        with self._pins_lock:  # (a writer clears _versions under it after its commit)
+            unknown = [name for name in names if name not in self._versions]
+            if unknown:
+                self._versions.update(self._catalog_versions(unknown))
+            pinned = {name: self._versions[name] for name in names}
+            for version in pinned.values():
+                self._pins[version.handle] = self._pins.get(version.handle, 0) + 1
+        return pinned
+
+    def _catalog_versions(self, names: list[str]) -> dict[str, StoredVersion]:
+        """The current version of each of ``names``, from the catalog in one query."""
+        page_bytes = "page_bytes" if self._paged_catalog else "0"
+        rows = self._cursor().execute(
+            f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
+            f"FROM {self._catalog} WHERE list_contains(?, name)", [names]).fetchall()
+        found = {row[0]: row[1:] for row in rows}
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise UnknownTensorError(missing[0], self.names())
+        versions = {}
+        for name in names:
+            table, dtype, shape, tile, paged = found[name]
+            if not paged:
+                self._unpaged_tables.add(table)
+            grid = ChunkGrid(tuple(shape), tuple(tile))
+            meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
+            versions[name] = StoredVersion(meta, table)
+        return versions
+
+    def unpin(self, versions: Iterable[StoredVersion]) -> None:
+        """As :meth:`ChunkStore.unpin`. A retired table whose last pin goes is dropped now if
+        no write is under way, else by the next writer (a run must not wait for a write --
+        a streamed store may be waiting for that run's chunks)."""
+        with self._pins_lock:
+            for version in versions:
+                table = version.handle
+                left = self._pins.get(table, 0) - 1
+                if left > 0:
+                    self._pins[table] = left
+                    continue
+                self._pins.pop(table, None)
+                if table in self._retired:
+                    self._retired.discard(table)
+                    self._unpinned.add(table)
+            drop = bool(self._unpinned)
+        if drop and not self.read_only and self._write_lock.acquire(blocking=False):
+            try:
+                with self.cursor() as con:
+                    self._drop_unpinned(con)
+            finally:
+                self._write_lock.release()
 
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:
         table, meta = self._entry(name)
@@ -521,8 +643,21 @@ class DuckDBChunkStore(ChunkStore):
                     raise
                 table, meta = self._current(name, table, err)
                 key = meta.grid.check_key(key)
+        return self._chunk_of(meta, table, key, result)
+
+    def read_chunk_at(self, version: StoredVersion, key: Key) -> torch.Tensor:
+        """As :meth:`ChunkStore.read_chunk_at`: from the pinned version's chunk table."""
+        table, meta = version.handle, version.meta
+        key = meta.grid.check_key(key)
+        cached = self.cache.get((table, key))
+        if cached is not None:
+            return cached
+        return self._chunk_of(meta, table, key, self._read_pages(table, key))
+
+    def _chunk_of(self, meta: TensorMeta, table: str, key: Key, result: pa.Table):
+        """Chunk ``key`` decoded from its page rows ``result`` read from ``table``, cached."""
         if result.num_rows == 0:
-            raise StorageError(f"tensor {name!r}: chunk {key} is missing from {table}")
+            raise StorageError(f"tensor {meta.name!r}: chunk {key} is missing from {table}")
         chunk = self._decode(meta, key, result.column(0).to_numpy(), result.column(1))
         self.cache.put((table, key), chunk)
         return chunk
@@ -534,15 +669,15 @@ class DuckDBChunkStore(ChunkStore):
             f"SELECT {page}, payload FROM {self._ref(table)} WHERE {where}", params=list(key)
         ).to_arrow_table()
 
-    def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
-        """As :meth:`ChunkStore.read_region`, an assembled region kept in the chunk cache
+    def read_region_at(self, version: StoredVersion, lo: Sequence[int],
+                       hi: Sequence[int]) -> torch.Tensor:
+        """As :meth:`ChunkStore.read_region_at`, an assembled region kept in the chunk cache
         (under its table, so a replaced tensor's regions are never served)."""
-        table, _ = self._entry(name)
-        ident = (table, ("region", *(int(a) for a in lo), *(int(b) for b in hi)))
+        ident = (version.handle, ("region", *(int(a) for a in lo), *(int(b) for b in hi)))
         cached = self.cache.get(ident)
         if cached is not None:
             return cached
-        region = super().read_region(name, lo, hi)
+        region = super().read_region_at(version, lo, hi)
         self.cache.put(ident, region)
         return region
 
@@ -562,8 +697,9 @@ class DuckDBChunkStore(ChunkStore):
         shape = meta.grid.chunk_shape(key)
         expected = int(np.prod(shape, dtype=np.int64)) * itemsize(meta.dtype)
         if raw.size != expected:
-            raise StorageError(f"tensor {meta.name!r}: chunk {key} holds {raw.size} bytes, "
-                               f"expected {expected}")
+            raise StorageError(f"tensor {meta.name!r}: chunk {key} holds "
+                               f"{format_bytes(raw.size)} ({raw.size} bytes), expected "
+                               f"{format_bytes(expected)} ({expected} bytes)")
         return view_bytes(raw, meta.dtype, shape)
 
     def read_chunks(self, name: str, keys: Iterable[Key]) -> Iterator[tuple[Key, torch.Tensor]]:

@@ -19,11 +19,28 @@ import torch
 
 from tensorql.errors import StorageError, UnknownTensorError
 from tensorql.grid import Key
-from tensorql.storage.chunk_store import ChunkStore, TensorMeta, as_chunk_tensor, check_chunk
+from tensorql.storage.chunk_store import (
+    ChunkStore,
+    StoredVersion,
+    TensorMeta,
+    as_chunk_tensor,
+    check_chunk,
+)
 
 
 class MemoryChunkStore(ChunkStore):
-    """Chunks held in memory; a put is atomic (built aside, then swapped in)."""
+    """Chunks held in memory; a put is atomic (built aside, then swapped in). A version is
+    a tensor's chunk dict, never changed once swapped in: a pinned one is simply kept.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> store = MemoryChunkStore()
+    >>> meta = TensorMeta("v", (2,), "float32", ChunkGrid((2,), (2,)))
+    >>> store.put_tensor(meta, [((0,), np.zeros(2))])
+    >>> pinned = store.pin(["v"])
+    >>> store.put_tensor(meta, [((0,), np.ones(2))], replace=True)
+    >>> store.read_chunk_at(pinned["v"], (0,)).tolist(), store.read_chunk("v", (0,)).tolist()
+    ([0.0, 0.0], [1.0, 1.0])
+    """
 
     def __init__(self) -> None:
         self._metas: dict[str, TensorMeta] = {}
@@ -77,6 +94,13 @@ class MemoryChunkStore(ChunkStore):
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:
         self.meta(name)
         return self._chunks[name][tuple(key)]
+
+    def pin(self, names) -> dict[str, StoredVersion]:
+        with self._lock:
+            return {name: StoredVersion(self.meta(name), self._chunks[name]) for name in names}
+
+    def read_chunk_at(self, version: StoredVersion, key: Key) -> torch.Tensor:
+        return version.handle[version.meta.grid.check_key(key)]
 
     def names(self) -> list[str]:
         return sorted(self._metas)

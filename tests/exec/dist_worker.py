@@ -64,6 +64,13 @@ def from_file(out: str, path: str) -> None:
         return original(self, name, key)
 
     DuckDBChunkStore.read_chunk = counting
+    original_at = DuckDBChunkStore.read_chunk_at  # a run's reads: of the version it pinned
+
+    def counting_at(self, version, key):
+        reads.append([version.name, list(key)])
+        return original_at(self, version, key)
+
+    DuckDBChunkStore.read_chunk_at = counting_at
     with tq.connect(path, read_only=True, distributed=True, workers=1) as db:
         x, w = db.tensor("X"), db.tensor("W")
         query = (x @ w).relu().compile()

@@ -268,3 +268,50 @@ def test_interactive_shell_in_a_pseudo_terminal(tmp_path):
             proc.wait()
         os.close(main_fd)
     assert (tmp_path / ".tensorql_history").exists()
+
+
+def test_explain_formats_draw_each_einsum_plan(tmp_path, capsys):
+    """``tensorql explain --format json|dot|mermaid``: each EINSUM's plan as the tensor's
+    ``explain(format=...)`` draws it; DuckDB's part of a statement as its EXPLAIN text."""
+    import json
+    import re
+
+    path = str(tmp_path / "work.duckdb")
+    with tq.connect(path) as db:
+        a = db.from_numpy("A", np.arange(24, dtype=np.float32).reshape(4, 6), tile=(2, 3))
+        expected = json.loads(tq.einsum("ij->i", a).explain(format="json"))
+    script = ("SELECT * FROM EINSUM('ij->i', A);\n"
+              "SELECT count(*) AS n FROM EINSUM('ij,kj->ik', A, A) WHERE val > 0;\n"
+              "SELECT 1 AS one")
+    assert main(["explain", "--format", "json", script, "--db", path]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "tensorql.explain/1" and len(doc["statements"]) == 3
+    first, second, third = doc["statements"]
+    assert first["sql"] == "SELECT * FROM EINSUM('ij->i', A)" and first["duckdb"] == []
+    [plan] = first["einsum"]
+    assert plan["call"].startswith("EINSUM('ij->i', A)")
+    for key in ("schema", "stage", "nodes", "edges", "outputs"):
+        assert plan["plan"][key] == expected[key]
+    assert len(second["einsum"]) == 1 and len(second["duckdb"]) == 1
+    assert "WHERE val > 0" in second["duckdb"][0]["sql"]
+    assert second["einsum"][0]["plan"]["nodes"][0]["name"] == "Scan A"
+    assert third["einsum"] == [] and third["duckdb"][0]["sql"] == "SELECT 1 AS one"
+    assert "PROJECTION" in third["duckdb"][0]["plan"].upper()
+
+    assert main(["explain", "--format", "dot", script, "--db", path]) == 0
+    dot = capsys.readouterr().out
+    assert dot.count('digraph "tensorql physical plan" {') == 2
+    assert all(line.startswith(("//", "digraph", "  ", "}")) for line in dot.splitlines()
+               if line), dot  # DuckDB's plans are comment lines: the text stays DOT
+    assert re.search(r"^  s\d+ -> s\d+;$", dot, re.M)
+
+    assert main(["explain", "--format", "mermaid", "SELECT * FROM EINSUM('ij->i', A)",
+                 "--db", path, "--analyze"]) == 0
+    mermaid = capsys.readouterr().out
+    lines = mermaid.splitlines()
+    assert lines[:2] == ["%% SELECT * FROM EINSUM('ij->i', A)",
+                         "%% EINSUM('ij->i', A) -> (i, val)"]
+    assert lines[2] == "flowchart BT" and "s0 --> s1" in mermaid
+
+    assert main(["explain", "--format", "svg", "SELECT 1", "--db", path]) == 2
+    assert "invalid choice: 'svg'" in capsys.readouterr().err
