@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 
 from tensorql.errors import PlanError
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+from tensorql.units import format_bytes
 
 LANES = ("compute", "h2d", "d2h", "d2d", "none")
 
@@ -401,7 +402,8 @@ class _Planner:
         if d.live + nbytes > d.budget:
             raise PlanError(
                 f"memory_limit too small on device {d.index}: {what} needs "
-                f"{nbytes + d.live} bytes resident at once, the budget is {d.budget}{_HINT}")
+                f"{format_bytes(nbytes + d.live)} resident at once, the budget is "
+                f"{format_bytes(d.budget)}{_HINT}")
         return True
 
     def _used_elsewhere(self, ref: ChunkRef, dev: int, pos: int) -> bool:
@@ -497,8 +499,9 @@ class _Planner:
             total = sum(self.size(r) for r in need)
             if d.budget is not None and total > d.budget:
                 raise PlanError(
-                    f"memory_limit too small on device {dev}: {what} needs {total} bytes "
-                    f"resident at once (inputs and output), the budget is {d.budget}{_HINT}")
+                    f"memory_limit too small on device {dev}: {what} needs "
+                    f"{format_bytes(total)} resident at once (inputs and output), the budget "
+                    f"is {format_bytes(d.budget)}{_HINT}")
             for ref in need:
                 self.bring(d, ref, pinned, pos, what, output=ref == t.output)
             deps = [d.resident[r].alloc for r in need]

@@ -44,6 +44,7 @@ from tensorql.errors import StorageError
 from tensorql.storage.blob_codec import chunk_bytes, view_bytes
 from tensorql.storage.pages import encode_pages, join_pages
 from tensorql.storage.sql_text import quote_ident
+from tensorql.units import format_bytes
 
 log = logging.getLogger("tensorql.spill")
 
@@ -217,8 +218,8 @@ class SpillPages:
         raw = join_pages(payload)
         expected = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
         if raw.size != expected:
-            raise StorageError(f"spill table {self.table}: chunk {ident} holds {raw.size} "
-                               f"bytes, expected {expected}")
+            raise StorageError(f"spill table {self.table}: chunk {ident} holds "
+                               f"{format_bytes(raw.size)}, expected {format_bytes(expected)}")
         with self._write_lock:
             self.bytes_read += raw.size
             self.chunks_read += 1

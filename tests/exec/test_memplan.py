@@ -83,7 +83,7 @@ def test_partial_aggregates_are_written_back_and_reloaded():
 
 def test_budget_below_one_task_is_a_plan_error():
     _, graph, _, _ = matmul_graph(n=64, tile=32)
-    with pytest.raises(PlanError, match="memory_limit too small.*needs 24576 bytes"):
+    with pytest.raises(PlanError, match="memory_limit too small.*needs 24.0 KiB"):
         plan_program(graph, 1, [2 * chunk(graph)])
 
 
