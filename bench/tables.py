@@ -17,7 +17,7 @@ says it has not been generated yet); a smoke run's record is never published. ``
 ...           "tables": {"main": {"columns": ["case", "s"], "rows": [["a", 0.12345]],
 ...                               "note": ""}}}
 >>> table = render_table(record, "main").splitlines()
->>> print("\n".join(table[:3]))
+>>> for line in table[:3]: print(line)
 | case | s |
 | --- | --- |
 | a | 0.123 |
