@@ -141,25 +141,47 @@ class Timing:
                 f" cold {self.first_s * scale:.3g} {unit}")
 
 
-def _timed(fn: Callable[[], object]) -> float:
+@dataclass(frozen=True)
+class Interval:
+    """What a contender's call returns when only part of it is to be timed (e.g. decoding
+    after an untimed prompt): the seconds it measured itself, and its result."""
+
+    seconds: float
+    value: object = None
+
+
+def _call(fn: Callable[[], object]) -> tuple[float, object]:
+    """Seconds of one call of ``fn`` (its own ``Interval`` if it returns one) and its result."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    out = fn()
+    took = time.perf_counter() - start
+    if isinstance(out, Interval):
+        return out.seconds, out.value
+    return took, out
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    return _call(fn)[0]
 
 
 def measure(contenders: Mapping[str, Callable[[], object]], repeats: int = MIN_REPEATS,
-            warmup: int = 1, order: str = "random", seed: int = 0) -> dict[str, Timing]:
-    """Time callables in this process by the rules above (no isolation)."""
-    firsts = {}
+            warmup: int = 1, order: str = "random", seed: int = 0,
+            firsts: Mapping[str, float] | None = None) -> dict[str, Timing]:
+    """Time callables in this process by the rules above (no isolation). ``firsts``: the
+    first calls' seconds where the caller made them (to keep their results)."""
+    firsts = dict(firsts or {})
     for name, fn in contenders.items():
-        firsts[name] = _timed(fn)
+        if name not in firsts:
+            firsts[name] = _timed(fn)
         for _ in range(warmup - 1):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for name in schedule(list(contenders), repeats, order, seed):
         samples[name].append(_timed(contenders[name]))
     return {name: Timing(samples[name], firsts[name], pid=os.getpid(),
-                         tensorql_imported="tensorql" in sys.modules, threads=_torch_threads())
+                         tensorql_imported="tensorql" in sys.modules, threads=_torch_threads(),
+                         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                         * 1024)
             for name in contenders}
 
 
@@ -334,13 +356,18 @@ def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
                                 args.threads, results)
     set_threads(args.threads)
     fns = {c.name: c.build() for c in contenders}
-    outputs = {name: as_numpy(fn()) for name, fn in fns.items()} if results else {}
-    return measure(fns, args.repeat, args.warmup, args.order, args.seed), outputs
+    firsts, outputs = {}, {}
+    for name, fn in fns.items():
+        firsts[name], out = _call(fn)
+        if results:
+            outputs[name] = as_numpy(out)
+    return measure(fns, args.repeat, args.warmup, args.order, args.seed, firsts), outputs
 
 
 def _worker_main() -> int:
     """The worker's loop: the protocol goes over the original stdout; anything the contender
     prints goes to stderr."""
+    sys.modules.setdefault("harness", sys.modules["__main__"])  # one Interval class
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -361,9 +388,8 @@ def _worker_main() -> int:
                 reply = {"pid": os.getpid(), "threads": _torch_threads()}
             elif op == "run":
                 assert fn is not None, "run before setup"
-                start = time.perf_counter()
-                out = fn()
-                reply = {"s": time.perf_counter() - start}
+                took, out = _call(fn)
+                reply = {"s": took}
                 if command.get("save"):
                     import numpy as np
 
@@ -416,11 +442,10 @@ def torch_build() -> dict:
     except ImportError:
         return {}
     shown = torch.__config__.show()
-    mkl = re.search(r"Math Kernel Library Version ([^\s]+)", shown)
+    mkl = re.search(r"Math Kernel Library Version ([\d.]+)", shown)
     onednn = re.search(r"MKL-DNN (v[^\s]+)", shown)
     return {"torch": torch.__version__, "mkl": mkl.group(1) if mkl else None,
-            "onednn": onednn.group(1) if onednn else None,
-            "parallel": torch.__config__.parallel_info().splitlines()[0:1]}
+            "onednn": onednn.group(1) if onednn else None}
 
 
 def git_commit() -> dict:
