@@ -164,24 +164,42 @@ def _timed(fn: Callable[[], object]) -> float:
     return _call(fn)[0]
 
 
+SMALL_VALUE = 64  # results of at most this many elements are kept for every call
+
+
+def _small(out: object) -> list | None:
+    """``out`` as a list when it is small (a loss, a few tokens), else None."""
+    if out is None:
+        return None
+    try:
+        arr = as_numpy(out)
+    except (TypeError, ValueError):
+        return None
+    return arr.tolist() if arr.size <= SMALL_VALUE and arr.dtype.kind in "biuf" else None
+
+
 def measure(contenders: Mapping[str, Callable[[], object]], repeats: int = MIN_REPEATS,
             warmup: int = 1, order: str = "random", seed: int = 0,
             firsts: Mapping[str, float] | None = None) -> dict[str, Timing]:
     """Time callables in this process by the rules above (no isolation). ``firsts``: the
     first calls' seconds where the caller made them (to keep their results)."""
     firsts = dict(firsts or {})
+    values: dict[str, list] = {name: [] for name in contenders}
     for name, fn in contenders.items():
         if name not in firsts:
-            firsts[name] = _timed(fn)
+            firsts[name], out = _call(fn)
+            values[name].append(_small(out))
         for _ in range(warmup - 1):
-            fn()
+            values[name].append(_small(_call(fn)[1]))
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for name in schedule(list(contenders), repeats, order, seed):
-        samples[name].append(_timed(contenders[name]))
+        took, out = _call(contenders[name])
+        samples[name].append(took)
+        values[name].append(_small(out))
     return {name: Timing(samples[name], firsts[name], pid=os.getpid(),
                          tensorql_imported="tensorql" in sys.modules, threads=_torch_threads(),
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                         * 1024)
+                         * 1024, extra={"values": values[name]})
             for name in contenders}
 
 
@@ -219,8 +237,11 @@ def set_threads(threads: int) -> None:
     """Cap this process's pools at ``threads``: torch's intra-op pool, and the BLAS libraries
     already loaded (``threadpoolctl``) -- for the in-process (``--no-isolate``) runs."""
     os.environ.update(thread_env(threads))
-    torch = sys.modules.get("torch")
-    if torch is not None:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:  # imported here: its default is the physical cores, not the CPUs
         torch.set_num_threads(threads)
     try:
         import threadpoolctl
@@ -321,19 +342,24 @@ def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS
     try:
         outputs: dict[str, object] = {}
         firsts: dict[str, float] = {}
+        values: dict[str, list] = {name: [] for name in workers}
         with tempfile.TemporaryDirectory(prefix="tq-bench-") as tmp:
             for name, worker in workers.items():
                 path = os.path.join(tmp, f"{len(outputs)}.npy") if results else None
-                firsts[name] = worker.call(op="run", save=path)["s"]
+                reply = worker.call(op="run", save=path)
+                firsts[name] = reply["s"]
+                values[name].append(reply.get("value"))
                 if path is not None:
                     import numpy as np
 
                     outputs[name] = np.load(path, allow_pickle=False)
                 for _ in range(warmup - 1):
-                    worker.call(op="run")
+                    values[name].append(worker.call(op="run").get("value"))
         samples: dict[str, list[float]] = {name: [] for name in workers}
         for name in schedule(list(workers), repeats, order, seed):
-            samples[name].append(workers[name].call(op="run")["s"])
+            reply = workers[name].call(op="run")
+            samples[name].append(reply["s"])
+            values[name].append(reply.get("value"))
         timings = {}
         for name, worker in workers.items():
             stats = worker.call(op="stats")
@@ -341,7 +367,8 @@ def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS
                                    pid=worker.info["pid"],
                                    tensorql_imported=stats["tensorql_imported"],
                                    threads=worker.info["threads"],
-                                   peak_rss_bytes=stats["peak_rss_bytes"])
+                                   peak_rss_bytes=stats["peak_rss_bytes"],
+                                   extra={"values": values[name]})
         return timings, outputs
     finally:
         for worker in workers.values():
@@ -389,7 +416,7 @@ def _worker_main() -> int:
             elif op == "run":
                 assert fn is not None, "run before setup"
                 took, out = _call(fn)
-                reply = {"s": took}
+                reply = {"s": took, "value": _small(out)}
                 if command.get("save"):
                     import numpy as np
 
@@ -466,7 +493,10 @@ def machine_info(argv: Sequence[str] | None = None) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None
                                                             else argv)]),
-            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "thread_env": {k: v for k, v in os.environ.items()
+                           if k in THREAD_VARS or k.startswith(("OMP_", "KMP_", "GOMP_",
+                                                                "TENSORQL_"))}}
 
 
 def add_arguments(parser: argparse.ArgumentParser, repeat: int = MIN_REPEATS,
