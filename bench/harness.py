@@ -281,6 +281,19 @@ def load_factory(spec: str) -> Callable[..., Callable[[], object]]:
     return getattr(importlib.import_module(module), function)
 
 
+def probe_factory(import_tensorql: bool = False):
+    """A contender that reports where it runs: each call returns ``[pid, tensorql imported,
+    torch threads, OMP_NUM_THREADS]`` (the check that isolation and threads are what they say:
+    tests/test_benches.py)."""
+    if import_tensorql:
+        import tensorql  # noqa: F401  (the side whose import retunes the allocator)
+
+    def run() -> list[int]:
+        return [os.getpid(), int("tensorql" in sys.modules), _torch_threads() or 0,
+                int(os.environ.get("OMP_NUM_THREADS", "0"))]
+    return run
+
+
 def as_numpy(value: object):
     """A contender's result as a numpy array (torch tensors detached, lists stacked)."""
     import numpy as np
