@@ -16,6 +16,9 @@ Rules, stated once and recorded in every bench's JSON (``METHOD``):
 * **Warm-up**: each contender's first ``warmup`` calls (default 1) are untimed for the median
   but the first one's time is kept as the **cold** figure (``first_s``): the plan, the caches,
   packed weights, the allocator's pools are all built on that call.
+* **Settling**: isolated calls start 20 ms after the previous one ends (off the clock), so
+  that the previous contender's OpenMP threads, which spin a while after a parallel region,
+  have gone to sleep and do not take the next one's cores.
 * **Repeats and order**: at least 7 timed calls of each contender (``MIN_REPEATS``), in rounds
   whose order is a seeded random permutation (``order="random"``) or A B B A (``"abba"``), so
   that a drifting host weighs on every contender alike; median, quartiles (IQR) and min-max
@@ -346,6 +349,9 @@ class Worker:
             self.proc.wait(timeout=60)
 
 
+SETTLE_S = 0.02  # pause before each isolated call, off the clock
+
+
 def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS,
                      warmup: int = 1, order: str = "random", seed: int = 0, threads: int = 2,
                      results: bool = True) -> tuple[dict[str, Timing], dict[str, object]]:
@@ -370,6 +376,7 @@ def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS
                     values[name].append(worker.call(op="run").get("value"))
         samples: dict[str, list[float]] = {name: [] for name in workers}
         for name in schedule(list(workers), repeats, order, seed):
+            time.sleep(SETTLE_S)  # the last contender's pool threads stop spinning first
             reply = workers[name].call(op="run")
             samples[name].append(reply["s"])
             values[name].append(reply.get("value"))
