@@ -31,6 +31,10 @@ launch makes one untimed call (kept as the cold figure, weight packing and plann
 per rank on both sides. Each rank's peak RSS (the largest over ranks) and DTensor's local
 weight bytes per rank are reported.
 
+A third workload, ``mlp-dp``, compares data parallelism: tensorql with ``strategy="data"``
+against torch data parallelism (every rank holds all the weights and computes its rows of the
+batch, the output all-gathered); its "DTensor" columns are that torch baseline.
+
 Rows with more ranks than cores are **correctness rows** only (oversubscribed: their times are
 printed but gate nothing). Correctness (every row): both results within 1e-3 of the
 single-process reference. Goals (the largest K <= cores above 1; not with ``--tiny``):
@@ -230,19 +234,50 @@ def _dtensor_side(name, arrays, prefix, head_dim, world, want, repeat):
             "other": other, "dt_weight_bytes_rank": local}, model, x
 
 
+def _dp_side(arrays, world, want, repeat):
+    """torch data parallelism for the MLP: every rank holds all the weights and computes its
+    rows of the batch; the output is all-gathered so that every rank ends with all of it, as
+    tensorql's dense result does."""
+    import torch.distributed as dist
+
+    model, _, x = _megatron_mlp(arrays, "mlp_")
+    rank = dist.get_rank()
+    rows = x.shape[0] // world
+    mine = x[rank * rows:(rank + 1) * rows].contiguous()
+    parts = [torch.empty(rows, arrays["mlp_w2"].shape[1]) for _ in range(world)]
+
+    def run():
+        dist.all_gather(parts, model(mine))
+        return torch.cat(parts)
+
+    with torch.no_grad():
+        y = run()
+        dt_err = float(np.abs(y.numpy() - want).max())
+        ((samples, first),) = _alternating([run], repeat) if repeat else [([], 0)]
+    return {"dt_samples": samples, "dt_first": first, "dt_err": dt_err,
+            "dt_bytes": (world - 1) * y.nbytes, "allreduces": 0, "other": {},
+            "dt_weight_bytes_rank": sum(p.nbytes for p in model.parameters())}, run, None
+
+
 def worker(out: str, name: str, size: str, repeat: int, exchange: str,
            explain: bool = False, side: str = "both", data: str = "") -> None:
+    """One rank. ``name``: mlp or block (tensor parallel: tensorql's auto strategy against
+    DTensor), or mlp-dp (tensorql's data strategy against torch data parallelism)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base, dp = name.split("-")[0], name.endswith("-dp")
     if side == "dtensor":  # no tensorql in this process: weights and reference from the file
         dist.init_process_group("gloo")
         loaded = dict(np.load(data))
         want = loaded.pop("__reference__")
-        prefix = "mlp_" if name == "mlp" else "block_"
-        head_dim = 0 if name == "mlp" else SIZES[size]["block"][4]
-        report, _, _ = _dtensor_side(name, loaded, prefix, head_dim, world, want, repeat)
+        prefix = "mlp_" if base == "mlp" else "block_"
+        head_dim = 0 if base == "mlp" else SIZES[size]["block"][4]
+        if dp:
+            report, _, _ = _dp_side(loaded, world, want, repeat)
+        else:
+            report, _, _ = _dtensor_side(base, loaded, prefix, head_dim, world, want, repeat)
         report["peak_rss"] = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                              * 1024)
         if rank == 0:
@@ -256,8 +291,8 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
 
     sent = _count_tq_bytes()
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
-                    distributed_exchange=exchange) as db:
-        if name == "mlp":
+                    distributed_exchange=exchange, strategy="data" if dp else "auto") as db:
+        if base == "mlp":
             b, d, h = SIZES[size]["mlp"]
             w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
             prefix, head_dim = "mlp_", 0
@@ -275,10 +310,17 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
         tq_err = float(np.abs(got - want).max())
         report: dict = {}
         if side == "both":
-            report, model, x = _dtensor_side(name, w.arrays, prefix, head_dim, world, want, 0)
+            if dp:
+                report, peer, _ = _dp_side(w.arrays, world, want, 0)
+            else:
+                report, model, x = _dtensor_side(base, w.arrays, prefix, head_dim, world, want,
+                                                 0)
+
+                def peer(model=model, x=x):
+                    return model(x)
             with torch.no_grad():
                 (tq_s, tq_first), (dt_s, dt_first) = _alternating(
-                    [lambda: query.run(dense=True), lambda: model(x)], repeat)
+                    [lambda: query.run(dense=True), peer], repeat)
             report.update(dt_samples=dt_s, dt_first=dt_first)
         else:
             ((tq_s, tq_first),) = _alternating([lambda: query.run(dense=True)], repeat)
@@ -305,7 +347,7 @@ def write_data(name: str, size: str, path: str) -> None:
     from tensorql.models import llama_block, mlp
 
     db = tq.connect()
-    if name == "mlp":
+    if name.split("-")[0] == "mlp":
         b, d, h = SIZES[size]["mlp"]
         w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
     else:
@@ -406,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                "row"]
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for name in ("mlp", "block"):
+        for name in ("mlp", "block", "mlp-dp"):
             for k in counts:
                 r = run_row(k, name, size, args, out, rng)
                 tq_t = Timing(r["tq_samples"], r["tq_first"], isolated=args.isolate)
@@ -420,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                              dt_t.summary()["iqr"] * 1e3, dt_t.first_s * 1e3, ratio,
                              r["tq_bytes"] / 2**20, r["dt_bytes"] / 2**20, byte_ratio,
                              r["dt_weight_bytes_rank"] / 2**20,
-                             r.get("tq_peak_rss", 0) / 2**20, r.get("peak_rss", 0) / 2**20,
+                             r.get("tq_peak_rss", 0) / 2**20,
+                             r["peak_rss"] / 2**20 if "peak_rss" in r else None,
                              r["tq_err"], r["dt_err"], kind])
                 print("| " + " | ".join(cell(v) for v in rows[-1]) + " |", flush=True)
                 if r["other"]:
@@ -430,18 +473,20 @@ def main(argv: list[str] | None = None) -> int:
                         print(f.read(), flush=True)
                 record.check(f"{name} ranks={k}: tensorql error {r['tq_err']:.1e} < 1e-3",
                              r["tq_err"] < 1e-3)
-                record.check(f"{name} ranks={k}: DTensor error {r['dt_err']:.1e} < 1e-3",
+                peer = "torch DP" if name.endswith("-dp") else "DTensor"
+                record.check(f"{name} ranks={k}: {peer} error {r['dt_err']:.1e} < 1e-3",
                              r["dt_err"] < 1e-3)
                 if k == goal_k:
-                    record.goal(f"{name} ranks={k}: tq/DTensor time {ratio:.2f} <= 1.0",
+                    record.goal(f"{name} ranks={k}: tq/{peer} time {ratio:.2f} <= 1.0",
                                 ratio <= 1.0)
-                    record.goal(f"{name} ranks={k}: bytes {byte_ratio:.2f} <= DTensor's",
+                    record.goal(f"{name} ranks={k}: bytes {byte_ratio:.2f} <= {peer}'s",
                                 r["tq_bytes"] <= r["dt_bytes"])
     if goal_k is None:
         print(f"no row with 1 < ranks <= {cores} cores: no timing goal checked")
     record.table("main", columns, rows, note="One torch thread per rank on both sides; "
-                 "DTensor bytes: all-reduces priced at 2 (K-1) S; rows with more ranks than "
-                 "cores check correctness only.")
+                 "DTensor bytes: all-reduces priced at 2 (K-1) S; mlp-dp: tensorql's data "
+                 "strategy against torch data parallelism (all-gather priced at (K-1) S) in the "
+                 "DTensor columns; rows with more ranks than cores check correctness only.")
     return record.finish()
 
 
