@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         dask = {who: m for who, m in med.items() if who.startswith("dask")}
         row = {"workload": name, "size": sizes[name], "tile": tile, "devices": devices,
                "torch": med["torch"], "tq": med["tq"], "tq_cold": timings["tq"].first_s,
-               "tq_nopack": med["tq nopack"], "torch_cold": timings["torch"].first_s,
+               "tq_nopack": med.get("tq nopack"), "torch_cold": timings["torch"].first_s,
                "torch_packed": med["torch packed"],
                "tq/torch": med["tq"] / med["torch"],
-               "nopack/torch": med["tq nopack"] / med["torch"],
+               "nopack/torch": med["tq nopack"] / med["torch"] if "tq nopack" in med else None,
                "dask_best": min(dask.values()) if dask else None,
                "dask_best_form": min(dask, key=dask.get) if dask else None,
                "floor/torch": med["floor"] / med["torch"] if "floor" in med else None,
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                "tq cold ms", "tq nopack ms", "tq/torch", "tq/torch packed", "nopack/torch",
                "fastest dask ms", "dask/tq", "floor/torch", "tq/floor"]
     table = [[r["workload"], r["size"], r["tile"], r["devices"], r["torch"] * 1e3,
-              r["torch_packed"] * 1e3, r["tq"] * 1e3, r["tq_cold"] * 1e3, r["tq_nopack"] * 1e3,
+              r["torch_packed"] * 1e3, r["tq"] * 1e3, r["tq_cold"] * 1e3,
+              None if r["tq_nopack"] is None else r["tq_nopack"] * 1e3,
               r["tq/torch"], r["tq"] / r["torch_packed"], r["nopack/torch"],
               None if r["dask_best"] is None else f"{r['dask_best'] * 1e3:.3g} "
               f"({r['dask_best_form']})", r["dask/tq"], r["floor/torch"], r["tq/floor"]]

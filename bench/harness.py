@@ -397,12 +397,18 @@ def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS
 
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
                    results: bool = True) -> tuple[dict[str, Timing], dict[str, object]]:
-    """Time ``contenders`` as the bench's common options say: isolated or in this process."""
+    """Time ``contenders`` as the bench's common options say: isolated or in this process
+    (where a contender that needs an environment of its own is left out: the timings and
+    outputs then lack it)."""
     if args.isolate:
         return measure_isolated(contenders, args.repeat, args.warmup, args.order, args.seed,
                                 args.threads, results)
     set_threads(args.threads)
-    fns = {c.name: c.build() for c in contenders}
+    for c in contenders:
+        if c.env:  # an environment (e.g. TENSORQL_PACKED_WEIGHTS=0) is read at import
+            print(f"note: contender {c.name!r} needs its own environment {dict(c.env)}: "
+                  "left out of this --no-isolate run", file=sys.stderr)
+    fns = {c.name: c.build() for c in contenders if not c.env}
     firsts, outputs = {}, {}
     for name, fn in fns.items():
         firsts[name], out = _call(fn)
