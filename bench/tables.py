@@ -38,6 +38,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+MIN_REPEATS = 7  # harness.MIN_REPEATS (not imported: this script reads JSON only)
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)",
@@ -135,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = [m for m in markers if m.partition(":")[0] not in records]
     print(f"{len(markers)} marked tables, {len(records)} records; not generated yet: "
           f"{', '.join(missing) or 'none'}")
+    for name, record in records.items():
+        method = record.get("method", {})
+        if method.get("repeat", MIN_REPEATS) < MIN_REPEATS or method.get("isolate") is False:
+            print(f"warning: {name}.json was made with {method.get('repeat')} repeats, "
+                  f"isolate={method.get('isolate')}: below the method for published figures "
+                  "(its provenance line says so)")
     if args.check:
         return 0 if after == before else 1
     if after != before:
