@@ -525,24 +525,29 @@ def machine_info(argv: Sequence[str] | None = None) -> dict:
                                                                 "TENSORQL_"))}}
 
 
-def add_arguments(parser: argparse.ArgumentParser, repeat: int = MIN_REPEATS,
-                  threads: int = 2, isolate: bool = True) -> None:
-    """The method's options, the same in every bench."""
+def add_arguments(parser: argparse.ArgumentParser, repeat: int | None = MIN_REPEATS,
+                  threads: int = 2, isolate: bool | None = True) -> None:
+    """The method's options, the same in every bench: ``repeat=None`` where nothing is
+    repeated (memory.py), ``isolate=None`` where there is no peer process to isolate from
+    (the option is then absent, and so is it from the record)."""
     group = parser.add_argument_group("method (bench/harness.py)")
-    group.add_argument("--repeat", type=int, default=repeat,
-                       help=f"timed calls of each contender (>= {MIN_REPEATS} for published "
-                            f"figures; default {repeat})")
-    group.add_argument("--warmup", type=int, default=1,
-                       help="untimed first calls of each contender; the first one's time is "
-                            "kept as the cold figure (default 1)")
-    group.add_argument("--order", choices=ORDERS, default="random",
-                       help="the order of each round of timed calls (default random)")
-    group.add_argument("--seed", type=int, default=0, help="seed of the random order")
+    if repeat is not None:
+        group.add_argument("--repeat", type=int, default=repeat,
+                           help=f"timed calls of each contender (>= {MIN_REPEATS} for "
+                                f"published figures; default {repeat})")
+        group.add_argument("--warmup", type=int, default=1,
+                           help="untimed first calls of each contender; the first one's time "
+                                "is kept as the cold figure (default 1)")
+        group.add_argument("--order", choices=ORDERS, default="random",
+                           help="the order of each round of timed calls (default random)")
+        group.add_argument("--seed", type=int, default=0, help="seed of the random order")
     group.add_argument("--threads", type=int, default=threads,
                        help=f"threads given to every contender alike (default {threads})")
-    group.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=isolate,
-                       help="each contender in its own process (default; --no-isolate runs "
-                            "them in this one, not for published figures)")
+    if isolate is not None:
+        group.add_argument("--isolate", action=argparse.BooleanOptionalAction,
+                           default=isolate,
+                           help="each contender in its own process (default; --no-isolate "
+                                "runs them in this one, not for published figures)")
     group.add_argument("--json", default=None,
                        help=f"where to write the run's record (default: {RESULTS_DIR.name}/"
                             "<bench>.json for a full run, none for a smoke run)")

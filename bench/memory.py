@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    add_arguments(parser, repeat=1)
+    add_arguments(parser, repeat=None, isolate=None)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.bytes, args.limit, args.tile, args.path)))

@@ -98,7 +98,7 @@ def memory_row(limit: int = 1 << 30, devices: int = 8, layers: int = 32) -> tupl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="2 layers, N in (2, 4) (smoke run)")
-    add_arguments(parser)
+    add_arguments(parser, isolate=None)
     args = parser.parse_args(argv)
     layers = 2 if args.tiny else 32
     counts = (2, 4) if args.tiny else (8, 16)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="tile sizes to run (b) and (c) at; the goal is checked at each")
     ap.add_argument("--tile", type=int, help="one tile size (same as --tiles N)")
     ap.add_argument("--skip-coo", action="store_true", help="leave out (a) (a smoke run)")
-    add_arguments(ap, isolate=False)
+    add_arguments(ap, isolate=None)
     args = ap.parse_args(argv)
     tiles = [args.tile] if args.tile else [int(t) for t in args.tiles.split(",")]
     record = Record("sql_backends", smoke=args.skip_coo, args=args, argv=argv)

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=int, default=256, help="array size in MiB")
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--smoke", action="store_true", help="goals not gated (a smoke run)")
-    add_arguments(parser, isolate=False)
+    add_arguments(parser, isolate=None)
     args = parser.parse_args(argv)
     REPEAT[0] = args.repeat
     record = Record("store_io", smoke=args.smoke, args=args, argv=argv)
