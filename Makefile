@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo distributed-demo train-demo bench lint clean gpu-check gpu-wheels
+.PHONY: setup test demo distributed-demo train-demo bench bench-all lint clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -43,6 +43,22 @@ gpu-check:
 
 gpu-wheels:
 	$(GPU_PY) bench/gpu_check.py --prepare
+
+# Every CPU bench at full size, each contender in its own process (bench/harness.py), each
+# bench's record in bench/results/, then the tables of docs/benchmarks.md regenerated from
+# them. Run on a quiet machine: the records are the published figures. BENCH_ARGS is passed
+# to every bench (e.g. BENCH_ARGS="--threads 4"). Exits 1 if any bench missed a goal or
+# computed a wrong result, after regenerating the tables.
+CPU_BENCHES ?= cpu_einsum store_io sql_backends memory optimizer networks llama train distributed
+
+bench-all: setup
+	@failed=""; for b in $(CPU_BENCHES); do \
+		echo "== bench/$$b.py"; \
+		$(BIN)/python bench/$$b.py --json bench/results/$$b.json $(BENCH_ARGS) \
+			|| failed="$$failed $$b"; \
+	done; \
+	$(BIN)/python bench/tables.py; \
+	if [ -n "$$failed" ]; then echo "goal missed or result wrong:$$failed"; exit 1; fi
 
 lint: setup
 	$(BIN)/ruff check tensorql kernels tests bench

@@ -1,7 +1,8 @@
-"""CPU einsum benchmark: tensorql against torch and dask, measured in the same run.
+"""CPU einsum benchmark: tensorql against torch and dask, each in its own process.
 
-    python bench/cpu_einsum.py [--threads 2] [--repeat 5] [--small] [--skip-dask]
+    python bench/cpu_einsum.py [--threads 2] [--repeat 9] [--small] [--skip-dask]
                                [--devices 1,2] [--tiles 256,512,1024] [--big] [--auto-only]
+                               [--no-isolate] [--order random|abba] [--json PATH]
 
 Workloads (fp32, 512 tiles):
   * matmul      3072 x 3072 @ 3072 x 3072
@@ -11,84 +12,137 @@ Each workload runs once per entry of ``--devices``: 1 is one CPU device (the til
 ``tq.connect(devices=2)`` -- the optimizer partitions the query across two CPU devices and that
 partitioning runs, copies between them included (the goal: no cost against one device).
 
-Automatic tiles: every workload is also stored with no ``tile=`` (``auto_tile``) and timed
-against the same workload stored with each manual tile of ``--tiles`` (default 256, 512, 1024),
-round-robin in the same run; goal: auto / best manual <= 1.1. ``--big`` adds an 8192^3 matmul
-to this table (manual tiles 1024 and 2048).
+Method (``bench/harness.py``): every contender is built by a factory below in a process of its
+own (``--isolate``, the default: the torch and dask processes never import tensorql, whose
+import retunes glibc's allocator), with ``--threads`` threads on every side: torch's intra-op
+pool; tensorql's ``workers=threads, intra_op_threads=1``; dask's threaded scheduler with
+``threads`` workers and BLAS capped at one thread each. Each contender's first call is its
+warm-up and is printed as the **cold** figure; ``--repeat`` timed calls follow in seeded random
+order; medians and IQRs are printed.
+
+What each side may reuse: tensorql keeps a oneDNN-packed copy of each stored weight
+(``kernels/packed_weights.py``) from its first call on; torch's ``@`` (MKL sgemm) repacks its
+right operand per call. The ``tq nopack`` contender is tensorql with
+``TENSORQL_PACKED_WEIGHTS=0``, and the cold column is the first call (packing on the clock), so
+the reuse is visible, not hidden; ``torch packed`` gives torch the same reuse (its right
+operands prepacked once with the same oneDNN ops), as a torch user who prepacks would have it.
+
+Baselines: torch; dask in three forms, chunks of the tile: ``da.einsum`` (its default
+``optimize=False``), ``da.einsum(optimize=True)`` and ``da.matmul`` (dask's BLAS path). The
+dask goal is against the fastest of the three.
 
 A ``devices=2`` row also times the floor of any two-device split on this machine: two torch
 threads with one intra-op thread each, each computing its half (printed as floor/torch and
 tq/floor): one two-thread matrix product shares packed panels between its threads, two
 one-thread products cannot.
 
-Baselines: torch (same thread count) and ``dask.array.einsum`` (same chunks, threaded scheduler
-with the same number of workers; dask's default ``optimize=False``). A second dask column with
-``optimize=True`` is printed for information. Goals: tensorql/torch <= 1.1 and
-dask/tensorql >= 5. Prints one row per workload and exits non-zero if a goal is missed.
+Automatic tiles: every workload is also stored with no ``tile=`` (``auto_tile``) and timed
+against the same workload stored with each manual tile of ``--tiles`` (default 256, 512, 1024),
+in the same process (tensorql against itself) in seeded random order; goal: auto / best manual
+<= 1.1. ``--big`` adds an 8192^3 matmul to this table (manual tiles 1024 and 2048).
+
+Goals: tensorql/torch <= 1.1 (warm medians), fastest dask/tensorql >= 5, auto/best <= 1.1.
+Every result is checked against a float64 numpy reference (relative error < 1e-4). Exits 1
+on a wrong result, or on a missed goal unless ``--small``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
-import time
 
 import numpy as np
 import torch
+from harness import Contender, Record, add_arguments, measure, run_contenders
 
-import tensorql as tq
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+SIZES = {"small": {"n": 768, "mlp": (512, 256, 1024), "tile": 128},
+         "full": {"n": 3072, "mlp": (2048, 1024, 4096), "tile": 512}}
 
 
-def paired_times(baseline, candidate, repeat: int) -> tuple[float, float, float]:
-    """Alternate baseline and candidate runs; medians of each and of the per-pair ratios
-    (pairing cancels slow drifts in machine load)."""
-    baseline()
-    candidate()
-    base, cand = [], []
-    for _ in range(repeat):
-        for fn, times in ((baseline, base), (candidate, cand)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    ratios = [c / b for b, c in zip(base, cand)]
-    return statistics.median(base), statistics.median(cand), statistics.median(ratios)
-
-
-def workloads(small: bool):
-    n = 768 if small else 3072
-    b, d, h = (512, 256, 1024) if small else (2048, 1024, 4096)
-    tile = 128 if small else 512
+def arrays_for(workload: str, small: bool) -> dict[str, np.ndarray]:
+    """The workload's operands (seeded: every process builds the same ones)."""
+    size = SIZES["small" if small else "full"]
     rng = np.random.default_rng(0)
 
     def arr(*shape):
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[0]))
 
-    yield ("matmul", f"{n}^3", tile, {"A": arr(n, n), "B": arr(n, n)},
-           lambda t: t["A"] @ t["B"],
-           lambda x: torch.from_numpy(x["A"]) @ torch.from_numpy(x["B"]),
-           lambda da, x, opt: da.einsum("ij,jk->ik", x["A"], x["B"], optimize=opt))
-    yield ("mlp", f"{b}x{d}x{h}", tile, {"X": arr(b, d), "W1": arr(d, h), "W2": arr(h, d)},
-           lambda t: (t["X"] @ t["W1"]).relu() @ t["W2"],
-           lambda x: torch.relu(torch.from_numpy(x["X"]) @ torch.from_numpy(x["W1"]))
-           @ torch.from_numpy(x["W2"]),
-           lambda da, x, opt: da.einsum(
-               "ij,jk->ik", da.maximum(da.einsum("ij,jk->ik", x["X"], x["W1"], optimize=opt),
-                                       0), x["W2"], optimize=opt))
+    if workload == "matmul":
+        return {"A": arr(size["n"], size["n"]), "B": arr(size["n"], size["n"])}
+    b, d, h = size["mlp"]
+    return {"X": arr(b, d), "W1": arr(d, h), "W2": arr(h, d)}
 
 
-def two_thread_floor(name: str, x: dict) -> None:
+def reference(workload: str, x: dict) -> np.ndarray:
+    """The float64 numpy result every contender is checked against."""
+    x = {k: v.astype(np.float64) for k, v in x.items()}
+    if workload == "matmul":
+        return x["A"] @ x["B"]
+    return np.maximum(x["X"] @ x["W1"], 0) @ x["W2"]
+
+
+def build_expr(workload: str, t: dict):
+    if workload == "matmul":
+        return t["A"] @ t["B"]
+    return (t["X"] @ t["W1"]).relu() @ t["W2"]
+
+
+def torch_factory(workload: str, small: bool, packed: bool = False):
+    """torch's side; ``packed``: the right operands prepacked once for oneDNN with the ops
+    tensorql's packed weights use (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
+    as a torch user who prepacks would."""
+    x = {k: torch.from_numpy(v) for k, v in arrays_for(workload, small).items()}
+    mm = torch.mm
+    if packed:
+        ops = torch.ops.mkldnn
+        weights = {k: ops._reorder_linear_weight(v.t().contiguous(), 64) for k, v in x.items()
+                   if k in ("B", "W1", "W2")}
+        ids = {id(x[k]): k for k in weights}
+
+        def mm(left, right):
+            return ops._linear_pointwise(left, weights[ids[id(right)]], None, "none", [], "")
+    if workload == "matmul":
+        return lambda: mm(x["A"], x["B"])
+    return lambda: mm(torch.relu(mm(x["X"], x["W1"])), x["W2"])
+
+
+def tq_factory(workload: str, small: bool, devices: int, threads: int, tile: int):
+    import tensorql as tq
+
+    db = tq.connect(workers=threads, intra_op_threads=1, devices=devices)
+    stored = {k: db.from_numpy(k, v, tile=(tile, tile))
+              for k, v in arrays_for(workload, small).items()}
+    expr = build_expr(workload, stored)
+    return expr.numpy
+
+
+def dask_factory(workload: str, small: bool, threads: int, tile: int, form: str):
+    """dask with ``threads`` workers (its BLAS capped at one thread each by the contender's
+    environment); ``form``: einsum, einsum-opt or matmul."""
+    import dask
+    import dask.array as da
+
+    dask.config.set(scheduler="threads", num_workers=threads)
+    c = {k: da.from_array(v, chunks=(tile, tile))
+         for k, v in arrays_for(workload, small).items()}
+
+    def mm(a, b):
+        if form == "matmul":
+            return da.matmul(a, b)
+        return da.einsum("ij,jk->ik", a, b, optimize=form == "einsum-opt")
+
+    if workload == "matmul":
+        return lambda: mm(c["A"], c["B"]).compute()
+    return lambda: mm(da.maximum(mm(c["X"], c["W1"]), 0), c["W2"]).compute()
+
+
+def floor_factory(workload: str, small: bool):
+    x = arrays_for(workload, small)
+    return lambda: two_thread_floor(workload, x)
+
+
+def two_thread_floor(name: str, x: dict) -> torch.Tensor:
     """What any split over two one-thread devices can at best do: two torch threads (one
     intra-op thread each), each computing its half -- B's columns for a matmul, the Megatron
     split of the MLP (W1's columns and W2's rows, partial sums added)."""
@@ -116,58 +170,72 @@ def two_thread_floor(name: str, x: dict) -> None:
     for th in threads:
         th.join()
     if name != "matmul":
-        halves[0].add_(halves[1])
+        out = halves[0].add_(halves[1])
     torch.set_num_threads(previous)
+    return out
 
 
-def tile_sweep(arrays, build, tiles, repeat: int, threads: int) -> dict:
-    """Median seconds of ``build`` over the arrays stored with each manual tile and with the
-    automatic one, runs interleaved round-robin (rotating the order each round); keys are
-    tiles and "auto"."""
-    db = tq.connect(workers=threads)
+def tile_sweep(arrays, build, tiles, args) -> dict:
+    """Timings of ``build`` over the arrays stored with each manual tile and with the
+    automatic one, in this process, by the harness's rules; keys are tiles and "auto"."""
+    import tensorql as tq
+
+    db = tq.connect(workers=args.threads, intra_op_threads=1)
     exprs = {}
     for tile in [*tiles, "auto"]:
         stored = {k: db.from_numpy(f"{k}_{tile}", v, tile=None if tile == "auto"
                                    else (tile, tile)) for k, v in arrays.items()}
-        exprs[tile] = build(stored)
-        exprs[tile].numpy()  # warm up
+        exprs[str(tile)] = build(stored).numpy
     auto_tile = db.tensor(f"{next(iter(arrays))}_auto").node.grid.tile
-    times: dict = {tile: [] for tile in exprs}
-    order = list(exprs)
-    for round_ in range(repeat):  # the order rotates each round: no position is favoured
-        for tile in order[round_ % len(order):] + order[:round_ % len(order)]:
-            expr = exprs[tile]
-            start = time.perf_counter()
-            expr.numpy()
-            times[tile].append(time.perf_counter() - start)
+    timings = measure(exprs, args.repeat, args.warmup, args.order, args.seed)
     db.close()
-    out = {tile: statistics.median(ts) for tile, ts in times.items()}
-    out["auto_tile"] = auto_tile
-    return out
+    return {"timings": timings, "auto_tile": list(auto_tile)}
 
 
-def auto_tile_rows(small: bool, big: bool, tiles, repeat: int, threads: int):
+def auto_tile_rows(args, tiles):
     """One row per workload: each manual tile's time, the automatic tile's, and the ratio."""
-    cases = [(name, size, arrays, build) for name, size, _, arrays, build, _, _ in
-             workloads(small)]
-    if big:
+    cases = [(name, arrays_for(name, args.small), lambda t, n=name: build_expr(n, t))
+             for name in ("matmul", "mlp")]
+    sizes = {"matmul": f"{SIZES['small' if args.small else 'full']['n']}^3", "mlp": "x".join(
+        map(str, SIZES["small" if args.small else "full"]["mlp"]))}
+    if args.big:
         rng = np.random.default_rng(1)
         n = 8192
         a = rng.standard_normal((n, n), dtype=np.float32) / np.float32(np.sqrt(n))
-        cases.append(("matmul", f"{n}^3", {"A": a, "B": a}, lambda t: t["A"] @ t["B"]))
-    for name, size, arrays, build in cases:
-        sweep_tiles = [1024, 2048] if size == "8192^3" else tiles
-        sweep = tile_sweep(arrays, build, sweep_tiles, repeat, threads)
-        best = min(sweep_tiles, key=lambda t: sweep[t])
-        yield {"workload": name, "size": size, "manual": {t: sweep[t] for t in sweep_tiles},
-               "best": best, "auto": sweep["auto"], "auto_tile": sweep["auto_tile"],
-               "auto/best": sweep["auto"] / sweep[best]}
+        cases.append(("matmul-8192", {"A": a, "B": a}, lambda t: t["A"] @ t["B"]))
+        sizes["matmul-8192"] = f"{n}^3"
+    for name, arrays, build in cases:
+        sweep_tiles = [1024, 2048] if name == "matmul-8192" else tiles
+        sweep = tile_sweep(arrays, build, sweep_tiles, args)
+        med = {k: t.median for k, t in sweep["timings"].items()}
+        best = min(sweep_tiles, key=lambda t: med[str(t)])
+        yield {"workload": name, "size": sizes[name], "manual": {t: med[str(t)]
+                                                                 for t in sweep_tiles},
+               "best": best, "auto": med["auto"], "auto_tile": sweep["auto_tile"],
+               "auto/best": med["auto"] / med[str(best)], "timings": sweep["timings"]}
+
+
+def contenders_for(workload: str, devices: int, args, tile: int) -> list[Contender]:
+    common = dict(workload=workload, small=args.small)
+    out = [Contender("torch", "cpu_einsum:torch_factory", common),
+           Contender("torch packed", "cpu_einsum:torch_factory", dict(common, packed=True)),
+           Contender("tq", "cpu_einsum:tq_factory",
+                     dict(common, devices=devices, threads=args.threads, tile=tile)),
+           Contender("tq nopack", "cpu_einsum:tq_factory",
+                     dict(common, devices=devices, threads=args.threads, tile=tile),
+                     env={"TENSORQL_PACKED_WEIGHTS": "0"})]
+    if devices == 2:
+        out.append(Contender("floor", "cpu_einsum:floor_factory", common))
+    if devices == 1 and not args.skip_dask:
+        one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        out += [Contender(f"dask {form}", "cpu_einsum:dask_factory",
+                          dict(common, threads=args.threads, tile=tile, form=form), env=one)
+                for form in ("einsum", "einsum-opt", "matmul")]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--skip-dask", action="store_true")
     parser.add_argument("--tiles", default=None,
@@ -179,85 +247,90 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the automatic-tile table")
     parser.add_argument("--devices", default="1,2",
                         help="comma-separated device counts to run each workload on")
+    add_arguments(parser, repeat=9)
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.devices.split(",")]
-
+    record = Record("cpu_einsum", smoke=args.small, args=args, argv=argv)
     torch.set_num_threads(args.threads)
+    tile = SIZES["small" if args.small else "full"]["tile"]
+    sizes = {"matmul": f"{SIZES['small' if args.small else 'full']['n']}^3",
+             "mlp": "x".join(map(str, SIZES["small" if args.small else "full"]["mlp"]))}
+
     rows = []
-    ok = True
-    for (name, size, tile, arrays, build, torch_fn, dask_fn), devices in (
-            (w, d) for w in workloads(args.small) for d in counts if not args.auto_only):
-        db = tq.connect(workers=args.threads, devices=devices)
-        tensors = {k: db.from_numpy(k, v, tile=(tile, tile)) for k, v in arrays.items()}
-        expr = build(tensors)
-        expected = torch_fn(arrays).numpy()
-        got = expr.numpy()
-        err = float(np.abs(got - expected).max() / (np.abs(expected).max() + 1e-30))
-        t_torch, t_tq, ratio = paired_times(lambda fn=torch_fn, x=arrays: fn(x),
-                                            lambda e=expr: e.numpy(), args.repeat)
-        row = {"workload": name, "size": size, "tile": tile, "devices": devices,
-               "torch_s": t_torch,
-               "tensorql_s": t_tq, "tq/torch": ratio, "rel_err": err}
-        if devices == 2:
-            _, t_floor, floor = paired_times(lambda fn=torch_fn, x=arrays: fn(x),
-                                             lambda n=name, x=arrays: two_thread_floor(n, x),
-                                             args.repeat)
-            row.update({"floor_s": t_floor, "floor/torch": floor, "tq/floor": t_tq / t_floor})
-            print(f"  {name} devices=2: two one-thread halves in plain torch take "
-                  f"{t_floor:.3f} s ({floor:.2f}x torch); tensorql {t_tq / t_floor:.2f}x that",
-                  file=sys.stderr)
-        if not args.skip_dask and devices == 1:
-            import dask
-            import dask.array as da
-
-            chunks = {k: da.from_array(v, chunks=(tile, tile)) for k, v in arrays.items()}
-            with dask.config.set(scheduler="threads", num_workers=args.threads):
-                def run_dask(optimize, fn=dask_fn, c=chunks):
-                    return fn(da, c, optimize).compute()
-
-                t_dask = median_time(lambda: run_dask(False), 1)
-                t_dask_opt = median_time(lambda: run_dask(True), args.repeat)
-            row.update({"dask_s": t_dask, "dask/tq": t_dask / t_tq,
-                        "dask_opt_s": t_dask_opt, "dask_opt/tq": t_dask_opt / t_tq})
-            ok &= row["dask/tq"] >= 5
-            print(f"  {name} devices={devices}: tq/torch {ratio:.2f}, dask/tq "
-                  f"{row['dask/tq']:.1f}", file=sys.stderr)
-        ok &= row["tq/torch"] <= 1.1 and err < 1e-4
+    for name, devices in ((w, d) for w in ("matmul", "mlp") for d in counts
+                          if not args.auto_only):
+        key = f"{name} devices={devices}"
+        timings, outputs = run_contenders(contenders_for(name, devices, args, tile), args)
+        want = reference(name, arrays_for(name, args.small))
+        scale = float(np.abs(want).max()) + 1e-30
+        for who, got in outputs.items():
+            err = float(np.abs(got - want).max() / scale)
+            record.check(f"{key}: {who} result (rel. err {err:.1e} < 1e-4)",
+                         got.shape == want.shape and err < 1e-4, err)
+        record.timings(key, timings)
+        med = {who: t.median for who, t in timings.items()}
+        dask = {who: m for who, m in med.items() if who.startswith("dask")}
+        row = {"workload": name, "size": sizes[name], "tile": tile, "devices": devices,
+               "torch": med["torch"], "tq": med["tq"], "tq_cold": timings["tq"].first_s,
+               "tq_nopack": med.get("tq nopack"), "torch_cold": timings["torch"].first_s,
+               "torch_packed": med["torch packed"],
+               "tq/torch": med["tq"] / med["torch"],
+               "nopack/torch": med["tq nopack"] / med["torch"] if "tq nopack" in med else None,
+               "dask_best": min(dask.values()) if dask else None,
+               "dask_best_form": min(dask, key=dask.get) if dask else None,
+               "floor/torch": med["floor"] / med["torch"] if "floor" in med else None,
+               "tq/floor": med["tq"] / med["floor"] if "floor" in med else None}
+        row["dask/tq"] = row["dask_best"] / med["tq"] if dask else None
         rows.append(row)
-        db.close()
+        record.goal(f"{key}: tq/torch {row['tq/torch']:.2f} <= 1.1", row["tq/torch"] <= 1.1)
+        if dask:
+            record.goal(f"{key}: fastest dask ({row['dask_best_form']}) / tq "
+                        f"{row['dask/tq']:.1f} >= 5", row["dask/tq"] >= 5)
+        for who, t in timings.items():
+            print(f"  {key} {who:16} {t.describe()}", file=sys.stderr, flush=True)
 
-    print(f"threads={args.threads} repeat={args.repeat} torch={torch.__version__} "
-          f"tensorql={tq.__version__}")
-    header = (f"{'workload':8} {'size':>15} {'tile':>5} {'dev':>3} {'torch s':>8} "
-              f"{'tensorql s':>10} "
-              f"{'tq/torch':>8} {'dask s':>8} {'dask/tq':>8} {'dask-opt s':>10} "
-              f"{'dask-opt/tq':>11} {'rel err':>8} {'floor/torch':>11} {'tq/floor':>8}")
-    print(header)
-    for r in rows:
-        dask_cols = (f"{r['dask_s']:8.3f} {r['dask/tq']:8.1f} {r['dask_opt_s']:10.3f} "
-                     f"{r['dask_opt/tq']:11.2f}" if "dask_s" in r else f"{'-':>8} {'-':>8} "
-                     f"{'-':>10} {'-':>11}")
-        print(f"{r['workload']:8} {r['size']:>15} {r['tile']:5d} {r['devices']:3d} "
-              f"{r['torch_s']:8.3f} "
-              f"{r['tensorql_s']:10.3f} {r['tq/torch']:8.2f} {dask_cols} {r['rel_err']:8.1e} "
-              + (f"{r['floor/torch']:11.2f} {r['tq/floor']:8.2f}" if "floor_s" in r
-                 else f"{'-':>11} {'-':>8}"))
+    print(f"threads={args.threads} repeat={args.repeat} order={args.order} "
+          f"isolate={args.isolate} torch={torch.__version__}")
+    columns = ["workload", "size", "tile", "devices", "torch ms", "torch packed ms", "tq ms",
+               "tq cold ms", "tq nopack ms", "tq/torch", "tq/torch packed", "nopack/torch",
+               "fastest dask ms", "dask/tq", "floor/torch", "tq/floor"]
+    table = [[r["workload"], r["size"], r["tile"], r["devices"], r["torch"] * 1e3,
+              r["torch_packed"] * 1e3, r["tq"] * 1e3, r["tq_cold"] * 1e3,
+              None if r["tq_nopack"] is None else r["tq_nopack"] * 1e3,
+              r["tq/torch"], r["tq"] / r["torch_packed"], r["nopack/torch"],
+              None if r["dask_best"] is None else f"{r['dask_best'] * 1e3:.3g} "
+              f"({r['dask_best_form']})", r["dask/tq"], r["floor/torch"], r["tq/floor"]]
+             for r in rows]
+    if rows:
+        record.table("main", columns, table, note="Warm medians; cold = the first call "
+                     "(planning, chunk decoding and weight packing on the clock); nopack = "
+                     "TENSORQL_PACKED_WEIGHTS=0.")
+        _print_table(columns, table)
     tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else \
         ([64, 128] if args.small else [256, 512, 1024])
-    print("automatic tiles against the best manual tile (same run):")
-    print(f"{'workload':8} {'size':>15} {'manual tiles: s':>40} {'auto tile':>12} "
-          f"{'auto s':>8} {'auto/best':>9}")
-    auto_ok = True
-    for r in auto_tile_rows(args.small, args.big, tiles, args.repeat, args.threads):
-        manual = ", ".join(f"{t}: {v:.3f}" for t, v in r["manual"].items())
-        auto = "x".join(map(str, r["auto_tile"]))
-        print(f"{r['workload']:8} {r['size']:>15} {manual:>40} {auto:>12} {r['auto']:8.3f} "
-              f"{r['auto/best']:9.2f}")
-        auto_ok &= r["auto/best"] <= 1.1
-    print("goals: tq/torch <= 1.1, dask/tq >= 5:",
-          "not run (--auto-only)" if args.auto_only else "met" if ok else "NOT met")
-    print("goal: auto/best manual <= 1.1:", "met" if auto_ok else "NOT met")
-    return 0 if ok and auto_ok else 1
+    print("automatic tiles against the best manual tile (same process, tensorql alone):")
+    auto_table = []
+    for r in auto_tile_rows(args, tiles):
+        record.timings(f"auto tile {r['workload']}", r.pop("timings"))
+        manual = ", ".join(f"{t}: {v * 1e3:.3g}" for t, v in r["manual"].items())
+        auto_table.append([r["workload"], r["size"], manual, "x".join(map(str, r["auto_tile"])),
+                           r["auto"] * 1e3, r["auto/best"]])
+        record.goal(f"auto tile {r['workload']}: auto/best {r['auto/best']:.2f} <= 1.1",
+                    r["auto/best"] <= 1.1)
+    auto_columns = ["workload", "size", "manual tiles: ms", "auto tile", "auto ms", "auto/best"]
+    record.table("auto_tiles", auto_columns, auto_table)
+    _print_table(auto_columns, auto_table)
+    record.figure("rows", rows)
+    return record.finish()
+
+
+def _print_table(columns, rows) -> None:
+    from tables import cell
+
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" for _ in columns) + " |")
+    for row in rows:
+        print("| " + " | ".join(cell(v) for v in row) + " |")
 
 
 if __name__ == "__main__":

@@ -1,116 +1,209 @@
-"""LLaMA prefill and decode: tensorql vs Hugging Face transformers on the same random model.
+"""LLaMA generate, prefill and decode: tensorql vs Hugging Face transformers, same random model.
 
-    python bench/llama.py [--tiny] [--seq 512] [--new 16] [--repeat 3]
+    python bench/llama.py [--tiny] [--seq 512] [--new 64] [--repeat 7] [--no-isolate]
 
 One random-weight ``LlamaForCausalLM`` (~100M parameters: vocab 32000, hidden 768, 8 layers,
-12 query / 4 key-value heads, SwiGLU 2048; fp32) is built from a ``LlamaConfig`` (nothing is
-downloaded) and loaded into tensorql (weights in the DuckDB store). Measured in the same run:
+12 query / 4 key-value heads, SwiGLU 2048; fp32) is built from a ``LlamaConfig`` and a seed
+(nothing is downloaded) in each contender's own process (``bench/harness.py``: the
+transformers processes never import tensorql); tensorql's processes load it into their store
+(``Llama.from_transformers``). Every call is a **new request**: the prompt's ids come from a
+seed that counts the calls, the same sequence on both sides. Phases:
 
-- prefill: logits of a ``--seq``-token prompt (tensorql: ``Llama.prefill``, one query
-  planned once per prompt shape and run for each prompt, as a server would; transformers:
-  ``model(ids)`` with its default attention implementation). The time of a query planned
-  from scratch (``Llama.logits(ids).torch()``) is printed too, for information,
-- decode: seconds per new token with a KV cache (tensorql: ``Llama.decoder``, one cached
-  plan per token over a static cache, planned once before the clock starts; transformers:
-  ``model(token, past_key_values=...)``), averaged over ``--new`` tokens.
+- **generate** (the headline): ``--seq`` prompt tokens and ``--new`` greedy tokens, end to
+  end. tensorql: ``Llama.generate`` (the prompt's queries, the decoder's build and its weight
+  relayout all on the clock); transformers: ``model.generate(do_sample=False)`` under
+  ``torch.inference_mode``. The generated tokens of the first request must be equal.
+- **prefill cached**: logits of a ``--seq``-token prompt, tensorql's query planned on the
+  first call (``Llama.prefill``) and reused, as a server would;
+- **prefill cold**: each call a prompt length not seen before (``--seq`` minus the call's
+  number), tensorql planning from scratch (``Llama.logits(ids).torch()``);
+- **decode**: seconds per new token over ``--new`` tokens after an untimed prompt (tensorql:
+  ``Llama.decoder`` built off the clock; transformers: ``model(token, past_key_values=...)``).
 
-Each contender runs in turn, ``--repeat`` times (transformers, tensorql, transformers, ...),
-and the medians are compared: on a host whose speed drifts, timing one side's runs before
-the other's showed ratios 10% apart from run to run.
+The logits of the first prefill are compared (max abs difference <= 1e-3 x max |logit|);
+peak RSS of each side's process is reported. What each side may reuse: tensorql keeps its
+plans (cached phases only) and a oneDNN-packed copy of each weight from its first call on
+(the cold figure is that first call; ``tq nopack`` runs with ``TENSORQL_PACKED_WEIGHTS=0``);
+transformers keeps nothing between calls but its weights, as a user of it would.
 
-Goals: prefill tq/transformers <= 1.0, decode <= 1.2. Exits 1 on a miss (not with --tiny).
+Goals: generate and prefill cached tq/transformers <= 1.0, decode <= 1.2. Exits 1 on a wrong
+result, or on a missed goal unless ``--tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import numpy as np
 import torch
-import transformers
-from timing import alternating_medians  # bench/timing.py
-
-import tensorql as tq
-from tensorql.models import KVCache, Llama
+from harness import Contender, Interval, Record, add_arguments, run_contenders
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+GOALS = {"generate": 1.0, "prefill cached": 1.0, "decode": 1.2}
+
+
+def hf_model(tiny: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**(TINY if tiny else FULL))
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def prompt(vocab: int, seq: int, call: int) -> np.ndarray:
+    """The ``call``-th request's prompt (1, seq): the same on both sides."""
+    return np.random.default_rng(1000 + call).integers(0, vocab, size=(1, seq))
+
+
+def _counter():
+    calls = [-1]
+
+    def next_call() -> int:
+        calls[0] += 1
+        return calls[0]
+    return next_call
+
+
+def hf_factory(tiny: bool, phase: str, seq: int, new: int):
+    """transformers' side of ``phase`` (under ``torch.inference_mode``)."""
+    model = hf_model(tiny)
+    vocab = model.config.vocab_size
+    next_call = _counter()
+
+    @torch.inference_mode()
+    def run():
+        call = next_call()
+        length = seq - call if phase == "prefill cold" else seq
+        ids = torch.from_numpy(prompt(vocab, length, call))
+        if phase == "generate":
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+            return out[0, seq:]
+        if phase.startswith("prefill"):
+            return model(ids).logits[0, -1]
+        out = model(ids, use_cache=True)  # the prompt, off the clock
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(new):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+        return Interval((time.perf_counter() - start) / new, np.array(tokens))
+
+    return run
+
+
+def tq_factory(tiny: bool, phase: str, seq: int, new: int, threads: int):
+    """tensorql's side of ``phase``."""
+    import tensorql as tq
+    from tensorql.models import KVCache, Llama
+
+    model = hf_model(tiny)
+    vocab = model.config.vocab_size
+    db = tq.connect(workers=threads, intra_op_threads=1)
+    ours = Llama.from_transformers(db, model)
+    del model
+    next_call = _counter()
+    prefill = []
+
+    @torch.no_grad()
+    def run():
+        call = next_call()
+        length = seq - call if phase == "prefill cold" else seq
+        ids = prompt(vocab, length, call)
+        if phase == "generate":
+            return np.array(ours.generate(ids[0].tolist(), new)[seq:])
+        if phase == "prefill cold":
+            return ours.logits(ids).torch()[0, -1]
+        if phase == "prefill cached":
+            if not prefill:
+                prefill.append(ours.prefill(1, seq))
+            return prefill[0].logits(ids)[0, -1]
+        logits, cache = ours.step(ids, KVCache(()))
+        token_id = int(logits[0].argmax())
+        decoder = ours.decoder(cache, seq + new + 1)  # built off the clock
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(new):
+            logits = decoder.step([[token_id]])
+            token_id = int(logits[0].argmax())
+            tokens.append(token_id)
+        return Interval((time.perf_counter() - start) / new, np.array(tokens))
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke run)")
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--new", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--phases", default=",".join(["generate", "prefill cached",
+                                                      "prefill cold", "decode"]),
+                        help="comma-separated phases to run")
+    add_arguments(parser)
     args = parser.parse_args(argv)
     seq = min(args.seq, 32) if args.tiny else args.seq
+    if seq - args.repeat - args.warmup < 1:
+        parser.error("--seq must exceed the calls made (prefill cold shortens it each call)")
+    record = Record("llama", smoke=args.tiny, args=args, argv=argv)
+    import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(TINY if args.tiny else FULL))
-    model = transformers.LlamaForCausalLM(config).eval()
-    params = sum(p.numel() for p in model.parameters())
-    db = tq.connect()
-    ours = Llama.from_transformers(db, model)
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(1, seq))
-    print(f"model: {params / 1e6:.1f}M parameters fp32, prompt {seq} tokens, "
-          f"{torch.get_num_threads()} torch threads, transformers {transformers.__version__} "
-          f"(attention: {model.config._attn_implementation})")
+    print(f"model {'TINY' if args.tiny else 'FULL'} fp32, prompt {seq} tokens, {args.new} new, "
+          f"{args.threads} threads each side, transformers {transformers.__version__}")
+    rows = []
+    for phase in args.phases.split(","):
+        common = dict(tiny=args.tiny, phase=phase, seq=seq, new=args.new)
+        contenders = [Contender("transformers", "llama:hf_factory", common),
+                      Contender("tq", "llama:tq_factory", dict(common, threads=args.threads))]
+        if phase != "prefill cold":
+            contenders.append(Contender("tq nopack", "llama:tq_factory",
+                                        dict(common, threads=args.threads),
+                                        env={"TENSORQL_PACKED_WEIGHTS": "0"}))
+        timings, outputs = run_contenders(contenders, args)
+        record.timings(phase, timings)
+        want = outputs["transformers"]
+        for who, got in outputs.items():
+            if who == "transformers":
+                continue
+            if phase.startswith("prefill"):
+                err = float(np.abs(got - want).max())
+                bound = 1e-3 * max(1.0, float(np.abs(want).max()))
+                record.check(f"{phase}: {who} logits max abs difference {err:.1e} <= "
+                             f"{bound:.1e}", err <= bound, err)
+            else:
+                record.check(f"{phase}: {who} tokens equal to transformers'",
+                             got.shape == want.shape and bool((got == want).all()),
+                             {"tq": got.tolist(), "transformers": want.tolist()})
+        hf, tq_ = timings["transformers"], timings["tq"]
+        ratio = tq_.median / hf.median
+        nopack = timings.get("tq nopack")
+        scale = 1e3
+        rows.append([phase, hf.median * scale, hf.summary()["iqr"] * scale,
+                     hf.first_s * scale, tq_.median * scale, tq_.summary()["iqr"] * scale,
+                     tq_.first_s * scale, None if nopack is None else nopack.median * scale,
+                     ratio, None if nopack is None else nopack.median / hf.median,
+                     (hf.peak_rss_bytes or 0) / 2**20, (tq_.peak_rss_bytes or 0) / 2**20,
+                     GOALS.get(phase)])
+        if phase in GOALS:
+            record.goal(f"{phase}: tq/transformers {ratio:.2f} <= {GOALS[phase]}",
+                        ratio <= GOALS[phase])
+        print(f"  {phase}: transformers {hf.describe()}; tq {tq_.describe()}", flush=True)
+    columns = ["phase", "transformers ms", "IQR", "cold ms", "tq ms", "IQR", "cold ms",
+               "tq nopack ms", "tq/transformers", "nopack/transformers", "transformers peak MiB",
+               "tq peak MiB", "goal"]
+    record.table("main", columns, rows, note=f"prompt {seq} tokens, {args.new} new; decode is "
+                 "per token; cold = the first call (a new process's first request).")
+    from tables import render_table
 
-    with torch.no_grad():
-        hf_logits = model(torch.from_numpy(ids)).logits
-        tq_logits = ours.logits(ids).torch()
-        err = float((hf_logits - tq_logits).abs().max())
-        prefill = ours.prefill(1, seq)
-        # planned once, before the clock (and checked like the query planned from scratch)
-        err = max(err, float((hf_logits - prefill.logits(ids)).abs().max()))
-        hf_prefill, tq_prefill, tq_scratch = alternating_medians(
-            [lambda: model(torch.from_numpy(ids)), lambda: prefill.logits(ids),
-             lambda: ours.logits(ids).torch()], args.repeat)
-
-        def hf_decode_run() -> float:
-            out = model(torch.from_numpy(ids), use_cache=True)  # the prompt, off the clock
-            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            start = time.perf_counter()
-            for _ in range(args.new):
-                out = model(token, past_key_values=past, use_cache=True)
-                past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            return (time.perf_counter() - start) / args.new
-
-        def tq_decode_run() -> float:
-            logits, cache = ours.step(ids, KVCache(()))
-            token_id = int(logits[0].argmax())
-            decoder = ours.decoder(cache, seq + args.new + 1)  # planned once, off the clock
-            start = time.perf_counter()
-            for _ in range(args.new):
-                logits = decoder.step([[token_id]])
-                token_id = int(logits[0].argmax())
-            return (time.perf_counter() - start) / args.new
-
-        decode_times: list[list[float]] = [[], []]
-        for _ in range(args.repeat):  # alternating, like the prefills
-            decode_times[0].append(hf_decode_run())
-            decode_times[1].append(tq_decode_run())
-        hf_decode, tq_decode = (statistics.median(kept) for kept in decode_times)
-
-    prefill_ratio, decode_ratio = tq_prefill / hf_prefill, tq_decode / hf_decode
-    print(f"logits max abs difference: {err:.2e}")
-    print("| phase | transformers | tensorql | tq/transformers | goal |")
-    print("|---|---|---|---|---|")
-    print(f"| prefill ({seq} tokens) | {hf_prefill * 1e3:.1f} ms | {tq_prefill * 1e3:.1f} ms | "
-          f"{prefill_ratio:.2f}x | <= 1.0x |")
-    print(f"| prefill planned from scratch (information) | | {tq_scratch * 1e3:.1f} ms | "
-          f"{tq_scratch / hf_prefill:.2f}x | |")
-    print(f"| decode (per token) | {hf_decode * 1e3:.1f} ms | {tq_decode * 1e3:.1f} ms | "
-          f"{decode_ratio:.2f}x | <= 1.2x |")
-    met = prefill_ratio <= 1.0 and decode_ratio <= 1.2
-    print(f"goals: {'met' if met else 'MISSED'}")
-    return 0 if met or args.tiny else 1
+    print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
+    return record.finish()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,14 @@ Cases and goals:
   numpy  - ``.numpy()`` of a ``--numpy-gib`` result: peak <= baseline + 1.1 x the result.
   huge   - ``.numpy()`` of a ``--huge-gib`` result: a clean MemoryLimitError, no allocation
            (peak grows by < 64 MiB).
+  matmul - ``.numpy()`` of ``A @ B`` (float32, a ``--numpy-gib`` result, inner size 256):
+           peak <= baseline + 1.1 x the result, and
+  numpy-matmul - the same product by numpy alone (``A @ B``, its own process, no tensorql
+           import): the baseline any library pays for the result.
+
+Every result is checked whole after its peak is read (row blocks against numpy, so the check
+adds no more than one block): the outer products against ``np.outer``, the product against
+numpy's. The figures go to a JSON record through ``bench/harness.py``.
 
     .venv/bin/python bench/memory.py            # 6 GiB store, 2 GiB numpy, 40 GiB refusal
     .venv/bin/python bench/memory.py --tiny     # seconds: the smoke run of tests/test_benches.py
@@ -25,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import Record, add_arguments
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -50,31 +60,72 @@ def outer_shape(nbytes: int) -> tuple[int, int]:
     return rows, cols
 
 
+INNER = 256  # the matmul cases' contracted size
+BLOCK_ROWS = 1024
+
+
+def matmul_operands(nbytes: int):
+    import numpy as np
+
+    rows, cols = outer_shape(nbytes)
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((rows, INNER), dtype=np.float32),
+            rng.standard_normal((INNER, cols), dtype=np.float32))
+
+
+def _whole_ok(out, rows: int, block) -> bool:
+    """``out`` equals ``block(r0, r1)`` on every row block (float32 tolerance)."""
+    import numpy as np
+
+    for r0 in range(0, rows, BLOCK_ROWS):
+        want = block(r0, min(rows, r0 + BLOCK_ROWS))
+        if not np.allclose(out[r0:r0 + BLOCK_ROWS], want, rtol=1e-4, atol=1e-3):
+            return False
+    return True
+
+
 def child(case: str, nbytes: int, limit: str, tile: int, path: str) -> dict:
     import numpy as np
 
+    rows, cols = outer_shape(nbytes)
+    if case == "numpy-matmul":  # the baseline: no tensorql in this process
+        a, b = matmul_operands(nbytes)
+        baseline = rss_bytes()
+        start = time.perf_counter()
+        out = a @ b
+        report = dict(case=case, shape=[rows, cols], result_bytes=out.nbytes,
+                      baseline=baseline, seconds=time.perf_counter() - start,
+                      peak=peak_rss_bytes())
+        report["ok"] = _whole_ok(out, rows, lambda r0, r1: a[r0:r1] @ b)
+        return report
+
     import tensorql as tq
 
-    rows, cols = outer_shape(nbytes)
+    u_np = np.arange(rows, dtype=np.float32) % 7
+    v_np = np.arange(cols, dtype=np.float32) % 5 + 1
     options = dict(memory_limit=limit) if case == "store" else {}
     db = tq.connect(path if case == "store" else None, **options)
-    u = db.from_numpy("u", np.arange(rows, dtype=np.float32) % 7, tile=(min(tile, rows),))
-    v = db.from_numpy("v", np.arange(cols, dtype=np.float32) % 5 + 1, tile=(min(tile, cols),))
-    expr = tq.einsum("i,j->ij", u, v)
+    if case == "matmul":
+        a, b = matmul_operands(nbytes)
+        ta = db.from_numpy("a", a, tile=(min(tile, rows), INNER))
+        tb = db.from_numpy("b", b, tile=(INNER, min(tile, cols)))
+        expr = ta @ tb
+    else:
+        u = db.from_numpy("u", u_np, tile=(min(tile, rows),))
+        v = db.from_numpy("v", v_np, tile=(min(tile, cols),))
+        expr = tq.einsum("i,j->ij", u, v)
     expr.compile()
     baseline = rss_bytes()
     start = time.perf_counter()
     report: dict = dict(case=case, shape=[rows, cols], result_bytes=rows * cols * 4,
                         baseline=baseline)
+    out = None
     if case == "store":
         stored = db.store("C", expr)
-        last = db.chunk_store.read_chunk("C", tuple(n - 1 for n in stored.node.grid.blocks))
-        report["ok"] = bool(db.tensors() == ["C", "u", "v"]
-                            and float(last[-1, -1]) == ((rows - 1) % 7) * ((cols - 1) % 5 + 1))
-    elif case == "numpy":
+        report["ok"] = db.tensors() == ["C", "u", "v"]
+    elif case in ("numpy", "matmul"):
         out = expr.numpy()
-        report["ok"] = bool(out.shape == (rows, cols) and out[-1, -1] == ((rows - 1) % 7) *
-                            ((cols - 1) % 5 + 1))
+        report["ok"] = out.shape == (rows, cols)
     else:
         try:
             expr.numpy()
@@ -84,6 +135,24 @@ def child(case: str, nbytes: int, limit: str, tile: int, path: str) -> dict:
             report["error"] = str(err)[:200]
     report["seconds"] = time.perf_counter() - start
     report["peak"] = peak_rss_bytes()
+    # the whole result checked after the peak was read, one row block at a time
+    if case == "store":
+        out = db.tensor("C").numpy() if rows * cols * 4 <= (256 << 20) else None
+        if out is None:  # too big to read back whole: every chunk of its last chunk row
+            grid = stored.node.grid
+            last = grid.blocks[0] - 1
+            for j in range(grid.blocks[1]):
+                chunk = db.chunk_store.read_chunk("C", (last, j)).numpy()
+                c0 = j * grid.tile[1]
+                r0 = last * grid.tile[0]
+                want = np.outer(u_np[r0:r0 + chunk.shape[0]], v_np[c0:c0 + chunk.shape[1]])
+                report["ok"] = report["ok"] and bool(np.array_equal(chunk, want))
+    if out is not None and case in ("store", "numpy"):
+        report["ok"] = bool(report["ok"]) and _whole_ok(
+            out, rows, lambda r0, r1: np.outer(u_np[r0:r1], v_np))
+    if out is not None and case == "matmul":
+        report["ok"] = bool(report["ok"]) and _whole_ok(out, rows, lambda r0, r1: a[r0:r1] @ b)
+    report["ok"] = bool(report["ok"])
     db.close()
     return report
 
@@ -100,7 +169,7 @@ def run_case(case: str, nbytes: int, limit: str, tile: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store-gib", type=float, default=6.0)
     parser.add_argument("--numpy-gib", type=float, default=2.0)
@@ -112,35 +181,46 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_arguments(parser, repeat=None, isolate=None)
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.bytes, args.limit, args.tile, args.path)))
         return 0
     if args.tiny:
         args.store_gib, args.numpy_gib, args.limit, args.tile = 1 / 16, 1 / 32, "16MiB", 512
         args.store_peak_gib = 1.0
-    store = run_case("store", int(args.store_gib * GIB), args.limit, args.tile)
-    numpy = run_case("numpy", int(args.numpy_gib * GIB), args.limit, args.tile)
-    huge = run_case("huge", int(args.huge_gib * GIB), args.limit, args.tile)
-    print("| case | result | baseline RSS | peak RSS | peak - baseline | (peak - baseline) "
-          "/ result | s | correct |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in (store, numpy, huge):
+    record = Record("memory", smoke=args.tiny, args=args, argv=argv)
+    runs = {case: run_case(case, int(gib * GIB), args.limit, args.tile)
+            for case, gib in (("store", args.store_gib), ("numpy", args.numpy_gib),
+                              ("huge", args.huge_gib), ("matmul", args.numpy_gib),
+                              ("numpy-matmul", args.numpy_gib))}
+    columns = ["case", "result", "baseline RSS MiB", "peak RSS MiB", "peak - baseline MiB",
+               "(peak - baseline) / result", "s", "correct"]
+    rows = []
+    for r in runs.values():
         grown = r["peak"] - r["baseline"]
-        print(f"| {r['case']} | {r['result_bytes'] / GIB:.2f} GiB {r['shape']} | "
-              f"{r['baseline'] / MIB:.0f} MiB | {r['peak'] / MIB:.0f} MiB | {grown / MIB:.0f} MiB"
-              f" | {grown / r['result_bytes']:.3f} | {r['seconds']:.1f} | {r['ok']} |")
-    if "error" in huge:
-        print(f"huge: {huge['error']}...")
-    goals = {
-        f"store peak <= {args.store_peak_gib} GiB": store["peak"] <= args.store_peak_gib * GIB,
-        "numpy peak <= baseline + 1.1 x result":
-            numpy["peak"] <= numpy["baseline"] + 1.1 * numpy["result_bytes"],
-        "huge: MemoryLimitError, < 64 MiB grown": huge["peak"] - huge["baseline"] < 64 * MIB,
-        "results correct": store["ok"] and numpy["ok"] and huge["ok"],
-    }
-    print("goals: " + "; ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in goals.items()))
-    return 0 if all(goals.values()) else 1
+        rows.append([r["case"], f"{r['result_bytes'] / GIB:.2f} GiB {r['shape']}",
+                     r["baseline"] / MIB, r["peak"] / MIB, grown / MIB,
+                     grown / r["result_bytes"], r["seconds"], r["ok"]])
+        record.check(f"{r['case']}: result correct", r["ok"])
+    record.table("main", columns, rows, note="Each case in its own process; peak = ru_maxrss; "
+                 "the numpy-matmul row is numpy alone (no tensorql import).")
+    from tables import render_table
+
+    print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
+    if "error" in runs["huge"]:
+        print(f"huge: {runs['huge']['error']}...")
+    store, numpy, huge, matmul = (runs[k] for k in ("store", "numpy", "huge", "matmul"))
+    record.goal(f"store peak <= {args.store_peak_gib} GiB",
+                store["peak"] <= args.store_peak_gib * GIB)
+    record.goal("numpy peak <= baseline + 1.1 x result",
+                numpy["peak"] <= numpy["baseline"] + 1.1 * numpy["result_bytes"])
+    record.goal("matmul peak <= baseline + 1.1 x result",
+                matmul["peak"] <= matmul["baseline"] + 1.1 * matmul["result_bytes"])
+    record.goal("huge: MemoryLimitError, < 64 MiB grown", huge["peak"] - huge["baseline"]
+                < 64 * MIB)
+    record.figure("runs", runs)
+    return record.finish()
 
 
 if __name__ == "__main__":

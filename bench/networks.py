@@ -1,20 +1,29 @@
-"""Real tensor networks (einsum_benchmark generators): tensorql vs opt_einsum + torch.
+"""Real tensor networks (einsum_benchmark generators): tensorql vs opt_einsum and cotengra.
 
-    python bench/networks.py [--tiny] [--repeat 3]
+    python bench/networks.py [--tiny] [--repeat 7] [--cotengra-time 10] [--no-isolate]
 
 Each network (matrix chain, lattice, tree, random connected, MPS, MERA; 1e8-1e10 FLOPs at full
-size) runs on the same random float32 operands, in the same run:
+size) runs on the same seeded random float32 operands, every contender in its own process
+(``bench/harness.py``; only tensorql's import tensorql), with the same torch threads:
 
-- tensorql: ``tq.einsum(equation, *stored).torch()`` from a fresh expression with an empty path
-  cache (planning included; the operands are already in the store),
-- opt_einsum: ``opt_einsum.contract(equation, *tensors, optimize="auto-hq", backend="torch")``
-  (its path search included),
+- ``tq``: ``tq.einsum(equation, *stored).torch()`` with the path cache cleared before each call
+  (path search on the clock; operands already in the store);
+- ``tq warm``: the same with the path cache kept (the search is done once, on the cold call;
+  with ``--no-isolate`` it shares the process's cache with ``tq``, which clears it: isolated
+  figures only);
+- ``oe auto`` / ``oe auto-hq``: ``opt_einsum.contract(..., optimize=..., backend="torch")``,
+  path search on the clock (``auto`` is opt_einsum's default);
+- ``oe expr``: ``opt_einsum.contract_expression`` with the ``auto-hq`` path found once, before
+  the clock (the warm opt_einsum a user who repeats a contraction would write);
+- ``cotengra``: ``cotengra.einsum`` with its defaults (``optimize="auto"``, expression cached).
 
-run in turn (opt_einsum, tensorql, opt_einsum, ...) and compared by their medians; and the
-path tensorql chose is compared with cotengra's ``HyperOptimizer`` (fewest FLOPs, 128
-trials, ``--cotengra-time`` seconds at most). Goals: geometric mean tq/opt_einsum <= 1.0, no
-network above 1.3, chosen path FLOPs <= 1.05x cotengra's on each. Exits 1 on a miss (not with
-``--tiny``).
+Path-search time is printed apart: tensorql's ``contraction_paths`` with an empty cache and
+opt_einsum's ``contract_path`` (``auto-hq``), each the median of the same repeats in this
+process. The path tensorql chose is compared with cotengra's ``HyperOptimizer`` (fewest FLOPs,
+``reconf_opts={}`` -- subtree reconfiguration on --, 128 trials and ``--cotengra-time`` seconds
+at most: the stated budget). Every result is checked against opt_einsum's (relative error
+< 1e-3). Goals: geometric mean tq/oe auto-hq <= 1.0, no network above 1.3, chosen path FLOPs
+<= 1.05x cotengra's. Exits 1 on a wrong result, or on a missed goal unless ``--tiny``.
 """
 
 from __future__ import annotations
@@ -22,17 +31,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import warnings
 
 import einsum_benchmark.generators as gen
 import numpy as np
-import opt_einsum
-import torch
-from timing import alternating_medians  # bench/timing.py
-
-import tensorql as tq
-from tensorql.logical.lower import contraction_paths
-from tensorql.logical.path import PATH_CACHE, describe_path
+from harness import Contender, Record, add_arguments, run_contenders, summarize
 
 FULL = {
     "matrix_chain": lambda: gen.structured.matrix_chain(num_matrices=40, min_dim=64,
@@ -55,72 +59,153 @@ TINY = {
 }
 
 
+def network(name: str, tiny: bool):
+    """(equation, shapes, float32 operands) of ``name``, seeded."""
+    equation, shapes, *_ = (TINY if tiny else FULL)[name]()
+    rng = np.random.default_rng(0)
+    # mean-1 values over sqrt(size): each label's sum stays near 1, in float32 range
+    arrays = [(rng.uniform(0.5, 1.5, size=s) / math.sqrt(math.prod(s))).astype(np.float32)
+              for s in shapes]
+    return equation, shapes, arrays
+
+
+def tq_factory(name: str, tiny: bool, warm: bool, threads: int):
+    import tensorql as tq
+    from tensorql.logical.path import PATH_CACHE
+
+    equation, _, arrays = network(name, tiny)
+    db = tq.connect(workers=threads, intra_op_threads=1)
+    stored = [db.from_numpy(f"{name}_{n}", a) for n, a in enumerate(arrays)]
+
+    def run():
+        if not warm:
+            PATH_CACHE.clear()
+        return tq.einsum(equation, *stored).torch()
+    return run
+
+
+def oe_factory(name: str, tiny: bool, optimize: str):
+    import opt_einsum
+    import torch
+
+    equation, shapes, arrays = network(name, tiny)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    if optimize == "expr":
+        expr = opt_einsum.contract_expression(equation, *shapes, optimize="auto-hq")
+        return lambda: expr(*tensors, backend="torch")
+    return lambda: opt_einsum.contract(equation, *tensors, optimize=optimize, backend="torch")
+
+
+def cotengra_factory(name: str, tiny: bool):
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import cotengra
+    equation, _, arrays = network(name, tiny)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    return lambda: cotengra.einsum(equation, *tensors)
+
+
 def _cotengra_flops(inputs, output, sizes, max_time: float) -> int:
+    from tensorql.logical.path import describe_path
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import cotengra
 
         opt = cotengra.HyperOptimizer(minimize="flops", max_repeats=128, max_time=max_time,
-                                      parallel=False, progbar=False)
+                                      reconf_opts={}, parallel=False, progbar=False)
         tree = opt.search(inputs, output, sizes)
     return describe_path(tree.get_path(), inputs, output, sizes).flops
+
+
+def search_times(name: str, tiny: bool, repeat: int) -> tuple[dict, dict, object]:
+    """Path-search seconds of tensorql (empty cache) and opt_einsum (auto-hq), and tensorql's
+    chosen path's PathInfo."""
+    import opt_einsum
+
+    import tensorql as tq
+    from tensorql.logical.lower import contraction_paths
+    from tensorql.logical.path import PATH_CACHE
+
+    equation, shapes, arrays = network(name, tiny)
+    db = tq.connect()
+    stored = [db.from_numpy(f"{name}_{n}", a) for n, a in enumerate(arrays)]
+    ours, theirs, info = [], [], None
+    for _ in range(repeat):
+        PATH_CACHE.clear()
+        query = tq.einsum(equation, *stored)
+        start = time.perf_counter()
+        ((_, info),) = contraction_paths(query.node)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        opt_einsum.contract_path(equation, *shapes, shapes=True, optimize="auto-hq")
+        theirs.append(time.perf_counter() - start)
+    db.close()
+    return summarize(ours), summarize(theirs), info
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small networks (smoke run)")
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cotengra-time", type=float, default=10.0)
+    parser.add_argument("--networks", default=None, help="comma-separated subset")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    networks = TINY if args.tiny else FULL
-    db = tq.connect()
-    print(f"{torch.get_num_threads()} torch threads; float32; times are medians of "
-          f"{args.repeat}")
-    print("| network | tensors | labels | chosen FLOPs | cotengra FLOPs | ratio | "
-          "opt_einsum auto-hq | tensorql | tq/opt_einsum |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    ratios, misses = [], []
-    for name, make in networks.items():
-        equation, shapes, *_ = make()
+    names = args.networks.split(",") if args.networks else list(TINY if args.tiny else FULL)
+    record = Record("networks", smoke=args.tiny, args=args, argv=argv)
+    print(f"{args.threads} threads each side; float32; {args.repeat} repeats, "
+          f"{'isolated' if args.isolate else 'one process'}")
+    kinds = {"tq": ("networks:tq_factory", {"warm": False, "threads": args.threads}),
+             "tq warm": ("networks:tq_factory", {"warm": True, "threads": args.threads}),
+             "oe auto": ("networks:oe_factory", {"optimize": "auto"}),
+             "oe auto-hq": ("networks:oe_factory", {"optimize": "auto-hq"}),
+             "oe expr": ("networks:oe_factory", {"optimize": "expr"}),
+             "cotengra": ("networks:cotengra_factory", {})}
+    ratios, rows = [], []
+    for name in names:
+        equation, shapes, _ = network(name, args.tiny)
+        contenders = [Contender(who, factory, dict(kw, name=name, tiny=args.tiny))
+                      for who, (factory, kw) in kinds.items()]
+        timings, outputs = run_contenders(contenders, args)
+        record.timings(name, timings)
+        want = outputs["oe auto-hq"]
+        scale = max(1e-30, float(np.abs(want).max()))
+        for who, got in outputs.items():
+            err = float(np.abs(got - want).max() / scale)
+            record.check(f"{name}: {who} rel. err {err:.1e} < 1e-3",
+                         got.shape == want.shape and err < 1e-3, err)
+        ours_search, oe_search, info = search_times(name, args.tiny, args.repeat)
         lhs, rhs = equation.split("->")
         inputs = [tuple(part) for part in lhs.split(",")]
-        output = tuple(rhs)
         sizes = {lab: int(n) for labels, shape in zip(inputs, shapes)
                  for lab, n in zip(labels, shape)}
-        rng = np.random.default_rng(0)
-        # mean-1 values over sqrt(size): each label's sum stays near 1, in float32 range
-        arrays = [(rng.uniform(0.5, 1.5, size=s) / math.sqrt(math.prod(s))).astype(np.float32)
-                  for s in shapes]
-        tensors = [torch.from_numpy(a) for a in arrays]
-        stored = [db.from_numpy(f"{name}_{n}", a, replace=True) for n, a in enumerate(arrays)]
-
-        def ours(equation=equation, stored=stored):
-            PATH_CACHE.clear()
-            return tq.einsum(equation, *stored).torch()
-
-        def theirs(equation=equation, tensors=tensors):
-            return opt_einsum.contract(equation, *tensors, optimize="auto-hq", backend="torch")
-
-        got, want = ours(), theirs()
-        err = float((got - want).abs().max() / max(1e-30, float(want.abs().max())))
-        t_theirs, t_ours = alternating_medians([theirs, ours], args.repeat)
-        PATH_CACHE.clear()
-        query = tq.einsum(equation, *stored)
-        ((_, info),) = contraction_paths(query.node)
-        ctg = _cotengra_flops(inputs, output, sizes, args.cotengra_time)
-        ratio = t_ours / t_theirs
+        ctg = _cotengra_flops(inputs, tuple(rhs), sizes, args.cotengra_time)
+        med = {who: t.median for who, t in timings.items()}
+        ratio = med["tq"] / med["oe auto-hq"]
         ratios.append(ratio)
-        if ratio > 1.3 or info.flops > 1.05 * ctg or err > 1e-3:
-            misses.append(name)
-        print(f"| {name} | {len(shapes)} | {len(sizes)} | {info.flops:.3g} | {ctg:.3g} | "
-              f"{info.flops / ctg:.2f} | {t_theirs * 1e3:.1f} ms | {t_ours * 1e3:.1f} ms | "
-              f"{ratio:.2f}x |  (rel. err {err:.1e})")
+        record.goal(f"{name}: tq/oe auto-hq {ratio:.2f} <= 1.3", ratio <= 1.3)
+        record.goal(f"{name}: path FLOPs {info.flops:.3g} <= 1.05x cotengra's {ctg:.3g}",
+                    info.flops <= 1.05 * ctg)
+        rows.append([name, len(shapes), len(sizes), float(info.flops), float(ctg),
+                     info.flops / ctg, ours_search["median"] * 1e3, oe_search["median"] * 1e3,
+                     *(med[k] * 1e3 for k in kinds), timings["tq"].first_s * 1e3, ratio,
+                     med["tq warm"] / med["oe expr"]])
+        print(f"  {name}: " + "; ".join(f"{k} {t.describe()}" for k, t in timings.items()),
+              flush=True)
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    met = geo <= 1.0 and not misses
-    print(f"geometric mean tq/opt_einsum: {geo:.2f}x (goal <= 1.0); misses: "
-          f"{', '.join(misses) or 'none'}")
-    print(f"goals: {'met' if met else 'MISSED'}")
-    return 0 if met or args.tiny else 1
+    record.goal(f"geometric mean tq/oe auto-hq {geo:.2f} <= 1.0", geo <= 1.0)
+    record.figure("geomean tq/oe auto-hq", geo)
+    columns = ["network", "tensors", "labels", "tq path FLOPs", "cotengra FLOPs", "ratio",
+               "tq search ms", "oe search ms", *(f"{k} ms" for k in kinds), "tq cold ms",
+               "tq/oe auto-hq", "tq warm/oe expr"]
+    record.table("main", columns, rows, note=f"geometric mean tq/oe auto-hq {geo:.2f}; "
+                 f"cotengra budget: 128 trials, {args.cotengra_time} s, reconf_opts={{}}.")
+    from tables import render_table
+
+    print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
+    return record.finish()
 
 
 if __name__ == "__main__":

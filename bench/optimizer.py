@@ -1,15 +1,33 @@
 """Optimizer benchmark: planning time of a 32-layer LLaMA-7B-shaped graph, and bytes moved by
 the auto / data / model strategies at N = 8 for each workload.
 
-Run: ``.venv/bin/python bench/optimizer.py`` (prints a Markdown section for docs/benchmarks.md).
+Run: ``.venv/bin/python bench/optimizer.py [--tiny] [--repeat 7]`` (``--tiny``: 2 layers, the
+smoke run of tests/test_benches.py).
+
+Planning time is measured with **fresh caches for real**: before every repeat the contraction
+path cache (``PATH_CACHE``) and every ``functools.lru_cache`` of ``tensorql.optimizer`` and
+``tensorql.logical`` are cleared (``clear_caches``), and a new session is opened; the median,
+IQR and the first (cold-process) figure are printed. There is no peer here: the figures are
+tensorql's own.
+
+Checks (exit 1 when wrong, smoke or not): the memory plan's peak per device stays under the
+``memory_limit`` it was planned for; ``auto`` moves no more bytes than ``data`` or ``model``
+(it is seeded with both). Goal (full runs): 32 layers plan in < 2 s at N = 8 and N = 16.
+Not measured here: the *measured* peak of running the plan (a 7B-shaped plan cannot run on
+this host); ``tests/optimizer/test_optimizer_execution.py`` checks executed bytes against the
+plan at small sizes.
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import functools
+import gc
+import sys
 import time
 
 import numpy as np
+from harness import Record, add_arguments, summarize
 
 import tensorql as tq
 from tensorql.exec.memplan import plan_program
@@ -19,27 +37,50 @@ from tensorql.physical.partitioned import build_partitioned
 from tensorql.units import format_bytes
 
 
-def plan_time(devices: int, repeats: int = 3) -> tuple[float, float, int, tq.PartitionPlan]:
-    """Median seconds to build + plan (fresh caches each time), graph build alone, op count."""
+def clear_caches() -> int:
+    """Empty the path cache and every lru_cache of the optimizer and logical layers; returns
+    how many caches were cleared."""
+    from tensorql.logical.path import PATH_CACHE
+
+    PATH_CACHE.clear()
+    cleared = 1
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("tensorql.optimizer", "tensorql.logical")) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
+                cleared += 1
+    gc.collect()
+    return cleared
+
+
+def plan_time(devices: int, repeats: int, layers: int) -> tuple[dict, dict, int,
+                                                                 tq.PartitionPlan, float]:
+    """Summaries of the seconds to plan and to build the graph (fresh caches each time), the
+    op count, the plan and the first (cold) planning time."""
     times, graph_times = [], []
     plan = None
     for _ in range(repeats):
+        clear_caches()
         db = tq.connect()
         start = time.perf_counter()
-        w = llama(db, layers=32)  # LLaMA-7B: d 4096, 32 heads x 128, d_ff 11008, seq 2048
+        w = llama(db, layers=layers)  # LLaMA-7B: d 4096, 32 heads x 128, d_ff 11008, seq 2048
         built = time.perf_counter()
         plan = tq.optimize(w.output, devices=devices)
         times.append(time.perf_counter() - built)
         graph_times.append(built - start)
+        db.close()
     assert plan is not None
-    return statistics.median(times), statistics.median(graph_times), len(plan.ops), plan
+    return summarize(times), summarize(graph_times), len(plan.ops), plan, times[0]
 
 
-def memory_row(limit: int = 1 << 30, devices: int = 8) -> str:
+def memory_row(limit: int = 1 << 30, devices: int = 8, layers: int = 32) -> tuple[list, bool]:
     """32 LLaMA-7B layers on 8 devices with a per-device limit below their share of the
     weights: the plan forms and the memory plan's peak per device stays under the limit."""
+    clear_caches()
     db = tq.connect()
-    w = llama(db, layers=32)
+    w = llama(db, layers=layers)
     start = time.perf_counter()
     plan = tq.optimize(w.output, devices=devices, memory_limit=limit)
     # piece-level tasks (no sub-tiling): the memory plan's bound holds there, and cutting
@@ -50,50 +91,73 @@ def memory_row(limit: int = 1 << 30, devices: int = 8) -> str:
     weights = sum(int(np.prod(n.sizes)) * n.itemsize for n in plan.graph.nodes
                   if n.kind == "source")
     peak = max(d.peak_bytes for d in program.devices)
-    assert peak <= limit, (peak, limit)
-    return (f"| {devices} | {format_bytes(limit)} | {format_bytes(weights // devices)} | "
-            f"{len(graph.tasks)} | {format_bytes(peak)} | {seconds:.1f} |")
+    return ([devices, format_bytes(limit), format_bytes(weights // devices), len(graph.tasks),
+             format_bytes(peak), seconds], peak <= limit)
 
 
-def main() -> None:
-    print("32 LLaMA-7B layers under a memory_limit below their share of the weights "
-          "(optimize + physical plan + memory plan):\n")
-    print("| devices | memory_limit | weights per device | tasks | memory-plan peak per device "
-          "| seconds |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(memory_row())
-    print()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="2 layers, N in (2, 4) (smoke run)")
+    add_arguments(parser, isolate=None)
+    args = parser.parse_args(argv)
+    layers = 2 if args.tiny else 32
+    counts = (2, 4) if args.tiny else (8, 16)
+    record = Record("optimizer", smoke=args.tiny, args=args, argv=argv)
+    limit = (512 << 20) if args.tiny else (1 << 30)
+    row, fits = memory_row(limit, counts[0], layers)
+    record.check(f"memory plan peak {row[4]} <= memory_limit {row[1]}", fits)
+    mem_columns = ["devices", "memory_limit", "weights per device", "tasks",
+                   "memory-plan peak per device", "seconds"]
+    record.table("memory", mem_columns, [row], note=f"{layers} LLaMA-7B layers under a "
+                 "memory_limit below their share of the weights (optimize + physical plan + "
+                 "memory plan).")
     rows = []
-    for n in (8, 16):
-        seconds, build_s, ops, plan = plan_time(n)
-        rows.append(f"| {n} | {ops} | {build_s:.2f} | {seconds:.2f} | "
-                    f"{format_bytes(plan.cost.bytes_moved)} |")
-    print("Planning a 32-layer LLaMA-7B-shaped graph (batch 1, seq 2048), strategy auto:\n")
-    print("| devices | graph nodes | build graph s | optimize s | bytes moved |")
-    print("| --- | --- | --- | --- | --- |")
-    print("\n".join(rows))
+    for n in counts:
+        plan_s, build_s, ops, plan, cold = plan_time(n, args.repeat, layers)
+        rows.append([n, ops, build_s["median"], plan_s["median"], plan_s["iqr"], cold,
+                     format_bytes(plan.cost.bytes_moved)])
+        record.figure(f"plan seconds N={n}", plan_s)
+        if not args.tiny:
+            record.goal(f"{layers} layers plan in {plan_s['median']:.2f} s < 2 s at N = {n}",
+                        plan_s["median"] < 2)
+    plan_columns = ["devices", "graph nodes", "build graph s", "optimize s", "IQR s",
+                    "first (cold) s", "bytes moved"]
+    record.table("planning", plan_columns, rows, note=f"Planning a {layers}-layer "
+                 "LLaMA-7B-shaped graph (batch 1, seq 2048), strategy auto; fresh caches and "
+                 "session every repeat.")
     db = tq.connect()
+    d_ff = 1024 if args.tiny else 11008
     workloads = {
-        "MLP 256x4096x11008": mlp(db, batch=256, d_model=4096, d_ff=11008, materialize=False),
+        f"MLP 256x4096x{d_ff}": mlp(db, batch=256, d_model=4096, d_ff=d_ff, materialize=False),
         "attention b4 s512 d4096 h32": attention(db, batch=4, seq=512, d_model=4096, heads=32,
                                                  head_dim=128, materialize=False),
         "LLaMA-7B block b1 s2048": llama_block(db, batch=1, seq=2048, d_model=4096, heads=32,
                                                head_dim=128, d_ff=11008, materialize=False),
-        "LLaMA-7B 32 layers b1 s2048": llama(db, layers=32),
+        f"LLaMA-7B {layers} layers b1 s2048": llama(db, layers=layers),
     }
-    print("\nBytes moved at N = 8 (exact count of the plan; equals what its copies move):\n")
-    print("| workload | auto | data | model | data/auto | model/auto |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    if args.tiny:
+        workloads.pop("LLaMA-7B block b1 s2048")
+    moved_rows = []
     for name, w in workloads.items():
         graph_size = len(OpGraph.build(w.output.node).nodes)
         cache: dict = {}
         moved = {s: tq.optimize(w.output, devices=8, strategy=s, cache=cache).cost.bytes_moved
                  for s in ("auto", "data", "model")}
-        print(f"| {name} ({graph_size} nodes) | {format_bytes(moved['auto'])} | "
-              f"{format_bytes(moved['data'])} | {format_bytes(moved['model'])} | "
-              f"{moved['data'] / max(1, moved['auto']):.2f} | "
-              f"{moved['model'] / max(1, moved['auto']):.2f} |")
+        record.check(f"{name}: auto moves no more than data or model",
+                     moved["auto"] <= min(moved["data"], moved["model"]), moved)
+        moved_rows.append([f"{name} ({graph_size} nodes)", format_bytes(moved["auto"]),
+                           format_bytes(moved["data"]), format_bytes(moved["model"]),
+                           moved["data"] / max(1, moved["auto"]),
+                           moved["model"] / max(1, moved["auto"])])
+    moved_columns = ["workload", "auto", "data", "model", "data/auto", "model/auto"]
+    record.table("bytes", moved_columns, moved_rows, note="Bytes moved at N = 8 (exact count "
+                 "of the plan; equals what its copies move).")
+    from tables import render_table
+
+    for name in ("memory", "planning", "bytes"):
+        print(render_table(record.data, name).rsplit("\n\n", 1)[0], end="\n\n")
+    return record.finish()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,39 +7,37 @@
     GROUP BY in DuckDB, Arrow UDF chunk kernels;
 (c) the native executor on the same plan.
 
-Usage: ``python bench/sql_backends.py [--n 1024] [--chain-n 1024] [--tiles 512,256] [--repeat 5]``
+(d) a strong SQL baseline: rows of the left operand and columns of the right as FLOAT[] lists
+    and DuckDB's own ``list_dot_product`` over their cross product (a chain aggregates the
+    first product's rows back into lists with ``list(val ORDER BY k)``).
 
-(b) and (c) run at every tile size given; the goal, (b) at least 100x faster than (a), is
-checked at the first (512 by default, the tile of the CPU benchmark; 256 is printed beside it)
-and the command exits 1 if it is missed.
+Usage: ``python bench/sql_backends.py [--n 1024] [--chain-n 1024] [--tiles 512,256]
+[--repeat 7]``
 
-Every variant returns its result to Python (COO rows as Arrow, tiled results as chunks) and is
-checked against torch.
+Method (``bench/harness.py``): every variant -- COO included -- gets one untimed warm-up call
+(its time printed as the cold figure) and ``--repeat`` timed calls in seeded random order;
+medians and IQRs are printed. All variants run on one DuckDB connection in one process (they
+are all DuckDB or tensorql on DuckDB; DuckDB's threads are printed), the element and list
+tables built before the clock. (b) and (c) run at every tile size given; the goal, (b) at
+least 100x faster than (a), is stated and checked at every tile given (512 and 256 by
+default); (b) against (d) is printed beside it.
+
+Every variant returns its result to Python (COO and list rows as Arrow, tiled results as
+chunks) and is checked against torch; exits 1 on a wrong result, or on a missed goal unless
+``--skip-coo`` (the smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
+from harness import Record, add_arguments, measure
 
 import tensorql as tq
 from tensorql.backend.duckdb_sql import run_compiled
-
-
-def timed(fn, repeat: int, warmup: bool = True) -> tuple[float, object]:
-    times, out = [], None
-    if warmup:
-        fn()
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
 
 
 def coo_tables(db, names, suffix: str = "") -> None:
@@ -64,6 +62,32 @@ def coo_chain(db):
         'JOIN "Z_coo" C ON T.k = C.r GROUP BY T.i, C.c').to_arrow_table()
 
 
+def list_tables(db, names) -> None:
+    """``<name>_rows`` (r, FLOAT[] row) and ``<name>_cols`` (c, FLOAT[] column) of each element
+    table ``<name>_coo``."""
+    con = db.connection
+    for name in names:
+        con.execute(f'CREATE OR REPLACE TABLE "{name}_rows" AS SELECT r, '
+                    f'list(val ORDER BY c)::FLOAT[] AS v FROM "{name}_coo" GROUP BY r')
+        con.execute(f'CREATE OR REPLACE TABLE "{name}_cols" AS SELECT c, '
+                    f'list(val ORDER BY r)::FLOAT[] AS v FROM "{name}_coo" GROUP BY c')
+
+
+def list_matmul(db):
+    return db.connection.sql(
+        'SELECT A.r AS i, B.c AS k, list_dot_product(A.v, B.v) AS val FROM "A_rows" A, '
+        '"B_cols" B').to_arrow_table()
+
+
+def list_chain(db):
+    return db.connection.sql(
+        'WITH T AS (SELECT A.r AS i, B.c AS k, list_dot_product(A.v, B.v) AS val '
+        'FROM "X_rows" A, "Y_cols" B), '
+        'TR AS (SELECT i, list(val ORDER BY k)::FLOAT[] AS v FROM T GROUP BY i) '
+        'SELECT TR.i, C.c AS l, list_dot_product(TR.v, C.v) AS val FROM TR, "Z_cols" C'
+    ).to_arrow_table()
+
+
 def dense_of(table, n: int) -> np.ndarray:
     out = np.zeros((n, n), dtype=np.float64)
     cols = table.column_names
@@ -72,19 +96,22 @@ def dense_of(table, n: int) -> np.ndarray:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--chain-n", type=int, default=1024)
     ap.add_argument("--tiles", default="512,256",
-                    help="tile sizes to run (b) and (c) at; the goal is checked at the first")
+                    help="tile sizes to run (b) and (c) at; the goal is checked at each")
     ap.add_argument("--tile", type=int, help="one tile size (same as --tiles N)")
-    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-coo", action="store_true", help="leave out (a) (a smoke run)")
-    args = ap.parse_args()
+    add_arguments(ap, isolate=None)
+    args = ap.parse_args(argv)
     tiles = [args.tile] if args.tile else [int(t) for t in args.tiles.split(",")]
+    record = Record("sql_backends", smoke=args.skip_coo, args=args, argv=argv)
     torch.manual_seed(0)
-    db = tq.connect(workers=2)
+    torch.set_num_threads(args.threads)
+    db = tq.connect(workers=args.threads, intra_op_threads=1)
+    db.connection.execute(f"SET threads = {args.threads}")
     n, m = args.n, args.chain_n
     mats = {"A": torch.randn(n, n), "B": torch.randn(n, n),
             "X": torch.randn(m, m), "Y": torch.randn(m, m), "Z": torch.randn(m, m)}
@@ -92,45 +119,51 @@ def main() -> int:
         for tile in tiles:
             db.from_torch(f"{name}_t{tile}", value, tile=(tile, tile))
     cases = [
-        ("matmul fp32", f"{n}³", "ij,jk->ik", ("A", "B"), mats["A"] @ mats["B"], coo_matmul, n),
+        ("matmul fp32", f"{n}³", "ij,jk->ik", ("A", "B"), mats["A"] @ mats["B"], coo_matmul,
+         list_matmul, n),
         ("3-matrix chain fp32", f"3 × {m}²", "ij,jk,kl->il", ("X", "Y", "Z"),
-         mats["X"] @ mats["Y"] @ mats["Z"], coo_chain, m),
+         mats["X"] @ mats["Y"] @ mats["Z"], coo_chain, list_chain, m),
     ]
     rows = []
-    for label, size, equation, names, expected, coo, dim in cases:
+    for label, size, equation, names, expected, coo, lists, dim in cases:
         tol = 1e-3 * float(expected.abs().max())
-        t_coo = float("nan")
+        coo_tables(db, names, suffix=f"_t{tiles[0]}")
+        list_tables(db, names)
+        fns = {"(d) lists": lambda f=lists: f(db)}
         if not args.skip_coo:
-            coo_tables(db, names, suffix=f"_t{tiles[0]}")
-            t_coo, table = timed(lambda f=coo: f(db), 1, warmup=False)
-            assert np.allclose(dense_of(table, dim), expected.double().numpy(), atol=tol), \
-                "COO result differs"
+            fns["(a) COO"] = lambda f=coo: f(db)
         for tile in tiles:
             expr = tq.einsum(equation, *(db.tensor(f"{x}_t{tile}") for x in names))
             compiled = expr.compile()
-            t_native, res = timed(lambda c=compiled: c.run(dense=True).dense(), args.repeat)
-            assert torch.allclose(res, expected, atol=tol), "native result differs"
-            t_duck, res = timed(lambda c=compiled: run_compiled(c, db.connection).dense(),
-                                args.repeat)
-            assert torch.allclose(res, expected, atol=tol), "DuckDB backend result differs"
-            rows.append((label, size, tile, t_coo, t_duck, t_native))
-            print(f"{label} tile {tile}: COO SQL {t_coo:.2f} s, tiled on DuckDB {t_duck:.3f} s,"
-                  f" native {t_native:.3f} s", flush=True)
-    print()
+            fns[f"(c) native {tile}"] = lambda c=compiled: c.run(dense=True).dense()
+            fns[f"(b) DuckDB {tile}"] = lambda c=compiled: run_compiled(c, db.connection).dense()
+        for who, fn in fns.items():  # correctness first, off the clock
+            got = fn()
+            got = dense_of(got, dim) if hasattr(got, "column_names") else got.double().numpy()
+            ok = bool(np.allclose(got, expected.double().numpy(), atol=tol))
+            record.check(f"{label}: {who} result", ok)
+        timings = measure(fns, args.repeat, args.warmup, args.order, args.seed)
+        record.timings(label, timings)
+        med = {who: t.median for who, t in timings.items()}
+        for tile in tiles:
+            a = med.get("(a) COO", float("nan"))
+            b, c, d = med[f"(b) DuckDB {tile}"], med[f"(c) native {tile}"], med["(d) lists"]
+            rows.append([label, size, tile, a, timings.get("(a) COO") and
+                         timings["(a) COO"].first_s, d, b, c, a / b, d / b, b / c])
+            if not args.skip_coo:
+                record.goal(f"{label} tile {tile}: (a)/(b) {a / b:.0f} >= 100", a / b >= 100)
+        print(f"  {label}: " + "; ".join(f"{k} {t.describe(1, 's')}"
+                                         for k, t in timings.items()), flush=True)
     threads = db.connection.sql("SELECT current_setting('threads')").fetchall()[0][0]
-    print(f"(b), (c): one warm-up, then median of {args.repeat}; (a): one run; "
-          f"DuckDB threads = {threads}")
-    print("| workload | size | tile | (a) COO SQL s | (b) tiled on DuckDB s | (c) native s "
-          "| (a)/(b) | (b)/(c) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, size, tile, a, b, c in rows:
-        print(f"| {label} | {size} | {tile} | {a:.2f} | {b:.3f} | {c:.3f} | **{a / b:.0f}** | "
-              f"{b / c:.2f} |")
-    if args.skip_coo:
-        return 0
-    ok = all(a / b >= 100 for _, _, tile, a, b, _ in rows if tile == tiles[0])
-    print(f"goal: (b) >= 100x faster than (a) at tile {tiles[0]}:", "met" if ok else "NOT met")
-    return 0 if ok else 1
+    columns = ["workload", "size", "tile", "(a) COO SQL s", "(a) cold s", "(d) list SQL s",
+               "(b) tiled on DuckDB s", "(c) native s", "(a)/(b)", "(d)/(b)", "(b)/(c)"]
+    record.table("main", columns, rows, note=f"One warm-up (cold figure) then medians of "
+                 f"{args.repeat} for every variant; DuckDB threads = {threads}, tensorql "
+                 f"workers = {args.threads}.")
+    from tables import render_table
+
+    print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
+    return record.finish()
 
 
 if __name__ == "__main__":

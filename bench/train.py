@@ -1,7 +1,7 @@
-"""One training step, tensorql against PyTorch in the same run: an MLP classifier and a LLaMA
-block, Adam on both sides, same weights, same data.
+"""One training step, tensorql against PyTorch, each in its own process: an MLP classifier and a
+LLaMA block, Adam on both sides, same weights, same data.
 
-    python bench/train.py [--repeat 5] [--tiny] [--mlp-only | --block-only]
+    python bench/train.py [--repeat 7] [--tiny] [--mlp-only | --block-only] [--no-isolate]
 
 * **MLP**: batch 256, 784 -> 2048 -> 2048 -> 10 with ReLU, mean cross-entropy (log-softmax);
 * **LLaMA block**: ``tensorql.models.llama_block`` (RMSNorm, rotary attention with a causal
@@ -10,75 +10,48 @@ block, Adam on both sides, same weights, same data.
 
 tensorql's step is ``Adam.step(loss)``: forward, gradients (``tq.grad``) and the update of
 every weight and Adam slot planned and run as one query (checkpointing off: the step alone is
-timed; the checkpoint's cost is printed apart). torch's step is ``zero_grad``, forward,
-``backward`` and ``torch.optim.Adam.step``. Each side warms up one step, then ``--repeat``
-steps of each run in turn (tensorql, torch, tensorql, ...) and their medians are reported;
-the two losses after each step are compared.
+timed). torch's step is ``zero_grad``, forward, ``backward`` and ``torch.optim.Adam.step`` in
+three forms: the default (``torch adam``), ``foreach=True`` and ``fused=True``; the block on
+torch's side is idiomatic torch (``nn.Linear`` projections and
+``F.scaled_dot_product_attention(is_causal=True)``) with the same weights, built without
+importing tensorql.
 
-Both sides run in one process with the C allocator tuned by tensorql
-(``tensorql.exec.host_malloc``: freed buffers are reused rather than unmapped), set before
-either runs; while tensorql's step runs, no request is mapped on its own (``heap_only``).
-Peak memory: the process's peak resident set above what it held before the step (Linux
-``VmHWM`` after resetting it through ``/proc/self/clear_refs``), for each side.
+Method (``bench/harness.py``): each contender in its own process (the torch ones never import
+tensorql, so they run with glibc's default allocator settings, not tensorql's), equal threads,
+the first step as warm-up and cold figure, ``--repeat`` steps of each in seeded random order.
+Every step's loss is recorded; the loss after the first step and after the last must agree
+between tensorql and each torch form (relative gap <= 1e-3: the same weights, data and
+updates). Memory: each process's peak RSS, and the standing bytes (weights, optimizer state,
+gradients and buffers for torch; the stored tensors -- weights, Adam slots, data -- for
+tensorql).
 
-Goals (this CPU): MLP tq/torch <= 1.2, LLaMA block tq/torch <= 1.3.
+Goals (this CPU): MLP tq/fastest torch <= 1.2, LLaMA block tq/fastest torch <= 1.3. Exits 1
+on a loss gap, or on a missed goal unless ``--tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-import time
-from pathlib import Path
+import tempfile
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import alternating_medians  # noqa: E402  (bench/timing.py)
-
-import tensorql as tq  # noqa: E402
-from tensorql.exec.host_malloc import tune_malloc  # noqa: E402
-from tensorql.models import llama_block  # noqa: E402
+from harness import Contender, Record, add_arguments, run_contenders
 
 SIZES = {
     "default": {"mlp": (256, 784, 2048, 2048, 10), "block": (1, 256, 512, 8, 64, 1376)},
     "tiny": {"mlp": (16, 24, 32, 32, 10), "block": (1, 8, 16, 2, 8, 24)},
 }
 GOALS = {"mlp": 1.2, "block": 1.3}
+TORCH_FORMS = {"torch adam": {}, "torch foreach": {"foreach": True},
+               "torch fused": {"fused": True}}
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def peak_above_baseline(fn) -> int:
-    """Bytes of resident memory ``fn`` added at its peak (0 where /proc cannot tell)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
-    except OSError:
-        return 0
-    before = _rss_kib("VmRSS")
-    fn()
-    return max(0, _rss_kib("VmHWM") - before) * 1024
-
-
-def timed_pair(ours, theirs, repeat: int) -> tuple[float, int, float, int]:
-    """(our median seconds, our peak bytes, theirs, their peak) a step: each warmed up
-    (plans, caches, allocator) and its peak taken, then ``repeat`` steps of each in turn
-    (ours, theirs, ours, ...), so that a drifting host weighs on both alike."""
-    ours()
-    theirs()
-    our_peak, their_peak = peak_above_baseline(ours), peak_above_baseline(theirs)
-    our_time, their_time = alternating_medians([ours, theirs], repeat)
-    return our_time, our_peak, their_time, their_peak
-
-
-def mlp_case(size: str, repeat: int) -> dict:
+# -- the MLP -----------------------------------------------------------------------------------
+def mlp_data(size: str):
     batch, d_in, h1, h2, classes = SIZES[size]["mlp"]
     rng = np.random.default_rng(0)
     x = rng.random((batch, d_in), dtype=np.float32)
@@ -89,103 +62,242 @@ def mlp_case(size: str, repeat: int) -> dict:
     for k, layer in enumerate(layers, start=1):
         start[f"W{k}"] = layer.weight.detach().T.contiguous().numpy()
         start[f"b{k}"] = layer.bias.detach().numpy().copy()
+    return x, onehot, start
 
-    def model(w, xs, ys, softmax):
-        h = (xs @ w["W1"] + w["b1"]).relu()
-        h = (h @ w["W2"] + w["b2"]).relu()
-        logits = h @ w["W3"] + w["b3"]
-        return -(ys * softmax(logits)).sum() * (1.0 / batch)
 
-    db = tq.connect()
+def mlp_loss(w, xs, ys, softmax, batch: int):
+    h = (xs @ w["W1"] + w["b1"]).relu()
+    h = (h @ w["W2"] + w["b2"]).relu()
+    logits = h @ w["W3"] + w["b3"]
+    return -(ys * softmax(logits)).sum() * (1.0 / batch)
+
+
+def tq_mlp(size: str, threads: int):
+    import tensorql as tq
+
+    x, onehot, start = mlp_data(size)
+    db = tq.connect(workers=threads, intra_op_threads=1)
     db.store_many({"x": x, "onehot": onehot, **start})
     opt = tq.optim.Adam(db, list(start), lr=1e-3, checkpoint_every=10 ** 9)
-    loss = model({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
-                 lambda t: t.log_softmax(axis=1))
-    tq_losses: list[float] = []
+    loss = mlp_loss({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
+                    lambda t: t.log_softmax(axis=1), x.shape[0])
+    return _tq_step(db, opt, loss)
 
+
+def torch_mlp(size: str, form: str):
+    x, onehot, start = mlp_data(size)
     w = {k: torch.tensor(v, requires_grad=True) for k, v in start.items()}
     xt, yt = torch.from_numpy(x), torch.from_numpy(onehot)
-    topt = torch.optim.Adam(list(w.values()), lr=1e-3)
-    torch_losses: list[float] = []
+    opt = torch.optim.Adam(list(w.values()), lr=1e-3, **TORCH_FORMS[form])
 
-    def torch_step():
-        topt.zero_grad()
-        value = model(w, xt, yt, lambda t: torch.log_softmax(t, dim=1))
+    def step():
+        opt.zero_grad()
+        value = mlp_loss(w, xt, yt, lambda t: torch.log_softmax(t, dim=1), x.shape[0])
         value.backward()
-        topt.step()
-        torch_losses.append(float(value.detach()))
-
-    tq_time, tq_peak, torch_time, torch_peak = timed_pair(
-        lambda: tq_losses.append(opt.step(loss)), torch_step, repeat)
-    ckpt_start = time.perf_counter()
-    opt.checkpoint()
-    ckpt = time.perf_counter() - ckpt_start
-    return dict(name=f"MLP {batch}x{d_in}x{h1}x{h2}x{classes}", tq=tq_time, torch=torch_time,
-                tq_peak=tq_peak, torch_peak=torch_peak, checkpoint=ckpt,
-                loss_gap=max(abs(a - b) for a, b in zip(tq_losses, torch_losses)),
-                goal=GOALS["mlp"])
+        opt.step()
+        _standing["bytes"] = _torch_standing(list(w.values()), opt)
+        return np.float64(value.detach())
+    return step
 
 
-def block_case(size: str, repeat: int) -> dict:
+# -- the LLaMA block ---------------------------------------------------------------------------
+class SdpaBlock(torch.nn.Module):
+    """The block of ``tensorql.models.llama_block`` written as idiomatic torch: ``nn.Linear``
+    projections, rotary tables, ``scaled_dot_product_attention`` with a causal mask."""
+
+    def __init__(self, a: dict, head_dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        from torch import nn
+
+        d = a["x"].shape[-1]
+        heads = a["l0_wq"].shape[1]
+
+        def linear(w: np.ndarray) -> nn.Linear:
+            layer = nn.Linear(w.shape[0], w.shape[1], bias=False)
+            with torch.no_grad():
+                layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
+            return layer
+
+        self.q = linear(a["l0_wq"].reshape(d, heads * head_dim))
+        self.k = linear(a["l0_wk"].reshape(d, heads * head_dim))
+        self.v = linear(a["l0_wv"].reshape(d, heads * head_dim))
+        self.o = linear(a["l0_wo"].reshape(heads * head_dim, d))
+        self.w1, self.w3, self.w2 = linear(a["l0_w1"]), linear(a["l0_w3"]), linear(a["l0_w2"])
+        self.g1 = nn.Parameter(torch.from_numpy(a["l0_attn_norm"].copy()))
+        self.g2 = nn.Parameter(torch.from_numpy(a["l0_mlp_norm"].copy()))
+        for name in ("rope_cos", "rope_sin", "rope_rot"):
+            self.register_buffer(name, torch.from_numpy(a[name].copy()))
+        self.head_dim, self.heads, self.eps = head_dim, heads, eps
+
+    def _norm(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * g
+
+    def _rope(self, t: torch.Tensor) -> torch.Tensor:  # (b, h, s, e)
+        return t * self.rope_cos + (t @ self.rope_rot) * self.rope_sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        xn = self._norm(x, self.g1)
+        q, k, v = (proj(xn).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        o = torch.nn.functional.scaled_dot_product_attention(self._rope(q), self._rope(k), v,
+                                                             is_causal=True)
+        h = x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+        hn = self._norm(h, self.g2)
+        return h + self.w2(torch.nn.functional.silu(self.w1(hn)) * self.w3(hn))
+
+
+def block_arrays(size: str, path: str) -> None:
+    """The block's seeded weights and input, saved to ``path`` (an .npz) by tensorql's
+    generator -- in the bench's own process, never in torch's contender process."""
+    import tensorql as tq
+    from tensorql.models import llama_block
+
     b, s, d, heads, head_dim, ff = SIZES[size]["block"]
-    db = tq.connect()
+    work = llama_block(tq.connect(), batch=b, seq=s, d_model=d, heads=heads, head_dim=head_dim,
+                       d_ff=ff, prefix="blk_")
+    np.savez(path, **{k[len("blk_"):]: v for k, v in work.arrays.items()})
+
+
+def tq_block(size: str, threads: int):
+    import tensorql as tq
+    from tensorql.models import llama_block
+
+    b, s, d, heads, head_dim, ff = SIZES[size]["block"]
+    db = tq.connect(workers=threads, intra_op_threads=1)
     work = llama_block(db, batch=b, seq=s, d_model=d, heads=heads, head_dim=head_dim, d_ff=ff,
                        prefix="blk_")
     names = sorted(n for n in work.arrays if n.startswith("blk_l0_"))
     opt = tq.optim.Adam(db, names, lr=1e-4, checkpoint_every=10 ** 9)
     out = work.output
     loss = (out * out).mean()
-    tq_losses: list[float] = []
+    return _tq_step(db, opt, loss)
 
-    leaves = {n: torch.tensor(work.arrays[n], requires_grad=True) for n in names}
-    topt = torch.optim.Adam(list(leaves.values()), lr=1e-4)
-    torch_losses: list[float] = []
 
-    def torch_step():
-        topt.zero_grad()
-        y = work.reference_with(leaves)
+def torch_block(size: str, form: str, arrays: str):
+    a = dict(np.load(arrays))
+    head_dim = SIZES[size]["block"][4]
+    model = SdpaBlock(a, head_dim)
+    x = torch.from_numpy(a["x"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **TORCH_FORMS[form])
+
+    def step():
+        opt.zero_grad()
+        y = model(x)
         value = (y * y).mean()
         value.backward()
-        topt.step()
-        torch_losses.append(float(value.detach()))
+        opt.step()
+        _standing["bytes"] = _torch_standing(list(model.parameters()), opt, model.buffers())
+        return np.float64(value.detach())
+    return step
 
-    tq_time, tq_peak, torch_time, torch_peak = timed_pair(
-        lambda: tq_losses.append(opt.step(loss)), torch_step, repeat)
-    return dict(name=f"LLaMA block b{b} s{s} d{d} h{heads}x{head_dim} ff{ff}", tq=tq_time,
-                torch=torch_time, tq_peak=tq_peak, torch_peak=torch_peak, checkpoint=None,
-                loss_gap=max(abs(a - b) for a, b in zip(tq_losses, torch_losses)),
-                goal=GOALS["block"])
+
+# -- memory ------------------------------------------------------------------------------------
+_standing: dict = {}
+
+
+def _tq_step(db, opt, loss):
+    stored = _stored_bytes(db)
+
+    def step():
+        value = np.float64(opt.step(loss))
+        _standing["bytes"] = stored + sum(getattr(t, "nbytes", 0) for t in opt.state.values())
+        return value
+    return step
+
+
+def _stored_bytes(db) -> int:
+    return sum(math.prod(db.tensor(n).shape) * np.dtype(str(db.tensor(n).dtype)).itemsize
+               for n in db.tensors())
+
+
+def _torch_standing(params, opt, buffers=()) -> int:
+    total = sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in params)
+    total += sum(t.nbytes for state in opt.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor))
+    return total + sum(b.nbytes for b in buffers)
+
+
+def standing_factory(inner: str, **kwargs):
+    """``inner``'s step, returning [loss, standing bytes] (the bytes known after a step)."""
+    step = globals()[inner](**kwargs)
+    return lambda: np.array([float(step()), float(_standing.get("bytes", 0))])
+
+
+def case(name: str, args, size: str, tmp: str) -> dict:
+    if name == "mlp":
+        ours = Contender("tq", "train:standing_factory",
+                         {"inner": "tq_mlp", "size": size, "threads": args.threads})
+        theirs = [Contender(form, "train:standing_factory",
+                            {"inner": "torch_mlp", "size": size, "form": form})
+                  for form in TORCH_FORMS]
+        label = "MLP " + "x".join(map(str, SIZES[size]["mlp"]))
+    else:
+        path = os.path.join(tmp, "block.npz")
+        block_arrays(size, path)
+        ours = Contender("tq", "train:standing_factory",
+                         {"inner": "tq_block", "size": size, "threads": args.threads})
+        theirs = [Contender(form, "train:standing_factory",
+                            {"inner": "torch_block", "size": size, "form": form,
+                             "arrays": path}) for form in TORCH_FORMS]
+        b, s, d, heads, head_dim, ff = SIZES[size]["block"]
+        label = f"LLaMA block b{b} s{s} d{d} h{heads}x{head_dim} ff{ff}"
+    timings, outputs = run_contenders([ours, *theirs], args)
+    return {"label": label, "timings": timings, "outputs": outputs}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="smallest sizes (a smoke run)")
     parser.add_argument("--mlp-only", action="store_true")
     parser.add_argument("--block-only", action="store_true")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    tune_malloc()  # before either side runs: both reuse freed buffers alike
     size = "tiny" if args.tiny else "default"
+    record = Record("train", smoke=args.tiny, args=args, argv=argv)
+    names = [n for n, skip in (("mlp", args.block_only), ("block", args.mlp_only)) if not skip]
     rows = []
-    if not args.block_only:
-        rows.append(mlp_case(size, args.repeat))
-    if not args.mlp_only:
-        rows.append(block_case(size, args.repeat))
-    print("| step | tq ms | torch ms | tq/torch | goal | tq peak MiB | torch peak MiB | "
-          "loss gap |")
-    print("|---|---|---|---|---|---|---|---|")
-    met = True
-    for r in rows:
-        ratio = r["tq"] / r["torch"]
-        met &= ratio <= r["goal"]
-        print(f"| {r['name']} | {r['tq'] * 1e3:.1f} | {r['torch'] * 1e3:.1f} | {ratio:.2f} | "
-              f"<= {r['goal']} | {r['tq_peak'] / 2**20:.1f} | {r['torch_peak'] / 2**20:.1f} | "
-              f"{r['loss_gap']:.1e} |")
-        if r["checkpoint"] is not None:
-            print(f"  (a checkpoint of its weights and Adam state: {r['checkpoint'] * 1e3:.0f} ms)")
-    print(f"goals: {'met' if met else 'NOT met'} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads)")
-    return 0 if met else 1
+    with tempfile.TemporaryDirectory(prefix="tq-train-") as tmp:
+        for name in names:
+            r = case(name, args, size, tmp)
+            timings = r["timings"]
+            record.timings(name, timings)
+            ours = timings["tq"]
+            first_ours = float(r["outputs"]["tq"][0])
+            last_ours = ours.extra["values"][-1][0] if ours.extra.get("values") else None
+            for form in TORCH_FORMS:
+                first = float(r["outputs"][form][0])
+                gap = abs(first_ours - first) / max(1e-12, abs(first))
+                record.check(f"{name}: first-step loss gap tq vs {form} {gap:.1e} <= 1e-3",
+                             gap <= 1e-3, gap)
+                values = timings[form].extra.get("values")
+                if values and last_ours is not None:
+                    last = values[-1][0]
+                    gap = abs(last_ours - last) / max(1e-12, abs(last))
+                    record.check(f"{name}: last-step loss gap tq vs {form} {gap:.1e} <= 1e-3",
+                                 gap <= 1e-3, gap)
+            fastest = min(TORCH_FORMS, key=lambda f: timings[f].median)
+            ratio = ours.median / timings[fastest].median
+            record.goal(f"{name}: tq/{fastest} {ratio:.2f} <= {GOALS[name]}",
+                        ratio <= GOALS[name])
+            stand = {who: float(out[1]) for who, out in r["outputs"].items()}
+            rows.append([r["label"], ours.median * 1e3, ours.first_s * 1e3,
+                         *(timings[f].median * 1e3 for f in TORCH_FORMS), fastest, ratio,
+                         GOALS[name], stand["tq"] / 2**20, stand[fastest] / 2**20,
+                         (ours.peak_rss_bytes or 0) / 2**20,
+                         (timings[fastest].peak_rss_bytes or 0) / 2**20])
+            print(f"  {name}: " + "; ".join(f"{k} {t.describe()}" for k, t in timings.items()),
+                  flush=True)
+    columns = ["step", "tq ms", "tq cold ms", *(f"{f} ms" for f in TORCH_FORMS), "fastest torch",
+               "tq/fastest", "goal", "tq standing MiB", "torch standing MiB", "tq peak RSS MiB",
+               "torch peak RSS MiB"]
+    record.table("main", columns, rows, note="standing: tensorql's stored tensors (weights, "
+                 "data) and its Adam slots (``opt.state``); torch's parameters, gradients, "
+                 "optimizer state and buffers. Peak RSS: each contender's whole process.")
+    from tables import render_table
+
+    print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
+    return record.finish()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""Every benchmark's smallest run still works (figures come from the full runs: docs/benchmarks.md).
+"""Every benchmark's smoke run still works and still checks its results; the method the benches
+share (bench/harness.py) and the docs' table generator (bench/tables.py) do what they say.
 
-A bench exits 1 when its goals are not met, which tiny sizes may well do; what must not happen
-is a crash, so the test checks for a finished report and no traceback.
+A smoke run may miss its speed goals (they are printed, not gated, at tiny sizes on a shared
+host) but never a correctness check: the benches of ``GATED`` must exit 0 and write a JSON record
+whose checks all passed. The others (the GPU benches, whose exit codes are being reworked
+elsewhere) must only finish without a traceback. Figures come from the full runs
+(``make bench-all``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import doctest
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,29 +20,170 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 
+# one entry a line: bench -> (smoke arguments, text its output must hold)
 SMOKE_RUNS = {
-    "cpu_einsum": (["--small", "--skip-dask", "--repeat", "1"], "goals: tq/torch"),
-    "store_io": (["--mb", "4", "--tile", "256"], "goals (file store)"),
+    "cpu_einsum": (["--small", "--skip-dask", "--devices", "1", "--tiles", "128",
+                    "--repeat", "1"], "correct: matmul devices=1: tq result"),
+    "store_io": (["--mb", "4", "--tile", "256", "--repeat", "1", "--smoke"], "goal: file store"),
     "sql_backends": (["--skip-coo", "--n", "256", "--chain-n", "256", "--tile", "128",
                       "--repeat", "1"], "| matmul fp32 |"),
     "gpu_matmul": (["--device", "cpu", "--n", "512", "--tile", "128", "--repeat", "1"],
                    "max relative error"),
-    "memory": (["--tiny"], "goals: store peak"),
+    "memory": (["--tiny"], "correct: matmul: result correct"),
     "out_of_core": (["--smoke"], "goals: tq-budget peak RSS growth"),
     "gpu_offload": (["--device", "cpu", "--n", "512", "--tile", "128"], "speed-up"),
-    "llama": (["--tiny", "--repeat", "1", "--new", "2"], "goals:"),
-    "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5"], "goals:"),
-    "distributed": (["--tiny", "--ranks", "2", "--repeat", "1"], "goals at 2 ranks"),
-    "train": (["--tiny", "--repeat", "1"], "goals:"),
+    "llama": (["--tiny", "--repeat", "1", "--new", "2", "--phases", "generate,prefill cold",
+               "--no-isolate"], "correct: generate: tq tokens equal"),
+    "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5", "--no-isolate"],
+                 "correct: mps: tq rel. err"),
+    "distributed": (["--tiny", "--ranks", "2", "--repeat", "1"], "correct: block ranks=2"),
+    "train": (["--tiny", "--repeat", "1", "--no-isolate"], "correct: block: first-step loss"),
+    "optimizer": (["--tiny", "--repeat", "1"], "correct: memory plan peak"),
 }
+# the benches whose smoke run is gated: exit 0, a JSON record, every check passed
+GATED = {"cpu_einsum", "distributed", "llama", "memory", "networks", "optimizer",
+         "sql_backends", "store_io", "train"}
+
+sys.path.insert(0, str(BENCH))
+import harness  # noqa: E402  (bench/harness.py)
+import tables  # noqa: E402  (bench/tables.py)
 
 
 @pytest.mark.parametrize("bench", sorted(SMOKE_RUNS))
-def test_bench_smoke_run(bench):
+def test_bench_smoke_run(bench, tmp_path):
     args, expected = SMOKE_RUNS[bench]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{bench}.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    record = tmp_path / f"{bench}.json"
+    if bench in GATED:
+        args = [*args, "--json", str(record)]
+    done = subprocess.run([sys.executable, str(BENCH / f"{bench}.py"), *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.returncode in (0, 1), done.stderr[-3000:]
     assert expected in done.stdout, done.stdout[-3000:]
+    if bench not in GATED:
+        # the GPU benches and the out-of-core bench (own JSON, not the harness's): a smoke run
+        # skips goals, never the check of its result, so it exits 0
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(record.read_text())
+    assert data["bench"] == bench and data["exit"] == 0
+    assert data["checks"], "a smoke run must check its results"
+    assert all(c["ok"] for c in data["checks"].values()), data["checks"]
+    assert data["tables"], "a run records the table the docs are generated from"
+
+
+def test_every_cpu_bench_has_a_gated_smoke_run():
+    gpu = {"gpu_matmul", "gpu_offload", "gpu_probe", "gpu_check", "out_of_core"}
+    helpers = {"harness", "tables", "timing"}
+    benches = {p.stem for p in BENCH.glob("*.py")} - helpers
+    assert benches - gpu - {p for p in benches if p.startswith("gpu_")} <= GATED
+
+
+# -- the method: bench/harness.py --------------------------------------------------------------
+def test_harness_and_tables_doctests():
+    for module in (harness, tables):
+        failed, attempted = doctest.testmod(module)
+        assert attempted > 0 and failed == 0, module.__name__
+
+
+def test_order_is_random_and_deterministic_with_a_seed():
+    names = ["a", "b", "c"]
+    one = harness.schedule(names, 8, order="random", seed=3)
+    assert one == harness.schedule(names, 8, order="random", seed=3)
+    assert one != harness.schedule(names, 8, order="random", seed=4)
+    rounds = [one[i:i + 3] for i in range(0, len(one), 3)]
+    assert all(sorted(r) == names for r in rounds)  # every round runs each contender once
+    assert len({tuple(r) for r in rounds}) > 1  # and not always in the same order
+    assert harness.schedule(["a", "b"], 4, order="abba") == list("abbaabba")
+    with pytest.raises(ValueError):
+        harness.schedule(names, 2, order="sorted")
+
+
+def test_summary_has_median_iqr_and_range():
+    s = harness.summarize([5.0, 1.0, 3.0, 2.0, 4.0, 6.0, 7.0])
+    assert (s["n"], s["median"], s["min"], s["max"]) == (7, 4.0, 1.0, 7.0)
+    assert s["q1"] == 2.5 and s["q3"] == 5.5 and s["iqr"] == 3.0
+
+
+def test_isolated_contenders_run_in_their_own_processes():
+    contenders = [harness.Contender("baseline", "harness:probe_factory"),
+                  harness.Contender("ours", "harness:probe_factory", {"import_tensorql": True},
+                                    env={"TENSORQL_PACKED_WEIGHTS": "0"})]
+    timings, outputs = harness.measure_isolated(contenders, repeats=3, threads=1, seed=1)
+    base, ours = timings["baseline"], timings["ours"]
+    assert base.isolated and ours.isolated
+    assert len({base.pid, ours.pid, os.getpid()}) == 3
+    assert base.tensorql_imported is False and ours.tensorql_imported is True
+    assert base.threads == ours.threads == 1
+    pid, tq_imported, torch_threads, omp = outputs["baseline"].tolist()
+    assert (pid, tq_imported, torch_threads, omp) == (base.pid, 0, 1, 1)
+    assert outputs["ours"].tolist()[:2] == [ours.pid, 1]
+    assert len(base.samples) == len(ours.samples) == 3 and base.first_s > 0
+    assert len(base.extra["values"]) == 4  # the cold call and the three timed ones
+
+
+def test_record_json_fields_and_exit_codes(tmp_path):
+    path = tmp_path / "demo.json"
+    args = type("Args", (), {"json": str(path), "repeat": 7, "warmup": 1, "order": "random",
+                             "seed": 0, "threads": 2, "isolate": True})()
+    record = harness.Record("demo", smoke=False, args=args, argv=["--repeat", "7"])
+    record.check("result", True)
+    record.goal("fast", False)
+    record.timings("row", {"a": harness.Timing([1.0, 2.0, 3.0], 5.0)})
+    record.table("main", ["case", "s"], [["a", 2.0]])
+    assert record.finish() == 1  # a missed goal fails a full run
+    data = json.loads(path.read_text())
+    for key in ("commit", "cpu_model", "cores", "torch", "mkl", "onednn", "thp", "date",
+                "command"):
+        assert key in data["env"], key
+    assert data["env"]["command"].endswith("--repeat 7")
+    assert data["method"]["repeat"] == 7 and data["method"]["isolate"] is True
+    assert data["timings"]["row"]["a"]["samples"] == [1.0, 2.0, 3.0]
+    assert data["timings"]["row"]["a"]["summary"]["median"] == 2.0
+    assert data["exit"] == 1
+    smoke = harness.Record("demo", smoke=True, argv=[])
+    smoke.goal("fast", False)
+    assert smoke.finish(write=False) == 0  # goals are not gated in a smoke run
+    smoke.check("result", False)
+    assert smoke.finish(write=False) == 1  # correctness always is
+
+
+# -- the docs' tables: bench/tables.py ---------------------------------------------------------
+def _record(bench: str, smoke: bool = False) -> dict:
+    return {"bench": bench, "smoke": smoke,
+            "env": {"commit": "0123456789", "cpu_model": "Test CPU", "cores": 2,
+                    "torch": "2.13.0", "mkl": "2024.2", "onednn": "v3.12.0", "thp": "madvise",
+                    "date": "2026-11-26T12:00:00+00:00", "command": f"{bench}.py"},
+            "method": {"repeat": 7, "order": "random", "threads": 2, "isolate": True},
+            "tables": {"main": {"columns": ["workload", "tq/torch"],
+                                "rows": [["matmul", 0.9876], ["mlp", 1.234]], "note": ""}}}
+
+
+def test_tables_regenerates_marked_tables_from_json(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "cpu_einsum.json").write_text(json.dumps(_record("cpu_einsum")))
+    (results / "llama.json").write_text(json.dumps(_record("llama", smoke=True)))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n<!-- table:cpu_einsum -->\nold figures\n<!-- /table -->\n"
+                   "<!-- table:llama -->\nnot generated yet\n<!-- /table -->\n"
+                   "<!-- table:networks -->\nnot generated yet\n<!-- /table -->\n")
+    argv = ["--results", str(results), "--doc", str(doc)]
+    assert tables.main([*argv, "--check"]) == 1  # stale
+    assert tables.main(argv) == 0
+    text = doc.read_text()
+    assert "old figures" not in text
+    assert "| workload | tq/torch |\n| --- | --- |\n| matmul | 0.988 |\n| mlp | 1.23 |" in text
+    assert "commit 0123456, Test CPU (2 cores), torch 2.13.0, MKL 2024.2" in text
+    assert text.count("not generated yet") == 2  # a smoke record and a missing one: untouched
+    assert tables.main([*argv, "--check"]) == 0
+
+
+def test_docs_tables_match_the_committed_records():
+    """docs/benchmarks.md holds what bench/tables.py makes of bench/results/ (no hand edits)."""
+    assert tables.main(["--check"]) == 0
+    names = [m.group("name") for m in tables.MARKER.finditer(
+        (ROOT / "docs" / "benchmarks.md").read_text())]
+    assert {n.partition(":")[0] for n in names} <= GATED
