@@ -14,7 +14,7 @@ from tensorql.exec.timeline import write_trace
 from tensorql.logical.lower import contraction_paths
 from tensorql.physical.explain import render_plan
 from tensorql.physical.result import QueryResult
-from tensorql.pipeline.run import DenseResults, execute, result_chunks
+from tensorql.pipeline.run import DenseResults, execute, result_chunks, session_spill
 
 if TYPE_CHECKING:
     from tensorql.pipeline.compile import CompiledQuery
@@ -75,7 +75,7 @@ class NativeBackend:
                          destination=writer.destination if writer else None,
                          keep_outputs=not dense, partition=query.partition,
                          title=query.node.describe(), rank_stats=rank_stats,
-                         timeline=timeline, spill=query.db.spill_space)
+                         timeline=timeline, spill=session_spill(query.db, options))
         return QueryResult(plan=query.physical, chunks=result_chunks(query.physical, result),
                            stats=result.stats,
                            assembled=writer.tensors[0] if writer else None,

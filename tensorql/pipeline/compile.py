@@ -23,7 +23,7 @@ from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.backends import get_backend
 from tensorql.pipeline.planning import Session, physical_plan
-from tensorql.pipeline.run import DenseResults, check_dense_fits, execute
+from tensorql.pipeline.run import DenseResults, check_dense_fits, execute, session_spill
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
 
@@ -90,7 +90,7 @@ class CompiledQuery:
         result = execute(self.physical, self.db.options, values="stream",
                          progress=progress, sink=result_sink, keep_outputs=False,
                          partition=self.partition, title=self.node.describe(),
-                         spill=self.db.spill_space)
+                         spill=session_spill(self.db, self.db.options))
         for ref, chunk in result.outputs.items():  # chunks no task completed (none normally)
             if ref.step == sid and chunk is not None and ref.key not in sent:
                 sink(ref.key, chunk)
@@ -201,7 +201,7 @@ class CompiledGroup:
         self.last_stats.clear()
         result = execute(self.physical, options, values="return", progress=progress,
                          sink=writer.sink, destination=writer.destination, keep_outputs=False,
-                         spill=self.db.spill_space)
+                         spill=session_spill(self.db, self.db.options))
         self.last_stats.append(result.stats)
         return writer.tensors
 

@@ -40,6 +40,12 @@ from tensorql.units import format_bytes
 __all__ = ["DenseResults", "check_dense_fits", "execute"]
 
 
+def session_spill(db: Any, options: Options) -> Any:
+    """The session's spill space (``db.spill_space``) when ``options`` set a ``memory_limit``,
+    the only runs that keep a host tier and may spill below it; else None (nothing opened)."""
+    return db.spill_space if options.memory_limit is not None else None
+
+
 def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "return",
             progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None, keep_outputs: bool = True,
