@@ -143,13 +143,19 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
             "baseline_rss": base, **figures}
 
 
+BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
+
+
 def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
-              limit: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"),
+              limit: int, base_root: Path | None = None) -> dict:
+    root, script = ROOT, __file__
+    if kind == BASE:  # the same child, from the other checkout's code
+        root, script, kind = base_root, str(base_root / "bench" / "out_of_core.py"), "tq-budget"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / ".shim"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if kind == "dask":  # dask's workers are the threads: one BLAS thread each
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, __file__, "--child", kind, "--work", str(work),
+    done = subprocess.run([sys.executable, script, "--child", kind, "--work", str(work),
                            "--tile", str(tile), "--threads", str(threads),
                            "--budget-bytes", str(budget), "--limit-bytes", str(limit)],
                           capture_output=True, text=True, env=env, timeout=3600)
@@ -209,6 +215,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="a small size, one repeat: results checked, goals not")
     parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--baseline-root", help="another checkout (e.g. main's): its "
+                        "tq-budget runs too, as tq-budget-base, alternating with the others")
     parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
@@ -234,14 +242,19 @@ def main() -> int:
                                                                    .is_dir() else None))
     work.mkdir(parents=True, exist_ok=True)
     kinds = ["tq-budget", "tq-unlimited"] + ([] if args.skip_dask else ["dask"])
+    base_root = Path(args.baseline_root).resolve() if args.baseline_root else None
+    if base_root is not None:
+        kinds.insert(1, BASE)
     samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
     errors: dict[str, float] = {}
     try:
         setup(work, n, k, args.tile)
         for r in range(args.repeat):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                sample = run_child(kind, work, args.tile, args.threads, budget, limit)
-                errors[kind] = max(errors.get(kind, 0.0), check(work, kind))
+                sample = run_child(kind, work, args.tile, args.threads, budget, limit,
+                                   base_root)
+                result = "tq-budget" if kind == BASE else kind
+                errors[kind] = max(errors.get(kind, 0.0), check(work, result))
                 samples[kind].append(sample)
     finally:
         if not args.work:
@@ -273,6 +286,9 @@ def main() -> int:
     missed = [goal for goal, ok in goals.items() if not ok]
     versus_dask = (f"; {median['tq-budget'] / median['dask']:.2f}x dask's time"
                    if "dask" in median else "")
+    if BASE in median:
+        print(f"{BASE} ({base_root}): time {median[BASE] / median['tq-unlimited']:.2f}x the "
+              f"in-memory run; tq-budget {median['tq-budget'] / median[BASE]:.2f}x its time")
     print(f"goals: tq-budget peak RSS growth {worst_growth / MiB:.0f} MiB vs budget + 25% "
           f"{1.25 * budget / MiB:.0f} MiB; time {ratio:.2f}x the in-memory run (<= 1.5x)"
           f"{versus_dask} -> {'met' if not missed else 'MISSED: ' + ', '.join(missed)}")
