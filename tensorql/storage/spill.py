@@ -205,6 +205,20 @@ class SpillPages:
                 self._cursors.append(cursor)
         return cursor
 
+    def prepare(self) -> None:
+        """Make the table and this thread's cursor now (the spill database too, at a
+        session's first spill), so the first :meth:`write` does not wait for them."""
+        con = self._cursor()
+        with self._write_lock:
+            self._create(con)
+
+    def _create(self, con: Any) -> None:  # holding the write lock
+        if not self._created:
+            con.execute(f"CREATE TABLE IF NOT EXISTS {self.ref} (id BIGINT NOT NULL, "
+                        "page INTEGER NOT NULL, "
+                        "payload BLOB NOT NULL USING COMPRESSION uncompressed)")
+            self._created = True
+
     def write(self, value: torch.Tensor) -> int:
         """Store ``value``'s bytes as pages under a new id (one committed transaction).
 
@@ -221,11 +235,7 @@ class SpillPages:
             batch = pa.table({"id": pa.array(np.full(count, ident, np.int64)),
                               "page": pa.array(np.arange(count, dtype=np.int32)),
                               "payload": payload})
-            if not self._created:
-                con.execute(f"CREATE TABLE IF NOT EXISTS {self.ref} (id BIGINT NOT NULL, "
-                            "page INTEGER NOT NULL, "
-                            "payload BLOB NOT NULL USING COMPRESSION uncompressed)")
-                self._created = True
+            self._create(con)
             con.register("tq_spill_batch", batch)
             try:
                 con.execute(f"INSERT INTO {self.ref} SELECT * FROM tq_spill_batch")
