@@ -2,6 +2,7 @@
 
     python bench/out_of_core.py [--n 16384] [--k 1024] [--tile 2048] [--budget 384MiB]
                                 [--threads N] [--repeat 3] [--smoke]
+                                [--baseline-root DIR] [--spill-micro]
 
 ``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``A @ B`` is an
 n x n intermediate, which tensorql's plan computes whole before ``(A @ B) @ C`` reads it, so
@@ -143,13 +144,19 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
             "baseline_rss": base, **figures}
 
 
+BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
+
+
 def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
-              limit: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / ".shim"),
+              limit: int, base_root: Path | None = None) -> dict:
+    root, script = ROOT, __file__
+    if kind == BASE:  # the same child, from the other checkout's code
+        root, script, kind = base_root, str(base_root / "bench" / "out_of_core.py"), "tq-budget"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / ".shim"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if kind == "dask":  # dask's workers are the threads: one BLAS thread each
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, __file__, "--child", kind, "--work", str(work),
+    done = subprocess.run([sys.executable, script, "--child", kind, "--work", str(work),
                            "--tile", str(tile), "--threads", str(threads),
                            "--budget-bytes", str(budget), "--limit-bytes", str(limit)],
                           capture_output=True, text=True, env=env, timeout=3600)
@@ -170,6 +177,57 @@ def check(work: Path, kind: str, seed: int = 1) -> float:
     err_rows = np.abs(got[rows] - want_rows).max() / np.abs(want_rows).max()
     err_vec = np.abs(got @ x - want_vec).max() / np.abs(want_vec).max()
     return float(max(err_rows, err_vec))
+
+
+# -- the spill tier alone: SpillPages write + read MiB/s, in a fresh process per checkout ------
+SPILL_MICRO = """
+import json, sys, time, torch
+import tensorql
+from tensorql.storage.spill import SpillSpace
+assert tensorql.__file__.startswith(sys.argv[3]), tensorql.__file__  # that checkout's code
+nbytes, total = int(sys.argv[1]), int(sys.argv[2])
+gen = torch.Generator().manual_seed(0)
+chunks = [torch.randn(nbytes // 4, generator=gen) for _ in range(4)]
+out = []
+for rep in range(2):  # the first pass pays the spill database's start: the second is the figure
+    space = SpillSpace(memory_bytes=32 << 20)
+    pages = space.open_run("micro")
+    t, c = time.perf_counter(), time.process_time()
+    ids = [pages.write(chunks[i % 4]) for i in range(total // nbytes)]
+    w = (time.perf_counter() - t, time.process_time() - c)
+    t, c = time.perf_counter(), time.process_time()
+    for i in ids:
+        got = pages.read(i, (nbytes // 4,), "float32")
+    r = (time.perf_counter() - t, time.process_time() - c)
+    assert torch.equal(got, chunks[ids[-1] % 4])
+    pages.close(); space.close()
+    out.append(dict(write=total / w[0], write_cpu=w[1] / total, read=total / r[0],
+                    read_cpu=r[1] / total))
+print(json.dumps(out[-1]))
+"""
+
+
+def spill_micro(roots: list[Path], repeat: int, nbytes: int = 4 * MiB,
+                total: int = 256 * MiB) -> None:
+    """Write and read ``total`` bytes of ``nbytes`` chunks through the DuckDB tier (a spill
+    database of 32 MiB of memory, the rest in its temporary files) with each checkout's code,
+    alternating; print MiB/s and CPU ms per MiB, median (min..max)."""
+    samples: dict[Path, list[dict]] = {root: [] for root in roots}
+    for r in range(repeat):
+        for root in (roots if r % 2 == 0 else roots[::-1]):
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / ".shim")])}
+            done = subprocess.run([sys.executable, "-c", SPILL_MICRO, str(nbytes), str(total),
+                                   str(root)],
+                                  capture_output=True, text=True, env=env, timeout=600,
+                                  cwd=root, check=True)
+            samples[root].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"DuckDB tier alone: {total // MiB} MiB in chunks of {nbytes // MiB} MiB, "
+          f"{repeat} repeat(s)")
+    for root, got in samples.items():
+        print(f"  {root}: write {_spread([g['write'] / MiB for g in got])} MiB/s "
+              f"({_spread([g['write_cpu'] * 1e3 * MiB for g in got])} CPU ms/MiB), read "
+              f"{_spread([g['read'] / MiB for g in got])} MiB/s "
+              f"({_spread([g['read_cpu'] * 1e3 * MiB for g in got])} CPU ms/MiB)")
 
 
 def _spread(values: list[float]) -> str:
@@ -209,7 +267,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="a small size, one repeat: results checked, goals not")
     parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--baseline-root", help="another checkout (e.g. main's): its "
+                        "tq-budget runs too, as tq-budget-base, alternating with the others")
     parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
+    parser.add_argument("--spill-micro", action="store_true", help="only the DuckDB tier: "
+                        "write + read MiB/s (and of --baseline-root's code), --repeat times")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
@@ -217,6 +279,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, Path(args.work), args.tile, args.threads,
                                args.budget_bytes, args.limit_bytes)))
+        return 0
+    if args.spill_micro:
+        spill_micro([ROOT] + ([Path(args.baseline_root).resolve()] if args.baseline_root
+                              else []), args.repeat)
         return 0
     if args.smoke:
         args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
@@ -234,14 +300,19 @@ def main() -> int:
                                                                    .is_dir() else None))
     work.mkdir(parents=True, exist_ok=True)
     kinds = ["tq-budget", "tq-unlimited"] + ([] if args.skip_dask else ["dask"])
+    base_root = Path(args.baseline_root).resolve() if args.baseline_root else None
+    if base_root is not None:
+        kinds.insert(1, BASE)
     samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
     errors: dict[str, float] = {}
     try:
         setup(work, n, k, args.tile)
         for r in range(args.repeat):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                sample = run_child(kind, work, args.tile, args.threads, budget, limit)
-                errors[kind] = max(errors.get(kind, 0.0), check(work, kind))
+                sample = run_child(kind, work, args.tile, args.threads, budget, limit,
+                                   base_root)
+                result = "tq-budget" if kind == BASE else kind
+                errors[kind] = max(errors.get(kind, 0.0), check(work, result))
                 samples[kind].append(sample)
     finally:
         if not args.work:
@@ -273,6 +344,9 @@ def main() -> int:
     missed = [goal for goal, ok in goals.items() if not ok]
     versus_dask = (f"; {median['tq-budget'] / median['dask']:.2f}x dask's time"
                    if "dask" in median else "")
+    if BASE in median:
+        print(f"{BASE} ({base_root}): time {median[BASE] / median['tq-unlimited']:.2f}x the "
+              f"in-memory run; tq-budget {median['tq-budget'] / median[BASE]:.2f}x its time")
     print(f"goals: tq-budget peak RSS growth {worst_growth / MiB:.0f} MiB vs budget + 25% "
           f"{1.25 * budget / MiB:.0f} MiB; time {ratio:.2f}x the in-memory run (<= 1.5x)"
           f"{versus_dask} -> {'met' if not missed else 'MISSED: ' + ', '.join(missed)}")

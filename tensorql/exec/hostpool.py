@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import tensorql.cuda_api as cuda_api
+from tensorql.errors import ExecutionError
 from tensorql.exec.taskgraph import ChunkRef
 from tensorql.units import format_bytes
 
@@ -147,7 +148,9 @@ class HostTier:
     spilled chunks back in plan order, ahead of the loads that need them, as far as the
     budget has room: their reads overlap compute, and a load finds its chunk in memory.
     A chunk ``put`` with ``fresh=True`` (a result its sink has not yet taken) is never
-    spilled before its first ``get``.
+    spilled before its first ``get``. With ``expect_spill`` (the memory plan says the run
+    spills) a thread opens the run's spill table at once, overlapped with the run's first
+    ops, so the first eviction does not wait for DuckDB to start (~0.1 s).
 
     >>> import torch
     >>> from tensorql.storage.spill import SpillSpace
@@ -162,7 +165,8 @@ class HostTier:
 
     def __init__(self, pool: PinnedPool | None = None, spill: Any = None, run_tag: str = "run",
                  *, budget: int | None = None,
-                 loads: Sequence[tuple[int, ChunkRef]] = (), lookahead: int = 16) -> None:
+                 loads: Sequence[tuple[int, ChunkRef]] = (), lookahead: int = 16,
+                 expect_spill: bool = False) -> None:
         self.pool = pool
         self.space = spill
         self.tag = run_tag
@@ -187,7 +191,9 @@ class HostTier:
         for k, ref in enumerate(self._order):
             self._uses.setdefault(ref, deque()).append(k)
         self._pages: Any = None
+        self._pages_lock = threading.Lock()
         self._prefetcher: threading.Thread | None = None
+        self._opener: threading.Thread | None = None
         self._closed = False
         self.spilled_bytes = 0  # host copies beyond the pinned pool (plain memory or DuckDB)
         self.pinned_bytes = 0
@@ -198,6 +204,10 @@ class HostTier:
         self.spill_chunks = 0
         self.reads_ahead = self.reads_on_demand = self.ahead_used = 0
         self.over_budget = 0  # the most plain bytes ever held beyond the budget
+        if expect_spill and spill is not None and budget is not None:
+            self._opener = threading.Thread(target=self._open_early,
+                                            name="tensorql-spill-open", daemon=True)
+            self._opener.start()
 
     # -- the pinned pool -------------------------------------------------------------------
     def buffer_for(self, ref: ChunkRef, like: torch.Tensor) -> torch.Tensor | None:
@@ -307,12 +317,30 @@ class HostTier:
             freed += self._sizes[r]
         return victims, False
 
+    def _open_pages(self) -> Any:
+        with self._pages_lock:
+            if self._pages is None and not self._closed:
+                self._pages = self.space.open_run(self.tag)
+            return self._pages
+
+    def _open_early(self) -> None:
+        try:
+            pages = self._open_pages()
+            if pages is not None:
+                pages.prepare()
+        except Exception as err:  # noqa: BLE001 - the first write opens it and reports
+            log.warning("opening the spill table ahead of the first spill failed: %s", err)
+
     def _write(self, ref: ChunkRef, value: torch.Tensor) -> int:
-        if self._pages is None:
-            self._pages = self.space.open_run(self.tag)
+        first = self.spill_chunks == 0
+        pages = self._open_pages()
+        if pages is None:
+            raise ExecutionError(f"host tier of run {self.tag}: closed while spilling chunk "
+                                 f"s{ref.step}{list(ref.key)}")
+        if first:
             log.info("host tier over its budget of %s: spilling to DuckDB (%s)",
-                     format_bytes(self.budget), self._pages.table)
-        ident = self._pages.write(value)
+                     format_bytes(self.budget), pages.table)
+        ident = pages.write(value)
         self.spill_written += value.nbytes
         self.spill_chunks += 1
         log.debug("spilled chunk s%d%s (%s) to DuckDB; next read at %s; host tier %s of %s",
@@ -457,8 +485,11 @@ class HostTier:
             self._cond.notify_all()
         if self._prefetcher is not None:
             self._prefetcher.join()
+        if self._opener is not None:
+            self._opener.join()
         for ref in list(self._data) + list(self._spilled):
             self.drop(ref)
-        if self._pages is not None:
-            self._pages.close()
-            self._pages = None
+        with self._pages_lock:
+            pages, self._pages = self._pages, None
+        if pages is not None:
+            pages.close()

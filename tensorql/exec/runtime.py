@@ -545,7 +545,8 @@ class StreamRun(RunState):
         self.budgets = [d.budget for d in program.devices]
         self.host = HostTier(rt.pool(), rt.spill_store, run_tag=f"{id(self):x}",
                              budget=rt.host_budget if rt.spill_store is not None else None,
-                             loads=program.host_reads)
+                             loads=program.host_reads,
+                             expect_spill=program.host is not None and program.host.spill_bytes > 0)
         self.host_loads = dict(program.host_loads)
         self.cleanup: dict[int, Callable[[], None]] = {}
         self.done_ops = 0

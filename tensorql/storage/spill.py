@@ -5,9 +5,13 @@ the first spill, under a memory limit beyond which DuckDB writes its pages to te
 files in a folder beside the session's file (``work.duckdb.spill-<pid>-<id>/``), or for an
 in-memory session in the temporary directory; the folder goes when the session closes. Each
 run that spills gets a :class:`SpillPages`: one table ``tq_internal."tq_spill_<run>"`` of
-``(id BIGINT, page INTEGER, payload BLOB)`` rows, a chunk being the 4 KiB pages of its
-C-contiguous bytes (as chunks at rest, ``pages.py``; no pickle), written in one transaction
-per chunk and read back by ``id``. The table is dropped when the run ends. A process killed
+``(id BIGINT, page INTEGER, payload BLOB)`` rows, a chunk being the pages of its C-contiguous
+bytes (no pickle; up to 4 MiB a page, :func:`page_bytes_for`), inserted from Arrow views of
+the chunk's own memory in one transaction per chunk and read back by their ``rowid`` range
+(a direct fetch; a filter on ``id`` scanned the table and read whole vectors of pages).
+Chunks at rest use 4 KiB pages (``pages.py``) because a file database keeps longer BLOBs
+pinned until a checkpoint; this database has no checkpoint, and its long BLOBs go to its
+temporary files like any other block. The table is dropped when the run ends. A process killed
 while spilling leaves its folder behind: it is named after the process, and the next session
 to open the database file (or to spill, for in-memory sessions) removes those of processes
 that no longer run (:func:`remove_stale_files`).
@@ -42,7 +46,7 @@ import torch
 from tensorql.dtypes import canonical_dtype, itemsize
 from tensorql.errors import StorageError
 from tensorql.storage.blob_codec import chunk_bytes, view_bytes
-from tensorql.storage.pages import encode_pages, join_pages
+from tensorql.storage.pages import join_pages
 from tensorql.storage.sql_text import quote_ident
 from tensorql.units import format_bytes
 
@@ -51,7 +55,21 @@ log = logging.getLogger("tensorql.spill")
 SPILL_PREFIX = "tq_spill_"
 SCHEMA = "tq_internal"
 MIN_MEMORY_BYTES = 32 << 20  # below about this, DuckDB fails to commit pages it must pin
+MAX_PAGE_BYTES = 4 << 20
 _RUNS = itertools.count(1)
+
+
+def page_bytes_for(memory_bytes: int) -> int:
+    """The page size of spilled chunks: 4 MiB, or an eighth of the spill database's memory
+    when that is less (DuckDB assembles a BLOB in its memory to read it back).
+
+    >>> page_bytes_for(64 << 20) >> 20, page_bytes_for(16 << 20) >> 20
+    (4, 2)
+    """
+    return max(PAGE_FLOOR, min(MAX_PAGE_BYTES, int(memory_bytes) // 8))
+
+
+PAGE_FLOOR = 64 << 10
 
 
 def spill_prefix(path: str | None, directory: str | None = None) -> str:
@@ -130,6 +148,9 @@ class SpillSpace:
                     path = tempfile.mkdtemp(prefix=f"tensorql-spill-{os.getpid()}-")
                 con = duckdb.connect(":memory:")
                 con.execute(f"SET memory_limit = '{self.memory_bytes}B'")
+                # one thread: a spill moves one chunk at a time (a second thread made writes
+                # ~1.4x dearer in CPU time), and the kernels have the cores
+                con.execute("SET threads = 1")
                 con.execute("SET temp_directory = ?", [path])
                 con.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(SCHEMA)}")
                 self._con, self.path = con, path
@@ -169,6 +190,9 @@ class SpillPages:
         self._cursors: list[Any] = []
         self._write_lock = threading.Lock()
         self._created = False
+        self.page_bytes = page_bytes_for(space.memory_bytes)
+        self._rows: dict[int, tuple[int, int]] = {}  # id -> (first rowid, pages)
+        self._next_row = 0
         self.bytes_written = self.bytes_read = 0
         self.chunks_written = self.chunks_read = 0
 
@@ -181,37 +205,63 @@ class SpillPages:
                 self._cursors.append(cursor)
         return cursor
 
-    def write(self, value: torch.Tensor) -> int:
-        """Store ``value``'s bytes as pages under a new id (one committed transaction)."""
-        raw = chunk_bytes(value)
-        pages = encode_pages([raw])
-        ident = next(self._ids)
-        batch = pa.table({"id": pa.array(np.full(len(pages.page_numbers), ident, np.int64)),
-                          "page": pa.array(pages.page_numbers),
-                          "payload": pages.payload})
+    def prepare(self) -> None:
+        """Make the table and this thread's cursor now (the spill database too, at a
+        session's first spill), so the first :meth:`write` does not wait for them."""
         con = self._cursor()
         with self._write_lock:
-            if not self._created:
-                con.execute(f"CREATE TABLE IF NOT EXISTS {self.ref} (id BIGINT NOT NULL, "
-                            "page INTEGER NOT NULL, "
-                            "payload BLOB NOT NULL USING COMPRESSION uncompressed)")
-                self._created = True
+            self._create(con)
+
+    def _create(self, con: Any) -> None:  # holding the write lock
+        if not self._created:
+            con.execute(f"CREATE TABLE IF NOT EXISTS {self.ref} (id BIGINT NOT NULL, "
+                        "page INTEGER NOT NULL, "
+                        "payload BLOB NOT NULL USING COMPRESSION uncompressed)")
+            self._created = True
+
+    def write(self, value: torch.Tensor) -> int:
+        """Store ``value``'s bytes as pages under a new id (one committed transaction).
+
+        The pages are Arrow views of the chunk's own bytes (no copy before DuckDB's); the
+        rows' ``rowid`` range is recorded, so :meth:`read` fetches exactly them."""
+        raw = chunk_bytes(value)
+        count = max(1, -(-raw.size // self.page_bytes))
+        offsets = np.minimum(np.arange(count + 1, dtype=np.int64) * self.page_bytes, raw.size)
+        payload = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
+        con = self._cursor()
+        with self._write_lock:
+            ident = next(self._ids)
+            batch = pa.table({"id": pa.array(np.full(count, ident, np.int64)),
+                              "page": pa.array(np.arange(count, dtype=np.int32)),
+                              "payload": payload})
+            self._create(con)
             con.register("tq_spill_batch", batch)
             try:
                 con.execute(f"INSERT INTO {self.ref} SELECT * FROM tq_spill_batch")
             finally:
                 con.unregister("tq_spill_batch")
+            self._rows[ident] = (self._next_row, count)
+            self._next_row += count
             self.bytes_written += raw.size
             self.chunks_written += 1
         return ident
 
     def read(self, ident: int, shape: tuple[int, ...], dtype: str | torch.dtype) -> torch.Tensor:
-        """The chunk written under ``ident``, as a tensor of ``shape`` and ``dtype``."""
+        """The chunk written under ``ident``, as a tensor of ``shape`` and ``dtype``: its
+        rows fetched by ``rowid`` (no scan of the table), checked by id and page."""
         dtype = canonical_dtype(dtype)
-        result = self._cursor().sql(f"SELECT page, payload FROM {self.ref} WHERE id = ?",
-                                    params=[ident]).to_arrow_table()
-        pages = result.column(0).to_numpy()
-        payload = result.column(1)
+        with self._write_lock:
+            first, count = self._rows[ident]
+        result = self._cursor().sql(
+            f"SELECT id, page, payload FROM {self.ref} "
+            f"WHERE rowid >= {int(first)} AND rowid < {int(first + count)}").to_arrow_table()
+        ids = result.column(0).to_numpy()
+        pages = result.column(1).to_numpy()
+        payload = result.column(2)
+        if len(ids) != count or np.any(ids != ident):
+            raise StorageError(f"spill table {self.table}: rows {first}..{first + count - 1} "
+                               f"are not chunk {ident}'s {count} page(s)")
         if np.any(pages != np.arange(len(pages))):
             order = np.argsort(pages, kind="stable")
             payload = payload.combine_chunks().take(pa.array(order))

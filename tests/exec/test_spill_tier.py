@@ -292,3 +292,72 @@ def test_stored_result_and_two_devices_under_the_host_budget(tmp_path, devices):
                                    rtol=1e-4, atol=1e-3)
         assert db.tensors() == ["A", "B", "C", "D"]
         assert _spill_tables(db.connection) == []
+
+
+def test_spill_pages_round_trip_exact_bytes_by_rowid_range():
+    """Chunks of several pages, of every width, empty ones, written and read back in any
+    order (and from another thread) come back bit for bit; rows that are not the chunk's
+    are an error, never another chunk's bytes."""
+    import threading
+
+    import torch
+
+    from tensorql.errors import StorageError
+
+    gen = torch.Generator().manual_seed(7)
+    chunks = [torch.randn(3000, generator=gen),                       # 3 pages of 4 KiB
+              torch.randn(64, 33, generator=gen).to(torch.bfloat16),  # one page and a bit
+              torch.randint(-2**40, 2**40, (1500,), generator=gen),   # int64, 3 pages
+              torch.empty(0, dtype=torch.float32),                    # no bytes: one page
+              torch.randn(1024, generator=gen).double()]              # exactly 2 pages
+    space = SpillSpace()
+    pages = space.open_run("t")
+    pages.page_bytes = 4096  # several pages per chunk (4 MiB by default)
+    try:
+        ids = [pages.write(x) for x in chunks]
+        assert pages.bytes_written == sum(x.nbytes for x in chunks)
+        for k in (4, 0, 3, 2, 1, 0):
+            got = pages.read(ids[k], tuple(chunks[k].shape), chunks[k].dtype)
+            assert got.dtype == chunks[k].dtype and torch.equal(got, chunks[k])
+        seen = {}
+        thread = threading.Thread(target=lambda: seen.update(
+            got=pages.read(ids[2], (1500,), torch.int64)))
+        thread.start()
+        thread.join()
+        assert torch.equal(seen["got"], chunks[2])
+        pages._rows[ids[1]] = pages._rows[ids[0]]  # rows of another chunk
+        with pytest.raises(StorageError, match="not chunk 1's"):
+            pages.read(ids[1], (64, 33), torch.bfloat16)
+    finally:
+        pages.close()
+        space.close()
+
+
+def test_host_tier_opens_its_spill_table_ahead_when_the_plan_spills():
+    """With ``expect_spill`` the run's table exists before the first eviction (opened by a
+    thread, overlapped with the run's first ops) and is gone after ``close``, spilled or not."""
+    import torch
+
+    from tensorql.exec.hostpool import HostTier
+    from tensorql.exec.taskgraph import ChunkRef
+
+    a, b = ChunkRef(0, (0,)), ChunkRef(0, (1,))
+    space = SpillSpace()
+    try:
+        for spill in (False, True):
+            tier = HostTier(spill=space, budget=64, loads=[(1, b), (2, a)], expect_spill=True)
+            tier._opener.join()
+            con = space.cursor()
+            assert _spill_tables(con) == [tier._pages.table]  # before any put
+            if spill:
+                tier.put(a, torch.ones(16))
+                tier.put(b, torch.zeros(16))
+                assert tier.spill_chunks == 1 and float(tier.get(a).sum()) == 16.0
+            tier.close()
+            assert _spill_tables(con) == []
+            con.close()
+        lazy = HostTier(spill=space, budget=64, loads=[(1, a)])
+        assert lazy._opener is None and lazy._pages is None  # no plan said it spills
+        lazy.close()
+    finally:
+        space.close()
