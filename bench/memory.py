@@ -103,8 +103,10 @@ def child(case: str, nbytes: int, limit: str, tile: int, path: str) -> dict:
 
     u_np = np.arange(rows, dtype=np.float32) % 7
     v_np = np.arange(cols, dtype=np.float32) % 5 + 1
+    # host memory is what this bench measures: its devices are the CPU's on any machine (a
+    # GPU keeps back workspaces a small --limit cannot hold, and its memory is not RSS)
     options = dict(memory_limit=limit) if case == "store" else {}
-    db = tq.connect(path if case == "store" else None, **options)
+    db = tq.connect(path if case == "store" else None, devices="cpu", **options)
     if case == "matmul":
         a, b = matmul_operands(nbytes)
         ta = db.from_numpy("a", a, tile=(min(tile, rows), INNER))
