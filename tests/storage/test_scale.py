@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 GIB = 1 << 30
 SIZE_GIB = float(os.environ.get("TENSORQL_SCALE_GIB", "4"))
@@ -29,12 +30,14 @@ WRITER = textwrap.dedent("""
     npy, db_path = sys.argv[1], sys.argv[2]
     source = np.load(npy, mmap_mode="r")
     start = time.perf_counter()
+    def status(field):
+        lines = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(lines[field].split()[0]) * 1024
     with tq.connect(db_path, devices="cpu") as db:  # host memory is what is measured
+        before = status("VmRSS")  # the libraries' own: ~0.3 GiB with a CPU torch
         db.from_numpy("big", source, tile=(2048, 2048))
     seconds = time.perf_counter() - start
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    peak = int(status["VmHWM"].split()[0]) * 1024
-    print(json.dumps({"peak_rss": peak, "seconds": seconds}))
+    print(json.dumps({"peak_rss": status("VmHWM"), "before_rss": before, "seconds": seconds}))
 """)
 
 READER = textwrap.dedent("""
@@ -82,7 +85,12 @@ def test_store_and_read_back_4_gib_from_memory_mapped_npy(tmp_path):
     wrote = _run(WRITER, npy, str(tmp_path / "big.duckdb"))
     print(f"\nwrite {SIZE_GIB:g} GiB: {wrote['seconds']:.1f} s, "
           f"peak RSS {wrote['peak_rss'] / 2**20:.0f} MiB")
-    assert wrote["peak_rss"] < RSS_LIMIT
+    # issue 3's figure, for the CPU build of torch CI runs; a CUDA build maps ~0.4 GiB more of
+    # libraries at import (1.9 GiB peak on an H100 machine), which no write can shed: there the
+    # write's own growth is what is bounded, by the same 1.5 GiB less a CPU build's libraries
+    assert wrote["peak_rss"] - wrote["before_rss"] < RSS_LIMIT - (256 << 20)
+    if torch.version.cuda is None:
+        assert wrote["peak_rss"] < RSS_LIMIT
 
     read = _run(READER, npy, str(tmp_path / "big.duckdb"))
     print(f"read back: {read['seconds']:.1f} s, {read['chunks']} chunks")
