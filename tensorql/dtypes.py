@@ -55,6 +55,37 @@ def canonical_dtype(dtype: Any) -> str:
     return name
 
 
+class DTypeName(str):
+    """A dtype's canonical name (a ``str``, hashing as one) that also equals numpy's and
+    torch's spellings of the same dtype, so numpy habits hold on a tensor's ``.dtype``.
+
+    >>> import numpy as np, torch
+    >>> name = DTypeName("float32")
+    >>> name == "float32", name == np.float32, name == np.dtype("float32"), name == torch.float32
+    (True, True, True, True)
+    >>> name == np.float64, name != np.float64, {name: 1}["float32"], np.dtype(name)
+    (False, True, 1, dtype('float32'))
+    >>> DTypeName("bfloat16") == torch.bfloat16
+    True
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return str.__eq__(self, other)
+        try:
+            return str.__eq__(self, canonical_dtype(other))
+        except (DTypeError, TypeError):
+            return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a canonical name."""
     return _TORCH[canonical_dtype(name)]

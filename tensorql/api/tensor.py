@@ -24,7 +24,7 @@ import torch
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
 from tensorql.algebra import join_record
-from tensorql.dtypes import canonical_dtype, to_numpy, torch_dtype
+from tensorql.dtypes import DTypeName, canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import AmbiguousTruthError, ShapeError, TensorQLError, UnsupportedError
 
@@ -74,7 +74,10 @@ class Tensor:
 
     @property
     def dtype(self) -> str:
-        return self.node.dtype
+        """The dtype's name ("float32"), equal to numpy's and torch's spellings of it too
+        (``t.dtype == np.float32``, ``np.dtype(t.dtype)``; :class:`tensorql.dtypes.DTypeName`).
+        """
+        return DTypeName(self.node.dtype)
 
     @property
     def ndim(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import tensorql as tq
 
@@ -197,3 +198,16 @@ def test_bounded_texts_keep_short_ones_and_say_how_long_long_ones_were():
     err = ParseError("unexpected '!'", text=line, position=5_000)
     rendered = str(err).splitlines()
     assert len(rendered[1]) < 300 and rendered[1].index("!") == rendered[2].index("^")
+
+
+def test_dtype_equals_numpy_and_torch_spellings():
+    """``.dtype`` stays the name (the contract's string) and equals numpy's and torch's
+    spellings of it, as numpy habits expect (``t.dtype == np.float32``)."""
+    with tq.connect() as db:
+        x = db.from_numpy("x", np.arange(6, dtype=np.int16).reshape(2, 3))
+        y = db.from_numpy("y", np.ones(3, dtype=np.float32))
+        assert x.dtype == "int16" and x.dtype == np.int16 and x.dtype == np.dtype("int16")
+        assert x.dtype == torch.int16 and x.dtype != np.int32 and x.dtype != "float32"
+        assert np.dtype(x.dtype) == x.numpy().dtype and (x * 2).dtype == np.int16
+        assert y.dtype == np.float32 and isinstance(y.dtype, str) and {y.dtype: 1}["float32"]
+        assert (x + y).dtype == np.result_type(np.int16, np.float32)
