@@ -205,6 +205,10 @@ class SpillPages:
                 self._cursors.append(cursor)
         return cursor
 
+    def _pages_per_statement(self) -> int:
+        """Pages one INSERT or SELECT moves: a quarter of the spill database's memory."""
+        return max(1, (self.space.memory_bytes // 4) // self.page_bytes)
+
     def prepare(self) -> None:
         """Make the table and this thread's cursor now (the spill database too, at a
         session's first spill), so the first :meth:`write` does not wait for them."""
@@ -230,17 +234,22 @@ class SpillPages:
         payload = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
         con = self._cursor()
+        per = self._pages_per_statement()
         with self._write_lock:
             ident = next(self._ids)
-            batch = pa.table({"id": pa.array(np.full(count, ident, np.int64)),
-                              "page": pa.array(np.arange(count, dtype=np.int32)),
-                              "payload": payload})
             self._create(con)
-            con.register("tq_spill_batch", batch)
-            try:
-                con.execute(f"INSERT INTO {self.ref} SELECT * FROM tq_spill_batch")
-            finally:
-                con.unregister("tq_spill_batch")
+            # a statement at a time holds at most a quarter of the database's memory (a chunk
+            # larger than that would not fit its buffer pool in one INSERT)
+            for lo in range(0, count, per):
+                hi = min(count, lo + per)
+                batch = pa.table({"id": pa.array(np.full(hi - lo, ident, np.int64)),
+                                  "page": pa.array(np.arange(lo, hi, dtype=np.int32)),
+                                  "payload": payload.slice(lo, hi - lo)})
+                con.register("tq_spill_batch", batch)
+                try:
+                    con.execute(f"INSERT INTO {self.ref} SELECT * FROM tq_spill_batch")
+                finally:
+                    con.unregister("tq_spill_batch")
             self._rows[ident] = (self._next_row, count)
             self._next_row += count
             self.bytes_written += raw.size
@@ -253,23 +262,39 @@ class SpillPages:
         dtype = canonical_dtype(dtype)
         with self._write_lock:
             first, count = self._rows[ident]
-        result = self._cursor().sql(
-            f"SELECT id, page, payload FROM {self.ref} "
-            f"WHERE rowid >= {int(first)} AND rowid < {int(first + count)}").to_arrow_table()
-        ids = result.column(0).to_numpy()
-        pages = result.column(1).to_numpy()
-        payload = result.column(2)
-        if len(ids) != count or np.any(ids != ident):
-            raise StorageError(f"spill table {self.table}: rows {first}..{first + count - 1} "
-                               f"are not chunk {ident}'s {count} page(s)")
-        if np.any(pages != np.arange(len(pages))):
-            order = np.argsort(pages, kind="stable")
-            payload = payload.combine_chunks().take(pa.array(order))
-        raw = join_pages(payload)
         expected = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
-        if raw.size != expected:
+        raw = np.empty(expected, dtype=np.uint8)
+        filled = 0
+        per = self._pages_per_statement()
+        cursor = self._cursor()
+        for lo in range(first, first + count, per):  # a quarter of DuckDB's memory at a time
+            hi = min(first + count, lo + per)
+            result = cursor.sql(f"SELECT id, page, payload FROM {self.ref} "
+                                f"WHERE rowid >= {int(lo)} AND rowid < {int(hi)}"
+                                ).to_arrow_table()
+            ids = result.column(0).to_numpy()
+            pages = result.column(1).to_numpy()
+            payload = result.column(2)
+            if len(ids) != hi - lo or np.any(ids != ident):
+                raise StorageError(f"spill table {self.table}: rows {lo}..{hi - 1} are not "
+                                   f"pages of chunk {ident} ({count} page(s))")
+            if np.any(pages != np.arange(lo - first, hi - first)):
+                order = np.argsort(pages, kind="stable")
+                if np.any(pages[order] != np.arange(lo - first, hi - first)):
+                    raise StorageError(f"spill table {self.table}: chunk {ident} lacks pages "
+                                       f"{lo - first}..{hi - first - 1}")
+                payload = payload.combine_chunks().take(pa.array(order))
+            piece = join_pages(payload)
+            if filled + piece.size > expected:
+                filled += piece.size
+                break
+            raw[filled:filled + piece.size] = piece
+            filled += piece.size
+            del result, payload, piece
+        if filled != expected:
+            more = " or more" if filled > expected else ""
             raise StorageError(f"spill table {self.table}: chunk {ident} holds "
-                               f"{format_bytes(raw.size)}, expected {format_bytes(expected)}")
+                               f"{format_bytes(filled)}{more}, expected {format_bytes(expected)}")
         with self._write_lock:
             self.bytes_read += raw.size
             self.chunks_read += 1

@@ -326,7 +326,7 @@ def test_spill_pages_round_trip_exact_bytes_by_rowid_range():
         thread.join()
         assert torch.equal(seen["got"], chunks[2])
         pages._rows[ids[1]] = pages._rows[ids[0]]  # rows of another chunk
-        with pytest.raises(StorageError, match="not chunk 1's"):
+        with pytest.raises(StorageError, match="not pages of chunk 1"):
             pages.read(ids[1], (64, 33), torch.bfloat16)
     finally:
         pages.close()
@@ -360,4 +360,26 @@ def test_host_tier_opens_its_spill_table_ahead_when_the_plan_spills():
         assert lazy._opener is None and lazy._pages is None  # no plan said it spills
         lazy.close()
     finally:
+        space.close()
+
+
+def test_a_chunk_larger_than_the_spill_databases_memory_round_trips():
+    """A chunk of 1.5x the spill database's memory is written and read a quarter of that
+    memory at a time: with one statement per chunk, a 16 MiB chunk read back from a 32 MiB
+    database failed ("failed to pin block", bench/out_of_core.py at its full size)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(11)
+    chunk = torch.randn(12 << 20, generator=gen)  # 48 MiB
+    space = SpillSpace(memory_bytes=32 << 20)
+    pages = space.open_run("big")
+    try:
+        ident = pages.write(chunk)
+        other = pages.write(chunk[: 1 << 20] * 2)  # a write between keeps rows apart
+        assert pages._pages_per_statement() * pages.page_bytes <= 8 << 20
+        got = pages.read(ident, tuple(chunk.shape), chunk.dtype)
+        assert torch.equal(got, chunk)
+        assert torch.equal(pages.read(other, (1 << 20,), torch.float32), chunk[: 1 << 20] * 2)
+    finally:
+        pages.close()
         space.close()
