@@ -88,7 +88,9 @@ class Probes:
         with self.connect() as db:
             A = db.from_numpy("A", a, tile=(1024, 1024))  # one chunk of 2^20 elements
             got = ((A * 2.0 + 1.0).relu().exp() - 1.0).numpy()
-        return rel_error(got, np.exp(np.maximum(a * 2 + 1, 0)) - 1)
+        # the reference in float64: numpy's float32 exp rounds differently with the buffer's
+        # alignment (its SIMD path or not), which moved a float32 reference's error 300x
+        return rel_error(got, np.exp(np.maximum(a.astype(np.float64) * 2 + 1, 0)) - 1)
 
     def _adam(self, cls_name: str) -> float:
         rng = np.random.default_rng(0)
