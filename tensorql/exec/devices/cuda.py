@@ -40,7 +40,7 @@ import torch
 
 import tensorql.cuda_api as cuda_api
 from tensorql.errors import ExecutionError
-from tensorql.exec.devices.base import Completion, Device, Post
+from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
 
 #: ready ops a lane of a CUDA device is handed beyond its streams: launched, not yet done
 CUDA_LOOKAHEAD = 6
@@ -143,7 +143,7 @@ class _Lane:
             thread.join(timeout=30)
 
 
-class CUDADevice(Device):
+class CUDADevice(ThreadedDevice):
     kind = "cuda"
     lookahead = CUDA_LOOKAHEAD
 
@@ -167,14 +167,6 @@ class CUDADevice(Device):
             lane: _Lane(f"{self.name}-{lane}", self.api, self.device,
                         device_streams(self.api, self.device, lane, n), post)
             for lane, n in self.lanes.items()}
-
-    def close(self) -> None:
-        for lane in self._lanes.values():
-            lane.close()
-        self._lanes = {}
-
-    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
-        self._lanes[lane].submit(op_id, fn)
 
     def holds(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is already in this device's memory."""
