@@ -263,30 +263,49 @@ class _Planner:
     def size(self, ref: ChunkRef) -> int:
         return self.sizes.get(ref, 0)
 
+    def budget_binds(self) -> bool:
+        """Whether the chunks the tasks compute outgrow the devices' budgets together (then
+        :meth:`order` runs consumers as soon as they can, so intermediates are used and freed
+        while they are still resident instead of going to the host tier and back)."""
+        if any(d.budget is None for d in self.devs):
+            return False
+        computed = sum(self.size(t.output) for t in self.tasks)
+        return computed > sum(d.budget or 0 for d in self.devs)
+
     def order(self) -> list[Task]:
-        """A topological order of the non-source tasks, by (priority, id) among ready ones."""
+        """A topological order of the non-source tasks, by (priority, id) among ready ones.
+
+        When the budget binds (:meth:`budget_binds`) the order is memory-aware, depth first:
+        a task made ready by the latest completion runs before older ready ones (ties by
+        priority), so the product of a chunk task is consumed while resident. In ``(A @ B) @
+        C`` under a small budget each tile of ``A @ B`` then feeds its partial product with
+        ``C`` at once and never spills; in priority order every tile of ``A @ B`` would be
+        made before any is used (dask's scheduler orders by the same rule).
+        """
+        depth_first = self.budget_binds()
         waiting: dict[ChunkRef, list[Task]] = {}
         pending: dict[int, int] = {}
-        ready: list[tuple[float, int, Task]] = []
+        ready: list[tuple[int, float, int, Task]] = []
         for t in self.tasks:
             deps = {r for r in t.inputs if r not in self.source}
             pending[t.id] = len(deps)
             for r in deps:
                 waiting.setdefault(r, []).append(t)
             if not deps:
-                ready.append((t.priority, t.id, t))
+                ready.append((0, t.priority, t.id, t))
         heapq.heapify(ready)
         remaining = dict(self.remaining)
-        out = []
+        out: list[Task] = []
         while ready:
-            _, _, t = heapq.heappop(ready)
+            *_, t = heapq.heappop(ready)
             out.append(t)
             remaining[t.output] -= 1
             if remaining[t.output] == 0:
+                generation = -len(out) if depth_first else 0
                 for c in waiting.pop(t.output, ()):
                     pending[c.id] -= 1
                     if pending[c.id] == 0:
-                        heapq.heappush(ready, (c.priority, c.id, c))
+                        heapq.heappush(ready, (generation, c.priority, c.id, c))
         if len(out) != len(self.tasks):
             missing = sorted({r for t in self.tasks for r in t.inputs
                               if r not in self.remaining and r not in self.source},

@@ -154,3 +154,36 @@ def test_a_chunk_written_back_by_one_process_is_sent_from_its_host_not_loaded():
             assert op.kind == "send" and writer(ranks, op) == op.src_device != op.device
     assert sum(op.from_host for op in ranks.ops) == sum(
         writer(shared, op) != op.device for op in reloads)
+
+
+def _producer_consumer_graph(n: int = 4):
+    """Sources s_i, producers p_i = f(s_i) of 100 bytes, consumers c_i = g(p_i) of 10 bytes
+    (retained), numbered so that priority order makes every p_i before any c_i."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    src = [ChunkRef(0, (i,)) for i in range(n)]
+    prod = [ChunkRef(1, (i,)) for i in range(n)]
+    cons = [ChunkRef(2, (i,)) for i in range(n)]
+    tasks = [Task(i, (), src[i], None, float(i)) for i in range(n)]
+    tasks += [Task(n + i, (src[i],), prod[i], None, float(n + i)) for i in range(n)]
+    tasks += [Task(2 * n + i, (prod[i],), cons[i], None, float(2 * n + i)) for i in range(n)]
+    sizes = {**{r: 10 for r in src}, **{r: 100 for r in prod}, **{r: 10 for r in cons}}
+    return TaskGraph(tasks=tuple(tasks), retain=frozenset({2}), chunk_bytes=sizes), prod, cons
+
+
+def _computed_order(program) -> list:
+    return [op.ref for op in program.ops if op.kind == "compute"]
+
+
+def test_a_binding_budget_orders_consumers_first_and_nothing_is_written_back():
+    graph, prod, cons = _producer_consumer_graph()
+    program = plan_program(graph, budgets=[130])  # 4 x 100 bytes of products do not fit
+    assert _computed_order(program) == [r for pair in zip(prod, cons) for r in pair]
+    evictions = [op for op in program.ops if op.kind == "d2h" and op.evict]
+    assert evictions == [] and program.devices[0].peak_bytes <= 130
+
+
+def test_without_a_binding_budget_the_order_is_the_tasks_priority():
+    graph, prod, cons = _producer_consumer_graph()
+    for budgets in ([None], [10_000]):
+        assert _computed_order(plan_program(graph, budgets=budgets)) == [*prod, *cons]

@@ -34,7 +34,17 @@ def _operands(n: int, k: int, seed: int = 0):
 
 
 def _reference(a, b, c):
-    return (a.astype(np.float64) @ b) @ c
+    y = a.astype(np.float64) @ b
+    return (y / y.max()) @ c
+
+
+def _held(A, B, C):
+    """``(Y / max(Y)) @ C`` for ``Y = A @ B``: no tile of the n x n intermediate ``Y`` can be
+    used before all of it is made (its maximum comes first), so all of it is live at once,
+    whatever the order -- the spill tier's case. (``(A @ B) @ C`` alone streams: each tile is
+    used as soon as it is made, see test_a_chain_streams_under_a_small_budget.)"""
+    y = A @ B
+    return (y / y.max()) @ C
 
 
 def _spill_tables(con) -> list[str]:
@@ -49,7 +59,7 @@ def _store(db, a, b, c, tile: int):
             db.from_numpy("C", c, tile=(tile, k)))
 
 
-# A (n x k) @ B (k x n) is an n x n intermediate, all of it computed before (AB) @ C reads it
+# A (n x k) @ B (k x n) is an n x n intermediate, all of it live at once in _held
 SMALL = dict(n=3072, k=16, tile=256)
 SMALL_LIMITS = dict(devices="cpu", workers=2, memory_limit="2MiB",
                     process_memory_limit="32MiB")
@@ -59,7 +69,7 @@ def test_results_match_numpy_with_the_duckdb_tier_used(tmp_path):
     a, b, c = _operands(SMALL["n"], SMALL["k"])
     with tq.connect(str(tmp_path / "w.duckdb"), **SMALL_LIMITS) as db:
         A, B, C = _store(db, a, b, c, SMALL["tile"])
-        query = ((A @ B) @ C).compile()
+        query = _held(A, B, C).compile()
         result = query.run(dense=True)
         stats = result.stats
         intermediate = SMALL["n"] ** 2 * 4
@@ -85,17 +95,31 @@ def test_without_a_memory_limit_nothing_spills(tmp_path):
     with tq.connect(str(tmp_path / "w.duckdb"), devices="cpu", workers=2,
                     process_memory_limit="32MiB") as db:
         A, B, C = _store(db, a, b, c, 128)
-        result = ((A @ B) @ C).compile().run(dense=True)
+        result = _held(A, B, C).compile().run(dense=True)
         np.testing.assert_allclose(result.dense().numpy(), _reference(a, b, c),
                                    rtol=1e-4, atol=1e-3)
         assert getattr(result.stats, "spill_written_bytes", 0) == 0
+
+
+def test_a_chain_streams_under_a_small_budget(tmp_path):
+    """``(A @ B) @ C`` under the budget that makes ``_held`` spill: the memory-aware order
+    uses each tile of ``A @ B`` while it is resident, so nothing goes to DuckDB."""
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=5)
+    with tq.connect(str(tmp_path / "w.duckdb"), **SMALL_LIMITS) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        result = ((A @ B) @ C).compile().run(dense=True)
+        y = a.astype(np.float64) @ b
+        np.testing.assert_allclose(result.dense().numpy(), y @ c, rtol=1e-4, atol=1e-3)
+        stats = result.stats
+        assert stats.spill_written_bytes == 0 and stats.peak_live_bytes <= 2 * MiB
+        assert stats.host_peak_bytes <= stats.host_budget < SMALL["n"] ** 2 * 4 / 2
 
 
 def test_in_memory_session_spills_to_a_temporary_file_removed_at_close():
     a, b, c = _operands(SMALL["n"], SMALL["k"], seed=1)
     db = tq.connect(**SMALL_LIMITS)
     A, B, C = _store(db, a, b, c, 256)
-    result = ((A @ B) @ C).compile().run(dense=True)
+    result = _held(A, B, C).compile().run(dense=True)
     np.testing.assert_allclose(result.dense().numpy(), _reference(a, b, c),
                                rtol=1e-4, atol=1e-3)
     assert result.stats.spill_written_bytes > 0
@@ -142,8 +166,10 @@ RSS_CHILD = textwrap.dedent("""
         A, B, C = db.tensor("A"), db.tensor("B"), db.tensor("C")
         for t in (A, B, C):  # warm up: DuckDB's scan state and torch's threads
             t[:8].numpy()
-        ((A[:256, :] @ B[:, :256]) @ C[:256, :]).numpy()
-        q = ((A @ B) @ C).compile()
+        y = A[:256, :] @ B[:, :256]
+        ((y / y.max()) @ C[:256, :]).numpy()
+        y = A @ B
+        q = ((y / y.max()) @ C).compile()  # the intermediate is held whole: see _held
         open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM
         base = status("VmRSS")
         result = q.run(dense=True)
@@ -198,8 +224,9 @@ KILL_CHILD = textwrap.dedent("""
     log.addHandler(Announce())
     with tq.connect(sys.argv[1], devices="cpu", workers=2, memory_limit="2MiB",
                     process_memory_limit="32MiB") as db:
+        y = db.tensor("A") @ db.tensor("B")
         for _ in range(20):
-            ((db.tensor("A") @ db.tensor("B")) @ db.tensor("C")).numpy()
+            ((y / y.max()) @ db.tensor("C")).numpy()  # held whole: see _held
 """)
 
 
@@ -284,7 +311,7 @@ def test_stored_result_and_two_devices_under_the_host_budget(tmp_path, devices):
     limits = {**SMALL_LIMITS, "devices": devices}
     with tq.connect(str(tmp_path / "w.duckdb"), **limits) as db:
         A, B, C = _store(db, a, b, c, SMALL["tile"])
-        expr = (A @ B) @ C
+        expr = _held(A, B, C)
         stats = expr.compile().run(dense=True).stats
         assert stats.spill_written_bytes > 0 and stats.host_peak_bytes <= stats.host_budget
         db.store("D", expr)  # streamed: each result chunk goes to the store as it completes
