@@ -1,14 +1,20 @@
-"""Out-of-core bench: ``(A @ B) @ C`` whose intermediate is several times the host budget.
+"""Out-of-core bench: ``(A @ B) @ C`` chains whose intermediate is several times the host budget.
 
     python bench/out_of_core.py [--n 16384] [--k 1024] [--tile 2048] [--budget 384MiB]
-                                [--threads N] [--repeat 3] [--smoke]
+                                [--workloads held,chain] [--threads N] [--repeat 3] [--smoke]
                                 [--baseline-root DIR] [--spill-micro]
 
-``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``A @ B`` is an
-n x n intermediate, which tensorql's plan computes whole before ``(A @ B) @ C`` reads it, so
-with the defaults the inputs and live intermediates are 1.2 GiB against a 384 MiB budget
-(>= 3x). (dask orders its tasks by rows of the result and frees each row of ``A @ B`` once
-used, so it never holds the intermediate: its peak is no measure of a spill tier.)
+``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``Y = A @ B`` is
+an n x n intermediate: with the defaults the inputs and the intermediate are 1.2 GiB against a
+384 MiB budget (>= 3x). Two workloads:
+
+* ``held`` -- ``(Y / max(Y)) @ C``: no tile of ``Y`` can be used before the maximum of all of
+  it, so all of ``Y`` is live at once in any order: what does not fit goes to DuckDB (the
+  spill tier) and comes back prefetched. The spill tier's case.
+* ``chain`` -- ``(A @ B) @ C``: under a binding budget the memory plan orders tasks depth
+  first, so each tile of ``Y`` is used by its partial product with ``C`` while resident and
+  nothing spills (dask orders its tasks by the same rule and frees each block once used).
+
 Contenders, each run in a process of its own, in alternating order, ``--repeat`` times:
 
 * ``tq-budget`` -- tensorql with ``process_memory_limit=--budget`` and a device budget
@@ -24,10 +30,11 @@ libraries' one-off allocations), resets its peak RSS (``/proc/self/clear_refs``)
 once; it reports the time, the growth of its peak RSS over that warmed-up baseline (the
 figure the budget bounds; the absolute peak is printed too) and, for tensorql, the bytes of
 each tier. Every result is checked against numpy on the memmaps (64 sampled rows in full,
-and the whole result times a random vector).
+and the whole result times a random vector; ``held``'s result times max(Y), computed from
+the memmaps in float64).
 
-Goals: ``tq-budget``'s peak RSS growth <= budget + 25 %, and its median time <= 1.5x
-``tq-unlimited``'s. Prints the figures with their spread (min..max) and writes a JSON
+Goals, for each workload: ``tq-budget``'s peak RSS growth <= budget + 25 %, and its median
+time <= 1.5x ``tq-unlimited``'s. Prints the figures with their spread (min..max) and writes a JSON
 record (figures, samples, commit, CPU, cores, torch version, date) under ``.bench-out/``.
 Exits 1 on a missed goal or a wrong result; ``--smoke`` (a small size, one repeat, for
 tests/test_benches.py) checks the results only.
@@ -98,8 +105,10 @@ def setup(work: Path, n: int, k: int, tile: int, seed: int = 0) -> None:
 
 
 # -- a child: one contender, one run ----------------------------------------------------------
-def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: int) -> dict:
+def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: int,
+          workload: str = "held") -> dict:
     out = work / f"result-{kind}.npy"
+    chain = WORKLOADS[workload]
     if kind == "dask":
         import dask
         import dask.array as da
@@ -109,11 +118,11 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
                    da.from_array(arrays[1], chunks=(-1, tile)),
                    da.from_array(arrays[2], chunks=(tile, -1)))
         with dask.config.set(scheduler="threads", num_workers=threads):
-            ((a[:tile] @ b[:, :tile]) @ c[:tile]).compute()  # warm-up
+            chain(a[:tile], b[:, :tile], c[:tile]).compute()  # warm-up
             _reset_peak()
             base = _status("VmRSS")
             start = time.perf_counter()
-            result = ((a @ b) @ c).compute()
+            result = chain(a, b, c).compute()
             seconds = time.perf_counter() - start
         figures: dict = {}
     else:
@@ -124,8 +133,8 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
         db = tq.connect(str(work / "inputs.duckdb"), devices="cpu", workers=threads,
                         read_only=False, **limits)
         A, B, C = db.tensor("A"), db.tensor("B"), db.tensor("C")
-        ((A[:tile, :] @ B[:, :tile]) @ C[:tile, :]).numpy()  # warm-up
-        query = ((A @ B) @ C).compile()
+        chain(A[:tile, :], B[:, :tile], C[:tile, :]).numpy()  # warm-up
+        query = chain(A, B, C).compile()
         _reset_peak()
         base = _status("VmRSS")
         start = time.perf_counter()
@@ -144,11 +153,27 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
             "baseline_rss": base, **figures}
 
 
+def held(a, b, c):
+    """(Y / max(Y)) @ C for Y = A @ B: the intermediate is live whole in any order.
+
+    No tile of ``Y`` is usable before its maximum, which needs all of ``Y``: the spill
+    tier's case."""
+    y = a @ b
+    return (y / y.max()) @ c
+
+
+def streamed(a, b, c):
+    """(A @ B) @ C: each tile of A @ B can be used as soon as it is made (it streams)."""
+    return (a @ b) @ c
+
+
+WORKLOADS = {"held": held, "chain": streamed}
+
 BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
 
 
 def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
-              limit: int, base_root: Path | None = None) -> dict:
+              limit: int, base_root: Path | None = None, workload: str = "held") -> dict:
     root, script = ROOT, __file__
     if kind == BASE:  # the same child, from the other checkout's code
         root, script, kind = base_root, str(base_root / "bench" / "out_of_core.py"), "tq-budget"
@@ -158,7 +183,8 @@ def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     done = subprocess.run([sys.executable, script, "--child", kind, "--work", str(work),
                            "--tile", str(tile), "--threads", str(threads),
-                           "--budget-bytes", str(budget), "--limit-bytes", str(limit)],
+                           "--budget-bytes", str(budget), "--limit-bytes", str(limit),
+                           "--workloads", workload],
                           capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{done.stderr[-4000:]}")
@@ -166,9 +192,19 @@ def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
 
 
 # -- the check: sampled rows in full, and the whole result against a random vector -----------
-def check(work: Path, kind: str, seed: int = 1) -> float:
+def reference_max(work: Path, rows: int = 1024) -> float:
+    """max(A @ B) from the memmaps, a block of rows at a time (float64)."""
+    a, b = (np.load(work / f"{name}.npy", mmap_mode="r") for name in "AB")
+    b64 = np.asarray(b, np.float64)
+    return float(max((np.asarray(a[lo:lo + rows], np.float64) @ b64).max()
+                     for lo in range(0, a.shape[0], rows)))
+
+
+def check(work: Path, kind: str, scale: float = 1.0, seed: int = 1) -> float:
+    """The largest error relative to the result's scale; ``scale`` multiplies the result
+    first (``held``'s max(Y), so both workloads compare against ``(A @ B) @ C``)."""
     a, b, c = (np.load(work / f"{name}.npy", mmap_mode="r") for name in "ABC")
-    got = np.load(work / f"result-{kind}.npy", mmap_mode="r")
+    got = np.load(work / f"result-{kind}.npy", mmap_mode="r") * scale
     rng = np.random.default_rng(seed)
     rows = np.sort(rng.choice(a.shape[0], size=min(64, a.shape[0]), replace=False))
     want_rows = (np.asarray(a[rows], np.float64) @ b) @ c
@@ -254,69 +290,10 @@ def _environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--k", type=int, default=1024)
-    parser.add_argument("--tile", type=int, default=2048)
-    parser.add_argument("--budget", default="384MiB", help="tensorql's process_memory_limit")
-    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 3/8 of "
-                        "--budget)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true",
-                        help="a small size, one repeat: results checked, goals not")
-    parser.add_argument("--skip-dask", action="store_true")
-    parser.add_argument("--baseline-root", help="another checkout (e.g. main's): its "
-                        "tq-budget runs too, as tq-budget-base, alternating with the others")
-    parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
-    parser.add_argument("--spill-micro", action="store_true", help="only the DuckDB tier: "
-                        "write + read MiB/s (and of --baseline-root's code), --repeat times")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, Path(args.work), args.tile, args.threads,
-                               args.budget_bytes, args.limit_bytes)))
-        return 0
-    if args.spill_micro:
-        spill_micro([ROOT] + ([Path(args.baseline_root).resolve()] if args.baseline_root
-                              else []), args.repeat)
-        return 0
-    if args.smoke:
-        args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
-    budget = _parse_bytes(args.budget)
-    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget * 3 // 8
-    n, k = args.n, args.k
-    total = (3 * n * k + n * n) * 4
-    print(f"out-of-core (A @ B) @ C: A {n}x{k}, B {k}x{n}, C {n}x{k} float32, tile {args.tile}; "
-          f"inputs + intermediate {total / MiB:.0f} MiB = {total / budget:.1f}x the budget of "
-          f"{budget / MiB:.0f} MiB (device budget {limit / MiB:.0f} MiB); {args.threads} "
-          f"thread(s), {args.repeat} repeat(s)")
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tq-ooc-",
-                                                                   dir=ROOT / ".bench-out"
-                                                                   if (ROOT / ".bench-out")
-                                                                   .is_dir() else None))
-    work.mkdir(parents=True, exist_ok=True)
-    kinds = ["tq-budget", "tq-unlimited"] + ([] if args.skip_dask else ["dask"])
-    base_root = Path(args.baseline_root).resolve() if args.baseline_root else None
-    if base_root is not None:
-        kinds.insert(1, BASE)
-    samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
-    errors: dict[str, float] = {}
-    try:
-        setup(work, n, k, args.tile)
-        for r in range(args.repeat):
-            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                sample = run_child(kind, work, args.tile, args.threads, budget, limit,
-                                   base_root)
-                result = "tq-budget" if kind == BASE else kind
-                errors[kind] = max(errors.get(kind, 0.0), check(work, result))
-                samples[kind].append(sample)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+def report(workload: str, kinds: list[str], samples: dict[str, list[dict]],
+           errors: dict[str, float], budget: int, base_root: Path | None) -> dict:
+    """Print one workload's table, tiers and goals; its record for the JSON."""
+    print(f"-- {workload}: {WORKLOADS[workload].__doc__.splitlines()[0]}")
     print(f"{'contender':<13} {'time s, median (min..max)':<28} {'peak RSS growth MiB':<26} "
           f"{'abs peak MiB':>12}  max rel. error")
     for kind in kinds:
@@ -347,12 +324,96 @@ def main() -> int:
     if BASE in median:
         print(f"{BASE} ({base_root}): time {median[BASE] / median['tq-unlimited']:.2f}x the "
               f"in-memory run; tq-budget {median['tq-budget'] / median[BASE]:.2f}x its time")
-    print(f"goals: tq-budget peak RSS growth {worst_growth / MiB:.0f} MiB vs budget + 25% "
-          f"{1.25 * budget / MiB:.0f} MiB; time {ratio:.2f}x the in-memory run (<= 1.5x)"
+    print(f"{workload} goals: tq-budget peak RSS growth {worst_growth / MiB:.0f} MiB vs budget "
+          f"+ 25% {1.25 * budget / MiB:.0f} MiB; time {ratio:.2f}x the in-memory run (<= 1.5x)"
           f"{versus_dask} -> {'met' if not missed else 'MISSED: ' + ', '.join(missed)}")
+    return {"samples": samples, "errors": errors, "median_seconds": median, "goals": goals,
+            "wrong": wrong}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--tile", type=int, default=2048)
+    parser.add_argument("--budget", default="384MiB", help="tensorql's process_memory_limit")
+    parser.add_argument("--memory-limit", help="tensorql's device budget (default: 3/8 of "
+                        "--budget)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a small size, one repeat: results checked, goals not")
+    parser.add_argument("--skip-dask", action="store_true")
+    parser.add_argument("--workloads", default="held,chain",
+                        help="comma-separated, of: held (the intermediate live whole: the "
+                        "spill tier's case), chain (streams under the memory-aware order)")
+    parser.add_argument("--baseline-root", help="another checkout (e.g. main's): its "
+                        "tq-budget runs too, as tq-budget-base, alternating with the others")
+    parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
+    parser.add_argument("--spill-micro", action="store_true", help="only the DuckDB tier: "
+                        "write + read MiB/s (and of --baseline-root's code), --repeat times")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.work), args.tile, args.threads,
+                               args.budget_bytes, args.limit_bytes, args.workloads)))
+        return 0
+    if args.spill_micro:
+        spill_micro([ROOT] + ([Path(args.baseline_root).resolve()] if args.baseline_root
+                              else []), args.repeat)
+        return 0
+    if args.smoke:
+        args.n, args.k, args.tile, args.budget, args.repeat = 3072, 64, 512, "48MiB", 1
+    budget = _parse_bytes(args.budget)
+    limit = _parse_bytes(args.memory_limit) if args.memory_limit else budget * 3 // 8
+    n, k = args.n, args.k
+    total = (3 * n * k + n * n) * 4
+    print(f"out-of-core (A @ B) @ C: A {n}x{k}, B {k}x{n}, C {n}x{k} float32, tile {args.tile}; "
+          f"inputs + intermediate {total / MiB:.0f} MiB = {total / budget:.1f}x the budget of "
+          f"{budget / MiB:.0f} MiB (device budget {limit / MiB:.0f} MiB); {args.threads} "
+          f"thread(s), {args.repeat} repeat(s)")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="tq-ooc-",
+                                                                   dir=ROOT / ".bench-out"
+                                                                   if (ROOT / ".bench-out")
+                                                                   .is_dir() else None))
+    work.mkdir(parents=True, exist_ok=True)
+    kinds = ["tq-budget", "tq-unlimited"] + ([] if args.skip_dask else ["dask"])
+    base_root = Path(args.baseline_root).resolve() if args.baseline_root else None
+    if base_root is not None:
+        kinds.insert(1, BASE)
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}: expected some of {sorted(WORKLOADS)}")
+    results: dict[str, dict] = {}
+    try:
+        setup(work, n, k, args.tile)
+        scale = {"held": reference_max(work) if "held" in workloads else 1.0, "chain": 1.0}
+        for workload in workloads:
+            samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
+            errors: dict[str, float] = {}
+            for r in range(args.repeat):
+                for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                    sample = run_child(kind, work, args.tile, args.threads, budget, limit,
+                                       base_root, workload)
+                    result = "tq-budget" if kind == BASE else kind
+                    errors[kind] = max(errors.get(kind, 0.0),
+                                       check(work, result, scale[workload]))
+                    samples[kind].append(sample)
+            results[workload] = report(workload, kinds, samples, errors, budget, base_root)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    goals = {f"{workload}: {goal}": ok for workload, got in results.items()
+             for goal, ok in got["goals"].items()}
+    wrong = [f"{workload}: {kind}" for workload, got in results.items()
+             for kind in got["wrong"]]
+    missed = [goal for goal, ok in goals.items() if not ok]
+    print(f"goals: {'met' if not missed else 'MISSED: ' + '; '.join(missed)}")
     record = {"bench": "out_of_core", "args": vars(args), "budget_bytes": budget,
-              "total_bytes": total, "samples": samples, "errors": errors,
-              "median_seconds": median, "goals": goals, **_environment()}
+              "total_bytes": total, "workloads": results, "goals": goals, **_environment()}
     out_dir = ROOT / ".bench-out"
     out_dir.mkdir(exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -32,7 +32,7 @@ SMOKE_RUNS = {
     "gpu_matmul": (["--device", "cpu", "--n", "512", "--tile", "128", "--repeat", "1"],
                    "max relative error"),
     "memory": (["--tiny"], "correct: matmul: result correct"),
-    "out_of_core": (["--smoke"], "goals: tq-budget peak RSS growth"),
+    "out_of_core": (["--smoke"], "held goals: tq-budget peak RSS growth"),
     "gpu_offload": (["--device", "cpu", "--n", "512", "--tile", "128"], "speed-up"),
     "llama": (["--tiny", "--repeat", "1", "--new", "2", "--phases", "generate,prefill cold",
                "--no-isolate"], "correct: generate: tq tokens equal"),
