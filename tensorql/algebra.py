@@ -55,11 +55,13 @@ from tensorql_kernels.algebra import (
     AggName,
     Join,
     JoinName,
+    UpdateRule,
     add_agg,
     add_join,
     fold_reduce,
     is_update,
     owned_result,
+    update_join,
 )
 
 from tensorql.errors import TensorQLError
@@ -70,7 +72,7 @@ __all__ = [
     "JoinName", "UnknownOperatorError", "agg_record", "check_operators", "is_update",
     "join_record", "offered_aggs", "offered_joins", "semiring_pairs", "JoinFunctionError",
     "AggFunctionError", "register_join", "register_agg", "resolve_join", "resolve_agg",
-    "join_dtype", "derivative_join", "add_user_join",
+    "join_dtype", "derivative_join", "add_user_join", "UpdateRule", "update_join",
 ]
 
 

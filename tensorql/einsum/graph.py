@@ -112,7 +112,7 @@ class EinsumOp(Node):
             error = JoinFunctionError if record.user else ShapeError
             raise error(f"join {join!r} takes {record.arity} operand(s), got {len(operands)}")
         if record.update:
-            wrong = check_update_labels(spec.inputs, spec.output)
+            wrong = check_update_labels(spec.inputs, spec.output, record.rule)
             if wrong is not None or spec.sizes.get(spec.output[0]) != SLOTS:
                 raise ShapeError(f"join {join!r} {wrong or 'needs 3 slots'}: "
                                  f"{equation!r} (see tensorql_kernels.optimizer_update)")
