@@ -181,6 +181,13 @@ class _AdamStep:
         single-tensor Adam computes it, with tensors (lr, step on a device) in 0-d tensor
         ops on that device."""
         lr, step, wd = self.lr, self.step, self.weight_decay
+        # 0-d tensors: the factors in the update's own precision (at least float32: in
+        # bfloat16, beta2 = 0.999 rounds to 1 and the bias correction to 0)
+        opmath = torch.promote_types(p.dtype, torch.float32)
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=p.device, dtype=opmath)
+        if isinstance(step, torch.Tensor):
+            step = step.to(device=p.device, dtype=opmath)
         if wd and self.decoupled:
             p.mul_(1.0 - lr * wd)
         elif wd:
