@@ -21,7 +21,7 @@ a join's name means the same function in every session and on every device.
 (True, 0.0)
 >>> agg_of(AggName.MAX).reduce(torch.tensor([[1.0, 5.0], [7.0, 2.0]]), [1]).tolist()
 [5.0, 7.0]
->>> sorted(JOINS)[:4], sorted(AGGS)
+>>> sorted(BUILTIN_JOINS)[:4], sorted(AGGS)
 (['adam', 'adamw', 'add', 'div'], ['max', 'min', 'prod', 'sum'])
 """
 
@@ -382,9 +382,12 @@ def update_join(decoupled: bool, beta1: float, beta2: float, eps: float,
     rule = UpdateRule(bool(decoupled), (float(beta1), float(beta2), float(eps),
                                         float(weight_decay)))
     name = rule.name
-    if name not in _JOINS:  # two threads may both build it: equal records
+    known = _JOINS.get(name)
+    if known is None:  # two threads may both build it: equal records
         _JOINS[name] = Join(name, _update(name), nary=True, update=True, listed=False,
                             rule=rule)
+    elif known.rule != rule:
+        raise ValueError(f"join {name!r} is registered as another join (a user's)")
     return name
 
 

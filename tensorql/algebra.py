@@ -194,6 +194,9 @@ elements at other positions: the function is not elementwise
                                 f"{name!r}")
     if name in BUILTIN_JOINS:
         raise JoinFunctionError(f"join {name!r} is built in; choose another name")
+    if name.partition("(")[0] in UPDATE_JOINS:  # adam(beta1=...): see update_join
+        raise JoinFunctionError(f"join {name!r}: names {', '.join(UPDATE_JOINS)}(...) are "
+                                "the optimizers' update joins; choose another name")
     if not callable(fn):
         raise JoinFunctionError(f"join {name!r}: {type(fn).__name__} is not callable")
     old = JOINS.get(name)

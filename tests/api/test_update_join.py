@@ -169,3 +169,12 @@ def test_the_update_in_torch_ops_of_bfloat16_weights_keeps_its_bias_corrections(
         p, g.to(torch.bfloat16), m2, v2)
     for got, want in zip((p, m2, v2), expected):
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=1e-6)
+
+
+def test_update_join_names_are_reserved():
+    """A user's join cannot take a name of the update joins' form (the optimizers' join of
+    those hyperparameters would be the user's function); the same values name the same
+    join every time."""
+    with pytest.raises(tq.JoinFunctionError, match="update joins"):
+        tq.register_join("adamw(beta1=0.5,beta2=0.5,eps=0.0,weight_decay=0.0)", torch.add)
+    assert update_join(True, 0.5, 0.5, 0.0, 0.0) == update_join(True, 0.5, 0.5, 0, 0)
