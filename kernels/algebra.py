@@ -118,8 +118,10 @@ FLOATING = "floating"      # division: promoted, integral results become the def
 NUMERIC = "numeric"        # arithmetic: promoted, bool results become int64
 CONDITION = "condition"    # where: promotion of every operand but the first (the condition)
 PROBE = "probe"            # a user's function: the dtype torch gives it on the operands'
+UPDATE = "update"          # an optimizer's update: the weight's (operand 1); its 0-d scalars
+#                            (lr, step) are read in their own, maybe wider, dtype
 
-DTYPE_RULES = (PROMOTE, BOOL, FLOATING, NUMERIC, CONDITION, PROBE)
+DTYPE_RULES = (PROMOTE, BOOL, FLOATING, NUMERIC, CONDITION, PROBE, UPDATE)
 
 
 @dataclass(frozen=True)
@@ -320,10 +322,10 @@ _BUILTIN_JOINS = (
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
     Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
-    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False,
+    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False, dtype_rule=UPDATE,
          rule=UpdateRule(decoupled=False)),
     Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False,
-         rule=UpdateRule(decoupled=True)),
+         dtype_rule=UPDATE, rule=UpdateRule(decoupled=True)),
 )
 _BUILTIN_AGGS = (
     Agg(_A.SUM, lambda x, dims: x.sum(dim=dims), lambda acc, p: acc.add_(p), 0.0,
@@ -385,7 +387,7 @@ def update_join(decoupled: bool, beta1: float, beta2: float, eps: float,
     known = _JOINS.get(name)
     if known is None:  # two threads may both build it: equal records
         _JOINS[name] = Join(name, _update(name), nary=True, update=True, listed=False,
-                            rule=rule)
+                            dtype_rule=UPDATE, rule=rule)
     elif known.rule != rule:
         raise ValueError(f"join {name!r} is registered as another join (a user's)")
     return name

@@ -50,6 +50,7 @@ from tensorql_kernels.algebra import (
     NUMERIC,
     PROBE,
     PROMOTE,
+    UPDATE,
     UPDATE_JOINS,
     Agg,
     AggName,
@@ -68,7 +69,7 @@ from tensorql.errors import TensorQLError
 
 __all__ = [
     "AGGS", "BOOL", "BUILTIN_AGGS", "BUILTIN_JOINS", "COMPARISON_JOINS", "CONDITION", "FLOATING",
-    "JOINS", "NUMERIC", "PROBE", "PROMOTE", "UPDATE_JOINS", "Agg", "AggName", "Join",
+    "JOINS", "NUMERIC", "PROBE", "PROMOTE", "UPDATE", "UPDATE_JOINS", "Agg", "AggName", "Join",
     "JoinName", "UnknownOperatorError", "agg_record", "check_operators", "is_update",
     "join_record", "offered_aggs", "offered_joins", "semiring_pairs", "JoinFunctionError",
     "AggFunctionError", "register_join", "register_agg", "resolve_join", "resolve_agg",

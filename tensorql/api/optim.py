@@ -293,6 +293,7 @@ class Adam(Optimizer):
         chunk tiles are the update's (the moments have them already; only the weight may be
         retiled)."""
         from tensorql.api.einsum import einsum
+        from tensorql.dtypes import canonical_dtype, torch_dtype
 
         dtype = weight.dtype
         labels = "".join(get_symbol(k) for k in range(weight.ndim))
@@ -301,9 +302,12 @@ class Adam(Optimizer):
         # are its scalar operands (on a GPU the fused kernel reads them on the device)
         join = update_join(self.decoupled, self.beta1, self.beta2, self.eps, self.weight_decay)
         equation = ",".join([labels] * 4 + [slot, "", ""]) + f"->{slot}{labels}"
+        # lr and step at least in float32, as torch.optim reads them (in bfloat16, lr 0.05
+        # is 0.05005 and step 301 is 300); the result has the weight's dtype
+        wide = canonical_dtype(torch.promote_types(torch_dtype(dtype), torch.float32))
         return [einsum(equation, gradient, weight, state["m"], state["v"],
-                       self._fixed_slots(dtype), self._fixed(self.lr, dtype),
-                       self._scalar("step", dtype), join=join)]
+                       self._fixed_slots(dtype), self._fixed(self.lr, wide),
+                       self._scalar("step", wide), join=join)]
 
     def take_results(self, param, results):
         packed = next(results)  # weight, m, v stacked: each a contiguous view

@@ -28,6 +28,7 @@ from tensorql.algebra import (
     CONDITION,
     FLOATING,
     NUMERIC,
+    UPDATE,
     AggName,
     JoinFunctionError,
     JoinName,
@@ -219,6 +220,8 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
     """The dtype an einsum yields, following torch's promotion rules (and the join's dtype
     rule in the algebra registry)."""
     join = join_record(spec.join)
+    if join.dtype_rule == UPDATE:  # the weight's: lr and step may be wider
+        return canonical_dtype(torch_dtype(operands[1].dtype))
     if join.dtype_rule == CONDITION:  # the condition's dtype does not count
         operands = operands[1:]
     dtype = torch_dtype(operands[0].dtype)

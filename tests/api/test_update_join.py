@@ -178,3 +178,34 @@ def test_update_join_names_are_reserved():
     with pytest.raises(tq.JoinFunctionError, match="update joins"):
         tq.register_join("adamw(beta1=0.5,beta2=0.5,eps=0.0,weight_decay=0.0)", torch.add)
     assert update_join(True, 0.5, 0.5, 0.0, 0.0) == update_join(True, 0.5, 0.5, 0, 0)
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "AdamW"])
+def test_a_bfloat16_weight_steps_as_torch_optim_does(optimizer):
+    """lr and step reach the update in float32 (the result in the weight's bfloat16), as
+    torch.optim's fused Adam reads them: step 383 of lr 0.1003 gives its weights and moments
+    bit for bit (in bfloat16, lr was 0.1001 and the step 384: 720 of the 4096 weights, each
+    the step itself as they start at 0, came out a rounding off)."""
+    rng = np.random.default_rng(14)
+    w0 = torch.zeros(64, 64, dtype=torch.bfloat16)
+    c, m0 = (torch.tensor(rng.normal(size=(64, 64)), dtype=torch.bfloat16) for _ in range(2))
+    v0 = torch.tensor(rng.random((64, 64)), dtype=torch.bfloat16)
+    with tq.connect() as db:
+        db.from_torch("w", w0)
+        opt = getattr(tq.optim, optimizer)(db, ["w"], lr=0.1003, checkpoint_every=1000)
+        opt.step_count = 382
+        opt.state[("m", "w")].copy_(m0)
+        opt.state[("v", "w")].copy_(v0)
+        w = opt.params()["w"]
+        opt.step((w * db.constant(c)).sum())  # the gradient: c, exactly
+        got = [opt.values["w"], opt.state[("m", "w")], opt.state[("v", "w")]]
+    p = torch.nn.Parameter(w0.clone())
+    ref = getattr(torch.optim, optimizer)([p], lr=0.1003, fused=True)
+    ref.state[p] = {"step": torch.tensor(382.0), "exp_avg": m0.clone(),
+                    "exp_avg_sq": v0.clone()}
+    p.grad = c.clone()
+    ref.step()
+    want = [p.detach(), ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]]
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
