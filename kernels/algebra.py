@@ -21,7 +21,7 @@ a join's name means the same function in every session and on every device.
 (True, 0.0)
 >>> agg_of(AggName.MAX).reduce(torch.tensor([[1.0, 5.0], [7.0, 2.0]]), [1]).tolist()
 [5.0, 7.0]
->>> sorted(JOINS)[:4], sorted(AGGS)
+>>> sorted(BUILTIN_JOINS)[:4], sorted(AGGS)
 (['adam', 'adamw', 'add', 'div'], ['max', 'min', 'prod', 'sum'])
 """
 
@@ -67,6 +67,50 @@ class AggName:
     PROD = "prod"
 
 
+@dataclass(frozen=True)
+class UpdateRule:
+    """What an optimizer's update join computes (the ``rule`` of its :class:`Join`): Adam
+    (weight decay added to the gradient) or, ``decoupled``, AdamW; and the hyperparameters
+    fixed for the optimizer's life, ``hyper`` = (beta1, beta2, eps, weight_decay), carried
+    by the join itself -- or None: the join reads them from scalar operands (the general
+    joins ``adam`` / ``adamw``, operands lr, beta1, beta2, eps, weight_decay, step).
+
+    A join carrying its hyperparameters has two scalar operands, lr and step (they change
+    per step): a kernel on a GPU reads both where they are, on the device, and nothing back
+    on the host (:func:`update_join` names and registers one).
+
+    >>> UpdateRule(True, (0.9, 0.999, 1e-08, 0.01)).name
+    'adamw(beta1=0.9,beta2=0.999,eps=1e-08,weight_decay=0.01)'
+    >>> UpdateRule(False).name, UpdateRule(False).scalars
+    ('adam', ('lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step'))
+    >>> UpdateRule(True, (0.9, 0.99, 0.0, 0.0)).scalars
+    ('lr', 'step')
+    """
+
+    decoupled: bool
+    hyper: tuple[float, float, float, float] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``adamw`` (decoupled weight decay) or ``adam``."""
+        return JoinName.ADAMW if self.decoupled else JoinName.ADAM
+
+    @property
+    def name(self) -> str:
+        """The join's name: the kind, then the hyperparameters it carries (exact reprs)."""
+        if self.hyper is None:
+            return self.kind
+        return self.kind + "(" + ",".join(f"{k}={v!r}" for k, v in zip(HYPERPARAMETERS,
+                                                                  self.hyper)) + ")"
+
+    @property
+    def scalars(self) -> tuple[str, ...]:
+        """The join's scalar operands, in order (after gradient, weight, moments, slots)."""
+        return ("lr", *(HYPERPARAMETERS if self.hyper is None else ()), "step")
+
+
+HYPERPARAMETERS = ("beta1", "beta2", "eps", "weight_decay")
+
 # How a join's result dtype follows from its operands' (see tensorql.einsum.graph.result_dtype)
 PROMOTE = "promote"        # torch's type promotion of the operands
 BOOL = "bool"              # a comparison: bool (with two or more operands)
@@ -74,8 +118,10 @@ FLOATING = "floating"      # division: promoted, integral results become the def
 NUMERIC = "numeric"        # arithmetic: promoted, bool results become int64
 CONDITION = "condition"    # where: promotion of every operand but the first (the condition)
 PROBE = "probe"            # a user's function: the dtype torch gives it on the operands'
+UPDATE = "update"          # an optimizer's update: the weight's (operand 1); its 0-d scalars
+#                            (lr, step) are read in their own, maybe wider, dtype
 
-DTYPE_RULES = (PROMOTE, BOOL, FLOATING, NUMERIC, CONDITION, PROBE)
+DTYPE_RULES = (PROMOTE, BOOL, FLOATING, NUMERIC, CONDITION, PROBE, UPDATE)
 
 
 @dataclass(frozen=True)
@@ -123,6 +169,7 @@ class Join:
     scalar_maps: tuple[tuple[str, Callable[[float], float]],
                        tuple[str, Callable[[float], float]]] | None = field(
         default=None, repr=False, compare=False)
+    rule: UpdateRule | None = None  # what an update join (``update``) computes
 
     def distributes(self, agg: str) -> bool:
         """Whether labels aggregated by ``agg`` may be aggregated early (a semiring)."""
@@ -275,8 +322,10 @@ _BUILTIN_JOINS = (
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
     Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
-    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False),
-    Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False),
+    Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False, dtype_rule=UPDATE,
+         rule=UpdateRule(decoupled=False)),
+    Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False,
+         dtype_rule=UPDATE, rule=UpdateRule(decoupled=True)),
 )
 _BUILTIN_AGGS = (
     Agg(_A.SUM, lambda x, dims: x.sum(dim=dims), lambda acc, p: acc.add_(p), 0.0,
@@ -319,6 +368,29 @@ def is_update(join: str) -> bool:
     """
     record = _JOINS.get(join)
     return record is not None and record.update
+
+
+def update_join(decoupled: bool, beta1: float, beta2: float, eps: float,
+                weight_decay: float) -> str:
+    """The name of the update join (Adam, or AdamW when ``decoupled``) that carries these
+    hyperparameters itself, registered on first use (the same name is the same join in every
+    session: its name spells the values). Its operands: gradient, weight, exp_avg,
+    exp_avg_sq, the slot indices, lr and step (see ``tensorql_kernels.optimizer_update``).
+
+    >>> name = update_join(False, 0.9, 0.999, 1e-8, 0.0)
+    >>> name, join_of(name).rule.hyper, is_update(name)
+    ('adam(beta1=0.9,beta2=0.999,eps=1e-08,weight_decay=0.0)', (0.9, 0.999, 1e-08, 0.0), True)
+    """
+    rule = UpdateRule(bool(decoupled), (float(beta1), float(beta2), float(eps),
+                                        float(weight_decay)))
+    name = rule.name
+    known = _JOINS.get(name)
+    if known is None:  # two threads may both build it: equal records
+        _JOINS[name] = Join(name, _update(name), nary=True, update=True, listed=False,
+                            dtype_rule=UPDATE, rule=rule)
+    elif known.rule != rule:
+        raise ValueError(f"join {name!r} is registered as another join (a user's)")
+    return name
 
 
 def add_join(record: Join) -> Join:

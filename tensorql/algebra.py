@@ -50,27 +50,30 @@ from tensorql_kernels.algebra import (
     NUMERIC,
     PROBE,
     PROMOTE,
+    UPDATE,
     UPDATE_JOINS,
     Agg,
     AggName,
     Join,
     JoinName,
+    UpdateRule,
     add_agg,
     add_join,
     fold_reduce,
     is_update,
     owned_result,
+    update_join,
 )
 
 from tensorql.errors import TensorQLError
 
 __all__ = [
     "AGGS", "BOOL", "BUILTIN_AGGS", "BUILTIN_JOINS", "COMPARISON_JOINS", "CONDITION", "FLOATING",
-    "JOINS", "NUMERIC", "PROBE", "PROMOTE", "UPDATE_JOINS", "Agg", "AggName", "Join",
+    "JOINS", "NUMERIC", "PROBE", "PROMOTE", "UPDATE", "UPDATE_JOINS", "Agg", "AggName", "Join",
     "JoinName", "UnknownOperatorError", "agg_record", "check_operators", "is_update",
     "join_record", "offered_aggs", "offered_joins", "semiring_pairs", "JoinFunctionError",
     "AggFunctionError", "register_join", "register_agg", "resolve_join", "resolve_agg",
-    "join_dtype", "derivative_join", "add_user_join",
+    "join_dtype", "derivative_join", "add_user_join", "UpdateRule", "update_join",
 ]
 
 
@@ -192,6 +195,9 @@ elements at other positions: the function is not elementwise
                                 f"{name!r}")
     if name in BUILTIN_JOINS:
         raise JoinFunctionError(f"join {name!r} is built in; choose another name")
+    if name.partition("(")[0] in UPDATE_JOINS:  # adam(beta1=...): see update_join
+        raise JoinFunctionError(f"join {name!r}: names {', '.join(UPDATE_JOINS)}(...) are "
+                                "the optimizers' update joins; choose another name")
     if not callable(fn):
         raise JoinFunctionError(f"join {name!r}: {type(fn).__name__} is not callable")
     old = JOINS.get(name)

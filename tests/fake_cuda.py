@@ -575,6 +575,36 @@ def _targets_device(func: Any, kwargs: dict) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
+def _fused_adam_tensor_lr_on_meta(params, grads, exp_avgs, exp_avg_sqs,  # noqa: ANN001
+                                  max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+                                  weight_decay, eps, amsgrad, maximize, grad_scale=None,
+                                  found_inf=None) -> None:
+    """aten's fused Adam (AdamW) with a tensor lr on the meta device, where torch has no
+    kernel for this overload: the CUDA kernel's own checks, and no values (meta tensors have
+    none). An lr on the host is read there (the CUDA kernel's ``lr.item()``); one on a device
+    must be on the params' and float32 (the kernel reads it through a float pointer), and so
+    must each step counter."""
+    device = params[0].device
+    if lr.device.type != "cpu" and (lr.device != device or lr.dtype != torch.float32):
+        raise RuntimeError(f"lr must be a float32 tensor on the params' device {device} "
+                           f"(got {lr.dtype} on {lr.device})")
+    for step in state_steps:
+        if step.device != device or step.dtype != torch.float32:
+            raise RuntimeError(f"a step counter must be a float32 tensor on the params' "
+                               f"device {device} (got {step.dtype} on {step.device})")
+
+
+def _register_meta_kernels() -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")  # adds kernels for the Meta key only
+    for op in ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr"):
+        lib.impl(op, _fused_adam_tensor_lr_on_meta, "Meta")
+    return lib
+
+
+# kept alive for the process: the kernels are registered as long as it lives
+_META_KERNELS = _register_meta_kernels()
+
+
 @contextlib.contextmanager
 def installed(fake: FakeCuda) -> Iterator[FakeCuda]:
     """Install ``fake`` with :func:`tensorql.cuda_api.use` (what the ``fake_cuda`` fixture

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from opt_einsum import get_symbol
 
-from tensorql.algebra import JoinName
+from tensorql.algebra import update_join
 from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Node, substitute
@@ -293,16 +293,21 @@ class Adam(Optimizer):
         chunk tiles are the update's (the moments have them already; only the weight may be
         retiled)."""
         from tensorql.api.einsum import einsum
+        from tensorql.dtypes import canonical_dtype, torch_dtype
 
         dtype = weight.dtype
         labels = "".join(get_symbol(k) for k in range(weight.ndim))
         slot = get_symbol(weight.ndim)
-        equation = ",".join([labels] * 4 + [slot] + [""] * 6) + f"->{slot}{labels}"
-        fixed = [self._fixed(x, dtype) for x in (self.lr, self.beta1, self.beta2, self.eps,
-                                                  self.weight_decay)]
+        # the join carries the hyperparameters fixed for the optimizer's life; lr and step
+        # are its scalar operands (on a GPU the fused kernel reads them on the device)
+        join = update_join(self.decoupled, self.beta1, self.beta2, self.eps, self.weight_decay)
+        equation = ",".join([labels] * 4 + [slot, "", ""]) + f"->{slot}{labels}"
+        # lr and step at least in float32, as torch.optim reads them (in bfloat16, lr 0.05
+        # is 0.05005 and step 301 is 300); the result has the weight's dtype
+        wide = canonical_dtype(torch.promote_types(torch_dtype(dtype), torch.float32))
         return [einsum(equation, gradient, weight, state["m"], state["v"],
-                       self._fixed_slots(dtype), *fixed, self._scalar("step", dtype),
-                       join=JoinName.ADAMW if self.decoupled else JoinName.ADAM)]
+                       self._fixed_slots(dtype), self._fixed(self.lr, wide),
+                       self._scalar("step", wide), join=join)]
 
     def take_results(self, param, results):
         packed = next(results)  # weight, m, v stacked: each a contiguous view

@@ -28,6 +28,7 @@ from tensorql.algebra import (
     CONDITION,
     FLOATING,
     NUMERIC,
+    UPDATE,
     AggName,
     JoinFunctionError,
     JoinName,
@@ -112,7 +113,7 @@ class EinsumOp(Node):
             error = JoinFunctionError if record.user else ShapeError
             raise error(f"join {join!r} takes {record.arity} operand(s), got {len(operands)}")
         if record.update:
-            wrong = check_update_labels(spec.inputs, spec.output)
+            wrong = check_update_labels(spec.inputs, spec.output, record.rule)
             if wrong is not None or spec.sizes.get(spec.output[0]) != SLOTS:
                 raise ShapeError(f"join {join!r} {wrong or 'needs 3 slots'}: "
                                  f"{equation!r} (see tensorql_kernels.optimizer_update)")
@@ -219,6 +220,8 @@ def result_dtype(spec: EinsumSpec, operands: Sequence[Node]) -> str:
     """The dtype an einsum yields, following torch's promotion rules (and the join's dtype
     rule in the algebra registry)."""
     join = join_record(spec.join)
+    if join.dtype_rule == UPDATE:  # the weight's: lr and step may be wider
+        return canonical_dtype(torch_dtype(operands[1].dtype))
     if join.dtype_rule == CONDITION:  # the condition's dtype does not count
         operands = operands[1:]
     dtype = torch_dtype(operands[0].dtype)

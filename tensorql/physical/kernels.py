@@ -20,7 +20,7 @@ import torch
 from tensorql_kernels.chunk_einsum import BroadcastJoin, combine, contract_into, contract_to
 from tensorql_kernels.elementwise import apply_map
 
-from tensorql.algebra import BOOL, PROBE, AggName, JoinName, join_record
+from tensorql.algebra import BOOL, PROBE, UPDATE, AggName, JoinName, join_record
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
@@ -231,6 +231,9 @@ class ContractChunk:
         dtype = torch_dtype(self.dtype)
         if self._in_common_dtype:  # compared in the operands' common dtype
             dtype = functools.reduce(torch.promote_types, (x.dtype for x in inputs))
+        if join_record(self.join).dtype_rule == UPDATE:  # its scalars (lr, step) as they are
+            return [x if x.dtype == dtype or not labels else x.to(dtype)
+                    for x, labels in zip(inputs, self.in_labels)]
         return [x if x.dtype == dtype else x.to(dtype) for x in inputs]
 
     @functools.cached_property

@@ -124,6 +124,87 @@ def test_adam_through_scratch_blocks_stays_on_the_device():
                          big[:, :, 2:7])
 
 
+def _carried(join: str) -> str:
+    return updates.update_join(join == JoinName.ADAMW, 0.9, 0.999, 1e-8, 0.01)
+
+
+@pytest.mark.parametrize("join", [JoinName.ADAM, JoinName.ADAMW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [(0.0, 1.0, 2.0), (1.0, 2.0)])
+def test_an_update_join_carrying_its_hyperparameters_reads_nothing_on_the_host(
+        join, dtype, slots, monkeypatch):
+    """The optimizers' join: everything on the device, lr and step too (as the runtime
+    stages 0-d constants, in the weight's dtype). The strict mode fails any host read of a
+    device value; the fused kernel gets lr and the step counter as float32 tensors on the
+    weight's device (what the CUDA kernel reads; the fake's Meta kernel checks it too), and
+    a chunk of part of the slots picks them on the device."""
+    import fake_cuda  # noqa: F401  (the Meta kernel of the fused tensor-lr overload)
+
+    calls = []
+    real = updates._FUSED[join]
+
+    def fused(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, *, lr, **hyper):
+        calls.append((lr.device, lr.dtype, steps[0].device, steps[0].dtype, hyper["beta2"],
+                      hyper["weight_decay"]))
+        return real(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, lr=lr, **hyper)
+
+    monkeypatch.setitem(updates._FUSED, join, fused)
+    g, w, m, v = (torch.empty(6, 5, device=META, dtype=dtype) for _ in range(4))
+    lr, step = (torch.tensor(x, dtype=dtype).to(META) for x in (0.01, 3.0))
+    with StrictDevices() as mode:
+        out = optimizer_update(_carried(join),
+                               [g, w, m, v, torch.tensor(slots).to(META), lr, step])
+    assert out.device == META and out.dtype == dtype and tuple(out.shape) == (len(slots), 6, 5)
+    assert calls == [(META, torch.float32, META, torch.float32, 0.999, 0.01)]
+    assert "_local_scalar_dense" not in mode.ops
+
+
+@pytest.mark.parametrize("join", [JoinName.ADAM, JoinName.ADAMW])
+def test_the_update_in_torch_ops_reads_nothing_on_the_host(join, monkeypatch):
+    """Where torch has no fused kernel, the same formula in 0-d tensor ops on the device."""
+    monkeypatch.setitem(updates._FUSED, join, None)
+    g, w, m, v = (torch.empty(6, 5, device=META) for _ in range(4))
+    lr, step = (torch.tensor(x).to(META) for x in (0.01, 3.0))
+    big = torch.empty(3, 6, 9, device=META)
+    with StrictDevices() as mode:
+        out = optimizer_update(_carried(join), [g, w, m, v, torch.arange(3.0).to(META), lr,
+                                                step])
+        optimizer_update(_carried(join), [g, w, m, v, torch.arange(3.0).to(META), lr, step],
+                         big[:, :, 2:7])
+    assert out.device == META and tuple(out.shape) == (3, 6, 5)
+    assert not any(op.startswith("_fused_adam") for op in mode.ops)
+    assert "addcdiv_" in mode.ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("join", [JoinName.ADAM, JoinName.ADAMW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_update_on_cuda_matches_torch_optim_and_never_syncs(join, dtype):
+    """On a GPU: the carried join's update, lr and step on the device, matches
+    torch.optim's fused Adam (AdamW), with CUDA's sync debug mode raising on any sync."""
+    gen = torch.Generator().manual_seed(3)
+    g, w, m = (torch.randn(64, 48, generator=gen).to(dtype) for _ in range(3))
+    v = torch.rand(64, 48, generator=gen).to(dtype)
+    p = torch.nn.Parameter(w.cuda().clone())
+    cls = torch.optim.AdamW if join == JoinName.ADAMW else torch.optim.Adam
+    opt = cls([p], lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    opt.state[p] = {"step": torch.tensor(2.0, device="cuda"), "exp_avg": m.cuda().clone(),
+                    "exp_avg_sq": v.cuda().clone()}
+    p.grad = g.cuda().clone()
+    opt.step()
+    operands = [x.cuda() for x in (g, w, m, v, torch.arange(3.0), torch.tensor(0.01),
+                                   torch.tensor(3.0))]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = optimizer_update(_carried(join), operands)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for k, want in enumerate((p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])):
+        torch.testing.assert_close(out[k], want)
+
+
 # -- finding 9: low-precision sums, and no host read in exp ----------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_low_precision_product_over_many_k_tiles_is_rounded_once(dtype):

@@ -78,16 +78,6 @@ def test_llama_block(fake_cuda):
     ran_on_device(fake_cuda)
 
 
-#: the optimizer kernels (kernels/optimizer_update.py) read their six scalar operands (lr,
-#: betas, eps, weight decay, step) with ``float()``: on a GPU, where they are 0-d device
-#: tensors, a host read each per chunk update (correct, but a sync the strict fake refuses).
-#: The slot operand is no longer read back. Open: hyperparameters carried by the join itself.
-OPTIMIZER_SYNC = pytest.mark.xfail(
-    strict=True, raises=ExecutionError,
-    reason="kernels/optimizer_update.py reads lr/betas/eps/weight decay/step with float() of "
-           "0-d device tensors: a device-to-host read per scalar per chunk update")
-
-
 @contextlib.contextmanager
 def violations_raised(fake: FakeCuda):
     """Run a block whose violation fails the test body (the strict fake raises it, the run
@@ -98,7 +88,6 @@ def violations_raised(fake: FakeCuda):
         fake.violations.clear()
 
 
-@OPTIMIZER_SYNC
 @pytest.mark.parametrize("optimizer", ["Adam", "AdamW"])
 def test_adam_training_step(fake_cuda, optimizer):
     rng = np.random.default_rng(0)
@@ -114,7 +103,6 @@ def test_adam_training_step(fake_cuda, optimizer):
     ran_on_device(fake_cuda)
 
 
-@OPTIMIZER_SYNC
 def test_lora_step(fake_cuda):
     rng = np.random.default_rng(0)
     with violations_raised(fake_cuda), tq.connect(devices="cuda:0") as db:

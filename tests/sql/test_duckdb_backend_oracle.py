@@ -55,7 +55,7 @@ def test_duckdb_backend_dtypes(dtype):
 
 
 def test_duckdb_backend_joins_of_three_or_more_operands():
-    """A ternary ``where`` and an optimizer's 11-operand update join put every operand in
+    """A ternary ``where`` and an optimizer's 7-operand update join put every operand in
     the query (they named only the first and failed to bind)."""
     rng = np.random.default_rng(12)
     cond, a, b = rng.random((4, 6)) > 0.5, rng.normal(size=(4, 6)), rng.normal(size=6)
