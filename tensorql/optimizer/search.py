@@ -45,7 +45,7 @@ from tensorql.optimizer.cost import (
     transition_seconds,
 )
 from tensorql.optimizer.graph import OpGraph
-from tensorql.optimizer.topology import Topology
+from tensorql.optimizer.topology import Topology, TopologyError
 from tensorql.units import format_bytes
 
 EXHAUSTIVE_LIMIT = 20_000
@@ -109,6 +109,9 @@ class Problem:
         not is priced out (:data:`UNFIT`), so the search avoids it where any plan can."""
         cache = {} if cache is None else cache
         task_limit = memory_limit if task_limit is None else task_limit
+        if topology is not None and topology.devices != devices:
+            raise TopologyError(f"topology {topology.describe()} has {topology.devices} "
+                                f"devices, the problem {devices}")
         if topology is not None and (topology.is_flat or devices == 1):
             topology = None  # one node: every pair alike, bytes rank plans as time does
         keys, tables = [], []
