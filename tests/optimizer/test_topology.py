@@ -148,6 +148,14 @@ def _block(db):
                  d_ff=D_FF, materialize=False).output
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """The block's plan on CLUSTER and planned flat (once for the tests below)."""
+    with tq.connect(workers=2) as database:
+        expr = _block(database)
+        yield tq.optimize(expr, devices=16, topology=CLUSTER), tq.optimize(expr, devices=16)
+
+
 def _cut_inside_nodes(plan, op, label, topo) -> bool:
     """Every node's devices run tasks of at least two pieces of ``label``."""
     lay = plan.layout(op.index)
@@ -164,10 +172,8 @@ def _inter_share(plan, topo):
     return levels["inter"] / plan.cost.bytes_moved
 
 
-def test_cluster_plan_keeps_traffic_in_nodes(db):
-    expr = _block(db)
-    plan = tq.optimize(expr, devices=16, topology=CLUSTER)
-    flat = tq.optimize(expr, devices=16)
+def test_cluster_plan_keeps_traffic_in_nodes(cluster):
+    plan, flat = cluster
     # less than 1/8 of the bytes cross nodes; planned flat, nearly half of them would
     assert _inter_share(plan, CLUSTER) < 1 / 8
     assert _inter_share(flat, CLUSTER) > 1 / 3
@@ -191,8 +197,8 @@ def test_cluster_plan_keeps_traffic_in_nodes(db):
     assert "traffic by level: intra " in text and "estimated time " in text
 
 
-def test_estimate_parts(db):
-    plan = tq.optimize(_block(db), devices=16, topology=CLUSTER)
+def test_estimate_parts(cluster):
+    plan, _ = cluster
     est = plan.estimate
     flops = sum(op.flops_per_device for op in plan.ops)
     assert est.compute_s == pytest.approx(flops / CLUSTER.device_flops)
