@@ -237,6 +237,10 @@ class Layout:
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
+        return list(self._partial_sends)
+
+    @functools.cached_property
+    def _partial_sends(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         owners = self.owners()
         seen = set()
         out = []
@@ -246,7 +250,7 @@ class Layout:
                 if dev != owners[piece] and (dev, piece) not in seen:
                     seen.add((dev, piece))
                     out.append((dev, owners[piece], piece))
-        return out
+        return tuple(out)
 
 
 def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int,
@@ -820,10 +824,20 @@ def _held(lo: np.ndarray, hi: np.ndarray, plo: np.ndarray, phi: np.ndarray,
 def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
                        edge: Edge, itemsize: int, topo: Topology) -> np.ndarray:
     """Seconds the exchange of operand ``edge`` takes on ``topo``, (K_producer, K_consumer):
-    the bytes of :func:`transition_matrix`, each device's split into those it reads from its
-    own node and from other nodes, priced by :meth:`Topology.node_seconds` (the busiest
-    node's inbound links). Candidates that place the operand alike (the producer's output
-    pieces, the consumer's regions of it and their devices) are priced once."""
+    the bytes each node receives on each level (:func:`transition_levels`), priced by
+    :meth:`Topology.node_seconds` (the busiest node's inbound links)."""
+    intra, inter = transition_levels(producer, consumer, consumer_node, edge, itemsize, topo)
+    return topo.node_seconds(intra, inter)
+
+
+def transition_levels(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                      edge: Edge, itemsize: int, topo: Topology
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes every node receives for operand ``edge`` from its own devices and from other
+    nodes, (K_producer, K_consumer, G) each: the bytes of :func:`transition_matrix` (their
+    sum over both levels and the nodes), each device's split by where they come from.
+    Candidates that place the operand alike (the producer's output pieces, the consumer's
+    regions of it and their devices) are counted once."""
     axes = [consumer_node.labels.index(a) for a in edge.axes]
     kc = len(consumer.cands)
     m = max(len(lay.device) for lay in consumer.layouts)
@@ -847,7 +861,7 @@ def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: 
     dtype = np.int32 if int(region.max(initial=0)) < (1 << 31) else np.int64
     node = topo.node_array[dev]                                        # (kc, m)
     groups = len(topo.groups)
-    onehot = ((node[:, :, None] == np.arange(groups)) & mask[:, :, None]).astype(float)
+    onehot = ((node[:, :, None] == np.arange(groups)) & mask[:, :, None]).astype(np.int64)
     nlo, nhi, nhas = _by_node(producer, topo)
     plo_all = np.moveaxis(producer.piece_lo, 3, 0)                     # (r, K, N, S)
     phi_all = np.moveaxis(producer.piece_hi, 3, 0)
@@ -860,8 +874,8 @@ def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: 
     plo_all, phi_all = plo_all[:, p_first], phi_all[:, p_first]
     has_all = producer.has_piece[p_first]
     kp = len(p_first)
-    intra = np.zeros((kp, kc, groups))
-    inter = np.zeros((kp, kc, groups))
+    intra = np.zeros((kp, kc, groups), dtype=np.int64)
+    inter = np.zeros((kp, kc, groups), dtype=np.int64)
     width = nlo.shape[3] + plo_all.shape[3]
     per = max(1, (1 << 23) // max(1, kc * m * width))
     for q0 in range(0, kp, per):
@@ -870,10 +884,10 @@ def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: 
                       has_all[q][:, dev] & mask[None, :, :, None], dtype)
         near = _held(lo, hi, nlo[:, q][:, :, node], nhi[:, q][:, :, node],
                      nhas[q][:, node] & mask[None, :, :, None], dtype)
-        intra[q] = np.einsum("qcm,cmg->qcg", (near - local).astype(float), onehot)
-        inter[q] = np.einsum("qcm,cmg->qcg", (region[None] - near).astype(float), onehot)
-    seconds = topo.node_seconds(intra * itemsize, inter * itemsize)
-    return seconds[p_back.reshape(-1)][:, c_back.reshape(-1)]
+        intra[q] = np.einsum("qcm,cmg->qcg", near - local, onehot)
+        inter[q] = np.einsum("qcm,cmg->qcg", region[None] - near, onehot)
+    back = np.ix_(p_back.reshape(-1), c_back.reshape(-1))
+    return intra[back] * itemsize, inter[back] * itemsize
 
 
 def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarray:

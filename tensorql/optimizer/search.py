@@ -41,8 +41,8 @@ from tensorql.optimizer.cost import (
     partial_seconds,
     read_bytes,
     read_pairs,
+    transition_levels,
     transition_matrix,
-    transition_seconds,
 )
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.topology import Topology, TopologyError
@@ -131,9 +131,16 @@ class Problem:
                 producer = graph.nodes[edge.producer]
                 free = producer.loaded_where_read
                 key = ("edge", keys[edge.producer], keys[node.index], k, free)
+                tkey = ("priced", topology, key)
                 if key not in cache and free:  # every reader loads it itself
                     cache[key] = np.zeros((len(tables[edge.producer].cands),
                                            len(tables[node.index].cands)), dtype=np.int64)
+                elif topology is not None and not free and tkey not in cache:
+                    # bytes per node and level: priced, and summed for the byte matrix
+                    intra, inter = transition_levels(tables[edge.producer], tables[node.index],
+                                                     node, edge, producer.itemsize, topology)
+                    cache[tkey] = _units(topology.node_seconds(intra, inter), topology)
+                    cache.setdefault(key, (intra + inter).sum(axis=2))
                 elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
@@ -141,13 +148,7 @@ class Problem:
                 moved = cache[key]
                 raw.append(moved)
                 if topology is not None:
-                    tkey = ("priced", topology, key)
-                    if tkey not in cache:
-                        cache[tkey] = (np.zeros_like(moved) if free else _units(
-                            transition_seconds(tables[edge.producer], tables[node.index],
-                                               node, edge, producer.itemsize, topology),
-                            topology))
-                    moved = cache[tkey]
+                    moved = cache[tkey] if not free else moved  # nothing moves: 0 either way
                 if task_limit is not None:
                     akey = ("assembly", key, _targets(producer), _targets(node))
                     if akey not in cache:

@@ -15,6 +15,8 @@ from tensorql.optimizer.cost import (
     build_table,
     pair_bytes,
     partial_seconds,
+    transition_levels,
+    transition_matrix,
     transition_seconds,
 )
 from tensorql.optimizer.graph import OpGraph
@@ -97,6 +99,28 @@ def test_transition_seconds_equal_pricing_the_exact_pairs(db, topo):
         for c in range(len(tc.cands)):
             want = topo.transfer_seconds(pair_bytes(graph, [tp.layouts[q], tc.layouts[c]], n))
             assert got[q, c] == pytest.approx(want, rel=1e-12, abs=1e-18), (q, c)
+
+
+@pytest.mark.parametrize("topo", [Topology.nodes(2, 3),
+                                  Topology.from_groups([[0, 5], [1, 2, 3, 4]])])
+def test_bytes_per_level_sum_to_the_byte_matrix(db, topo):
+    """Every edge of a block's graph: the bytes per node and level add up to the byte
+    matrix the flat search uses (with a topology the search keeps that sum as its bytes)."""
+    expr = llama(db, layers=1, batch=2, seq=6, d_model=12, heads=3, head_dim=4, d_ff=18,
+                 materialize=False).output
+    graph = OpGraph.build(expr.node)
+    tables = [build_table(graph, node, 6) for node in graph.nodes]
+    checked = 0
+    for node in graph.nodes:
+        for edge in node.inputs:
+            prod = graph.nodes[edge.producer]
+            args = (tables[edge.producer], tables[node.index], node, edge, prod.itemsize)
+            intra, inter = transition_levels(*args, topo)
+            want = transition_matrix(*args, 6)
+            np.testing.assert_array_equal((intra + inter).sum(axis=2), want)
+            assert intra.shape[2] == len(topo.groups) and (inter >= 0).all()
+            checked += 1
+    assert checked > 20
 
 
 def test_partial_seconds_price_the_partial_sends(db):
