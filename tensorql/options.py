@@ -82,6 +82,12 @@ class Options:
         strategy: the optimizer's partitioning strategy on several devices (auto, data,
             model, exhaustive).
         memory_limit: bytes each device may hold (None: unlimited).
+        topology: how the devices are grouped into nodes, for the optimizer's cost model
+            (``tensorql.optimizer.topology``): a ``Topology``, a machine name such as
+            "dgx-h100" (whole nodes of it), or "NODESxPER[:machine]" such as "2x8"; read by
+            the planner, which raises TopologyError (an OptionError) when it does not fit
+            the devices. None: one node, except in a torch.distributed job, whose ranks on
+            one host form a node (host names gathered from the ranks).
         tile_target_elems: element count auto-tiling aims at per chunk.
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
         chunk_cache_bytes: decoded chunks the DuckDB store keeps in memory (LRU).
@@ -122,6 +128,7 @@ class Options:
     devices: Any = "auto"
     strategy: str = "auto"
     memory_limit: int | None = None
+    topology: Any = None
     tile_target_elems: int = 1 << 20
     kernel_temp_bytes: int = 64 << 20
     chunk_cache_bytes: int = 1 << 30

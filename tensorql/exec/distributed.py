@@ -31,7 +31,7 @@ import atexit
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from tensorql.exec.run_types import ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import OpKind, Runtime, StreamRun, op_kinds
 from tensorql.exec.taskgraph import ChunkRef, TaskGraph
 from tensorql.exec.threads import PARKED
+from tensorql.optimizer.topology import Topology
 from tensorql.units import format_bytes
 
 
@@ -954,6 +955,48 @@ def join_process_group(local_devices: int, timeout_s: float,
     return layout
 
 
+def derive_topology(layout: RankLayout, hosts: Sequence[str] | None = None,
+                    environ: Any = None, machine: str = "cpu-gloo") -> Topology:
+    """The job's :class:`~tensorql.optimizer.topology.Topology`: the ranks on one host form a
+    node. ``hosts`` (each rank's host name, as :func:`job_topology` gathers them) decide;
+    without them ``LOCAL_WORLD_SIZE`` (the ranks torchrun starts on each machine; it numbers
+    ranks machine by machine) does, and without either the job is one node.
+
+    >>> derive_topology(RankLayout(0, 4), ["a", "a", "b", "b"]).groups
+    ((0, 1), (2, 3))
+    >>> derive_topology(RankLayout(0, 4, local=2), environ={"LOCAL_WORLD_SIZE": "2"}).groups
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    """
+    import os
+
+    if hosts is not None:
+        return Topology.from_hosts(list(hosts), layout.local, machine)
+    env = os.environ if environ is None else environ
+    try:
+        per = int(env.get("LOCAL_WORLD_SIZE", layout.world))
+    except ValueError:
+        per = layout.world
+    if per < 1 or layout.world % per:
+        per = layout.world
+    return Topology.nodes(layout.world // per, per * layout.local, machine)
+
+
+_JOB_HOSTS: list[Any] = []  # [(the default group, every rank's host name)]
+
+
+def job_topology(layout: RankLayout, machine: str = "cpu-gloo") -> Topology:
+    """The job's topology (:func:`derive_topology`) from every rank's host name, as the
+    ranks sent them to each other when they joined (:func:`check_gpus_not_shared`; no
+    collective here, so a rank may plan alone), else from ``LOCAL_WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    hosts = None
+    if layout.world > 1 and dist.is_initialized() and _JOB_HOSTS \
+            and _JOB_HOSTS[0][0] is dist.distributed_c10d._get_default_group():
+        hosts = _JOB_HOSTS[0][1]
+    return derive_topology(layout, hosts, machine=machine)
+
+
 _GPUS_CHECKED: list[Any] = []  # [the default group whose ranks' GPUs were compared]
 
 
@@ -1009,6 +1052,7 @@ def check_gpus_not_shared(layout: RankLayout, devices: DeviceSet | None) -> None
     except RuntimeError as err:
         raise collective_failed(layout, "comparing GPUs with the other ranks", err) from err
     _GPUS_CHECKED[:] = [group]
+    _JOB_HOSTS[:] = [(group, [host for host, _ in places])]
     why = shared_gpus(places)
     if why is not None:
         raise DistributedError(

@@ -54,6 +54,7 @@ from functools import lru_cache
 import numpy as np
 
 from tensorql.optimizer.graph import Edge, OpGraph, OpNode
+from tensorql.optimizer.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,10 @@ class Layout:
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
+        return list(self._partial_sends)
+
+    @functools.cached_property
+    def _partial_sends(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         owners = self.owners()
         seen = set()
         out = []
@@ -245,7 +250,7 @@ class Layout:
                 if dev != owners[piece] and (dev, piece) not in seen:
                     seen.add((dev, piece))
                     out.append((dev, owners[piece], piece))
-        return out
+        return tuple(out)
 
 
 def layout(sizes: Sequence[int], pieces: Sequence[int], n_out: int, devices: int,
@@ -784,3 +789,146 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
             for src, dst, piece in lay.partial_sends():
                 moved[src, dst] += elems[piece] * node.itemsize
     return moved
+
+
+# -- prices on a topology (tensorql.optimizer.topology) -----------------------------------
+def _by_node(table: NodeTable, topo: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The producer's output pieces grouped by node: lo, hi (r, K, G, S') and has (K, G, S')
+    -- every piece a device of node ``g`` owns."""
+    k, _, s, r = table.piece_lo.shape
+    width = max(len(g) for g in topo.groups) * s
+    lo = np.zeros((r, k, len(topo.groups), width), dtype=np.int64)
+    hi = np.zeros_like(lo)
+    has = np.zeros((k, len(topo.groups), width), dtype=bool)
+    for g, members in enumerate(topo.groups):
+        n = len(members) * s
+        lo[:, :, g, :n] = np.moveaxis(table.piece_lo[:, list(members)].reshape(k, n, r), 2, 0)
+        hi[:, :, g, :n] = np.moveaxis(table.piece_hi[:, list(members)].reshape(k, n, r), 2, 0)
+        has[:, g, :n] = table.has_piece[:, list(members)].reshape(k, n)
+    return lo, hi, has
+
+
+def _held(lo: np.ndarray, hi: np.ndarray, plo: np.ndarray, phi: np.ndarray,
+          has: np.ndarray, dtype: type) -> np.ndarray:
+    """Elements of every region ``[lo, hi)`` ((r, kc, m) each) held in pieces ``[plo, phi)``
+    ((r, kq, kc, m, S) each, where ``has`` (kq, kc, m, S)): (kq, kc, m)."""
+    acc = has.astype(dtype)
+    for a in range(lo.shape[0]):
+        ov = (np.minimum(hi[a][None, :, :, None], phi[a])
+              - np.maximum(lo[a][None, :, :, None], plo[a])).astype(dtype, copy=False)
+        np.maximum(ov, 0, out=ov)
+        acc *= ov
+    return acc.sum(axis=3, dtype=np.int64)
+
+
+def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                       edge: Edge, itemsize: int, topo: Topology) -> np.ndarray:
+    """Seconds the exchange of operand ``edge`` takes on ``topo``, (K_producer, K_consumer):
+    the bytes each node receives on each level (:func:`transition_levels`), priced by
+    :meth:`Topology.node_seconds` (the busiest node's inbound links)."""
+    intra, inter = transition_levels(producer, consumer, consumer_node, edge, itemsize, topo)
+    return topo.node_seconds(intra, inter)
+
+
+def transition_levels(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                      edge: Edge, itemsize: int, topo: Topology
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes every node receives for operand ``edge`` from its own devices and from other
+    nodes, (K_producer, K_consumer, G) each: the bytes of :func:`transition_matrix` (their
+    sum over both levels and the nodes), each device's split by where they come from.
+    Candidates that place the operand alike (the producer's output pieces, the consumer's
+    regions of it and their devices) are counted once."""
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    kc = len(consumer.cands)
+    m = max(len(lay.device) for lay in consumer.layouts)
+    r = len(axes)
+    lo = np.zeros((r, kc, m), dtype=np.int64)
+    hi = np.zeros((r, kc, m), dtype=np.int64)
+    dev = np.zeros((kc, m), dtype=np.int64)
+    mask = np.zeros((kc, m), dtype=bool)
+    for c, lay in enumerate(consumer.layouts):
+        n = len(lay.device)
+        lo[:, c, :n] = lay.starts[:, axes].T
+        hi[:, c, :n] = (lay.starts[:, axes] + lay.lens[:, axes]).T
+        dev[c, :n] = lay.device
+        mask[c, :n] = first_reads(lay, axes)
+    keys = np.concatenate([lo.transpose(1, 0, 2).reshape(kc, -1),
+                           hi.transpose(1, 0, 2).reshape(kc, -1), dev, mask], axis=1)
+    _, c_first, c_back = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    lo, hi, dev, mask = lo[:, c_first], hi[:, c_first], dev[c_first], mask[c_first]
+    kc = len(c_first)
+    region = np.prod(hi - lo, axis=0) * mask                           # (kc, m)
+    dtype = np.int32 if int(region.max(initial=0)) < (1 << 31) else np.int64
+    node = topo.node_array[dev]                                        # (kc, m)
+    groups = len(topo.groups)
+    onehot = ((node[:, :, None] == np.arange(groups)) & mask[:, :, None]).astype(np.int64)
+    nlo, nhi, nhas = _by_node(producer, topo)
+    plo_all = np.moveaxis(producer.piece_lo, 3, 0)                     # (r, K, N, S)
+    phi_all = np.moveaxis(producer.piece_hi, 3, 0)
+    kp0 = len(producer.cands)
+    pkeys = np.concatenate([producer.piece_lo.reshape(kp0, -1),
+                            producer.piece_hi.reshape(kp0, -1),
+                            producer.has_piece.reshape(kp0, -1)], axis=1)
+    _, p_first, p_back = np.unique(pkeys, axis=0, return_index=True, return_inverse=True)
+    nlo, nhi, nhas = nlo[:, p_first], nhi[:, p_first], nhas[p_first]
+    plo_all, phi_all = plo_all[:, p_first], phi_all[:, p_first]
+    has_all = producer.has_piece[p_first]
+    kp = len(p_first)
+    intra = np.zeros((kp, kc, groups), dtype=np.int64)
+    inter = np.zeros((kp, kc, groups), dtype=np.int64)
+    width = nlo.shape[3] + plo_all.shape[3]
+    per = max(1, (1 << 23) // max(1, kc * m * width))
+    for q0 in range(0, kp, per):
+        q = slice(q0, q0 + per)
+        local = _held(lo, hi, plo_all[:, q][:, :, dev], phi_all[:, q][:, :, dev],
+                      has_all[q][:, dev] & mask[None, :, :, None], dtype)
+        near = _held(lo, hi, nlo[:, q][:, :, node], nhi[:, q][:, :, node],
+                     nhas[q][:, node] & mask[None, :, :, None], dtype)
+        intra[q] = np.einsum("qcm,cmg->qcg", near - local, onehot)
+        inter[q] = np.einsum("qcm,cmg->qcg", region[None] - near, onehot)
+    back = np.ix_(p_back.reshape(-1), c_back.reshape(-1))
+    return intra[back] * itemsize, inter[back] * itemsize
+
+
+def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarray:
+    """Seconds every candidate's partial aggregates take to reach their owners on ``topo``
+    (K,): the sends of :meth:`Layout.partial_sends`, priced as one exchange."""
+    out = np.zeros(len(table.cands))
+    n = topo.devices
+    for c, lay in enumerate(table.layouts):
+        sends = lay.partial_sends()
+        if not sends:
+            continue
+        elems = dict(zip(lay.outputs.keys(), (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
+        pair = np.zeros((n, n))
+        for src, dst, piece in sends:
+            pair[src, dst] += elems[piece] * node.itemsize
+        out[c] = topo.transfer_seconds(pair)
+    return out
+
+
+def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
+               devices: int) -> np.ndarray:
+    """Bytes other devices read of ``producer``'s output, per (owner, reader) pair: an
+    (N, N) matrix whose sum is :func:`read_bytes`."""
+    out = np.zeros((devices, devices), dtype=np.int64)
+    if graph.nodes[producer].loaded_where_read:
+        return out
+    prod = layouts[producer]
+    whole: set = set()
+    slices: set = set()
+    for consumer, k in graph.consumers[producer]:
+        node = graph.nodes[consumer]
+        axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
+        w, sl = edge_reads(prod, layouts[consumer], axes)
+        whole |= w
+        slices |= sl
+    sizes = np.prod(prod.outputs.lens, axis=1)
+    owner = prod.outputs.device
+    item = graph.nodes[producer].itemsize
+    for d, q in whole:
+        out[owner[q], d] += int(sizes[q]) * item
+    for d, q, lo, hi in slices:
+        if (d, q) not in whole:
+            out[owner[q], d] += math.prod(b - a for a, b in zip(lo, hi)) * item
+    return out

@@ -34,6 +34,7 @@ from tensorql.optimizer.cost import (
 )
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import InfeasiblePlanError, Problem, get_strategy
+from tensorql.optimizer.topology import LEVELS, Topology
 from tensorql.options import parse_bytes
 from tensorql.units import format_bytes, format_flops
 
@@ -81,6 +82,53 @@ class OpPartition:
 
 
 @dataclass(frozen=True)
+class TimeEstimate:
+    """A plan's estimated time on its topology, and its bytes on each link level.
+
+    ``compute_s``: every operation's busiest device at the topology's FLOP rate, one
+    operation after another; ``transfer_s``: every exchange (an operand's repartition, a
+    producer read by several operations, partial aggregates) priced by
+    :meth:`~tensorql.optimizer.topology.Topology.transfer_seconds`, one after another;
+    ``total_s`` adds them (no overlap of kernels and transfers is counted: a bound).
+
+    >>> TimeEstimate(0.5, 0.25, (("intra", 10), ("inter", 2))).total_s
+    0.75
+    """
+
+    compute_s: float
+    transfer_s: float
+    level_bytes: tuple[tuple[str, int], ...]
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.transfer_s
+
+    def bytes_at(self, level: str) -> int:
+        """Bytes moved over links of ``level`` (``intra`` or ``inter``)."""
+        return dict(self.level_bytes).get(level, 0)
+
+    def describe(self) -> str:
+        """One line: bytes per level, then the time estimate and its parts."""
+        levels = ", ".join(f"{name} {format_bytes(b)}" for name, b in self.level_bytes)
+        return (f"traffic by level: {levels}; estimated time {_seconds(self.total_s)} "
+                f"(compute {_seconds(self.compute_s)} + transfers "
+                f"{_seconds(self.transfer_s)}, no overlap counted)")
+
+
+def _seconds(s: float) -> str:
+    """``1.5 s``, ``12.3 ms``, ``4.0 us``.
+
+    >>> _seconds(1.5), _seconds(0.0123), _seconds(4e-6)
+    ('1.500 s', '12.300 ms', '4.000 us')
+    """
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.3f} us"
+
+
+@dataclass(frozen=True)
 class PartitionPlan:
     """How every operation of an expression is split across ``devices`` devices."""
 
@@ -90,6 +138,9 @@ class PartitionPlan:
     cost: Cost
     memory_limit: int | None = None
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
+    # the topology it was planned for (None: flat, not shown by explain) and its estimate
+    topology: Topology | None = field(default=None, compare=False, repr=False)
+    estimate: TimeEstimate | None = field(default=None, compare=False, repr=False)
 
     def layout(self, index: int) -> Layout:
         """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
@@ -129,6 +180,9 @@ class PartitionPlan:
                  f"peak {format_bytes(c.peak_bytes)}"]
         if self.memory_limit is not None:
             lines[0] += f" (limit {format_bytes(self.memory_limit)})"
+        if self.topology is not None and self.estimate is not None:
+            lines.append(f"topology: {self.topology.describe()}")
+            lines.append(self.estimate.describe())
         for op in self.ops:
             if op.kind in ("source", "constant"):
                 lines.append(f"[{op.index}] {op.name}  pieces {op.vector}")
@@ -171,10 +225,10 @@ def device_count(devices: Any) -> int:
     return n
 
 
-def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
+def optimize(expr: Any, devices: Any = None, strategy: str = "auto",
              memory_limit: int | str | None = None, *, cache: dict | None = None,
              also: tuple[LogicalNode, ...] = (),
-             sources_everywhere: bool = False) -> PartitionPlan:
+             sources_everywhere: bool = False, topology: Any = None) -> PartitionPlan:
     """Choose a partition vector for every operation of ``expr`` on ``devices`` devices.
 
     ``expr`` is a lazy Tensor, an einsum-graph node or a logical plan (the pipeline passes the
@@ -187,22 +241,38 @@ def optimize(expr: Any, devices: Any = 8, strategy: str = "auto",
     new weights and optimizer state. ``sources_everywhere``: every device can load the
     stored tensors and constants itself (the ranks of a torch.distributed job), so reading
     them moves nothing (:attr:`~tensorql.optimizer.graph.OpNode.loaded_where_read`).
+    ``topology``: how the devices are grouped into nodes and the bandwidth of each link
+    level (a :class:`~tensorql.optimizer.topology.Topology`, a machine name of
+    :data:`~tensorql.optimizer.topology.MACHINES` or ``"NODESxPER[:machine]"``; None: one
+    node, every device pair alike). On several nodes the search minimises the estimated
+    time of the transfers rather than their bytes; ``devices`` defaults to the topology's
+    (else 8).
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> x = db.from_numpy("x", np.ones((16, 8), dtype=np.float32))
+    >>> plan = tq.optimize(x @ x.T, topology="2x2")
+    >>> plan.devices, plan.estimate.bytes_at("inter") <= plan.cost.bytes_moved
+    (4, True)
     """
     node: Node | LogicalNode = getattr(expr, "node", expr)
     if not isinstance(node, (Node, LogicalNode)):
         raise PlanError(f"optimize needs a tensorql Tensor, got {type(expr).__name__}")
+    if devices is None:
+        devices = 8 if topology is None else Topology.parse(topology).devices
     n_dev = device_count(devices)
+    topo = None if topology is None else Topology.parse(topology, n_dev)
     search = get_strategy(strategy)
     limit = parse_bytes(memory_limit)
     graph = OpGraph.build(node, also=tuple(also), sources_everywhere=sources_everywhere)
     cache = {} if cache is None else cache
     if limit is None:
-        problem = Problem.build(graph, n_dev, None, cache=cache)
-        return make_plan(problem, search(problem), strategy, None)
+        problem = Problem.build(graph, n_dev, None, cache=cache, topology=topo)
+        return make_plan(problem, search(problem), strategy, None, topo)
     try:
-        return _plan_within(graph, n_dev, search, strategy, limit, cache)
+        return _plan_within(graph, n_dev, search, strategy, limit, cache, topo)
     except InfeasiblePlanError as err:
-        minimum = _smallest_limit(graph, n_dev, search, strategy, limit, cache, err)
+        minimum = _smallest_limit(graph, n_dev, search, strategy, limit, cache, err, topo)
         raise InfeasiblePlanError(
             f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
             f"on {n_dev} devices: no partitioning fits every task (inputs and output) in it; "
@@ -214,7 +284,7 @@ _TRIES = 8  # plans tried within one memory limit, each cut finer than the last
 
 
 def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int,
-                 cache: dict) -> PartitionPlan:
+                 cache: dict, topology: Topology | None = None) -> PartitionPlan:
     """The search's plan whose every task fits ``limit``. When the plan the search finds
     still has tasks that do not (it priced them out, but no plan of those pieces avoids
     them), the pieces are cut finer -- fitted to a tighter limit -- and the search runs
@@ -222,7 +292,8 @@ def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int
     target, least = limit, None
     for _ in range(_TRIES):
         try:
-            problem = Problem.build(graph, devices, target, cache=cache, task_limit=limit)
+            problem = Problem.build(graph, devices, target, cache=cache, task_limit=limit,
+                                    topology=topology)
         except InfeasiblePlanError:
             if least is None:
                 raise
@@ -230,7 +301,7 @@ def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int
         choice = search(problem)
         need = problem.need(choice)
         if need <= limit:
-            return make_plan(problem, choice, strategy, limit)
+            return make_plan(problem, choice, strategy, limit, topology)
         least = need if least is None else min(least, need)
         target = max(1, min(target - 1, target * limit // need))
     raise InfeasiblePlanError(f"its largest task needs {format_bytes(least)} at once",
@@ -238,12 +309,13 @@ def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int
 
 
 def _smallest_limit(graph: OpGraph, devices: int, search, strategy: str, limit: int,
-                    cache: dict, err: InfeasiblePlanError) -> int:
+                    cache: dict, err: InfeasiblePlanError,
+                    topology: Topology | None = None) -> int:
     """The smallest memory limit (above ``limit``, which ``err`` refused) that plans."""
     minimum = max(limit + 1, err.minimum or limit + 1)
     for _ in range(_TRIES):
         try:
-            _plan_within(graph, devices, search, strategy, minimum, cache)
+            _plan_within(graph, devices, search, strategy, minimum, cache, topology)
             return minimum
         except InfeasiblePlanError as again:
             minimum = max(minimum + 1, again.minimum or 2 * minimum)
@@ -251,11 +323,12 @@ def _smallest_limit(graph: OpGraph, devices: int, search, strategy: str, limit: 
 
 
 def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
-              memory_limit: int | None) -> PartitionPlan:
-    """Freeze a search result into a :class:`PartitionPlan` with its exact cost."""
+              memory_limit: int | None, topology: Topology | None = None) -> PartitionPlan:
+    """Freeze a search result into a :class:`PartitionPlan` with its exact cost and its
+    :class:`TimeEstimate` on ``topology`` (None: flat)."""
     graph, tables = problem.graph, problem.tables
     moved: dict[tuple[int, int], int] = {}
-    for p, c, k, m in problem.edges:
+    for (p, c, k, _), m in zip(problem.edges, problem.edge_bytes()):
         moved[(c, k)] = int(m[choice[p], choice[c]])
     ops = []
     device_flops = np.zeros(problem.devices, dtype=np.int64)
@@ -297,10 +370,23 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
                          order=order if order != tuple(range(len(pieces))) else (),
                          scatter=scatter)
         ops.append(op)
-    cost = Cost(flops=int(device_flops.max()), bytes_moved=problem.exact_total(choice),
-                peak_bytes=peak)
+    topo = Topology.flat(problem.devices) if topology is None else topology
+    layouts = [t.layouts[k] for t, k in zip(tables, choice)]
+    pairs = pair_bytes(graph, layouts, problem.devices)
+    if problem.topology is None:
+        exact = problem.exact_total(choice)
+        transfer_s = exact / topo.unit_rate
+    else:  # costs are priced: the bytes are counted pair by pair
+        exact = int(pairs.sum())
+        transfer_s = problem.exact_total(choice) / problem.topology.unit_rate
+    levels = topo.level_bytes(pairs)
+    compute_s = sum(float(t.flops_dev[k].max()) for t, k in zip(tables, choice)) \
+        / topo.device_flops
+    estimate = TimeEstimate(compute_s, transfer_s, tuple((lv, levels[lv]) for lv in LEVELS))
+    cost = Cost(flops=int(device_flops.max()), bytes_moved=exact, peak_bytes=peak)
     return PartitionPlan(devices=problem.devices, strategy=strategy, ops=tuple(ops), cost=cost,
-                         memory_limit=memory_limit, graph=graph)
+                         memory_limit=memory_limit, graph=graph, topology=topology,
+                         estimate=estimate)
 
 
 def collective(there: tuple[int, ...], here: tuple[int, ...]) -> str:

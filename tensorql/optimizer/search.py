@@ -22,6 +22,7 @@ for each (producer, consumer) candidate pair. A plan's bytes moved is then exact
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -37,10 +38,14 @@ from tensorql.optimizer.cost import (
     build_table,
     candidates,
     node_key,
+    partial_seconds,
     read_bytes,
+    read_pairs,
+    transition_levels,
     transition_matrix,
 )
 from tensorql.optimizer.graph import OpGraph
+from tensorql.optimizer.topology import Topology, TopologyError
 from tensorql.units import format_bytes
 
 EXHAUSTIVE_LIMIT = 20_000
@@ -68,7 +73,16 @@ class SearchTooLargeError(PlanError):
 
 @dataclass(frozen=True, eq=False)
 class Problem:
-    """Candidates, own costs and edge matrices of one graph for ``devices`` devices."""
+    """Candidates, own costs and edge matrices of one graph for ``devices`` devices.
+
+    On a flat topology (the default) a cost is bytes moved. On a :class:`Topology` of
+    several nodes the edge matrices and own costs (``own``: each node's partial aggregates)
+    are the estimated seconds of each exchange (:func:`~tensorql.optimizer.cost.
+    transition_seconds`) in *cost units* of ``1 / topology.unit_rate`` seconds -- the time
+    the whole job's fastest links take for a byte, so a unit is a byte on one node -- rounded
+    to integers; ``moved`` keeps every edge's bytes for the plan's report. The search
+    minimises costs, whichever they are.
+    """
 
     graph: OpGraph
     devices: int
@@ -79,10 +93,14 @@ class Problem:
     # per edge: the bytes one task needs to assemble the operand (producer x consumer
     # candidates, see assembly_peak); set under a memory limit
     assembly: tuple[np.ndarray, ...] = ()
+    topology: Topology | None = None        # None: flat (costs are bytes)
+    own: tuple[np.ndarray, ...] = ()        # priced partial aggregates per node (topology)
+    moved: tuple[np.ndarray, ...] = ()      # bytes of every edge, when ``edges`` are priced
 
     @classmethod
     def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
-              cache: dict | None = None, task_limit: int | None = None) -> Problem:
+              cache: dict | None = None, task_limit: int | None = None,
+              topology: Topology | None = None) -> Problem:
         """The problem of ``graph`` on ``devices`` devices: each node's pieces cut until
         one fits ``memory_limit`` (see :func:`_fitting_table`), and every task of the
         physical plan -- the node's own, and those assembling its operands -- within
@@ -91,6 +109,11 @@ class Problem:
         not is priced out (:data:`UNFIT`), so the search avoids it where any plan can."""
         cache = {} if cache is None else cache
         task_limit = memory_limit if task_limit is None else task_limit
+        if topology is not None and topology.devices != devices:
+            raise TopologyError(f"topology {topology.describe()} has {topology.devices} "
+                                f"devices, the problem {devices}")
+        if topology is not None and (topology.is_flat or devices == 1):
+            topology = None  # one node: every pair alike, bytes rank plans as time does
         keys, tables = [], []
         for node in graph.nodes:
             key, table = _fitting_table(graph, node, devices, memory_limit, cache)
@@ -102,20 +125,30 @@ class Problem:
             if task_limit is not None:
                 ok = table.task_peak <= task_limit
             allowed.append(ok)
-        edges, assembly = [], []
+        edges, assembly, raw = [], [], []
         for node in graph.nodes:
             for k, edge in enumerate(node.inputs):
                 producer = graph.nodes[edge.producer]
                 free = producer.loaded_where_read
                 key = ("edge", keys[edge.producer], keys[node.index], k, free)
+                tkey = ("priced", topology, key)
                 if key not in cache and free:  # every reader loads it itself
                     cache[key] = np.zeros((len(tables[edge.producer].cands),
                                            len(tables[node.index].cands)), dtype=np.int64)
+                elif topology is not None and not free and tkey not in cache:
+                    # bytes per node and level: priced, and summed for the byte matrix
+                    intra, inter = transition_levels(tables[edge.producer], tables[node.index],
+                                                     node, edge, producer.itemsize, topology)
+                    cache[tkey] = _units(topology.node_seconds(intra, inter), topology)
+                    cache.setdefault(key, (intra + inter).sum(axis=2))
                 elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
                         producer.itemsize, devices)
                 moved = cache[key]
+                raw.append(moved)
+                if topology is not None:
+                    moved = cache[tkey] if not free else moved  # nothing moves: 0 either way
                 if task_limit is not None:
                     akey = ("assembly", key, _targets(producer), _targets(node))
                     if akey not in cache:
@@ -124,8 +157,16 @@ class Problem:
                     assembly.append(cache[akey])
                     moved = moved + np.where(cache[akey] > task_limit, UNFIT, 0)
                 edges.append((edge.producer, node.index, k, moved))
+        own: list[np.ndarray] = []
+        if topology is not None:
+            for node, key, table in zip(graph.nodes, keys, tables):
+                okey = ("priced own", topology, key)
+                if okey not in cache:
+                    cache[okey] = _units(partial_seconds(table, node, topology), topology)
+                own.append(cache[okey])
         return cls(graph, devices, tuple(tables), tuple(allowed), tuple(edges),
-                   assembly=tuple(assembly))
+                   assembly=tuple(assembly), topology=topology, own=tuple(own),
+                   moved=tuple(raw) if topology is not None else ())
 
     def need(self, choice: tuple[int, ...]) -> int:
         """The most bytes one task of the physical plan of ``choice`` needs at once (a
@@ -135,9 +176,26 @@ class Problem:
                             for (p, c, _, _), a in zip(self.edges, self.assembly)])
 
     # -- evaluation ---------------------------------------------------------------------
+    def own_cost(self, node: int) -> np.ndarray:
+        """Node ``node``'s own cost per candidate for the search (see :func:`own_cost`)."""
+        if self.own:
+            return own_cost(self.tables[node], self.own[node])
+        return own_cost(self.tables[node])
+
+    def own_total(self, choice: tuple[int, ...]) -> int:
+        """The own costs (partial aggregates) of a choice."""
+        if self.own:
+            return sum(int(o[c]) for o, c in zip(self.own, choice))
+        return sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
+
+    def edge_bytes(self) -> list[np.ndarray]:
+        """Bytes moved through every edge (aligned with ``edges``), whatever the costs."""
+        return list(self.moved) if self.moved else [m for _, _, _, m in self.edges]
+
     def total(self, choice: tuple[int, ...]) -> int:
-        """Exact bytes moved of a choice (a candidate index per node)."""
-        own = sum(int(t.partial_bytes[c]) for t, c in zip(self.tables, choice))
+        """Exact cost of a choice (a candidate index per node): bytes moved, or cost units
+        on a topology, counting each edge on its own (see :meth:`exact_total`)."""
+        own = self.own_total(choice)
         return own + sum(int(m[choice[p], choice[c]]) for p, c, _, m in self.edges)
 
     def exact_total(self, choice: tuple[int, ...]) -> int:
@@ -156,7 +214,12 @@ class Problem:
                     layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
                 per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
                 keys = [(id(t), k) for t, k in zip(self.tables, choice)]
-                self.memo[key] = read_bytes(self.graph, layouts, p, self.memo, keys) - per_edge
+                if self.topology is None:
+                    exact = read_bytes(self.graph, layouts, p, self.memo, keys)
+                else:  # the reads of p priced as one exchange
+                    exact = int(_units(self.topology.transfer_seconds(
+                        read_pairs(self.graph, layouts, p, self.devices)), self.topology))
+                self.memo[key] = exact - per_edge
             total += self.memo[key]
         return total
 
@@ -181,11 +244,16 @@ class Problem:
     def restrict(self, masks: list[np.ndarray | None]) -> Problem:
         allowed = tuple(a & m if m is not None and (a & m).any() else a
                         for a, m in zip(self.allowed, masks))
-        return Problem(self.graph, self.devices, self.tables, allowed, self.edges, self.memo)
+        return dataclasses.replace(self, allowed=allowed)
 
 
 MAX_PIECES_PER_DEVICE = 64
 UNFIT = 1 << 48  # the price of a pair of candidates whose assembling tasks exceed the limit
+
+
+def _units(seconds: np.ndarray | float, topology: Topology) -> np.ndarray:
+    """Seconds as the search's integer cost units (``1 / topology.unit_rate`` s each)."""
+    return np.rint(np.asarray(seconds) * topology.unit_rate).astype(np.int64)
 
 
 def _targets(node) -> tuple | None:
@@ -242,14 +310,16 @@ def _smallest_peak(graph: OpGraph, node, devices: int, cache: dict) -> int:
         factor *= 2
 
 
-def own_cost(table: NodeTable) -> np.ndarray:
+def own_cost(table: NodeTable, priced: np.ndarray | None = None) -> np.ndarray:
     """A node's own bytes (partial aggregates) for the search, a hair heavier than bytes
     moved by edges: between equal totals the plan without partials wins, since folding
     partials is extra work (a matmul split by rows rather than by its sum), and of plans
     with partials a reduce-scatter wins over a reduce onto one owner (the same bytes, spread
-    over every contributor's links and folds)."""
+    over every contributor's links and folds). ``priced``: the partials' cost on a
+    topology instead of their bytes."""
     weight = np.where(table.scattered, 1.0 + 1e-9, 1.0 + 2e-9)
-    return table.partial_bytes.astype(float) * weight
+    base = table.partial_bytes if priced is None else priced
+    return base.astype(float) * weight
 
 
 # -- dynamic programming over a tree cover ------------------------------------------------
@@ -280,7 +350,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
     for node in graph.nodes:
         n = node.index
-        v = np.where(problem.allowed[n], own_cost(tables[n]), inf)
+        v = np.where(problem.allowed[n], problem.own_cost(n), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
             if p in frozen:
@@ -306,7 +376,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
 def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[int, ...]:
     """Coordinate descent: change one node's candidate at a time while the total drops."""
-    graph, tables = problem.graph, problem.tables
+    graph = problem.graph
     touching: dict[int, list[tuple[int, int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
     for p, c, _, m in problem.edges:
         touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
@@ -316,7 +386,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
         improved = False
         for node in graph.nodes:
             n = node.index
-            cost = own_cost(tables[n])
+            cost = problem.own_cost(n)
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
             cost[~problem.allowed[n]] = np.inf

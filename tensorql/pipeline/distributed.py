@@ -10,6 +10,7 @@ from tensorql.exec.distributed import (
     communication_device,
     exchange_group,
     gather_rank_stats,
+    job_topology,
     join_process_group,
     share_results,
 )
@@ -28,6 +29,18 @@ def job_devices(options: Options) -> int:
     if not options.distributed:
         return local
     return join_process_group(local, options.distributed_timeout_s, options.device_set).devices
+
+
+def planning_topology(options: Options) -> Any:
+    """The topology a query is planned for: ``Options.topology`` when given; in a
+    torch.distributed job otherwise the job's (its ranks on one host form a node, at the
+    figures of the "cpu-gloo" machine or, on GPUs, of the default machine); else None (one
+    node)."""
+    if options.topology is not None or not options.distributed:
+        return options.topology
+    layout = join_process_group(options.device_set.count, options.distributed_timeout_s,
+                                options.device_set)
+    return job_topology(layout, "dgx-a100" if options.device_set.uses_cuda else "cpu-gloo")
 
 
 def rank_job(physical: PhysicalPlan, partition: PartitionPlan | None,

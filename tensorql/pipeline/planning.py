@@ -14,7 +14,7 @@ from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.options import Options
 from tensorql.physical.builder import build
 from tensorql.physical.planner import PhysicalPlan
-from tensorql.pipeline.distributed import job_devices
+from tensorql.pipeline.distributed import job_devices, planning_topology
 from tensorql.storage.chunk_store import ChunkStore
 
 
@@ -80,7 +80,8 @@ def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
     limit = options.memory_limit
     # the ranks of a torch.distributed job each hold the inputs
     plan = optimize(logical, devices=devices, strategy=options.strategy, memory_limit=limit,
-                    also=also, sources_everywhere=options.distributed)
+                    also=also, sources_everywhere=options.distributed,
+                    topology=planning_topology(options))
     physical = build(logical, plan, db.chunk_store, max_temp_elems=max_temp,
                      sub_tiles=_sub_tiles(options, limit),
                      **_series(options, limit, devices), fired=fired)

@@ -209,6 +209,11 @@ def main() -> None:
             os._exit(4)
 
         DistributedRuntime.run = stall
+    if os.environ.get("TQ_TEST_HOSTS_PER_NODE"):  # ranks of "nodes" of this many on this host
+        import socket
+
+        per = int(os.environ["TQ_TEST_HOSTS_PER_NODE"])
+        socket.gethostname = lambda: f"node{rank // per}"
     results = {}
     wire = _count_wire_bytes()
     exchange = os.environ.get("TQ_TEST_EXCHANGE", "collective")
@@ -241,6 +246,10 @@ def main() -> None:
                 "predicted": (query.partition.pair_bytes().tolist() if query.partition
                               else [[0]]),
                 "devices": query.partition.devices if query.partition else 1,
+                "topology": (query.partition.topology.groups
+                             if query.partition and query.partition.topology else None),
+                "levels": (dict(query.partition.estimate.level_bytes)
+                           if query.partition else None),
                 "scattered": bool(query.partition and any(
                     op.scatter is not None for op in query.partition.ops)),
                 "fused": sorted({s.name.split(" ")[0] for s in query.physical.steps

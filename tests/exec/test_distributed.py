@@ -102,6 +102,31 @@ def test_ranks_run_the_partitioned_plan(tmp_path, world, exchange, limit):
         assert sum(w.get("all_to_all", 0) for w in block) > 0
 
 
+def test_two_nodes_of_two_ranks_move_the_bytes_per_level_the_plan_predicts(tmp_path):
+    """Four gloo ranks on this host, whose host names say two "nodes" of two ranks: the job
+    derives that topology from the names its ranks exchange when they join, plans for it,
+    and the bytes its ranks move inside a node and between nodes are the plan's figures per
+    link level (and per device pair)."""
+    from tensorql.optimizer.topology import Topology
+
+    names = "mlp,attention,llama_block,reduce"
+    done = _launch(4, names, tmp_path, {"TQ_TEST_HOSTS_PER_NODE": "2"})
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    topo = Topology.nodes(2, 2, "cpu-gloo")
+    inter = 0
+    for name in names.split(","):
+        for seen in ranks:
+            assert seen[name]["max_err"] < 1e-4
+            assert seen[name]["topology"] == [[0, 1], [2, 3]]
+        measured = sum(np.array(seen[name]["moved"]) for seen in ranks)
+        np.testing.assert_array_equal(measured, np.array(ranks[0][name]["predicted"]))
+        assert topo.level_bytes(measured) == ranks[0][name]["levels"]
+        inter += ranks[0][name]["levels"]["inter"]
+    assert inter > 0  # something crossed "nodes"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="NCCL ranks need a GPU each (two or more)")
