@@ -35,6 +35,20 @@ A third workload, ``mlp-dp``, compares data parallelism: tensorql with ``strateg
 against torch data parallelism (every rank holds all the weights and computes its rows of the
 batch, the output all-gathered); its "DTensor" columns are that torch baseline.
 
+A fourth, ``mlp-tp``, is tensor parallelism where it is needed: tensorql's ``auto`` strategy
+under a per-rank ``memory_limit`` (``tp_memory_limit``: the largest working set of the Megatron
+plan, below the bytes of both weights, so no rank may hold the weights whole) against the same
+DTensor Megatron plan as ``mlp``. Its weights are stored in shards, ``W1`` tiled by columns and
+``W2`` by rows in K pieces, as a checkpoint meant for K-way tensor parallelism is; stored as one
+chunk each, every rank would decode the whole chunk into its chunk cache to read its half (the
+``memory_limit`` bounds the run's memory plan, not the chunk cache). The row checks that
+tensorql's decoded weights per rank are at most 1/K of them (no replication).
+
+Weight memory per rank (every row, the largest over ranks): tensorql's is the weight chunks and
+regions its chunk cache holds after the timed runs (distinct storage), its packed copies
+(``kernels/packed_weights.py``) beside them; DTensor's its local shards' bytes, torch DP's all
+its parameters.
+
 Rows with more ranks than cores are **correctness rows** only (oversubscribed: their times are
 printed but gate nothing). Correctness (every row): both results within 1e-3 of the
 single-process reference. Goals (the largest K <= cores above 1; not with ``--tiny``):
@@ -216,6 +230,57 @@ def _max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def tp_memory_limit(batch: int, d_model: int, d_ff: int, ranks: int) -> int:
+    """The ``memory_limit`` of the ``mlp-tp`` row: the Megatron plan's largest working set on a
+    rank (float32: all of x, a 1/ranks shard of W1 and of the hidden activations; W2's product
+    mirrors it), which is below the bytes of the two weights from two ranks on: under it no rank
+    holds the weights replicated.
+
+    >>> tp_memory_limit(16, 32, 64, 2) == 4 * (16 * 32 + 32 * 32 + 16 * 32)
+    True
+    >>> tp_memory_limit(1024, 2048, 2048, 2) < 2 * 4 * 2048 * 2048
+    True
+    """
+    return 4 * (batch * d_model + math.ceil(d_model * d_ff / ranks)
+                + math.ceil(batch * d_ff / ranks))
+
+
+def _is_weight(name: str, prefix: str) -> bool:
+    """A model weight among a workload's stored arrays (x, masks, rotary tables and norms'
+    gains are not: DTensor's modules do not count them as parameters either)."""
+    return name.startswith((prefix + "w", prefix + "l0_w"))
+
+
+def _sharded_mlp(db, arrays: dict, ranks: int):
+    """The MLP over weights stored in K shards: W1 tiled by columns, W2 by rows."""
+    d, h = arrays["mlp_w1"].shape
+    cut = math.ceil(h / ranks)
+    t = {"x": db.from_numpy("mlp_x", arrays["mlp_x"], replace=True),
+         "w1": db.from_numpy("mlp_w1", arrays["mlp_w1"], replace=True, tile=(d, cut)),
+         "w2": db.from_numpy("mlp_w2", arrays["mlp_w2"], replace=True, tile=(cut, d))}
+    return (t["x"] @ t["w1"]).relu() @ t["w2"]
+
+
+def _tq_weight_bytes(db, names: list[str]) -> tuple[int, int]:
+    """This rank's weight memory after its runs: the bytes of the stored weights' chunks and
+    regions its chunk cache holds (distinct storage: a region that is a whole chunk is the
+    chunk), and of the packed copies it keeps (``kernels/packed_weights.py``)."""
+    from kernels import packed_weights
+
+    store = db.chunk_store
+    versions = store.pin(names)
+    tables = {v.handle for v in versions.values()}
+    store.unpin(versions.values())
+    cache = store.cache
+    seen: dict[int, int] = {}
+    with cache._lock:  # the cache has no public iteration; read under its lock
+        for (table, _key), chunk in cache._items.items():
+            if table in tables:
+                storage = chunk.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()), packed_weights.packed_bytes()
+
+
 def _dtensor_side(name, arrays, prefix, head_dim, world, want, repeat):
     """DTensor's model, its comm counts, error, timing and local weight bytes."""
     from torch.distributed.tensor.debug import CommDebugMode
@@ -270,7 +335,7 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    base, dp = name.split("-")[0], name.endswith("-dp")
+    base, dp, tp = name.split("-")[0], name.endswith("-dp"), name.endswith("-tp")
     if side == "dtensor":  # no tensorql in this process: weights and reference from the file
         dist.init_process_group("gloo")
         loaded = dict(np.load(data))
@@ -293,8 +358,10 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
     from tensorql.models import llama_block, mlp
 
     sent = _count_tq_bytes()
+    limit = tp_memory_limit(*SIZES[size]["mlp"], world) if tp else None
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
-                    distributed_exchange=exchange, strategy="data" if dp else "auto") as db:
+                    distributed_exchange=exchange, strategy="data" if dp else "auto",
+                    memory_limit=limit) as db:
         if base == "mlp":
             b, d, h = SIZES[size]["mlp"]
             w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
@@ -306,7 +373,7 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
             prefix = "block_"
         want = w.reference()
         want = want.numpy() if isinstance(want, torch.Tensor) else want
-        query = w.output.compile()
+        query = (_sharded_mlp(db, w.arrays, world) if tp else w.output).compile()
         before = sent[0]
         got = query.run(dense=True).dense().numpy()
         tq_bytes_rank = sent[0] - before
@@ -335,7 +402,13 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
         total = torch.tensor([tq_bytes_rank], dtype=torch.int64)
         dist.all_reduce(total)
         peak = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        weights = [n for n in w.arrays if _is_weight(n, prefix)]
+        decoded, packed = _tq_weight_bytes(db, weights)
+        decoded, packed = _max_over_ranks(decoded), _max_over_ranks(packed)
         if rank == 0:
+            report.update({"tq_weight_bytes_rank": decoded, "tq_packed_bytes_rank": packed,
+                           "weight_bytes": sum(w.arrays[n].nbytes for n in weights),
+                           "memory_limit": limit})
             report.update({"tq_samples": tq_s, "tq_first": tq_first,
                            "tq_bytes": int(total.item()), "tq_err": tq_err,
                            "plan_bytes": int(query.partition.cost.bytes_moved)
@@ -441,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="the issue's sizes (MLP 2048x4096x4096, block d_model 2048)")
     add_arguments(parser, threads=1)
     args = parser.parse_args(argv)
+    from tensorql.units import format_bytes
+
     size = "tiny" if args.tiny else "issue" if args.issue_size else "default"
     counts = [int(k) for k in args.ranks.split(",")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -453,11 +528,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{SIZES[size]}")
     columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "DTensor ms", "DT IQR",
                "DT cold ms", "tq/DT", "tq bytes MiB", "DT bytes MiB", "tq/DT bytes",
-               "DT weights/rank MiB", "tq peak RSS MiB", "DT peak RSS MiB", "tq err", "DT err",
-               "row"]
+               "weights MiB", "tq limit/rank MiB", "tq weights/rank MiB",
+               "tq packed/rank MiB", "DT weights/rank MiB", "tq peak RSS MiB",
+               "DT peak RSS MiB", "tq err", "DT err", "row"]
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for name in ("mlp", "block", "mlp-dp"):
+        for name in ("mlp", "block", "mlp-dp", "mlp-tp"):
             for k in counts:
                 r = run_row(k, name, size, args, out, rng)
                 tq_t = Timing(r["tq_samples"], r["tq_first"], isolated=args.isolate)
@@ -470,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
                              tq_t.first_s * 1e3, dt_t.median * 1e3,
                              dt_t.summary()["iqr"] * 1e3, dt_t.first_s * 1e3, ratio,
                              r["tq_bytes"] / 2**20, r["dt_bytes"] / 2**20, byte_ratio,
+                             r["weight_bytes"] / 2**20,
+                             None if r["memory_limit"] is None else r["memory_limit"] / 2**20,
+                             r["tq_weight_bytes_rank"] / 2**20,
+                             r["tq_packed_bytes_rank"] / 2**20,
                              r["dt_weight_bytes_rank"] / 2**20,
                              r.get("tq_peak_rss", 0) / 2**20,
                              r["peak_rss"] / 2**20 if "peak_rss" in r else None,
@@ -485,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
                 peer = "torch DP" if name.endswith("-dp") else "DTensor"
                 record.check(f"{name} ranks={k}: {peer} error {r['dt_err']:.1e} < 1e-3",
                              r["dt_err"] < 1e-3)
+                if name.endswith("-tp"):  # the row's premise: the weights are not replicated
+                    share = math.ceil(r["weight_bytes"] / k)
+                    record.check(f"{name} ranks={k}: tensorql holds "
+                                 f"{format_bytes(r['tq_weight_bytes_rank'])} of the weights a "
+                                 f"rank <= 1/{k} of {format_bytes(r['weight_bytes'])}",
+                                 r["tq_weight_bytes_rank"] <= share)
                 if k == goal_k:
                     record.goal(f"{name} ranks={k}: tq/{peer} time {ratio:.2f} <= 1.0",
                                 ratio <= 1.0)
@@ -495,7 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     record.table("main", columns, rows, note="One torch thread per rank on both sides; "
                  "DTensor bytes: all-reduces priced at 2 (K-1) S; mlp-dp: tensorql's data "
                  "strategy against torch data parallelism (all-gather priced at (K-1) S) in the "
-                 "DTensor columns; rows with more ranks than cores check correctness only.")
+                 "DTensor columns; mlp-tp: tensorql under a per-rank memory_limit below the "
+                 "weights' bytes, weights stored in K shards, against DTensor's Megatron plan; "
+                 "weights/rank: tensorql's decoded weight chunks in its chunk cache (packed "
+                 "copies apart), DTensor's local shards; rows with more ranks than cores check "
+                 "correctness only.")
     return record.finish()
 
 
