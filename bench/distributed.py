@@ -26,7 +26,10 @@ process group of its own -- K processes for tensorql, then K for DTensor (or the
 order of the two launches is seeded-random per row) -- and the DTensor processes never import
 tensorql (they read the weights and the reference from a file the bench writes first). Each
 launch makes one untimed call (kept as the cold figure, weight packing and planning on it) and
-``--repeat`` timed ones, each between two barriers; medians and IQRs are printed.
+``--repeat`` timed ones, each between two barriers; medians and IQRs are printed. A third
+launch a row (``--nopack``, the default with ``--isolate``) times tensorql with
+``TENSORQL_PACKED_WEIGHTS=0``: the ``tq nopack`` column, tensorql without the packed copies it
+reuses from its first call on (DTensor repacks per call).
 ``--no-isolate`` runs both in the same processes, alternating (the old way). One torch thread
 per rank on both sides. Each rank's peak RSS (the largest over ranks) and DTensor's local
 weight bytes per rank are reported.
@@ -445,13 +448,13 @@ def _free_port() -> int:
 
 def launch(ranks: int, name: str, size: str, repeat: int, out: str,
            exchange: str = "collective", explain: bool = False, side: str = "both",
-           data: str = "") -> dict:
+           data: str = "", extra_env: dict | None = None) -> dict:
     port = _free_port()
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(extra_env or {}))
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", out, name, size, str(repeat), exchange,
              "explain" if explain else "-", side, data or "-"],
@@ -469,18 +472,25 @@ def launch(ranks: int, name: str, size: str, repeat: int, out: str,
 
 
 def run_row(k: int, name: str, size: str, args, out: str, rng: random.Random) -> dict:
-    """One row: both sides isolated (two launches, seeded order) or together."""
+    """One row: both sides isolated (two launches, seeded order; a third, tensorql with
+    ``TENSORQL_PACKED_WEIGHTS=0``, unless ``--no-nopack``) or together."""
     if not args.isolate:
         return launch(k, name, size, args.repeat, out, args.exchange, args.explain)
     data = os.path.join(out, f"{name}.npz")
     if not os.path.exists(data):
         write_data(name, size, data)
-    sides = ["tq", "dtensor"]
+    sides = ["tq", "dtensor", *(["nopack"] if args.nopack else [])]
     rng.shuffle(sides)
     result: dict = {"order": sides}
     for side in sides:
-        result.update(launch(k, name, size, args.repeat, out, args.exchange, args.explain,
-                             side, data))
+        if side == "nopack":  # tensorql alone, its packed weights off (read at import)
+            got = launch(k, name, size, args.repeat, out, args.exchange, False, side, data,
+                         {"TENSORQL_PACKED_WEIGHTS": "0"})
+            result.update(nopack_samples=got["tq_samples"], nopack_first=got["tq_first"],
+                          nopack_err=got["tq_err"])
+            continue
+        result.update(launch(k, name, size, args.repeat, out, args.exchange,
+                             args.explain and side == "tq", side, data))
     return result
 
 
@@ -508,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="after timing, print rank 0's EXPLAIN ANALYZE of each run (per-rank "
                              "busy time, bytes per collective, peaks)")
+    parser.add_argument("--nopack", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time tensorql with TENSORQL_PACKED_WEIGHTS=0 (a third "
+                             "launch a row; isolated runs only; default on)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     group.add_argument("--issue-size", action="store_true",
@@ -526,8 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch={torch.__version__} gloo, one torch thread per rank, repeat={args.repeat}, "
           f"exchange={args.exchange}, isolate={args.isolate}, {cores} cores, sizes "
           f"{SIZES[size]}")
-    columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "DTensor ms", "DT IQR",
-               "DT cold ms", "tq/DT", "tq bytes MiB", "DT bytes MiB", "tq/DT bytes",
+    columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "tq nopack ms",
+               "DTensor ms", "DT IQR", "DT cold ms", "tq/DT", "nopack/DT", "tq bytes MiB",
+               "DT bytes MiB", "tq/DT bytes",
                "weights MiB", "tq limit/rank MiB", "tq weights/rank MiB",
                "tq packed/rank MiB", "DT weights/rank MiB", "tq peak RSS MiB",
                "DT peak RSS MiB", "tq err", "DT err", "row"]
@@ -538,13 +552,20 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_row(k, name, size, args, out, rng)
                 tq_t = Timing(r["tq_samples"], r["tq_first"], isolated=args.isolate)
                 dt_t = Timing(r["dt_samples"], r["dt_first"], isolated=args.isolate)
-                record.timings(f"{name} ranks={k}", {"tq": tq_t, "dtensor": dt_t})
+                timings = {"tq": tq_t, "dtensor": dt_t}
+                if "nopack_samples" in r:
+                    timings["tq nopack"] = Timing(r["nopack_samples"], r["nopack_first"],
+                                                  isolated=True)
+                record.timings(f"{name} ranks={k}", timings)
                 ratio = tq_t.median / dt_t.median
+                nopack = timings["tq nopack"].median if "tq nopack" in timings else None
                 byte_ratio = (r["tq_bytes"] / r["dt_bytes"]) if r["dt_bytes"] else float("nan")
                 kind = ("timing" if k <= (cores or 1) else "correctness only (ranks > cores)")
                 rows.append([name, k, tq_t.median * 1e3, tq_t.summary()["iqr"] * 1e3,
-                             tq_t.first_s * 1e3, dt_t.median * 1e3,
-                             dt_t.summary()["iqr"] * 1e3, dt_t.first_s * 1e3, ratio,
+                             tq_t.first_s * 1e3, None if nopack is None else nopack * 1e3,
+                             dt_t.median * 1e3, dt_t.summary()["iqr"] * 1e3,
+                             dt_t.first_s * 1e3, ratio,
+                             None if nopack is None else nopack / dt_t.median,
                              r["tq_bytes"] / 2**20, r["dt_bytes"] / 2**20, byte_ratio,
                              r["weight_bytes"] / 2**20,
                              None if r["memory_limit"] is None else r["memory_limit"] / 2**20,
@@ -562,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f.read(), flush=True)
                 record.check(f"{name} ranks={k}: tensorql error {r['tq_err']:.1e} < 1e-3",
                              r["tq_err"] < 1e-3)
+                if "nopack_err" in r:
+                    record.check(f"{name} ranks={k}: tensorql nopack error "
+                                 f"{r['nopack_err']:.1e} < 1e-3", r["nopack_err"] < 1e-3)
                 peer = "torch DP" if name.endswith("-dp") else "DTensor"
                 record.check(f"{name} ranks={k}: {peer} error {r['dt_err']:.1e} < 1e-3",
                              r["dt_err"] < 1e-3)
@@ -581,11 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     record.table("main", columns, rows, note="One torch thread per rank on both sides; "
                  "DTensor bytes: all-reduces priced at 2 (K-1) S; mlp-dp: tensorql's data "
                  "strategy against torch data parallelism (all-gather priced at (K-1) S) in the "
-                 "DTensor columns; mlp-tp: tensorql under a per-rank memory_limit below the "
-                 "weights' bytes, weights stored in K shards, against DTensor's Megatron plan; "
-                 "weights/rank: tensorql's decoded weight chunks in its chunk cache (packed "
-                 "copies apart), DTensor's local shards; rows with more ranks than cores check "
-                 "correctness only.")
+                 "DTensor columns; nopack: tensorql with TENSORQL_PACKED_WEIGHTS=0; mlp-tp: "
+                 "tensorql under a per-rank memory_limit below the weights' bytes, weights "
+                 "stored in K shards, against DTensor's Megatron plan; weights/rank: "
+                 "tensorql's decoded weight chunks in its chunk cache (packed copies apart), "
+                 "DTensor's local shards; rows with more ranks than cores check correctness "
+                 "only.")
     return record.finish()
 
 
