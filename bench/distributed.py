@@ -236,8 +236,8 @@ def _max_over_ranks(value: int) -> int:
 def tp_memory_limit(batch: int, d_model: int, d_ff: int, ranks: int) -> int:
     """The ``memory_limit`` of the ``mlp-tp`` row: the Megatron plan's largest working set on a
     rank (float32: all of x, a 1/ranks shard of W1 and of the hidden activations; W2's product
-    mirrors it), which is below the bytes of the two weights from two ranks on: under it no rank
-    holds the weights replicated.
+    mirrors it). At this bench's sizes it is below the bytes of the two weights from two ranks
+    on (the row checks it): under it no rank holds both weights whole.
 
     >>> tp_memory_limit(16, 32, 64, 2) == 4 * (16 * 32 + 32 * 32 + 16 * 32)
     True
@@ -590,6 +590,11 @@ def main(argv: list[str] | None = None) -> int:
                 record.check(f"{name} ranks={k}: {peer} error {r['dt_err']:.1e} < 1e-3",
                              r["dt_err"] < 1e-3)
                 if name.endswith("-tp"):  # the row's premise: the weights are not replicated
+                    if k > 1:
+                        record.check(f"{name} ranks={k}: memory_limit "
+                                     f"{format_bytes(r['memory_limit'])} < the weights' "
+                                     f"{format_bytes(r['weight_bytes'])}",
+                                     r["memory_limit"] < r["weight_bytes"])
                     share = math.ceil(r["weight_bytes"] / k)
                     record.check(f"{name} ranks={k}: tensorql holds "
                                  f"{format_bytes(r['tq_weight_bytes_rank'])} of the weights a "
