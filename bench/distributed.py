@@ -26,7 +26,10 @@ process group of its own -- K processes for tensorql, then K for DTensor (or the
 order of the two launches is seeded-random per row) -- and the DTensor processes never import
 tensorql (they read the weights and the reference from a file the bench writes first). Each
 launch makes one untimed call (kept as the cold figure, weight packing and planning on it) and
-``--repeat`` timed ones, each between two barriers; medians and IQRs are printed.
+``--repeat`` timed ones, each between two barriers; medians and IQRs are printed. A third
+launch a row (``--nopack``, the default with ``--isolate``) times tensorql with
+``TENSORQL_PACKED_WEIGHTS=0``: the ``tq nopack`` column, tensorql without the packed copies it
+reuses from its first call on (DTensor repacks per call).
 ``--no-isolate`` runs both in the same processes, alternating (the old way). One torch thread
 per rank on both sides. Each rank's peak RSS (the largest over ranks) and DTensor's local
 weight bytes per rank are reported.
@@ -34,6 +37,20 @@ weight bytes per rank are reported.
 A third workload, ``mlp-dp``, compares data parallelism: tensorql with ``strategy="data"``
 against torch data parallelism (every rank holds all the weights and computes its rows of the
 batch, the output all-gathered); its "DTensor" columns are that torch baseline.
+
+A fourth, ``mlp-tp``, is tensor parallelism where it is needed: tensorql's ``auto`` strategy
+under a per-rank ``memory_limit`` (``tp_memory_limit``: the largest working set of the Megatron
+plan, below the bytes of both weights, so no rank may hold the weights whole) against the same
+DTensor Megatron plan as ``mlp``. Its weights are stored in shards, ``W1`` tiled by columns and
+``W2`` by rows in K pieces, as a checkpoint meant for K-way tensor parallelism is; stored as one
+chunk each, every rank would decode the whole chunk into its chunk cache to read its half (the
+``memory_limit`` bounds the run's memory plan, not the chunk cache). The row checks that
+tensorql's decoded weights per rank are at most 1/K of them (no replication).
+
+Weight memory per rank (every row, the largest over ranks): tensorql's is the weight chunks and
+regions its chunk cache holds after the timed runs (distinct storage), its packed copies
+(``kernels/packed_weights.py``) beside them; DTensor's its local shards' bytes, torch DP's all
+its parameters.
 
 Rows with more ranks than cores are **correctness rows** only (oversubscribed: their times are
 printed but gate nothing). Correctness (every row): both results within 1e-3 of the
@@ -216,6 +233,57 @@ def _max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def tp_memory_limit(batch: int, d_model: int, d_ff: int, ranks: int) -> int:
+    """The ``memory_limit`` of the ``mlp-tp`` row: the Megatron plan's largest working set on a
+    rank (float32: all of x, a 1/ranks shard of W1 and of the hidden activations; W2's product
+    mirrors it). At this bench's sizes it is below the bytes of the two weights from two ranks
+    on (the row checks it): under it no rank holds both weights whole.
+
+    >>> tp_memory_limit(16, 32, 64, 2) == 4 * (16 * 32 + 32 * 32 + 16 * 32)
+    True
+    >>> tp_memory_limit(1024, 2048, 2048, 2) < 2 * 4 * 2048 * 2048
+    True
+    """
+    return 4 * (batch * d_model + math.ceil(d_model * d_ff / ranks)
+                + math.ceil(batch * d_ff / ranks))
+
+
+def _is_weight(name: str, prefix: str) -> bool:
+    """A model weight among a workload's stored arrays (x, masks, rotary tables and norms'
+    gains are not: DTensor's modules do not count them as parameters either)."""
+    return name.startswith((prefix + "w", prefix + "l0_w"))
+
+
+def _sharded_mlp(db, arrays: dict, ranks: int):
+    """The MLP over weights stored in K shards: W1 tiled by columns, W2 by rows."""
+    d, h = arrays["mlp_w1"].shape
+    cut = math.ceil(h / ranks)
+    t = {"x": db.from_numpy("mlp_x", arrays["mlp_x"], replace=True),
+         "w1": db.from_numpy("mlp_w1", arrays["mlp_w1"], replace=True, tile=(d, cut)),
+         "w2": db.from_numpy("mlp_w2", arrays["mlp_w2"], replace=True, tile=(cut, d))}
+    return (t["x"] @ t["w1"]).relu() @ t["w2"]
+
+
+def _tq_weight_bytes(db, names: list[str]) -> tuple[int, int]:
+    """This rank's weight memory after its runs: the bytes of the stored weights' chunks and
+    regions its chunk cache holds (distinct storage: a region that is a whole chunk is the
+    chunk), and of the packed copies it keeps (``kernels/packed_weights.py``)."""
+    from kernels import packed_weights
+
+    store = db.chunk_store
+    versions = store.pin(names)
+    tables = {v.handle for v in versions.values()}
+    store.unpin(versions.values())
+    cache = store.cache
+    seen: dict[int, int] = {}
+    with cache._lock:  # the cache has no public iteration; read under its lock
+        for (table, _key), chunk in cache._items.items():
+            if table in tables:
+                storage = chunk.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()), packed_weights.packed_bytes()
+
+
 def _dtensor_side(name, arrays, prefix, head_dim, world, want, repeat):
     """DTensor's model, its comm counts, error, timing and local weight bytes."""
     from torch.distributed.tensor.debug import CommDebugMode
@@ -270,7 +338,7 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    base, dp = name.split("-")[0], name.endswith("-dp")
+    base, dp, tp = name.split("-")[0], name.endswith("-dp"), name.endswith("-tp")
     if side == "dtensor":  # no tensorql in this process: weights and reference from the file
         dist.init_process_group("gloo")
         loaded = dict(np.load(data))
@@ -293,8 +361,10 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
     from tensorql.models import llama_block, mlp
 
     sent = _count_tq_bytes()
+    limit = tp_memory_limit(*SIZES[size]["mlp"], world) if tp else None
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
-                    distributed_exchange=exchange, strategy="data" if dp else "auto") as db:
+                    distributed_exchange=exchange, strategy="data" if dp else "auto",
+                    memory_limit=limit) as db:
         if base == "mlp":
             b, d, h = SIZES[size]["mlp"]
             w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
@@ -306,7 +376,7 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
             prefix = "block_"
         want = w.reference()
         want = want.numpy() if isinstance(want, torch.Tensor) else want
-        query = w.output.compile()
+        query = (_sharded_mlp(db, w.arrays, world) if tp else w.output).compile()
         before = sent[0]
         got = query.run(dense=True).dense().numpy()
         tq_bytes_rank = sent[0] - before
@@ -335,7 +405,13 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
         total = torch.tensor([tq_bytes_rank], dtype=torch.int64)
         dist.all_reduce(total)
         peak = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        weights = [n for n in w.arrays if _is_weight(n, prefix)]
+        decoded, packed = _tq_weight_bytes(db, weights)
+        decoded, packed = _max_over_ranks(decoded), _max_over_ranks(packed)
         if rank == 0:
+            report.update({"tq_weight_bytes_rank": decoded, "tq_packed_bytes_rank": packed,
+                           "weight_bytes": sum(w.arrays[n].nbytes for n in weights),
+                           "memory_limit": limit})
             report.update({"tq_samples": tq_s, "tq_first": tq_first,
                            "tq_bytes": int(total.item()), "tq_err": tq_err,
                            "plan_bytes": int(query.partition.cost.bytes_moved)
@@ -372,13 +448,13 @@ def _free_port() -> int:
 
 def launch(ranks: int, name: str, size: str, repeat: int, out: str,
            exchange: str = "collective", explain: bool = False, side: str = "both",
-           data: str = "") -> dict:
+           data: str = "", extra_env: dict | None = None) -> dict:
     port = _free_port()
     procs = []
     for rank in range(ranks):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **(extra_env or {}))
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", out, name, size, str(repeat), exchange,
              "explain" if explain else "-", side, data or "-"],
@@ -396,18 +472,25 @@ def launch(ranks: int, name: str, size: str, repeat: int, out: str,
 
 
 def run_row(k: int, name: str, size: str, args, out: str, rng: random.Random) -> dict:
-    """One row: both sides isolated (two launches, seeded order) or together."""
+    """One row: both sides isolated (two launches, seeded order; a third, tensorql with
+    ``TENSORQL_PACKED_WEIGHTS=0``, unless ``--no-nopack``) or together."""
     if not args.isolate:
         return launch(k, name, size, args.repeat, out, args.exchange, args.explain)
     data = os.path.join(out, f"{name}.npz")
     if not os.path.exists(data):
         write_data(name, size, data)
-    sides = ["tq", "dtensor"]
+    sides = ["tq", "dtensor", *(["nopack"] if args.nopack else [])]
     rng.shuffle(sides)
     result: dict = {"order": sides}
     for side in sides:
-        result.update(launch(k, name, size, args.repeat, out, args.exchange, args.explain,
-                             side, data))
+        if side == "nopack":  # tensorql alone, its packed weights off (read at import)
+            got = launch(k, name, size, args.repeat, out, args.exchange, False, side, data,
+                         {"TENSORQL_PACKED_WEIGHTS": "0"})
+            result.update(nopack_samples=got["tq_samples"], nopack_first=got["tq_first"],
+                          nopack_err=got["tq_err"])
+            continue
+        result.update(launch(k, name, size, args.repeat, out, args.exchange,
+                             args.explain and side == "tq", side, data))
     return result
 
 
@@ -435,12 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="after timing, print rank 0's EXPLAIN ANALYZE of each run (per-rank "
                              "busy time, bytes per collective, peaks)")
+    parser.add_argument("--nopack", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time tensorql with TENSORQL_PACKED_WEIGHTS=0 (a third "
+                             "launch a row; isolated runs only; default on)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     group.add_argument("--issue-size", action="store_true",
                        help="the issue's sizes (MLP 2048x4096x4096, block d_model 2048)")
     add_arguments(parser, threads=1)
     args = parser.parse_args(argv)
+    from tensorql.units import format_bytes
+
     size = "tiny" if args.tiny else "issue" if args.issue_size else "default"
     counts = [int(k) for k in args.ranks.split(",")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -451,25 +539,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch={torch.__version__} gloo, one torch thread per rank, repeat={args.repeat}, "
           f"exchange={args.exchange}, isolate={args.isolate}, {cores} cores, sizes "
           f"{SIZES[size]}")
-    columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "DTensor ms", "DT IQR",
-               "DT cold ms", "tq/DT", "tq bytes MiB", "DT bytes MiB", "tq/DT bytes",
-               "DT weights/rank MiB", "tq peak RSS MiB", "DT peak RSS MiB", "tq err", "DT err",
-               "row"]
+    columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "tq nopack ms",
+               "DTensor ms", "DT IQR", "DT cold ms", "tq/DT", "nopack/DT", "tq bytes MiB",
+               "DT bytes MiB", "tq/DT bytes",
+               "weights MiB", "tq limit/rank MiB", "tq weights/rank MiB",
+               "tq packed/rank MiB", "DT weights/rank MiB", "tq peak RSS MiB",
+               "DT peak RSS MiB", "tq err", "DT err", "row"]
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for name in ("mlp", "block", "mlp-dp"):
+        for name in ("mlp", "block", "mlp-dp", "mlp-tp"):
             for k in counts:
                 r = run_row(k, name, size, args, out, rng)
                 tq_t = Timing(r["tq_samples"], r["tq_first"], isolated=args.isolate)
                 dt_t = Timing(r["dt_samples"], r["dt_first"], isolated=args.isolate)
-                record.timings(f"{name} ranks={k}", {"tq": tq_t, "dtensor": dt_t})
+                timings = {"tq": tq_t, "dtensor": dt_t}
+                if "nopack_samples" in r:
+                    timings["tq nopack"] = Timing(r["nopack_samples"], r["nopack_first"],
+                                                  isolated=True)
+                record.timings(f"{name} ranks={k}", timings)
                 ratio = tq_t.median / dt_t.median
+                nopack = timings["tq nopack"].median if "tq nopack" in timings else None
                 byte_ratio = (r["tq_bytes"] / r["dt_bytes"]) if r["dt_bytes"] else float("nan")
                 kind = ("timing" if k <= (cores or 1) else "correctness only (ranks > cores)")
                 rows.append([name, k, tq_t.median * 1e3, tq_t.summary()["iqr"] * 1e3,
-                             tq_t.first_s * 1e3, dt_t.median * 1e3,
-                             dt_t.summary()["iqr"] * 1e3, dt_t.first_s * 1e3, ratio,
+                             tq_t.first_s * 1e3, None if nopack is None else nopack * 1e3,
+                             dt_t.median * 1e3, dt_t.summary()["iqr"] * 1e3,
+                             dt_t.first_s * 1e3, ratio,
+                             None if nopack is None else nopack / dt_t.median,
                              r["tq_bytes"] / 2**20, r["dt_bytes"] / 2**20, byte_ratio,
+                             r["weight_bytes"] / 2**20,
+                             None if r["memory_limit"] is None else r["memory_limit"] / 2**20,
+                             r["tq_weight_bytes_rank"] / 2**20,
+                             r["tq_packed_bytes_rank"] / 2**20,
                              r["dt_weight_bytes_rank"] / 2**20,
                              r.get("tq_peak_rss", 0) / 2**20,
                              r["peak_rss"] / 2**20 if "peak_rss" in r else None,
@@ -482,9 +583,23 @@ def main(argv: list[str] | None = None) -> int:
                         print(f.read(), flush=True)
                 record.check(f"{name} ranks={k}: tensorql error {r['tq_err']:.1e} < 1e-3",
                              r["tq_err"] < 1e-3)
+                if "nopack_err" in r:
+                    record.check(f"{name} ranks={k}: tensorql nopack error "
+                                 f"{r['nopack_err']:.1e} < 1e-3", r["nopack_err"] < 1e-3)
                 peer = "torch DP" if name.endswith("-dp") else "DTensor"
                 record.check(f"{name} ranks={k}: {peer} error {r['dt_err']:.1e} < 1e-3",
                              r["dt_err"] < 1e-3)
+                if name.endswith("-tp"):  # the row's premise: the weights are not replicated
+                    if k > 1:
+                        record.check(f"{name} ranks={k}: memory_limit "
+                                     f"{format_bytes(r['memory_limit'])} < the weights' "
+                                     f"{format_bytes(r['weight_bytes'])}",
+                                     r["memory_limit"] < r["weight_bytes"])
+                    share = math.ceil(r["weight_bytes"] / k)
+                    record.check(f"{name} ranks={k}: tensorql holds "
+                                 f"{format_bytes(r['tq_weight_bytes_rank'])} of the weights a "
+                                 f"rank <= 1/{k} of {format_bytes(r['weight_bytes'])}",
+                                 r["tq_weight_bytes_rank"] <= share)
                 if k == goal_k:
                     record.goal(f"{name} ranks={k}: tq/{peer} time {ratio:.2f} <= 1.0",
                                 ratio <= 1.0)
@@ -495,7 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     record.table("main", columns, rows, note="One torch thread per rank on both sides; "
                  "DTensor bytes: all-reduces priced at 2 (K-1) S; mlp-dp: tensorql's data "
                  "strategy against torch data parallelism (all-gather priced at (K-1) S) in the "
-                 "DTensor columns; rows with more ranks than cores check correctness only.")
+                 "DTensor columns; nopack: tensorql with TENSORQL_PACKED_WEIGHTS=0; mlp-tp: "
+                 "tensorql under a per-rank memory_limit below the weights' bytes, weights "
+                 "stored in K shards, against DTensor's Megatron plan; weights/rank: "
+                 "tensorql's decoded weight chunks in its chunk cache (packed copies apart), "
+                 "DTensor's local shards; rows with more ranks than cores check correctness "
+                 "only.")
     return record.finish()
 
 

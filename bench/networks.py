@@ -11,6 +11,9 @@ size) runs on the same seeded random float32 operands, every contender in its ow
 - ``tq warm``: the same with the path cache kept (the search is done once, on the cold call;
   with ``--no-isolate`` it shares the process's cache with ``tq``, which clears it: isolated
   figures only);
+- ``tq nopack``: ``tq`` with ``TENSORQL_PACKED_WEIGHTS=0`` (isolated runs only): tensorql
+  without the oneDNN-packed copies of stored operands it keeps from its first call on
+  (opt_einsum and cotengra call torch, whose products repack per call);
 - ``oe auto`` / ``oe auto-hq``: ``opt_einsum.contract(..., optimize=..., backend="torch")``,
   path search on the clock (``auto`` is opt_einsum's default);
 - ``oe expr``: ``opt_einsum.contract_expression`` with the ``auto-hq`` path found once, before
@@ -159,14 +162,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{'isolated' if args.isolate else 'one process'}")
     kinds = {"tq": ("networks:tq_factory", {"warm": False, "threads": args.threads}),
              "tq warm": ("networks:tq_factory", {"warm": True, "threads": args.threads}),
+             "tq nopack": ("networks:tq_factory", {"warm": False, "threads": args.threads}),
              "oe auto": ("networks:oe_factory", {"optimize": "auto"}),
              "oe auto-hq": ("networks:oe_factory", {"optimize": "auto-hq"}),
              "oe expr": ("networks:oe_factory", {"optimize": "expr"}),
              "cotengra": ("networks:cotengra_factory", {})}
+    envs = {"tq nopack": {"TENSORQL_PACKED_WEIGHTS": "0"}}  # isolated runs only
     ratios, rows = [], []
     for name in names:
         equation, shapes, _ = network(name, args.tiny)
-        contenders = [Contender(who, factory, dict(kw, name=name, tiny=args.tiny))
+        contenders = [Contender(who, factory, dict(kw, name=name, tiny=args.tiny),
+                                env=envs.get(who, {}))
                       for who, (factory, kw) in kinds.items()]
         timings, outputs = run_contenders(contenders, args)
         record.timings(name, timings)
@@ -190,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     info.flops <= 1.05 * ctg)
         rows.append([name, len(shapes), len(sizes), float(info.flops), float(ctg),
                      info.flops / ctg, ours_search["median"] * 1e3, oe_search["median"] * 1e3,
-                     *(med[k] * 1e3 for k in kinds), timings["tq"].first_s * 1e3, ratio,
+                     *(med[k] * 1e3 if k in med else None for k in kinds),
+                     timings["tq"].first_s * 1e3, ratio,
                      med["tq warm"] / med["oe expr"]])
         print(f"  {name}: " + "; ".join(f"{k} {t.describe()}" for k, t in timings.items()),
               flush=True)
