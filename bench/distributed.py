@@ -268,7 +268,7 @@ def _tq_weight_bytes(db, names: list[str]) -> tuple[int, int]:
     """This rank's weight memory after its runs: the bytes of the stored weights' chunks and
     regions its chunk cache holds (distinct storage: a region that is a whole chunk is the
     chunk), and of the packed copies it keeps (``kernels/packed_weights.py``)."""
-    from kernels import packed_weights
+    from tensorql_kernels import packed_weights
 
     store = db.chunk_store
     versions = store.pin(names)
