@@ -503,13 +503,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--worker":
         worker(argv[1], argv[2], argv[3], int(argv[4]), argv[5], argv[6] == "explain",
                argv[7], "" if argv[8] == "-" else argv[8])
-        # the rank's work and its report are done and written: end without the interpreter's
-        # teardown, where gloo's threads made a rank abort (SIGABRT, "terminate called without
-        # an active exception") in 2 of 4 CI runs on 2026-11-26 -- an open bug of the
-        # process group's exit (tensorql.exec.distributed.leave_process_group), not of the run
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        if argv[7] != "tq":
+            # DTensor ran here: its functional collectives leave works un-waited ("2 unwaited
+            # collective calls" at exit) and a gloo group outlives destroy_process_group, so
+            # the interpreter's teardown can abort the rank (SIGABRT, "terminate called
+            # without an active exception"), as it did tensorql's ranks until
+            # leave_process_group freed their group. Its work and report are done: end here
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--exchange", choices=("collective", "p2p"), default="collective",

@@ -31,6 +31,7 @@ import atexit
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -675,7 +676,11 @@ def collective_failed(layout: RankLayout, what: str, err: BaseException) -> Dist
 
 _PROCESS_KEY = "tensorql/process/"  # + rank: "<host> <pid>", set as the rank joins
 _FAILED_KEY = "tensorql/failed/"  # + rank: the time.time() a collective of it failed
-_ANNOUNCED: list[Any] = []  # [(the default group, rank)] this process announced itself in
+# [(a weak reference to the default group, rank)] this process announced itself in. Module
+# state refers to torch.distributed's groups weakly (see :func:`_held`): a group tensorql kept
+# alive outlived destroy_process_group and was torn down with gloo's threads at interpreter
+# exit, where a gloo thread that needs the GIL aborts the process (:func:`leave_process_group`)
+_ANNOUNCED: list[Any] = []
 
 
 @dataclass(frozen=True)
@@ -741,7 +746,7 @@ def announce_process(layout: RankLayout) -> None:
     if layout.world < 2 or not dist.is_initialized():
         return
     group = dist.distributed_c10d._get_default_group()
-    if _ANNOUNCED and _ANNOUNCED[0] == (group, layout.rank):
+    if _ANNOUNCED and _held(_ANNOUNCED[0][0]) is group and _ANNOUNCED[0][1] == layout.rank:
         return
     store = _job_store()
     if store is None:
@@ -750,7 +755,7 @@ def announce_process(layout: RankLayout) -> None:
         store.set(f"{_PROCESS_KEY}{layout.rank}", f"{socket.gethostname()} {os.getpid()}")
     except Exception:  # noqa: BLE001 - only the error messages lose their precision
         return
-    _ANNOUNCED[:] = [(group, layout.rank)]
+    _ANNOUNCED[:] = [(weakref.ref(group), layout.rank)]
 
 
 def _process_alive(pid: int) -> bool:
@@ -905,7 +910,22 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     return sent
 
 
-_EXCHANGE_GROUP: list[Any] = []  # [(the default group it was made in, the group)]
+# [(the default group it was made in, the group)], both weak references: torch's registry
+# holds the groups until destroy_process_group, and only it
+_EXCHANGE_GROUP: list[Any] = []
+
+
+def _held(ref: Any) -> Any:
+    """The group a weak reference of the module's state refers to, or None once it is gone.
+
+    >>> class Group: pass
+    >>> g = Group()
+    >>> _held(weakref.ref(g)) is g
+    True
+    >>> _held(None) is None
+    True
+    """
+    return ref() if ref is not None else None
 
 
 def exchange_group(layout: RankLayout) -> Any:
@@ -918,9 +938,11 @@ def exchange_group(layout: RankLayout) -> Any:
     if layout.world < 2:
         return None
     default = dist.distributed_c10d._get_default_group()
-    if not _EXCHANGE_GROUP or _EXCHANGE_GROUP[0][0] is not default:
-        _EXCHANGE_GROUP[:] = [(default, dist.new_group(list(range(layout.world))))]
-    return _EXCHANGE_GROUP[0][1]
+    group = _held(_EXCHANGE_GROUP[0][1]) if _EXCHANGE_GROUP else None
+    if group is None or _held(_EXCHANGE_GROUP[0][0]) is not default:
+        group = dist.new_group(list(range(layout.world)))
+        _EXCHANGE_GROUP[:] = [(weakref.ref(default), weakref.ref(group))]
+    return group
 
 
 def join_process_group(local_devices: int, timeout_s: float,
@@ -981,7 +1003,7 @@ def derive_topology(layout: RankLayout, hosts: Sequence[str] | None = None,
     return Topology.nodes(layout.world // per, per * layout.local, machine)
 
 
-_JOB_HOSTS: list[Any] = []  # [(the default group, every rank's host name)]
+_JOB_HOSTS: list[Any] = []  # [(a weak reference to the default group, every rank's host)]
 
 
 def job_topology(layout: RankLayout, machine: str = "cpu-gloo") -> Topology:
@@ -992,12 +1014,12 @@ def job_topology(layout: RankLayout, machine: str = "cpu-gloo") -> Topology:
 
     hosts = None
     if layout.world > 1 and dist.is_initialized() and _JOB_HOSTS \
-            and _JOB_HOSTS[0][0] is dist.distributed_c10d._get_default_group():
+            and _held(_JOB_HOSTS[0][0]) is dist.distributed_c10d._get_default_group():
         hosts = _JOB_HOSTS[0][1]
     return derive_topology(layout, hosts, machine=machine)
 
 
-_GPUS_CHECKED: list[Any] = []  # [the default group whose ranks' GPUs were compared]
+_GPUS_CHECKED: list[Any] = []  # [a weak reference to the group whose ranks' GPUs were compared]
 
 
 def gpu_names(devices: DeviceSet | None, environ: Any = None) -> list[str]:
@@ -1044,15 +1066,15 @@ def check_gpus_not_shared(layout: RankLayout, devices: DeviceSet | None) -> None
     if layout.world < 2 or not dist.is_initialized():
         return
     group = dist.distributed_c10d._get_default_group()
-    if _GPUS_CHECKED and _GPUS_CHECKED[0] is group:
+    if _GPUS_CHECKED and _held(_GPUS_CHECKED[0]) is group:
         return
     places: list[Any] = [None] * layout.world
     try:
         dist.all_gather_object(places, (socket.gethostname(), gpu_names(devices)))
     except RuntimeError as err:
         raise collective_failed(layout, "comparing GPUs with the other ranks", err) from err
-    _GPUS_CHECKED[:] = [group]
-    _JOB_HOSTS[:] = [(group, [host for host, _ in places])]
+    _GPUS_CHECKED[:] = [weakref.ref(group)]
+    _JOB_HOSTS[:] = [(weakref.ref(group), [host for host, _ in places])]
     why = shared_gpus(places)
     if why is not None:
         raise DistributedError(
@@ -1104,24 +1126,32 @@ def leave_process_group(wait_s: float = 10.0) -> None:
     """Destroy the process group this process joined, while the interpreter is still whole.
 
     Registered at exit when :func:`join_process_group` made the group (a group the script
-    made itself is the script's to destroy). Without it gloo's worker threads outlive the
-    interpreter and the process can abort as it ends ("terminate called without an active
-    exception", SIGABRT) although its work finished. Destroying waits for the group's
-    pending work; after a rank died that could wait long, so it runs on a thread given
-    ``wait_s`` seconds: a process never hangs at exit.
+    made itself is the script's to destroy). Destroying frees the groups -- tensorql's own
+    state refers to them weakly -- so gloo's threads, and rank 0's store server, end here. A
+    group left to the interpreter's teardown is destroyed inside ``Py_Finalize``, where a gloo
+    thread that needs the GIL (finishing a work whose future has a Python callback, or whose
+    tensor was dropped by Python) is ended by ``pthread_exit``, and the process aborts
+    ("terminate called without an active exception", SIGABRT) although its work finished.
+    Destroying waits for the group's pending work; after a rank died that could wait long, so
+    it runs on a thread given ``wait_s`` seconds: a process never hangs at exit.
 
     >>> leave_process_group()  # no group joined: nothing to do
     """
+    import gc
+
     import torch.distributed as dist
 
     _EXCHANGE_GROUP.clear()
     _GPUS_CHECKED.clear()
+    _JOB_HOSTS.clear()
+    _ANNOUNCED.clear()
     if not (dist.is_available() and dist.is_initialized()):
         return
 
     def destroy() -> None:
         try:
             dist.destroy_process_group()
+            gc.collect()  # a group held only by a reference cycle goes now, not at teardown
         except Exception:  # noqa: BLE001 - at exit there is no one left to tell
             pass
 

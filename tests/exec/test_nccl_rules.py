@@ -214,7 +214,7 @@ def test_ranks_of_one_machine_started_apart_may_not_share_a_gpu(monkeypatch):
     from tensorql.devices import DeviceSet
     from tensorql.exec.distributed import RankLayout
 
-    group = object()
+    group = type("Group", (), {})()  # a stand-in the module can refer to weakly, as to torch's
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", lambda: group)
 
