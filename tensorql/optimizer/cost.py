@@ -191,26 +191,18 @@ class Layout:
         s, f = self.scatter
         agg_rank = _rank(self.index[:, n_out:], self.pieces[n_out:],
                          tuple(range(len(self.pieces) - n_out)))
-        device_of_part = {(tuple(int(x) for x in self.index[t, :n_out]), int(agg_rank[t])):
-                          int(self.device[t]) for t in range(len(self.device))}
+        piece_id = _rank(self.index[:, :n_out], self.pieces[:n_out], tuple(range(n_out)))
+        device_of_part = np.zeros((max(1, math.prod(self.pieces[:n_out])), f), dtype=np.int64)
+        device_of_part[piece_id, agg_rank] = self.device
         size = int((self.starts[:, s] + self.lens[:, s]).max()) if len(own) else 0
-        bounds = piece_bounds(size, self.pieces[s] * f)
-        idx_rows, st_rows, ln_rows, dev_rows = [], [], [], []
-        for k in range(len(own)):
-            piece = tuple(int(x) for x in idx[k])
-            for b in range(f):
-                g = piece[s] * f + b
-                row_i, row_s, row_l = idx[k].copy(), st[k].copy(), ln[k].copy()
-                row_i[s], row_s[s], row_l[s] = g, bounds[g], bounds[g + 1] - bounds[g]
-                idx_rows.append(row_i)
-                st_rows.append(row_s)
-                ln_rows.append(row_l)
-                dev_rows.append(device_of_part[(piece, b)])
-        shape = (len(idx_rows), n_out)
-        return OutputPieces(np.array(idx_rows, dtype=np.int64).reshape(shape),
-                            np.array(st_rows, dtype=np.int64).reshape(shape),
-                            np.array(ln_rows, dtype=np.int64).reshape(shape),
-                            np.array(dev_rows, dtype=np.int64))
+        bounds = np.array(piece_bounds(size, self.pieces[s] * f), dtype=np.int64)
+        part = np.tile(np.arange(f, dtype=np.int64), len(own))
+        rows_i, rows_s = np.repeat(idx, f, axis=0), np.repeat(st, f, axis=0)
+        rows_l = np.repeat(ln, f, axis=0)
+        g = rows_i[:, s] * f + part
+        rows_i[:, s], rows_s[:, s], rows_l[:, s] = g, bounds[g], bounds[g + 1] - bounds[g]
+        return OutputPieces(rows_i, rows_s, rows_l,
+                            device_of_part[np.repeat(piece_id[own], f), part])
 
     def owners(self) -> dict[tuple[int, ...], int]:
         """Output piece index -> owning device."""
@@ -233,6 +225,31 @@ class Layout:
                    ) -> list[tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]]:
         """The output pieces overlapping region ``[lo, hi)`` (see :func:`region_sources`)."""
         return region_sources(self, lo, hi)
+
+    def partial_totals(self) -> tuple[int, int]:
+        """How many partials are sent to an owner and their elements: the count and sum of
+        :meth:`partial_sends`, computed array-wise."""
+        n_out = self.n_out
+        if n_out == len(self.pieces) or not len(self.device):
+            return 0, 0
+        shape = self.out_pieces
+        out = self.outputs
+        part_of = _rank(out.index, shape, tuple(range(n_out)))
+        owner = np.zeros(max(1, math.prod(shape)), dtype=np.int64)
+        elems = np.zeros_like(owner)
+        owner[part_of] = out.device
+        elems[part_of] = np.prod(out.lens, axis=1)
+        if self.scatter is None:
+            parts = _rank(self.index[:, :n_out], shape, tuple(range(n_out)))[:, None]
+        else:
+            s, f = self.scatter
+            idx = np.repeat(self.index[:, None, :n_out], f, axis=1)     # (M, f, n_out)
+            idx[:, :, s] = idx[:, :, s] * f + np.arange(f)
+            parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
+        dev = np.broadcast_to(self.device[:, None], parts.shape)
+        send = dev != owner[parts]
+        pairs = np.unique(np.stack([dev[send], parts[send]]), axis=1)
+        return pairs.shape[1], int(elems[pairs[1]].sum())
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
@@ -417,16 +434,14 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     for c, lay in enumerate(layouts):
         ln, dev = lay.lens, lay.device
         out = lay.outputs
-        slot = np.zeros(N, dtype=np.int64)
-        for q in range(len(out.device)):
-            d = out.device[q]
-            piece_lo[c, d, slot[d]] = out.starts[q]
-            piece_hi[c, d, slot[d]] = out.starts[q] + out.lens[q]
-            has_piece[c, d, slot[d]] = True
-            slot[d] += 1
-        piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
-        sends = lay.partial_sends()
-        partial[c] = sum(piece_elems[piece] for _, _, piece in sends) * node.itemsize
+        by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
+        d = out.device[by_dev]
+        slot = np.arange(len(d)) - np.searchsorted(d, d)
+        piece_lo[c, d, slot] = out.starts[by_dev]
+        piece_hi[c, d, slot] = out.starts[by_dev] + out.lens[by_dev]
+        has_piece[c, d, slot] = True
+        sends, elems = lay.partial_totals()
+        partial[c] = elems * node.itemsize
         if sends:  # a fold reads a partial (a task's output region) and writes a piece
             fold[c] = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize
         np.add.at(flops[c], dev, node.flops(ln))
@@ -482,6 +497,8 @@ def operand_orders(node: OpNode) -> list[tuple[int, ...]]:
 def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
     """Mask of tasks that are the first on their device to read their region of an operand
     whose axes are the labels ``axes`` (later ones share that copy)."""
+    if len(lay.device) < 2 or np.bincount(lay.device).max() == 1:  # a task a device
+        return np.ones(len(lay.device), dtype=bool)
     keys = np.concatenate([lay.device[:, None], lay.index[:, list(axes)]], axis=1)
     _, first = np.unique(keys, axis=0, return_index=True)
     mask = np.zeros(len(lay.device), dtype=bool)
@@ -489,14 +506,11 @@ def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
-                      edge: Edge, itemsize: int, devices: int) -> np.ndarray:
-    """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
-
-    Entry ``[q, p]`` sums, over the distinct regions each device reads, the bytes of the region
-    minus the part of it held by that device.
-    """
-    axes = [consumer_node.labels.index(a) for a in edge.axes]
+def _read_maps(consumer: NodeTable, axes: Sequence[int]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The regions every consumer candidate's devices read of one operand (labels ``axes``),
+    each device each region once: lo, hi (K', m, r), device and mask (K', m) of the distinct
+    read maps, and the distinct map of every candidate (K,)."""
     kc = len(consumer.cands)
     m = max(len(lay.device) for lay in consumer.layouts)
     r = len(axes)
@@ -510,14 +524,48 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
         hi[c, :n] = lay.starts[:, axes] + lay.lens[:, axes]
         dev[c, :n] = lay.device
         mask[c, :n] = first_reads(lay, axes)
-    region = np.prod(hi - lo, axis=2) * mask                           # (kc, m)
-    plo = producer.piece_lo[:, dev]                                    # (kp, kc, m, S, r)
-    phi = producer.piece_hi[:, dev]
-    has = producer.has_piece[:, dev] & mask[None, :, :, None]          # (kp, kc, m, S)
-    overlap = np.clip(np.minimum(hi[None, :, :, None], phi)
-                      - np.maximum(lo[None, :, :, None], plo), 0, None)
-    local = (np.prod(overlap, axis=4) * has).sum(axis=3)
-    return (region.sum(axis=1)[None, :] - local.sum(axis=2)) * itemsize
+    lo *= mask[:, :, None]
+    hi *= mask[:, :, None]
+    dev *= mask
+    rows = np.concatenate([lo.reshape(kc, -1), hi.reshape(kc, -1), dev, mask], axis=1)
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return lo[first], hi[first], dev[first], mask[first], inverse.reshape(kc)
+
+
+def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                      edge: Edge, itemsize: int, devices: int) -> np.ndarray:
+    """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
+
+    Entry ``[q, p]`` sums, over the distinct regions each device reads, the bytes of the region
+    minus the part of it held by that device. Candidates that place the same pieces on the
+    same devices (a producer's owned pieces, a consumer's reads) share their row or column:
+    each distinct one is computed once, in blocks that bound the memory used.
+    """
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    lo, hi, dev, mask, cols = _read_maps(consumer, axes)
+    kp = len(producer.cands)
+    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
+                            producer.piece_hi.reshape(kp, -1),
+                            producer.has_piece.reshape(kp, -1)], axis=1)
+    _, first, rows = np.unique(holds, axis=0, return_index=True, return_inverse=True)
+    plo, phi = producer.piece_lo[first], producer.piece_hi[first]   # (kq, N, S, r)
+    has = producer.has_piece[first]                                  # (kq, N, S)
+    kq, kd, (_, m, r) = len(first), len(lo), lo.shape
+    region = (np.prod(hi - lo, axis=2) * mask).sum(axis=1)           # (kd,)
+    local = np.zeros((kq, kd), dtype=np.int64)
+    step = max(1, (1 << 22) // max(1, kd * m))
+    for q0 in range(0, kq, step):
+        q = slice(q0, q0 + step)
+        for s in range(has.shape[2]):
+            held = (has[q, :, s][:, dev] & mask).astype(np.int64)    # (kq, kd, m)
+            for a in range(r):
+                ov = np.minimum(hi[None, :, :, a], phi[q, :, s, a][:, dev])
+                ov -= np.maximum(lo[None, :, :, a], plo[q, :, s, a][:, dev])
+                np.maximum(ov, 0, out=ov)
+                held *= ov
+            local[q] += held.sum(axis=2)
+    moved = (region[None, :] - local) * itemsize
+    return moved[rows.reshape(kp)][:, cols]
 
 
 def chunk_tiles(node: OpNode, lay: Layout) -> tuple[int, ...]:
