@@ -248,8 +248,8 @@ class Layout:
             parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
         dev = np.broadcast_to(self.device[:, None], parts.shape)
         send = dev != owner[parts]
-        pairs = np.unique(np.stack([dev[send], parts[send]]), axis=1)
-        return pairs.shape[1], int(elems[pairs[1]].sum())
+        pairs = np.unique(dev[send] * len(owner) + parts[send])   # each (device, part) once
+        return len(pairs), int(elems[pairs % len(owner)].sum())
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
@@ -506,6 +506,23 @@ def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
     return mask
 
 
+def _distinct(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first row of each distinct row of ``rows`` (2-D), and each row's distinct index.
+
+    >>> _distinct(np.array([[1, 2], [3, 4], [1, 2]]))
+    (array([0, 1]), array([0, 1, 0]))
+    """
+    seen: dict[bytes, int] = {}
+    inverse = np.empty(len(rows), dtype=np.int64)
+    first = []
+    for i, row in enumerate(np.ascontiguousarray(rows)):
+        j = seen.setdefault(row.tobytes(), len(seen))
+        if j == len(first):
+            first.append(i)
+        inverse[i] = j
+    return np.array(first, dtype=np.int64), inverse
+
+
 def _read_maps(consumer: NodeTable, axes: Sequence[int]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The regions every consumer candidate's devices read of one operand (labels ``axes``),
@@ -528,8 +545,8 @@ def _read_maps(consumer: NodeTable, axes: Sequence[int]
     hi *= mask[:, :, None]
     dev *= mask
     rows = np.concatenate([lo.reshape(kc, -1), hi.reshape(kc, -1), dev, mask], axis=1)
-    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
-    return lo[first], hi[first], dev[first], mask[first], inverse.reshape(kc)
+    first, inverse = _distinct(rows)
+    return lo[first], hi[first], dev[first], mask[first], inverse
 
 
 def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
@@ -547,7 +564,7 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
     holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
                             producer.piece_hi.reshape(kp, -1),
                             producer.has_piece.reshape(kp, -1)], axis=1)
-    _, first, rows = np.unique(holds, axis=0, return_index=True, return_inverse=True)
+    first, rows = _distinct(holds)
     plo, phi = producer.piece_lo[first], producer.piece_hi[first]   # (kq, N, S, r)
     has = producer.has_piece[first]                                  # (kq, N, S)
     kq, kd, (_, m, r) = len(first), len(lo), lo.shape
@@ -565,7 +582,7 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
                 held *= ov
             local[q] += held.sum(axis=2)
     moved = (region[None, :] - local) * itemsize
-    return moved[rows.reshape(kp)][:, cols]
+    return moved[rows][:, cols]
 
 
 def chunk_tiles(node: OpNode, lay: Layout) -> tuple[int, ...]:
@@ -766,6 +783,36 @@ def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozense
     return frozenset(whole), frozenset(slices)
 
 
+def _remote_reads(prod: Layout, lay: Layout, axes: Sequence[int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """What the devices of consumer layout ``lay`` read from other devices of producer layout
+    ``prod`` (see :func:`edge_reads`) as arrays: rows ``(device, piece, lo..., hi...)`` (R,
+    2 + 2r) and whether each covers its piece whole (R,)."""
+    plo = prod.outputs.starts                                             # (P, r)
+    phi = plo + prod.outputs.lens
+    tasks = np.flatnonzero(first_reads(lay, axes))
+    lo = lay.starts[tasks][:, list(axes)]
+    hi = lo + lay.lens[tasks][:, list(axes)]
+    olo = np.maximum(lo[:, None], plo[None])                              # (T, P, r)
+    ohi = np.minimum(hi[:, None], phi[None])
+    hit = np.all(ohi > olo, axis=2)
+    full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
+    dev = lay.device[tasks]
+    t, q = np.nonzero(hit & (dev[:, None] != prod.outputs.device[None]))
+    rows = np.concatenate([dev[t][:, None], q[:, None], olo[t, q], ohi[t, q]], axis=1)
+    return rows.astype(np.int64), full[t, q]
+
+
+def _unique_rows(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows of a 2-D integer array (sorted)."""
+    if len(rows) < 2:
+        return rows
+    ordered = rows[np.lexsort(rows.T[::-1])]
+    keep = np.ones(len(ordered), dtype=bool)
+    keep[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    return ordered[keep]
+
+
 def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                cache: dict | None = None, keys: Sequence[object] | None = None) -> int:
     """Bytes other devices read of ``producer``'s output, each piece or slice once a device
@@ -774,25 +821,34 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     if graph.nodes[producer].loaded_where_read:
         return 0
     prod = layouts[producer]
-    whole: set = set()
-    slices: set = set()
+    rows, full = [], []
+    seen = set()
     for consumer, k in graph.consumers[producer]:
         node = graph.nodes[consumer]
         axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
         key = None if cache is None or keys is None else \
-            ("reads", keys[producer], keys[consumer], axes)
+            ("remote reads", keys[producer], keys[consumer], axes)
+        if key is not None and key in seen:
+            continue  # the same reads as another consumer's: a device reads them once
+        seen.add(key)
         if key is not None and key in cache:
-            w, sl = cache[key]
+            got = cache[key]
         else:
-            w, sl = edge_reads(prod, layouts[consumer], axes)
+            got = _remote_reads(prod, layouts[consumer], axes)
             if key is not None:
-                cache[key] = (w, sl)
-        whole |= w
-        slices |= sl
+                cache[key] = got
+        rows.append(got[0])
+        full.append(got[1])
+    if not rows:
+        return 0
+    reads, whole = np.concatenate(rows), np.concatenate(full)
     sizes = np.prod(prod.outputs.lens, axis=1)
-    total = sum(int(sizes[q]) for _, q in whole)
-    total += sum(math.prod(b - a for a, b in zip(lo, hi))
-                 for d, q, lo, hi in slices if (d, q) not in whole)
+    pair = reads[:, 0] * len(sizes) + reads[:, 1]                 # (device, piece)
+    held = np.unique(pair[whole])                                 # pieces read whole
+    total = int(sizes[held % len(sizes)].sum()) if len(held) else 0
+    parts = _unique_rows(reads[~whole & ~np.isin(pair, held)])    # slices of the others
+    r = (reads.shape[1] - 2) // 2
+    total += int(np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1).sum())
     return total * graph.nodes[producer].itemsize
 
 
