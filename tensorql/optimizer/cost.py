@@ -248,7 +248,9 @@ class Layout:
             parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
         dev = np.broadcast_to(self.device[:, None], parts.shape)
         send = dev != owner[parts]
-        pairs = np.unique(dev[send] * len(owner) + parts[send])   # each (device, part) once
+        pairs = dev[send] * len(owner) + parts[send]
+        if np.bincount(self.device).max() > 1:  # several tasks a device: each part once
+            pairs = np.unique(pairs)
         return len(pairs), int(elems[pairs % len(owner)].sum())
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -270,6 +271,15 @@ def own_cost(table: NodeTable) -> np.ndarray:
     return table.partial_bytes.astype(float) * weight
 
 
+def _own(table: NodeTable) -> np.ndarray:
+    """:func:`own_cost` of a table, computed once (identical layers share tables); read
+    only."""
+    got = table.__dict__.get("_own_cost")
+    if got is None:
+        got = table.__dict__["_own_cost"] = own_cost(table)
+    return got
+
+
 # -- dynamic programming over a tree cover ------------------------------------------------
 def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     """A choice per node from DP over trees; shared nodes root their own trees."""
@@ -298,7 +308,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
     for node in graph.nodes:
         n = node.index
-        v = np.where(problem.allowed[n], own_cost(tables[n]), inf)
+        v = np.where(problem.allowed[n], _own(tables[n]), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
             if p in frozen:
@@ -334,7 +344,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
         improved = False
         for node in graph.nodes:
             n = node.index
-            cost = own_cost(tables[n])
+            cost = _own(tables[n]).copy()
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
             cost[~problem.allowed[n]] = np.inf
@@ -348,8 +358,18 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
 
 
 # -- label classes for the baselines ------------------------------------------------------
+_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def label_classes(graph: OpGraph) -> dict[tuple[int, str], int]:
-    """Union-find of (node, label) pairs that are the same dimension across edges."""
+    """Union-find of (node, label) pairs that are the same dimension across edges (found
+    once per graph; read only)."""
+    if graph not in _CLASSES:
+        _CLASSES[graph] = _label_classes(graph)
+    return _CLASSES[graph]
+
+
+def _label_classes(graph: OpGraph) -> dict[tuple[int, str], int]:
     parent: dict[tuple[int, str], tuple[int, str]] = {}
 
     def find(x):
@@ -496,42 +516,53 @@ def search_exhaustive(problem: Problem) -> tuple[int, ...]:
 
 # -- coarse to fine: planning for many devices --------------------------------------------
 FINE_ABOVE = 64  # device counts above this are planned coarse to fine
+FINE_BASE = 16   # ... starting from a full search for at most this many devices
 FINE_STEP = 4    # each level plans for this many times the devices of the level before
 
 
 def levels(devices: int) -> tuple[int, ...]:
     """The device counts planned in turn for ``devices``: the count itself up to
     :data:`FINE_ABOVE`; above, divided by :data:`FINE_STEP` while it divides and the count
-    stays above :data:`FINE_ABOVE`, then multiplied back level by level.
+    stays above :data:`FINE_BASE`, then multiplied back level by level.
 
     >>> levels(8), levels(64), levels(256), levels(1024), levels(96), levels(65)
-    ((8,), (64,), (64, 256), (64, 256, 1024), (24, 96), (65,))
+    ((8,), (64,), (16, 64, 256), (16, 64, 256, 1024), (6, 24, 96), (65,))
     """
     out = [devices]
-    while out[0] > FINE_ABOVE and out[0] % FINE_STEP == 0:
+    while devices > FINE_ABOVE and out[0] > FINE_BASE and out[0] % FINE_STEP == 0:
         out.insert(0, out[0] // FINE_STEP)
     return tuple(out)
 
 
-def _refinements(node, devices: int, coarse: set[tuple[int, ...]]) -> frozenset | None:
-    """The node's vectors for ``devices`` that cut each label into a multiple of the pieces
-    of one of the ``coarse`` vectors (None: all of them, when none does)."""
-    fine = [v for v in _vectors(node, devices)
-            if any(all(f % c == 0 for f, c in zip(v, cv)) for cv in coarse)]
+@functools.lru_cache(maxsize=1 << 12)
+def _refining(vectors: tuple[tuple[int, ...], ...], coarse: frozenset) -> frozenset | None:
+    """The ``vectors`` that cut each label into a multiple of the pieces of one of the
+    ``coarse`` vectors (None when none does)."""
+    fine = [v for v in vectors if any(all(f % c == 0 for f, c in zip(v, cv)) for cv in coarse)]
     return frozenset(fine) if fine else None
 
 
+def _refinements(node, devices: int, coarse: set[tuple[int, ...]]) -> frozenset | None:
+    """The node's vectors for ``devices`` that refine one of the ``coarse`` vectors (None:
+    all of them, when none does)."""
+    return _refining(_vectors(node, devices), frozenset(coarse))
+
+
 def _baseline_vectors(graph: OpGraph, node, devices: int,
-                      wanted: Callable[[int, str], bool]) -> set[tuple[int, ...]]:
+                      wanted: Callable[[int, str], bool]) -> frozenset:
     """The node's vectors for ``devices`` with the most pieces on the labels ``wanted``
     picks (what the data / model masks keep); none when no such label is cut at all."""
-    cols = [k for k, lab in enumerate(node.labels) if wanted(node.index, lab)]
-    if not cols:
-        return set()
-    vectors = _vectors(node, devices)
+    cols = tuple(k for k, lab in enumerate(node.labels) if wanted(node.index, lab))
+    return _most_on(_vectors(node, devices), cols) if cols else frozenset()
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _most_on(vectors: tuple[tuple[int, ...], ...], cols: tuple[int, ...]) -> frozenset:
+    """The ``vectors`` with the most pieces on the labels at ``cols``; none unless some cut
+    them."""
     on = [math.prod(v[k] for k in cols) for v in vectors]
     best = max(on)
-    return {v for v, x in zip(vectors, on) if x == best} if best > 1 else set()
+    return frozenset(v for v, x in zip(vectors, on) if x == best) if best > 1 else frozenset()
 
 
 def build_problem(graph: OpGraph, devices: int, cache: dict | None = None) -> Problem:
