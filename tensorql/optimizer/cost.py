@@ -788,21 +788,28 @@ def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozense
 def _remote_reads(prod: Layout, lay: Layout, axes: Sequence[int]
                   ) -> tuple[np.ndarray, np.ndarray]:
     """What the devices of consumer layout ``lay`` read from other devices of producer layout
-    ``prod`` (see :func:`edge_reads`) as arrays: rows ``(device, piece, lo..., hi...)`` (R,
-    2 + 2r) and whether each covers its piece whole (R,)."""
+    ``prod`` (see :func:`edge_reads`) as arrays: the pieces read whole, as ``device x P +
+    piece`` (P pieces), and the slices of the others, rows ``(device, piece, lo..., hi...)``
+    (R, 2 + 2r). Tested label by label, so only slices are cut out."""
     plo = prod.outputs.starts                                             # (P, r)
     phi = plo + prod.outputs.lens
     tasks = np.flatnonzero(first_reads(lay, axes))
     lo = lay.starts[tasks][:, list(axes)]
     hi = lo + lay.lens[tasks][:, list(axes)]
-    olo = np.maximum(lo[:, None], plo[None])                              # (T, P, r)
-    ohi = np.minimum(hi[:, None], phi[None])
-    hit = np.all(ohi > olo, axis=2)
-    full = hit & np.all((olo == plo[None]) & (ohi == phi[None]), axis=2)
     dev = lay.device[tasks]
-    t, q = np.nonzero(hit & (dev[:, None] != prod.outputs.device[None]))
-    rows = np.concatenate([dev[t][:, None], q[:, None], olo[t, q], ohi[t, q]], axis=1)
-    return rows.astype(np.int64), full[t, q]
+    hit = dev[:, None] != prod.outputs.device[None]                       # (T, P) remote
+    full = hit.copy()
+    for a in range(len(axes)):
+        lo_a, hi_a, pl, ph = lo[:, None, a], hi[:, None, a], plo[None, :, a], phi[None, :, a]
+        hit &= (hi_a > pl) & (ph > lo_a) & (hi_a > lo_a) & (ph > pl)  # min(hi) > max(lo)
+        full &= (lo_a <= pl) & (hi_a >= ph)
+    full &= hit
+    t, q = np.nonzero(full)
+    whole = dev[t] * len(plo) + q
+    t, q = np.nonzero(hit & ~full)
+    rows = np.concatenate([dev[t][:, None], q[:, None], np.maximum(lo[t], plo[q]),
+                           np.minimum(hi[t], phi[q])], axis=1)
+    return whole.astype(np.int64), rows.astype(np.int64)
 
 
 def _unique_rows(rows: np.ndarray) -> np.ndarray:
@@ -823,7 +830,7 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     if graph.nodes[producer].loaded_where_read:
         return 0
     prod = layouts[producer]
-    rows, full = [], []
+    slices, wholes = [], []
     seen = set()
     for consumer, k in graph.consumers[producer]:
         node = graph.nodes[consumer]
@@ -839,16 +846,18 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
             got = _remote_reads(prod, layouts[consumer], axes)
             if key is not None:
                 cache[key] = got
-        rows.append(got[0])
-        full.append(got[1])
-    if not rows:
+        wholes.append(got[0])
+        slices.append(got[1])
+    if not slices:
         return 0
-    reads, whole = np.concatenate(rows), np.concatenate(full)
     sizes = np.prod(prod.outputs.lens, axis=1)
-    pair = reads[:, 0] * len(sizes) + reads[:, 1]                 # (device, piece)
-    held = np.unique(pair[whole])                                 # pieces read whole
-    total = int(sizes[held % len(sizes)].sum()) if len(held) else 0
-    parts = _unique_rows(reads[~whole & ~np.isin(pair, held)])    # slices of the others
+    n = len(sizes)
+    reads, whole = np.concatenate(slices), np.concatenate(wholes)
+    devices = 1 + max(int(whole.max(initial=-1)) // max(1, n), int(reads[:, 0].max(initial=-1)))
+    held = np.zeros(devices * n, dtype=bool)        # (device, piece) read whole
+    held[whole] = True
+    total = int(sizes[np.flatnonzero(held) % n].sum()) if n else 0
+    parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])  # slices of the others
     r = (reads.shape[1] - 2) // 2
     total += int(np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1).sum())
     return total * graph.nodes[producer].itemsize
