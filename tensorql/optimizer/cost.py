@@ -232,6 +232,19 @@ class Layout:
         n_out = self.n_out
         if n_out == len(self.pieces) or not len(self.device):
             return 0, 0
+        if np.bincount(self.device).max() == 1:  # a task a device: no two sends coincide
+            elems = np.prod(self.lens[:, :n_out], axis=1)
+            if self.scatter is None:  # every task but a piece's owner sends its partial
+                send = ~self.owner_mask
+                return int(send.sum()), int(elems[send].sum())
+            s, f = self.scatter  # every task sends the f - 1 parts it does not own
+            rank = _rank(self.index[:, n_out:], self.pieces[n_out:],
+                         tuple(range(len(self.pieces) - n_out)))
+            size = int((self.starts[:, s] + self.lens[:, s]).max())
+            bounds = np.array(piece_bounds(size, self.pieces[s] * f), dtype=np.int64)
+            g = self.index[:, s] * f + rank
+            mine = elems // np.maximum(self.lens[:, s], 1) * (bounds[g + 1] - bounds[g])
+            return len(self.device) * (f - 1), int((elems - mine).sum())
         shape = self.out_pieces
         out = self.outputs
         part_of = _rank(out.index, shape, tuple(range(n_out)))
