@@ -566,7 +566,8 @@ def _most_on(vectors: tuple[tuple[int, ...], ...], cols: tuple[int, ...]) -> fro
     return frozenset(v for v, x in zip(vectors, on) if x == best) if best > 1 else frozenset()
 
 
-def build_problem(graph: OpGraph, devices: int, cache: dict | None = None) -> Problem:
+def build_problem(graph: OpGraph, devices: int, cache: dict | None = None,
+                  **final: object) -> Problem:
     """The problem the search solves for ``devices`` devices (no memory limit): every
     partition vector up to :data:`FINE_ABOVE` devices; above, planned coarse to fine
     (:func:`levels`): each level's problem offers a node only the vectors refining the
@@ -574,7 +575,9 @@ def build_problem(graph: OpGraph, devices: int, cache: dict | None = None) -> Pr
     the DP results and the data / model baselines, refined) and the vectors the data / model
     baselines want at this level, so the baselines stay what they are and ``auto`` is still
     never worse than either. A refining vector cuts every label into a multiple of the
-    coarse pieces: the search goes on from where the coarse plan stands.
+    coarse pieces: the search goes on from where the coarse plan stands. Keyword arguments
+    (``final``: a topology of ``devices`` devices) go to the last level's
+    :meth:`Problem.build`; the coarser levels are planned by bytes.
 
     >>> import numpy as np, tensorql as tq
     >>> db = tq.connect()
@@ -599,9 +602,9 @@ def build_problem(graph: OpGraph, devices: int, cache: dict | None = None) -> Pr
                                                           classes.get((i, lab)) in model))
                 if guide[node.index] is not None:
                     guide[node.index] = guide[node.index] | extra
-        problem = Problem.build(graph, n, None, cache=cache, guide=guide)
         if n == devices:
-            return problem
+            return Problem.build(graph, n, None, cache=cache, guide=guide, **final)
+        problem = Problem.build(graph, n, None, cache=cache, guide=guide)
         chosen: list[set[tuple[int, ...]]] = [set() for _ in graph.nodes]
         for choice in auto_options(problem):
             for node, table, c in zip(graph.nodes, problem.tables, choice):
