@@ -891,20 +891,37 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
     """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
     every piece or slice a device reads from another device once (see :func:`device_reads`),
     and every partial aggregate sent to its owner. This is the prediction the physical plan's
-    copies are checked against."""
+    copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
+    consumer layout of a producer once."""
     moved = np.zeros((devices, devices), dtype=np.int64)
-    for (producer, dev), reads in device_reads(graph, layouts).items():
+    for producer, node in enumerate(graph.nodes):
+        if node.loaded_where_read or not graph.consumers[producer]:
+            continue
         prod = layouts[producer]
-        item = graph.nodes[producer].itemsize
-        owners = prod.owners()
-        extents = piece_extents(prod)
-        for piece in reads.whole:
-            if owners[piece] != dev:
-                lo, hi = extents[piece]
-                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
-        for piece, lo, hi in reads.slices:
-            if owners[piece] != dev:
-                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        wholes, slices, seen = [], [], set()
+        for consumer, k in graph.consumers[producer]:
+            reader = graph.nodes[consumer]
+            axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
+            if (id(layouts[consumer]), axes) in seen:
+                continue
+            seen.add((id(layouts[consumer]), axes))
+            whole, rows = _remote_reads(prod, layouts[consumer], axes)
+            wholes.append(whole)
+            slices.append(rows)
+        sizes = np.prod(prod.outputs.lens, axis=1)
+        n = len(sizes)
+        if not n:
+            continue
+        owner = prod.outputs.device
+        held = np.zeros(devices * n, dtype=bool)
+        held[np.concatenate(wholes)] = True
+        ids = np.flatnonzero(held)
+        np.add.at(moved, (owner[ids % n], ids // n), sizes[ids % n] * node.itemsize)
+        reads = np.concatenate(slices)
+        parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])
+        r = (reads.shape[1] - 2) // 2
+        vol = np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1)
+        np.add.at(moved, (owner[parts[:, 1]], parts[:, 0]), vol * node.itemsize)
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
             elems = dict(zip(lay.outputs.keys(),

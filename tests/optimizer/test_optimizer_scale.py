@@ -193,3 +193,44 @@ def test_coarse_to_fine_plans_soundly():
     assert int(auto.pair_bytes().sum()) == auto.cost.bytes_moved
     dp = search.refine(full, search.tree_dp(full, True))
     assert moved["auto"] <= full.exact_total(dp)
+
+
+def _pair_bytes_reference(graph, layouts, devices):
+    """pair_bytes as it was: every piece and slice of device_reads, one at a time."""
+    from tensorql.optimizer.cost import device_reads, piece_extents
+
+    moved = np.zeros((devices, devices), dtype=np.int64)
+    for (producer, dev), reads in device_reads(graph, layouts).items():
+        prod = layouts[producer]
+        item = graph.nodes[producer].itemsize
+        owners, extents = prod.owners(), piece_extents(prod)
+        for piece in reads.whole:
+            if owners[piece] != dev:
+                lo, hi = extents[piece]
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        for piece, lo, hi in reads.slices:
+            if owners[piece] != dev:
+                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+    for node, lay in zip(graph.nodes, layouts):
+        if node.kind == "einsum" and node.n_out < len(node.labels):
+            elems = dict(zip(lay.outputs.keys(),
+                             (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
+            for src, dst, piece in lay.partial_sends():
+                moved[src, dst] += elems[piece] * node.itemsize
+    return moved
+
+
+def test_pair_bytes_matches_the_piece_by_piece_count():
+    from tensorql.optimizer.cost import pair_bytes
+
+    db = tq.connect()
+    w = llama(db, layers=2, seq=16, d_model=24, heads=2, head_dim=12, d_ff=40, prefix="pb_")
+    graph = OpGraph.build(w.output.node)
+    rng = np.random.default_rng(1)
+    for devices, limit in ((3, None), (4, None), (6, None), (4, 8000)):
+        problem = Problem.build(graph, devices, limit)
+        for _ in range(4):
+            choice = [int(rng.integers(len(t.cands))) for t in problem.tables]
+            layouts = [t.layouts[c] for t, c in zip(problem.tables, choice)]
+            assert np.array_equal(pair_bytes(graph, layouts, devices),
+                                  _pair_bytes_reference(graph, layouts, devices))
