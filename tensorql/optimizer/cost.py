@@ -266,6 +266,34 @@ class Layout:
             pairs = np.unique(pairs)
         return len(pairs), int(elems[pairs % len(owner)].sum())
 
+    @functools.cached_property
+    def partial_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The partials sent to owners as arrays: sending device, owning device and elements
+        of each (the sends of :meth:`partial_sends`, in another order)."""
+        n_out = self.n_out
+        empty = np.zeros(0, dtype=np.int64)
+        if n_out == len(self.pieces) or not len(self.device):
+            return empty, empty, empty
+        shape = self.out_pieces
+        out = self.outputs
+        part_of = _rank(out.index, shape, tuple(range(n_out)))
+        owner = np.zeros(max(1, math.prod(shape)), dtype=np.int64)
+        elems = np.zeros_like(owner)
+        owner[part_of] = out.device
+        elems[part_of] = np.prod(out.lens, axis=1)
+        if self.scatter is None:
+            parts = _rank(self.index[:, :n_out], shape, tuple(range(n_out)))[:, None]
+        else:
+            s, f = self.scatter
+            idx = np.repeat(self.index[:, None, :n_out], f, axis=1)     # (M, f, n_out)
+            idx[:, :, s] = idx[:, :, s] * f + np.arange(f)
+            parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
+        dev = np.broadcast_to(self.device[:, None], parts.shape)
+        send = dev != owner[parts]
+        pairs = np.unique(dev[send] * len(owner) + parts[send])   # each (device, part) once
+        part = pairs % len(owner)
+        return pairs // len(owner), owner[part], elems[part]
+
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
         owners = self.owners()
@@ -924,8 +952,6 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
         np.add.at(moved, (owner[parts[:, 1]], parts[:, 0]), vol * node.itemsize)
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
-            elems = dict(zip(lay.outputs.keys(),
-                             (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
-            for src, dst, piece in lay.partial_sends():
-                moved[src, dst] += elems[piece] * node.itemsize
+            src, dst, elems = lay.partial_pairs
+            np.add.at(moved, (src, dst), elems * node.itemsize)
     return moved
