@@ -915,6 +915,37 @@ def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], t
     return out
 
 
+def _fingerprint(lay: Layout) -> tuple:
+    """What determines a layout (equal for identical layers' layouts made apart): pieces,
+    output labels, order, scatter, the labels' sizes and every task's device."""
+    end = tuple(int(x) for x in lay.starts[-1] + lay.lens[-1]) if len(lay.device) else ()
+    return (lay.pieces, lay.n_out, lay.order, lay.scatter, end, lay.device.tobytes())
+
+
+def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Owner, reader and bytes of every piece or slice the ``readers`` (``(id, axes) ->
+    consumer layout``) read of ``prod`` from other devices, each once a device."""
+    wholes, slices = [], []
+    for (_, axes), lay in readers.items():
+        whole, rows = _remote_reads(prod, lay, axes)
+        wholes.append(whole)
+        slices.append(rows)
+    sizes = np.prod(prod.outputs.lens, axis=1)
+    n = len(sizes)
+    owner = prod.outputs.device
+    held = np.zeros(devices * n, dtype=bool)
+    held[np.concatenate(wholes)] = True
+    ids = np.flatnonzero(held)
+    reads = np.concatenate(slices)
+    parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])
+    r = (reads.shape[1] - 2) // 2
+    vol = np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1)
+    return (np.concatenate([owner[ids % n], owner[parts[:, 1]]]),
+            np.concatenate([ids // n, parts[:, 0]]),
+            np.concatenate([sizes[ids % n], vol]) * itemsize)
+
+
 def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
     """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
     every piece or slice a device reads from another device once (see :func:`device_reads`),
@@ -922,34 +953,21 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
     copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
     consumer layout of a producer once."""
     moved = np.zeros((devices, devices), dtype=np.int64)
+    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # identical layers
     for producer, node in enumerate(graph.nodes):
         if node.loaded_where_read or not graph.consumers[producer]:
             continue
         prod = layouts[producer]
-        wholes, slices, seen = [], [], set()
+        readers = {}
         for consumer, k in graph.consumers[producer]:
             reader = graph.nodes[consumer]
             axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
-            if (id(layouts[consumer]), axes) in seen:
-                continue
-            seen.add((id(layouts[consumer]), axes))
-            whole, rows = _remote_reads(prod, layouts[consumer], axes)
-            wholes.append(whole)
-            slices.append(rows)
-        sizes = np.prod(prod.outputs.lens, axis=1)
-        n = len(sizes)
-        if not n:
-            continue
-        owner = prod.outputs.device
-        held = np.zeros(devices * n, dtype=bool)
-        held[np.concatenate(wholes)] = True
-        ids = np.flatnonzero(held)
-        np.add.at(moved, (owner[ids % n], ids // n), sizes[ids % n] * node.itemsize)
-        reads = np.concatenate(slices)
-        parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])
-        r = (reads.shape[1] - 2) // 2
-        vol = np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1)
-        np.add.at(moved, (owner[parts[:, 1]], parts[:, 0]), vol * node.itemsize)
+            readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+        key = (_fingerprint(prod), node.itemsize, frozenset(readers))
+        if key not in done:
+            done[key] = _read_sends(prod, readers, devices, node.itemsize)
+        src, dst, sent = done[key]
+        np.add.at(moved, (src, dst), sent)
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
             src, dst, elems = lay.partial_pairs
