@@ -16,6 +16,16 @@ Checks (exit 1 when wrong, smoke or not): the memory plan's peak per device stay
 Not measured here: the *measured* peak of running the plan (a 7B-shaped plan cannot run on
 this host); ``tests/optimizer/test_optimizer_execution.py`` checks executed bytes against the
 plan at small sizes.
+
+Cluster rows (issue 33): an 80-layer LLaMA-70B-shaped graph (seq 4096, d_model 8192, 64 heads
+x 128, d_ff 28672) planned for 8, 32, 64, 256 and 1,024 devices -- on a topology of 8 devices
+a node where ``tq.optimize`` takes one, flat otherwise -- with the planning time of ``auto``
+(fresh caches; ``data`` and ``model`` then reuse its cache) and, for auto / data / model, the
+bytes moved (per link level and the estimated time where the plan has an estimate). Goals
+(full runs): 256 devices plan in < 10 s and 1,024 in < 60 s; check (smoke too): ``auto`` is
+no worse than ``data`` or ``model`` (estimated time on a topology, bytes when flat). The smoke
+run plans a 2-layer small-shape graph at 8, 64 and 256 devices (coarse to fine above 64).
+``--cluster-only`` runs these rows alone; ``--cluster-devices 8,256`` picks the counts.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import inspect
 import sys
 import time
 
@@ -95,14 +106,96 @@ def memory_row(limit: int = 1 << 30, devices: int = 8, layers: int = 32) -> tupl
              format_bytes(peak), seconds], peak <= limit)
 
 
+CLUSTER_SHAPE = dict(layers=80, seq=4096, d_model=8192, heads=64, head_dim=128, d_ff=28672)
+SMOKE_SHAPE = dict(layers=2, seq=256, d_model=512, heads=8, head_dim=64, d_ff=1376)
+CLUSTER_DEVICES = (8, 32, 64, 256, 1024)
+SMOKE_DEVICES = (8, 64, 256)
+CLUSTER_GOALS = {256: 10.0, 1024: 60.0}  # planning seconds of auto
+PER_NODE = 8
+
+
+def cluster_topology(devices: int) -> dict:
+    """``topology=`` for ``tq.optimize`` on nodes of :data:`PER_NODE` devices, where the
+    optimizer takes a topology and the count fills whole nodes; {} (flat) otherwise."""
+    if "topology" not in inspect.signature(tq.optimize).parameters or devices % PER_NODE:
+        return {}
+    return {"topology": f"{devices // PER_NODE}x{PER_NODE}"}
+
+
+def _plan_figures(plan: tq.PartitionPlan) -> tuple[str, float | None]:
+    """Bytes moved (per link level where the plan has them) and the estimated seconds."""
+    estimate = getattr(plan, "estimate", None)
+    if estimate is None:
+        return format_bytes(plan.cost.bytes_moved), None
+    levels = " / ".join(f"{name} {format_bytes(b)}" for name, b in estimate.level_bytes)
+    return f"{format_bytes(plan.cost.bytes_moved)} ({levels})", estimate.total_s
+
+
+def cluster_rows(record: Record, devices: tuple[int, ...], shape: dict, gated: bool) -> list:
+    """One row per device count: planning seconds (wall and CPU) of auto, then bytes (and
+    estimated seconds) of auto / data / model; records the goals and the auto check."""
+    db = tq.connect()
+    w = llama(db, **shape, prefix="c70b_")
+    rows = []
+    for n in devices:
+        clear_caches()
+        cache: dict = {}
+        topo = cluster_topology(n)
+        plans, seconds = {}, {}
+        for strategy in ("auto", "data", "model"):
+            start, cpu = time.perf_counter(), time.process_time()
+            plans[strategy] = tq.optimize(w.output, devices=n, strategy=strategy, cache=cache,
+                                          **topo)
+            seconds[strategy] = (time.perf_counter() - start, time.process_time() - cpu)
+        figures = {s: _plan_figures(p) for s, p in plans.items()}
+        timed = all(f[1] is not None for f in figures.values())
+        score = {s: (f[1] if timed else plans[s].cost.bytes_moved) for s, f in figures.items()}
+        record.check(f"cluster N={n}: auto no worse than data or model "
+                     f"({'estimated time' if timed else 'bytes moved'})",
+                     score["auto"] <= min(score["data"], score["model"]) * (1 + 1e-9), score)
+        wall, cpu = seconds["auto"]
+        record.figure(f"cluster plan seconds N={n}", {"wall": wall, "cpu": cpu})
+        if gated and n in CLUSTER_GOALS:
+            record.goal(f"{shape['layers']} layers of the 70B shape plan in {wall:.1f} s < "
+                        f"{CLUSTER_GOALS[n]:g} s at N = {n}", wall < CLUSTER_GOALS[n])
+        est = ["-" if figures[s][1] is None else f"{figures[s][1]:.3g} s"
+               for s in ("auto", "data", "model")]
+        rows.append([n, topo.get("topology", "flat"), round(wall, 2), round(cpu, 2),
+                     figures["auto"][0], figures["data"][0], figures["model"][0], *est])
+    db.close()
+    return rows
+
+
+CLUSTER_COLUMNS = ["devices", "topology", "plan auto s", "CPU s", "bytes auto", "bytes data",
+                   "bytes model", "est. auto", "est. data", "est. model"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="2 layers, N in (2, 4) (smoke run)")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="only the 70B-shaped cluster rows")
+    parser.add_argument("--cluster-devices", default=None,
+                        help="device counts of the cluster rows, e.g. 8,256")
     add_arguments(parser, isolate=None)
     args = parser.parse_args(argv)
     layers = 2 if args.tiny else 32
     counts = (2, 4) if args.tiny else (8, 16)
     record = Record("optimizer", smoke=args.tiny, args=args, argv=argv)
+    cluster = (tuple(int(x) for x in args.cluster_devices.split(",")) if args.cluster_devices
+               else SMOKE_DEVICES if args.tiny else CLUSTER_DEVICES)
+    shape = SMOKE_SHAPE if args.tiny else CLUSTER_SHAPE
+    record.table("cluster", CLUSTER_COLUMNS, cluster_rows(record, cluster, shape, not args.tiny),
+                 note=f"{shape['layers']} LLaMA layers (seq {shape['seq']}, d_model "
+                 f"{shape['d_model']}, {shape['heads']} heads x {shape['head_dim']}, d_ff "
+                 f"{shape['d_ff']}), batch 1: planning time of auto with fresh caches "
+                 f"(wall and CPU seconds), then bytes moved and estimated time of each "
+                 f"strategy; {PER_NODE} devices a node where the optimizer takes a topology.")
+    from tables import render_table
+
+    if args.cluster_only:
+        print(render_table(record.data, "cluster").rsplit("\n\n", 1)[0], end="\n\n")
+        return record.finish()
     limit = (512 << 20) if args.tiny else (1 << 30)
     row, fits = memory_row(limit, counts[0], layers)
     record.check(f"memory plan peak {row[4]} <= memory_limit {row[1]}", fits)
@@ -152,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     moved_columns = ["workload", "auto", "data", "model", "data/auto", "model/auto"]
     record.table("bytes", moved_columns, moved_rows, note="Bytes moved at N = 8 (exact count "
                  "of the plan; equals what its copies move).")
-    from tables import render_table
-
-    for name in ("memory", "planning", "bytes"):
+    for name in ("memory", "planning", "bytes", "cluster"):
         print(render_table(record.data, name).rsplit("\n\n", 1)[0], end="\n\n")
     return record.finish()
 

@@ -192,26 +192,18 @@ class Layout:
         s, f = self.scatter
         agg_rank = _rank(self.index[:, n_out:], self.pieces[n_out:],
                          tuple(range(len(self.pieces) - n_out)))
-        device_of_part = {(tuple(int(x) for x in self.index[t, :n_out]), int(agg_rank[t])):
-                          int(self.device[t]) for t in range(len(self.device))}
+        piece_id = _rank(self.index[:, :n_out], self.pieces[:n_out], tuple(range(n_out)))
+        device_of_part = np.zeros((max(1, math.prod(self.pieces[:n_out])), f), dtype=np.int64)
+        device_of_part[piece_id, agg_rank] = self.device
         size = int((self.starts[:, s] + self.lens[:, s]).max()) if len(own) else 0
-        bounds = piece_bounds(size, self.pieces[s] * f)
-        idx_rows, st_rows, ln_rows, dev_rows = [], [], [], []
-        for k in range(len(own)):
-            piece = tuple(int(x) for x in idx[k])
-            for b in range(f):
-                g = piece[s] * f + b
-                row_i, row_s, row_l = idx[k].copy(), st[k].copy(), ln[k].copy()
-                row_i[s], row_s[s], row_l[s] = g, bounds[g], bounds[g + 1] - bounds[g]
-                idx_rows.append(row_i)
-                st_rows.append(row_s)
-                ln_rows.append(row_l)
-                dev_rows.append(device_of_part[(piece, b)])
-        shape = (len(idx_rows), n_out)
-        return OutputPieces(np.array(idx_rows, dtype=np.int64).reshape(shape),
-                            np.array(st_rows, dtype=np.int64).reshape(shape),
-                            np.array(ln_rows, dtype=np.int64).reshape(shape),
-                            np.array(dev_rows, dtype=np.int64))
+        bounds = np.array(piece_bounds(size, self.pieces[s] * f), dtype=np.int64)
+        part = np.tile(np.arange(f, dtype=np.int64), len(own))
+        rows_i, rows_s = np.repeat(idx, f, axis=0), np.repeat(st, f, axis=0)
+        rows_l = np.repeat(ln, f, axis=0)
+        g = rows_i[:, s] * f + part
+        rows_i[:, s], rows_s[:, s], rows_l[:, s] = g, bounds[g], bounds[g + 1] - bounds[g]
+        return OutputPieces(rows_i, rows_s, rows_l,
+                            device_of_part[np.repeat(piece_id[own], f), part])
 
     def owners(self) -> dict[tuple[int, ...], int]:
         """Output piece index -> owning device."""
@@ -234,6 +226,74 @@ class Layout:
                    ) -> list[tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]]:
         """The output pieces overlapping region ``[lo, hi)`` (see :func:`region_sources`)."""
         return region_sources(self, lo, hi)
+
+    def partial_totals(self) -> tuple[int, int]:
+        """How many partials are sent to an owner and their elements: the count and sum of
+        :meth:`partial_sends`, computed array-wise."""
+        n_out = self.n_out
+        if n_out == len(self.pieces) or not len(self.device):
+            return 0, 0
+        if np.bincount(self.device).max() == 1:  # a task a device: no two sends coincide
+            elems = np.prod(self.lens[:, :n_out], axis=1)
+            if self.scatter is None:  # every task but a piece's owner sends its partial
+                send = ~self.owner_mask
+                return int(send.sum()), int(elems[send].sum())
+            s, f = self.scatter  # every task sends the f - 1 parts it does not own
+            rank = _rank(self.index[:, n_out:], self.pieces[n_out:],
+                         tuple(range(len(self.pieces) - n_out)))
+            size = int((self.starts[:, s] + self.lens[:, s]).max())
+            bounds = np.array(piece_bounds(size, self.pieces[s] * f), dtype=np.int64)
+            g = self.index[:, s] * f + rank
+            mine = elems // np.maximum(self.lens[:, s], 1) * (bounds[g + 1] - bounds[g])
+            return len(self.device) * (f - 1), int((elems - mine).sum())
+        shape = self.out_pieces
+        out = self.outputs
+        part_of = _rank(out.index, shape, tuple(range(n_out)))
+        owner = np.zeros(max(1, math.prod(shape)), dtype=np.int64)
+        elems = np.zeros_like(owner)
+        owner[part_of] = out.device
+        elems[part_of] = np.prod(out.lens, axis=1)
+        if self.scatter is None:
+            parts = _rank(self.index[:, :n_out], shape, tuple(range(n_out)))[:, None]
+        else:
+            s, f = self.scatter
+            idx = np.repeat(self.index[:, None, :n_out], f, axis=1)     # (M, f, n_out)
+            idx[:, :, s] = idx[:, :, s] * f + np.arange(f)
+            parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
+        dev = np.broadcast_to(self.device[:, None], parts.shape)
+        send = dev != owner[parts]
+        pairs = dev[send] * len(owner) + parts[send]
+        if np.bincount(self.device).max() > 1:  # several tasks a device: each part once
+            pairs = np.unique(pairs)
+        return len(pairs), int(elems[pairs % len(owner)].sum())
+
+    @functools.cached_property
+    def partial_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The partials sent to owners as arrays: sending device, owning device and elements
+        of each (the sends of :meth:`partial_sends`, in another order)."""
+        n_out = self.n_out
+        empty = np.zeros(0, dtype=np.int64)
+        if n_out == len(self.pieces) or not len(self.device):
+            return empty, empty, empty
+        shape = self.out_pieces
+        out = self.outputs
+        part_of = _rank(out.index, shape, tuple(range(n_out)))
+        owner = np.zeros(max(1, math.prod(shape)), dtype=np.int64)
+        elems = np.zeros_like(owner)
+        owner[part_of] = out.device
+        elems[part_of] = np.prod(out.lens, axis=1)
+        if self.scatter is None:
+            parts = _rank(self.index[:, :n_out], shape, tuple(range(n_out)))[:, None]
+        else:
+            s, f = self.scatter
+            idx = np.repeat(self.index[:, None, :n_out], f, axis=1)     # (M, f, n_out)
+            idx[:, :, s] = idx[:, :, s] * f + np.arange(f)
+            parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
+        dev = np.broadcast_to(self.device[:, None], parts.shape)
+        send = dev != owner[parts]
+        pairs = np.unique(dev[send] * len(owner) + parts[send])   # each (device, part) once
+        part = pairs % len(owner)
+        return pairs // len(owner), owner[part], elems[part]
 
     def partial_sends(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(from device, to device, output piece)`` for every partial sent to an owner."""
@@ -422,16 +482,14 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     for c, lay in enumerate(layouts):
         ln, dev = lay.lens, lay.device
         out = lay.outputs
-        slot = np.zeros(N, dtype=np.int64)
-        for q in range(len(out.device)):
-            d = out.device[q]
-            piece_lo[c, d, slot[d]] = out.starts[q]
-            piece_hi[c, d, slot[d]] = out.starts[q] + out.lens[q]
-            has_piece[c, d, slot[d]] = True
-            slot[d] += 1
-        piece_elems = dict(zip(out.keys(), (int(e) for e in np.prod(out.lens, axis=1))))
-        sends = lay.partial_sends()
-        partial[c] = sum(piece_elems[piece] for _, _, piece in sends) * node.itemsize
+        by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
+        d = out.device[by_dev]
+        slot = np.arange(len(d)) - np.searchsorted(d, d)
+        piece_lo[c, d, slot] = out.starts[by_dev]
+        piece_hi[c, d, slot] = out.starts[by_dev] + out.lens[by_dev]
+        has_piece[c, d, slot] = True
+        sends, elems = lay.partial_totals()
+        partial[c] = elems * node.itemsize
         if sends:  # a fold reads a partial (a task's output region) and writes a piece
             fold[c] = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize
         np.add.at(flops[c], dev, node.flops(ln))
@@ -487,6 +545,8 @@ def operand_orders(node: OpNode) -> list[tuple[int, ...]]:
 def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
     """Mask of tasks that are the first on their device to read their region of an operand
     whose axes are the labels ``axes`` (later ones share that copy)."""
+    if len(lay.device) < 2 or np.bincount(lay.device).max() == 1:  # a task a device
+        return np.ones(len(lay.device), dtype=bool)
     keys = np.concatenate([lay.device[:, None], lay.index[:, list(axes)]], axis=1)
     _, first = np.unique(keys, axis=0, return_index=True)
     mask = np.zeros(len(lay.device), dtype=bool)
@@ -494,14 +554,28 @@ def first_reads(lay: Layout, axes: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
-                      edge: Edge, itemsize: int, devices: int) -> np.ndarray:
-    """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
+def _distinct(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first row of each distinct row of ``rows`` (2-D), and each row's distinct index.
 
-    Entry ``[q, p]`` sums, over the distinct regions each device reads, the bytes of the region
-    minus the part of it held by that device.
+    >>> _distinct(np.array([[1, 2], [3, 4], [1, 2]]))
+    (array([0, 1]), array([0, 1, 0]))
     """
-    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    seen: dict[bytes, int] = {}
+    inverse = np.empty(len(rows), dtype=np.int64)
+    first = []
+    for i, row in enumerate(np.ascontiguousarray(rows)):
+        j = seen.setdefault(row.tobytes(), len(seen))
+        if j == len(first):
+            first.append(i)
+        inverse[i] = j
+    return np.array(first, dtype=np.int64), inverse
+
+
+def _read_maps(consumer: NodeTable, axes: Sequence[int]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The regions every consumer candidate's devices read of one operand (labels ``axes``),
+    each device each region once: lo, hi (K', m, r), device and mask (K', m) of the distinct
+    read maps, and the distinct map of every candidate (K,)."""
     kc = len(consumer.cands)
     m = max(len(lay.device) for lay in consumer.layouts)
     r = len(axes)
@@ -515,14 +589,48 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
         hi[c, :n] = lay.starts[:, axes] + lay.lens[:, axes]
         dev[c, :n] = lay.device
         mask[c, :n] = first_reads(lay, axes)
-    region = np.prod(hi - lo, axis=2) * mask                           # (kc, m)
-    plo = producer.piece_lo[:, dev]                                    # (kp, kc, m, S, r)
-    phi = producer.piece_hi[:, dev]
-    has = producer.has_piece[:, dev] & mask[None, :, :, None]          # (kp, kc, m, S)
-    overlap = np.clip(np.minimum(hi[None, :, :, None], phi)
-                      - np.maximum(lo[None, :, :, None], plo), 0, None)
-    local = (np.prod(overlap, axis=4) * has).sum(axis=3)
-    return (region.sum(axis=1)[None, :] - local.sum(axis=2)) * itemsize
+    lo *= mask[:, :, None]
+    hi *= mask[:, :, None]
+    dev *= mask
+    rows = np.concatenate([lo.reshape(kc, -1), hi.reshape(kc, -1), dev, mask], axis=1)
+    first, inverse = _distinct(rows)
+    return lo[first], hi[first], dev[first], mask[first], inverse
+
+
+def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                      edge: Edge, itemsize: int, devices: int) -> np.ndarray:
+    """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
+
+    Entry ``[q, p]`` sums, over the distinct regions each device reads, the bytes of the region
+    minus the part of it held by that device. Candidates that place the same pieces on the
+    same devices (a producer's owned pieces, a consumer's reads) share their row or column:
+    each distinct one is computed once, in blocks that bound the memory used.
+    """
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    lo, hi, dev, mask, cols = _read_maps(consumer, axes)
+    kp = len(producer.cands)
+    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
+                            producer.piece_hi.reshape(kp, -1),
+                            producer.has_piece.reshape(kp, -1)], axis=1)
+    first, rows = _distinct(holds)
+    plo, phi = producer.piece_lo[first], producer.piece_hi[first]   # (kq, N, S, r)
+    has = producer.has_piece[first]                                  # (kq, N, S)
+    kq, kd, (_, m, r) = len(first), len(lo), lo.shape
+    region = (np.prod(hi - lo, axis=2) * mask).sum(axis=1)           # (kd,)
+    local = np.zeros((kq, kd), dtype=np.int64)
+    step = max(1, (1 << 22) // max(1, kd * m))
+    for q0 in range(0, kq, step):
+        q = slice(q0, q0 + step)
+        for s in range(has.shape[2]):
+            held = (has[q, :, s][:, dev] & mask).astype(np.int64)    # (kq, kd, m)
+            for a in range(r):
+                ov = np.minimum(hi[None, :, :, a], phi[q, :, s, a][:, dev])
+                ov -= np.maximum(lo[None, :, :, a], plo[q, :, s, a][:, dev])
+                np.maximum(ov, 0, out=ov)
+                held *= ov
+            local[q] += held.sum(axis=2)
+    moved = (region[None, :] - local) * itemsize
+    return moved[rows][:, cols]
 
 
 def chunk_tiles(node: OpNode, lay: Layout) -> tuple[int, ...]:
@@ -723,6 +831,43 @@ def edge_reads(prod: Layout, lay: Layout, axes: Sequence[int]) -> tuple[frozense
     return frozenset(whole), frozenset(slices)
 
 
+def _remote_reads(prod: Layout, lay: Layout, axes: Sequence[int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """What the devices of consumer layout ``lay`` read from other devices of producer layout
+    ``prod`` (see :func:`edge_reads`) as arrays: the pieces read whole, as ``device x P +
+    piece`` (P pieces), and the slices of the others, rows ``(device, piece, lo..., hi...)``
+    (R, 2 + 2r). Tested label by label, so only slices are cut out."""
+    plo = prod.outputs.starts                                             # (P, r)
+    phi = plo + prod.outputs.lens
+    tasks = np.flatnonzero(first_reads(lay, axes))
+    lo = lay.starts[tasks][:, list(axes)]
+    hi = lo + lay.lens[tasks][:, list(axes)]
+    dev = lay.device[tasks]
+    hit = dev[:, None] != prod.outputs.device[None]                       # (T, P) remote
+    full = hit.copy()
+    for a in range(len(axes)):
+        lo_a, hi_a, pl, ph = lo[:, None, a], hi[:, None, a], plo[None, :, a], phi[None, :, a]
+        hit &= (hi_a > pl) & (ph > lo_a) & (hi_a > lo_a) & (ph > pl)  # min(hi) > max(lo)
+        full &= (lo_a <= pl) & (hi_a >= ph)
+    full &= hit
+    t, q = np.nonzero(full)
+    whole = dev[t] * len(plo) + q
+    t, q = np.nonzero(hit & ~full)
+    rows = np.concatenate([dev[t][:, None], q[:, None], np.maximum(lo[t], plo[q]),
+                           np.minimum(hi[t], phi[q])], axis=1)
+    return whole.astype(np.int64), rows.astype(np.int64)
+
+
+def _unique_rows(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows of a 2-D integer array (sorted)."""
+    if len(rows) < 2:
+        return rows
+    ordered = rows[np.lexsort(rows.T[::-1])]
+    keep = np.ones(len(ordered), dtype=bool)
+    keep[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    return ordered[keep]
+
+
 def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                cache: dict | None = None, keys: Sequence[object] | None = None) -> int:
     """Bytes other devices read of ``producer``'s output, each piece or slice once a device
@@ -731,25 +876,36 @@ def read_bytes(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     if graph.nodes[producer].loaded_where_read:
         return 0
     prod = layouts[producer]
-    whole: set = set()
-    slices: set = set()
+    slices, wholes = [], []
+    seen = set()
     for consumer, k in graph.consumers[producer]:
         node = graph.nodes[consumer]
         axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
         key = None if cache is None or keys is None else \
-            ("reads", keys[producer], keys[consumer], axes)
+            ("remote reads", keys[producer], keys[consumer], axes)
+        if key is not None and key in seen:
+            continue  # the same reads as another consumer's: a device reads them once
+        seen.add(key)
         if key is not None and key in cache:
-            w, sl = cache[key]
+            got = cache[key]
         else:
-            w, sl = edge_reads(prod, layouts[consumer], axes)
+            got = _remote_reads(prod, layouts[consumer], axes)
             if key is not None:
-                cache[key] = (w, sl)
-        whole |= w
-        slices |= sl
+                cache[key] = got
+        wholes.append(got[0])
+        slices.append(got[1])
+    if not slices:
+        return 0
     sizes = np.prod(prod.outputs.lens, axis=1)
-    total = sum(int(sizes[q]) for _, q in whole)
-    total += sum(math.prod(b - a for a, b in zip(lo, hi))
-                 for d, q, lo, hi in slices if (d, q) not in whole)
+    n = len(sizes)
+    reads, whole = np.concatenate(slices), np.concatenate(wholes)
+    devices = 1 + max(int(whole.max(initial=-1)) // max(1, n), int(reads[:, 0].max(initial=-1)))
+    held = np.zeros(devices * n, dtype=bool)        # (device, piece) read whole
+    held[whole] = True
+    total = int(sizes[np.flatnonzero(held) % n].sum()) if n else 0
+    parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])  # slices of the others
+    r = (reads.shape[1] - 2) // 2
+    total += int(np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1).sum())
     return total * graph.nodes[producer].itemsize
 
 
@@ -764,30 +920,63 @@ def piece_extents(lay: Layout) -> dict[tuple[int, ...], tuple[tuple[int, ...], t
     return out
 
 
+def _fingerprint(lay: Layout) -> tuple:
+    """What determines a layout (equal for identical layers' layouts made apart): pieces,
+    output labels, order, scatter, the labels' sizes and every task's device."""
+    end = tuple(int(x) for x in lay.starts[-1] + lay.lens[-1]) if len(lay.device) else ()
+    return (lay.pieces, lay.n_out, lay.order, lay.scatter, end, lay.device.tobytes())
+
+
+def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Owner, reader and bytes of every piece or slice the ``readers`` (``(id, axes) ->
+    consumer layout``) read of ``prod`` from other devices, each once a device."""
+    wholes, slices = [], []
+    for (_, axes), lay in readers.items():
+        whole, rows = _remote_reads(prod, lay, axes)
+        wholes.append(whole)
+        slices.append(rows)
+    sizes = np.prod(prod.outputs.lens, axis=1)
+    n = len(sizes)
+    owner = prod.outputs.device
+    held = np.zeros(devices * n, dtype=bool)
+    held[np.concatenate(wholes)] = True
+    ids = np.flatnonzero(held)
+    reads = np.concatenate(slices)
+    parts = _unique_rows(reads[~held[reads[:, 0] * n + reads[:, 1]]])
+    r = (reads.shape[1] - 2) // 2
+    vol = np.prod(parts[:, 2 + r:] - parts[:, 2:2 + r], axis=1)
+    return (np.concatenate([owner[ids % n], owner[parts[:, 1]]]),
+            np.concatenate([ids // n, parts[:, 0]]),
+            np.concatenate([sizes[ids % n], vol]) * itemsize)
+
+
 def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
     """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
     every piece or slice a device reads from another device once (see :func:`device_reads`),
     and every partial aggregate sent to its owner. This is the prediction the physical plan's
-    copies are checked against."""
+    copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
+    consumer layout of a producer once."""
     moved = np.zeros((devices, devices), dtype=np.int64)
-    for (producer, dev), reads in device_reads(graph, layouts).items():
+    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # identical layers
+    for producer, node in enumerate(graph.nodes):
+        if node.loaded_where_read or not graph.consumers[producer]:
+            continue
         prod = layouts[producer]
-        item = graph.nodes[producer].itemsize
-        owners = prod.owners()
-        extents = piece_extents(prod)
-        for piece in reads.whole:
-            if owners[piece] != dev:
-                lo, hi = extents[piece]
-                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
-        for piece, lo, hi in reads.slices:
-            if owners[piece] != dev:
-                moved[owners[piece], dev] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        readers = {}
+        for consumer, k in graph.consumers[producer]:
+            reader = graph.nodes[consumer]
+            axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
+            readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+        key = (_fingerprint(prod), node.itemsize, frozenset(readers))
+        if key not in done:
+            done[key] = _read_sends(prod, readers, devices, node.itemsize)
+        src, dst, sent = done[key]
+        np.add.at(moved, (src, dst), sent)
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
-            elems = dict(zip(lay.outputs.keys(),
-                             (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
-            for src, dst, piece in lay.partial_sends():
-                moved[src, dst] += elems[piece] * node.itemsize
+            src, dst, elems = lay.partial_pairs
+            np.add.at(moved, (src, dst), elems * node.itemsize)
     return moved
 
 

@@ -33,7 +33,12 @@ from tensorql.optimizer.cost import (
     sub_tile,
 )
 from tensorql.optimizer.graph import OpGraph
-from tensorql.optimizer.search import InfeasiblePlanError, Problem, get_strategy
+from tensorql.optimizer.search import (
+    InfeasiblePlanError,
+    Problem,
+    build_problem,
+    get_strategy,
+)
 from tensorql.optimizer.topology import LEVELS, Topology
 from tensorql.options import parse_bytes
 from tensorql.units import format_bytes, format_flops
@@ -267,7 +272,7 @@ def optimize(expr: Any, devices: Any = None, strategy: str = "auto",
     graph = OpGraph.build(node, also=tuple(also), sources_everywhere=sources_everywhere)
     cache = {} if cache is None else cache
     if limit is None:
-        problem = Problem.build(graph, n_dev, None, cache=cache, topology=topo)
+        problem = build_problem(graph, n_dev, cache=cache, topology=topo)
         return make_plan(problem, search(problem), strategy, None, topo)
     try:
         return _plan_within(graph, n_dev, search, strategy, limit, cache, topo)

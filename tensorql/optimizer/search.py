@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,13 +101,16 @@ class Problem:
     @classmethod
     def build(cls, graph: OpGraph, devices: int, memory_limit: int | None = None,
               cache: dict | None = None, task_limit: int | None = None,
-              topology: Topology | None = None) -> Problem:
+              topology: Topology | None = None,
+              guide: Sequence[frozenset | None] | None = None) -> Problem:
         """The problem of ``graph`` on ``devices`` devices: each node's pieces cut until
         one fits ``memory_limit`` (see :func:`_fitting_table`), and every task of the
         physical plan -- the node's own, and those assembling its operands -- within
         ``task_limit`` (default ``memory_limit``): candidates whose own tasks do not fit are
         not allowed, and a pair of producer and consumer candidates whose assembling does
-        not is priced out (:data:`UNFIT`), so the search avoids it where any plan can."""
+        not is priced out (:data:`UNFIT`), so the search avoids it where any plan can.
+        ``guide`` (no memory limit): per node, the partition vectors it may take (None: all),
+        see :func:`build_problem`."""
         cache = {} if cache is None else cache
         task_limit = memory_limit if task_limit is None else task_limit
         if topology is not None and topology.devices != devices:
@@ -114,9 +118,14 @@ class Problem:
                                 f"devices, the problem {devices}")
         if topology is not None and (topology.is_flat or devices == 1):
             topology = None  # one node: every pair alike, bytes rank plans as time does
+        if guide is not None and memory_limit is not None:
+            raise PlanError("a guided problem is planned without a memory limit")
         keys, tables = [], []
         for node in graph.nodes:
-            key, table = _fitting_table(graph, node, devices, memory_limit, cache)
+            if guide is not None and guide[node.index] is not None:
+                key, table = _table(graph, node, devices, devices, cache, guide[node.index])
+            else:
+                key, table = _fitting_table(graph, node, devices, memory_limit, cache)
             keys.append(key)
             tables.append(table)
         allowed = []
@@ -180,7 +189,7 @@ class Problem:
         """Node ``node``'s own cost per candidate for the search (see :func:`own_cost`)."""
         if self.own:
             return own_cost(self.tables[node], self.own[node])
-        return own_cost(self.tables[node])
+        return _own(self.tables[node])  # read only: cached on the (shared) table
 
     def own_total(self, choice: tuple[int, ...]) -> int:
         """The own costs (partial aggregates) of a choice."""
@@ -262,14 +271,24 @@ def _targets(node) -> tuple | None:
     return None if target is None else tuple(sorted(target.items()))
 
 
-def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict):
+def _vectors(node, pieces: int) -> tuple[tuple[int, ...], ...]:
+    """The partition vectors of ``pieces`` pieces a node may take: its labels in ``whole``
+    (a softmax's axis, every label of a reshape) never cut."""
+    keep = {node.labels.index(lab) for lab in node.whole}
+    return candidates(tuple(1 if d in keep else n for d, n in enumerate(node.sizes)), pieces)
+
+
+def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict,
+           only: frozenset | None = None):
+    """The node's table (cached under its :func:`node_key`), over the vectors in ``only``
+    when given (they are part of the key then)."""
     key = node_key(graph, node, devices, pieces)
+    if only is not None:
+        key = (*key, tuple(sorted(only)))
     if ("node", key) not in cache:
-        allowed = None
-        if node.whole:  # labels never cut: a softmax's axis, every label of a reshape
-            keep = {node.labels.index(lab) for lab in node.whole}
-            allowed = candidates(tuple(1 if d in keep else n for d, n in
-                                       enumerate(node.sizes)), pieces)
+        allowed = _vectors(node, pieces) if node.whole else None
+        if only is not None:
+            allowed = tuple(sorted(only))
         cache[("node", key)] = build_table(graph, node, devices, allowed=allowed,
                                            pieces=pieces)
     return key, cache[("node", key)]
@@ -320,6 +339,15 @@ def own_cost(table: NodeTable, priced: np.ndarray | None = None) -> np.ndarray:
     weight = np.where(table.scattered, 1.0 + 1e-9, 1.0 + 2e-9)
     base = table.partial_bytes if priced is None else priced
     return base.astype(float) * weight
+
+
+def _own(table: NodeTable) -> np.ndarray:
+    """:func:`own_cost` of a table, computed once (identical layers share tables); read
+    only."""
+    got = table.__dict__.get("_own_cost")
+    if got is None:
+        got = table.__dict__["_own_cost"] = own_cost(table)
+    return got
 
 
 # -- dynamic programming over a tree cover ------------------------------------------------
@@ -386,7 +414,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
         improved = False
         for node in graph.nodes:
             n = node.index
-            cost = problem.own_cost(n)
+            cost = problem.own_cost(n).copy()
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
             cost[~problem.allowed[n]] = np.inf
@@ -400,8 +428,18 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
 
 
 # -- label classes for the baselines ------------------------------------------------------
+_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def label_classes(graph: OpGraph) -> dict[tuple[int, str], int]:
-    """Union-find of (node, label) pairs that are the same dimension across edges."""
+    """Union-find of (node, label) pairs that are the same dimension across edges (found
+    once per graph; read only)."""
+    if graph not in _CLASSES:
+        _CLASSES[graph] = _label_classes(graph)
+    return _CLASSES[graph]
+
+
+def _label_classes(graph: OpGraph) -> dict[tuple[int, str], int]:
     parent: dict[tuple[int, str], tuple[int, str]] = {}
 
     def find(x):
@@ -436,14 +474,19 @@ def _masks(problem: Problem, wanted: Callable[[int, str], bool]) -> list[np.ndar
     return masks
 
 
+def data_classes(graph: OpGraph, classes: dict[tuple[int, str], int]) -> set[int]:
+    """The batch label's class (the result's leading label): none for a scalar result."""
+    root = graph.nodes[graph.root]
+    return {classes[(root.index, root.out_labels[0])]} if root.out_labels else set()
+
+
 def data_masks(problem: Problem) -> list[np.ndarray | None]:
     graph = problem.graph
     classes = label_classes(graph)
-    root = graph.nodes[graph.root]
-    if not root.out_labels:
+    batch = data_classes(graph, classes)
+    if not batch:
         return [None] * len(graph.nodes)
-    batch = classes[(root.index, root.out_labels[0])]
-    return _masks(problem, lambda n, lab: classes.get((n, lab)) == batch)
+    return _masks(problem, lambda n, lab: classes.get((n, lab)) in batch)
 
 
 def model_classes(graph: OpGraph) -> set[int]:
@@ -492,14 +535,20 @@ def search_model(problem: Problem) -> tuple[int, ...]:
     return _dp_best(problem.restrict(model_masks(problem)))
 
 
+def auto_options(problem: Problem) -> list[tuple[int, ...]]:
+    """The choices ``auto`` picks from: the DP results and the two baselines, and each of them
+    refined."""
+    seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
+             search_model(problem)]
+    return list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
+
+
 def search_auto(problem: Problem) -> tuple[int, ...]:
     """The DP results and the two baselines, refined; the one that moves fewest bytes counted
     exactly wins, so auto is never worse than data or model."""
-    seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
-             search_model(problem)]
-    refined = list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
-    return min(refined, key=lambda c: (problem.exact_total(c), problem.partials(c),
-                                       problem.reduced(c), problem.total(c)))
+    return min(auto_options(problem), key=lambda c: (problem.exact_total(c),
+                                                     problem.partials(c), problem.reduced(c),
+                                                     problem.total(c)))
 
 
 def search_exhaustive(problem: Problem) -> tuple[int, ...]:
@@ -533,6 +582,106 @@ def search_exhaustive(problem: Problem) -> tuple[int, ...]:
             best = (total, tuple(choice))
     assert best is not None
     return best[1]
+
+
+# -- coarse to fine: planning for many devices --------------------------------------------
+FINE_ABOVE = 64  # device counts above this are planned coarse to fine
+FINE_STEP = 4    # each level plans for this many times the devices of the level before
+
+
+def levels(devices: int) -> tuple[int, ...]:
+    """The device counts planned in turn for ``devices``: the count itself up to
+    :data:`FINE_ABOVE`; above, divided by :data:`FINE_STEP` while it divides and the count
+    stays above :data:`FINE_ABOVE` (a full search there), then multiplied back level by level.
+    (Starting from 16 devices instead was both slower and worse on the 70B-shaped graph:
+    15 s and 2,175 GiB at 256 devices against 9 s and 2,167 GiB.)
+
+    >>> levels(8), levels(64), levels(256), levels(1024), levels(96), levels(65)
+    ((8,), (64,), (64, 256), (64, 256, 1024), (24, 96), (65,))
+    """
+    out = [devices]
+    while out[0] > FINE_ABOVE and out[0] % FINE_STEP == 0:
+        out.insert(0, out[0] // FINE_STEP)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _refining(vectors: tuple[tuple[int, ...], ...], coarse: frozenset) -> frozenset | None:
+    """The ``vectors`` that cut each label into a multiple of the pieces of one of the
+    ``coarse`` vectors (None when none does)."""
+    fine = [v for v in vectors if any(all(f % c == 0 for f, c in zip(v, cv)) for cv in coarse)]
+    return frozenset(fine) if fine else None
+
+
+def _refinements(node, devices: int, coarse: set[tuple[int, ...]]) -> frozenset | None:
+    """The node's vectors for ``devices`` that refine one of the ``coarse`` vectors (None:
+    all of them, when none does)."""
+    return _refining(_vectors(node, devices), frozenset(coarse))
+
+
+def _baseline_vectors(graph: OpGraph, node, devices: int,
+                      wanted: Callable[[int, str], bool]) -> frozenset:
+    """The node's vectors for ``devices`` with the most pieces on the labels ``wanted``
+    picks (what the data / model masks keep); none when no such label is cut at all."""
+    cols = tuple(k for k, lab in enumerate(node.labels) if wanted(node.index, lab))
+    return _most_on(_vectors(node, devices), cols) if cols else frozenset()
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _most_on(vectors: tuple[tuple[int, ...], ...], cols: tuple[int, ...]) -> frozenset:
+    """The ``vectors`` with the most pieces on the labels at ``cols``; none unless some cut
+    them."""
+    on = [math.prod(v[k] for k in cols) for v in vectors]
+    best = max(on)
+    return frozenset(v for v, x in zip(vectors, on) if x == best) if best > 1 else frozenset()
+
+
+def build_problem(graph: OpGraph, devices: int, cache: dict | None = None,
+                  **final: object) -> Problem:
+    """The problem the search solves for ``devices`` devices (no memory limit): every
+    partition vector up to :data:`FINE_ABOVE` devices; above, planned coarse to fine
+    (:func:`levels`): each level's problem offers a node only the vectors refining the
+    pieces it takes in one of the previous level's ``auto`` options (:func:`auto_options`:
+    the DP results and the data / model baselines, refined) and the vectors the data / model
+    baselines want at this level, so the baselines stay what they are and ``auto`` is still
+    never worse than either. A refining vector cuts every label into a multiple of the
+    coarse pieces: the search goes on from where the coarse plan stands. Keyword arguments
+    (``final``: a topology of ``devices`` devices) go to the last level's
+    :meth:`Problem.build`; the coarser levels are planned by bytes.
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> x = db.from_numpy("x", np.ones((256, 512), dtype=np.float32))
+    >>> w = db.from_numpy("w", np.ones((512, 256), dtype=np.float32))
+    >>> graph = OpGraph.build((x @ w).node)
+    >>> fine, full = build_problem(graph, 256), Problem.build(graph, 256)
+    >>> [len(t.cands) for t in fine.tables], [len(t.cands) for t in full.tables]
+    ([8, 6, 53], [9, 9, 159])
+    """
+    cache = {} if cache is None else cache
+    steps = levels(devices)
+    guide: list[frozenset | None] | None = None
+    classes = label_classes(graph)
+    data = data_classes(graph, classes)
+    model = model_classes(graph)
+    for n in steps:
+        if guide is not None:
+            for node in graph.nodes:
+                extra = (_baseline_vectors(graph, node, n, lambda i, lab: classes.get(
+                    (i, lab)) in data) | _baseline_vectors(graph, node, n, lambda i, lab:
+                                                          classes.get((i, lab)) in model))
+                if guide[node.index] is not None:
+                    guide[node.index] = guide[node.index] | extra
+        if n == devices:
+            return Problem.build(graph, n, None, cache=cache, guide=guide, **final)
+        problem = Problem.build(graph, n, None, cache=cache, guide=guide)
+        chosen: list[set[tuple[int, ...]]] = [set() for _ in graph.nodes]
+        for choice in auto_options(problem):
+            for node, table, c in zip(graph.nodes, problem.tables, choice):
+                chosen[node.index].add(tuple(int(x) for x in table.cands[c]))
+        guide = [_refinements(node, n * FINE_STEP, chosen[node.index])
+                 for node in graph.nodes]
+    raise AssertionError("unreachable")  # the last level returns
 
 
 STRATEGIES: dict[str, Callable[[Problem], tuple[int, ...]]] = {
