@@ -1081,18 +1081,21 @@ def transition_levels(producer: NodeTable, consumer: NodeTable, consumer_node: O
 
 def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarray:
     """Seconds every candidate's partial aggregates take to reach their owners on ``topo``
-    (K,): the sends of :meth:`Layout.partial_sends`, priced as one exchange."""
+    (K,): the sends of :meth:`Layout.partial_sends` (as the arrays of
+    :attr:`Layout.partial_pairs`), priced as one exchange."""
     out = np.zeros(len(table.cands))
-    n = topo.devices
+    nodes = topo.node_array
+    groups = len(topo.groups)
     for c, lay in enumerate(table.layouts):
-        sends = lay.partial_sends()
-        if not sends:
+        src, dst, elems = lay.partial_pairs
+        if not len(src):
             continue
-        elems = dict(zip(lay.outputs.keys(), (int(e) for e in np.prod(lay.outputs.lens, axis=1))))
-        pair = np.zeros((n, n))
-        for src, dst, piece in sends:
-            pair[src, dst] += elems[piece] * node.itemsize
-        out[c] = topo.transfer_seconds(pair)
+        nbytes = (elems * node.itemsize).astype(float)
+        to = nodes[dst]
+        same = nodes[src] == to  # a partial never goes to its own device
+        intra = np.bincount(to[same], nbytes[same], minlength=groups)
+        inter = np.bincount(to[~same], nbytes[~same], minlength=groups)
+        out[c] = float(topo.node_seconds(intra, inter))
     return out
 
 
