@@ -1102,25 +1102,17 @@ def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarra
 def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                devices: int) -> np.ndarray:
     """Bytes other devices read of ``producer``'s output, per (owner, reader) pair: an
-    (N, N) matrix whose sum is :func:`read_bytes`."""
+    (N, N) matrix whose sum is :func:`read_bytes` (counted array-wise, as
+    :func:`pair_bytes` counts them)."""
     out = np.zeros((devices, devices), dtype=np.int64)
-    if graph.nodes[producer].loaded_where_read:
+    node = graph.nodes[producer]
+    if node.loaded_where_read or not graph.consumers[producer]:
         return out
-    prod = layouts[producer]
-    whole: set = set()
-    slices: set = set()
+    readers = {}
     for consumer, k in graph.consumers[producer]:
-        node = graph.nodes[consumer]
-        axes = tuple(node.labels.index(a) for a in node.inputs[k].axes)
-        w, sl = edge_reads(prod, layouts[consumer], axes)
-        whole |= w
-        slices |= sl
-    sizes = np.prod(prod.outputs.lens, axis=1)
-    owner = prod.outputs.device
-    item = graph.nodes[producer].itemsize
-    for d, q in whole:
-        out[owner[q], d] += int(sizes[q]) * item
-    for d, q, lo, hi in slices:
-        if (d, q) not in whole:
-            out[owner[q], d] += math.prod(b - a for a, b in zip(lo, hi)) * item
+        reader = graph.nodes[consumer]
+        axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
+        readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+    src, dst, sent = _read_sends(layouts[producer], readers, devices, node.itemsize)
+    np.add.at(out, (src, dst), sent)
     return out
