@@ -246,26 +246,8 @@ class Layout:
             g = self.index[:, s] * f + rank
             mine = elems // np.maximum(self.lens[:, s], 1) * (bounds[g + 1] - bounds[g])
             return len(self.device) * (f - 1), int((elems - mine).sum())
-        shape = self.out_pieces
-        out = self.outputs
-        part_of = _rank(out.index, shape, tuple(range(n_out)))
-        owner = np.zeros(max(1, math.prod(shape)), dtype=np.int64)
-        elems = np.zeros_like(owner)
-        owner[part_of] = out.device
-        elems[part_of] = np.prod(out.lens, axis=1)
-        if self.scatter is None:
-            parts = _rank(self.index[:, :n_out], shape, tuple(range(n_out)))[:, None]
-        else:
-            s, f = self.scatter
-            idx = np.repeat(self.index[:, None, :n_out], f, axis=1)     # (M, f, n_out)
-            idx[:, :, s] = idx[:, :, s] * f + np.arange(f)
-            parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
-        dev = np.broadcast_to(self.device[:, None], parts.shape)
-        send = dev != owner[parts]
-        pairs = dev[send] * len(owner) + parts[send]
-        if np.bincount(self.device).max() > 1:  # several tasks a device: each part once
-            pairs = np.unique(pairs)
-        return len(pairs), int(elems[pairs % len(owner)].sum())
+        src, _, elems = self.partial_pairs  # several tasks a device: each part once
+        return len(src), int(elems.sum())
 
     @functools.cached_property
     def partial_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
