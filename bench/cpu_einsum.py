@@ -44,7 +44,8 @@ against the same workload stored with each manual tile of ``--tiles`` (default 2
 in the same process (tensorql against itself) in seeded random order; goal: auto / best manual
 <= 1.1. ``--big`` adds an 8192^3 matmul to this table (manual tiles 1024 and 2048).
 
-Goals: tensorql / the fastest torch form (plain, packed, compiled) <= 1.1 (warm medians),
+Goals: tensorql / the fastest torch form (plain, packed, compiled) <= 1.0 (warm medians; issue
+31),
 fastest dask/tensorql >= 5, auto/best <= 1.1.
 Every result is checked against a float64 numpy reference (relative error < 1e-4). Exits 1
 on a wrong result, or on a missed goal unless ``--small``.
@@ -59,6 +60,9 @@ import threading
 import numpy as np
 import torch
 from harness import Contender, Record, add_arguments, measure, run_contenders
+
+# tensorql / the fastest torch form, warm medians (issue 31: <= 1.0 in every run)
+TORCH_GOAL = 1.0
 
 SIZES = {"small": {"n": 768, "mlp": (512, 256, 1024), "tile": 128},
          "full": {"n": 3072, "mlp": (2048, 1024, 4096), "tile": 512}}
@@ -333,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         row["tq/torch best"] = med["tq"] / forms[row["torch_best_form"]]
         rows.append(row)
         record.goal(f"{key}: tq / fastest torch ({row['torch_best_form']}) "
-                    f"{row['tq/torch best']:.2f} <= 1.1", row["tq/torch best"] <= 1.1)
+                    f"{row['tq/torch best']:.2f} <= {TORCH_GOAL}",
+                    row["tq/torch best"] <= TORCH_GOAL)
         if dask:
             record.goal(f"{key}: fastest dask ({row['dask_best_form']}) / tq "
                         f"{row['dask/tq']:.1f} >= 5", row["dask/tq"] >= 5)
