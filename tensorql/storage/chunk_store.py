@@ -149,8 +149,7 @@ class ChunkStore(abc.ABC):
         """The region ``[lo, hi)`` of a pinned ``version`` (as :meth:`read_region`)."""
         grid = version.meta.grid
         lo, hi = tuple(int(a) for a in lo), tuple(int(b) for b in hi)
-        spans = [range(a // t, (b - 1) // t + 1) for a, b, t in zip(lo, hi, grid.tile)]
-        keys = list(itertools.product(*spans))
+        keys = region_keys(grid, lo, hi)
         if len(keys) == 1 and grid.slices(keys[0]) == tuple(
                 slice(a, b) for a, b in zip(lo, hi)):
             return self.read_chunk_at(version, keys[0])  # the region is one stored chunk
@@ -159,13 +158,8 @@ class ChunkStore(abc.ABC):
             chunk = self.read_chunk_at(version, key)
             if out is None:
                 out = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=chunk.dtype)
-            src, dst = [], []
-            for d, b in enumerate(key):
-                blo, bhi = grid.dim_extent(d, b)
-                start, end = max(lo[d], blo), min(hi[d], bhi)
-                src.append(slice(start - blo, end - blo))
-                dst.append(slice(start - lo[d], end - lo[d]))
-            out[tuple(dst)] = chunk[tuple(src)]
+            src, dst = region_slices(grid, key, lo, hi)
+            out[dst] = chunk[src]
         return out
 
     @abc.abstractmethod
@@ -275,3 +269,32 @@ def check_chunk(meta: TensorMeta, key: Key, data: torch.Tensor) -> None:
         raise ShapeError(
             f"tensor {meta.name!r}: chunk {key} has shape {tuple(data.shape)}, expected {expected}"
         )
+
+
+def region_keys(grid: ChunkGrid, lo: Sequence[int], hi: Sequence[int]) -> list[Key]:
+    """The keys of ``grid``'s chunks the region ``[lo, hi)`` overlaps.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> region_keys(ChunkGrid((4, 4), (2, 2)), (1, 0), (3, 2))
+    [(0, 0), (1, 0)]
+    """
+    spans = [range(a // t, (b - 1) // t + 1) for a, b, t in zip(lo, hi, grid.tile)]
+    return list(itertools.product(*spans))
+
+
+def region_slices(grid: ChunkGrid, key: Key, lo: Sequence[int], hi: Sequence[int]
+                  ) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """(the slices of chunk ``key`` inside the region ``[lo, hi)``, where they go in the
+    region).
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> region_slices(ChunkGrid((4, 4), (2, 2)), (1, 0), (1, 0), (3, 2))
+    ((slice(0, 1, None), slice(0, 2, None)), (slice(1, 2, None), slice(0, 2, None)))
+    """
+    src, dst = [], []
+    for d, b in enumerate(key):
+        blo, bhi = grid.dim_extent(d, b)
+        start, end = max(lo[d], blo), min(hi[d], bhi)
+        src.append(slice(start - blo, end - blo))
+        dst.append(slice(start - lo[d], end - lo[d]))
+    return tuple(src), tuple(dst)

@@ -45,6 +45,8 @@ from tensorql.storage.chunk_store import (
     TensorMeta,
     as_chunk_tensor,
     check_chunk,
+    region_keys,
+    region_slices,
 )
 from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
 from tensorql.storage.spill import remove_stale_files, spill_prefix
@@ -654,12 +656,17 @@ class DuckDBChunkStore(ChunkStore):
             return cached
         return self._chunk_of(meta, table, key, self._read_pages(table, key))
 
-    def _chunk_of(self, meta: TensorMeta, table: str, key: Key, result: pa.Table):
-        """Chunk ``key`` decoded from its page rows ``result`` read from ``table``, cached."""
+    def _chunk_of(self, meta: TensorMeta, table: str, key: Key, result: pa.Table,
+                  cache: bool = True):
+        """Chunk ``key`` decoded from its page rows ``result`` read from ``table``, cached
+        unless ``cache`` is False; a cached chunk replaces the regions cut from it before
+        (they are views of it from now on)."""
         if result.num_rows == 0:
             raise StorageError(f"tensor {meta.name!r}: chunk {key} is missing from {table}")
         chunk = self._decode(meta, key, result.column(0).to_numpy(), result.column(1))
-        self.cache.put((table, key), chunk)
+        if cache:
+            self.cache.put((table, key), chunk)
+            self.cache.discard_regions_within(table, meta.grid, key)
         return chunk
 
     def _read_pages(self, table: str, key: Key) -> pa.Table:
@@ -671,13 +678,40 @@ class DuckDBChunkStore(ChunkStore):
 
     def read_region_at(self, version: StoredVersion, lo: Sequence[int],
                        hi: Sequence[int]) -> torch.Tensor:
-        """As :meth:`ChunkStore.read_region_at`, an assembled region kept in the chunk cache
-        (under its table, so a replaced tensor's regions are never served)."""
-        ident = (version.handle, ("region", *(int(a) for a in lo), *(int(b) for b in hi)))
+        """As :meth:`ChunkStore.read_region_at`, with the chunk cache holding what the plan
+        reads and no more: a region that is a whole chunk is that chunk; one inside a chunk
+        the cache holds is a view of it (no bytes more); any other region is cut from the
+        chunks it overlaps, decoded without being cached, and the region alone is cached
+        (under its table, so a replaced tensor's regions are never served). A rank reading
+        half of each of two stored chunks holds the two halves, not the two chunks.
+        """
+        lo, hi = tuple(int(a) for a in lo), tuple(int(b) for b in hi)
+        ident = (version.handle, ("region", *lo, *hi))
         cached = self.cache.get(ident)
         if cached is not None:
             return cached
-        region = super().read_region_at(version, lo, hi)
+        table, meta = version.handle, version.meta
+        grid = meta.grid
+        keys = region_keys(grid, lo, hi)
+        if len(keys) == 1:
+            (key,) = keys
+            if grid.slices(key) == tuple(slice(a, b) for a, b in zip(lo, hi)):
+                return self.read_chunk_at(version, key)  # the region is one stored chunk
+            chunk = self.cache.get((table, meta.grid.check_key(key)))
+            if chunk is not None:  # a view of the cached chunk
+                return chunk[region_slices(grid, key, lo, hi)[0]]
+        region = None
+        for key in keys:
+            key = grid.check_key(key)
+            chunk = self.cache.get((table, key))
+            if chunk is None:
+                chunk = self._chunk_of(meta, table, key, self._read_pages(table, key),
+                                       cache=False)
+            if region is None:
+                region = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=chunk.dtype)
+            src, dst = region_slices(grid, key, lo, hi)
+            region[dst] = chunk[src]
+        assert region is not None  # a region overlaps at least one chunk
         self.cache.put(ident, region)
         return region
 
@@ -801,6 +835,18 @@ class ChunkCache:
             # never written again: products may use a packed copy of it while it is cached
             mark_immutable(chunk)
             self._items[ident] = chunk  # the least recently used go, to stay within capacity
+
+    def discard_regions_within(self, table: str, grid: Any, key: Key) -> None:
+        """Drop the cached regions of ``table`` that lie inside its chunk ``key`` (cached
+        now: such a region is read as a view of it from now on)."""
+        bounds = [grid.dim_extent(d, b) for d, b in enumerate(key)]
+        with self._lock:
+            for ident in [i for i in self._items if i[0] == table and i[1]
+                          and i[1][0] == "region"]:
+                coords = ident[1][1:]
+                lo, hi = coords[:len(bounds)], coords[len(bounds):]
+                if all(blo <= a and b <= bhi for (blo, bhi), a, b in zip(bounds, lo, hi)):
+                    del self._items[ident]
 
 
 def _chunk_bytes(chunk: torch.Tensor) -> int:

@@ -47,22 +47,16 @@ def test_indexing_matches_numpy(devices):
 
 def test_a_slice_reads_only_the_chunks_it_overlaps(monkeypatch):
     reads = []
-    original = DuckDBChunkStore.read_chunk
+    original = DuckDBChunkStore._read_pages  # every chunk read from DuckDB goes through it
 
-    original_at = DuckDBChunkStore.read_chunk_at  # a run's reads (of its pinned version)
-
-    def counting(self, name, key):
+    def counting(self, table, key):
         reads.append(key)
-        return original(self, name, key)
-
-    def counting_at(self, version, key):
-        reads.append(key)
-        return original_at(self, version, key)
+        return original(self, table, key)
 
     with tq.connect() as db:
         a = db.from_numpy("a", A, tile=(4, 3, 2))  # 3 x 4 x 2 stored chunks
-        monkeypatch.setattr(DuckDBChunkStore, "read_chunk", counting)
-        monkeypatch.setattr(DuckDBChunkStore, "read_chunk_at", counting_at)
+        db.chunk_store.cache._items.clear()
+        monkeypatch.setattr(DuckDBChunkStore, "_read_pages", counting)
         got = a[5:7, 1:2, :].numpy()
         np.testing.assert_array_equal(got, A[5:7, 1:2, :])
         assert sorted(set(reads)) == [(1, 0, 0), (1, 0, 1)]

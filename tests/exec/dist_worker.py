@@ -57,20 +57,13 @@ def from_file(out: str, path: str) -> None:
 
     rank = int(os.environ["RANK"])
     reads: list[list] = []
-    original = DuckDBChunkStore.read_chunk
+    original = DuckDBChunkStore._chunk_of  # every chunk decoded from DuckDB goes through it
 
-    def counting(self, name, key):
-        reads.append([name, list(key)])
-        return original(self, name, key)
+    def counting(self, meta, table, key, result, cache=True):
+        reads.append([meta.name, list(key)])
+        return original(self, meta, table, key, result, cache)
 
-    DuckDBChunkStore.read_chunk = counting
-    original_at = DuckDBChunkStore.read_chunk_at  # a run's reads: of the version it pinned
-
-    def counting_at(self, version, key):
-        reads.append([version.name, list(key)])
-        return original_at(self, version, key)
-
-    DuckDBChunkStore.read_chunk_at = counting_at
+    DuckDBChunkStore._chunk_of = counting
     with tq.connect(path, read_only=True, distributed=True, workers=1) as db:
         x, w = db.tensor("X"), db.tensor("W")
         query = (x @ w).relu().compile()

@@ -207,7 +207,9 @@ def test_each_rank_reads_only_its_own_chunks_of_a_file(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for seen in ranks:
         assert seen["max_err"] < 1e-4
-        assert sorted(map(str, seen["reads"])) == sorted(map(str, seen["expected"]))
+        # the chunks it decodes are those its pieces overlap, no other (a chunk that two of
+        # its pieces cut from is decoded for each: only the pieces are cached)
+        assert set(map(str, seen["reads"])) == set(map(str, seen["expected"]))
     # the job reads every stored chunk; no rank reads them all (a chunk that straddles two
     # ranks' pieces is read by both, each keeping its part)
     every = {str(r) for seen in ranks for r in seen["reads"]}
