@@ -99,6 +99,9 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
     # the fused kernel wants each of the three contiguous (a row block of a larger result
     # is, even when the stacked block is not)
     direct = out is not None and whole and all(out[k].is_contiguous() for k in range(SLOTS))
+    if out is not None and whole and all(map(_same_memory, out, (w, m, v))):
+        _update_in_place(update, g, out)  # ``out`` is the weight and moments themselves
+        return out
     if out is not None and whole and not direct and w.dim() > 0:
         _update_through_scratch(update, g, w, m, v, out)
         return out
@@ -110,6 +113,35 @@ def optimizer_update(join: str, operands: Sequence[torch.Tensor],
     if not whole:  # the chunk's slots, picked on the device
         packed = packed.index_select(0, slots.to(device=packed.device, dtype=torch.long))
     return packed if out is None or direct else out.copy_(packed)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (one view twice).
+
+    >>> x = torch.zeros(2, 3)
+    >>> _same_memory(x[:, 1:], x[:, 1:]), _same_memory(x[:, 1:], x[:, :2])
+    (True, False)
+    """
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() \
+        and a.device == b.device
+
+
+def _update_in_place(update: _AdamStep, g: torch.Tensor, out: torch.Tensor) -> None:
+    """The update of ``out``'s weight and moments where they are (the plan made this chunk's
+    update the last reader of them): one fused call; a 2-D column block of a larger weight,
+    whose rows are contiguous but not the block, as its rows."""
+    p, m, v = out[0], out[1], out[2]
+    if all(x.is_contiguous() for x in (p, m, v)):
+        update.apply(p, g.contiguous(), m, v)
+        return
+    if p.dim() == 2 and all(x.stride(1) == 1 for x in (p, m, v)):
+        g = g.contiguous()
+        update.apply_many(p.unbind(0), g.unbind(0), m.unbind(0), v.unbind(0))
+        return
+    scratch = torch.empty((SLOTS, *p.shape), dtype=p.dtype, device=p.device)
+    scratch.copy_(out)
+    update.apply(scratch[0], g.contiguous(), scratch[1], scratch[2])
+    out.copy_(scratch)
 
 
 def _scalar(x: torch.Tensor) -> float | torch.Tensor:
@@ -161,19 +193,27 @@ class _AdamStep:
         ``p`` (lr a float32 tensor on that device or a number; the step counter a float32
         tensor on that device, as the CUDA kernel reads them), the same formula in torch
         ops where there is none."""
+        self.apply_many([p], [g], [m], [v])
+
+    def apply_many(self, ps: Sequence[torch.Tensor], gs: Sequence[torch.Tensor],
+                   ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
+        """:meth:`apply` to each ``(p, g, m, v)`` of the lists (contiguous tensors of one
+        device and dtype), in one fused call where there is one."""
+        p0, g0 = ps[0], gs[0]
         fused = _FUSED[JoinName.ADAMW if self.decoupled else JoinName.ADAM]
-        if fused is not None and p.dtype in _FUSED_DTYPES and g.dtype == p.dtype:
+        if fused is not None and p0.dtype in _FUSED_DTYPES and g0.dtype == p0.dtype:
             lr, step = self.lr, self.step
             if isinstance(lr, torch.Tensor):
-                lr = lr.to(device=p.device, dtype=torch.float32)
-            steps = [step.to(device=p.device, dtype=torch.float32)
-                     if isinstance(step, torch.Tensor)
-                     else torch.full((), step, dtype=torch.float32, device=p.device)]
-            fused([p], [g], [m], [v], [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                  weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
-                  maximize=False)
+                lr = lr.to(device=p0.device, dtype=torch.float32)
+            counter = step.to(device=p0.device, dtype=torch.float32) \
+                if isinstance(step, torch.Tensor) \
+                else torch.full((), step, dtype=torch.float32, device=p0.device)
+            fused(list(ps), list(gs), list(ms), list(vs), [], [counter] * len(ps), lr=lr,
+                  beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay,
+                  eps=self.eps, amsgrad=False, maximize=False)
             return
-        self._in_torch_ops(p, g, m, v)
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            self._in_torch_ops(p, g, m, v)
 
     def _in_torch_ops(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
                       v: torch.Tensor) -> None:

@@ -12,10 +12,15 @@ results as a run that was never interrupted.
 
 Memory: activations are freed after their last use within the step (the memory plan of the
 one query); nothing is recomputed. Adam's update of a weight is one fused pass per chunk (the
-``adam`` join: new weight, m and v stacked in one result). A step computes its results into
-those of the step before last, which nothing reads any more (double buffering: one more copy
-of the weights and slots stays resident between steps, and no step faults in fresh pages);
-``values`` and ``state`` are those working buffers, so copy them to keep them.
+``adam`` join: new weight, m and v stacked in one result). On one CPU device the update is
+computed in place, into the storage of the weight and moments it replaces (the plan orders
+each update after every other reader of them: :mod:`tensorql.physical.in_place`), as torch's
+fused Adam does; elsewhere a step computes its results into those of the step before last,
+which nothing reads any more (double buffering: one more copy of the weights and slots stays
+resident between steps, and no step faults in fresh pages). ``values`` and ``state`` are those
+working buffers, so copy them to keep them. A step that fails while updating in place leaves
+the weights partly updated: the optimizer refuses further steps (``ExecutionError``) until it
+is made again from the store.
 
 >>> import numpy as np, tensorql as tq
 >>> db = tq.connect()
@@ -43,7 +48,7 @@ from tensorql.algebra import update_join
 from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Node, substitute
-from tensorql.errors import OptionError, ShapeError
+from tensorql.errors import ExecutionError, OptionError, ShapeError
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
 
@@ -107,6 +112,7 @@ class Optimizer:
         # computes into them instead of into fresh memory (which costs page faults)
         self._latest: list[torch.Tensor] | None = None
         self._spare: list[torch.Tensor] | None = None
+        self._failed_in_place: str | None = None  # why the in-memory weights are unusable
 
     def _state_name(self, slot: str, param: str) -> str:
         return f"{self.name}.{slot}.{param}"
@@ -156,10 +162,17 @@ class Optimizer:
         for n, g in zip(self.names, grads):
             slots = {slot: self._slots[(slot, n)] for slot in self.slots}
             outputs.extend(self.update_outputs(n, self._params[n], g, slots))
-        group = CompiledGroup.compile([t.node for t in outputs], self.db)
+        group = CompiledGroup.compile([t.node for t in outputs], self.db,
+                                      in_place=self._in_place(len(outputs)))
         self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
         self._latest = self._spare = None  # a new plan's results may have other shapes
         return group
+
+    def _in_place(self, count: int) -> dict[int, list[torch.Tensor]]:
+        """The outputs (by index among the step's ``count`` outputs) that may be computed
+        into the storage of the constants they replace, and those constants: none for an
+        optimizer whose update is not one fused in-place kernel per chunk."""
+        return {}
 
     def update_outputs(self, param: str, weight: Tensor, gradient: Tensor,
                        state: dict[str, Tensor]) -> list[Tensor]:
@@ -196,17 +209,35 @@ class Optimizer:
         """The plan of one training step (forward, backward and update as one query)."""
         group = self._plan(loss)
         self._set_scalars(self.step_count + 1)
-        # analyzed as a step runs: into the spare buffers (which nothing reads)
-        return group.explain(analyze=analyze, out=self._spare)
+        # analyzed as a step runs, into buffers nothing reads: the spare ones, fresh ones for
+        # the outputs a step computes in place (the weights are not updated)
+        out = [None if k in group.in_place or self._spare is None else self._spare[k]
+               for k in range(len(group.nodes))]
+        return group.explain(analyze=analyze, out=out)
 
     def step(self, loss: Tensor) -> float:
         """One training step: compute the loss, the gradients and the updates in one query,
         apply them, checkpoint when due; returns the loss (before the update)."""
         if not isinstance(loss, Tensor) or loss.db is not self.db:
             raise ShapeError("step() takes the loss as a tensorql Tensor of this database")
+        if self._failed_in_place is not None:
+            raise ExecutionError(self._failed_in_place)
         group = self._plan(loss)
         self._set_scalars(self.step_count + 1)
-        results = group.run(out=self._spare)
+        latest, spare = self._latest, self._spare
+        in_place = group.in_place if latest is not None else frozenset()
+        out = [latest[k] if k in in_place else None if spare is None else spare[k]
+               for k in range(len(group.nodes))]
+        try:
+            results = group.run(out=out)
+        except BaseException as err:
+            if in_place:
+                self._failed_in_place = (
+                    f"step {self.step_count + 1} failed ({type(err).__name__}: {err}) while "
+                    "updating the weights in place: they are partly updated; make the "
+                    "optimizer again from the store (the last checkpoint, step "
+                    f"{self.step_count - self.step_count % self.checkpoint_every})")
+            raise
         loss_value = float(results[0].reshape(()).item())
         it = iter(results[1:])
         for n in self.names:  # the constants the plan reads take the new values' storage
@@ -308,6 +339,12 @@ class Adam(Optimizer):
         return [einsum(equation, gradient, weight, state["m"], state["v"],
                        self._fixed_slots(dtype), self._fixed(self.lr, wide),
                        self._scalar("step", wide), join=join)]
+
+    def _in_place(self, count: int) -> dict[int, list[torch.Tensor]]:
+        """Each weight's update (weight, m and v stacked: outputs 1, 2, ...) over the weight
+        and its moments, which the fused kernel updates in place."""
+        return {1 + k: [self.values[n], self.state[("m", n)], self.state[("v", n)]]
+                for k, n in enumerate(self.names)}
 
     def take_results(self, param, results):
         packed = next(results)  # weight, m, v stacked: each a contiguous view

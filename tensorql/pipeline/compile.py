@@ -17,6 +17,7 @@ from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.explain import render_plan
+from tensorql.physical.in_place import order_in_place
 from tensorql.physical.plan_graph import FORMATS as PLAN_FORMATS
 from tensorql.physical.plan_graph import logical_json, plan_json, render_doc
 from tensorql.physical.planner import PhysicalPlan
@@ -172,10 +173,19 @@ class CompiledGroup:
     db: Session
     physical: PhysicalPlan | None = None       # the one plan of every output (one device)
     queries: tuple[CompiledQuery, ...] = ()    # else a query per output
+    # the outputs that may be computed into the storage of the constants they replace
+    # (``compile(in_place=...)``: the plan orders them after every reader of those)
+    in_place: frozenset[int] = frozenset()
     last_stats: list[RunStats] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
-    def compile(cls, nodes: list[Node], db: Session) -> CompiledGroup:
+    def compile(cls, nodes: list[Node], db: Session,
+                in_place: dict[int, Sequence[torch.Tensor]] | None = None) -> CompiledGroup:
+        """Plan ``nodes`` as one query. ``in_place`` names outputs (by index) that the caller
+        would compute into the storage of the given in-memory constants the plan reads (an
+        optimizer's new weights and moments over the old): where the plan can order each
+        such output after every other reader of those constants (one CPU device), it does,
+        and :attr:`in_place` lists them; ``run(out=...)`` may then pass that storage."""
         options = db.options
         if not nodes:
             raise PlanError("a group of queries needs at least one expression")
@@ -184,7 +194,13 @@ class CompiledGroup:
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
         roots = lower_many(nodes)
         _, physical = physical_plan(roots, db)  # on N devices: the whole group partitioned
-        return cls(nodes=tuple(nodes), db=db, physical=physical)
+        ordered = None
+        if in_place and options.device_set.count == 1 and options.device_set.all_cpu:
+            ordered = order_in_place(physical, in_place)
+        if ordered is None:
+            return cls(nodes=tuple(nodes), db=db, physical=physical)
+        return cls(nodes=tuple(nodes), db=db, physical=ordered,
+                   in_place=frozenset(in_place))
 
     def run(self, progress: ProgressCallback | None = None,
             out: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
