@@ -9,9 +9,10 @@ what it overwrites -- a gradient product ``dY @ W.T`` of the layer below may sti
 
 :func:`order_in_place` makes a plan safe for that: each task of the output waits, besides its
 inputs, for every reader of the constants' chunks that is not already its ancestor (and,
-through kernels that may hand back a view, for the readers of those views). It declines
-(None) where that cannot be made safe: several devices, a reader that depends on the output,
-or a task of the output reading any other part of the constants than the chunk it writes.
+through kernels that may hand back a view, for the readers of those views). It leaves an
+output as it is where that cannot be made safe: several devices, a reader that depends on the
+output, or a task of the output reading any other part of the constants than the chunk it
+writes.
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task
@@ -30,9 +31,17 @@ from typing import Any
 
 import torch
 
-from tensorql.algebra import AggName, JoinName
+from tensorql.algebra import JoinName
 from tensorql.exec.taskgraph import ChunkRef, Task
-from tensorql.physical.kernels import ConstChunk, ContractChunk, ContractSeries, SoftmaxChunk
+from tensorql.physical.kernels import (
+    ConstChunk,
+    ContractChunk,
+    ContractSeries,
+    FusedPointwise,
+    MapChunk,
+    SliceChunk,
+    SoftmaxChunk,
+)
 from tensorql.physical.planner import PhysicalPlan, Step
 
 
@@ -64,12 +73,13 @@ class AfterReaders:
 
 
 def order_in_place(plan: PhysicalPlan, outputs: dict[int, Sequence[torch.Tensor]]
-                   ) -> PhysicalPlan | None:
+                   ) -> tuple[PhysicalPlan, frozenset[int]]:
     """``plan`` with output ``k``'s tasks ordered after every reader of ``outputs[k]``'s
-    constants, so output ``k`` may be computed into the storage those constants view; None
-    when that is not safe (see the module's docstring)."""
+    constants, so output ``k`` may be computed into the storage those constants view, and
+    the outputs for which that was safe (see the module's docstring); the others keep their
+    tasks."""
     if plan.devices != 1 or not outputs:
-        return None
+        return plan, frozenset()
     tasks = [task for step in plan.steps for task in step.tasks]
     readers: dict[ChunkRef, list[Task]] = {}
     writers: dict[ChunkRef, list[Task]] = {}
@@ -78,14 +88,17 @@ def order_in_place(plan: PhysicalPlan, outputs: dict[int, Sequence[torch.Tensor]
         for ref in set(task.inputs):
             readers.setdefault(ref, []).append(task)
     replaced: dict[int, Step] = {}
+    done = set()
     for k, constants in outputs.items():
         step = plan.output_steps[k]
         ordered = _ordered_step(step, constants, tasks, readers, writers)
-        if ordered is None:
-            return None
-        replaced[step.id] = ordered
+        if ordered is not None:
+            replaced[step.id] = ordered
+            done.add(k)
+    if not replaced:
+        return plan, frozenset()
     steps = tuple(replaced.get(step.id, step) for step in plan.steps)
-    return dataclasses.replace(plan, steps=steps)
+    return dataclasses.replace(plan, steps=steps), frozenset(done)
 
 
 def _ordered_step(step: Step, constants: Sequence[torch.Tensor], tasks: list[Task],
@@ -145,16 +158,25 @@ def _reads_its_own_chunk(step: Step, task: Task, kernel: ConstChunk) -> bool:
         (s.start or 0, s.stop) for s in trailing)
 
 
+# joins that compute a new tensor from two or more operands (an update join writes its own)
+_NEW_TENSOR_JOINS = frozenset({
+    JoinName.MUL, JoinName.ADD, JoinName.SUB, JoinName.DIV, JoinName.MAX, JoinName.MIN,
+    JoinName.POW, JoinName.LT, JoinName.LE, JoinName.GT, JoinName.GE, JoinName.EQ,
+    JoinName.NE, JoinName.WHERE, JoinName.FLOORDIV, JoinName.MOD})
+
+
 def _fresh(kernel: Any) -> bool:
-    """Whether ``kernel`` always returns new memory (a product of two or more operands, a
-    softmax); any other kernel may hand back a view of an input."""
+    """Whether ``kernel`` always returns new memory: a built-in join of two or more operands
+    (a product, a sum, a comparison), a map, a softmax, a cut slice, a fused chain ending in
+    one of those. Any other kernel (a reshape, a rekey handing its input back whole, a
+    user's join, a one-operand einsum that may permute) may return a view of an input."""
     if isinstance(kernel, ContractSeries):
         kernel = kernel.kernel
     if isinstance(kernel, ContractChunk):
-        return len(kernel.in_labels) >= 2 and kernel.join == JoinName.MUL \
-            and kernel.agg == AggName.SUM and bool(
-                set().union(*map(set, kernel.in_labels)) - set(kernel.out_labels))
-    return isinstance(kernel, SoftmaxChunk)
+        return len(kernel.in_labels) >= 2 and kernel.join in _NEW_TENSOR_JOINS
+    if isinstance(kernel, FusedPointwise):
+        return _fresh(kernel.ops[-1].kernel)
+    return isinstance(kernel, (MapChunk, SoftmaxChunk, SliceChunk))
 
 
 def _closure(start: Iterable[Task], step: Any) -> set[int]:

@@ -194,13 +194,10 @@ class CompiledGroup:
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
         roots = lower_many(nodes)
         _, physical = physical_plan(roots, db)  # on N devices: the whole group partitioned
-        ordered = None
+        done: frozenset[int] = frozenset()
         if in_place and options.device_set.count == 1 and options.device_set.all_cpu:
-            ordered = order_in_place(physical, in_place)
-        if ordered is None:
-            return cls(nodes=tuple(nodes), db=db, physical=physical)
-        return cls(nodes=tuple(nodes), db=db, physical=ordered,
-                   in_place=frozenset(in_place))
+            physical, done = order_in_place(physical, in_place)
+        return cls(nodes=tuple(nodes), db=db, physical=physical, in_place=done)
 
     def run(self, progress: ProgressCallback | None = None,
             out: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:

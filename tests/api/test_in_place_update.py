@@ -22,22 +22,24 @@ def _mlp(db, tile):
     rng = np.random.default_rng(7)
     arrays = {"x": rng.normal(size=(32, 24)).astype(np.float32),
               "w1": (rng.normal(size=(24, 40)) * 0.2).astype(np.float32),
-              "w2": (rng.normal(size=(40, 8)) * 0.2).astype(np.float32)}
+              "w2": (rng.normal(size=(40, 8)) * 0.2).astype(np.float32),
+              "b1": (rng.normal(size=(40,)) * 0.1).astype(np.float32)}
     for name, value in arrays.items():
-        db.from_numpy(name, value, tile=tile if name != "x" else None)
-    h = (db.tensor("x") @ db.tensor("w1")).relu()
+        db.from_numpy(name, value, tile=tile if name in ("w1", "w2") else None)
+    # the bias is read by a broadcast add fused with the relu: a reader whose result is new
+    h = (db.tensor("x") @ db.tensor("w1") + db.tensor("b1")).relu()
     loss = ((h @ db.tensor("w2")) ** 2).mean()
     return arrays, loss
 
 
 def _torch_steps(arrays, steps, **adam):
-    w = {k: torch.tensor(arrays[k], requires_grad=True) for k in ("w1", "w2")}
+    w = {k: torch.tensor(arrays[k], requires_grad=True) for k in ("w1", "w2", "b1")}
     opt = torch.optim.Adam(list(w.values()), fused=True, **adam)
     x = torch.tensor(arrays["x"])
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = ((torch.relu(x @ w["w1"]) @ w["w2"]) ** 2).mean()
+        loss = ((torch.relu(x @ w["w1"] + w["b1"]) @ w["w2"]) ** 2).mean()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -48,10 +50,10 @@ def _torch_steps(arrays, steps, **adam):
 def test_in_place_steps_match_torch_fused_adam(tile):
     with tq.connect(workers=2) as db:
         arrays, loss = _mlp(db, tile)
-        opt = tq.optim.Adam(db, ["w1", "w2"], lr=0.01)
+        opt = tq.optim.Adam(db, ["w1", "w2", "b1"], lr=0.01)
         losses = [opt.step(loss)]
         group = opt._plan(loss)
-        assert group.in_place == {1, 2}
+        assert group.in_place == {1, 2, 3}
         kernels = [t.kernel for s in group.physical.steps for t in s.tasks]
         assert any(isinstance(k, AfterReaders) for k in kernels)  # W2 waits for dH1
         where = {n: opt.values[n].data_ptr() for n in opt.names}
