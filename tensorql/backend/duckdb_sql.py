@@ -54,7 +54,7 @@ from tensorql.logical.plan import (
     Softmax,
     walk,
 )
-from tensorql.physical.kernels import ContractChunk, MapChunk, SoftmaxChunk
+from tensorql.physical.kernels import ContractChunk, ContractSeries, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
 from tensorql.storage.blob_codec import decode_payloads, encode_payloads
@@ -103,6 +103,9 @@ class UDF:
     fn: Callable[..., pa.Array]
     params: tuple[str, ...]
     returns: str = "BLOB"
+    #: "special": NULLs reach the function and it may return them (a partial aggregate that
+    #: leaves a row empty); "default": DuckDB filters them out
+    null_handling: str = "default"
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ class SQLPlan:
                 con.create_function(udf.name, _with_arity(udf.fn, len(udf.params)),
                                     [duckdb.sqltype(p) for p in udf.params],
                                     duckdb.sqltype(udf.returns), type="arrow",
-                                    side_effects=False)
+                                    null_handling=udf.null_handling, side_effects=False)
                 done.append("f:" + udf.name)
             for name, table in self.tables.items():
                 con.register(name, table)
@@ -230,6 +233,28 @@ def _ints(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
     return encode_payloads(list(tensors)).cast(pa.binary())
+
+
+def _sparse_out(n_rows: int, tensors: dict[int, torch.Tensor]) -> pa.Array:
+    """A BLOB column of ``n_rows`` rows: ``tensors[r]``'s bytes at row ``r``, NULL elsewhere
+    (one copy of the bytes, like :func:`_out`).
+
+    >>> arr = _sparse_out(3, {1: torch.ones(2)})
+    >>> arr.null_count, len(arr[1].as_py())
+    (2, 8)
+    """
+    rows = sorted(tensors)
+    payload = encode_payloads([tensors[r] for r in rows])
+    sizes = np.zeros(n_rows, dtype=np.int64)
+    sizes[rows] = np.diff(np.frombuffer(payload.buffers()[1], dtype=np.int64))
+    offsets = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    valid = np.zeros(n_rows, dtype=bool)
+    valid[rows] = True
+    validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), n_rows, [validity, pa.py_buffer(offsets), payload.buffers()[2]],
+        null_count=n_rows - len(rows)).cast(pa.binary())
 
 
 class _Builder:
@@ -412,10 +437,11 @@ class _Builder:
             key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
         payloads = [f"x{s}.\"payload\"" for s in range(len(join.sources))]
 
-        def run_join(*cols):
+        def decode_rows(cols) -> tuple[list[list[torch.Tensor]], list[list[Key]], int]:
+            """Each source's chunks (views of the Arrow buffers) and keys, row by row."""
             n_rows = len(cols[-1])
             pos = 0
-            keys_per_source = []
+            keys_per_source: list[list[Key]] = []
             for rank in ranks:
                 if rank:
                     ks = list(zip(*(_ints(c) for c in cols[pos:pos + rank])))
@@ -426,11 +452,19 @@ class _Builder:
             decoded = [decode_payloads(_blobs(cols[pos + s]), dtypes[s],
                                        [grids[s].chunk_shape(k) for k in keys_per_source[s]])
                        for s in range(len(ranks))]
+            return decoded, keys_per_source, n_rows
+
+        def run_join(*cols):
+            decoded, _, n_rows = decode_rows(cols)
             return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
 
-        join_fn = self._name("join")
-        self.udfs.append(UDF(join_fn, run_join, ("INTEGER",) * sum(ranks)
-                             + ("BLOB",) * len(ranks)))
+        params = ("INTEGER",) * sum(ranks) + ("BLOB",) * len(ranks)
+        join_fn = self._name("join" if aggregate is None else "partial")
+        if aggregate is None:
+            self.udfs.append(UDF(join_fn, run_join, params))
+        else:
+            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows),
+                                 params, null_handling="special"))
         sources = [f"{q(names[id(src)])} AS x{s}" for s, src in enumerate(join.sources)]
         from_sql = sources[0]
         if len(sources) == 2:
@@ -482,10 +516,49 @@ class _Builder:
         keys = [q(f"k{d}") for d in range(ndim)]
         sel = "".join(f"{k}, " for k in keys)
         group = f" GROUP BY {', '.join(keys)}" if keys else ""
-        body = (f"SELECT {sel}{q(agg_fn)}({sel}list(\"partial\"{order})) AS \"payload\" FROM ("
-                f"SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group}")
+        # the partial aggregates of each batch (NULL where a row's product went into another
+        # row's), gathered per output chunk in DuckDB and folded by the aggregate kernel
+        body = (f"SELECT {sel}{q(agg_fn)}({sel}list(\"partial\"{order}) FILTER (WHERE "
+                f"\"partial\" IS NOT NULL)) AS \"payload\" FROM (SELECT {inner_sel}{call} AS "
+                f"\"partial\" FROM {from_sql}{where}){group}")
         what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
         return body, what
+
+
+    @staticmethod
+    def _partial_fn(join: Join, aggregate: Aggregate, kernel: ContractChunk,
+                    decode_rows: Callable) -> Callable[..., pa.Array]:
+        """The join's Arrow function when an Aggregate follows: a partial aggregate per batch.
+
+        The rows of one batch that feed the same output chunk are folded in one call of the
+        native executor's series kernel (:class:`ContractSeries`: the products accumulate
+        into one tensor, in the order of the aggregated keys); that sum is returned at the
+        group's first row and NULL at its others, so one partial per output chunk and batch
+        goes back to DuckDB instead of one per product.
+        """
+        where: dict[str, tuple[int, int]] = {}  # label -> (source, dim) first carrying it
+        for s, labels in enumerate(join.input_labels):
+            for d, label in enumerate(labels):
+                where.setdefault(label, (s, d))
+        out_at = [where[label] for label in aggregate.relation.labels]
+        over_at = [where[label] for label in aggregate.over if label in where]
+        series = ContractSeries(kernel, arity=len(join.sources))
+
+        def run_partial(*cols):
+            decoded, keys, n_rows = decode_rows(cols)
+            groups: dict[Key, list[tuple[Key, int]]] = {}
+            for r in range(n_rows):
+                out_key = tuple(keys[s][r][d] for s, d in out_at)
+                over_key = tuple(keys[s][r][d] for s, d in over_at)
+                groups.setdefault(out_key, []).append((over_key, r))
+            sums: dict[int, torch.Tensor] = {}
+            for members in groups.values():
+                members.sort()
+                sums[members[0][1]] = series.run([d[r] for _, r in members for d in decoded],
+                                                 None)
+            return _sparse_out(n_rows, sums)
+
+        return run_partial
 
 
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
