@@ -57,7 +57,7 @@ from tensorql.logical.plan import (
 from tensorql.physical.kernels import ContractChunk, ContractSeries, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
-from tensorql.storage.blob_codec import decode_payloads, encode_payloads
+from tensorql.storage.blob_codec import decode_payloads, encode_payloads, view_bytes
 from tensorql.storage.sql_text import quote_ident as q
 
 if TYPE_CHECKING:
@@ -128,6 +128,14 @@ class SQLPlan:
         names: dict[int, str] = {}
         ctes = []
         fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)}
+        # stored tensors read only by joins come as their pages (the join's kernels take a
+        # chunk's pages as they are); any other reader gets whole chunks (the chunk view)
+        other = {id(root)}
+        for node in walk(root):
+            if not isinstance(node, (Join, Aggregate)):
+                other.update(id(x) for x in node.inputs)
+        builder.page_scans = {id(n) for n in walk(root) if isinstance(n, Scan)
+                              and id(n) not in other}
         for node in walk(root):
             if id(node) in fused:
                 continue
@@ -231,6 +239,45 @@ def _ints(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
                       else column.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
+def _binary(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, bytes) of an Arrow binary array."""
+    width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], dtype=width)[arr.offset:arr.offset + len(arr) + 1]
+    data = arr.buffers()[2]
+    return offsets, (np.frombuffer(data, dtype=np.uint8) if data is not None
+                     else np.zeros(0, np.uint8))
+
+
+def _page_chunks(pages: pa.Array | pa.ChunkedArray, numbers: pa.Array | pa.ChunkedArray,
+                 dtype: str, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The chunks whose stored pages are ``pages`` (a list of BLOBs per row) with their page
+    numbers ``numbers`` (an aggregate's order is DuckDB's choice): a view of the Arrow buffer
+    when a chunk's pages come in order -- they lie back to back in the list's child -- else
+    the pages joined in order (one copy).
+
+    >>> blobs = pa.array([[b"\\x01\\x00", b"\\x02\\x00"], [b"\\x04\\x00", b"\\x03\\x00"]])
+    >>> [c.tolist() for c in _page_chunks(blobs, pa.array([[0, 1], [1, 0]]), "int16",
+    ...                                   [(2,), (2,)])]
+    [[1, 2], [3, 4]]
+    """
+    pages, numbers = _blobs(pages), _blobs(numbers)
+    starts = np.asarray(pages.offsets)
+    page_at, data = _binary(pages.values)
+    number_starts = np.asarray(numbers.offsets)
+    number_values = numbers.values.to_numpy(zero_copy_only=False)
+    out = []
+    for r, shape in enumerate(shapes):
+        lo, hi = int(starts[r]), int(starts[r + 1])
+        nums = number_values[number_starts[r]:number_starts[r + 1]]
+        if np.array_equal(nums, np.arange(hi - lo)):
+            raw = data[page_at[lo]:page_at[hi]]
+        else:
+            raw = np.concatenate([data[page_at[lo + i]:page_at[lo + i + 1]]
+                                  for i in np.argsort(nums, kind="stable")])
+        out.append(view_bytes(raw, dtype, shape))
+    return out
+
+
 def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
     return encode_payloads(list(tensors)).cast(pa.binary())
 
@@ -263,6 +310,8 @@ class _Builder:
         self.plan_id = plan_id
         self.udfs: list[UDF] = []
         self.tables: dict[str, pa.Table] = {}
+        self.page_scans: set[int] = set()  # Scans that may select page lists (see _scan)
+        self.paged: set[int] = set()  # nodes whose relation has page lists, not payloads
 
     def _name(self, kind: str) -> str:
         return f"tq_{kind}_{self.plan_id}_{len(self.udfs) + len(self.tables)}"
@@ -291,9 +340,17 @@ class _Builder:
                                    f"{node.source!r} (a slice); use the native backend")
         rel = node.relation
         keys = ", ".join(q(f"k{d}") for d in range(len(rel.labels)))
+        group = f" GROUP BY {keys}" if keys else ""
         keys = keys + ", " if keys else ""
         if node.constant is None and self.store is not None and hasattr(self.store,
                                                                          "connection"):
+            pages = getattr(self.store, "chunk_pages_sql", None)
+            pages = pages(node.source) if pages is not None and id(node) in \
+                self.page_scans else None
+            if pages is not None:  # each chunk as the list of its stored pages
+                self.paged.add(id(node))
+                return (f"SELECT {keys}list(\"payload\") AS \"payload\", list(\"page\") AS "
+                        f"\"page\" FROM {pages}{group}", f"Scan {node.source} (chunk pages)")
             return (f"SELECT {keys}\"payload\" FROM {q(node.source + '__chunks')}",
                     f"Scan {node.source} (chunk view)")
         grid = rel.grid
@@ -422,6 +479,7 @@ class _Builder:
         grids = [src.relation.grid for src in join.sources]
         dtypes = [src.relation.dtype for src in join.sources]
         ranks = [g.ndim for g in grids]
+        paged = [id(src) in self.paged for src in join.sources]
         # where each label's key is found: the first (source, dim) carrying it
         first: dict[str, str] = {}
         conds: list[str] = []
@@ -435,7 +493,8 @@ class _Builder:
         key_args: list[str] = []
         for s, labels in enumerate(join.input_labels):
             key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
-        payloads = [f"x{s}.\"payload\"" for s in range(len(join.sources))]
+        payloads = [f"x{s}.\"payload\", x{s}.\"page\"" if paged[s] else f"x{s}.\"payload\""
+                    for s in range(len(join.sources))]
 
         def decode_rows(cols) -> tuple[list[list[torch.Tensor]], list[list[Key]], int]:
             """Each source's chunks (views of the Arrow buffers) and keys, row by row."""
@@ -449,16 +508,23 @@ class _Builder:
                 else:
                     keys_per_source.append([()] * n_rows)
                 pos += rank
-            decoded = [decode_payloads(_blobs(cols[pos + s]), dtypes[s],
-                                       [grids[s].chunk_shape(k) for k in keys_per_source[s]])
-                       for s in range(len(ranks))]
+            decoded = []
+            for s in range(len(ranks)):
+                shapes = [grids[s].chunk_shape(k) for k in keys_per_source[s]]
+                if paged[s]:
+                    decoded.append(_page_chunks(cols[pos], cols[pos + 1], dtypes[s], shapes))
+                    pos += 2
+                else:
+                    decoded.append(decode_payloads(_blobs(cols[pos]), dtypes[s], shapes))
+                    pos += 1
             return decoded, keys_per_source, n_rows
 
         def run_join(*cols):
             decoded, _, n_rows = decode_rows(cols)
             return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
 
-        params = ("INTEGER",) * sum(ranks) + ("BLOB",) * len(ranks)
+        params = ("INTEGER",) * sum(ranks) + sum(
+            (("BLOB[]", "INTEGER[]") if p else ("BLOB",) for p in paged), ())
         join_fn = self._name("join" if aggregate is None else "partial")
         if aggregate is None:
             self.udfs.append(UDF(join_fn, run_join, params))
@@ -575,8 +641,9 @@ def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
+    con = _connection(compiled, con)  # first: the plan reads the views' current tables
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    chunks, wall = plan.run(_connection(compiled, con))
+    chunks, wall = plan.run(con)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:

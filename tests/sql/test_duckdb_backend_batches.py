@@ -10,7 +10,7 @@ import pytest
 
 import tensorql as tq
 from tensorql.backend.duckdb_sql import SQLPlan
-from tensorql.storage.blob_codec import decode_payloads, encode_payloads
+from tensorql.storage.blob_codec import decode_payloads
 
 
 def _plan_and_rows(db, a, b, tile):
@@ -23,12 +23,23 @@ def _plan_and_rows(db, a, b, tile):
     return plan, rows, grid_a, grid_b
 
 
-def _columns(rows, a, b, grid_a, grid_b):
+def _pages(tiles, rng):
+    """Each tile's bytes as two pages, listed in a random order with their page numbers (as
+    DuckDB's ``list(payload)``, ``list(page)`` may come)."""
+    lists, numbers = [], []
+    for tile in tiles:
+        raw = np.ascontiguousarray(tile).tobytes()
+        half = len(raw) // 2
+        order = [0, 1] if rng.random() < 0.5 else [1, 0]
+        lists.append([(raw[:half], raw[half:])[i] for i in order])
+        numbers.append(order)
+    return [pa.array(lists, pa.list_(pa.binary())), pa.array(numbers, pa.list_(pa.int32()))]
+
+
+def _columns(rows, a, b, grid_a, grid_b, rng):
     cols = [pa.array([r[s][d] for r in rows], pa.int32()) for s in (0, 1) for d in (0, 1)]
-    cols.append(encode_payloads([np.ascontiguousarray(a[grid_a.slices(ka)]) for ka, _ in rows])
-                .cast(pa.binary()))
-    cols.append(encode_payloads([np.ascontiguousarray(b[grid_b.slices(kb)]) for _, kb in rows])
-                .cast(pa.binary()))
+    cols += _pages([a[grid_a.slices(ka)] for ka, _ in rows], rng)
+    cols += _pages([b[grid_b.slices(kb)] for _, kb in rows], rng)
     return cols
 
 
@@ -40,13 +51,14 @@ def test_partial_function_returns_one_sum_per_output_chunk_and_batch(split):
         plan, rows, grid_a, grid_b = _plan_and_rows(db, a, b, 2)
         (partial,) = [u for u in plan.udfs if "partial" in u.name]
         assert partial.null_handling == "special"
+        assert partial.params == ("INTEGER",) * 4 + ("BLOB[]", "INTEGER[]") * 2  # page lists
         order = rng.permutation(len(rows))  # DuckDB's join emits rows in no set order
         rows = [rows[i] for i in order]
         batches = [rows] if split is None else [rows[:split], rows[split:]]
         total = np.zeros((8, 6))
         sums = 0
         for batch in batches:
-            out = partial.fn(*_columns(batch, a, b, grid_a, grid_b))
+            out = partial.fn(*_columns(batch, a, b, grid_a, grid_b, rng))
             assert len(out) == len(batch)
             outputs = {(ka[0], kb[1]) for ka, kb in batch}
             assert len(out) - out.null_count == len(outputs)  # one partial per output chunk
@@ -83,3 +95,35 @@ def test_plan_sql_gathers_only_partials_that_are_not_null():
         plan = SQLPlan.build(tq.einsum("ij,jk->ik", A, A).compile().logical, db.chunk_store)
     assert 'FILTER (WHERE "partial" IS NOT NULL)' in plan.sql
     assert [u.null_handling for u in plan.udfs] == ["special", "default"]
+
+
+def test_stored_tiles_of_several_pages_read_as_pages_by_joins_only():
+    """Tiles of 8 KiB (two 4 KiB pages) and ragged edge tiles: a join reads the stored pages
+    (no chunk view), a Map still reads whole chunks through the chunk view."""
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((80, 72)), rng.standard_normal((72, 40))
+    with tq.connect(backend="duckdb") as db:
+        db.connection.execute("SET threads = 2")
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", b, tile=(32, 32))
+        product = tq.einsum("ij,jk->ik", A, B)
+        steps = dict(SQLPlan.build(product.compile().logical, db.chunk_store).steps)
+        assert sorted(v for v in steps.values() if v.startswith("Scan")) == \
+            ["Scan A (chunk pages)", "Scan B (chunk pages)"]
+        np.testing.assert_allclose(product.numpy(), a @ b, rtol=1e-12, atol=1e-12)
+        scaled = tq.einsum("ij,jk->ik", A * 2.0, B)
+        steps = dict(SQLPlan.build(scaled.compile().logical, db.chunk_store).steps)
+        assert sorted(v for v in steps.values() if v.startswith("Scan")) == \
+            ["Scan A (chunk view)", "Scan B (chunk pages)"]
+        np.testing.assert_allclose(scaled.numpy(), 2 * a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_chunk_pages_sql_names_the_page_rows_of_a_stored_tensor():
+    with tq.connect() as db:
+        db.from_numpy("A", np.arange(12.0).reshape(3, 4), tile=(2, 2))
+        store = db.chunk_store
+        store.sync_views()
+        rows = db.connection.sql(f"SELECT k0, k1, page, octet_length(payload) FROM "
+                                 f"{store.chunk_pages_sql('A')} ORDER BY k0, k1").fetchall()
+        assert rows == [(0, 0, 0, 32), (0, 1, 0, 32), (1, 0, 0, 16), (1, 1, 0, 16)]
+        assert store.chunk_pages_sql("missing") is None
