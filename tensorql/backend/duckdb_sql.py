@@ -143,11 +143,19 @@ class SQLPlan:
             body, what = builder.step(node, names)
             names[id(node)] = name
             ctes.append((name, body, what))
+        readers = dict.fromkeys(names.values(), 0)
+        readers[names[id(root)]] += 1  # the final SELECT
+        for node in walk(root):
+            if id(node) not in fused:
+                for source in (node.input.inputs if isinstance(node, Aggregate) else
+                               node.inputs):
+                    readers[names[id(source)]] += 1
         keys = "".join(f"{q(f'k{d}')}, " for d in range(len(root.relation.labels)))
-        # computed steps are MATERIALIZED: each chunk kernel runs once, whoever reads it
+        # computed steps read more than once are MATERIALIZED: each chunk kernel runs once,
+        # whoever reads it; a step read once is inlined into its reader (no copy of its chunks)
         with_sql = ",\n".join(
-            f"{q(n)} AS {'' if what.startswith('Scan') else 'MATERIALIZED '}(\n  {body}\n)"
-            for n, body, what in ctes)
+            f"{q(n)} AS {'MATERIALIZED ' if readers[n] > 1 and not what.startswith('Scan') else ''}"
+            f"(\n  {body}\n)" for n, body, what in ctes)
         sql = f"WITH {with_sql}\nSELECT {keys}\"payload\" FROM {q(ctes[-1][0])}"
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes))
@@ -584,9 +592,11 @@ class _Builder:
         group = f" GROUP BY {', '.join(keys)}" if keys else ""
         # the partial aggregates of each batch (NULL where a row's product went into another
         # row's), gathered per output chunk in DuckDB and folded by the aggregate kernel
-        body = (f"SELECT {sel}{q(agg_fn)}({sel}list(\"partial\"{order}) FILTER (WHERE "
-                f"\"partial\" IS NOT NULL)) AS \"payload\" FROM (SELECT {inner_sel}{call} AS "
-                f"\"partial\" FROM {from_sql}{where}){group}")
+        # (a lone partial -- the whole sum came in one batch -- is the result as it is)
+        body = (f"SELECT {sel}CASE WHEN len(\"parts\") = 1 THEN \"parts\"[1] ELSE "
+                f"{q(agg_fn)}({sel}\"parts\") END AS \"payload\" FROM (SELECT {sel}"
+                f"list(\"partial\"{order}) FILTER (WHERE \"partial\" IS NOT NULL) AS \"parts\" "
+                f"FROM (SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group})")
         what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
         return body, what
 
