@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 import tensorql as tq
+from tensorql.backend import duckdb_sql
 from tensorql.backend.duckdb_sql import SQLPlan
 from tensorql.storage.blob_codec import decode_payloads
 
@@ -75,16 +76,26 @@ def test_partial_function_returns_one_sum_per_output_chunk_and_batch(split):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_many_batches_of_join_rows_match_numpy(threads):
-    """8,000 tile pairs: more than one DuckDB vector (2,048 rows), so one output chunk's
-    products may reach the partial function in several batches (and threads)."""
+def test_output_chunks_summed_over_several_batches_match_numpy(threads, monkeypatch):
+    """2,500 tile pairs per output chunk: more than one DuckDB vector (2,048 rows), so each
+    output chunk's products reach the partial function in several batches, and its partials
+    are folded by the aggregate function."""
+    partials = []
+    sparse_out = duckdb_sql._sparse_out
+
+    def counting(n_rows, tensors):
+        partials.append(len(tensors))
+        return sparse_out(n_rows, tensors)
+
+    monkeypatch.setattr(duckdb_sql, "_sparse_out", counting)
     rng = np.random.default_rng(7)
-    a, b = rng.standard_normal((20, 40)), rng.standard_normal((40, 10))
+    a, b = rng.standard_normal((2, 2500)), rng.standard_normal((2500, 3))
     with tq.connect(backend="duckdb") as db:
         db.connection.execute(f"SET threads = {threads}")
         A = db.from_numpy("A", a, tile=(1, 1))
         B = db.from_numpy("B", b, tile=(1, 1))
         np.testing.assert_allclose((A @ B).numpy(), a @ b, rtol=1e-12, atol=1e-12)
+        assert sum(partials) > 6  # 6 output chunks, some summed from several partials
         got = tq.einsum("ij,jk->ik", A, B, join="add", agg="max").numpy()
         np.testing.assert_allclose(got, (a[:, :, None] + b[None]).max(axis=1), rtol=1e-12)
 
@@ -94,7 +105,23 @@ def test_plan_sql_gathers_only_partials_that_are_not_null():
         A = db.from_numpy("A", np.ones((4, 4)), tile=(2, 2))
         plan = SQLPlan.build(tq.einsum("ij,jk->ik", A, A).compile().logical, db.chunk_store)
     assert 'FILTER (WHERE "partial" IS NOT NULL)' in plan.sql
+    assert 'CASE WHEN len("parts") = 1 THEN "parts"[1]' in plan.sql  # a lone partial as is
     assert [u.null_handling for u in plan.udfs] == ["special", "default"]
+
+
+def test_only_steps_read_twice_are_materialized():
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((6, 8)), rng.standard_normal((8, 4))
+    with tq.connect(backend="duckdb") as db:
+        A, B = db.from_numpy("A", a, tile=(3, 4)), db.from_numpy("B", b, tile=(4, 2))
+        x = tq.einsum("ij,jk->ik", A, B)
+        chain = tq.einsum("ij,jk,kl->il", A, B, tq.einsum("ki->ik", x))
+        squared = tq.einsum("ik,ik->ik", x, x)
+        for expr, expected, materialized in ((chain, a @ b @ (a @ b).T, 0),
+                                             (squared, (a @ b) ** 2, 1)):
+            sql = SQLPlan.build(expr.compile().logical, db.chunk_store).sql
+            assert sql.count("MATERIALIZED") == materialized
+            np.testing.assert_allclose(expr.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_stored_tiles_of_several_pages_read_as_pages_by_joins_only():
