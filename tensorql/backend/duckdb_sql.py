@@ -39,6 +39,7 @@ import torch
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.algebra import AggName
+from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
@@ -290,25 +291,24 @@ def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
     return encode_payloads(list(tensors)).cast(pa.binary())
 
 
-def _sparse_out(n_rows: int, tensors: dict[int, torch.Tensor]) -> pa.Array:
-    """A BLOB column of ``n_rows`` rows: ``tensors[r]``'s bytes at row ``r``, NULL elsewhere
-    (one copy of the bytes, like :func:`_out`).
+def _sparse_out(n_rows: int, sizes: dict[int, int], data: np.ndarray) -> pa.Array:
+    """A BLOB column of ``n_rows`` rows over the bytes ``data`` (no copy): row ``r`` of
+    ``sizes`` holds the next ``sizes[r]`` bytes (rows in order), the other rows are NULL.
 
-    >>> arr = _sparse_out(3, {1: torch.ones(2)})
-    >>> arr.null_count, len(arr[1].as_py())
-    (2, 8)
+    >>> arr = _sparse_out(3, {1: 8}, np.ones(8, np.uint8))
+    >>> arr.null_count, arr[1].as_py()
+    (2, b'\\x01\\x01\\x01\\x01\\x01\\x01\\x01\\x01')
     """
-    rows = sorted(tensors)
-    payload = encode_payloads([tensors[r] for r in rows])
-    sizes = np.zeros(n_rows, dtype=np.int64)
-    sizes[rows] = np.diff(np.frombuffer(payload.buffers()[1], dtype=np.int64))
+    rows = sorted(sizes)
+    lengths = np.zeros(n_rows, dtype=np.int64)
+    lengths[rows] = [sizes[r] for r in rows]
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])
     valid = np.zeros(n_rows, dtype=bool)
     valid[rows] = True
     validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
     return pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), n_rows, [validity, pa.py_buffer(offsets), payload.buffers()[2]],
+        pa.large_binary(), n_rows, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
         null_count=n_rows - len(rows)).cast(pa.binary())
 
 
@@ -619,6 +619,8 @@ class _Builder:
         out_at = [where[label] for label in aggregate.relation.labels]
         over_at = [where[label] for label in aggregate.over if label in where]
         series = ContractSeries(kernel, arity=len(join.sources))
+        out_grid, out_dtype = aggregate.relation.grid, aggregate.relation.dtype
+        size = itemsize(out_dtype)
 
         def run_partial(*cols):
             decoded, keys, n_rows = decode_rows(cols)
@@ -627,12 +629,21 @@ class _Builder:
                 out_key = tuple(keys[s][r][d] for s, d in out_at)
                 over_key = tuple(keys[s][r][d] for s, d in over_at)
                 groups.setdefault(out_key, []).append((over_key, r))
-            sums: dict[int, torch.Tensor] = {}
+            # each sum is written straight into the bytes handed back to DuckDB
+            shapes = {key: out_grid.chunk_shape(key) for key in groups}
             for members in groups.values():
                 members.sort()
-                sums[members[0][1]] = series.run([d[r] for _, r in members for d in decoded],
-                                                 None)
-            return _sparse_out(n_rows, sums)
+            order = sorted(groups, key=lambda key: groups[key][0][1])
+            nbytes = {key: int(np.prod(shapes[key], dtype=np.int64)) * size for key in order}
+            data = np.empty(sum(nbytes.values()), dtype=np.uint8)
+            at = 0
+            for key in order:
+                out = view_bytes(data[at:at + nbytes[key]], out_dtype, shapes[key])
+                got = series.run_into([d[r] for _, r in groups[key] for d in decoded], out)
+                if got.data_ptr() != out.data_ptr() or got.shape != out.shape:
+                    out.copy_(got)  # a kernel that made its own tensor
+                at += nbytes[key]
+            return _sparse_out(n_rows, {groups[key][0][1]: nbytes[key] for key in order}, data)
 
         return run_partial
 

@@ -83,9 +83,9 @@ def test_output_chunks_summed_over_several_batches_match_numpy(threads, monkeypa
     partials = []
     sparse_out = duckdb_sql._sparse_out
 
-    def counting(n_rows, tensors):
-        partials.append(len(tensors))
-        return sparse_out(n_rows, tensors)
+    def counting(n_rows, sizes, data):
+        partials.append(len(sizes))
+        return sparse_out(n_rows, sizes, data)
 
     monkeypatch.setattr(duckdb_sql, "_sparse_out", counting)
     rng = np.random.default_rng(7)
