@@ -39,6 +39,7 @@ import torch
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.algebra import AggName
+from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
@@ -54,10 +55,10 @@ from tensorql.logical.plan import (
     Softmax,
     walk,
 )
-from tensorql.physical.kernels import ContractChunk, MapChunk, SoftmaxChunk
+from tensorql.physical.kernels import ContractChunk, ContractSeries, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
-from tensorql.storage.blob_codec import decode_payloads, encode_payloads
+from tensorql.storage.blob_codec import decode_payloads, encode_payloads, view_bytes
 from tensorql.storage.sql_text import quote_ident as q
 
 if TYPE_CHECKING:
@@ -103,6 +104,9 @@ class UDF:
     fn: Callable[..., pa.Array]
     params: tuple[str, ...]
     returns: str = "BLOB"
+    #: "special": NULLs reach the function and it may return them (a partial aggregate that
+    #: leaves a row empty); "default": DuckDB filters them out
+    null_handling: str = "default"
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,14 @@ class SQLPlan:
         names: dict[int, str] = {}
         ctes = []
         fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)}
+        # stored tensors read only by joins come as their pages (the join's kernels take a
+        # chunk's pages as they are); any other reader gets whole chunks (the chunk view)
+        other = {id(root)}
+        for node in walk(root):
+            if not isinstance(node, (Join, Aggregate)):
+                other.update(id(x) for x in node.inputs)
+        builder.page_scans = {id(n) for n in walk(root) if isinstance(n, Scan)
+                              and id(n) not in other}
         for node in walk(root):
             if id(node) in fused:
                 continue
@@ -132,11 +144,19 @@ class SQLPlan:
             body, what = builder.step(node, names)
             names[id(node)] = name
             ctes.append((name, body, what))
+        readers = dict.fromkeys(names.values(), 0)
+        readers[names[id(root)]] += 1  # the final SELECT
+        for node in walk(root):
+            if id(node) not in fused:
+                for source in (node.input.inputs if isinstance(node, Aggregate) else
+                               node.inputs):
+                    readers[names[id(source)]] += 1
         keys = "".join(f"{q(f'k{d}')}, " for d in range(len(root.relation.labels)))
-        # computed steps are MATERIALIZED: each chunk kernel runs once, whoever reads it
+        # computed steps read more than once are MATERIALIZED: each chunk kernel runs once,
+        # whoever reads it; a step read once is inlined into its reader (no copy of its chunks)
         with_sql = ",\n".join(
-            f"{q(n)} AS {'' if what.startswith('Scan') else 'MATERIALIZED '}(\n  {body}\n)"
-            for n, body, what in ctes)
+            f"{q(n)} AS {'MATERIALIZED ' if readers[n] > 1 and not what.startswith('Scan') else ''}"
+            f"(\n  {body}\n)" for n, body, what in ctes)
         sql = f"WITH {with_sql}\nSELECT {keys}\"payload\" FROM {q(ctes[-1][0])}"
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes))
@@ -182,7 +202,7 @@ class SQLPlan:
                 con.create_function(udf.name, _with_arity(udf.fn, len(udf.params)),
                                     [duckdb.sqltype(p) for p in udf.params],
                                     duckdb.sqltype(udf.returns), type="arrow",
-                                    side_effects=False)
+                                    null_handling=udf.null_handling, side_effects=False)
                 done.append("f:" + udf.name)
             for name, table in self.tables.items():
                 con.register(name, table)
@@ -228,8 +248,68 @@ def _ints(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
                       else column.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
+def _binary(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, bytes) of an Arrow binary array."""
+    width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], dtype=width)[arr.offset:arr.offset + len(arr) + 1]
+    data = arr.buffers()[2]
+    return offsets, (np.frombuffer(data, dtype=np.uint8) if data is not None
+                     else np.zeros(0, np.uint8))
+
+
+def _page_chunks(pages: pa.Array | pa.ChunkedArray, numbers: pa.Array | pa.ChunkedArray,
+                 dtype: str, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The chunks whose stored pages are ``pages`` (a list of BLOBs per row) with their page
+    numbers ``numbers`` (an aggregate's order is DuckDB's choice): a view of the Arrow buffer
+    when a chunk's pages come in order -- they lie back to back in the list's child -- else
+    the pages joined in order (one copy).
+
+    >>> blobs = pa.array([[b"\\x01\\x00", b"\\x02\\x00"], [b"\\x04\\x00", b"\\x03\\x00"]])
+    >>> [c.tolist() for c in _page_chunks(blobs, pa.array([[0, 1], [1, 0]]), "int16",
+    ...                                   [(2,), (2,)])]
+    [[1, 2], [3, 4]]
+    """
+    pages, numbers = _blobs(pages), _blobs(numbers)
+    starts = np.asarray(pages.offsets)
+    page_at, data = _binary(pages.values)
+    number_starts = np.asarray(numbers.offsets)
+    number_values = numbers.values.to_numpy(zero_copy_only=False)
+    out = []
+    for r, shape in enumerate(shapes):
+        lo, hi = int(starts[r]), int(starts[r + 1])
+        nums = number_values[number_starts[r]:number_starts[r + 1]]
+        if np.array_equal(nums, np.arange(hi - lo)):
+            raw = data[page_at[lo]:page_at[hi]]
+        else:
+            raw = np.concatenate([data[page_at[lo + i]:page_at[lo + i + 1]]
+                                  for i in np.argsort(nums, kind="stable")])
+        out.append(view_bytes(raw, dtype, shape))
+    return out
+
+
 def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
     return encode_payloads(list(tensors)).cast(pa.binary())
+
+
+def _sparse_out(n_rows: int, sizes: dict[int, int], data: np.ndarray) -> pa.Array:
+    """A BLOB column of ``n_rows`` rows over the bytes ``data`` (no copy): row ``r`` of
+    ``sizes`` holds the next ``sizes[r]`` bytes (rows in order), the other rows are NULL.
+
+    >>> arr = _sparse_out(3, {1: 8}, np.ones(8, np.uint8))
+    >>> arr.null_count, arr[1].as_py()
+    (2, b'\\x01\\x01\\x01\\x01\\x01\\x01\\x01\\x01')
+    """
+    rows = sorted(sizes)
+    lengths = np.zeros(n_rows, dtype=np.int64)
+    lengths[rows] = [sizes[r] for r in rows]
+    offsets = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    valid = np.zeros(n_rows, dtype=bool)
+    valid[rows] = True
+    validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), n_rows, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
+        null_count=n_rows - len(rows)).cast(pa.binary())
 
 
 class _Builder:
@@ -238,6 +318,8 @@ class _Builder:
         self.plan_id = plan_id
         self.udfs: list[UDF] = []
         self.tables: dict[str, pa.Table] = {}
+        self.page_scans: set[int] = set()  # Scans that may select page lists (see _scan)
+        self.paged: set[int] = set()  # nodes whose relation has page lists, not payloads
 
     def _name(self, kind: str) -> str:
         return f"tq_{kind}_{self.plan_id}_{len(self.udfs) + len(self.tables)}"
@@ -266,9 +348,17 @@ class _Builder:
                                    f"{node.source!r} (a slice); use the native backend")
         rel = node.relation
         keys = ", ".join(q(f"k{d}") for d in range(len(rel.labels)))
+        group = f" GROUP BY {keys}" if keys else ""
         keys = keys + ", " if keys else ""
         if node.constant is None and self.store is not None and hasattr(self.store,
                                                                          "connection"):
+            pages = getattr(self.store, "chunk_pages_sql", None)
+            pages = pages(node.source) if pages is not None and id(node) in \
+                self.page_scans else None
+            if pages is not None:  # each chunk as the list of its stored pages
+                self.paged.add(id(node))
+                return (f"SELECT {keys}list(\"payload\") AS \"payload\", list(\"page\") AS "
+                        f"\"page\" FROM {pages}{group}", f"Scan {node.source} (chunk pages)")
             return (f"SELECT {keys}\"payload\" FROM {q(node.source + '__chunks')}",
                     f"Scan {node.source} (chunk view)")
         grid = rel.grid
@@ -397,6 +487,7 @@ class _Builder:
         grids = [src.relation.grid for src in join.sources]
         dtypes = [src.relation.dtype for src in join.sources]
         ranks = [g.ndim for g in grids]
+        paged = [id(src) in self.paged for src in join.sources]
         # where each label's key is found: the first (source, dim) carrying it
         first: dict[str, str] = {}
         conds: list[str] = []
@@ -410,12 +501,14 @@ class _Builder:
         key_args: list[str] = []
         for s, labels in enumerate(join.input_labels):
             key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
-        payloads = [f"x{s}.\"payload\"" for s in range(len(join.sources))]
+        payloads = [f"x{s}.\"payload\", x{s}.\"page\"" if paged[s] else f"x{s}.\"payload\""
+                    for s in range(len(join.sources))]
 
-        def run_join(*cols):
+        def decode_rows(cols) -> tuple[list[list[torch.Tensor]], list[list[Key]], int]:
+            """Each source's chunks (views of the Arrow buffers) and keys, row by row."""
             n_rows = len(cols[-1])
             pos = 0
-            keys_per_source = []
+            keys_per_source: list[list[Key]] = []
             for rank in ranks:
                 if rank:
                     ks = list(zip(*(_ints(c) for c in cols[pos:pos + rank])))
@@ -423,14 +516,29 @@ class _Builder:
                 else:
                     keys_per_source.append([()] * n_rows)
                 pos += rank
-            decoded = [decode_payloads(_blobs(cols[pos + s]), dtypes[s],
-                                       [grids[s].chunk_shape(k) for k in keys_per_source[s]])
-                       for s in range(len(ranks))]
+            decoded = []
+            for s in range(len(ranks)):
+                shapes = [grids[s].chunk_shape(k) for k in keys_per_source[s]]
+                if paged[s]:
+                    decoded.append(_page_chunks(cols[pos], cols[pos + 1], dtypes[s], shapes))
+                    pos += 2
+                else:
+                    decoded.append(decode_payloads(_blobs(cols[pos]), dtypes[s], shapes))
+                    pos += 1
+            return decoded, keys_per_source, n_rows
+
+        def run_join(*cols):
+            decoded, _, n_rows = decode_rows(cols)
             return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
 
-        join_fn = self._name("join")
-        self.udfs.append(UDF(join_fn, run_join, ("INTEGER",) * sum(ranks)
-                             + ("BLOB",) * len(ranks)))
+        params = ("INTEGER",) * sum(ranks) + sum(
+            (("BLOB[]", "INTEGER[]") if p else ("BLOB",) for p in paged), ())
+        join_fn = self._name("join" if aggregate is None else "partial")
+        if aggregate is None:
+            self.udfs.append(UDF(join_fn, run_join, params))
+        else:
+            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows),
+                                 params, null_handling="special"))
         sources = [f"{q(names[id(src)])} AS x{s}" for s, src in enumerate(join.sources)]
         from_sql = sources[0]
         if len(sources) == 2:
@@ -482,10 +590,62 @@ class _Builder:
         keys = [q(f"k{d}") for d in range(ndim)]
         sel = "".join(f"{k}, " for k in keys)
         group = f" GROUP BY {', '.join(keys)}" if keys else ""
-        body = (f"SELECT {sel}{q(agg_fn)}({sel}list(\"partial\"{order})) AS \"payload\" FROM ("
-                f"SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group}")
+        # the partial aggregates of each batch (NULL where a row's product went into another
+        # row's), gathered per output chunk in DuckDB and folded by the aggregate kernel
+        # (a lone partial -- the whole sum came in one batch -- is the result as it is)
+        body = (f"SELECT {sel}CASE WHEN len(\"parts\") = 1 THEN \"parts\"[1] ELSE "
+                f"{q(agg_fn)}({sel}\"parts\") END AS \"payload\" FROM (SELECT {sel}"
+                f"list(\"partial\"{order}) FILTER (WHERE \"partial\" IS NOT NULL) AS \"parts\" "
+                f"FROM (SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group})")
         what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
         return body, what
+
+
+    @staticmethod
+    def _partial_fn(join: Join, aggregate: Aggregate, kernel: ContractChunk,
+                    decode_rows: Callable) -> Callable[..., pa.Array]:
+        """The join's Arrow function when an Aggregate follows: a partial aggregate per batch.
+
+        The rows of one batch that feed the same output chunk are folded in one call of the
+        native executor's series kernel (:class:`ContractSeries`: the products accumulate
+        into one tensor, in the order of the aggregated keys); that sum is returned at the
+        group's first row and NULL at its others, so one partial per output chunk and batch
+        goes back to DuckDB instead of one per product.
+        """
+        where: dict[str, tuple[int, int]] = {}  # label -> (source, dim) first carrying it
+        for s, labels in enumerate(join.input_labels):
+            for d, label in enumerate(labels):
+                where.setdefault(label, (s, d))
+        out_at = [where[label] for label in aggregate.relation.labels]
+        over_at = [where[label] for label in aggregate.over if label in where]
+        series = ContractSeries(kernel, arity=len(join.sources))
+        out_grid, out_dtype = aggregate.relation.grid, aggregate.relation.dtype
+        size = itemsize(out_dtype)
+
+        def run_partial(*cols):
+            decoded, keys, n_rows = decode_rows(cols)
+            groups: dict[Key, list[tuple[Key, int]]] = {}
+            for r in range(n_rows):
+                out_key = tuple(keys[s][r][d] for s, d in out_at)
+                over_key = tuple(keys[s][r][d] for s, d in over_at)
+                groups.setdefault(out_key, []).append((over_key, r))
+            # each sum is written straight into the bytes handed back to DuckDB
+            shapes = {key: out_grid.chunk_shape(key) for key in groups}
+            for members in groups.values():
+                members.sort()
+            order = sorted(groups, key=lambda key: groups[key][0][1])
+            nbytes = {key: int(np.prod(shapes[key], dtype=np.int64)) * size for key in order}
+            data = np.empty(sum(nbytes.values()), dtype=np.uint8)
+            at = 0
+            for key in order:
+                out = view_bytes(data[at:at + nbytes[key]], out_dtype, shapes[key])
+                got = series.run_into([d[r] for _, r in groups[key] for d in decoded], out)
+                if got.data_ptr() != out.data_ptr() or got.shape != out.shape:
+                    out.copy_(got)  # a kernel that made its own tensor
+                at += nbytes[key]
+            return _sparse_out(n_rows, {groups[key][0][1]: nbytes[key] for key in order}, data)
+
+        return run_partial
 
 
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
@@ -502,8 +662,9 @@ def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
+    con = _connection(compiled, con)  # first: the plan reads the views' current tables
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    chunks, wall = plan.run(_connection(compiled, con))
+    chunks, wall = plan.run(con)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:

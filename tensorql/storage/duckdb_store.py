@@ -248,6 +248,17 @@ class DuckDBChunkStore(ChunkStore):
                                               grid=grid), self._ref(table), paged=bool(paged))
                 self._views[name] = table
 
+    def chunk_pages_sql(self, name: str) -> str | None:
+        """The page rows ``k0.., page, payload`` that tensor ``name``'s chunk view joins (an
+        SQL table expression on :attr:`connection`, current after :meth:`sync_views`), for
+        readers that take a chunk's pages as they are stored (the DuckDB backend's kernels);
+        None when this connection has no view of ``name``."""
+        table = self._views.get(name)
+        if table is None:
+            return None
+        ref = self._ref(table)
+        return ref if self._is_paged(table) else f"(SELECT *, 0 AS page FROM {ref})"
+
     def close(self) -> None:
         if not self.read_only and self._write_lock.acquire(blocking=False):
             try:
