@@ -35,16 +35,18 @@ def _operands(n: int, k: int, seed: int = 0):
 
 def _reference(a, b, c):
     y = a.astype(np.float64) @ b
-    return (y / y.max()) @ c
+    return np.exp(y - y.max()) @ c
 
 
 def _held(A, B, C):
-    """``(Y / max(Y)) @ C`` for ``Y = A @ B``: no tile of the n x n intermediate ``Y`` can be
-    used before all of it is made (its maximum comes first), so all of it is live at once,
+    """``exp(Y - max(Y)) @ C`` for ``Y = A @ B``: no tile of the n x n intermediate ``Y`` can
+    be used before all of it is made (its maximum comes first), so all of it is live at once,
     whatever the order -- the spill tier's case. (``(A @ B) @ C`` alone streams: each tile is
-    used as soon as it is made, see test_a_chain_streams_under_a_small_budget.)"""
+    used as soon as it is made, see test_a_chain_streams_under_a_small_budget; so does
+    ``(Y / max(Y)) @ C``, rewritten as ``(Y @ C) / max(Y)``: see
+    test_a_scalar_divisor_leaves_the_contraction_and_nothing_spills.)"""
     y = A @ B
-    return (y / y.max()) @ C
+    return (y - y.max()).exp() @ C
 
 
 def _spill_tables(con) -> list[str]:
@@ -115,6 +117,25 @@ def test_a_chain_streams_under_a_small_budget(tmp_path):
         assert stats.host_peak_bytes <= stats.host_budget < SMALL["n"] ** 2 * 4 / 2
 
 
+def test_a_scalar_divisor_leaves_the_contraction_and_nothing_spills(tmp_path):
+    """``(Y / max(Y)) @ C`` under the budget that makes ``_held`` spill: the rule
+    ``scalar_out_of_sum`` computes ``(Y @ C) / max(Y)``, so each tile of ``Y`` feeds the
+    maximum and its partial product while resident and nothing goes to DuckDB."""
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=6)
+    with tq.connect(str(tmp_path / "w.duckdb"), **SMALL_LIMITS) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        y = A @ B
+        query = ((y / y.max()) @ C).compile()
+        assert "rewrite rules: scalar_out_of_sum" in query.explain()
+        result = query.run(dense=True)
+        y64 = a.astype(np.float64) @ b
+        np.testing.assert_allclose(result.dense().numpy(), (y64 / y64.max()) @ c,
+                                   rtol=1e-4, atol=1e-3)
+        stats = result.stats
+        assert stats.spill_written_bytes == 0 and stats.spill_chunks == 0
+        assert stats.host_peak_bytes <= stats.host_budget < SMALL["n"] ** 2 * 4 / 2
+
+
 def test_in_memory_session_spills_to_a_temporary_file_removed_at_close():
     a, b, c = _operands(SMALL["n"], SMALL["k"], seed=1)
     db = tq.connect(**SMALL_LIMITS)
@@ -167,9 +188,9 @@ RSS_CHILD = textwrap.dedent("""
         for t in (A, B, C):  # warm up: DuckDB's scan state and torch's threads
             t[:8].numpy()
         y = A[:256, :] @ B[:, :256]
-        ((y / y.max()) @ C[:256, :]).numpy()
+        ((y - y.max()).exp() @ C[:256, :]).numpy()
         y = A @ B
-        q = ((y / y.max()) @ C).compile()  # the intermediate is held whole: see _held
+        q = ((y - y.max()).exp() @ C).compile()  # the intermediate is held whole: see _held
         open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM
         base = status("VmRSS")
         result = q.run(dense=True)
@@ -226,7 +247,7 @@ KILL_CHILD = textwrap.dedent("""
                     process_memory_limit="32MiB") as db:
         y = db.tensor("A") @ db.tensor("B")
         for _ in range(20):
-            ((y / y.max()) @ db.tensor("C")).numpy()  # held whole: see _held
+            ((y - y.max()).exp() @ db.tensor("C")).numpy()  # held whole: see _held
 """)
 
 
