@@ -153,7 +153,9 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
         db.close()
     peak = _status("VmHWM")
     np.save(out, result)
-    return {"kind": kind, "seconds": seconds, "growth": peak - base, "peak_rss": peak,
+    code = sys.modules["tensorql"].__file__ if "tensorql" in sys.modules else None
+    return {"kind": kind, "code": code, "seconds": seconds, "growth": peak - base,
+            "peak_rss": peak,
             "baseline_rss": base, **figures}
 
 
@@ -190,8 +192,8 @@ BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
 def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
               limit: int, base_root: Path | None = None, workload: str = "held") -> dict:
     root, script = ROOT, __file__
-    if kind == BASE:  # the same child, from the other checkout's code
-        root, script, kind = base_root, str(base_root / "bench" / "out_of_core.py"), "tq-budget"
+    if kind == BASE:  # this script's child (its workloads), the other checkout's tensorql
+        root, kind = base_root, "tq-budget"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / ".shim"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if kind == "dask":  # dask's workers are the threads: one BLAS thread each
@@ -203,7 +205,11 @@ def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
                           capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sample = json.loads(done.stdout.strip().splitlines()[-1])
+    code = sample.get("code")
+    if code is not None and not Path(code).resolve().is_relative_to(Path(root).resolve()):
+        raise RuntimeError(f"{kind} ran {code}, not the code of {root}")
+    return sample
 
 
 # -- the check: sampled rows in full, and the whole result against a random vector -----------
