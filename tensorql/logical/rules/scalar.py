@@ -38,12 +38,13 @@ True
 
 from __future__ import annotations
 
+from tensorql.algebra import AggName, JoinName
 from tensorql.logical.plan import Aggregate, Join, LogicalNode, walk
 from tensorql.logical.rules.common import readers as readers_of
 from tensorql.logical.rules.common import rebuild, results_of
 
 NAME = "scalar_out_of_sum"
-_SCALED = ("div", "mul")  # Y / s, Y * s, s * Y
+_SCALED = (JoinName.DIV, JoinName.MUL)  # Y / s, Y * s, s * Y
 
 
 def scalar_out_of_sum(root: LogicalNode) -> LogicalNode:
@@ -68,10 +69,10 @@ def _match(node: LogicalNode, readers: dict[int, list[int]], results: set[int]
            ) -> tuple[int, Join, LogicalNode, LogicalNode] | None:
     """``(k, scaled, Y, s)`` when ``node`` sums over a contraction whose input ``k`` is
     ``scaled``, ``Y`` times or over the scalar ``s``; else None."""
-    if not (isinstance(node, Aggregate) and node.agg == "sum" and node.over):
+    if not (isinstance(node, Aggregate) and node.agg == AggName.SUM and node.over):
         return None
     prod = node.input
-    if not (isinstance(prod, Join) and prod.join == "mul" and len(prod.sources) == 2
+    if not (isinstance(prod, Join) and prod.join == JoinName.MUL and len(prod.sources) == 2
             and id(prod) not in results and readers.get(id(prod)) == [id(node)]):
         return None
     for k, scaled in enumerate(prod.sources):
@@ -80,7 +81,7 @@ def _match(node: LogicalNode, readers: dict[int, list[int]], results: set[int]
                 and readers.get(id(scaled)) == [id(prod)]
                 and prod.sources[1 - k] is not scaled):
             continue
-        positions = (1,) if scaled.join == "div" else (1, 0)
+        positions = (1,) if scaled.join == JoinName.DIV else (1, 0)
         for p in positions:  # p: where the scalar is
             scalar, operand = scaled.sources[p], scaled.sources[1 - p]
             if (scalar.relation.ndim == 0 and scaled.input_labels[p] == ()
@@ -101,7 +102,7 @@ def _maker(node: Aggregate, k: int, scaled: Join, operand: LogicalNode, scalar: 
         sources.insert(k, memo[id(operand)])
         contraction = Aggregate(node.relation, input=Join(
             prod.relation, sources=tuple(sources), input_labels=prod.input_labels,
-            join="mul"), over=node.over, agg="sum")
+            join=JoinName.MUL), over=node.over, agg=AggName.SUM)
         return Join(node.relation, sources=(contraction, memo[id(scalar)]),
                     input_labels=(node.relation.labels, ()), join=scaled.join)
 
