@@ -6,11 +6,15 @@
 
 ``A`` (n x k), ``B`` (k x n) and ``C`` (n x k) are stored in a DuckDB file; ``Y = A @ B`` is
 an n x n intermediate: with the defaults the inputs and the intermediate are 1.2 GiB against a
-384 MiB budget (>= 3x). Two workloads:
+384 MiB budget (>= 3x). Three workloads:
 
-* ``held`` -- ``(Y / max(Y)) @ C``: no tile of ``Y`` can be used before the maximum of all of
-  it, so all of ``Y`` is live at once in any order: what does not fit goes to DuckDB (the
-  spill tier) and comes back prefetched. The spill tier's case.
+* ``spill`` -- ``exp(Y - max(Y)) @ C``: no tile of ``Y`` can be used before the maximum of
+  all of it, so all of ``Y`` is live at once in any order: what does not fit goes to DuckDB
+  (the spill tier) and comes back prefetched. The spill tier's case.
+* ``held`` -- ``(Y / max(Y)) @ C``: the same wait for the maximum as written, but the rule
+  ``scalar_out_of_sum`` computes ``(Y @ C) / max(Y)``: each tile of ``Y`` feeds the maximum
+  and its partial product while resident, and nothing spills (before the rule, all of ``Y``
+  went through DuckDB: 944 MiB at the defaults).
 * ``chain`` -- ``(A @ B) @ C``: under a binding budget the memory plan orders tasks depth
   first, so each tile of ``Y`` is used by its partial product with ``C`` while resident and
   nothing spills (dask orders its tasks by the same rule and frees each block once used).
@@ -30,8 +34,8 @@ libraries' one-off allocations), resets its peak RSS (``/proc/self/clear_refs``)
 once; it reports the time, the growth of its peak RSS over that warmed-up baseline (the
 figure the budget bounds; the absolute peak is printed too) and, for tensorql, the bytes of
 each tier. Every result is checked against numpy on the memmaps (64 sampled rows in full,
-and the whole result times a random vector; ``held``'s result times max(Y), computed from
-the memmaps in float64).
+and the whole result times a random vector; ``held``'s result times max(Y), ``spill``'s
+against ``exp(Y - max(Y))`` made a block of rows at a time, from the memmaps in float64).
 
 Goals, for each workload: ``tq-budget``'s peak RSS growth <= budget + 25 %, and its median
 time <= 1.5x ``tq-unlimited``'s. Prints the figures with their spread (min..max) and writes a JSON
@@ -149,17 +153,30 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
         db.close()
     peak = _status("VmHWM")
     np.save(out, result)
-    return {"kind": kind, "seconds": seconds, "growth": peak - base, "peak_rss": peak,
+    code = sys.modules["tensorql"].__file__ if "tensorql" in sys.modules else None
+    return {"kind": kind, "code": code, "seconds": seconds, "growth": peak - base,
+            "peak_rss": peak,
             "baseline_rss": base, **figures}
 
 
 def held(a, b, c):
-    """(Y / max(Y)) @ C for Y = A @ B: the intermediate is live whole in any order.
+    """(Y / max(Y)) @ C for Y = A @ B: rewritten as (Y @ C) / max(Y), it streams.
 
-    No tile of ``Y`` is usable before its maximum, which needs all of ``Y``: the spill
-    tier's case."""
+    As written no tile of ``Y`` is usable before its maximum, which needs all of ``Y``; the
+    rule ``scalar_out_of_sum`` moves the scalar past the product."""
     y = a @ b
     return (y / y.max()) @ c
+
+
+def spill(a, b, c):
+    """exp(Y - max(Y)) @ C for Y = A @ B: the intermediate is live whole in any order.
+
+    No tile of ``Y`` is usable before its maximum, which needs all of ``Y``, and no rule
+    moves a scalar out of ``exp``: the spill tier's case."""
+    y = a @ b
+    shifted = y - y.max()
+    # tensorql's tensors have .exp(); dask's arrays take numpy's ufunc
+    return (shifted.exp() if hasattr(shifted, "exp") else np.exp(shifted)) @ c
 
 
 def streamed(a, b, c):
@@ -167,7 +184,7 @@ def streamed(a, b, c):
     return (a @ b) @ c
 
 
-WORKLOADS = {"held": held, "chain": streamed}
+WORKLOADS = {"spill": spill, "held": held, "chain": streamed}
 
 BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
 
@@ -175,8 +192,8 @@ BASE = "tq-budget-base"  # tq-budget run from another checkout (--baseline-root)
 def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
               limit: int, base_root: Path | None = None, workload: str = "held") -> dict:
     root, script = ROOT, __file__
-    if kind == BASE:  # the same child, from the other checkout's code
-        root, script, kind = base_root, str(base_root / "bench" / "out_of_core.py"), "tq-budget"
+    if kind == BASE:  # this script's child (its workloads), the other checkout's tensorql
+        root, kind = base_root, "tq-budget"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / ".shim"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if kind == "dask":  # dask's workers are the threads: one BLAS thread each
@@ -188,7 +205,11 @@ def run_child(kind: str, work: Path, tile: int, threads: int, budget: int,
                           capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sample = json.loads(done.stdout.strip().splitlines()[-1])
+    code = sample.get("code")
+    if code is not None and not Path(code).resolve().is_relative_to(Path(root).resolve()):
+        raise RuntimeError(f"{kind} ran {code}, not the code of {root}")
+    return sample
 
 
 # -- the check: sampled rows in full, and the whole result against a random vector -----------
@@ -200,16 +221,32 @@ def reference_max(work: Path, rows: int = 1024) -> float:
                      for lo in range(0, a.shape[0], rows)))
 
 
-def check(work: Path, kind: str, scale: float = 1.0, seed: int = 1) -> float:
-    """The largest error relative to the result's scale; ``scale`` multiplies the result
-    first (``held``'s max(Y), so both workloads compare against ``(A @ B) @ C``)."""
+def references(work: Path, workload: str, peak: float, seed: int = 1, block: int = 1024
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What ``check`` compares a workload's result with: sampled rows, a random vector ``x``,
+    and the rows and the whole result times ``x`` as numpy computes them in float64
+    (``held``'s as ``chain``'s: ``check`` scales its result by ``peak``, max(Y))."""
     a, b, c = (np.load(work / f"{name}.npy", mmap_mode="r") for name in "ABC")
-    got = np.load(work / f"result-{kind}.npy", mmap_mode="r") * scale
     rng = np.random.default_rng(seed)
     rows = np.sort(rng.choice(a.shape[0], size=min(64, a.shape[0]), replace=False))
-    want_rows = (np.asarray(a[rows], np.float64) @ b) @ c
     x = rng.standard_normal(c.shape[1])
-    want_vec = np.asarray(a, np.float64) @ (np.asarray(b, np.float64) @ (c @ x))
+    b64 = np.asarray(b, np.float64)
+    if workload == "spill":
+        want_rows = np.exp(np.asarray(a[rows], np.float64) @ b64 - peak) @ c
+        cx = np.asarray(c, np.float64) @ x
+        want_vec = np.concatenate([np.exp(np.asarray(a[lo:lo + block], np.float64) @ b64
+                                          - peak) @ cx for lo in range(0, a.shape[0], block)])
+    else:
+        want_rows = (np.asarray(a[rows], np.float64) @ b64) @ c
+        want_vec = np.asarray(a, np.float64) @ (b64 @ (c @ x))
+    return rows, x, want_rows, want_vec
+
+
+def check(work: Path, kind: str, refs: tuple, scale: float = 1.0) -> float:
+    """The largest error relative to the result's scale; ``scale`` multiplies the result
+    first (``held``'s max(Y), so it compares against ``(A @ B) @ C``)."""
+    rows, x, want_rows, want_vec = refs
+    got = np.load(work / f"result-{kind}.npy", mmap_mode="r") * scale
     err_rows = np.abs(got[rows] - want_rows).max() / np.abs(want_rows).max()
     err_vec = np.abs(got @ x - want_vec).max() / np.abs(want_vec).max()
     return float(max(err_rows, err_vec))
@@ -232,8 +269,11 @@ for rep in range(2):  # the first pass pays the spill database's start: the seco
     ids = [pages.write(chunks[i % 4]) for i in range(total // nbytes)]
     w = (time.perf_counter() - t, time.process_time() - c)
     t, c = time.perf_counter(), time.process_time()
+    discard = getattr(pages, "discard", None)  # as the host tier does at a last read
     for i in ids:
         got = pages.read(i, (nbytes // 4,), "float32")
+        if discard is not None:
+            discard(i)
     r = (time.perf_counter() - t, time.process_time() - c)
     assert torch.equal(got, chunks[ids[-1] % 4])
     pages.close(); space.close()
@@ -344,9 +384,10 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="a small size, one repeat: results checked, goals not")
     parser.add_argument("--skip-dask", action="store_true")
-    parser.add_argument("--workloads", default="held,chain",
-                        help="comma-separated, of: held (the intermediate live whole: the "
-                        "spill tier's case), chain (streams under the memory-aware order)")
+    parser.add_argument("--workloads", default="spill,held,chain",
+                        help="comma-separated, of: spill (the intermediate live whole: the "
+                        "spill tier's case), held (streams once its scalar divisor leaves "
+                        "the product), chain (streams under the memory-aware order)")
     parser.add_argument("--baseline-root", help="another checkout (e.g. main's): its "
                         "tq-budget runs too, as tq-budget-base, alternating with the others")
     parser.add_argument("--work", help="folder for the inputs (default: a temporary one)")
@@ -390,8 +431,10 @@ def main() -> int:
     results: dict[str, dict] = {}
     try:
         setup(work, n, k, args.tile)
-        scale = {"held": reference_max(work) if "held" in workloads else 1.0, "chain": 1.0}
+        peak = reference_max(work) if {"held", "spill"} & set(workloads) else 1.0
+        scale = {"held": peak, "spill": 1.0, "chain": 1.0}
         for workload in workloads:
+            refs = references(work, workload, peak)
             samples: dict[str, list[dict]] = {kind: [] for kind in kinds}
             errors: dict[str, float] = {}
             for r in range(args.repeat):
@@ -400,7 +443,7 @@ def main() -> int:
                                        base_root, workload)
                     result = "tq-budget" if kind == BASE else kind
                     errors[kind] = max(errors.get(kind, 0.0),
-                                       check(work, result, scale[workload]))
+                                       check(work, result, refs, scale[workload]))
                     samples[kind].append(sample)
             results[workload] = report(workload, kinds, samples, errors, budget, base_root)
     finally:

@@ -179,6 +179,7 @@ class HostTier:
         self._spilled: dict[ChunkRef, tuple[int, tuple[int, ...], torch.dtype]] = {}
         self._fresh: set[ChunkRef] = set()
         self._reading: set[ChunkRef] = set()
+        self._orphans: dict[ChunkRef, int] = {}  # dropped while read: their DuckDB ids
         self._ahead: set[ChunkRef] = set()  # read back by the prefetcher, not yet used
         self._cond = threading.Condition()
         self._lock = self._cond  # one lock guards the tier's maps and figures
@@ -388,7 +389,10 @@ class HostTier:
         finally:
             with self._cond:
                 self._reading.discard(ref)
+                orphan = self._orphans.pop(ref, None)
                 self._cond.notify_all()
+            if orphan is not None:
+                self._discard(orphan)
         with self._cond:
             self.spill_read += value.nbytes
             self.reads_on_demand += 1
@@ -449,7 +453,10 @@ class HostTier:
                     self.reads_ahead += 1
                 else:
                     self.plain_bytes -= nbytes
+                discard = self._discard_after_read(ref)
                 self._cond.notify_all()
+            if discard is not None:
+                self._discard(discard)
 
     def has(self, ref: ChunkRef) -> bool:
         with self._lock:
@@ -459,7 +466,10 @@ class HostTier:
         with self._cond:
             value = self._data.pop(ref, None)
             off = self._slots.pop(ref, None)
-            self._spilled.pop(ref, None)
+            entry = self._spilled.pop(ref, None)
+            if entry is not None and ref in self._reading:
+                self._orphans[ref] = entry[0]  # its reader discards it once done
+                entry = None
             self._fresh.discard(ref)
             self._ahead.discard(ref)
             if value is not None and off is None:
@@ -467,6 +477,31 @@ class HostTier:
             self._cond.notify_all()
         if off is not None:
             self.pool.free(off)
+        if entry is not None:
+            self._discard(entry[0])
+
+    def _discard(self, ident: int) -> None:
+        """Drop a DuckDB copy no longer needed (not holding the lock): its blocks leave the
+        spill database's memory and files now, instead of being written out again."""
+        pages = self._pages
+        if pages is None:
+            return
+        try:
+            pages.discard(ident)
+        except Exception as err:  # noqa: BLE001 - the run's close drops it anyway
+            log.warning("dropping a spilled chunk's table failed: %s", err)
+
+    def _discard_after_read(self, ref: ChunkRef) -> int | None:
+        """The id of ``ref``'s DuckDB copy to discard now that it was read back (holding the
+        lock): when its owner dropped it meanwhile, or when this read serves its last use in
+        the plan -- then the copy in memory is the only one (an eviction writes it again)."""
+        orphan = self._orphans.pop(ref, None)
+        if orphan is not None:
+            return orphan
+        uses = self._uses.get(ref)
+        if ref in self._data and ref in self._spilled and (not uses or len(uses) <= 1):
+            return self._spilled.pop(ref)[0]
+        return None
 
     def take_result(self, ref: ChunkRef) -> torch.Tensor:
         """The chunk as an ordinary tensor (copied out of the pinned pool), then dropped."""

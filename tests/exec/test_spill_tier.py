@@ -35,16 +35,18 @@ def _operands(n: int, k: int, seed: int = 0):
 
 def _reference(a, b, c):
     y = a.astype(np.float64) @ b
-    return (y / y.max()) @ c
+    return np.exp(y - y.max()) @ c
 
 
 def _held(A, B, C):
-    """``(Y / max(Y)) @ C`` for ``Y = A @ B``: no tile of the n x n intermediate ``Y`` can be
-    used before all of it is made (its maximum comes first), so all of it is live at once,
+    """``exp(Y - max(Y)) @ C`` for ``Y = A @ B``: no tile of the n x n intermediate ``Y`` can
+    be used before all of it is made (its maximum comes first), so all of it is live at once,
     whatever the order -- the spill tier's case. (``(A @ B) @ C`` alone streams: each tile is
-    used as soon as it is made, see test_a_chain_streams_under_a_small_budget.)"""
+    used as soon as it is made, see test_a_chain_streams_under_a_small_budget; so does
+    ``(Y / max(Y)) @ C``, rewritten as ``(Y @ C) / max(Y)``: see
+    test_a_scalar_divisor_leaves_the_contraction_and_nothing_spills.)"""
     y = A @ B
-    return (y / y.max()) @ C
+    return (y - y.max()).exp() @ C
 
 
 def _spill_tables(con) -> list[str]:
@@ -115,6 +117,25 @@ def test_a_chain_streams_under_a_small_budget(tmp_path):
         assert stats.host_peak_bytes <= stats.host_budget < SMALL["n"] ** 2 * 4 / 2
 
 
+def test_a_scalar_divisor_leaves_the_contraction_and_nothing_spills(tmp_path):
+    """``(Y / max(Y)) @ C`` under the budget that makes ``_held`` spill: the rule
+    ``scalar_out_of_sum`` computes ``(Y @ C) / max(Y)``, so each tile of ``Y`` feeds the
+    maximum and its partial product while resident and nothing goes to DuckDB."""
+    a, b, c = _operands(SMALL["n"], SMALL["k"], seed=6)
+    with tq.connect(str(tmp_path / "w.duckdb"), **SMALL_LIMITS) as db:
+        A, B, C = _store(db, a, b, c, SMALL["tile"])
+        y = A @ B
+        query = ((y / y.max()) @ C).compile()
+        assert "rewrite rules: scalar_out_of_sum" in query.explain()
+        result = query.run(dense=True)
+        y64 = a.astype(np.float64) @ b
+        np.testing.assert_allclose(result.dense().numpy(), (y64 / y64.max()) @ c,
+                                   rtol=1e-4, atol=1e-3)
+        stats = result.stats
+        assert stats.spill_written_bytes == 0 and stats.spill_chunks == 0
+        assert stats.host_peak_bytes <= stats.host_budget < SMALL["n"] ** 2 * 4 / 2
+
+
 def test_in_memory_session_spills_to_a_temporary_file_removed_at_close():
     a, b, c = _operands(SMALL["n"], SMALL["k"], seed=1)
     db = tq.connect(**SMALL_LIMITS)
@@ -167,9 +188,9 @@ RSS_CHILD = textwrap.dedent("""
         for t in (A, B, C):  # warm up: DuckDB's scan state and torch's threads
             t[:8].numpy()
         y = A[:256, :] @ B[:, :256]
-        ((y / y.max()) @ C[:256, :]).numpy()
+        ((y - y.max()).exp() @ C[:256, :]).numpy()
         y = A @ B
-        q = ((y / y.max()) @ C).compile()  # the intermediate is held whole: see _held
+        q = ((y - y.max()).exp() @ C).compile()  # the intermediate is held whole: see _held
         open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM
         base = status("VmRSS")
         result = q.run(dense=True)
@@ -226,7 +247,7 @@ KILL_CHILD = textwrap.dedent("""
                     process_memory_limit="32MiB") as db:
         y = db.tensor("A") @ db.tensor("B")
         for _ in range(20):
-            ((y / y.max()) @ db.tensor("C")).numpy()  # held whole: see _held
+            ((y - y.max()).exp() @ db.tensor("C")).numpy()  # held whole: see _held
 """)
 
 
@@ -375,7 +396,8 @@ def test_host_tier_opens_its_spill_table_ahead_when_the_plan_spills():
             tier = HostTier(spill=space, budget=64, loads=[(1, b), (2, a)], expect_spill=True)
             tier._opener.join()
             con = space.cursor()
-            assert _spill_tables(con) == [tier._pages.table]  # before any put
+            # before any put: the first chunk's table (a table per spilled chunk)
+            assert _spill_tables(con) == [f"{tier._pages.table}_c0"]
             if spill:
                 tier.put(a, torch.ones(16))
                 tier.put(b, torch.zeros(16))
@@ -409,4 +431,75 @@ def test_a_chunk_larger_than_the_spill_databases_memory_round_trips():
         assert torch.equal(pages.read(other, (1 << 20,), torch.float32), chunk[: 1 << 20] * 2)
     finally:
         pages.close()
+        space.close()
+
+
+def _temporary_bytes(con) -> int:
+    return int(con.execute("SELECT coalesce(sum(size), 0) FROM duckdb_temporary_files()")
+               .fetchone()[0])
+
+
+def test_a_discarded_chunk_leaves_duckdbs_memory_and_files_at_once():
+    """Each spilled chunk is a table of its own, dropped by ``discard``: its blocks leave the
+    spill database's temporary files at once. With one table per run, chunks read back stayed
+    in DuckDB's buffer pool and were written to its files a second time when evicted."""
+    import torch
+
+    from tensorql.errors import StorageError
+
+    gen = torch.Generator().manual_seed(13)
+    chunks = [torch.randn(3 << 20, generator=gen) for _ in range(4)]  # 12 MiB each
+    space = SpillSpace(memory_bytes=32 << 20)
+    pages = space.open_run("discard")
+    con = space.cursor()
+    try:
+        ids = [pages.write(x) for x in chunks]  # 48 MiB: more than DuckDB's 32 MiB of memory
+        assert pages.live_chunks == 4 and len(_spill_tables(con)) == 4
+        assert _temporary_bytes(con) > 0  # DuckDB wrote some of them to its files
+        for ident, want in zip(ids, chunks):
+            assert torch.equal(pages.read(ident, (3 << 20,), "float32"), want)
+            pages.discard(ident)
+        assert pages.chunks_discarded == 4 and pages.live_chunks == 0
+        assert _spill_tables(con) == [] and _temporary_bytes(con) == 0
+        pages.discard(ids[0])  # twice: ignored
+        with pytest.raises(StorageError, match="no chunk 0"):
+            pages.read(ids[0], (3 << 20,), "float32")
+    finally:
+        con.close()
+        pages.close()
+        space.close()
+
+
+def test_host_tier_discards_a_spilled_copy_at_its_last_read():
+    """A chunk read back ahead of its last use, or dropped, has its DuckDB copy discarded
+    during the run (not at its close), and every read returns the chunk's values."""
+    import torch
+
+    from tensorql.exec.hostpool import HostTier
+    from tensorql.exec.taskgraph import ChunkRef
+
+    refs = [ChunkRef(0, (i,)) for i in range(4)]
+    values = [torch.full((256,), float(i)) for i in range(4)]  # 1 KiB each
+    # plan order of host reads: chunk 3 twice, the others once
+    loads = [(10, refs[3]), (11, refs[0]), (12, refs[3]), (13, refs[1]), (14, refs[2])]
+    space = SpillSpace()
+    tier = HostTier(spill=space, budget=1024, loads=loads, lookahead=1)
+    try:
+        for ref, value in zip(refs, values):
+            tier.put(ref, value)
+        assert tier.spill_chunks == 3  # the budget holds one chunk
+        pages = tier._pages
+        for op_id, ref in loads:
+            assert torch.equal(tier.get(ref), values[ref.key[0]])
+            tier.load_done(op_id)
+            if op_id != 10:  # the runtime drops a host copy after its last load
+                tier.drop(ref)
+        with tier._cond:  # the prefetcher's last read has finished
+            while tier._reading:
+                tier._cond.wait()
+        assert pages.live_chunks == 0  # every copy discarded by the run's end, not its close
+        assert pages.chunks_discarded == pages.chunks_written >= 3
+        assert tier.spill_read >= 3 * 1024
+    finally:
+        tier.close()
         space.close()

@@ -83,3 +83,48 @@ def test_several_results_are_rewritten_together():
     x = np.exp(np.arange(12, dtype=np.float32).reshape(3, 4))
     np.testing.assert_allclose(got[0].numpy(), np.maximum(x * 2, 0), rtol=1e-6)
     np.testing.assert_allclose(got[1].numpy(), x.sum(axis=1), rtol=1e-6)
+
+
+def _scalar_rule_fired(expr) -> bool:
+    return "scalar_out_of_sum" in rewrite([lower(expr.node)]).fired
+
+
+def test_a_scalar_factor_moves_past_its_contraction():
+    """``(Y / s) @ C``, ``(s * Y) @ C``, ``(Y * s) @ C`` and ``C @ (Y / s)`` for ``s`` of no
+    dims become ``(Y @ C) <op> s``: the rule fires, applying it again changes nothing, and
+    the results are numpy's."""
+    rng = np.random.default_rng(11)
+    y, c = (rng.standard_normal(shape).astype(np.float32) for shape in ((12, 8), (8, 5)))
+    w = rng.standard_normal((3, 12)).astype(np.float32)
+    db = tq.connect(devices="cpu")
+    Y = db.from_numpy("y", y, tile=(4, 4))
+    C = db.from_numpy("c", c, tile=(4, 5))
+    W = db.from_numpy("w", w, tile=(3, 4))
+    m = y.astype(np.float64).max()
+    cases = [((Y / Y.max()) @ C, (y / m) @ c),
+             ((Y.max() * Y) @ C, (m * y) @ c),
+             ((Y * Y.max()) @ C, (y * m) @ c),
+             (W @ (Y / Y.max()), w @ (y / m))]
+    for expr, want in cases:
+        done = rewrite([lower(expr.node)])
+        assert "scalar_out_of_sum" in done.fired
+        again = rewrite(list(done.roots), rules=[r for r in RULES
+                                                 if r.__name__ == "scalar_out_of_sum"])
+        assert again.fired == ()
+        np.testing.assert_allclose(expr.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scaled_operand_read_elsewhere_or_a_non_scalar_divisor_is_left_alone():
+    rng = np.random.default_rng(12)
+    y, z, c = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((6, 4), (6, 4), (4, 3)))
+    db = tq.connect(devices="cpu")
+    Y, Z, C = db.from_numpy("y", y), db.from_numpy("z", z), db.from_numpy("c", c)
+    scaled = Y / Y.max()
+    read_twice = (scaled @ C).sum() + scaled.sum()  # the scaled Y is itself needed
+    m = y.astype(np.float64).max()
+    for expr, want in [((Y / Z) @ C, (y / z) @ c),                  # not a scalar
+                       ((Y.max() / Y) @ C, (m / y) @ c),            # the scalar over Y
+                       (read_twice, ((y / m) @ c).sum() + (y / m).sum())]:
+        assert not _scalar_rule_fired(expr)
+        np.testing.assert_allclose(expr.numpy(), want, rtol=1e-5, atol=1e-5)

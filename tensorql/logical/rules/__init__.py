@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from tensorql.logical.plan import LogicalNode, Results
 from tensorql.logical.rules.attention import match_attention
 from tensorql.logical.rules.pointwise import fuse_pointwise
+from tensorql.logical.rules.scalar import scalar_out_of_sum
 
 Rule = Callable[[LogicalNode], LogicalNode]
 
-# attention first: its chain's maps and joins are not pointwise chains of their own
-RULES: tuple[Rule, ...] = (match_attention, fuse_pointwise)
+# attention first: its chain's maps and joins are not pointwise chains of their own; a scalar
+# factor leaves its contraction before the pointwise chains are cut
+RULES: tuple[Rule, ...] = (match_attention, scalar_out_of_sum, fuse_pointwise)
 
 
 @dataclass(frozen=True)
@@ -53,4 +55,5 @@ def rewrite(roots: Sequence[LogicalNode], rules: Sequence[Rule] = RULES) -> Rewr
     return Rewritten(tuple(done), tuple(fired))
 
 
-__all__ = ["RULES", "Rewritten", "rewrite", "fuse_pointwise", "match_attention"]
+__all__ = ["RULES", "Rewritten", "rewrite", "fuse_pointwise", "match_attention",
+           "scalar_out_of_sum"]
