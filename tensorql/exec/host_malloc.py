@@ -58,6 +58,7 @@ GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
 RELEASE_CHECK_S = 1.0  # after short queries, the heap's free memory is looked at once a second
 LONG_QUERY_S = 0.1  # a query this long has it looked at when it ends, whatever the time since
 HUGE_RESULT_BYTES = 32 << 20  # a dense result this big or bigger goes on huge pages
+STREAM_RETAINED_FREE_BYTES = 128 << 20  # free heap memory kept while a result streams out
 
 _lock = threading.Lock()
 _done: list[bool] = []
