@@ -19,7 +19,10 @@ the tuning (torch's own, when it ran multi-threaded work before tensorql started
 theirs. It changes how memory is reused, never what is computed. What the process keeps is
 bounded: free memory at the top of the heap beyond ``TRIM_THRESHOLD_BYTES`` goes back at
 once, and after each query :func:`release_free_memory` gives back the free pages anywhere in
-the heap once more than ``RETAINED_FREE_BYTES`` are free.
+the heap once more than ``RETAINED_FREE_BYTES`` are free -- and while a result streams into a
+store (``CompiledQuery.stream``), as it goes, once more than ``STREAM_RETAINED_FREE_BYTES`` are:
+the chunks the store has written are freed between DuckDB's own allocations, where the heap
+cannot shrink (a 6 GiB store held 0.5-0.9 GiB of such free memory until it ended).
 
 Applied once, when ``tensorql`` (any module of it) is imported, before DuckDB's threads and
 the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator alone.
