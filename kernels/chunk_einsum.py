@@ -73,7 +73,22 @@ class BroadcastJoin:
             return None
         return cls(fn, tuple(perms), tuple(present))
 
-    def __call__(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+    def writes_into(self, operands: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
+        """Whether ``self(operands, out=out)`` writes the join straight into ``out`` (a tile of
+        a dense result): an arithmetic join (:data:`OUT_JOINS`) of operands of ``out``'s
+        dtype, so the values are those of ``self(operands)``."""
+        return self.fn in OUT_JOINS and all(x.dtype == out.dtype for x in operands)
+
+    def __call__(self, operands: Sequence[torch.Tensor],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """The join of ``operands``; with ``out`` (see :meth:`writes_into`) written into it
+        and ``out`` returned, no temporary the size of the result.
+
+        >>> j = BroadcastJoin.plan([("i",), ("j",)], ("i", "j"), JoinName.MUL)
+        >>> tile = torch.zeros(4, 6)[1:3, 2:5]
+        >>> j([torch.tensor([1.0, 2.0]), torch.ones(3)], out=tile).tolist()
+        [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
+        """
         views = []
         for x, perm, present in zip(operands, self.perms, self.present):
             if perm is not None:
@@ -82,10 +97,21 @@ class BroadcastJoin:
                 sizes = iter(x.shape)
                 x = x.reshape([next(sizes) if has else 1 for has in present])
             views.append(x)
-        out = self.fn(views[0], views[1])
+        if out is not None:
+            self.fn(views[0], views[1], out=out)
+            for view in views[2:]:
+                self.fn(out, view, out=out)  # elementwise: each element reads only itself
+            return out
+        value = self.fn(views[0], views[1])
         for view in views[2:]:
-            out = self.fn(out, view)
-        return out
+            value = self.fn(value, view)
+        return value
+
+
+# the joins whose torch function writes into a given tensor (``out=``) with the values it
+# returns when the operands have the output's dtype (no promotion: a division of integers is
+# not one)
+OUT_JOINS = frozenset({torch.mul, torch.add, torch.sub, torch.maximum, torch.minimum})
 
 
 def diagonalize(x: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, tuple[str, ...]]:

@@ -37,6 +37,11 @@ ENABLED = os.environ.get("TENSORQL_PACKED_WEIGHTS", "1") != "0" and \
 # was not reliably faster (one row, one thread: 768 x 768 45 against 48 us, 768 x 8000 568
 # against 622 us)
 MIN_ROWS = 16
+# oneDNN's linear has no ``out``: a packed product into a given tensor (a tile of a dense
+# result) goes through a scratch of at most this many bytes, row block by row block, so no
+# product-sized temporary is made (a 64 MiB tile of a 2 GiB .numpy() result made one per
+# worker: 1.11x the result at peak) and the scratch stays in cache for its copy
+OUT_BLOCK_BYTES = 8 << 20
 
 _lock = threading.RLock()  # a weakref callback may run where the lock is held
 _immutable: dict[int, Any] = {}  # id(tensor) -> weakref to it
@@ -63,8 +68,13 @@ def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = N
         right.dtype == torch.float32 else None
     if packed is None:
         return torch.mm(left, right) if out is None else torch.mm(left, right, out=out)
-    value = torch.ops.mkldnn._linear_pointwise(left, packed, None, "none", [], "")
-    return value if out is None else out.copy_(value)
+    if out is None:
+        return torch.ops.mkldnn._linear_pointwise(left, packed, None, "none", [], "")
+    rows = max(MIN_ROWS, OUT_BLOCK_BYTES // max(1, out.shape[1] * out.element_size()))
+    for r0 in range(0, left.shape[0], rows):
+        out[r0:r0 + rows].copy_(torch.ops.mkldnn._linear_pointwise(
+            left[r0:r0 + rows], packed, None, "none", [], ""))
+    return out
 
 
 def packed_bytes() -> int:

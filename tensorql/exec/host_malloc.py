@@ -19,7 +19,10 @@ the tuning (torch's own, when it ran multi-threaded work before tensorql started
 theirs. It changes how memory is reused, never what is computed. What the process keeps is
 bounded: free memory at the top of the heap beyond ``TRIM_THRESHOLD_BYTES`` goes back at
 once, and after each query :func:`release_free_memory` gives back the free pages anywhere in
-the heap once more than ``RETAINED_FREE_BYTES`` are free.
+the heap once more than ``RETAINED_FREE_BYTES`` are free -- and while a result streams into a
+store (``CompiledQuery.stream``), as it goes, once more than ``STREAM_RETAINED_FREE_BYTES`` are:
+the chunks the store has written are freed between DuckDB's own allocations, where the heap
+cannot shrink (a 6 GiB store held 0.5-0.9 GiB of such free memory until it ended).
 
 Applied once, when ``tensorql`` (any module of it) is imported, before DuckDB's threads and
 the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator alone.
@@ -58,6 +61,7 @@ GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
 RELEASE_CHECK_S = 1.0  # after short queries, the heap's free memory is looked at once a second
 LONG_QUERY_S = 0.1  # a query this long has it looked at when it ends, whatever the time since
 HUGE_RESULT_BYTES = 32 << 20  # a dense result this big or bigger goes on huge pages
+STREAM_RETAINED_FREE_BYTES = 128 << 20  # free heap memory kept while a result streams out
 
 _lock = threading.Lock()
 _done: list[bool] = []

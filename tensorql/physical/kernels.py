@@ -257,7 +257,14 @@ class ContractChunk:
         return out
 
     def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Like ``run(inputs, None)`` but written into ``out`` (a tile of a dense result)."""
+        """Like ``run(inputs, None)`` but written into ``out`` (a tile of a dense result); an
+        arithmetic join with no aggregated label straight into it (no result-sized temporary,
+        e.g. an outer product)."""
+        join = self._broadcast
+        if join is not None:
+            operands = self._cast(inputs)
+            if join.writes_into(operands, out):
+                return join(operands, out=out)
         return contract_to(out, self._cast(inputs), self.in_labels, self.out_labels,
                            self.join, self.agg, max_temp_elems=self.max_temp_elems)
 

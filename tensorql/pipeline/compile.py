@@ -10,7 +10,7 @@ import torch
 
 from tensorql.einsum.graph import Node
 from tensorql.errors import OptionError, PlanError
-from tensorql.exec.host_malloc import heap_only
+from tensorql.exec.host_malloc import STREAM_RETAINED_FREE_BYTES, heap_only, release_free_memory
 from tensorql.exec.run_types import ProgressCallback, RunStats
 from tensorql.grid import Key
 from tensorql.logical.lower import lower, lower_many
@@ -26,6 +26,8 @@ from tensorql.pipeline.backends import get_backend
 from tensorql.pipeline.planning import Session, physical_plan
 from tensorql.pipeline.run import DenseResults, check_dense_fits, execute, session_spill
 from tensorql.pipeline.stages import STAGES, UnknownStageError
+
+STREAM_RELEASE_S = 0.05  # while a result streams out, free heap memory is looked at this often
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class CompiledQuery:
             if ref.step == sid and ref.key not in sent:
                 sent.add(ref.key)
                 sink(ref.key, chunk)
+                # the chunks the store has written are free heap memory, scattered between
+                # DuckDB's blocks where the heap cannot shrink: given back as the run goes
+                release_free_memory(keep=STREAM_RETAINED_FREE_BYTES, every=STREAM_RELEASE_S)
 
         result = execute(self.physical, self.db.options, values="stream",
                          progress=progress, sink=result_sink, keep_outputs=False,

@@ -44,7 +44,8 @@ def page_counts(nbytes: np.ndarray, page_bytes: int = PAGE_BYTES) -> np.ndarray:
 
 
 def encode_pages(parts: Sequence[np.ndarray], page_bytes: int = PAGE_BYTES) -> EncodedPages:
-    """Split each flat uint8 array of ``parts`` into pages (one copy: the concatenation)."""
+    """Split each flat uint8 array of ``parts`` into pages (one copy: the concatenation of
+    several parts; a single part's pages view its bytes, which must outlive the pages)."""
     sizes = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
     counts = page_counts(sizes, page_bytes)
     starts = np.zeros(len(parts) + 1, dtype=np.int64)
@@ -56,7 +57,9 @@ def encode_pages(parts: Sequence[np.ndarray], page_bytes: int = PAGE_BYTES) -> E
     offsets = np.empty(len(chunk_index) + 1, dtype=np.int64)
     offsets[:-1] = starts[chunk_index] + page_numbers * page_bytes
     offsets[-1] = starts[-1]
-    data = np.concatenate(parts) if len(parts) else np.zeros(0, np.uint8)
+    # one chunk (a big chunk is a batch of its own) is viewed as it is: no copy of it
+    data = parts[0] if len(parts) == 1 else (np.concatenate(parts) if len(parts)
+                                             else np.zeros(0, np.uint8))
     payload = pa.LargeBinaryArray.from_buffers(
         pa.large_binary(), len(chunk_index), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
     return EncodedPages(payload=payload, page_numbers=page_numbers.astype(np.int32),

@@ -116,3 +116,64 @@ def test_projections_run_as_one_flattened_product(spec):
     torch.testing.assert_close(tile, want)
     tile.zero_()
     assert (big == 0).all()  # nothing outside the tile was touched
+
+
+def _largest_allocation(fn) -> int:
+    """The largest CPU allocation (bytes) torch makes while ``fn`` runs (the profiler's memory
+    events, which see every tensor torch allocates)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([e.cpu_memory_usage for e in prof.events()] + [0])  # per call
+
+
+@pytest.mark.parametrize(("in_labels", "out_labels", "join"), [
+    ((("i",), ("j",)), ("i", "j"), "mul"),  # an outer product
+    ((("j", "i"), ("i",)), ("i", "j"), "add"),  # a permuted operand, a row added
+    ((("i",), ("j",), ("i", "j")), ("i", "j"), "mul"),  # three operands folded
+    ((("i",), ("j",)), ("j", "i"), "max"),
+])
+def test_broadcast_joins_write_into_the_tile_with_no_temporary(in_labels, out_labels, join):
+    """A join with no aggregated label (an outer product: bench/memory.py's result) is written
+    straight into its tile of the dense result: no result-sized temporary, the values of
+    ``run``."""
+    from tensorql.physical.kernels import ContractChunk
+
+    rng = np.random.default_rng(5)
+    size = {"i": 96, "j": 160}
+    arrays = [rng.standard_normal([size[c] for c in labels]).astype(np.float32)
+              for labels in in_labels]
+    kernel = ContractChunk(in_labels, out_labels, join=join)
+    inputs = [torch.from_numpy(a) for a in arrays]
+    big = torch.full((400, 400), -7.0)
+    shape = [size[c] for c in out_labels]
+    tile = big[3:3 + shape[0], 5:5 + shape[1]]
+    largest = _largest_allocation(lambda: kernel.run_into(inputs, tile))
+    assert largest < tile.numel() * 4 // 4, largest  # nothing near the tile's size: the
+    # einsum-and-copy path allocated a tile-sized product
+    spec = ",".join("".join(labels) for labels in in_labels) + "->" + "".join(out_labels)
+    if join == "mul":
+        want = np.einsum(spec, *arrays)
+    else:
+        fn = {"add": np.add, "max": np.maximum}[join]
+        views = [np.einsum("".join(labels) + "->" + "".join(c for c in out_labels if c in labels),
+                           a) for labels, a in zip(in_labels, arrays)]
+        expand = [v.reshape([size[c] if c in labels else 1 for c in out_labels])
+                  for labels, v in zip(in_labels, views)]
+        want = fn(expand[0], expand[1])
+    np.testing.assert_array_equal(tile.numpy(), want)
+    np.testing.assert_array_equal(tile.numpy(), kernel.run(inputs, None).numpy())
+    tile.fill_(-7.0)
+    assert (big == -7.0).all()  # nothing outside the tile was touched
+
+
+def test_an_outer_product_result_is_computed_in_place():
+    """``.numpy()`` of an outer product: every tile written into the one result array."""
+    db = tq.connect(devices="cpu")
+    u_np = np.arange(300, dtype=np.float32) % 7
+    v_np = np.arange(200, dtype=np.float32) % 5 + 1
+    u = db.from_numpy("u", u_np, tile=(64,))
+    v = db.from_numpy("v", v_np, tile=(64,))
+    np.testing.assert_array_equal(tq.einsum("i,j->ij", u, v).numpy(), np.outer(u_np, v_np))
+    np.testing.assert_array_equal(tq.einsum("i,j->ji", u, v).numpy(), np.outer(v_np, u_np))

@@ -75,3 +75,28 @@ def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy():
     del w
     gc.collect()
     assert packed_bytes() == before
+
+
+def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(monkeypatch):
+    """oneDNN's linear has no ``out``: into a tile of a dense result, the product is made row
+    block by row block through a scratch of OUT_BLOCK_BYTES at most (the last block shorter),
+    each block the bits of the whole product's rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(packed_weights, "OUT_BLOCK_BYTES", 40 * 48 * 4)  # 40-row blocks
+    rng = _rng()
+    x = torch.from_numpy(rng.standard_normal((150, 32)).astype(np.float32))
+    w = torch.from_numpy(rng.standard_normal((32, 48)).astype(np.float32))
+    mark_immutable(w)
+    whole = matmul(x, w)  # the packed product, made at once
+    big = torch.full((200, 100), -3.0)
+    tile = big[10:160, 20:68]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = matmul(x, w, out=tile)
+    assert got.data_ptr() == tile.data_ptr()
+    largest = max(e.cpu_memory_usage for e in prof.events())  # per call
+    assert largest <= 40 * 48 * 4, largest
+    torch.testing.assert_close(tile, whole, rtol=0, atol=0)
+    torch.testing.assert_close(tile, x @ w, rtol=1e-5, atol=1e-5)
+    tile.fill_(-3.0)
+    assert (big == -3.0).all()  # nothing outside the tile was written

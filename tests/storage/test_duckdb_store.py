@@ -254,6 +254,28 @@ def test_pages_out_of_scan_order_are_reordered():
     np.testing.assert_array_equal(chunk.numpy(), values)
 
 
+def test_one_chunk_is_paged_without_a_copy_and_stored_whole(tmp_path):
+    """A chunk that is a write batch of its own (a big one) is paged as a view of its bytes,
+    not concatenated into a copy first: one copy less of every big chunk a store writes."""
+    from tensorql.storage.pages import encode_pages, join_pages
+
+    values = np.arange(3000, dtype=np.float32)
+    raw = values.view(np.uint8)
+    pages = encode_pages([raw])
+    data = np.frombuffer(pages.payload.buffers()[2], dtype=np.uint8)
+    assert np.shares_memory(data, raw)
+    np.testing.assert_array_equal(join_pages(pages.payload).view(np.float32), values)
+    several = encode_pages([raw, raw[:8]])  # several chunks: concatenated once
+    assert not np.shares_memory(np.frombuffer(several.payload.buffers()[2], np.uint8), raw)
+    rng = np.random.default_rng(4)
+    big = rng.standard_normal((3, 5000)).astype(np.float32)
+    with tq.connect(str(tmp_path / "one.duckdb")) as db:
+        db.chunk_store.batch_bytes = 1  # every chunk a batch of its own
+        db.from_numpy("B", big, tile=(1, 5000))
+    with tq.connect(str(tmp_path / "one.duckdb"), read_only=True) as db:
+        np.testing.assert_array_equal(db.tensor("B").numpy(), big)
+
+
 def test_database_written_before_paging_still_reads(tmp_path):
     import duckdb
 
