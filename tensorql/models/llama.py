@@ -173,6 +173,24 @@ def _rotate_half_matrix(e: int) -> np.ndarray:
     return rot
 
 
+def rotation_matrix(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The rotary embedding of one position as a matrix: ``x @ M == x * cos + rotate_half(x)
+    * sin`` for ``cos`` and ``sin`` of shape (E,), i.e. ``M = diag(cos) + R * sin`` with R
+    :func:`_rotate_half_matrix`'s. A decoded token rotates its queries and keys by ONE
+    product with it (E x E a head, built on the host each token) where the tables took a
+    product with R, a product of R with the sine table and a join with each table.
+
+    >>> cos, sin = rope_tables(LlamaShape(5, 4, 4, 1, 1, 1, 4), [3])
+    >>> x = np.arange(4, dtype=np.float32)
+    >>> bool(np.allclose(x @ rotation_matrix(cos[0], sin[0]),
+    ...                  x * cos[0] + x @ _rotate_half_matrix(4) * sin[0], atol=1e-6))
+    True
+    """
+    rot = _rotate_half_matrix(cos.shape[-1]) * sin[None, :]
+    rot[np.diag_indices_from(rot)] += cos
+    return rot.astype(np.float32)
+
+
 @dataclass(frozen=True)
 class KVCache:
     """Keys (rotated) and values of every earlier position, per layer: (2, B, T, KV, E)."""
@@ -355,7 +373,7 @@ class Llama:
         probs = scores.softmax(-1)
         return self._rest_of_block(x, layer, einsum("bkgst,btke->bskge", probs, values))
 
-    def _decode_block(self, x: Tensor, xn: Tensor, layer: int, cos: Tensor, sin: Tensor,
+    def _decode_block(self, x: Tensor, xn: Tensor, layer: int, rotation: Tensor,
                       mask: Tensor, cached: tuple[Tensor, Tensor], new: Tensor,
                       place: Tensor) -> Tensor:
         """:meth:`_block` for one new token attending to a static cache: ``cached`` keys and
@@ -363,8 +381,11 @@ class Llama:
         masked beyond it, and the token's own keys/values ``new`` (2, B, 1, KV, E). Its own
         score goes into the scores at ``place`` and its value is weighted by the probability
         there: the cache is read once, by the two products with it, where joining ``new``
-        into a copy of the cache first made four more passes over it a layer."""
-        q = self._queries(xn, layer, cos, sin)
+        into a copy of the cache first made four more passes over it a layer. The queries
+        are rotated (and scaled) by one product with ``rotation`` (E, E): the token's
+        :func:`rotation_matrix` times 1/sqrt(head_dim)."""
+        q = einsum("bskge,ef->bskgf",
+                   einsum("bsd,kged->bskge", xn, self._w(f"l{layer}_wq")), rotation)
         keys, values = cached
         own = einsum("bskge,pbske,p->bkgs", q, new, self._pick[0])
         scores = (einsum("bskge,btke->bkgst", q, keys) + einsum("bkgs,st->bkgst", own, place)
@@ -570,7 +591,7 @@ def _matvec_layout(value: torch.Tensor, contracted: int) -> torch.Tensor:
 class Decoder:
     """Decoding one token per call with ONE query planned once: a static KV cache of
     ``max_length`` positions per layer (in memory, written in place after each token), and the
-    token's embedding row (looked up in the table), its rotary tables, the causal mask and the
+    token's embedding row (looked up in the table), its rotary matrices, the causal mask and the
     one-hot of its position as constants updated in place -- so every token runs the same plan
     (every layer and the LM head, each layer's new keys/values as further outputs of the same
     multi-output query). The weights are held in memory for the decoder's life unless the
@@ -611,10 +632,11 @@ class Decoder:
             buffer[:, :, :self.position] = past
             self.caches.append(buffer)
         self.batch = batch
-        self.cos = torch.zeros((1, s.head_dim))
-        self.sin = torch.zeros((1, s.head_dim))
-        self.cos_p = torch.zeros((2, 1, s.head_dim))
-        self.sin_p = torch.zeros((2, 1, s.head_dim))
+        # the token's rotary embedding as matrices (rotation_matrix): the queries' (scaled
+        # by 1/sqrt(head_dim)); the keys' (p = 0) beside the identity for the values (p = 1)
+        self.rotation_q = torch.zeros((s.head_dim, s.head_dim))
+        self.rotation_kv = torch.zeros((2, s.head_dim, s.head_dim))
+        self.rotation_kv[1] = torch.eye(s.head_dim)
         self.mask = torch.zeros((1, self.max_length))
         self.place = torch.zeros((1, self.max_length))
         # the token's embedding row, gathered from the table as it is now (the decoder
@@ -625,9 +647,10 @@ class Decoder:
         news = []
         for layer, buffer in enumerate(self.caches):
             xn = model._rmsnorm(x, f"l{layer}_attn_norm")  # once, for q and k, v
-            new = model._keys_values(xn, layer, db.constant(self.cos_p),
-                                     db.constant(self.sin_p))
-            x = model._decode_block(x, xn, layer, db.constant(self.cos), db.constant(self.sin),
+            new = einsum("pbske,pef->pbskf",
+                         einsum("bsd,pked->pbske", xn, model._w(f"l{layer}_wkv")),
+                         db.constant(self.rotation_kv))
+            x = model._decode_block(x, xn, layer, db.constant(self.rotation_q),
                                     db.constant(self.mask),
                                     (db.constant(buffer[0]), db.constant(buffer[1])), new,
                                     db.constant(self.place))
@@ -655,15 +678,10 @@ class Decoder:
         if t >= self.max_length:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
         self.embeddings.write(ids, lambda: self.table)
-        tables = rope_tables(self.model.shape, [t])
-        cos, sin = (torch.from_numpy(v) for v in tables)
-        cos_q, sin_q = (torch.from_numpy(v) for v in query_rope_tables(self.model.shape, tables))
-        self.cos.copy_(cos_q)
-        self.sin.copy_(sin_q)
-        self.cos_p[0].copy_(cos)
-        self.cos_p[1].fill_(1.0)
-        self.sin_p[0].copy_(sin)
-        self.sin_p[1].zero_()
+        cos, sin = rope_tables(self.model.shape, [t])
+        rotation = torch.from_numpy(rotation_matrix(cos[0], sin[0]))
+        self.rotation_kv[0].copy_(rotation)
+        self.rotation_q.copy_(rotation).mul_(1.0 / math.sqrt(self.model.shape.head_dim))
         self.mask.fill_(MASK_VALUE)
         self.mask[0, :t + 1] = 0.0
         self.place.zero_()
