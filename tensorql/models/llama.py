@@ -378,7 +378,7 @@ class Llama:
                       place: Tensor) -> Tensor:
         """:meth:`_block` for one new token attending to a static cache: ``cached`` keys and
         values (B, T, KV, E), zero at the token's position ``place`` (a one-hot (1, T)) and
-        masked beyond it, and the token's own keys/values ``new`` (2, B, 1, KV, E). Its own
+        masked beyond it, and the token's own keys/values ``new`` (B, 1, 2, KV, E). Its own
         score goes into the scores at ``place`` and its value is weighted by the probability
         there: the cache is read once, by the two products with it, where joining ``new``
         into a copy of the cache first made four more passes over it a layer. The queries
@@ -387,12 +387,12 @@ class Llama:
         q = einsum("bskge,ef->bskgf",
                    einsum("bsd,kged->bskge", xn, self._w(f"l{layer}_wq")), rotation)
         keys, values = cached
-        own = einsum("bskge,pbske,p->bkgs", q, new, self._pick[0])
+        own = einsum("bskge,bspke,p->bkgs", q, new, self._pick[0])
         scores = (einsum("bskge,btke->bkgst", q, keys) + einsum("bkgs,st->bkgst", own, place)
                   + mask)
         probs = scores.softmax(-1)
         attn = (einsum("bkgst,btke->bskge", probs, values)
-                + einsum("bkgst,st,pbske,p->bskge", probs, place, new, self._pick[1]))
+                + einsum("bkgst,st,bspke,p->bskge", probs, place, new, self._pick[1]))
         return self._rest_of_block(x, layer, attn)
 
     def _queries(self, xn: Tensor, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
@@ -647,8 +647,10 @@ class Decoder:
         news = []
         for layer, buffer in enumerate(self.caches):
             xn = model._rmsnorm(x, f"l{layer}_attn_norm")  # once, for q and k, v
-            new = einsum("pbske,pef->pbskf",
-                         einsum("bsd,pked->pbske", xn, model._w(f"l{layer}_wkv")),
+            # (B, 1, 2, KV, E): the token's row times the weight, straight (keys and values
+            # after the positions: a one-row matrix product, with no permuted copy)
+            new = einsum("bspke,pef->bspkf",
+                         einsum("bsd,pked->bspke", xn, model._w(f"l{layer}_wkv")),
                          db.constant(self.rotation_kv))
             x = model._decode_block(x, xn, layer, db.constant(self.rotation_q),
                                     db.constant(self.mask),
@@ -688,6 +690,6 @@ class Decoder:
         self.place[0, t] = 1.0
         logits, *news = self.query.run()
         for buffer, new in zip(self.caches, news):
-            buffer[:, :, t] = new[:, :, 0]
+            buffer[:, :, t] = new[:, 0].transpose(0, 1)
         self.position = t + 1
         return logits[:, 0, :]
