@@ -213,6 +213,9 @@ class Llama:
         self.db = db
         self.shape = shape
         self.prefix = prefix
+        # generate()'s decoder, kept for the next call: (max_length, the store's generation,
+        # the session's options, the decoder) -- see _generation_decoder
+        self._kept_decoder: tuple[int, int, Any, Decoder] | None = None
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
@@ -459,20 +462,44 @@ class Llama:
     def generate(self, tokens: Iterable[int], max_new_tokens: int) -> list[int]:
         """Greedy decoding with a KV cache: the prompt (one query per layer pair, see
         :meth:`step`), then ``max_new_tokens`` new tokens, each one run of the
-        :class:`Decoder`'s cached plan."""
+        :class:`Decoder`'s cached plan. The decoder is kept for the next call: a call of the
+        same prompt length and ``max_new_tokens`` (as a server's requests) restarts it on its
+        prompt (:meth:`Decoder.restart`) instead of planning one and laying its weights out
+        again (see :meth:`_generation_decoder`)."""
         prompt = [int(t) for t in tokens]
         out = list(prompt)
         logits, cache = self.step([prompt], KVCache(()))
         decoder = None
-        for _ in range(max_new_tokens):
-            token = int(torch.argmax(logits[0]))
-            out.append(token)
-            if len(out) == len(prompt) + max_new_tokens:
-                break
-            if decoder is None:
-                decoder = self.decoder(cache, len(prompt) + max_new_tokens)
-            logits = decoder.step([[token]])
+        try:
+            for _ in range(max_new_tokens):
+                token = int(torch.argmax(logits[0]))
+                out.append(token)
+                if len(out) == len(prompt) + max_new_tokens:
+                    break
+                if decoder is None:
+                    decoder = self._generation_decoder(cache, len(prompt) + max_new_tokens)
+                logits = decoder.step([[token]])
+        finally:
+            if decoder is not None:  # back for the next call (taken while in use)
+                self._kept_decoder = (decoder.max_length, self.db.generation,
+                                      self.db.options, decoder)
         return out
+
+    def _generation_decoder(self, cache: KVCache, max_length: int) -> Decoder:
+        """The decoder of a :meth:`generate` call: the previous call's, restarted on
+        ``cache``, when it has the same batch and ``max_length`` and the stored tensors and
+        the session's options are those it was planned under; else a new one. One is kept
+        (its plan, its cache buffers and, without a ``memory_limit``, its copy of the
+        weights laid out for one-row products, as while it decodes); it is taken out while
+        a call uses it, so a concurrent call builds its own."""
+        kept, self._kept_decoder = self._kept_decoder, None
+        if kept is not None:
+            length, generation, options, decoder = kept
+            if (length == max_length and generation == self.db.generation
+                    and options == self.db.options and decoder.batch == cache.layers[0].shape[1]):
+                decoder.restart(cache)
+                return decoder
+        return self.decoder(cache, max_length)
 
     def _tokens(self, tokens: Any) -> np.ndarray:
         ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
@@ -669,6 +696,36 @@ class Decoder:
             for key, w in model.weights.items()}
         roots = substitute_many([n.node for n in (logits, *news)], self.weights)
         self.query = CompiledGroup.compile(roots, db)
+
+    def restart(self, cache: KVCache) -> None:
+        """Continue after ``cache`` (another prompt's, of this decoder's batch) instead: the
+        same plan and weights, the cache buffers rewritten (zero beyond the prompt).
+
+        >>> import tensorql as tq
+        >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+        ...                    head_dim=4)
+        >>> model = Llama.random(tq.connect(), shape, seed=0)
+        >>> decoder = model.decoder(model.step([[1, 2, 3]], KVCache(()))[1], max_length=6)
+        >>> _ = decoder.step([[4]])
+        >>> _, other = model.step([[5, 6]], KVCache(()))
+        >>> decoder.restart(other)
+        >>> expected, _ = model.step([[7]], other)
+        >>> bool(torch.allclose(decoder.step([[7]]), expected, atol=1e-5)), decoder.position
+        (True, 3)
+        """
+        if len(cache.layers) != len(self.caches) or int(cache.layers[0].shape[1]) != self.batch:
+            raise ShapeError(f"a decoder of batch {self.batch} and {len(self.caches)} layers "
+                             f"cannot restart on a KVCache of {len(cache.layers)} layers"
+                             + (f" and batch {int(cache.layers[0].shape[1])}"
+                                if cache.layers else ""))
+        position = cache.length
+        if position >= self.max_length:
+            raise ShapeError(f"the cache already holds {position} positions of "
+                             f"max_length {self.max_length}")
+        for buffer, past in zip(self.caches, cache.layers):
+            buffer[:, :, :position] = past
+            buffer[:, :, position:] = 0.0
+        self.position = position
 
     def step(self, tokens: Any) -> torch.Tensor:
         """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V)."""
