@@ -216,6 +216,8 @@ class Llama:
         # generate()'s decoder, kept for the next call: (max_length, the store's generation,
         # the session's options, the decoder) -- see _generation_decoder
         self._kept_decoder: tuple[int, int, Any, Decoder] | None = None
+        # generate()'s prompt query, kept likewise: ((batch, seq), generation, options, query)
+        self._kept_prompt: tuple[tuple[int, int], int, Any, PromptQuery] | None = None
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
@@ -338,19 +340,33 @@ class Llama:
         """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
         to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal) -- by default the
         prompt's own, positions 0..S-1 (``positions`` then being those)."""
+        if kv is None:
+            return self._prompt_block(x, layer, positions)[0]
         tables = rope_tables(self.shape, positions)
         cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, tables))
         xn = self._rmsnorm(x, f"l{layer}_attn_norm")
-        if kv is None:
-            keys, values = self._own_keys_values(xn, layer, tables)
-        else:
-            keys = einsum("pbtke,p->btke", kv, self._pick[0])
-            values = einsum("pbtke,p->btke", kv, self._pick[1])
+        keys = einsum("pbtke,p->btke", kv, self._pick[0])
+        values = einsum("pbtke,p->btke", kv, self._pick[1])
         total = keys.shape[1]
         mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
                         np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
         return self._block(x, xn, layer, cos, sin,
                            self.db.constant(mask) if mask.any() else None, keys, values)
+
+    def _prompt_block(self, x: Tensor, layer: int,
+                      positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`block` of a prompt attending to itself, and its rotated keys and its
+        values (B, S, KV, E)."""
+        tables = rope_tables(self.shape, positions)
+        cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, tables))
+        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+        keys, values = self._own_keys_values(xn, layer, tables)
+        total = keys.shape[1]
+        mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
+                        np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
+        out = self._block(x, xn, layer, cos, sin,
+                          self.db.constant(mask) if mask.any() else None, keys, values)
+        return out, keys, values
 
     def _own_keys_values(self, xn: Tensor, layer: int,
                          tables: tuple[np.ndarray, np.ndarray]) -> tuple[Tensor, Tensor]:
@@ -468,7 +484,7 @@ class Llama:
         again (see :meth:`_generation_decoder`)."""
         prompt = [int(t) for t in tokens]
         out = list(prompt)
-        logits, cache = self.step([prompt], KVCache(()))
+        logits, cache = self._prompt_query(1, len(prompt)).run([prompt])
         decoder = None
         try:
             for _ in range(max_new_tokens):
@@ -484,6 +500,20 @@ class Llama:
                 self._kept_decoder = (decoder.max_length, self.db.generation,
                                       self.db.options, decoder)
         return out
+
+    def _prompt_query(self, batch: int, seq: int) -> PromptQuery:
+        """The :class:`PromptQuery` of prompts of shape (``batch``, ``seq``): the last one's
+        when it has that shape and the stored tensors and options are those it was planned
+        under, else a new one (then kept)."""
+        kept = self._kept_prompt
+        if kept is not None:
+            shape, generation, options, query = kept
+            if (shape == (batch, seq) and generation == self.db.generation
+                    and options == self.db.options):
+                return query
+        query = PromptQuery(self, batch, seq)
+        self._kept_prompt = ((batch, seq), self.db.generation, self.db.options, query)
+        return query
 
     def _generation_decoder(self, cache: KVCache, max_length: int) -> Decoder:
         """The decoder of a :meth:`generate` call: the previous call's, restarted on
@@ -582,6 +612,55 @@ class Prefill:
                              f"got {ids.shape}")
         self.embeddings.write(ids, self.model.embedding_table)
         return self.output.torch()
+
+
+class PromptQuery:
+    """A prompt of shape (batch, seq) run as ONE query planned once, with what decoding after
+    it needs: the last position's logits (B, V) and every layer's rotated keys and values,
+    as a :class:`KVCache` -- :meth:`Llama.step` of a prompt with no cache, whose queries
+    (two a layer and the head) are planned again for every prompt. The token embeddings
+    are written in place for each prompt, as :class:`Prefill`'s; :meth:`Llama.generate`
+    keeps one for the next request.
+
+    >>> import tensorql as tq
+    >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=2, heads=2, kv_heads=1,
+    ...                    head_dim=4)
+    >>> model = Llama.random(tq.connect(), shape, seed=0)
+    >>> query = PromptQuery(model, batch=1, seq=3)
+    >>> logits, cache = query.run([[1, 2, 3]])
+    >>> want, want_cache = model.step([[1, 2, 3]], KVCache(()))
+    >>> bool(torch.allclose(logits, want, atol=1e-5)), cache.length, all(
+    ...     torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.layers, want_cache.layers))
+    (True, 3, True)
+    """
+
+    def __init__(self, model: Llama, batch: int, seq: int) -> None:
+        from tensorql.pipeline import CompiledGroup
+
+        self.model, self.batch, self.seq = model, int(batch), int(seq)
+        if self.batch < 1 or self.seq < 1:
+            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
+        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        x = self.embeddings.tensor
+        positions = list(range(self.seq))
+        outputs = []
+        for layer in range(model.shape.layers):
+            x, keys, values = model._prompt_block(x, layer, positions)
+            outputs += [keys, values]
+        logits = model.head(x[:, self.seq - 1:, :])
+        self.query = CompiledGroup.compile([t.node for t in (logits, *outputs)], model.db)
+
+    def run(self, tokens: Any) -> tuple[torch.Tensor, KVCache]:
+        """The last position's logits (B, V) of prompt ``tokens`` (B, S) and its KVCache."""
+        ids = self.model._tokens(tokens)
+        if ids.shape != (self.batch, self.seq):
+            raise ShapeError(f"this prompt query takes prompts of shape ({self.batch}, "
+                             f"{self.seq}); got {ids.shape}")
+        self.embeddings.write(ids, self.model.embedding_table)
+        logits, *outputs = self.query.run()
+        layers = tuple(torch.stack([keys, values]) for keys, values
+                       in zip(outputs[0::2], outputs[1::2]))
+        return logits[:, 0, :], KVCache(layers)
 
 
 def _contracted_dims(weight: str) -> int:
