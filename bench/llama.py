@@ -10,9 +10,11 @@ transformers processes never import tensorql); tensorql's processes load it into
 seed that counts the calls, the same sequence on both sides. Phases:
 
 - **generate** (the headline): ``--seq`` prompt tokens and ``--new`` greedy tokens, end to
-  end. tensorql: ``Llama.generate`` (the prompt's queries, the decoder's build and its weight
-  relayout all on the clock); transformers: ``model.generate(do_sample=False)`` under
-  ``torch.inference_mode``. The generated tokens of the first request must be equal.
+  end. tensorql: ``Llama.generate`` (the prompt's query, the decoder and its weight relayout
+  all on the clock; the first request plans and builds them, later requests of the same
+  prompt length and ``--new`` reuse them, as a server would: the cold column is the first);
+  transformers: ``model.generate(do_sample=False)`` under ``torch.inference_mode``. The
+  generated tokens of the first request must be equal.
 - **prefill cached**: logits of a ``--seq``-token prompt, tensorql's query planned on the
   first call (``Llama.prefill``) and reused, as a server would;
 - **prefill cold**: each call a prompt length not seen before (``--seq`` minus the call's
