@@ -71,6 +71,10 @@ class SerialSchedule:
 
     tasks: tuple[SerialTask, ...]
     slots: int
+    # the slices of in-memory constants (a kernel that says ``inline``: a view, no work) no
+    # other task contributes to and the run does not return, as (slot, task): put in their
+    # slots before the loop, not run as tasks of it (a decoded token has ~120 in ~330)
+    inline: tuple[tuple[int, Task], ...] = ()
 
     @classmethod
     def of(cls, graph: TaskGraph) -> SerialSchedule:
@@ -82,12 +86,17 @@ class SerialSchedule:
 
     @classmethod
     def _build(cls, graph: TaskGraph) -> SerialSchedule:
-        order = _order(graph)
+        contributions = graph.dependencies().contributions
+        everything = _order(graph)
+        inline = [task for task in everything
+                  if getattr(task.kernel, "inline", False) and not task.inputs
+                  and contributions[task.output] == 1 and task.output.step not in graph.retain]
+        inline_ids = {task.id for task in inline}
+        order = [task for task in everything if task.id not in inline_ids]
         slot: dict[ChunkRef, int] = {}
-        for task in order:
+        for task in (*inline, *order):
             for ref in (*task.inputs, task.output):
                 slot.setdefault(ref, len(slot))
-        contributions = graph.dependencies().contributions
         # the position of the last task touching each chunk (its last reader, or its
         # last contribution when nothing reads it after that)
         last_touch: dict[ChunkRef, int] = {}
@@ -110,7 +119,7 @@ class SerialSchedule:
                 frees=tuple(slot[ref] for ref in done_here if ref.step not in graph.retain),
                 frees_retained=tuple(slot[ref] for ref in done_here
                                      if ref.step in graph.retain)))
-        return cls(tuple(tasks), len(slot))
+        return cls(tuple(tasks), len(slot), tuple((slot[t.output], t) for t in inline))
 
 
 def _order(graph: TaskGraph) -> list[Task]:
@@ -155,7 +164,11 @@ def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
     start = time.perf_counter()
     entry: SerialTask | None = None
     try:
-        for done, entry in enumerate(schedule.tasks, start=1):
+        for i, task in schedule.inline:
+            value = values[i] = task.kernel.run((), None)
+            live += value.nbytes
+            record_task(stats, task.output.step, start, start)
+        for done, entry in enumerate(schedule.tasks, start=len(schedule.inline) + 1):
             task = entry.task
             inputs = [values[i] for i in entry.inputs]
             started = time.perf_counter()

@@ -7,8 +7,8 @@
 ((4, 6), True)
 """
 
-from tensorql.models.llama import Decoder, KVCache, Llama, LlamaShape, Prefill
+from tensorql.models.llama import Decoder, KVCache, Llama, LlamaShape, Prefill, PromptQuery
 from tensorql.models.workloads import Workload, attention, llama, llama_block, mlp
 
-__all__ = ["Decoder", "KVCache", "Llama", "LlamaShape", "Prefill", "Workload", "attention",
-           "llama", "llama_block", "mlp"]
+__all__ = ["Decoder", "KVCache", "Llama", "LlamaShape", "Prefill", "PromptQuery", "Workload",
+           "attention", "llama", "llama_block", "mlp"]

@@ -173,6 +173,24 @@ def _rotate_half_matrix(e: int) -> np.ndarray:
     return rot
 
 
+def rotation_matrix(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The rotary embedding of one position as a matrix: ``x @ M == x * cos + rotate_half(x)
+    * sin`` for ``cos`` and ``sin`` of shape (E,), i.e. ``M = diag(cos) + R * sin`` with R
+    :func:`_rotate_half_matrix`'s. A decoded token rotates its queries and keys by ONE
+    product with it (E x E a head, built on the host each token) where the tables took a
+    product with R, a product of R with the sine table and a join with each table.
+
+    >>> cos, sin = rope_tables(LlamaShape(5, 4, 4, 1, 1, 1, 4), [3])
+    >>> x = np.arange(4, dtype=np.float32)
+    >>> bool(np.allclose(x @ rotation_matrix(cos[0], sin[0]),
+    ...                  x * cos[0] + x @ _rotate_half_matrix(4) * sin[0], atol=1e-6))
+    True
+    """
+    rot = _rotate_half_matrix(cos.shape[-1]) * sin[None, :]
+    rot[np.diag_indices_from(rot)] += cos
+    return rot.astype(np.float32)
+
+
 @dataclass(frozen=True)
 class KVCache:
     """Keys (rotated) and values of every earlier position, per layer: (2, B, T, KV, E)."""
@@ -195,6 +213,11 @@ class Llama:
         self.db = db
         self.shape = shape
         self.prefix = prefix
+        # generate()'s decoder, kept for the next call: (max_length, the store's generation,
+        # the session's options, the decoder) -- see _generation_decoder
+        self._kept_decoder: tuple[int, int, Any, Decoder] | None = None
+        # generate()'s prompt query, kept likewise: ((batch, seq), generation, options, query)
+        self._kept_prompt: tuple[tuple[int, int], int, Any, PromptQuery] | None = None
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
@@ -317,19 +340,33 @@ class Llama:
         """Decoder block ``layer`` on hidden states ``x`` (B, S, D) at ``positions``, attending
         to keys/values ``kv`` (2, B, T, KV, E) of positions 0..T-1 (causal) -- by default the
         prompt's own, positions 0..S-1 (``positions`` then being those)."""
+        if kv is None:
+            return self._prompt_block(x, layer, positions)[0]
         tables = rope_tables(self.shape, positions)
         cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, tables))
         xn = self._rmsnorm(x, f"l{layer}_attn_norm")
-        if kv is None:
-            keys, values = self._own_keys_values(xn, layer, tables)
-        else:
-            keys = einsum("pbtke,p->btke", kv, self._pick[0])
-            values = einsum("pbtke,p->btke", kv, self._pick[1])
+        keys = einsum("pbtke,p->btke", kv, self._pick[0])
+        values = einsum("pbtke,p->btke", kv, self._pick[1])
         total = keys.shape[1]
         mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
                         np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
         return self._block(x, xn, layer, cos, sin,
                            self.db.constant(mask) if mask.any() else None, keys, values)
+
+    def _prompt_block(self, x: Tensor, layer: int,
+                      positions: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`block` of a prompt attending to itself, and its rotated keys and its
+        values (B, S, KV, E)."""
+        tables = rope_tables(self.shape, positions)
+        cos, sin = (self.db.constant(t) for t in query_rope_tables(self.shape, tables))
+        xn = self._rmsnorm(x, f"l{layer}_attn_norm")
+        keys, values = self._own_keys_values(xn, layer, tables)
+        total = keys.shape[1]
+        mask = np.where(np.arange(total)[None, :] > np.asarray(positions)[:, None],
+                        np.float32(MASK_VALUE), np.float32(0.0)).astype(np.float32)
+        out = self._block(x, xn, layer, cos, sin,
+                          self.db.constant(mask) if mask.any() else None, keys, values)
+        return out, keys, values
 
     def _own_keys_values(self, xn: Tensor, layer: int,
                          tables: tuple[np.ndarray, np.ndarray]) -> tuple[Tensor, Tensor]:
@@ -355,23 +392,26 @@ class Llama:
         probs = scores.softmax(-1)
         return self._rest_of_block(x, layer, einsum("bkgst,btke->bskge", probs, values))
 
-    def _decode_block(self, x: Tensor, xn: Tensor, layer: int, cos: Tensor, sin: Tensor,
+    def _decode_block(self, x: Tensor, xn: Tensor, layer: int, rotation: Tensor,
                       mask: Tensor, cached: tuple[Tensor, Tensor], new: Tensor,
                       place: Tensor) -> Tensor:
         """:meth:`_block` for one new token attending to a static cache: ``cached`` keys and
         values (B, T, KV, E), zero at the token's position ``place`` (a one-hot (1, T)) and
-        masked beyond it, and the token's own keys/values ``new`` (2, B, 1, KV, E). Its own
+        masked beyond it, and the token's own keys/values ``new`` (B, 1, 2, KV, E). Its own
         score goes into the scores at ``place`` and its value is weighted by the probability
         there: the cache is read once, by the two products with it, where joining ``new``
-        into a copy of the cache first made four more passes over it a layer."""
-        q = self._queries(xn, layer, cos, sin)
+        into a copy of the cache first made four more passes over it a layer. The queries
+        are rotated (and scaled) by one product with ``rotation`` (E, E): the token's
+        :func:`rotation_matrix` times 1/sqrt(head_dim)."""
+        q = einsum("bskge,ef->bskgf",
+                   einsum("bsd,kged->bskge", xn, self._w(f"l{layer}_wq")), rotation)
         keys, values = cached
-        own = einsum("bskge,pbske,p->bkgs", q, new, self._pick[0])
+        own = einsum("bskge,bspke,p->bkgs", q, new, self._pick[0])
         scores = (einsum("bskge,btke->bkgst", q, keys) + einsum("bkgs,st->bkgst", own, place)
                   + mask)
         probs = scores.softmax(-1)
         attn = (einsum("bkgst,btke->bskge", probs, values)
-                + einsum("bkgst,st,pbske,p->bskge", probs, place, new, self._pick[1]))
+                + einsum("bkgst,st,bspke,p->bskge", probs, place, new, self._pick[1]))
         return self._rest_of_block(x, layer, attn)
 
     def _queries(self, xn: Tensor, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
@@ -438,20 +478,58 @@ class Llama:
     def generate(self, tokens: Iterable[int], max_new_tokens: int) -> list[int]:
         """Greedy decoding with a KV cache: the prompt (one query per layer pair, see
         :meth:`step`), then ``max_new_tokens`` new tokens, each one run of the
-        :class:`Decoder`'s cached plan."""
+        :class:`Decoder`'s cached plan. The decoder is kept for the next call: a call of the
+        same prompt length and ``max_new_tokens`` (as a server's requests) restarts it on its
+        prompt (:meth:`Decoder.restart`) instead of planning one and laying its weights out
+        again (see :meth:`_generation_decoder`)."""
         prompt = [int(t) for t in tokens]
         out = list(prompt)
-        logits, cache = self.step([prompt], KVCache(()))
+        logits, cache = self._prompt_query(1, len(prompt)).run([prompt])
         decoder = None
-        for _ in range(max_new_tokens):
-            token = int(torch.argmax(logits[0]))
-            out.append(token)
-            if len(out) == len(prompt) + max_new_tokens:
-                break
-            if decoder is None:
-                decoder = self.decoder(cache, len(prompt) + max_new_tokens)
-            logits = decoder.step([[token]])
+        try:
+            for _ in range(max_new_tokens):
+                token = int(torch.argmax(logits[0]))
+                out.append(token)
+                if len(out) == len(prompt) + max_new_tokens:
+                    break
+                if decoder is None:
+                    decoder = self._generation_decoder(cache, len(prompt) + max_new_tokens)
+                logits = decoder.step([[token]])
+        finally:
+            if decoder is not None:  # back for the next call (taken while in use)
+                self._kept_decoder = (decoder.max_length, self.db.generation,
+                                      self.db.options, decoder)
         return out
+
+    def _prompt_query(self, batch: int, seq: int) -> PromptQuery:
+        """The :class:`PromptQuery` of prompts of shape (``batch``, ``seq``): the last one's
+        when it has that shape and the stored tensors and options are those it was planned
+        under, else a new one (then kept)."""
+        kept = self._kept_prompt
+        if kept is not None:
+            shape, generation, options, query = kept
+            if (shape == (batch, seq) and generation == self.db.generation
+                    and options == self.db.options):
+                return query
+        query = PromptQuery(self, batch, seq)
+        self._kept_prompt = ((batch, seq), self.db.generation, self.db.options, query)
+        return query
+
+    def _generation_decoder(self, cache: KVCache, max_length: int) -> Decoder:
+        """The decoder of a :meth:`generate` call: the previous call's, restarted on
+        ``cache``, when it has the same batch and ``max_length`` and the stored tensors and
+        the session's options are those it was planned under; else a new one. One is kept
+        (its plan, its cache buffers and, without a ``memory_limit``, its copy of the
+        weights laid out for one-row products, as while it decodes); it is taken out while
+        a call uses it, so a concurrent call builds its own."""
+        kept, self._kept_decoder = self._kept_decoder, None
+        if kept is not None:
+            length, generation, options, decoder = kept
+            if (length == max_length and generation == self.db.generation
+                    and options == self.db.options and decoder.batch == cache.layers[0].shape[1]):
+                decoder.restart(cache)
+                return decoder
+        return self.decoder(cache, max_length)
 
     def _tokens(self, tokens: Any) -> np.ndarray:
         ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
@@ -536,6 +614,55 @@ class Prefill:
         return self.output.torch()
 
 
+class PromptQuery:
+    """A prompt of shape (batch, seq) run as ONE query planned once, with what decoding after
+    it needs: the last position's logits (B, V) and every layer's rotated keys and values,
+    as a :class:`KVCache` -- :meth:`Llama.step` of a prompt with no cache, whose queries
+    (two a layer and the head) are planned again for every prompt. The token embeddings
+    are written in place for each prompt, as :class:`Prefill`'s; :meth:`Llama.generate`
+    keeps one for the next request.
+
+    >>> import tensorql as tq
+    >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=2, heads=2, kv_heads=1,
+    ...                    head_dim=4)
+    >>> model = Llama.random(tq.connect(), shape, seed=0)
+    >>> query = PromptQuery(model, batch=1, seq=3)
+    >>> logits, cache = query.run([[1, 2, 3]])
+    >>> want, want_cache = model.step([[1, 2, 3]], KVCache(()))
+    >>> bool(torch.allclose(logits, want, atol=1e-5)), cache.length, all(
+    ...     torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.layers, want_cache.layers))
+    (True, 3, True)
+    """
+
+    def __init__(self, model: Llama, batch: int, seq: int) -> None:
+        from tensorql.pipeline import CompiledGroup
+
+        self.model, self.batch, self.seq = model, int(batch), int(seq)
+        if self.batch < 1 or self.seq < 1:
+            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
+        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        x = self.embeddings.tensor
+        positions = list(range(self.seq))
+        outputs = []
+        for layer in range(model.shape.layers):
+            x, keys, values = model._prompt_block(x, layer, positions)
+            outputs += [keys, values]
+        logits = model.head(x[:, self.seq - 1:, :])
+        self.query = CompiledGroup.compile([t.node for t in (logits, *outputs)], model.db)
+
+    def run(self, tokens: Any) -> tuple[torch.Tensor, KVCache]:
+        """The last position's logits (B, V) of prompt ``tokens`` (B, S) and its KVCache."""
+        ids = self.model._tokens(tokens)
+        if ids.shape != (self.batch, self.seq):
+            raise ShapeError(f"this prompt query takes prompts of shape ({self.batch}, "
+                             f"{self.seq}); got {ids.shape}")
+        self.embeddings.write(ids, self.model.embedding_table)
+        logits, *outputs = self.query.run()
+        layers = tuple(torch.stack([keys, values]) for keys, values
+                       in zip(outputs[0::2], outputs[1::2]))
+        return logits[:, 0, :], KVCache(layers)
+
+
 def _contracted_dims(weight: str) -> int:
     """How many trailing dims of weight ``weight`` (a key of ``Llama.weights``) a token's
     product with it contracts: the output projection all three of (kv_head, group, head_dim),
@@ -570,7 +697,7 @@ def _matvec_layout(value: torch.Tensor, contracted: int) -> torch.Tensor:
 class Decoder:
     """Decoding one token per call with ONE query planned once: a static KV cache of
     ``max_length`` positions per layer (in memory, written in place after each token), and the
-    token's embedding row (looked up in the table), its rotary tables, the causal mask and the
+    token's embedding row (looked up in the table), its rotary matrices, the causal mask and the
     one-hot of its position as constants updated in place -- so every token runs the same plan
     (every layer and the LM head, each layer's new keys/values as further outputs of the same
     multi-output query). The weights are held in memory for the decoder's life unless the
@@ -611,10 +738,11 @@ class Decoder:
             buffer[:, :, :self.position] = past
             self.caches.append(buffer)
         self.batch = batch
-        self.cos = torch.zeros((1, s.head_dim))
-        self.sin = torch.zeros((1, s.head_dim))
-        self.cos_p = torch.zeros((2, 1, s.head_dim))
-        self.sin_p = torch.zeros((2, 1, s.head_dim))
+        # the token's rotary embedding as matrices (rotation_matrix): the queries' (scaled
+        # by 1/sqrt(head_dim)); the keys' (p = 0) beside the identity for the values (p = 1)
+        self.rotation_q = torch.zeros((s.head_dim, s.head_dim))
+        self.rotation_kv = torch.zeros((2, s.head_dim, s.head_dim))
+        self.rotation_kv[1] = torch.eye(s.head_dim)
         self.mask = torch.zeros((1, self.max_length))
         self.place = torch.zeros((1, self.max_length))
         # the token's embedding row, gathered from the table as it is now (the decoder
@@ -625,9 +753,12 @@ class Decoder:
         news = []
         for layer, buffer in enumerate(self.caches):
             xn = model._rmsnorm(x, f"l{layer}_attn_norm")  # once, for q and k, v
-            new = model._keys_values(xn, layer, db.constant(self.cos_p),
-                                     db.constant(self.sin_p))
-            x = model._decode_block(x, xn, layer, db.constant(self.cos), db.constant(self.sin),
+            # (B, 1, 2, KV, E): the token's row times the weight, straight (keys and values
+            # after the positions: a one-row matrix product, with no permuted copy)
+            new = einsum("bspke,pef->bspkf",
+                         einsum("bsd,pked->bspke", xn, model._w(f"l{layer}_wkv")),
+                         db.constant(self.rotation_kv))
+            x = model._decode_block(x, xn, layer, db.constant(self.rotation_q),
                                     db.constant(self.mask),
                                     (db.constant(buffer[0]), db.constant(buffer[1])), new,
                                     db.constant(self.place))
@@ -645,6 +776,36 @@ class Decoder:
         roots = substitute_many([n.node for n in (logits, *news)], self.weights)
         self.query = CompiledGroup.compile(roots, db)
 
+    def restart(self, cache: KVCache) -> None:
+        """Continue after ``cache`` (another prompt's, of this decoder's batch) instead: the
+        same plan and weights, the cache buffers rewritten (zero beyond the prompt).
+
+        >>> import tensorql as tq
+        >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+        ...                    head_dim=4)
+        >>> model = Llama.random(tq.connect(), shape, seed=0)
+        >>> decoder = model.decoder(model.step([[1, 2, 3]], KVCache(()))[1], max_length=6)
+        >>> _ = decoder.step([[4]])
+        >>> _, other = model.step([[5, 6]], KVCache(()))
+        >>> decoder.restart(other)
+        >>> expected, _ = model.step([[7]], other)
+        >>> bool(torch.allclose(decoder.step([[7]]), expected, atol=1e-5)), decoder.position
+        (True, 3)
+        """
+        if len(cache.layers) != len(self.caches) or int(cache.layers[0].shape[1]) != self.batch:
+            raise ShapeError(f"a decoder of batch {self.batch} and {len(self.caches)} layers "
+                             f"cannot restart on a KVCache of {len(cache.layers)} layers"
+                             + (f" and batch {int(cache.layers[0].shape[1])}"
+                                if cache.layers else ""))
+        position = cache.length
+        if position >= self.max_length:
+            raise ShapeError(f"the cache already holds {position} positions of "
+                             f"max_length {self.max_length}")
+        for buffer, past in zip(self.caches, cache.layers):
+            buffer[:, :, :position] = past
+            buffer[:, :, position:] = 0.0
+        self.position = position
+
     def step(self, tokens: Any) -> torch.Tensor:
         """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V)."""
         ids = self.model._tokens(tokens)
@@ -655,21 +816,16 @@ class Decoder:
         if t >= self.max_length:
             raise ShapeError(f"the decoder is full: max_length {self.max_length} positions")
         self.embeddings.write(ids, lambda: self.table)
-        tables = rope_tables(self.model.shape, [t])
-        cos, sin = (torch.from_numpy(v) for v in tables)
-        cos_q, sin_q = (torch.from_numpy(v) for v in query_rope_tables(self.model.shape, tables))
-        self.cos.copy_(cos_q)
-        self.sin.copy_(sin_q)
-        self.cos_p[0].copy_(cos)
-        self.cos_p[1].fill_(1.0)
-        self.sin_p[0].copy_(sin)
-        self.sin_p[1].zero_()
+        cos, sin = rope_tables(self.model.shape, [t])
+        rotation = torch.from_numpy(rotation_matrix(cos[0], sin[0]))
+        self.rotation_kv[0].copy_(rotation)
+        self.rotation_q.copy_(rotation).mul_(1.0 / math.sqrt(self.model.shape.head_dim))
         self.mask.fill_(MASK_VALUE)
         self.mask[0, :t + 1] = 0.0
         self.place.zero_()
         self.place[0, t] = 1.0
         logits, *news = self.query.run()
         for buffer, new in zip(self.caches, news):
-            buffer[:, :, t] = new[:, :, 0]
+            buffer[:, :, t] = new[:, 0].transpose(0, 1)
         self.position = t + 1
         return logits[:, 0, :]

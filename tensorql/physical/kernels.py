@@ -399,9 +399,11 @@ class FusedPointwise(_NoCombine):
                     last[-arg.index - 1] = k
         return tuple(last)
 
-    def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int,
+              whole: bool = False) -> torch.Tensor:
         # a block's intermediates are dropped after their last reader, so the few alive at a
-        # time stay in cache (blocks of 64K elements: 256 KiB in float32)
+        # time stay in cache (blocks of 64K elements: 256 KiB in float32); ``whole``: the
+        # block is every row, the inputs are read as they are (no views to make)
         results: list[torch.Tensor | None] = []
         last = self._last_use
         for k, op in enumerate(self.ops):
@@ -409,7 +411,7 @@ class FusedPointwise(_NoCombine):
             for arg in op.args:
                 if arg.index < 0:
                     args.append(results[-arg.index - 1])
-                elif arg.dim is None or self.dim is None:
+                elif whole or arg.dim is None or self.dim is None:
                     args.append(inputs[arg.index])
                 else:
                     args.append(inputs[arg.index].narrow(arg.dim, lo, hi - lo))
@@ -433,7 +435,7 @@ class FusedPointwise(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         n, rows = self._rows(inputs)
         if self.dim is None or rows >= n:
-            return self._eval(inputs, 0, n)
+            return self._eval(inputs, 0, n, whole=True)
         first = self._eval(inputs, 0, rows)
         shape = list(first.shape)
         shape[self.dim] = n

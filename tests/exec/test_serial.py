@@ -127,3 +127,23 @@ def test_explain_analyze_says_a_small_query_ran_serially():
     x = db.from_numpy("x", rng.standard_normal((8, 8)).astype(np.float32), tile=(4, 4))
     text = (x @ x).relu().explain(analyze=True)
     assert "on 1 thread (serial)" in text
+
+
+def test_constant_slices_are_put_in_place_before_the_loop_and_still_counted():
+    from tensorql.physical.kernels import ConstChunk
+
+    a, b, c, d = (ChunkRef(n, ()) for n in range(4))
+    weight = torch.arange(4.0)
+    graph = TaskGraph(tasks=(
+        Task(0, (), a, ConstChunk(weight)), Task(1, (), b, ConstChunk(weight, (slice(1, 3),))),
+        Task(2, (), d, ConstChunk(weight)),  # a result of the run: kept in the loop
+        Task(3, (a, a), c, _Sum())), retain=frozenset({2, 3}))
+    schedule = SerialSchedule.of(graph)
+    assert sorted(task.id for _, task in schedule.inline) == [0, 1]
+    assert [entry.task.id for entry in schedule.tasks] == [2, 3]
+    weight.mul_(10.0)  # updated in place between plan and run: the run reads it afresh
+    result = run_serial(graph)
+    assert result.outputs[c].tolist() == [0.0, 20.0, 40.0, 60.0]
+    assert result.outputs[d].tolist() == [0.0, 10.0, 20.0, 30.0]
+    assert b not in result.outputs and result.stats.tasks == 4
+    assert {step: s.tasks for step, s in result.stats.steps.items()} == {0: 1, 1: 1, 2: 1, 3: 1}

@@ -62,6 +62,33 @@ def test_greedy_generation_matches_transformers(name):
     assert ours == theirs
 
 
+def test_generate_restarts_its_decoder_on_the_next_request_of_the_same_shape():
+    """A second generate() of the same prompt length and max_new_tokens reuses the first
+    one's prompt query and decoder (plans, buffers, weights) and still gives transformers'
+    tokens; a change to the stored tensors, or another max_new_tokens, builds a new one."""
+    model = hf_model("gqa")
+    llama = Llama.from_transformers(tq.connect(), model)
+    vocab = model.config.vocab_size
+    first, second, third = (prompt(name, 7, vocab) for name in ("a", "bb", "ccc"))
+
+    def theirs(ids, new=12):
+        with torch.no_grad():
+            return model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                  min_new_tokens=new, pad_token_id=0)[0].tolist()
+
+    assert llama.generate(first, max_new_tokens=12) == theirs(first)
+    decoder, prompt_query = llama._kept_decoder[3], llama._kept_prompt[3]
+    assert llama.generate(second, max_new_tokens=12) == theirs(second)
+    assert llama._kept_decoder[3] is decoder and decoder.position == 7 + 12 - 1
+    assert llama._kept_prompt[3] is prompt_query  # the prompt's plan too
+    assert llama.generate(third, max_new_tokens=9) == theirs(third, 9)
+    assert llama._kept_decoder[3] is not decoder
+    decoder = llama._kept_decoder[3]
+    llama.db.from_numpy("unrelated", np.zeros(3, np.float32))  # the store changed
+    assert llama.generate(first, max_new_tokens=9) == theirs(first, 9)
+    assert llama._kept_decoder[3] is not decoder and llama._kept_prompt[3] is not prompt_query
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
