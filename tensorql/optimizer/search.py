@@ -42,8 +42,8 @@ from tensorql.optimizer.cost import (
     partial_seconds,
     read_bytes,
     read_pairs,
-    transition_levels,
     transition_matrix,
+    transition_priced,
 )
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.topology import Topology, TopologyError
@@ -146,10 +146,11 @@ class Problem:
                                            len(tables[node.index].cands)), dtype=np.int64)
                 elif topology is not None and not free and tkey not in cache:
                     # bytes per node and level: priced, and summed for the byte matrix
-                    intra, inter = transition_levels(tables[edge.producer], tables[node.index],
-                                                     node, edge, producer.itemsize, topology)
-                    cache[tkey] = _units(topology.node_seconds(intra, inter), topology)
-                    cache.setdefault(key, (intra + inter).sum(axis=2))
+                    seconds, nbytes = transition_priced(tables[edge.producer],
+                                                        tables[node.index], node, edge,
+                                                        producer.itemsize, topology)
+                    cache[tkey] = _units(seconds, topology)
+                    cache.setdefault(key, nbytes)
                 elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
