@@ -933,6 +933,18 @@ def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
             np.concatenate([sizes[ids % n], vol]) * itemsize)
 
 
+def _readers(graph: OpGraph, layouts: Sequence[Layout], producer: int
+             ) -> dict[tuple[tuple, tuple[int, ...]], Layout]:
+    """The distinct ways ``producer``'s output is read: ``(consumer layout's fingerprint,
+    operand axes) -> consumer layout`` (identical layers' readers made apart count once)."""
+    readers = {}
+    for consumer, k in graph.consumers[producer]:
+        reader = graph.nodes[consumer]
+        axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
+        readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+    return readers
+
+
 def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
     """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
     every piece or slice a device reads from another device once (see :func:`device_reads`),
@@ -945,11 +957,7 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
         if node.loaded_where_read or not graph.consumers[producer]:
             continue
         prod = layouts[producer]
-        readers = {}
-        for consumer, k in graph.consumers[producer]:
-            reader = graph.nodes[consumer]
-            axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
-            readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+        readers = _readers(graph, layouts, producer)
         key = (_fingerprint(prod), node.itemsize, frozenset(readers))
         if key not in done:
             done[key] = _read_sends(prod, readers, devices, node.itemsize)
@@ -1159,11 +1167,7 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     node = graph.nodes[producer]
     if node.loaded_where_read or not graph.consumers[producer]:
         return out
-    readers = {}
-    for consumer, k in graph.consumers[producer]:
-        reader = graph.nodes[consumer]
-        axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
-        readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
-    src, dst, sent = _read_sends(layouts[producer], readers, devices, node.itemsize)
+    src, dst, sent = _read_sends(layouts[producer], _readers(graph, layouts, producer),
+                                 devices, node.itemsize)
     np.add.at(out, (src, dst), sent)
     return out
