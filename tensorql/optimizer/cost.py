@@ -953,7 +953,7 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
     and every partial aggregate sent to its owner. This is the prediction the physical plan's
     copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
     consumer layout of a producer once."""
-    sends: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    moved = np.zeros((devices, devices), dtype=np.int64)
     done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # identical layers
     for producer, node in enumerate(graph.nodes):
         if node.loaded_where_read or not graph.consumers[producer]:
@@ -963,35 +963,13 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
         key = (_fingerprint(prod), node.itemsize, frozenset(readers))
         if key not in done:
             done[key] = _read_sends(prod, readers, devices, node.itemsize)
-        sends.append(done[key])
+        src, dst, sent = done[key]
+        np.add.at(moved, (src, dst), sent)
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
             src, dst, elems = lay.partial_pairs
-            sends.append((src, dst, elems * node.itemsize))
-    return _pair_sum(sends, devices)
-
-
-def _pair_sum(sends: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], devices: int
-              ) -> np.ndarray:
-    """The (N, N) matrix of the bytes of every ``(src, dst, bytes)`` send, summed exactly in
-    integers with one sort (what ``np.add.at`` per send does, at once).
-
-    >>> one = (np.array([0, 1]), np.array([1, 0]), np.array([5, 7]))
-    >>> _pair_sum([one, one], 2).tolist()
-    [[0, 10], [14, 0]]
-    """
-    moved = np.zeros(devices * devices, dtype=np.int64)
-    if not sends:
-        return moved.reshape(devices, devices)
-    at = np.concatenate([np.asarray(src, dtype=np.int64) * devices + dst
-                         for src, dst, _ in sends])
-    sent = np.concatenate([np.asarray(b, dtype=np.int64) for _, _, b in sends])
-    if len(at):
-        order = np.argsort(at, kind="stable")
-        at, sent = at[order], sent[order]
-        start = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
-        moved[at[start]] = np.add.reduceat(sent, start)
-    return moved.reshape(devices, devices)
+            np.add.at(moved, (src, dst), elems * node.itemsize)
+    return moved
 
 
 # -- prices on a topology (tensorql.optimizer.topology) -----------------------------------
@@ -1191,5 +1169,7 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     node = graph.nodes[producer]
     if node.loaded_where_read or not graph.consumers[producer]:
         return out
-    return _pair_sum([_read_sends(layouts[producer], _readers(graph, layouts, producer),
-                                  devices, node.itemsize)], devices)
+    src, dst, sent = _read_sends(layouts[producer], _readers(graph, layouts, producer),
+                                 devices, node.itemsize)
+    np.add.at(out, (src, dst), sent)
+    return out
