@@ -954,21 +954,28 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
     copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
     consumer layout of a producer once."""
     moved = np.zeros((devices, devices), dtype=np.int64)
-    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # identical layers
+    # identical layers send alike: each distinct send is counted once, times its layers
+    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    times: dict[tuple, int] = {}
     for producer, node in enumerate(graph.nodes):
         if node.loaded_where_read or not graph.consumers[producer]:
             continue
         prod = layouts[producer]
         readers = _readers(graph, layouts, producer)
-        key = (_fingerprint(prod), node.itemsize, frozenset(readers))
+        key = ("reads", _fingerprint(prod), node.itemsize, frozenset(readers))
         if key not in done:
             done[key] = _read_sends(prod, readers, devices, node.itemsize)
-        src, dst, sent = done[key]
-        np.add.at(moved, (src, dst), sent)
+        times[key] = times.get(key, 0) + 1
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
-            src, dst, elems = lay.partial_pairs
-            np.add.at(moved, (src, dst), elems * node.itemsize)
+            key = ("partials", _fingerprint(lay), node.itemsize)
+            if key not in done:
+                src, dst, elems = lay.partial_pairs
+                done[key] = (src, dst, elems * node.itemsize)
+            times[key] = times.get(key, 0) + 1
+    for key, count in times.items():
+        src, dst, sent = done[key]
+        np.add.at(moved, (src, dst), sent * count)
     return moved
 
 
