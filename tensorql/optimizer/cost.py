@@ -70,10 +70,8 @@ class Cost:
                     max(self.peak_bytes, other.peak_bytes))
 
 
-@lru_cache(maxsize=1 << 14)
 def piece_bounds(n: int, p: int) -> tuple[int, ...]:
-    """Boundaries of ``p`` pieces of ``range(n)`` cut like a chunk grid of tile ceil(n/p)
-    (a tuple: cached, every layout of a label asks again)."""
+    """Boundaries of ``p`` pieces of ``range(n)`` cut like a chunk grid of tile ceil(n/p)."""
     tile = -(-n // p)
     return tuple(min(k * tile, n) for k in range(p + 1))
 
