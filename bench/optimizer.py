@@ -157,7 +157,8 @@ def cluster_rows(record: Record, devices: tuple[int, ...], shape: dict, gated: b
         record.figure(f"cluster plan seconds N={n}", {"wall": wall, "cpu": cpu})
         if gated and n in CLUSTER_GOALS:
             record.goal(f"{shape['layers']} layers of the 70B shape plan in {wall:.1f} s < "
-                        f"{CLUSTER_GOALS[n]:g} s at N = {n}", wall < CLUSTER_GOALS[n])
+                        f"{CLUSTER_GOALS[n]:g} s at N = {n}", wall < CLUSTER_GOALS[n],
+                        {"wall": wall, "cpu": cpu, "goal": CLUSTER_GOALS[n]})
         est = ["-" if figures[s][1] is None else f"{figures[s][1]:.3g} s"
                for s in ("auto", "data", "model")]
         rows.append([n, topo.get("topology", "flat"), round(wall, 2), round(cpu, 2),

@@ -273,7 +273,9 @@ class Layout:
             parts = np.ravel_multi_index(tuple(np.moveaxis(idx, 2, 0)), shape)
         dev = np.broadcast_to(self.device[:, None], parts.shape)
         send = dev != owner[parts]
-        pairs = np.unique(dev[send] * len(owner) + parts[send])   # each (device, part) once
+        pairs = dev[send] * len(owner) + parts[send]
+        if np.bincount(self.device).max() > 1:  # several tasks a device: each part once
+            pairs = np.unique(pairs)
         part = pairs % len(owner)
         return pairs // len(owner), owner[part], elems[part]
 
@@ -933,6 +935,18 @@ def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
             np.concatenate([sizes[ids % n], vol]) * itemsize)
 
 
+def _readers(graph: OpGraph, layouts: Sequence[Layout], producer: int
+             ) -> dict[tuple[tuple, tuple[int, ...]], Layout]:
+    """The distinct ways ``producer``'s output is read: ``(consumer layout's fingerprint,
+    operand axes) -> consumer layout`` (identical layers' readers made apart count once)."""
+    readers = {}
+    for consumer, k in graph.consumers[producer]:
+        reader = graph.nodes[consumer]
+        axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
+        readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
+    return readers
+
+
 def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
     """Bytes sent from device ``src`` to ``dst`` (an (N, N) matrix) by a chosen layout per node:
     every piece or slice a device reads from another device once (see :func:`device_reads`),
@@ -940,56 +954,155 @@ def pair_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.nd
     copies are checked against. Counted array-wise (:func:`_remote_reads`), each distinct
     consumer layout of a producer once."""
     moved = np.zeros((devices, devices), dtype=np.int64)
-    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # identical layers
+    # identical layers send alike: each distinct send is counted once, times its layers
+    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    times: dict[tuple, int] = {}
     for producer, node in enumerate(graph.nodes):
         if node.loaded_where_read or not graph.consumers[producer]:
             continue
         prod = layouts[producer]
-        readers = {}
-        for consumer, k in graph.consumers[producer]:
-            reader = graph.nodes[consumer]
-            axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
-            readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
-        key = (_fingerprint(prod), node.itemsize, frozenset(readers))
+        readers = _readers(graph, layouts, producer)
+        key = ("reads", _fingerprint(prod), node.itemsize, frozenset(readers))
         if key not in done:
             done[key] = _read_sends(prod, readers, devices, node.itemsize)
-        src, dst, sent = done[key]
-        np.add.at(moved, (src, dst), sent)
+        times[key] = times.get(key, 0) + 1
     for node, lay in zip(graph.nodes, layouts):
         if node.kind == "einsum" and node.n_out < len(node.labels):
-            src, dst, elems = lay.partial_pairs
-            np.add.at(moved, (src, dst), elems * node.itemsize)
+            key = ("partials", _fingerprint(lay), node.itemsize)
+            if key not in done:
+                src, dst, elems = lay.partial_pairs
+                done[key] = (src, dst, elems * node.itemsize)
+            times[key] = times.get(key, 0) + 1
+    for key, count in times.items():
+        src, dst, sent = done[key]
+        np.add.at(moved, (src, dst), sent * count)
     return moved
 
 
 # -- prices on a topology (tensorql.optimizer.topology) -----------------------------------
-def _by_node(table: NodeTable, topo: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The producer's output pieces grouped by node: lo, hi (r, K, G, S') and has (K, G, S')
-    -- every piece a device of node ``g`` owns."""
-    k, _, s, r = table.piece_lo.shape
-    width = max(len(g) for g in topo.groups) * s
-    lo = np.zeros((r, k, len(topo.groups), width), dtype=np.int64)
-    hi = np.zeros_like(lo)
-    has = np.zeros((k, len(topo.groups), width), dtype=bool)
-    for g, members in enumerate(topo.groups):
-        n = len(members) * s
-        lo[:, :, g, :n] = np.moveaxis(table.piece_lo[:, list(members)].reshape(k, n, r), 2, 0)
-        hi[:, :, g, :n] = np.moveaxis(table.piece_hi[:, list(members)].reshape(k, n, r), 2, 0)
-        has[:, g, :n] = table.has_piece[:, list(members)].reshape(k, n)
-    return lo, hi, has
+def _group_boxes(lo: np.ndarray, hi: np.ndarray, has: np.ndarray, members: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces every group of devices owns, as few disjoint boxes: pieces ``lo, hi``
+    (K, N, S, r) and ``has`` (K, N, S) of K candidates; ``members`` (G, W) the devices of
+    each group (-1: none). Returns lo, hi (K, G, B, r), has (K, G, B) and the boxes each
+    candidate needs (K,) -- the first of: the group's pieces in one box, in 2, 3, ... boxes of
+    consecutive members (each a box), or its pieces one by one. A set of disjoint pieces is a
+    box when its bounding box holds as many elements as they do.
+
+    >>> lo = np.array([[[[0]], [[4]], [[8]], [[12]]]]); hi = lo + 4   # 4 devices, a piece each
+    >>> box = _group_boxes(lo, hi, np.ones((1, 4, 1), dtype=bool), np.array([[0, 1], [3, 2]]))
+    >>> box[0][0, :, 0, 0].tolist(), box[1][0, :, 0, 0].tolist(), box[3].tolist()
+    ([0, 8], [8, 16], [1])
+    """
+    k, _, s, r = lo.shape
+    g, w = members.shape
+    valid = members >= 0
+    at = np.where(valid, members, 0)
+    plo, phi = lo[:, at], hi[:, at]                                    # (K, G, W, S, r)
+    phas = has[:, at] & valid[None, :, :, None]
+    levels = []                                                        # (boxes, lo, hi, has, ok)
+    for parts in [p for p in range(1, w + 1) if w % p == 0 and p < w * s]:
+        shape = (k, g, parts, (w // parts) * s)
+        sub_lo, sub_hi = plo.reshape(shape + (r,)), phi.reshape(shape + (r,))
+        sub_has = phas.reshape(shape)
+        big = np.iinfo(np.int64).max
+        blo = np.where(sub_has[..., None], sub_lo, big).min(axis=3)   # (K, G, parts, r)
+        bhi = np.where(sub_has[..., None], sub_hi, -big).max(axis=3)
+        bhas = sub_has.any(axis=3)
+        blo, bhi = np.where(bhas[..., None], blo, 0), np.where(bhas[..., None], bhi, 0)
+        held = (np.prod(sub_hi - sub_lo, axis=-1) * sub_has).sum(axis=3)
+        ok = (held == np.prod(bhi - blo, axis=-1)).all(axis=2)          # (K, G)
+        levels.append((parts, blo, bhi, bhas, ok))
+    levels.append((w * s, plo.reshape(k, g, w * s, r), phi.reshape(k, g, w * s, r),
+                   phas.reshape(k, g, w * s), np.ones((k, g), dtype=bool)))
+    need = np.full((k, g), w * s, dtype=np.int64)
+    for parts, _, _, _, ok in reversed(levels):
+        need[ok] = parts
+    width = int(need.max(initial=1))
+    out_lo = np.zeros((k, g, width, r), dtype=np.int64)
+    out_hi = np.zeros_like(out_lo)
+    out_has = np.zeros((k, g, width), dtype=bool)
+    for parts, blo, bhi, bhas, _ in levels:
+        sel = need == parts
+        if parts <= width and sel.any():
+            out_lo[sel, :parts], out_hi[sel, :parts] = blo[sel], bhi[sel]
+            out_has[sel, :parts] = bhas[sel]
+    return out_lo, out_hi, out_has, need.max(axis=1, initial=1)
 
 
-def _held(lo: np.ndarray, hi: np.ndarray, plo: np.ndarray, phi: np.ndarray,
-          has: np.ndarray, dtype: type) -> np.ndarray:
-    """Elements of every region ``[lo, hi)`` ((r, kc, m) each) held in pieces ``[plo, phi)``
-    ((r, kq, kc, m, S) each, where ``has`` (kq, kc, m, S)): (kq, kc, m)."""
-    acc = has.astype(dtype)
-    for a in range(lo.shape[0]):
-        ov = (np.minimum(hi[a][None, :, :, None], phi[a])
-              - np.maximum(lo[a][None, :, :, None], plo[a])).astype(dtype, copy=False)
-        np.maximum(ov, 0, out=ov)
-        acc *= ov
-    return acc.sum(axis=3, dtype=np.int64)
+def _members(groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """The devices of each group, (G, W), padded with -1."""
+    width = max(len(g) for g in groups)
+    return np.array([list(g) + [-1] * (width - len(g)) for g in groups], dtype=np.int64)
+
+
+def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
+             bhas: np.ndarray, unit: np.ndarray, dtype: type) -> np.ndarray:
+    """Elements of every region ``[lo, hi)`` ((kd, m, r) each) inside the boxes of the group
+    ``unit`` (kd, m) of its reader: boxes ``blo, bhi`` (q, U, B, r), ``bhas`` (q, U, B);
+    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays."""
+    acc = np.zeros((blo.shape[0],) + unit.shape, dtype=dtype)
+    for b in range(blo.shape[2]):
+        held = bhas[:, :, b][:, unit].astype(dtype)
+        for a in range(lo.shape[2]):
+            ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
+            ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
+            np.maximum(ov, 0, out=ov)
+            held *= ov
+        acc += held
+    return acc
+
+
+def _distinct_levels(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                     edge: Edge, topo: Topology
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Elements every node receives for operand ``edge`` from its own devices and from other
+    nodes, (kq, kd, G) each, for the distinct producer holdings (kq) and consumer read maps
+    (kd); and the distinct holding of every producer candidate (K_p,) and read map of every
+    consumer candidate (K_c,). A node's pieces are merged into boxes once per producer
+    candidate (:func:`_group_boxes`), and so are a device's."""
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    lo, hi, dev, _, cols = _read_maps(consumer, axes)                 # (kd, m, r), (kd, m)
+    kp = len(producer.cands)
+    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
+                            producer.piece_hi.reshape(kp, -1),
+                            producer.has_piece.reshape(kp, -1)], axis=1)
+    first, rows = _distinct(holds)
+    plo, phi = producer.piece_lo[first], producer.piece_hi[first]    # (kq, N, S, r)
+    has = producer.has_piece[first]
+    nlo, nhi, nhas, nwide = _group_boxes(plo, phi, has, _members(topo.groups))
+    dlo, dhi, dhas, dwide = _group_boxes(plo, phi, has, np.arange(topo.devices)[:, None])
+    kq, (kd, m, _) = len(first), lo.shape
+    groups = len(topo.groups)
+    region = np.prod(hi - lo, axis=2)            # (kd, m); 0 where a device reads it again
+    top = max(int(region.max(initial=0)), int(hi.max(initial=0)),
+              int(phi.max(initial=0)))
+    dtype = np.int32 if top < (1 << 31) else np.int64
+    lo, hi = lo.astype(dtype), hi.astype(dtype)
+    nlo, nhi, dlo, dhi = (x.astype(dtype) for x in (nlo, nhi, dlo, dhi))
+    node = topo.node_array[dev]                                       # (kd, m)
+    slot = np.arange(kd)[:, None] * groups + node                     # (kd, m)
+    region_in = np.bincount(slot.ravel(), region.ravel().astype(float),
+                            minlength=kd * groups).reshape(kd, groups)
+    intra = np.zeros((kq, kd, groups), dtype=np.int64)
+    inter = np.zeros((kq, kd, groups), dtype=np.int64)
+    per = max(1, (1 << 22) // max(1, kd * m))
+    for wn, wd in sorted(set(zip(nwide.tolist(), dwide.tolist()))):
+        same = np.flatnonzero((nwide == wn) & (dwide == wd))
+        for q0 in range(0, len(same), per):
+            q = same[q0:q0 + per]
+            near = _held_in(lo, hi, nlo[q][:, :, :wn], nhi[q][:, :, :wn], nhas[q][:, :, :wn],
+                            node, dtype)
+            local = _held_in(lo, hi, dlo[q][:, :, :wd], dhi[q][:, :, :wd], dhas[q][:, :, :wd],
+                             dev, dtype)
+            at = (np.arange(len(q))[:, None, None] * kd * groups + slot[None]).ravel()
+            size = len(q) * kd * groups
+            got_near = np.bincount(at, near.ravel().astype(float), minlength=size)
+            got_local = np.bincount(at, local.ravel().astype(float), minlength=size)
+            got_near = got_near.reshape(len(q), kd, groups)
+            intra[q] = np.rint(got_near - got_local.reshape(len(q), kd, groups))
+            inter[q] = np.rint(region_in[None] - got_near)
+    return intra, inter, rows, cols
 
 
 def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
@@ -997,8 +1110,19 @@ def transition_seconds(producer: NodeTable, consumer: NodeTable, consumer_node: 
     """Seconds the exchange of operand ``edge`` takes on ``topo``, (K_producer, K_consumer):
     the bytes each node receives on each level (:func:`transition_levels`), priced by
     :meth:`Topology.node_seconds` (the busiest node's inbound links)."""
-    intra, inter = transition_levels(producer, consumer, consumer_node, edge, itemsize, topo)
-    return topo.node_seconds(intra, inter)
+    return transition_priced(producer, consumer, consumer_node, edge, itemsize, topo)[0]
+
+
+def transition_priced(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
+                      edge: Edge, itemsize: int, topo: Topology
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """The seconds of :func:`transition_seconds` and the bytes of :func:`transition_matrix`
+    (their sum over levels and nodes), (K_producer, K_consumer) each: priced on the distinct
+    placements, then spread to the candidates (the search's edge costs)."""
+    intra, inter, rows, cols = _distinct_levels(producer, consumer, consumer_node, edge, topo)
+    seconds = topo.node_seconds(intra * itemsize, inter * itemsize)
+    moved = (intra.sum(axis=2) + inter.sum(axis=2)) * itemsize
+    return seconds[rows][:, cols], moved[rows][:, cols]
 
 
 def transition_levels(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
@@ -1008,57 +1132,19 @@ def transition_levels(producer: NodeTable, consumer: NodeTable, consumer_node: O
     nodes, (K_producer, K_consumer, G) each: the bytes of :func:`transition_matrix` (their
     sum over both levels and the nodes), each device's split by where they come from.
     Candidates that place the operand alike (the producer's output pieces, the consumer's
-    regions of it and their devices) are counted once."""
-    axes = [consumer_node.labels.index(a) for a in edge.axes]
-    kc = len(consumer.cands)
-    m = max(len(lay.device) for lay in consumer.layouts)
-    r = len(axes)
-    lo = np.zeros((r, kc, m), dtype=np.int64)
-    hi = np.zeros((r, kc, m), dtype=np.int64)
-    dev = np.zeros((kc, m), dtype=np.int64)
-    mask = np.zeros((kc, m), dtype=bool)
-    for c, lay in enumerate(consumer.layouts):
-        n = len(lay.device)
-        lo[:, c, :n] = lay.starts[:, axes].T
-        hi[:, c, :n] = (lay.starts[:, axes] + lay.lens[:, axes]).T
-        dev[c, :n] = lay.device
-        mask[c, :n] = first_reads(lay, axes)
-    keys = np.concatenate([lo.transpose(1, 0, 2).reshape(kc, -1),
-                           hi.transpose(1, 0, 2).reshape(kc, -1), dev, mask], axis=1)
-    _, c_first, c_back = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    lo, hi, dev, mask = lo[:, c_first], hi[:, c_first], dev[c_first], mask[c_first]
-    kc = len(c_first)
-    region = np.prod(hi - lo, axis=0) * mask                           # (kc, m)
-    dtype = np.int32 if int(region.max(initial=0)) < (1 << 31) else np.int64
-    node = topo.node_array[dev]                                        # (kc, m)
-    groups = len(topo.groups)
-    onehot = ((node[:, :, None] == np.arange(groups)) & mask[:, :, None]).astype(np.int64)
-    nlo, nhi, nhas = _by_node(producer, topo)
-    plo_all = np.moveaxis(producer.piece_lo, 3, 0)                     # (r, K, N, S)
-    phi_all = np.moveaxis(producer.piece_hi, 3, 0)
-    kp0 = len(producer.cands)
-    pkeys = np.concatenate([producer.piece_lo.reshape(kp0, -1),
-                            producer.piece_hi.reshape(kp0, -1),
-                            producer.has_piece.reshape(kp0, -1)], axis=1)
-    _, p_first, p_back = np.unique(pkeys, axis=0, return_index=True, return_inverse=True)
-    nlo, nhi, nhas = nlo[:, p_first], nhi[:, p_first], nhas[p_first]
-    plo_all, phi_all = plo_all[:, p_first], phi_all[:, p_first]
-    has_all = producer.has_piece[p_first]
-    kp = len(p_first)
-    intra = np.zeros((kp, kc, groups), dtype=np.int64)
-    inter = np.zeros((kp, kc, groups), dtype=np.int64)
-    width = nlo.shape[3] + plo_all.shape[3]
-    per = max(1, (1 << 23) // max(1, kc * m * width))
-    for q0 in range(0, kp, per):
-        q = slice(q0, q0 + per)
-        local = _held(lo, hi, plo_all[:, q][:, :, dev], phi_all[:, q][:, :, dev],
-                      has_all[q][:, dev] & mask[None, :, :, None], dtype)
-        near = _held(lo, hi, nlo[:, q][:, :, node], nhi[:, q][:, :, node],
-                     nhas[q][:, node] & mask[None, :, :, None], dtype)
-        intra[q] = np.einsum("qcm,cmg->qcg", near - local, onehot)
-        inter[q] = np.einsum("qcm,cmg->qcg", region[None] - near, onehot)
-    back = np.ix_(p_back.reshape(-1), c_back.reshape(-1))
-    return intra[back] * itemsize, inter[back] * itemsize
+    regions of it and their devices) are counted once (:func:`_distinct_levels`).
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> ta = build_table(OpGraph((a,), 0), a, 4, allowed=[(1,)])  # all of it on device 0
+    >>> tm = build_table(OpGraph((a, m), 1), m, 4, allowed=[(4,)])
+    >>> intra, inter = transition_levels(ta, tm, m, m.inputs[0], 4, Topology.nodes(2, 2))
+    >>> intra.tolist(), inter.tolist()  # device 1 reads 8 B in node 0, 2 and 3 16 B across
+    ([[[8, 0]]], [[[0, 16]]])
+    """
+    intra, inter, rows, cols = _distinct_levels(producer, consumer, consumer_node, edge, topo)
+    return intra[rows][:, cols] * itemsize, inter[rows][:, cols] * itemsize
 
 
 def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarray:
@@ -1090,11 +1176,7 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     node = graph.nodes[producer]
     if node.loaded_where_read or not graph.consumers[producer]:
         return out
-    readers = {}
-    for consumer, k in graph.consumers[producer]:
-        reader = graph.nodes[consumer]
-        axes = tuple(reader.labels.index(a) for a in reader.inputs[k].axes)
-        readers[(_fingerprint(layouts[consumer]), axes)] = layouts[consumer]
-    src, dst, sent = _read_sends(layouts[producer], readers, devices, node.itemsize)
+    src, dst, sent = _read_sends(layouts[producer], _readers(graph, layouts, producer),
+                                 devices, node.itemsize)
     np.add.at(out, (src, dst), sent)
     return out

@@ -42,8 +42,8 @@ from tensorql.optimizer.cost import (
     partial_seconds,
     read_bytes,
     read_pairs,
-    transition_levels,
     transition_matrix,
+    transition_priced,
 )
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.topology import Topology, TopologyError
@@ -146,10 +146,11 @@ class Problem:
                                            len(tables[node.index].cands)), dtype=np.int64)
                 elif topology is not None and not free and tkey not in cache:
                     # bytes per node and level: priced, and summed for the byte matrix
-                    intra, inter = transition_levels(tables[edge.producer], tables[node.index],
-                                                     node, edge, producer.itemsize, topology)
-                    cache[tkey] = _units(topology.node_seconds(intra, inter), topology)
-                    cache.setdefault(key, (intra + inter).sum(axis=2))
+                    seconds, nbytes = transition_priced(tables[edge.producer],
+                                                        tables[node.index], node, edge,
+                                                        producer.itemsize, topology)
+                    cache[tkey] = _units(seconds, topology)
+                    cache.setdefault(key, nbytes)
                 elif key not in cache:
                     cache[key] = transition_matrix(
                         tables[edge.producer], tables[node.index], node, edge,
@@ -187,8 +188,11 @@ class Problem:
     # -- evaluation ---------------------------------------------------------------------
     def own_cost(self, node: int) -> np.ndarray:
         """Node ``node``'s own cost per candidate for the search (see :func:`own_cost`)."""
-        if self.own:
-            return own_cost(self.tables[node], self.own[node])
+        if self.own:  # read only: computed once a node
+            key = ("own cost", node)
+            if key not in self.memo:
+                self.memo[key] = own_cost(self.tables[node], self.own[node])
+            return self.memo[key]
         return _own(self.tables[node])  # read only: cached on the (shared) table
 
     def own_total(self, choice: tuple[int, ...]) -> int:
@@ -249,6 +253,15 @@ class Problem:
             if not self.graph.nodes[p].loaded_where_read:  # those move nothing
                 out.setdefault(p, []).append((c, m))
         return {p: e for p, e in out.items() if len(e) > 1}
+
+    def as_float(self, matrix: np.ndarray) -> np.ndarray:
+        """An edge matrix as float64 (what adding a float vector makes of it), converted once
+        a matrix (identical layers share them); read only."""
+        key = ("float", id(matrix))
+        got = self.memo.get(key)
+        if got is None or got[0] is not matrix:
+            got = self.memo[key] = (matrix, matrix.astype(float))
+        return got[1]
 
     def restrict(self, masks: list[np.ndarray | None]) -> Problem:
         allowed = tuple(a & m if m is not None and (a & m).any() else a
@@ -357,7 +370,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
     out_degree = {n.index: 0 for n in graph.nodes}
     for p, c, _, m in problem.edges:
-        in_edges[c].append((p, m))
+        in_edges[c].append((p, problem.as_float(m)))
         out_degree[p] += 1
     inf = np.inf
     value: dict[int, np.ndarray] = {}
