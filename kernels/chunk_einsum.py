@@ -547,41 +547,51 @@ def _flat_matmul(operands, labels, out_labels, join, agg):
     a, b = operands
     if a.dtype != b.dtype or not a.is_floating_point():
         return None
-    out = tuple(out_labels)
-    la, lb = tuple(labels[0]), tuple(labels[1])
+    plan = _flat_plan(tuple(labels[0]), tuple(labels[1]), tuple(out_labels), tuple(a.shape),
+                      tuple(b.shape))
+    if plan is None:
+        return None
+    swapped, (m, k, n), (left_t, right_t), shape = plan
+    x, y = (b, a) if swapped else (a, b)
+    left = x.reshape(k, m).T if left_t else x.reshape(m, k)
+    right = y.reshape(n, k).T if right_t else y.reshape(k, n)
+    return left, right, shape
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_plan(la: tuple[str, ...], lb: tuple[str, ...], out: tuple[str, ...],
+               shape_a: tuple[int, ...], shape_b: tuple[int, ...]):
+    """How :func:`_flat_matmul` views the operands, decided once per labels and shapes:
+    (operands swapped, (m, k, n), (left read transposed, right read transposed), output
+    shape), or None."""
     if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(out)) != len(out):
         return None
-    for (x, lx), (y, ly) in (((a, la), (b, lb)), ((b, lb), (a, la))):
+    for swapped, (lx, sx), (ly, sy) in ((False, (la, shape_a), (lb, shape_b)),
+                                        (True, (lb, shape_b), (la, shape_a))):
         shared = tuple(lab for lab in lx if lab in ly)
         p = tuple(lab for lab in lx if lab not in shared)
         q = tuple(lab for lab in ly if lab not in shared)
         if not shared or out != p + q:
             continue
-        k = math.prod(x.shape[lx.index(lab)] for lab in shared)
-        m = math.prod(x.shape[lx.index(lab)] for lab in p)
-        n = math.prod(y.shape[ly.index(lab)] for lab in q)
-        left = _matrix_view(x, lx, p, shared, m, k)
-        right = _matrix_view(y, ly, shared, q, k, n)
-        if left is None or right is None:
+        k = math.prod(sx[lx.index(lab)] for lab in shared)
+        m = math.prod(sx[lx.index(lab)] for lab in p)
+        n = math.prod(sy[ly.index(lab)] for lab in q)
+        left_t = _matrix_layout(lx, p, shared)
+        right_t = _matrix_layout(ly, shared, q)
+        if left_t is None or right_t is None:
             continue
-        shape = tuple(x.shape[lx.index(lab)] for lab in p) + \
-            tuple(y.shape[ly.index(lab)] for lab in q)
-        return left, right, shape
+        shape = tuple(sx[lx.index(lab)] for lab in p) + tuple(sy[ly.index(lab)] for lab in q)
+        return swapped, (m, k, n), (left_t, right_t), shape
     return None
 
 
-def _matrix_view(t, labels, row_labels, col_labels, rows: int, cols: int):
-    """``t`` (labelled ``labels``) as a (rows, cols) matrix: flattened when its labels read
-    ``row_labels + col_labels``, a transposed flat view when they read ``col_labels +
-    row_labels``, None otherwise.
-
-    >>> tuple(_matrix_view(torch.ones(4, 2, 3), ("c", "p", "q"), ("p", "q"), ("c",), 6, 4).shape)
-    (6, 4)
-    """
+def _matrix_layout(labels, row_labels, col_labels) -> bool | None:
+    """False when ``labels`` read ``row_labels + col_labels`` (a flat view), True when they
+    read ``col_labels + row_labels`` (a transposed flat view), None otherwise."""
     if labels == row_labels + col_labels:
-        return t.reshape(rows, cols)
+        return False
     if labels == col_labels + row_labels:
-        return t.reshape(cols, rows).T
+        return True
     return None
 
 

@@ -35,6 +35,7 @@ False
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -71,9 +72,10 @@ def query_key(root: Node) -> tuple | None:
     for node in topological_order(root):
         if isinstance(node, Constant):
             return None
-        parts: list[Hashable] = [type(node)]
-        for f in dataclasses.fields(node):
-            parts.append(_field_key(getattr(node, f.name), position))
+        kind = type(node)
+        parts: list[Hashable] = [kind]
+        for name in _field_names(kind):
+            parts.append(_field_key(getattr(node, name), position))
         entry = tuple(parts)
         try:
             hash(entry)
@@ -82,6 +84,11 @@ def query_key(root: Node) -> tuple | None:
         position[id(node)] = len(entries)
         entries.append(entry)
     return tuple(entries)
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 def _field_key(value: Any, position: dict[int, int]) -> Any:

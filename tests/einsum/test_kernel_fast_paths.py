@@ -8,7 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tensorql_kernels.chunk_einsum import BroadcastJoin, PairProduct, _rowwise_dot, chunk_einsum
+from tensorql_kernels.chunk_einsum import (
+    BroadcastJoin,
+    PairProduct,
+    _rowwise_dot,
+    chunk_einsum,
+    contract_into,
+    contract_to,
+)
 
 from tensorql.physical.kernels import ContractChunk
 
@@ -122,3 +129,31 @@ def test_other_contractions_are_not_pair_products(la, lb, out):
     got = chunk_einsum([torch.from_numpy(a), torch.from_numpy(b)], [la, lb], out)
     want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("a_first", [True, False])
+@pytest.mark.parametrize("b_first", [True, False])
+@pytest.mark.parametrize("swap", [False, True])
+def test_flat_products_match_numpy(a_first, b_first, swap):
+    """``P + C`` or ``C + P`` against ``C + Q`` or ``Q + C`` (the flat-matmul views, planned
+    once per labels and shapes), either operand first: a fresh product, one accumulated into
+    and one written into a tile, as numpy gives them."""
+    rng = np.random.default_rng(7)
+    sizes = {"p": 2, "r": 3, "c": 4, "d": 2, "q": 5}
+    p, c, q = ("p", "r"), ("c", "d"), ("q",)
+    la = p + c if a_first else c + p
+    lb = c + q if b_first else q + c
+    a = rng.standard_normal([sizes[x] for x in la])
+    b = rng.standard_normal([sizes[x] for x in lb])
+    out = p + q
+    ops, labs = ([b, a], [lb, la]) if swap else ([a, b], [la, lb])
+    want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
+    tensors = [torch.from_numpy(x) for x in ops]
+    np.testing.assert_allclose(contract_into(None, tensors, labs, out).numpy(), want,
+                               rtol=1e-10, atol=1e-10)
+    acc = torch.ones(want.shape, dtype=torch.float64)
+    np.testing.assert_allclose(contract_into(acc, tensors, labs, out).numpy(), want + 1,
+                               rtol=1e-10, atol=1e-10)
+    big = torch.zeros(want.shape[0] + 1, *want.shape[1:], dtype=torch.float64)
+    contract_to(big[1:], tensors, labs, out)
+    np.testing.assert_allclose(big[1:].numpy(), want, rtol=1e-10, atol=1e-10)
