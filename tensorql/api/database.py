@@ -27,6 +27,7 @@ from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
 from tensorql.pipeline import CompiledQuery, get_backend
+from tensorql.pipeline.query_cache import QueryCache
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 from tensorql.storage.mapped import MappedPageReleaser
 from tensorql.storage.stream_write import StreamingWrite
@@ -98,6 +99,7 @@ class Database:
         self._closed = False
         self._connection: Any = None  # a private DuckDB connection when the store has none
         self.generation = 0  # bumped on every change to stored tensors (plan caches check it)
+        self.query_cache = QueryCache()  # compiled queries by structure (Tensor.compile)
         self._spill_space: Any = None
 
     @property

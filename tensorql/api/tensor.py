@@ -178,13 +178,32 @@ class Tensor:
 
     # -- running -----------------------------------------------------------------------
     def compile(self) -> CompiledQuery:
-        """The planned query (cached until the database's stored tensors or options change)."""
-        from tensorql.pipeline import CompiledQuery
+        """The planned query (cached until the database's stored tensors or options change).
 
-        stamp = (self.db.generation, self.db.options)
+        The session keeps the plans of the queries it compiled by their graph's structure
+        (:mod:`tensorql.pipeline.query_cache`): the same expression written again over the
+        same stored tensors -- a new Tensor each time -- reuses its plan.
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> a = db.from_numpy("a", np.ones((2, 3), dtype=np.float32))
+        >>> tq.einsum("ij->i", a).compile() is tq.einsum("ij->i", a).compile()
+        True
+        """
+        from tensorql.logical.path import PATH_CACHE
+        from tensorql.pipeline import CompiledQuery
+        from tensorql.pipeline.query_cache import query_key
+
+        stamp = (self.db.generation, self.db.options, PATH_CACHE.epoch)
         cached = getattr(self, "_compiled", None)
         if cached is None or cached[0] != stamp:
-            cached = (stamp, CompiledQuery.compile(self.node, self.db))
+            shared = self.db.query_cache
+            key = query_key(self.node)
+            compiled = shared.get(key, stamp)
+            if compiled is None:
+                compiled = CompiledQuery.compile(self.node, self.db)
+                shared.put(key, stamp, compiled)
+            cached = (stamp, compiled)
             self._compiled = cached
         return cached[1]
 

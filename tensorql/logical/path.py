@@ -122,6 +122,7 @@ class PathCache:
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
+        self.epoch = 0  # bumped by clear(): plans built from the cleared paths are stale
         self._paths: LRUCache[PathKey, tuple[tuple[int, ...], ...]] = LRUCache(capacity)
 
     def get(self, key: PathKey) -> tuple[tuple[int, ...], ...]:
@@ -138,6 +139,7 @@ class PathCache:
     def clear(self) -> None:
         self._paths.clear()
         self.hits = self.misses = 0
+        self.epoch += 1
 
 
 PATH_CACHE = PathCache()

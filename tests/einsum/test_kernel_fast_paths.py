@@ -1,13 +1,21 @@
 """The chunk kernel's fast paths -- a join with no aggregated label on broadcast views, a
-row-wise dot of two same-labelled operands -- give numpy.einsum's results (and the general
-path's), for every join, with permuted and missing labels."""
+row-wise dot of two same-labelled operands, a pair contracted as one matrix product -- give
+numpy.einsum's results (and the general path's), for every join, with permuted and missing
+labels."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tensorql_kernels.chunk_einsum import BroadcastJoin, _rowwise_dot, chunk_einsum
+from tensorql_kernels.chunk_einsum import (
+    BroadcastJoin,
+    PairProduct,
+    _rowwise_dot,
+    chunk_einsum,
+    contract_into,
+    contract_to,
+)
 
 from tensorql.physical.kernels import ContractChunk
 
@@ -65,3 +73,87 @@ def test_rowwise_dots_match_numpy(shape, kept, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     np.testing.assert_allclose(got.double().numpy(), want, rtol=tol, atol=tol)
     assert _rowwise_dot([a, b], [labels, labels[::-1]], out) is None  # other orders: einsum
+
+
+def _random_pair(rng: np.random.Generator):
+    """Two operands' labels and an output: random groups of contracted and free labels,
+    each operand's dims in a random order (so the groups interleave), the output in a random
+    order of the free labels."""
+    names = iter("abcdefghijklmnop")
+    contracted = [next(names) for _ in range(rng.integers(0, 4))]
+    free_a = [next(names) for _ in range(rng.integers(0, 4))]
+    free_b = [next(names) for _ in range(rng.integers(0, 4))]
+    la = list(rng.permutation(contracted + free_a))
+    lb = list(rng.permutation(contracted + free_b))
+    out = list(rng.permutation(free_a + free_b))
+    if rng.integers(0, 3) == 0:  # the output as free(b) + free(a): the swapped product
+        out = free_b + free_a
+    sizes = {lab: int(rng.integers(1, 5)) for lab in contracted + free_a + free_b}
+    return tuple(la), tuple(lb), tuple(out), sizes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pair_products_match_numpy(seed):
+    rng = np.random.default_rng(seed)
+    la, lb, out, sizes = _random_pair(rng)
+    a = rng.standard_normal([sizes[lab] for lab in la])
+    b = rng.standard_normal([sizes[lab] for lab in lb])
+    want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    if seed % 2:  # an operand that is itself a permuted view (a previous product's layout)
+        ta = ta.T.contiguous().T if ta.ndim == 2 else ta
+    pair = PairProduct.plan(la, lb, out, tuple(ta.shape), tuple(tb.shape))
+    assert pair is not None
+    got = pair(ta, tb)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
+    # the chunk kernel takes this path and gives the same, owning its memory
+    value = chunk_einsum([ta, tb], [la, lb], out)
+    np.testing.assert_allclose(value.numpy(), want, rtol=1e-10, atol=1e-10)
+    for x in (ta, tb):
+        assert value.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("la, lb, out", [
+    (("b", "i"), ("b", "j"), ("b", "i", "j")),  # a label kept by both (a batch)
+    (("i", "j"), ("j", "k"), ("k",)),  # a label summed out of one operand alone
+    (("i", "i"), ("i", "j"), ("j",)),  # a repeated label
+])
+def test_other_contractions_are_not_pair_products(la, lb, out):
+    sizes = {"b": 2, "i": 3, "j": 4, "k": 5}
+    assert PairProduct.plan(la, lb, out, tuple(sizes[x] for x in la),
+                            tuple(sizes[x] for x in lb)) is None
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal([sizes[x] for x in la])
+    b = rng.standard_normal([sizes[x] for x in lb])
+    got = chunk_einsum([torch.from_numpy(a), torch.from_numpy(b)], [la, lb], out)
+    want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("a_first", [True, False])
+@pytest.mark.parametrize("b_first", [True, False])
+@pytest.mark.parametrize("swap", [False, True])
+def test_flat_products_match_numpy(a_first, b_first, swap):
+    """``P + C`` or ``C + P`` against ``C + Q`` or ``Q + C`` (the flat-matmul views, planned
+    once per labels and shapes), either operand first: a fresh product, one accumulated into
+    and one written into a tile, as numpy gives them."""
+    rng = np.random.default_rng(7)
+    sizes = {"p": 2, "r": 3, "c": 4, "d": 2, "q": 5}
+    p, c, q = ("p", "r"), ("c", "d"), ("q",)
+    la = p + c if a_first else c + p
+    lb = c + q if b_first else q + c
+    a = rng.standard_normal([sizes[x] for x in la])
+    b = rng.standard_normal([sizes[x] for x in lb])
+    out = p + q
+    ops, labs = ([b, a], [lb, la]) if swap else ([a, b], [la, lb])
+    want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
+    tensors = [torch.from_numpy(x) for x in ops]
+    np.testing.assert_allclose(contract_into(None, tensors, labs, out).numpy(), want,
+                               rtol=1e-10, atol=1e-10)
+    acc = torch.ones(want.shape, dtype=torch.float64)
+    np.testing.assert_allclose(contract_into(acc, tensors, labs, out).numpy(), want + 1,
+                               rtol=1e-10, atol=1e-10)
+    big = torch.zeros(want.shape[0] + 1, *want.shape[1:], dtype=torch.float64)
+    contract_to(big[1:], tensors, labs, out)
+    np.testing.assert_allclose(big[1:].numpy(), want, rtol=1e-10, atol=1e-10)
