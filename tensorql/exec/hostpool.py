@@ -181,6 +181,9 @@ class HostTier:
         self._reading: set[ChunkRef] = set()
         self._orphans: dict[ChunkRef, int] = {}  # dropped while read: their DuckDB ids
         self._ahead: set[ChunkRef] = set()  # read back by the prefetcher, not yet used
+        # read on demand for the use now running (not kept): the prefetcher must not read
+        # them again for that same use
+        self._served: set[ChunkRef] = set()
         self._cond = threading.Condition()
         self._lock = self._cond  # one lock guards the tier's maps and figures
         self._put_lock = threading.Lock()  # one spill decision at a time
@@ -236,6 +239,7 @@ class HostTier:
             if k is None or self._done[k]:
                 return
             self._done[k] = True
+            self._served.discard(self._order[k])
             uses = self._uses.get(self._order[k])
             if uses:
                 if uses[0] == k:
@@ -401,6 +405,8 @@ class HostTier:
                     self.plain_bytes + self._pending + value.nbytes <= self.budget:
                 self._data[ref] = value  # read again later: keep it while there is room
                 self._add_plain(value.nbytes)
+            else:
+                self._served.add(ref)
         return value
 
     def _start_prefetcher(self) -> None:
@@ -416,7 +422,8 @@ class HostTier:
             if self._done[k]:
                 continue
             ref = self._order[k]
-            if ref in self._data or ref in self._reading or ref not in self._spilled:
+            if ref in self._data or ref in self._reading or ref not in self._spilled \
+                    or ref in self._served:
                 continue
             if self.plain_bytes + self._pending + self._sizes[ref] > self.budget:
                 return None
@@ -472,6 +479,7 @@ class HostTier:
                 entry = None
             self._fresh.discard(ref)
             self._ahead.discard(ref)
+            self._served.discard(ref)
             if value is not None and off is None:
                 self.plain_bytes -= self._sizes.get(ref, value.nbytes)
             self._cond.notify_all()

@@ -326,6 +326,39 @@ def test_host_tier_spills_what_is_read_last_and_reads_it_back_in_plan_order():
         space.close()
 
 
+def test_a_chunk_read_on_demand_is_not_read_again_by_the_prefetcher_for_the_same_use():
+    """The prefetcher used to read a chunk back a second time when its load had already read
+    it on demand and had not finished: a wasted DuckDB read, and plain bytes reserved for a
+    chunk its owner may drop meanwhile (CI saw ``plain_bytes`` 1 KiB after every drop)."""
+    import torch
+
+    from tensorql.exec.hostpool import HostTier
+    from tensorql.exec.taskgraph import ChunkRef
+
+    a, b = ChunkRef(1, (0,)), ChunkRef(1, (1,))
+    space = SpillSpace()
+    tier = HostTier(spill=space, budget=1024, loads=[(1, a), (2, b)])
+    try:
+        tier.put(a, torch.zeros(256))
+        tier.put(b, torch.ones(256))  # read last: spilled; no room to read it ahead
+        assert tier.spill_chunks == 1 and tier.plain_bytes == 1024
+        torch.testing.assert_close(tier.get(b), torch.ones(256))  # on demand: a holds the room
+        assert tier.reads_on_demand == 1
+        tier.drop(a)  # room now; b's load is still running
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and tier.reads_ahead == 0:
+            time.sleep(0.01)
+        with tier._cond:
+            assert tier.reads_ahead == 0 and not tier._reading
+            assert tier._next_prefetch() is None
+        tier.load_done(2)
+        tier.drop(b)
+        assert tier.plain_bytes == 0 and tier.spill_read == 1024
+    finally:
+        tier.close()
+        space.close()
+
+
 @pytest.mark.parametrize("devices", ["cpu", ["cpu:0", "cpu:1"]])
 def test_stored_result_and_two_devices_under_the_host_budget(tmp_path, devices):
     a, b, c = _operands(SMALL["n"], SMALL["k"], seed=4)
