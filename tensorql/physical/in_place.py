@@ -129,11 +129,14 @@ def _ordered_step(step: Step, constants: Sequence[torch.Tensor], tasks: list[Tas
         r for ref in (t.output,) for r in readers.get(ref, ())))
     if any(h in descendants for h in hazards):
         return None  # a reader waits for the output: no order lets it read first
+    hazard_list = list(hazards.values())
+    bit = {h.id: 1 << i for i, h in enumerate(hazard_list)}
+    every = (1 << len(hazard_list)) - 1
+    masks: dict[int, int] = {}  # task id -> the hazards among its ancestors, as bits
     new_tasks = []
     for task in step.tasks:
-        ancestors = _closure((task,), lambda t: (
-            w for ref in t.inputs for w in writers.get(ref, ())))
-        after = sorted({h.output for h in hazards.values() if h.id not in ancestors},
+        behind = _hazards_behind(task, writers, bit, every, masks)
+        after = sorted({h.output for h in hazard_list if not behind & bit[h.id]},
                        key=lambda ref: (ref.step, ref.key))
         extra = tuple(ref for ref in after if ref not in task.inputs)
         if not extra:
@@ -177,6 +180,39 @@ def _fresh(kernel: Any) -> bool:
     if isinstance(kernel, FusedPointwise):
         return _fresh(kernel.ops[-1].kernel)
     return isinstance(kernel, (MapChunk, SoftmaxChunk, SliceChunk))
+
+
+def _hazards_behind(task: Task, writers: dict[ChunkRef, list[Task]], bit: dict[int, int],
+                    every: int, masks: dict[int, int]) -> int:
+    """The hazards (as ``bit`` flags) among ``task``'s ancestors, memoised in ``masks`` so the
+    tasks of one output share one walk of the graph (a walk per task was quadratic).
+
+    >>> from types import SimpleNamespace as T
+    >>> a, b = T(id=1, inputs=(), output="a"), T(id=2, inputs=("a",), output="b")
+    >>> c = T(id=3, inputs=("b",), output="c")
+    >>> writers = {"a": [a], "b": [b], "c": [c]}
+    >>> _hazards_behind(c, writers, {1: 1, 2: 2}, 3, {}), _hazards_behind(a, writers, {1: 1}, 1, {})
+    (3, 0)
+    """
+    if task.id in masks:
+        return masks[task.id]
+    stack: list[tuple[Task, bool]] = [(task, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.id in masks:
+            continue
+        parents = [w for ref in node.inputs for w in writers.get(ref, ())]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((p, False) for p in parents if p.id not in masks)
+            continue
+        mask = 0
+        for parent in parents:
+            mask |= masks.get(parent.id, 0) | bit.get(parent.id, 0)
+            if mask == every:
+                break
+        masks[node.id] = mask
+    return masks[task.id]
 
 
 def _closure(start: Iterable[Task], step: Any) -> set[int]:
