@@ -573,7 +573,37 @@ class _TokenEmbeddings:
             self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
 
 
-class Prefill:
+class _PromptOfShape:
+    """What :class:`Prefill` and :class:`PromptQuery` share: a prompt shape (batch, seq)
+    checked once, the token embeddings written in place for each prompt, and the check of a
+    prompt's ids against the shape.
+
+    >>> import tensorql as tq
+    >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+    ...                    head_dim=4)
+    >>> prompt = _PromptOfShape(Llama.random(tq.connect(), shape, seed=0), 1, 3, "prefill")
+    >>> prompt._embed([[1, 2, 3]]).shape
+    (1, 3)
+    """
+
+    def __init__(self, model: Llama, batch: int, seq: int, what: str) -> None:
+        self.model, self.batch, self.seq, self._what = model, int(batch), int(seq), what
+        if self.batch < 1 or self.seq < 1:
+            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
+        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        self.positions = list(range(self.seq))
+
+    def _embed(self, tokens: Any) -> np.ndarray:
+        """Check ``tokens`` against the shape and write their embeddings in place."""
+        ids = self.model._tokens(tokens)
+        if ids.shape != (self.batch, self.seq):
+            raise ShapeError(f"this {self._what} takes prompts of shape ({self.batch}, "
+                             f"{self.seq}); got {ids.shape}")
+        self.embeddings.write(ids, self.model.embedding_table)
+        return ids
+
+
+class Prefill(_PromptOfShape):
     """The logits of prompts of one shape, (batch, seq) token ids, each a run of ONE query
     planned once: :meth:`Llama.logits` spelt over a constant for the prompt's embeddings
     (written in place for each prompt: the table's rows gathered, or under a
@@ -593,28 +623,19 @@ class Prefill:
     """
 
     def __init__(self, model: Llama, batch: int, seq: int) -> None:
-        s = model.shape
-        self.model, self.batch, self.seq = model, int(batch), int(seq)
-        if self.batch < 1 or self.seq < 1:
-            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
-        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        super().__init__(model, batch, seq, "prefill")
         x = self.embeddings.tensor
-        positions = list(range(self.seq))
-        for layer in range(s.layers):
-            x = model.block(x, layer, positions)
+        for layer in range(model.shape.layers):
+            x = model.block(x, layer, self.positions)
         self.output = model.head(x)
 
     def logits(self, tokens: Any) -> torch.Tensor:
         """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape."""
-        ids = self.model._tokens(tokens)
-        if ids.shape != (self.batch, self.seq):
-            raise ShapeError(f"this prefill takes prompts of shape ({self.batch}, {self.seq}); "
-                             f"got {ids.shape}")
-        self.embeddings.write(ids, self.model.embedding_table)
+        self._embed(tokens)
         return self.output.torch()
 
 
-class PromptQuery:
+class PromptQuery(_PromptOfShape):
     """A prompt of shape (batch, seq) run as ONE query planned once, with what decoding after
     it needs: the last position's logits (B, V) and every layer's rotated keys and values,
     as a :class:`KVCache` -- :meth:`Llama.step` of a prompt with no cache, whose queries
@@ -637,26 +658,18 @@ class PromptQuery:
     def __init__(self, model: Llama, batch: int, seq: int) -> None:
         from tensorql.pipeline import CompiledGroup
 
-        self.model, self.batch, self.seq = model, int(batch), int(seq)
-        if self.batch < 1 or self.seq < 1:
-            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
-        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
+        super().__init__(model, batch, seq, "prompt query")
         x = self.embeddings.tensor
-        positions = list(range(self.seq))
         outputs = []
         for layer in range(model.shape.layers):
-            x, keys, values = model._prompt_block(x, layer, positions)
+            x, keys, values = model._prompt_block(x, layer, self.positions)
             outputs += [keys, values]
         logits = model.head(x[:, self.seq - 1:, :])
         self.query = CompiledGroup.compile([t.node for t in (logits, *outputs)], model.db)
 
     def run(self, tokens: Any) -> tuple[torch.Tensor, KVCache]:
         """The last position's logits (B, V) of prompt ``tokens`` (B, S) and its KVCache."""
-        ids = self.model._tokens(tokens)
-        if ids.shape != (self.batch, self.seq):
-            raise ShapeError(f"this prompt query takes prompts of shape ({self.batch}, "
-                             f"{self.seq}); got {ids.shape}")
-        self.embeddings.write(ids, self.model.embedding_table)
+        self._embed(tokens)
         logits, *outputs = self.query.run()
         layers = tuple(torch.stack([keys, values]) for keys, values
                        in zip(outputs[0::2], outputs[1::2]))
