@@ -4,7 +4,9 @@
                                [--devices 1,2] [--tiles 256,512,1024] [--big] [--auto-only]
                                [--no-isolate] [--order random|abba] [--json PATH]
 
-Workloads (fp32, 512 tiles):
+Workloads (fp32; tensorql stores them with its automatic tile, as a user who passes no
+``tile=`` gets -- 1024 x 1024 here; ``--tile N`` stores them with N x N tiles instead; dask's
+chunks are the same tiles):
   * matmul      3072 x 3072 @ 3072 x 3072
   * mlp         relu(X[2048x1024] @ W1[1024x4096]) @ W2[4096x1024]
 
@@ -64,8 +66,8 @@ from harness import Contender, Record, add_arguments, measure, run_contenders
 # tensorql / the fastest torch form, warm medians (issue 31: <= 1.0 in every run)
 TORCH_GOAL = 1.0
 
-SIZES = {"small": {"n": 768, "mlp": (512, 256, 1024), "tile": 128},
-         "full": {"n": 3072, "mlp": (2048, 1024, 4096), "tile": 512}}
+SIZES = {"small": {"n": 768, "mlp": (512, 256, 1024)},
+         "full": {"n": 3072, "mlp": (2048, 1024, 4096)}}
 
 
 def arrays_for(workload: str, small: bool) -> dict[str, np.ndarray]:
@@ -156,14 +158,26 @@ def torch_compile_factory(workload: str, small: bool):
     return run
 
 
-def tq_factory(workload: str, small: bool, devices: int, threads: int, tile: int):
+def tq_factory(workload: str, small: bool, devices: int, threads: int, tile: int | None):
+    """tensorql's side; ``tile`` None: the automatic tile (what a user passing none gets)."""
     import tensorql as tq
 
     db = tq.connect(workers=threads, intra_op_threads=1, devices=devices)
-    stored = {k: db.from_numpy(k, v, tile=(tile, tile))
+    stored = {k: db.from_numpy(k, v, tile=None if tile is None else (tile, tile))
               for k, v in arrays_for(workload, small).items()}
     expr = build_expr(workload, stored)
     return expr.numpy
+
+
+def workload_tile(workload: str, small: bool, tile: int | None) -> int:
+    """The square tile the workload's operands are stored with: ``tile``, or tensorql's
+    automatic tile of the first operand (dask's chunks are the same)."""
+    if tile is not None:
+        return tile
+    from tensorql.grid import auto_tile
+
+    first = next(iter(arrays_for(workload, small).values()))
+    return int(auto_tile(first.shape)[0])
 
 
 def dask_factory(workload: str, small: bool, threads: int, tile: int, form: str):
@@ -266,6 +280,7 @@ def auto_tile_rows(args, tiles):
 
 def contenders_for(workload: str, devices: int, args, tile: int) -> list[Contender]:
     common = dict(workload=workload, small=args.small)
+    chunk = workload_tile(workload, args.small, tile)
     out = [Contender("torch", "cpu_einsum:torch_factory", common),
            Contender("torch packed", "cpu_einsum:torch_factory", dict(common, packed=True)),
            Contender("torch compile", "cpu_einsum:torch_compile_factory", common),
@@ -279,7 +294,7 @@ def contenders_for(workload: str, devices: int, args, tile: int) -> list[Contend
     if devices == 1 and not args.skip_dask:
         one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         out += [Contender(f"dask {form}", "cpu_einsum:dask_factory",
-                          dict(common, threads=args.threads, tile=tile, form=form), env=one)
+                          dict(common, threads=args.threads, tile=chunk, form=form), env=one)
                 for form in ("einsum", "einsum-opt", "matmul")]
     return out
 
@@ -295,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="add an 8192^3 matmul to the automatic-tile table")
     parser.add_argument("--auto-only", action="store_true",
                         help="run only the automatic-tile table")
+    parser.add_argument("--tile", type=int, default=None,
+                        help="store the operands with N x N tiles (default: the automatic tile)")
     parser.add_argument("--devices", default="1,2",
                         help="comma-separated device counts to run each workload on")
     add_arguments(parser, repeat=9)
@@ -302,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.devices.split(",")]
     record = Record("cpu_einsum", smoke=args.small, args=args, argv=argv)
     torch.set_num_threads(args.threads)
-    tile = SIZES["small" if args.small else "full"]["tile"]
+    tile = args.tile
     sizes = {"matmul": f"{SIZES['small' if args.small else 'full']['n']}^3",
              "mlp": "x".join(map(str, SIZES["small" if args.small else "full"]["mlp"]))}
 
@@ -320,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         record.timings(key, timings)
         med = {who: t.median for who, t in timings.items()}
         dask = {who: m for who, m in med.items() if who.startswith("dask")}
-        row = {"workload": name, "size": sizes[name], "tile": tile, "devices": devices,
+        shown = workload_tile(name, args.small, tile)
+        row = {"workload": name, "size": sizes[name],
+               "tile": shown if tile is not None else f"auto ({shown})", "devices": devices,
                "torch": med["torch"], "tq": med["tq"], "tq_cold": timings["tq"].first_s,
                "tq_nopack": med.get("tq nopack"), "torch_cold": timings["torch"].first_s,
                "torch_packed": med["torch packed"], "torch_compile": med["torch compile"],
