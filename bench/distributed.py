@@ -92,6 +92,7 @@ SIZES = {  # mlp-tp: the mlp's weights, a batch of d_model / 8 rows (see tp_memo
 
 
 WORKLOADS = ("mlp", "block", "mlp-dp", "mlp-tp")
+STRATEGY_ENV = "TQ_BENCH_STRATEGY"  # --tq-strategy, handed to the ranks
 
 
 def mlp_shape(name: str, size: str) -> tuple[int, int, int]:
@@ -403,7 +404,8 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
     sent = _count_tq_bytes()
     limit = tp_memory_limit(*mlp_shape(name, size), world) if tp else None
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
-                    distributed_exchange=exchange, strategy="data" if dp else "auto",
+                    distributed_exchange=exchange,
+                    strategy="data" if dp else os.environ.get(STRATEGY_ENV, "auto"),
                     memory_limit=limit) as db:
         if base == "mlp":
             b, d, h = mlp_shape(name, size)
@@ -555,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--tq-strategy", default="auto",
+                        help="tensorql's partitioning strategy in the tensor-parallel rows "
+                             "(mlp, block, mlp-tp; mlp-dp runs 'data'): 'model' is the "
+                             "Megatron plan DTensor runs, 'auto' the cheapest by the cost model")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"the rows to run, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--exchange", choices=("collective", "p2p"), default="collective",
@@ -576,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
 
     size = "tiny" if args.tiny else "issue" if args.issue_size else "default"
     workloads = [n for n in args.workloads.split(",") if n]
+    os.environ[STRATEGY_ENV] = args.tq_strategy  # the ranks inherit it
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose among {', '.join(WORKLOADS)}")
@@ -586,8 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     record = Record("distributed", smoke=args.tiny, args=args, argv=argv)
     rng = random.Random(args.seed)
     print(f"torch={torch.__version__} gloo, one torch thread per rank, repeat={args.repeat}, "
-          f"exchange={args.exchange}, isolate={args.isolate}, {cores} cores, sizes "
-          f"{SIZES[size]}")
+          f"tensorql strategy={args.tq_strategy}, exchange={args.exchange}, "
+          f"isolate={args.isolate}, {cores} cores, sizes {SIZES[size]}")
     columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "tq nopack ms",
                "DTensor ms", "DT IQR", "DT cold ms", "tq/DT", "nopack/DT", "tq bytes MiB",
                "DT bytes MiB", "tq/DT bytes",
