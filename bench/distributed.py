@@ -1,6 +1,7 @@
 """tensorql on torch.distributed against PyTorch DTensor with Megatron sharding, same run.
 
     python bench/distributed.py [--ranks 1,2,4] [--repeat 3] [--issue-size | --tiny]
+                                [--workloads mlp,block,mlp-dp,mlp-tp]
 
 For each rank count K the bench launches K local processes (gloo, one torch thread each,
 ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` as torchrun sets them). Every rank builds the same
@@ -41,7 +42,11 @@ batch, the output all-gathered); its "DTensor" columns are that torch baseline.
 A fourth, ``mlp-tp``, is tensor parallelism where it is needed: tensorql's ``auto`` strategy
 under a per-rank ``memory_limit`` (``tp_memory_limit``: the largest working set of the Megatron
 plan, below the bytes of both weights, so no rank may hold the weights whole) against the same
-DTensor Megatron plan as ``mlp``. Its weights are stored in shards, ``W1`` tiled by columns and
+DTensor Megatron plan as ``mlp``, on the ``mlp``'s weights with a batch of d_model / 8 rows
+(activations small beside the weights, where tensor parallelism is what fits: the row checks
+that the limit is below ``replicated_floor``, the working set of any plan replicating the
+weights; at the ``mlp``'s batch a 2 x 2 plan over 4 ranks fits it as well and moves fewer
+bytes). Its weights are stored in shards, ``W1`` tiled by columns and
 ``W2`` by rows in K pieces, as a checkpoint meant for K-way tensor parallelism is; stored as one
 chunk each, every rank would decode the whole chunk into its chunk cache to read its half (the
 ``memory_limit`` bounds the run's memory plan, not the chunk cache). The row checks that
@@ -77,11 +82,26 @@ import torch
 from harness import Record, Timing, add_arguments
 from tables import cell
 
-SIZES = {
-    "tiny": {"mlp": (16, 32, 64), "block": (1, 16, 32, 4, 8, 48)},
-    "default": {"mlp": (1024, 2048, 2048), "block": (1, 256, 1024, 8, 128, 2816)},
-    "issue": {"mlp": (2048, 4096, 4096), "block": (1, 512, 2048, 16, 128, 5632)},
+SIZES = {  # mlp-tp: the mlp's weights, a batch of d_model / 8 rows (see tp_memory_limit)
+    "tiny": {"mlp": (16, 32, 64), "mlp-tp": (4, 32, 64), "block": (1, 16, 32, 4, 8, 48)},
+    "default": {"mlp": (1024, 2048, 2048), "mlp-tp": (256, 2048, 2048),
+                "block": (1, 256, 1024, 8, 128, 2816)},
+    "issue": {"mlp": (2048, 4096, 4096), "mlp-tp": (512, 4096, 4096),
+              "block": (1, 512, 2048, 16, 128, 5632)},
 }
+
+
+WORKLOADS = ("mlp", "block", "mlp-dp", "mlp-tp")
+STRATEGY_ENV = "TQ_BENCH_STRATEGY"  # --tq-strategy, handed to the ranks
+
+
+def mlp_shape(name: str, size: str) -> tuple[int, int, int]:
+    """(batch, d_model, d_ff) of an MLP row: ``mlp-tp``'s own, the others' ``mlp``.
+
+    >>> mlp_shape("mlp-tp", "default"), mlp_shape("mlp-dp", "default")
+    ((256, 2048, 2048), (1024, 2048, 2048))
+    """
+    return SIZES[size]["mlp-tp" if name == "mlp-tp" else "mlp"]
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -236,16 +256,37 @@ def _max_over_ranks(value: int) -> int:
 def tp_memory_limit(batch: int, d_model: int, d_ff: int, ranks: int) -> int:
     """The ``memory_limit`` of the ``mlp-tp`` row: the Megatron plan's largest working set on a
     rank (float32: all of x, a 1/ranks shard of W1 and of the hidden activations; W2's product
-    mirrors it). At this bench's sizes it is below the bytes of the two weights from two ranks
-    on (the row checks it): under it no rank holds both weights whole.
+    mirrors it). Under it no rank holds both weights whole; with the row's batch of d_model / 8
+    rows it is also below :func:`replicated_floor`, so no plan that replicates the weights fits
+    either (at a batch of d_model / 2, the ``mlp`` row's, a 2 x 2 plan over 4 ranks -- half the
+    batch each, W1 cut in 2 -- has the very same working set, moves fewer bytes, and so is
+    what the optimizer picks: each rank then holds half of the weights, not a quarter).
 
     >>> tp_memory_limit(16, 32, 64, 2) == 4 * (16 * 32 + 32 * 32 + 16 * 32)
     True
     >>> tp_memory_limit(1024, 2048, 2048, 2) < 2 * 4 * 2048 * 2048
     True
+    >>> tp_memory_limit(1024, 2048, 2048, 4) < replicated_floor(1024, 2048, 2048, 4)
+    False
+    >>> all(tp_memory_limit(256, 2048, 2048, k) < replicated_floor(256, 2048, 2048, k)
+    ...     for k in (2, 3, 4))
+    True
     """
     return 4 * (batch * d_model + math.ceil(d_model * d_ff / ranks)
                 + math.ceil(batch * d_ff / ranks))
+
+
+def replicated_floor(batch: int, d_model: int, d_ff: int, ranks: int) -> int:
+    """The working set of the first product on a rank of the cheapest plan that replicates the
+    weights (float32): two replicas of tensor parallelism over ``ranks / 2`` ranks each, half
+    the batch each -- half of x's rows, a 2/ranks shard of W1 and of half the hidden rows.
+
+    >>> replicated_floor(16, 32, 64, 4) == 4 * (8 * 32 + 32 * 32 + 8 * 32)
+    True
+    """
+    half = math.ceil(batch / 2)
+    share = min(d_ff, math.ceil(2 * d_ff / ranks))
+    return 4 * (half * d_model + d_model * share + half * share)
 
 
 def _is_weight(name: str, prefix: str) -> bool:
@@ -361,12 +402,13 @@ def worker(out: str, name: str, size: str, repeat: int, exchange: str,
     from tensorql.models import llama_block, mlp
 
     sent = _count_tq_bytes()
-    limit = tp_memory_limit(*SIZES[size]["mlp"], world) if tp else None
+    limit = tp_memory_limit(*mlp_shape(name, size), world) if tp else None
     with tq.connect(distributed=True, workers=1, distributed_timeout_s=600,
-                    distributed_exchange=exchange, strategy="data" if dp else "auto",
+                    distributed_exchange=exchange,
+                    strategy="data" if dp else os.environ.get(STRATEGY_ENV, "auto"),
                     memory_limit=limit) as db:
         if base == "mlp":
-            b, d, h = SIZES[size]["mlp"]
+            b, d, h = mlp_shape(name, size)
             w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
             prefix, head_dim = "mlp_", 0
         else:
@@ -427,7 +469,7 @@ def write_data(name: str, size: str, path: str) -> None:
 
     db = tq.connect()
     if name.split("-")[0] == "mlp":
-        b, d, h = SIZES[size]["mlp"]
+        b, d, h = mlp_shape(name, size)
         w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
     else:
         b, s, d, heads, head_dim, ff = SIZES[size]["block"]
@@ -515,6 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--tq-strategy", default="auto",
+                        help="tensorql's partitioning strategy in the tensor-parallel rows "
+                             "(mlp, block, mlp-tp; mlp-dp runs 'data'): 'model' is the "
+                             "Megatron plan DTensor runs, 'auto' the cheapest by the cost model")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"the rows to run, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--exchange", choices=("collective", "p2p"), default="collective",
                         help="how tensorql moves chunks between ranks (Options."
                              "distributed_exchange)")
@@ -533,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     from tensorql.units import format_bytes
 
     size = "tiny" if args.tiny else "issue" if args.issue_size else "default"
+    workloads = [n for n in args.workloads.split(",") if n]
+    os.environ[STRATEGY_ENV] = args.tq_strategy  # the ranks inherit it
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose among {', '.join(WORKLOADS)}")
     counts = [int(k) for k in args.ranks.split(",")]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     timed = [k for k in counts if 1 < k <= (cores or 1)]
@@ -540,8 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     record = Record("distributed", smoke=args.tiny, args=args, argv=argv)
     rng = random.Random(args.seed)
     print(f"torch={torch.__version__} gloo, one torch thread per rank, repeat={args.repeat}, "
-          f"exchange={args.exchange}, isolate={args.isolate}, {cores} cores, sizes "
-          f"{SIZES[size]}")
+          f"tensorql strategy={args.tq_strategy}, exchange={args.exchange}, "
+          f"isolate={args.isolate}, {cores} cores, sizes {SIZES[size]}")
     columns = ["workload", "ranks", "tq ms", "tq IQR", "tq cold ms", "tq nopack ms",
                "DTensor ms", "DT IQR", "DT cold ms", "tq/DT", "nopack/DT", "tq bytes MiB",
                "DT bytes MiB", "tq/DT bytes",
@@ -550,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                "DT peak RSS MiB", "tq err", "DT err", "row"]
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for name in ("mlp", "block", "mlp-dp", "mlp-tp"):
+        for name in workloads:
             for k in counts:
                 r = run_row(k, name, size, args, out, rng)
                 tq_t = Timing(r["tq_samples"], r["tq_first"], isolated=args.isolate)
@@ -598,6 +651,11 @@ def main(argv: list[str] | None = None) -> int:
                                      f"{format_bytes(r['memory_limit'])} < the weights' "
                                      f"{format_bytes(r['weight_bytes'])}",
                                      r["memory_limit"] < r["weight_bytes"])
+                        floor = replicated_floor(*mlp_shape(name, size), k)
+                        record.check(f"{name} ranks={k}: memory_limit "
+                                     f"{format_bytes(r['memory_limit'])} < "
+                                     f"{format_bytes(floor)}, the least a plan replicating "
+                                     f"the weights needs", r["memory_limit"] < floor)
                     share = math.ceil(r["weight_bytes"] / k)
                     record.check(f"{name} ranks={k}: tensorql holds "
                                  f"{format_bytes(r['tq_weight_bytes_rank'])} of the weights a "

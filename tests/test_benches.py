@@ -88,6 +88,22 @@ def test_harness_and_tables_doctests():
         assert attempted > 0 and failed == 0, module.__name__
 
 
+def test_the_tensor_parallel_row_leaves_no_room_for_replicated_weights():
+    """bench/distributed.py's mlp-tp row: at every size and rank count it runs, its
+    memory_limit is below the working set of any plan that replicates the weights, so its
+    check that a rank holds 1/K of them is the premise, not a hope (at the mlp row's batch of
+    d_model / 2 a 2 x 2 plan over 4 ranks fit the limit and each rank held half)."""
+    import distributed
+
+    assert doctest.testmod(distributed).failed == 0
+    for size in distributed.SIZES:
+        shape = distributed.mlp_shape("mlp-tp", size)
+        for k in (2, 3, 4):
+            limit = distributed.tp_memory_limit(*shape, k)
+            assert limit < distributed.replicated_floor(*shape, k), (size, k)
+            assert limit < 4 * 2 * shape[1] * shape[2]  # nor the weights whole
+
+
 def test_order_is_random_and_deterministic_with_a_seed():
     names = ["a", "b", "c"]
     one = harness.schedule(names, 8, order="random", seed=3)

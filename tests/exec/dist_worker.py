@@ -98,6 +98,56 @@ def explain(out: str, name: str) -> None:
                        "result_bytes": int(run.dense().nbytes)}, f)
 
 
+def tensor_parallel(out: str, shape: str) -> None:
+    """The MLP ``relu(x @ W1) @ W2`` of ``shape`` (``batch,d_model,d_ff``), its weights
+    stored in K shards (W1 tiled by columns, W2 by rows, as a checkpoint for K-way tensor
+    parallelism is), under a per-rank ``memory_limit`` of the Megatron plan's working set, the
+    ``auto`` strategy: what each rank's chunk cache holds of the weights after the run
+    (distinct storage) against the regions its own load tasks read."""
+    import math
+
+    from tensorql.physical.partitioned import LoadPiece
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    b, d, h = (int(n) for n in shape.split(","))
+    limit = 4 * (b * d + math.ceil(d * h / world) + math.ceil(b * h / world))
+    rng = np.random.default_rng(b * 10007 + d * 101 + h)
+    x = rng.standard_normal((b, d)).astype(np.float32)
+    w1 = (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32)
+    w2 = (rng.standard_normal((h, d)) / np.sqrt(h)).astype(np.float32)
+    cut = math.ceil(h / world)
+    with tq.connect(distributed=True, workers=1, distributed_timeout_s=60,
+                    memory_limit=limit) as db:
+        tx = db.from_numpy("tp_x", x)
+        t1 = db.from_numpy("tp_w1", w1, tile=(d, cut))
+        t2 = db.from_numpy("tp_w2", w2, tile=(cut, d))
+        query = ((tx @ t1).relu() @ t2).compile()
+        got = query.run(dense=True).dense().numpy()
+        store = db.chunk_store
+        versions = store.pin(["tp_w1", "tp_w2"])
+        tables = {v.handle for v in versions.values()}
+        store.unpin(versions.values())
+        held: dict[int, int] = {}
+        with store.cache._lock:  # the cache has no public iteration
+            for (table, _key), chunk in store.cache._items.items():
+                if table in tables:
+                    storage = chunk.untyped_storage()
+                    held[storage.data_ptr()] = storage.nbytes()
+        regions = {(task.kernel.name, tuple(task.kernel.lo), tuple(task.kernel.hi))
+                   for step in query.physical.steps for task in step.tasks
+                   if isinstance(task.kernel, LoadPiece) and task.device == rank
+                   and task.kernel.name in ("tp_w1", "tp_w2")}
+        result = {
+            "max_err": float(np.abs(got - np.maximum(x @ w1, 0) @ w2).max()),
+            "held": sum(held.values()),
+            "read": sum(4 * math.prod(b - a for a, b in zip(lo, hi)) for _, lo, hi in regions),
+            "weights": int(w1.nbytes + w2.nbytes),
+            "pieces": [dict(zip(op.labels, op.pieces)) for op in query.partition.ops],
+        }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def store(out: str, path: str) -> None:
     """``db.store`` in a distributed job: every rank takes part in the run and stores the
     result in its own session's database -- rank 0 the file at ``path``, the others in
@@ -183,6 +233,8 @@ def main() -> None:
         return from_file(out, names[len("file:"):])
     if names.startswith("store:"):
         return store(out, names[len("store:"):])
+    if names.startswith("tp:"):
+        return tensor_parallel(out, names[len("tp:"):])
     if names.startswith("explain:"):
         return explain(out, names[len("explain:"):])
     names = names.split(",")

@@ -127,6 +127,32 @@ def test_two_nodes_of_two_ranks_move_the_bytes_per_level_the_plan_predicts(tmp_p
     assert inter > 0  # something crossed "nodes"
 
 
+@pytest.mark.parametrize("shape,needed", [((8, 64, 64), True), ((32, 64, 64), False)])
+def test_tensor_parallel_ranks_hold_only_the_weights_they_read(tmp_path, shape, needed):
+    """Four ranks run an MLP whose weights are stored in 4 shards (W1 by columns, W2 by rows)
+    under a per-rank memory_limit of the Megatron plan's working set (bench/distributed.py's
+    mlp-tp row). Each rank's chunk cache holds exactly the weight regions its own load tasks
+    read, no whole stored chunk beside them; the result matches numpy.
+
+    With a batch of d_model / 8 rows only tensor parallelism fits the limit: each rank holds a
+    quarter of the weights. With d_model / 2 rows (the bench's old mlp-tp batch, where it
+    found a rank holding 16 MiB of 32) a 2 x 2 plan (half the batch each, W1 cut in 2) has
+    the same working set and moves fewer bytes, so the optimizer may pick it: its ranks then
+    hold half of the weights -- what the plan reads, not a storage leak."""
+    done = _launch(4, "tp:" + ",".join(map(str, shape)), tmp_path)
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for seen in ranks:
+        assert seen["max_err"] < 1e-4
+        assert seen["held"] == seen["read"] <= seen["weights"] // 2
+        if needed:
+            assert seen["held"] == seen["weights"] // 4
+    if needed:  # the first product: all of the batch (i), d_ff (k) cut in 4
+        first = ranks[0]["pieces"][2]
+        assert (first["i"], first["k"]) == (1, 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="NCCL ranks need a GPU each (two or more)")
