@@ -150,6 +150,17 @@ def child(kind: str, work: Path, tile: int, threads: int, budget: int, limit: in
             "host_budget", "host_peak_bytes", "spill_written_bytes", "spill_read_bytes",
             "spill_chunks", "spill_reads_ahead", "spill_reads_on_demand")}
         figures["device_peak_bytes"] = stats.peak_live_bytes
+        # where the time goes, from the run's own records (not the machine's load): seconds
+        # of kernels (every task but the store's reads) against the run's wall time, i.e.
+        # how many kernels ran at once on average, and for a budgeted run the share of its
+        # time with at least one kernel running (the compute lane's busy union)
+        scans = {step.id for step in query.physical.steps if not step.tasks
+                 or all(not task.inputs for task in step.tasks)}
+        figures["kernel_s"] = sum(st.busy_s for sid, st in stats.steps.items()
+                                  if sid not in scans)
+        figures["run_wall_s"] = stats.wall_s
+        devices = getattr(stats, "devices", None)
+        figures["kernel_busy_s"] = devices[0].busy_s if devices else None
         db.close()
     peak = _status("VmHWM")
     np.save(out, result)
@@ -349,6 +360,16 @@ def report(workload: str, kinds: list[str], samples: dict[str, list[dict]],
           f"chunk(s), {last['spill_read_bytes'] / MiB:.0f} MiB reloaded "
           f"({last['spill_reads_ahead']} read(s) ahead of use, "
           f"{last['spill_reads_on_demand']} on demand)")
+    for kind in ("tq-budget", "tq-unlimited"):
+        runs = [s for s in samples.get(kind, ()) if s.get("kernel_s") and s.get("run_wall_s")]
+        if runs:
+            mean = [s["kernel_s"] / s["run_wall_s"] for s in runs]
+            busy = [s["kernel_busy_s"] / s["run_wall_s"] for s in runs
+                    if s.get("kernel_busy_s")]
+            print(f"{kind} kernels: {_spread([s['kernel_s'] for s in runs])} s of kernel time, "
+                  f"{_spread(mean)} running at once on average"
+                  + (f", at least one running {_spread([100 * b for b in busy])} % of the "
+                     "time" if busy else ""))
     median = {kind: statistics.median(s["seconds"] for s in samples[kind]) for kind in kinds}
     worst_growth = max(s["growth"] for s in samples["tq-budget"])
     ratio = median["tq-budget"] / median["tq-unlimited"]

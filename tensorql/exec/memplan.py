@@ -216,9 +216,12 @@ class _Interval:
 
 
 class _Device:
-    def __init__(self, index: int, budget: int | None) -> None:
+    def __init__(self, index: int, budget: int | None, room: int | None = None) -> None:
         self.index = index
-        self.budget = budget
+        self.budget = budget  # what the allocations' dependencies keep live bytes within
+        # what the simulated order keeps resident (<= budget): the rest is headroom in which
+        # other tasks run beside the simulated one (:func:`plan_room`)
+        self.room = budget if room is None else room
         self.resident: dict[ChunkRef, _Interval] = {}
         self.live = 0
         self.peak = 0
@@ -235,7 +238,8 @@ class _Planner:
     def __init__(self, graph: TaskGraph, n_devices: int, budgets: Sequence[int | None],
                  prefetch: int, sizes: dict[ChunkRef, int],
                  results_on_device: bool = False,
-                 host_domains: Sequence[int] | None = None) -> None:
+                 host_domains: Sequence[int] | None = None,
+                 concurrency: Sequence[int] | None = None) -> None:
         self.graph = graph
         # which host memory each device writes back to: one for the devices of a process
         self.domain = list(host_domains) if host_domains is not None else [0] * n_devices
@@ -243,7 +247,11 @@ class _Planner:
         self.sizes = sizes
         self.prefetch = prefetch
         self.ops: list[Op] = []
-        self.devs = [_Device(i, budgets[i]) for i in range(n_devices)]
+        largest = largest_task_bytes(graph, sizes) if any(
+            b is not None for b in budgets) else 0
+        self.devs = [_Device(i, budgets[i], plan_room(budgets[i], largest,
+                                                      concurrency[i] if concurrency else 1))
+                     for i in range(n_devices)]
         contributions = graph.contributions()
         # data at rest is loaded onto whichever device reads it, unless its task is pinned to a
         # device (a partitioned plan places every piece): then it is computed there
@@ -399,17 +407,17 @@ class _Planner:
         """Evict (furthest next use first) until ``nbytes`` fit. With ``sooner_than`` (a
         prefetch), only chunks next used after that position may go; returns False when that
         is not enough, having evicted nothing."""
-        if d.budget is None or d.live + nbytes <= d.budget:
+        if d.room is None or d.live + nbytes <= d.room:
             return True
         victims = sorted((r for r in d.resident if r not in pinned),
                          key=lambda r: (self._next_use(d, r, pos), not d.resident[r].dirty,
                                         r.step, r.key), reverse=True)
         if sooner_than is not None:
             victims = [r for r in victims if self._next_use(d, r, pos) > sooner_than]
-            if d.live + nbytes - sum(d.resident[r].nbytes for r in victims) > d.budget:
+            if d.live + nbytes - sum(d.resident[r].nbytes for r in victims) > d.room:
                 return False
         for victim in victims:
-            if d.live + nbytes <= d.budget:
+            if d.live + nbytes <= d.room:
                 break
             iv = d.resident[victim]
             needed_later = (self._next_use(d, victim, pos) < math.inf
@@ -418,11 +426,11 @@ class _Planner:
                                 and victim not in self.host_valid)
                             or self.remaining.get(victim, 0) > 0)
             self.free(d, victim, evict=True, writeback=iv.dirty and needed_later)
-        if d.live + nbytes > d.budget:
+        if d.live + nbytes > d.room:
             raise PlanError(
                 f"memory_limit too small on device {d.index}: {what} needs "
                 f"{format_bytes(nbytes + d.live)} resident at once, the budget is "
-                f"{format_bytes(d.budget)}{_HINT}")
+                f"{format_bytes(d.room)}{_HINT}")
         return True
 
     def _used_elsewhere(self, ref: ChunkRef, dev: int, pos: int) -> bool:
@@ -614,7 +622,7 @@ def _critical_path(ops: tuple[Op, ...], copy_weight: float = 1.0) -> tuple[float
     return tuple(rank)
 
 
-def largest_task_bytes(graph: TaskGraph) -> int:
+def largest_task_bytes(graph: TaskGraph, sizes: dict[ChunkRef, int] | None = None) -> int:
     """Bytes the largest task needs resident at once: its distinct inputs and its output (no
     memory limit can be smaller). Tasks without inputs that are not pinned are loaded where
     they are read, so only their output counts where it is read.
@@ -625,9 +633,32 @@ def largest_task_bytes(graph: TaskGraph) -> int:
     ...                              chunk_bytes={a: 40, b: 8}))
     48
     """
-    sizes = graph.chunk_bytes
+    sizes = graph.chunk_bytes if sizes is None else sizes
     return max((sum(sizes.get(r, 0) for r in {*t.inputs, t.output}) for t in graph.tasks),
                default=0)
+
+
+def plan_room(budget: int | None, largest: int, concurrency: int = 1) -> int | None:
+    """What the simulated order of a device may keep resident under ``budget`` when
+    ``concurrency`` tasks run on it at once, ``largest`` being the most bytes one task holds
+    (inputs and output): the budget less room for ``concurrency - 1`` more such tasks, at
+    least half the budget and at least ``largest`` (never more than the budget).
+
+    The dependencies still allow the whole budget (allocation *k* waits for the first free
+    that brings the bytes allocated so far within it), so they leave that headroom to the
+    tasks beside the simulated one. Planned at the full budget, a binding budget is full
+    after every task of the simulated order: each allocation then waits for the free just
+    before it, that is for the task before it, and the tasks run one at a time whatever the
+    threads (``(A @ B) @ C`` at 144 MiB on two workers: one kernel at a time, a chain of all
+    128 products).
+
+    >>> plan_room(144, 32, 2), plan_room(144, 32, 1), plan_room(64, 40, 2), plan_room(None, 8, 2)
+    (112, 144, 40, None)
+    """
+    if budget is None:
+        return None
+    headroom = max(0, concurrency - 1) * largest
+    return min(budget, max(budget - headroom, budget // 2, largest))
 
 
 def plan_program(graph: TaskGraph, n_devices: int = 1,
@@ -635,7 +666,8 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
                  sizes: dict[ChunkRef, int] | None = None,
                  results_on_device: bool = False,
                  host_domains: Sequence[int] | None = None,
-                 host_budget: int | None = None) -> Program:
+                 host_budget: int | None = None,
+                 concurrency: Sequence[int] | None = None) -> Program:
     """Lower ``graph`` to ops on ``n_devices`` devices, each holding at most its budget.
 
     ``sizes`` defaults to ``graph.chunk_bytes``; a budget needs every chunk's size (PlanError
@@ -645,7 +677,9 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
     default: one host for all): a chunk written back to one host and needed by a device of
     another is a ``send`` from the host copy (``from_host``), not a load. ``host_budget``:
     the host tier's bytes of host memory, beyond which copies spill to DuckDB
-    (:class:`HostPlan`, in ``Program.host``).
+    (:class:`HostPlan`, in ``Program.host``). ``concurrency``: how many tasks each device
+    runs at once (its compute threads; default one): under a budget the simulated order
+    keeps room for the others (:func:`plan_room`).
     """
     if results_on_device and budgets and any(b is not None for b in budgets):
         raise PlanError("results_on_device needs an unlimited budget")
@@ -659,8 +693,10 @@ def plan_program(graph: TaskGraph, n_devices: int = 1,
             raise PlanError(f"a memory_limit needs chunk sizes; chunk {missing[0]} has none")
     if host_domains is not None and len(host_domains) != n_devices:
         raise PlanError(f"{len(host_domains)} host domains for {n_devices} devices")
+    if concurrency is not None and len(concurrency) != n_devices:
+        raise PlanError(f"{len(concurrency)} concurrency figures for {n_devices} devices")
     program = _Planner(graph, n_devices, budgets, prefetch, sizes, results_on_device,
-                       host_domains).run()
+                       host_domains, concurrency).run()
     return replace(program, host=plan_host_tier(program, sizes, host_budget))
 
 

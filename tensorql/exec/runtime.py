@@ -265,13 +265,15 @@ class Runtime:
         per graph and device set: a query run again reuses it."""
         budgets = self.budgets()
         domains = self.host_domains()
+        concurrency = tuple(d.concurrent_tasks for d in self.devices)
         key = (tuple(d.name for d in self.devices), tuple(budgets), self.prefetch,
-               self.results_on_device, domains, self.host_budget)
+               self.results_on_device, domains, self.host_budget, concurrency)
         program = graph.programs.get(key)
         if program is None:
             program = plan_program(graph, len(self.devices), budgets, prefetch=self.prefetch,
                                    results_on_device=self.results_on_device,
-                                   host_domains=domains, host_budget=self.host_budget)
+                                   host_domains=domains, host_budget=self.host_budget,
+                                   concurrency=concurrency)
             graph.programs[key] = program
         return program
 

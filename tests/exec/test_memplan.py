@@ -187,3 +187,49 @@ def test_without_a_binding_budget_the_order_is_the_tasks_priority():
     graph, prod, cons = _producer_consumer_graph()
     for budgets in ([None], [10_000]):
         assert _computed_order(plan_program(graph, budgets=budgets)) == [*prod, *cons]
+
+
+def _chain_graph(limit_tiles: int = 9):
+    """``(A @ B) @ C`` stored in tiles, under a memory limit of ``limit_tiles`` tiles of
+    ``A @ B`` (the out-of-core bench's shape, scaled down: its 144 MiB are nine 16 MiB tiles)."""
+    import numpy as np
+
+    import tensorql as tq
+
+    n, k, t = 1024, 64, 128
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(s, dtype=np.float32) for s in ((n, k), (k, n), (n, k)))
+    limit = limit_tiles * t * t * 4
+    db = tq.connect(devices="cpu", workers=2, memory_limit=limit)
+    A, B = db.from_numpy("A", a, tile=(t, k)), db.from_numpy("B", b, tile=(k, t))
+    C = db.from_numpy("C", c, tile=(t, k))
+    expr = (A @ B) @ C
+    want = (a.astype(np.float64) @ b) @ c
+    return db, expr, expr.compile().physical.task_graph(), limit, want
+
+
+def test_a_binding_budget_leaves_room_for_every_worker():
+    """Planned at the full budget, the simulated order fills it after every task, so each
+    allocation waits for the task before it: one kernel at a time on two workers. With room
+    kept for a second task (plan_room), the longest chain of dependent work is about half the
+    work, the budget still holds in any order, and the result is exact."""
+    import numpy as np
+
+    from tensorql.exec.memplan import plan_room
+    from tensorql.exec.runtime import Runtime
+
+    db, expr, graph, limit, want = _chain_graph()
+    work = sum(t.flops or 0 for t in graph.tasks)
+    serial = plan_program(graph, budgets=[limit], concurrency=[1])
+    paired = plan_program(graph, budgets=[limit], concurrency=[2])
+    assert max(serial.rank) > 0.75 * work  # the old plan: a chain of nearly every product
+    assert max(paired.rank) < 0.55 * work
+    assert paired.devices[0].peak_bytes <= plan_room(limit, max(
+        sum(graph.chunk_bytes[r] for r in {*t.inputs, t.output}) for t in graph.tasks), 2)
+    for seed in range(3):
+        assert _replay(paired, seed)[0] <= limit
+    # a CPU device of two workers plans for two tasks at once
+    assert Runtime("cpu", memory_limit=limit, workers=2).plan(graph).ops == paired.ops
+    got = expr.numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    db.close()

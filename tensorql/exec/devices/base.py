@@ -161,6 +161,13 @@ class Device(abc.ABC):
     def uses_pinned_host(self) -> bool:
         return False
 
+    @property
+    def concurrent_tasks(self) -> int:
+        """How many chunk tasks run on it side by side, for which the memory plan keeps room
+        under a budget (:func:`~tensorql.exec.memplan.plan_room`): one by default (a GPU's
+        kernel fills it; its second stream overlaps launches, not working sets)."""
+        return 1
+
     def is_pinned(self, host: torch.Tensor) -> bool:
         """Whether a host tensor is page-locked (an H2D copy from it runs asynchronously)."""
         return False

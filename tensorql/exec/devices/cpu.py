@@ -49,6 +49,11 @@ class CPUDevice(ThreadedDevice):
         self.inline = inline
         self._post: Post | None = None
 
+    @property
+    def concurrent_tasks(self) -> int:
+        """Its compute threads: each runs a task at once."""
+        return self.lanes["compute"]
+
     def open(self, post: Post) -> None:
         self._post = post
         if not self.inline:
