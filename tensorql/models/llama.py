@@ -807,7 +807,17 @@ class Decoder:
         self.position = position
 
     def step(self, tokens: Any) -> torch.Tensor:
-        """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V)."""
+        """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V).
+        The plan runs as a tape (:mod:`tensorql.exec.tape`): lowered on the first token
+        into bound kernel calls over buffers, replayed for every later one."""
+        t = self._set_token(tokens)
+        logits, *news = self.query.run(strategy="tape")
+        self._append(t, news)
+        return logits[:, 0, :]
+
+    def _set_token(self, tokens: Any) -> int:
+        """Write the token's inputs of the plan in place (its embedding row, rotations, mask,
+        one-hot of its position); its position."""
         ids = self.model._tokens(tokens)
         if ids.shape != (self.batch, 1):
             raise ShapeError(f"a decoder step takes one token per batch row, shape "
@@ -824,8 +834,10 @@ class Decoder:
         self.mask[0, :t + 1] = 0.0
         self.place.zero_()
         self.place[0, t] = 1.0
-        logits, *news = self.query.run()
+        return t
+
+    def _append(self, t: int, news: Sequence[torch.Tensor]) -> None:
+        """The token's keys and values (the plan's further outputs) into the cache at ``t``."""
         for buffer, new in zip(self.caches, news):
             buffer[:, :, t] = new[:, 0].transpose(0, 1)
         self.position = t + 1
-        return logits[:, 0, :]

@@ -137,6 +137,12 @@ class ConstChunk(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return self.value if self.slices is None else self.value[self.slices]
 
+    def storage_key(self) -> int:
+        """The address of the constant's storage: the same while it is written in place,
+        another once it is replaced (a plan replayed by :mod:`tensorql.exec.tape` checks it
+        instead of slicing the constant again)."""
+        return self.value.data_ptr()
+
 
 @dataclass(frozen=True, eq=False)
 class MapChunk(_NoCombine):
