@@ -174,3 +174,39 @@ def test_a_failing_call_names_its_task():
     Boom.fail = True
     with pytest.raises(tq.TensorQLError, match="task 1.*boom"):
         run_tape(graph)
+
+
+_CONTRACTIONS = [
+    ((("b", "s", "d"), ("v", "d")), ("b", "s", "v"), [(1, 1, 8), (5, 8)]),       # flat, W^T
+    ((("d", "f"), ("b", "s", "f")), ("b", "s", "d"), [(6, 8), (1, 1, 8)]),       # swapped
+    ((("i", "j"), ("j", "k")), ("k", "i"), [(3, 4), (4, 5)]),                    # transposed
+    ((("i", "j"), ("j", "k")), ("i", "k"), [(20, 4), (4, 5)]),                   # >= 16 rows
+    ((("b", "s", "d"), ("b", "s", "d")), ("b", "s"), [(2, 3, 4), (2, 3, 4)]),    # row dot
+    ((("b", "s", "k", "e"), ("b", "t", "k", "e")), ("b", "k", "s", "t"),
+     [(1, 2, 3, 4), (1, 5, 3, 4)]),                                               # einsum
+    ((("b", "d"), ("d",)), ("b", "d"), [(3, 4), (4,)]),                          # broadcast
+]
+
+
+@pytest.mark.parametrize("in_labels, out_labels, shapes", _CONTRACTIONS)
+def test_bound_contractions_equal_the_kernel_run(in_labels, out_labels, shapes):
+    from tensorql.physical.kernels import ContractChunk
+
+    gen = torch.Generator().manual_seed(len(shapes[0]) * 7 + len(out_labels))
+    inputs = [torch.randn(shape, generator=gen) for shape in shapes]
+    kernel = ContractChunk(in_labels=in_labels, out_labels=out_labels)
+    out = kernel.run(inputs, None)
+    (call,) = kernel.bind(inputs, out)
+    for _ in range(2):
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, generator=gen))
+        call()
+        torch.testing.assert_close(out, kernel.run(inputs, None), rtol=1e-6, atol=1e-6)
+
+
+def test_a_pair_product_is_left_to_the_kernel():
+    from tensorql.physical.kernels import ContractChunk
+
+    kernel = ContractChunk(in_labels=(("p",), ("b", "s", "k", "p")), out_labels=("b", "k", "s"))
+    inputs = [torch.ones(2), torch.ones(1, 3, 4, 2)]
+    assert kernel.bind(inputs, kernel.run(inputs, None)) is None
