@@ -549,6 +549,11 @@ def bind_contract_to(out: torch.Tensor, operands: Sequence[torch.Tensor],
     dot = _rowwise_views(operands, labels, out_labels)
     if dot is not None:
         return functools.partial(torch.linalg.vecdot, dot[0], dot[1], out=out)
+    if len(operands) == 2:
+        bmm = _bound_bmm(out, operands[0], operands[1], tuple(labels[0]), tuple(labels[1]),
+                         tuple(out_labels))
+        if bmm is not None:
+            return bmm
     if PairProduct.for_operands(operands, labels, out_labels) is not None:
         return None  # its layouts: left to contract_to
     names = _letters([*labels, out_labels])
@@ -572,6 +577,42 @@ def _bound_mm(left: torch.Tensor, right: torch.Tensor, target: torch.Tensor,
     if packed and left.shape[0] >= PACK_MIN_ROWS:
         return functools.partial(packed_matmul, left, right, out=target)
     return functools.partial(torch.mm, left, right, out=target)
+
+
+def _bound_bmm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, la: tuple[str, ...],
+               lb: tuple[str, ...], lo: tuple[str, ...]) -> Callable[[], object] | None:
+    """A two-operand sum of products as one ``torch.bmm`` on views of the operands and of
+    ``out`` -- (batch, a's own, contracted) by (batch, contracted, b's own) into (batch, a's
+    own, b's own), the batch and own labels in the output's order -- when all three are
+    views (no copy: the strides allow); else None. What ``torch.einsum`` would do, worked
+    out once: its per-call planning and any copy it makes of a strided operand are gone.
+
+    >>> a, b, out = torch.ones(2, 3, 4), torch.ones(2, 5, 4), torch.empty(2, 3, 5)
+    >>> call = _bound_bmm(out, a, b, ("h", "s", "e"), ("h", "t", "e"), ("h", "s", "t"))
+    >>> _ = call(); out[1, 2].tolist()
+    [4.0, 4.0, 4.0, 4.0, 4.0]
+    """
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(lo)) != len(lo) \
+            or set(lo) != (set(la) | set(lb)) - ((set(la) & set(lb)) - set(lo)):
+        return None  # a label repeated, or summed out of one operand alone
+    batch = tuple(lab for lab in lo if lab in la and lab in lb)
+    own_a = tuple(lab for lab in lo if lab in la and lab not in lb)
+    own_b = tuple(lab for lab in lo if lab in lb and lab not in la)
+    summed = tuple(lab for lab in la if lab in lb and lab not in lo)
+    sizes = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
+
+    def view(x: torch.Tensor, labels: tuple[str, ...], *groups: tuple[str, ...]):
+        order = [labels.index(lab) for group in groups for lab in group]
+        shape = [math.prod(sizes[lab] for lab in group) for group in groups]
+        v = x.permute(order).reshape(shape)
+        return v if _same_storage(v, x) else None
+
+    left = view(a, la, batch, own_a, summed)
+    right = view(b, lb, batch, summed, own_b)
+    target = view(out, lo, batch, own_a, own_b)
+    if left is None or right is None or target is None:
+        return None
+    return functools.partial(torch.bmm, left, right, out=target)
 
 
 def _rowwise_views(xs, labs, out_labels) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -185,6 +185,11 @@ _CONTRACTIONS = [
     ((("b", "s", "k", "e"), ("b", "t", "k", "e")), ("b", "k", "s", "t"),
      [(1, 2, 3, 4), (1, 5, 3, 4)]),                                               # einsum
     ((("b", "d"), ("d",)), ("b", "d"), [(3, 4), (4,)]),                          # broadcast
+    ((("p",), ("b", "s", "k", "g", "p")), ("b", "k", "g", "s"), [(2,), (1, 1, 3, 2, 2)]),
+    ((("b", "s", "p", "k", "e"), ("p", "e", "f")), ("b", "s", "p", "k", "f"),
+     [(1, 1, 2, 3, 4), (2, 4, 4)]),                                               # batched
+    ((("b", "k", "g", "s", "t"), ("b", "t", "k", "e")), ("b", "s", "k", "g", "e"),
+     [(1, 2, 3, 1, 5), (1, 5, 2, 4)]),                                            # strided
 ]
 
 
@@ -204,9 +209,9 @@ def test_bound_contractions_equal_the_kernel_run(in_labels, out_labels, shapes):
         torch.testing.assert_close(out, kernel.run(inputs, None), rtol=1e-6, atol=1e-6)
 
 
-def test_a_pair_product_is_left_to_the_kernel():
+def test_a_contraction_whose_views_would_copy_is_left_to_the_kernel():
     from tensorql.physical.kernels import ContractChunk
 
-    kernel = ContractChunk(in_labels=(("p",), ("b", "s", "k", "p")), out_labels=("b", "k", "s"))
-    inputs = [torch.ones(2), torch.ones(1, 3, 4, 2)]
+    kernel = ContractChunk(in_labels=(("i", "j", "k"), ("k", "j")), out_labels=("i",))
+    inputs = [torch.ones(2, 3, 4)[:, :, ::2], torch.ones(2, 3)]
     assert kernel.bind(inputs, kernel.run(inputs, None)) is None
