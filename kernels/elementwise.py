@@ -85,7 +85,6 @@ _OUT_MAPS = {
     "silu": lambda x, c, o: torch._C._nn.silu(x, out=o),
     "scale": lambda x, c, o: torch.mul(x, c, out=o),
     "shift": lambda x, c, o: torch.add(x, c, out=o),
-    "pow": lambda x, c, o: torch.pow(x, c, out=o),
     "maximum": lambda x, c, o: torch.clamp_min(x, c, out=o),
     "minimum": lambda x, c, o: torch.clamp_max(x, c, out=o),
 }

@@ -54,7 +54,7 @@ from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
-from tensorql.exec.tape import run_tape
+from tensorql.exec.tape import fits, run_tape
 from tensorql.exec.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,10 @@ def _tape(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | N
     if not config.runs_direct or config.rank is not None:  # one CPU, nothing budgeted only
         chosen = STRATEGIES[choose_strategy(graph, config)]
         return chosen.run(graph, config, progress, sink, destination, keep_outputs)
-    return run_tape(graph, progress, sink, destination, keep_outputs,
-                    threads=config.workers * config.intra_op_threads)
+    threads = config.workers * config.intra_op_threads
+    if not fits(graph):  # its buffers would hold too much at once: freed as it goes
+        return run_serial(graph, progress, sink, destination, keep_outputs, threads=threads)
+    return run_tape(graph, progress, sink, keep_outputs, threads=threads)
 
 
 def _lanes(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,

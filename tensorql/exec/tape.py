@@ -28,7 +28,8 @@ A run is then ``for call in calls: call()``: no scheduling, no slots, no per-tas
 The buffers hold every chunk the graph computes at once (no chunk is freed), so a graph whose
 chunks add up to more than :data:`TAPE_MAX_BYTES` is run serially instead. The results are the
 buffers of the retained chunks: a run hands them to the sink, which copies them out (they are
-overwritten by the next run).
+overwritten by the next run). The engine's ``tape`` strategy runs it
+(``engine.run(graph, config, strategy="tape")``; ``CompiledGroup.run(strategy="tape")``).
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -67,17 +68,16 @@ import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.run_types import (
-    ChunkDestination,
     ChunkSink,
     ProgressCallback,
     RunResult,
     RunStats,
     task_failure,
 )
-from tensorql.exec.serial import SerialSchedule, run_serial
+from tensorql.exec.serial import SerialSchedule
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
-__all__ = ["TAPE_MAX_BYTES", "Tape", "TapeCounts", "run_tape"]
+__all__ = ["TAPE_MAX_BYTES", "Tape", "TapeCounts", "fits", "run_tape"]
 
 # The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
 # graph whose chunks add up to more runs in the serial strategy, which frees each chunk
@@ -270,22 +270,32 @@ def _estimated_bytes(graph: TaskGraph) -> int | None:
     return sum(sizes[ref] for ref in written)
 
 
+def fits(graph: TaskGraph) -> bool:
+    """Whether ``graph``'s tape would keep at most :data:`TAPE_MAX_BYTES` of buffers (its
+    chunks' sizes as planned; a graph that does not give them is taken to fit). The engine
+    runs a graph that does not in the serial strategy instead.
+
+    >>> a = ChunkRef(0, ())
+    >>> fits(TaskGraph(tasks=(Task(0, (a,), a, None),), chunk_bytes={a: TAPE_MAX_BYTES + 1}))
+    False
+    """
+    if "tape" in graph.programs:
+        return True
+    estimate = graph.programs.get("tape-bytes")
+    if estimate is None:
+        estimate = graph.programs["tape-bytes"] = _estimated_bytes(graph) or 0
+    return estimate <= TAPE_MAX_BYTES
+
+
 def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
-             sink: ChunkSink | None = None, destination: ChunkDestination | None = None,
-             keep_outputs: bool = True, threads: int | None = None) -> RunResult:
+             sink: ChunkSink | None = None, keep_outputs: bool = True,
+             threads: int | None = None) -> RunResult:
     """The engine's ``tape`` strategy: ``graph``'s tape (lowered on the first run, and again
     when a source changed, see :meth:`Tape.current`) run once on this thread, with
     ``threads`` torch threads when given; arguments and result as
-    :func:`tensorql.exec.engine.run` (``destination`` is not written: the sink copies each
-    result out of its buffer; ``outputs`` are copies). A graph whose chunks would take more
-    than :data:`TAPE_MAX_BYTES` of buffers runs in the serial strategy."""
+    :func:`tensorql.exec.engine.run` (no ``destination``: the sink copies each result out
+    of its buffer; ``outputs`` are copies). For graphs that :func:`fits`."""
     tape = graph.programs.get("tape")
-    if tape is None:
-        estimate = graph.programs.get("tape-bytes")
-        if estimate is None:
-            estimate = graph.programs["tape-bytes"] = _estimated_bytes(graph) or 0
-        if estimate > TAPE_MAX_BYTES:
-            return run_serial(graph, progress, sink, destination, keep_outputs, threads)
     previous = torch.get_num_threads()
     if threads is not None and threads != previous:
         torch.set_num_threads(threads)
