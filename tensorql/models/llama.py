@@ -795,6 +795,14 @@ class Decoder:
             for key, w in model.weights.items()}
         roots = substitute_many([n.node for n in (logits, *news)], self.weights)
         self.query = CompiledGroup.compile(roots, db)
+        # the plan lowered to its tape now, as part of building the decoder (one run on the
+        # inputs as they are; its values are not used): every token then replays it (under
+        # a memory_limit, on several devices or ranks, the engine runs its own strategy:
+        # nothing to lower)
+        options = db.options
+        if options.memory_limit is None and not options.distributed \
+                and options.device_set.count == 1 and options.device_set.all_cpu:
+            self.query.run(strategy="tape")
 
     def restart(self, cache: KVCache) -> None:
         """Continue after ``cache`` (another prompt's, of this decoder's batch) instead: the
