@@ -146,6 +146,13 @@ def test_stored_tensors_tiled_products_against_numpy():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-4)
     graph = query.physical.task_graph()
     assert Tape.of(graph).counts.sources >= 5  # the constant and the stored tiles
+    before = Tape.of(graph)
+    w2 = rng.standard_normal((40, 16)).astype(np.float32)
+    db.from_numpy("w", w2, tile=(8, 16), replace=True)  # new chunks: lowered again
+    (got,) = query.run(strategy="tape")
+    np.testing.assert_allclose(got.numpy(), np.maximum(a * 0.5 @ w2 + 1.0, 0.0), rtol=1e-5,
+                               atol=1e-4)
+    assert Tape.of(graph) is not before
 
 
 def test_graphs_beyond_the_byte_bound_run_serially(monkeypatch):
