@@ -20,7 +20,8 @@ seed that counts the calls, the same sequence on both sides. Phases:
 - **prefill cold**: each call a prompt length not seen before (``--seq`` minus the call's
   number), tensorql planning from scratch (``Llama.logits(ids).torch()``);
 - **decode**: seconds per new token over ``--new`` tokens after an untimed prompt (tensorql:
-  ``Llama.decoder`` built off the clock; transformers: ``model(token, past_key_values=...)``).
+  ``Llama.decoder`` built off the clock -- its plan, weights and tape, the plan lowered to
+  bound calls that every token replays; transformers: ``model(token, past_key_values=...)``).
 
 The logits of the first prefill are compared (max abs difference <= 1e-3 x max |logit|);
 peak RSS of each side's process is reported. What each side may reuse: tensorql keeps its

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from tensorql_kernels.algebra import JOINS, AggName, JoinName, agg_of, is_update
 from tensorql_kernels.optimizer_update import optimizer_update
+from tensorql_kernels.packed_weights import MIN_ROWS as PACK_MIN_ROWS
 from tensorql_kernels.packed_weights import matmul as packed_matmul
 
 Labels = Sequence[str]
@@ -106,6 +107,45 @@ class BroadcastJoin:
         for view in views[2:]:
             value = self.fn(value, view)
         return value
+
+
+    def bind(self, operands: Sequence[torch.Tensor],
+             out: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """A call writing the join of these very tensors into ``out`` each time it is made
+        (their views worked out once), or None where :meth:`writes_into` says no.
+
+        >>> j = BroadcastJoin.plan([("i", "j"), ("j",)], ("i", "j"), JoinName.ADD)
+        >>> a, b, out = torch.ones(2, 3), torch.arange(3.0), torch.empty(2, 3)
+        >>> call = j.bind([a, b], out)
+        >>> _ = b.mul_(2.0); call()[1].tolist()
+        [1.0, 3.0, 5.0]
+        """
+        if not self.writes_into(operands, out):
+            return None
+        views = []
+        for x, perm, present in zip(operands, self.perms, self.present):
+            if perm is not None:
+                x = x.permute(perm)
+            if not all(present):
+                sizes = iter(x.shape)
+                x = x.reshape([next(sizes) if has else 1 for has in present])
+            views.append(x)
+        if not all(_same_storage(v, x) for v, x in zip(views, operands)):
+            return None  # a reshape that copied: not a view to keep
+        fn, first, second, rest = self.fn, views[0], views[1], tuple(views[2:])
+        if not rest:
+            return functools.partial(fn, first, second, out=out)
+
+        def call() -> torch.Tensor:
+            fn(first, second, out=out)
+            for view in rest:
+                fn(out, view, out=out)
+            return out
+        return call
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 # the joins whose torch function writes into a given tensor (``out=``) with the values it
@@ -471,6 +511,123 @@ def contract_to(
         return out.copy_(packed_matmul(left, right).view(shape))
     value = chunk_einsum(operands, labels, out_labels, join, agg, max_temp_elems=max_temp_elems)
     return out.copy_(value)
+
+
+def bind_contract_to(out: torch.Tensor, operands: Sequence[torch.Tensor],
+                     labels: Sequence[Labels], out_labels: Labels, join: str = _MUL,
+                     agg: str = _SUM) -> Callable[[], object] | None:
+    """A call computing :func:`contract_to` of these very tensors into ``out`` each time it
+    is made, the path chosen once (their views as matrices, the BLAS checks, the einsum
+    equation): for a plan run again and again over the same buffers
+    (``tensorql.exec.tape``). A sum of products only, of floating operands of ``out``'s
+    dtype; None for any other (or where a view would be a copy).
+
+    >>> a, b, out = torch.ones(1, 2, 3), torch.ones(4, 3), torch.empty(1, 2, 4)
+    >>> call = bind_contract_to(out, [a, b], [("b", "s", "d"), ("v", "d")], ("b", "s", "v"))
+    >>> _ = a.mul_(2.0); _ = call(); out[0, 0].tolist()
+    [6.0, 6.0, 6.0, 6.0]
+    """
+    if join != _MUL or agg != _SUM or not out.is_floating_point() \
+            or any(x.dtype != out.dtype for x in operands):
+        return None
+    mats = _matmul(operands, labels, out_labels, join, agg)
+    if mats is not None:
+        left, right, transposed = mats
+        if transposed:  # as _mm_transposed: (right^T left^T), plain torch.mm
+            return _bound_mm(right.T, left.T, out, packed=False)
+        return _bound_mm(left, right, out, packed=True)
+    flat = _flat_matmul(operands, labels, out_labels, join, agg)
+    if flat is not None:
+        left, right, _ = flat
+        target = _as_2d(out, left.shape[0], right.shape[1])
+        if target is None or not (_view_of_any(left, operands)
+                                  and _view_of_any(right, operands)):
+            return None  # a reshape that copied: not a view to keep
+        return _bound_mm(left, right, target, packed=True)
+    if any(len(set(lab)) != len(lab) for lab in labels):
+        return None  # diagonals: left to contract_to
+    dot = _rowwise_views(operands, labels, out_labels)
+    if dot is not None:
+        return functools.partial(torch.linalg.vecdot, dot[0], dot[1], out=out)
+    if len(operands) == 2:
+        bmm = _bound_bmm(out, operands[0], operands[1], tuple(labels[0]), tuple(labels[1]),
+                         tuple(out_labels))
+        if bmm is not None:
+            return bmm
+    if PairProduct.for_operands(operands, labels, out_labels) is not None:
+        return None  # its layouts: left to contract_to
+    names = _letters([*labels, out_labels])
+    eq = ",".join("".join(names[lab] for lab in lab_set) for lab_set in labels)
+    eq += "->" + "".join(names[lab] for lab in out_labels)
+    xs = tuple(operands)
+    return lambda: out.copy_(torch.einsum(eq, *xs))
+
+
+def _view_of_any(view: torch.Tensor, operands: Sequence[torch.Tensor]) -> bool:
+    """Whether ``view`` shares memory with one of ``operands`` (is a view, not a copy)."""
+    return any(_same_storage(view, x) for x in operands)
+
+
+def _bound_mm(left: torch.Tensor, right: torch.Tensor, target: torch.Tensor,
+              packed: bool) -> Callable[[], object] | None:
+    """``target = left @ right`` as one bound call (a packed weight's product where
+    :func:`contract_to` would take it), or None when a matrix is not BLAS-legal as it is."""
+    if not (blas_legal(left) and blas_legal(right) and blas_legal(target)):
+        return None
+    if packed and left.shape[0] >= PACK_MIN_ROWS:
+        return functools.partial(packed_matmul, left, right, out=target)
+    return functools.partial(torch.mm, left, right, out=target)
+
+
+def _bound_bmm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, la: tuple[str, ...],
+               lb: tuple[str, ...], lo: tuple[str, ...]) -> Callable[[], object] | None:
+    """A two-operand sum of products as one ``torch.bmm`` on views of the operands and of
+    ``out`` -- (batch, a's own, contracted) by (batch, contracted, b's own) into (batch, a's
+    own, b's own), the batch and own labels in the output's order -- when all three are
+    views (no copy: the strides allow); else None. What ``torch.einsum`` would do, worked
+    out once: its per-call planning and any copy it makes of a strided operand are gone.
+
+    >>> a, b, out = torch.ones(2, 3, 4), torch.ones(2, 5, 4), torch.empty(2, 3, 5)
+    >>> call = _bound_bmm(out, a, b, ("h", "s", "e"), ("h", "t", "e"), ("h", "s", "t"))
+    >>> _ = call(); out[1, 2].tolist()
+    [4.0, 4.0, 4.0, 4.0, 4.0]
+    """
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(lo)) != len(lo) \
+            or set(lo) != (set(la) | set(lb)) - ((set(la) & set(lb)) - set(lo)):
+        return None  # a label repeated, or summed out of one operand alone
+    batch = tuple(lab for lab in lo if lab in la and lab in lb)
+    own_a = tuple(lab for lab in lo if lab in la and lab not in lb)
+    own_b = tuple(lab for lab in lo if lab in lb and lab not in la)
+    summed = tuple(lab for lab in la if lab in lb and lab not in lo)
+    sizes = dict(zip(la, a.shape)) | dict(zip(lb, b.shape))
+
+    def view(x: torch.Tensor, labels: tuple[str, ...], *groups: tuple[str, ...]):
+        order = [labels.index(lab) for group in groups for lab in group]
+        shape = [math.prod(sizes[lab] for lab in group) for group in groups]
+        v = x.permute(order).reshape(shape)
+        return v if _same_storage(v, x) else None
+
+    left = view(a, la, batch, own_a, summed)
+    right = view(b, lb, batch, summed, own_b)
+    target = view(out, lo, batch, own_a, own_b)
+    if left is None or right is None or target is None:
+        return None
+    return functools.partial(torch.bmm, left, right, out=target)
+
+
+def _rowwise_views(xs, labs, out_labels) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two views :func:`_rowwise_dot` hands ``torch.linalg.vecdot``, when it applies
+    and they are views (not copies)."""
+    if len(xs) != 2 or tuple(labs[0]) != tuple(labs[1]) or xs[0].shape != xs[1].shape:
+        return None
+    kept = len(out_labels)
+    if tuple(labs[0][:kept]) != tuple(out_labels) or kept == len(labs[0]):
+        return None
+    rows = xs[0].shape[:kept]
+    a, b = (x.reshape(*rows, -1) for x in xs)
+    if not (_same_storage(a, xs[0]) and _same_storage(b, xs[1])):
+        return None
+    return a, b
 
 
 def blas_legal(t: torch.Tensor) -> bool:

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 # name -> (function of (x, scalar), needs a scalar)
@@ -66,6 +68,43 @@ MAP_FUNCTIONS = tuple(sorted(_MAPS))
 SCALAR_MAPS = frozenset(name for name, (_, scalar) in _MAPS.items() if scalar)
 # Maps whose result is floating even on integer input.
 FLOAT_MAPS = frozenset({"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "rdiv"})
+
+
+# the maps with a torch function that writes into a given tensor (``out=``), as
+# (x, scalar, out) -> out: the same values as ``_MAPS``' (exp is not one: its subnormal
+# flush reads its input's minimum back first)
+_OUT_MAPS = {
+    "log": lambda x, c, o: torch.log(x, out=o),
+    "relu": lambda x, c, o: torch.clamp_min(x, 0, out=o),
+    "neg": lambda x, c, o: torch.neg(x, out=o),
+    "abs": lambda x, c, o: torch.abs(x, out=o),
+    "sqrt": lambda x, c, o: torch.sqrt(x, out=o),
+    "rsqrt": lambda x, c, o: torch.rsqrt(x, out=o),
+    "tanh": lambda x, c, o: torch.tanh(x, out=o),
+    "sigmoid": lambda x, c, o: torch.sigmoid(x, out=o),
+    "silu": lambda x, c, o: torch._C._nn.silu(x, out=o),
+    "scale": lambda x, c, o: torch.mul(x, c, out=o),
+    "shift": lambda x, c, o: torch.add(x, c, out=o),
+    "maximum": lambda x, c, o: torch.clamp_min(x, c, out=o),
+    "minimum": lambda x, c, o: torch.clamp_max(x, c, out=o),
+}
+
+
+def bind_map(name: str, x: torch.Tensor, scalar: float | None,
+             out: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """A call writing map ``name`` of this very tensor into ``out`` each time it is made (a
+    plan run again over the same buffers), or None (a map with no such function, or ``x``
+    of another dtype than ``out``, which :func:`apply_map` would convert).
+
+    >>> x, out = torch.tensor([-1.0, 2.0]), torch.empty(2)
+    >>> call = bind_map("relu", x, None, out)
+    >>> _ = x.mul_(-1.0); call().tolist()
+    [1.0, 0.0]
+    """
+    fn = _OUT_MAPS.get(name)
+    if fn is None or x.dtype != out.dtype or not x.is_floating_point():
+        return None
+    return lambda: fn(x, scalar, out)
 
 
 def apply_map(name: str, x: torch.Tensor, scalar: float | None = None) -> torch.Tensor:

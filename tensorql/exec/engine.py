@@ -14,7 +14,11 @@ destination, progress, figures, failure):
 - ``streams`` -- the memory plan's ops on the devices' lanes, driven by completion events
   (:meth:`~tensorql.exec.runtime.Runtime.run_streams`);
 - ``rank`` -- the streams of one rank of a distributed job, its transfers through
-  torch.distributed (:class:`~tensorql.exec.distributed.DistributedRuntime`).
+  torch.distributed (:class:`~tensorql.exec.distributed.DistributedRuntime`);
+- ``tape`` -- the serial order lowered once into bound kernel calls over buffers kept
+  between runs (:func:`~tensorql.exec.tape.run_tape`), for a plan its caller runs again and
+  again (a decoder's token); asked for by name, never chosen by the policy (it keeps every
+  chunk's buffer), and on anything but one CPU with no memory limit the policy's strategy.
 
 :func:`choose_strategy` is the policy: a rank runs ``rank``; one CPU device with no memory
 limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
@@ -33,7 +37,7 @@ limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
 'serial'
 >>> [run(g, config, strategy=s).outputs[ChunkRef(0, ())].item() for s in STRATEGIES
 ...  if s != "rank"]
-[3.0, 3.0, 3.0]
+[3.0, 3.0, 3.0, 3.0]
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
+from tensorql.exec.tape import fits, run_tape
 from tensorql.exec.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
@@ -156,6 +161,18 @@ def _serial(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback |
                       threads=config.workers * config.intra_op_threads)
 
 
+def _tape(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
+          sink: ChunkSink | None, destination: ChunkDestination | None,
+          keep_outputs: bool) -> RunResult:
+    if not config.runs_direct or config.rank is not None:  # one CPU, nothing budgeted only
+        chosen = STRATEGIES[choose_strategy(graph, config)]
+        return chosen.run(graph, config, progress, sink, destination, keep_outputs)
+    threads = config.workers * config.intra_op_threads
+    if not fits(graph):  # its buffers would hold too much at once: freed as it goes
+        return run_serial(graph, progress, sink, destination, keep_outputs, threads=threads)
+    return run_tape(graph, progress, sink, keep_outputs, threads=threads)
+
+
 def _lanes(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,
            sink: ChunkSink | None, destination: ChunkDestination | None,
            keep_outputs: bool) -> RunResult:
@@ -190,6 +207,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("streams", "the memory plan's ops on the devices' lanes, by completion events",
              _streams),
     Strategy("rank", "one rank's streams of a torch.distributed job", _rank),
+    Strategy("tape", "the serial order lowered once into bound calls, for a plan run again "
+             "and again", _tape),
 )}
 
 

@@ -313,12 +313,29 @@ class Llama:
         return tuple(tile)
 
     def embedding_table(self) -> torch.Tensor:
-        """The embedding table in memory (read once per generation of the store)."""
+        """The embedding table in memory (read once per generation of the store; not to be
+        written: see :meth:`_stored`)."""
         generation = getattr(self, "_table_generation", None)
         if generation != self.db.generation:
-            self._table = self._w("embed").torch()
+            self._table = self._stored("embed")
             self._table_generation = self.db.generation
         return self._table
+
+    def _stored(self, name: str) -> torch.Tensor:
+        """Weight ``name`` (a key of :attr:`weights`) whole, as the store holds it: a stored
+        chunk or region straight from its chunk cache (no query, no copy; the cache's own
+        tensor, so never written).
+
+        >>> import tensorql as tq
+        >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
+        ...                    head_dim=4)
+        >>> model = Llama.random(tq.connect(), shape, seed=0)
+        >>> torch.equal(model._stored("l0_up"), model.weights["l0_up"].torch())
+        True
+        """
+        weight = self.weights[name]
+        return self.db.chunk_store.read_region(weight.node.name, [0] * len(weight.shape),
+                                               list(weight.shape))
 
     def keys_values(self, x: Tensor, layer: int, positions: Sequence[int]) -> Tensor:
         """Layer ``layer``'s rotated keys and values of hidden states ``x``: (2, B, S, KV, E)."""
@@ -781,13 +798,24 @@ class Decoder:
         # unless a memory_limit is set: then they stream from rest under it every token
         # -- each one chunk (a token's product with a weight is one task, one pass over it)
         # laid out for a matrix-vector product (see _matvec_layout)
+        # (read as one region of the store: the chunk cache's own tensor, no query and no
+        # copy, unless the layout needs one -- they are never written)
         self.weights = {} if db.options.memory_limit is not None else {
             w.node.name: Constant(shape=w.shape, dtype=w.dtype,
-                                  value=_matvec_layout(w.torch(), _contracted_dims(key)),
+                                  value=_matvec_layout(model._stored(key),
+                                                       _contracted_dims(key)),
                                   grid=ChunkGrid(w.shape, w.shape))
             for key, w in model.weights.items()}
         roots = substitute_many([n.node for n in (logits, *news)], self.weights)
         self.query = CompiledGroup.compile(roots, db)
+        # the plan lowered to its tape now, as part of building the decoder (one run on the
+        # inputs as they are; its values are not used): every token then replays it (under
+        # a memory_limit, on several devices or ranks, the engine runs its own strategy:
+        # nothing to lower)
+        options = db.options
+        if options.memory_limit is None and not options.distributed \
+                and options.device_set.count == 1 and options.device_set.all_cpu:
+            self.query.run(strategy="tape")
 
     def restart(self, cache: KVCache) -> None:
         """Continue after ``cache`` (another prompt's, of this decoder's batch) instead: the
@@ -820,7 +848,17 @@ class Decoder:
         self.position = position
 
     def step(self, tokens: Any) -> torch.Tensor:
-        """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V)."""
+        """Run one token per batch row ((B, 1) ids) at the next position; its logits (B, V).
+        The plan runs as a tape (:mod:`tensorql.exec.tape`): lowered on the first token
+        into bound kernel calls over buffers, replayed for every later one."""
+        t = self._set_token(tokens)
+        logits, *news = self.query.run(strategy="tape")
+        self._append(t, news)
+        return logits[:, 0, :]
+
+    def _set_token(self, tokens: Any) -> int:
+        """Write the token's inputs of the plan in place (its embedding row, rotations, mask,
+        one-hot of its position); its position."""
         ids = self.model._tokens(tokens)
         if ids.shape != (self.batch, 1):
             raise ShapeError(f"a decoder step takes one token per batch row, shape "
@@ -837,8 +875,10 @@ class Decoder:
         self.mask[0, :t + 1] = 0.0
         self.place.zero_()
         self.place[0, t] = 1.0
-        logits, *news = self.query.run()
+        return t
+
+    def _append(self, t: int, news: Sequence[torch.Tensor]) -> None:
+        """The token's keys and values (the plan's further outputs) into the cache at ``t``."""
         for buffer, new in zip(self.caches, news):
             buffer[:, :, t] = new[:, 0].transpose(0, 1)
         self.position = t + 1
-        return logits[:, 0, :]

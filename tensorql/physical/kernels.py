@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tensorql_kernels.chunk_einsum import BroadcastJoin, combine, contract_into, contract_to
-from tensorql_kernels.elementwise import apply_map
+from tensorql_kernels.chunk_einsum import (
+    BroadcastJoin,
+    bind_contract_to,
+    combine,
+    contract_into,
+    contract_to,
+)
+from tensorql_kernels.elementwise import apply_map, bind_map
 
 from tensorql.algebra import BOOL, PROBE, UPDATE, AggName, JoinName, join_record
 from tensorql.dtypes import itemsize, torch_dtype
@@ -26,6 +32,9 @@ from tensorql.errors import ShapeError, StaleTensorError
 from tensorql.grid import ChunkGrid, Key
 from tensorql.logical.plan import Pointwise, Softmax
 from tensorql.storage.chunk_store import ChunkStore, PlanReads
+
+# a call bound to its tensors (a kernel's ``bind``, for :mod:`tensorql.exec.tape`)
+Bound = Callable[[], object]
 
 
 class _NoCombine:
@@ -137,6 +146,12 @@ class ConstChunk(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return self.value if self.slices is None else self.value[self.slices]
 
+    def storage_key(self) -> int:
+        """The address of the constant's storage: the same while it is written in place,
+        another once it is replaced (a plan replayed by :mod:`tensorql.exec.tape` checks it
+        instead of slicing the constant again)."""
+        return self.value.data_ptr()
+
 
 @dataclass(frozen=True, eq=False)
 class MapChunk(_NoCombine):
@@ -149,6 +164,14 @@ class MapChunk(_NoCombine):
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return apply_map(self.fn, inputs[0], self.scalar).to(torch_dtype(self.dtype))
+
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound] | None:
+        """``run`` of these very tensors into ``out`` as a bound call (see
+        :mod:`tensorql.exec.tape`), or None."""
+        if out.dtype != torch_dtype(self.dtype):
+            return None
+        call = bind_map(self.fn, inputs[0], self.scalar, out)
+        return None if call is None else (call,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,6 +212,21 @@ class SoftmaxChunk(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         fn = torch.log_softmax if self.log else torch.softmax
         return fn(inputs[0], self.dim, dtype=torch_dtype(self.dtype))
+
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound] | None:
+        """``run`` of these very tensors into ``out`` as a bound call (see
+        :mod:`tensorql.exec.tape`), or None.
+
+        >>> x, out = torch.zeros(1, 2), torch.empty(1, 2)
+        >>> (call,) = SoftmaxChunk(1, False, "float32").bind([x], out)
+        >>> call().tolist()
+        [[0.5, 0.5]]
+        """
+        dtype = torch_dtype(self.dtype)
+        if out.dtype != dtype:
+            return None
+        fn = torch.log_softmax if self.log else torch.softmax
+        return (functools.partial(fn, inputs[0], self.dim, dtype=dtype, out=out),)
 
 
 @dataclass(frozen=True, eq=False)
@@ -267,6 +305,31 @@ class ContractChunk:
                 return join(operands, out=out)
         return contract_to(out, self._cast(inputs), self.in_labels, self.out_labels,
                            self.join, self.agg, max_temp_elems=self.max_temp_elems)
+
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound] | None:
+        """``run_into(inputs, out)`` of these very tensors as one bound call, its path chosen
+        once -- the join over broadcast views, or ``torch.mm`` on matrix views
+        (:func:`~tensorql_kernels.chunk_einsum.bind_contract_to`) -- for a plan replayed
+        over the same buffers (:mod:`tensorql.exec.tape`); None where the operands need a
+        cast or the path has no such call.
+
+        >>> k = ContractChunk(in_labels=(("i", "j"), ("j", "k")), out_labels=("i", "k"))
+        >>> a, b, out = torch.ones(1, 2), torch.ones(2, 3), torch.empty(1, 3)
+        >>> (call,) = k.bind([a, b], out)
+        >>> _ = b.fill_(2.0); _ = call(); out.tolist()
+        [[4.0, 4.0, 4.0]]
+        """
+        dtype = torch_dtype(self.dtype)
+        if self._in_common_dtype or join_record(self.join).dtype_rule == UPDATE \
+                or out.dtype != dtype or any(x.dtype != dtype for x in inputs):
+            return None
+        join = self._broadcast
+        if join is not None:
+            call = join.bind(inputs, out)
+        else:
+            call = bind_contract_to(out, inputs, self.in_labels, self.out_labels, self.join,
+                                    self.agg)
+        return None if call is None else (call,)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return combine(acc, partial, self.agg)
@@ -444,6 +507,39 @@ class FusedPointwise(_NoCombine):
         self._fill(out, inputs, rows, n, rows)
         return out
 
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound, ...] | None:
+        """The chain of these very tensors into ``out`` as bound calls, one an op, each op's
+        result a buffer of its own (made here by running the chain once) -- for a plan
+        replayed over the same buffers (:mod:`tensorql.exec.tape`); None when the chunk is
+        evaluated in several blocks of rows (their intermediates are the blocks').
+
+        >>> m = MapChunk("relu", None, "float32")
+        >>> j = ContractChunk((("i",), ("i",)), ("i",), join="add")
+        >>> k = FusedPointwise((FusedOp(m, (FusedArg(0, 0),)),
+        ...                     FusedOp(j, (FusedArg(-1, 0), FusedArg(1, 0)))), dim=0)
+        >>> x, y, out = torch.tensor([-1.0, 2.0]), torch.ones(2), torch.empty(2)
+        >>> calls = k.bind([x, y], out)
+        >>> _ = x.mul_(-1.0); _ = [call() for call in calls]; out.tolist()
+        [2.0, 1.0]
+        """
+        n, rows = self._rows(inputs)
+        if self.dim is not None and rows < n:
+            return None
+        results: list[torch.Tensor] = []
+        calls: list[Bound] = []
+        last = len(self.ops) - 1
+        for k, op in enumerate(self.ops):
+            args = [results[-a.index - 1] if a.index < 0 else inputs[a.index] for a in op.args]
+            target = out if k == last else op.kernel.run(args, None)
+            ptr = target.untyped_storage().data_ptr()
+            if k < last and any(x.untyped_storage().data_ptr() == ptr for x in args):
+                results.append(target)  # a view of its input (a cast to its own dtype)
+                continue
+            bound = op.kernel.bind(args, target)
+            calls.extend(bound if bound is not None else (_copy_call(op.kernel, args, target),))
+            results.append(target)
+        return tuple(calls)
+
     def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """Like ``run(inputs, None)`` but written into ``out`` block by block."""
         n, rows = self._rows(inputs)
@@ -457,6 +553,12 @@ class FusedPointwise(_NoCombine):
             hi = min(n, lo + rows)
             out.narrow(self.dim, lo, hi - lo).copy_(self._eval(inputs, lo, hi))
 
+
+
+def _copy_call(kernel: MapChunk | ContractChunk, args: list[torch.Tensor],
+               out: torch.Tensor) -> Bound:
+    """``kernel.run(args)`` copied into ``out``, as a bound call."""
+    return lambda: out.copy_(kernel.run(args, None))
 
 
 @dataclass(frozen=True, eq=False)

@@ -205,10 +205,13 @@ class CompiledGroup:
         return cls(nodes=tuple(nodes), db=db, physical=physical, in_place=done)
 
     def run(self, progress: ProgressCallback | None = None,
-            out: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+            out: Sequence[torch.Tensor | None] | None = None,
+            strategy: str | None = None) -> list[torch.Tensor]:
         """Every output as a dense tensor, in the order given. ``out`` may give, per output,
         a contiguous tensor of its shape and dtype to compute it into (None: a fresh one),
-        e.g. a buffer the caller no longer needs; other backends ignore it."""
+        e.g. a buffer the caller no longer needs; other backends ignore it. ``strategy``:
+        the engine's strategy (None: its policy's), e.g. "tape" for a group run again and
+        again with the same shapes (a decoder's token: :mod:`tensorql.exec.tape`)."""
         if self.physical is None:
             return [q.run(progress=progress, dense=True).dense() for q in self.queries]
         options = self.db.options
@@ -219,7 +222,7 @@ class CompiledGroup:
         self.last_stats.clear()
         result = execute(self.physical, options, values="return", progress=progress,
                          sink=writer.sink, destination=writer.destination, keep_outputs=False,
-                         spill=session_spill(self.db, self.db.options))
+                         spill=session_spill(self.db, self.db.options), strategy=strategy)
         self.last_stats.append(result.stats)
         return writer.tensors
 

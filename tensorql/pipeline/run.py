@@ -50,7 +50,8 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
             progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
             destination: ChunkDestination | None = None, keep_outputs: bool = True,
             partition: PartitionPlan | None = None, title: str | None = None,
-            rank_stats: bool = False, timeline: bool = False, spill: Any = None) -> RunResult:
+            rank_stats: bool = False, timeline: bool = False, spill: Any = None,
+            strategy: str | None = None) -> RunResult:
     """Run ``physical``'s task graph on the session's devices through the engine.
 
     ``values`` says what the caller does with the values the run computes ("return",
@@ -64,6 +65,8 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
     ``timeline`` records every op's start and end in ``stats.timeline`` (one process).
     ``spill``: the session's :class:`~tensorql.storage.spill.SpillSpace` (``db.spill_space``):
     under a memory limit, host copies beyond :meth:`Options.host_tier_bytes` go to DuckDB.
+    ``strategy`` names the engine's strategy for a local run (None: its policy's; "tape"
+    for a plan run again and again, see :mod:`tensorql.exec.tape`).
     """
     if values is not None and not options.device_set.computes_values:
         raise ExecutionError(
@@ -82,7 +85,7 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
         config = engine.EngineConfig.of(options, timeline=timeline, spill=spill,
                                         dense_bytes=dense)
         with physical.pinned():  # one version of each stored tensor for the whole run
-            return engine.run(physical.task_graph(), config,
+            return engine.run(physical.task_graph(), config, strategy=strategy,
                               progress=progress, sink=sink, destination=destination,
                               keep_outputs=keep_outputs)
     # every rank takes part (the rank strategy); each then gets the whole result

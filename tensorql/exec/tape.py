@@ -1,0 +1,321 @@
+"""A task graph run again and again, lowered once into a flat tape of calls.
+
+A plan run token after token -- a LLaMA decoder's step: ~330 tasks, ~200 kernels of
+10-500 us each -- spends as long in Python choosing and feeding its kernels as in them: the
+serial strategy's loop (:mod:`tensorql.exec.serial`) reads each task's slots, runs its
+kernel object, whose kernel works out again which torch call its operands need (labels to a
+matrix product, strides to BLAS), and records figures. The tape does all of that once, for
+a graph of one CPU device run serially with fixed shapes (every plan is: shapes are planned):
+
+* the graph is run once in the serial order (:class:`~tensorql.exec.serial.SerialSchedule`),
+  every chunk kept: each chunk's tensor is from then on its **buffer**, written in place by
+  every later run (``out=``), so every tensor a kernel reads is the same object each run;
+* each task becomes zero-argument calls bound to those tensors: the kernel's ``bind(inputs,
+  out)`` when it has one (a sequence of calls, or None: e.g. ``ContractChunk`` binds
+  ``torch.mm(left, right, out=...)`` on views of its operands worked out once), else its
+  ``run_into(inputs, out)`` (or ``out.copy_(run(inputs, None))``); a further contribution to
+  a chunk is its ``run(inputs, acc)``, in place;
+* a task whose chunk is a view of its input (a reshape, a retile that keeps the tile) is
+  no call at all: the view of the input's buffer stays valid (a kernel returns the same view
+  of inputs of the same layout);
+* sources -- constants (a ``storage_key()``: the address of their storage, checked before
+  each run) and store reads (run again, the tensor they hand back compared with the one
+  recorded) -- are the inputs. A constant written in place (a KV cache, a token's
+  embedding) is read as it is then; one whose storage was replaced, or a store chunk read
+  afresh, makes the tape stale, and the run lowers it again (:func:`run_tape`).
+
+A run is then ``for call in calls: call()``: no scheduling, no slots, no per-task records.
+The buffers hold every chunk the graph computes at once (no chunk is freed), so a graph whose
+chunks add up to more than :data:`TAPE_MAX_BYTES` is run serially instead. The results are the
+buffers of the retained chunks: a run hands them to the sink, which copies them out (they are
+overwritten by the next run). The engine's ``tape`` strategy runs it
+(``engine.run(graph, config, strategy="tape")``; ``CompiledGroup.run(strategy="tape")``).
+
+>>> import torch
+>>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+>>> class Const:
+...     def __init__(self, v): self.v = v
+...     def storage_key(self): return self.v.data_ptr()
+...     def run(self, inputs, acc): return self.v
+>>> class Double:
+...     calls = 0
+...     def run(self, inputs, acc):
+...         Double.calls += 1
+...         return inputs[0] * 2
+...     def bind(self, inputs, out):
+...         return (lambda: torch.mul(inputs[0], 2, out=out),)
+>>> x = torch.ones(3)
+>>> a, b = ChunkRef(0, ()), ChunkRef(1, ())
+>>> graph = TaskGraph(tasks=(Task(0, (), a, Const(x)), Task(1, (a,), b, Double())),
+...                   retain=frozenset({1}))
+>>> run_tape(graph).outputs[b].tolist(), Double.calls  # lowered: the kernel ran once
+([2.0, 2.0, 2.0], 1)
+>>> _ = x.fill_(5.0)  # written in place: the same storage, read as it is now
+>>> run_tape(graph).outputs[b].tolist(), Double.calls  # replayed: the bound call only
+([10.0, 10.0, 10.0], 1)
+>>> Tape.of(graph).counts
+TapeCounts(calls=1, bound=1, generic=0, accumulate=0, views=0, sources=1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorql.errors import ExecutionError, TensorQLError
+from tensorql.exec.run_types import (
+    ChunkSink,
+    ProgressCallback,
+    RunResult,
+    RunStats,
+    task_failure,
+)
+from tensorql.exec.serial import SerialSchedule
+from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+__all__ = ["TAPE_MAX_BYTES", "Tape", "TapeCounts", "fits", "run_tape"]
+
+# The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
+# graph whose chunks add up to more runs in the serial strategy, which frees each chunk
+# after its last reader. A decoded LLaMA token's chunks are ~1 MiB (its weights are inputs).
+TAPE_MAX_BYTES = 64 << 20
+
+Call = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class TapeCounts:
+    """What a tape is made of: ``calls`` run each time (``bound`` of them from a kernel's
+    own ``bind``, ``generic`` its ``run_into``/``run``, ``accumulate`` further contributions
+    to a chunk), and the tasks that are no call: ``views`` of an input's buffer and
+    ``sources`` (constants, store reads)."""
+
+    calls: int
+    bound: int
+    generic: int
+    accumulate: int
+    views: int
+    sources: int
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A task reading nothing: checked before each run (see :meth:`Tape.current`)."""
+
+    task: Task
+    key: Any  # its storage_key() when recorded, or None: run again and compared
+    value: torch.Tensor  # the tensor it gave when recorded
+
+
+@dataclass(frozen=True)
+class Tape:
+    """A graph's tasks as bound calls over buffers kept between runs (see the module)."""
+
+    calls: tuple[Call, ...]
+    owners: tuple[Task, ...]  # the task of each call, for errors
+    sources: tuple[_Source, ...]
+    outputs: tuple[tuple[ChunkRef, torch.Tensor], ...]  # the retained chunks' buffers
+    counts: TapeCounts
+    nbytes: int  # bytes of the buffers the tape allocated
+
+    @classmethod
+    def of(cls, graph: TaskGraph) -> Tape:
+        """The tape kept with ``graph`` (KeyError before :func:`run_tape` lowered it)."""
+        return graph.programs["tape"]
+
+    @classmethod
+    def lower(cls, graph: TaskGraph) -> Tape:
+        """Run ``graph`` once in the serial order and bind every task to the tensors of that
+        run (its values are the tape's outputs). ExecutionError when a task fails."""
+        schedule = SerialSchedule.of(graph)
+        values: list[Any] = [None] * schedule.slots
+        sources: list[_Source] = []
+        calls: list[Call] = []
+        owners: list[Task] = []
+        bound = generic = accumulate = views = nbytes = 0
+
+        def add(task: Task, new: Sequence[Call]) -> None:
+            calls.extend(new)
+            owners.extend([task] * len(new))
+
+        for slot, task in schedule.inline:
+            values[slot] = task.kernel.run((), None)
+            sources.append(_source(task, values[slot]))
+        storages = {_storage(v) for v in values if v is not None}
+        for entry in schedule.tasks:
+            task, kernel = entry.task, entry.task.kernel
+            inputs = [values[i] for i in entry.inputs]
+            try:
+                if not entry.first:  # a further contribution, folded into the buffer
+                    call = _accumulate(kernel, inputs, values[entry.output])
+                    call()
+                    add(task, (call,))
+                    accumulate += 1
+                    continue
+                value = kernel.run(inputs, None)
+            except TensorQLError:
+                raise
+            except Exception as err:
+                raise task_failure(graph, task, err) from err
+            if not task.inputs and entry.completes:
+                sources.append(_source(task, value))
+            elif entry.completes and _aliases(value, inputs):
+                views += 1  # a view of an input's buffer: valid as long as that is
+            else:
+                if _storage(value) in storages:  # not its own (a view of a source, of
+                    value = value.clone()  # a chunk accumulated into): a buffer of its own
+                nbytes += value.nbytes
+                own = getattr(kernel, "bind", None)
+                new = own(inputs, value) if own is not None else None
+                if new is None:
+                    add(task, (_generic(kernel, inputs, value),))
+                    generic += 1
+                else:
+                    add(task, tuple(new))
+                    bound += 1
+            values[entry.output] = value
+            storages.add(_storage(value))
+        outputs = tuple((entry.task.output, values[entry.output]) for entry in schedule.tasks
+                        if entry.retained and entry.completes)
+        counts = TapeCounts(len(calls), bound, generic, accumulate, views, len(sources))
+        return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes)
+
+    def current(self) -> bool:
+        """Whether every source still gives the tensor it gave when the tape was made: a
+        constant the same storage (its ``storage_key()``; written in place is fine), any
+        other source (a store read, run again) the very tensor, or one of the same storage
+        and layout."""
+        for source in self.sources:
+            kernel = source.task.kernel
+            if source.key is not None:
+                if kernel.storage_key() != source.key:
+                    return False
+                continue
+            value = kernel.run((), None)
+            if value is not source.value and not _same_layout(value, source.value):
+                return False
+        return True
+
+    def replay(self) -> None:
+        """Run every call once, in order (the sources as they are now)."""
+        k = 0
+        try:
+            for k, call in enumerate(self.calls):  # noqa: B007 (k names a failure)
+                call()
+        except TensorQLError:
+            raise
+        except Exception as err:
+            task = self.owners[k]
+            raise ExecutionError(f"tape call {k} of {len(self.calls)} (task {task.id}, step "
+                                 f"{task.output.step}, chunk {task.output.key}) failed: "
+                                 f"{type(err).__name__}: {err}") from err
+
+
+def _source(task: Task, value: torch.Tensor) -> _Source:
+    key_of = getattr(task.kernel, "storage_key", None)
+    return _Source(task, key_of() if key_of is not None else None, value)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _aliases(value: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``value`` shares memory with one of ``inputs`` (a view of it)."""
+    ptr = _storage(value)
+    return any(_storage(x) == ptr for x in inputs)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _generic(kernel: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> Call:
+    """The first contribution through the kernel's own entry points, into ``out``."""
+    run_into = getattr(kernel, "run_into", None)
+    if run_into is not None:
+        def call() -> None:
+            value = run_into(inputs, out)
+            if value is not out:
+                out.copy_(value)
+        return call
+
+    def copy() -> None:
+        out.copy_(kernel.run(inputs, None))
+    return copy
+
+
+def _accumulate(kernel: Any, inputs: list[torch.Tensor], acc: torch.Tensor) -> Call:
+    """A further contribution folded into ``acc`` (in place, as kernels fold; one that
+    returns a new tensor instead is copied in)."""
+    def call() -> None:
+        value = kernel.run(inputs, acc)
+        if value is not acc:
+            acc.copy_(value)
+    return call
+
+
+def _estimated_bytes(graph: TaskGraph) -> int | None:
+    """The bytes of the chunks ``graph``'s non-source tasks write, when the planner gave
+    every size (None when it did not)."""
+    sizes = graph.chunk_bytes
+    written = {task.output for task in graph.tasks if task.inputs}
+    if not all(ref in sizes for ref in written):
+        return None
+    return sum(sizes[ref] for ref in written)
+
+
+def fits(graph: TaskGraph) -> bool:
+    """Whether ``graph``'s tape would keep at most :data:`TAPE_MAX_BYTES` of buffers (its
+    chunks' sizes as planned; a graph that does not give them is taken to fit). The engine
+    runs a graph that does not in the serial strategy instead.
+
+    >>> a = ChunkRef(0, ())
+    >>> fits(TaskGraph(tasks=(Task(0, (a,), a, None),), chunk_bytes={a: TAPE_MAX_BYTES + 1}))
+    False
+    """
+    if "tape" in graph.programs:
+        return True
+    estimate = graph.programs.get("tape-bytes")
+    if estimate is None:
+        estimate = graph.programs["tape-bytes"] = _estimated_bytes(graph) or 0
+    return estimate <= TAPE_MAX_BYTES
+
+
+def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
+             sink: ChunkSink | None = None, keep_outputs: bool = True,
+             threads: int | None = None) -> RunResult:
+    """The engine's ``tape`` strategy: ``graph``'s tape (lowered on the first run, and again
+    when a source changed, see :meth:`Tape.current`) run once on this thread, with
+    ``threads`` torch threads when given; arguments and result as
+    :func:`tensorql.exec.engine.run` (no ``destination``: the sink copies each result out
+    of its buffer; ``outputs`` are copies). For graphs that :func:`fits`."""
+    tape = graph.programs.get("tape")
+    previous = torch.get_num_threads()
+    if threads is not None and threads != previous:
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    try:
+        if tape is not None and tape.current():
+            tape.replay()
+        else:
+            tape = graph.programs["tape"] = Tape.lower(graph)
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
+    stats = RunStats(tasks=len(graph.tasks), serial=True, peak_live_bytes=tape.nbytes)
+    outputs: dict[ChunkRef, torch.Tensor] = {}
+    for ref, value in tape.outputs:
+        if sink is not None:
+            sink(ref, value)
+        if keep_outputs:
+            outputs[ref] = value.clone()
+    stats.wall_s = time.perf_counter() - start
+    if progress is not None:
+        progress(len(graph.tasks), len(graph.tasks))
+    return RunResult(outputs=outputs, stats=stats)

@@ -1,0 +1,224 @@
+"""The engine's tape strategy: a plan lowered once into bound calls over buffers gives, run
+after run, the values of the serial strategy on the same plan (and of numpy/torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tensorql as tq
+from tensorql.exec import engine, tape
+from tensorql.exec.tape import Tape, run_tape
+from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+from tensorql.models import KVCache, Llama, LlamaShape
+
+
+def _runs(graph, strategy):
+    return engine.run(graph, engine.EngineConfig.cpu(), strategy=strategy).outputs
+
+
+def test_decoder_tape_matches_the_serial_run_token_after_token():
+    """A LLaMA decoder's plan, several tokens with the KV cache growing in place: the tape's
+    outputs (logits and every layer's new keys/values) equal the serial strategy's on the
+    same plan and inputs; the tape is lowered once and replayed."""
+    shape = LlamaShape(vocab=37, d_model=16, d_ff=24, layers=2, heads=4, kv_heads=2,
+                       head_dim=4)
+    model = Llama.random(tq.connect(), shape, seed=3)
+    _, cache = model.step([[5, 1, 7]], KVCache(()))
+    decoder = model.decoder(cache, max_length=12)
+    graph = decoder.query.physical.task_graph()
+    tokens = np.random.default_rng(0).integers(0, shape.vocab, size=6).tolist()
+    for n, token in enumerate(tokens):
+        t = decoder._set_token([[token]])
+        serial = decoder.query.run(strategy="serial")
+        taped = decoder.query.run(strategy="tape")
+        assert len(serial) == len(taped) == 1 + shape.layers
+        for want, got in zip(serial, taped):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        lowered = Tape.of(graph)
+        if n == 0:
+            first = lowered
+        assert lowered is first  # replayed, not lowered again, as the cache grows
+        decoder._append(t, taped[1:])
+    assert decoder.position == 3 + len(tokens)
+    counts = first.counts
+    assert counts.calls >= counts.bound + counts.generic and counts.sources > 0
+    # and the decoder's own steps (tape) against fresh step() calls (independent plans)
+    more = [[3]], [[11]], [[0]]
+    for token in more:
+        expected, cache2 = model.step(token, KVCache(tuple(b[:, :, :decoder.position].clone()
+                                                           for b in decoder.caches)))
+        np.testing.assert_allclose(decoder.step(token).numpy(), expected.numpy(), atol=1e-5)
+
+
+class _Const:
+    def __init__(self, value):
+        self.value = value
+
+    def storage_key(self):
+        return self.value.data_ptr()
+
+    def run(self, inputs, acc):
+        return self.value
+
+
+class _Fresh:
+    """A source that computes a new tensor every run (no storage key)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def run(self, inputs, acc):
+        out = torch.full((3,), self.value)
+        return out if acc is None else acc.add_(out)
+
+
+class _Scale:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def run(self, inputs, acc):
+        out = inputs[0] * self.factor
+        return out if acc is None else acc.add_(out)
+
+
+class _View:
+    def run(self, inputs, acc):
+        return inputs[0].view(3, 1)
+
+
+def test_contributions_views_and_sources_replayed():
+    x = torch.ones(3)
+    a, b, c, d, e = (ChunkRef(n, ()) for n in range(5))
+    graph = TaskGraph(tasks=(
+        Task(0, (), a, _Const(x)),
+        Task(1, (a,), b, _Scale(2.0)), Task(2, (a,), b, _Scale(3.0)),  # b = 5x
+        Task(3, (b,), c, _View()),                                    # a view: no call
+        Task(4, (), d, _Fresh(1.0)), Task(5, (), d, _Fresh(2.0)),     # d = 3, fresh each run
+        Task(6, (c,), e, _Scale(1.0)),
+    ), retain=frozenset({2, 3, 4}))
+    first = _runs(graph, "tape")
+    counts = Tape.of(graph).counts
+    assert counts.views == 1 and counts.accumulate == 2 and counts.sources == 1
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))  # written in place: replayed
+    again = _runs(graph, "tape")
+    assert Tape.of(graph).counts == counts
+    want = _runs(graph, "serial")
+    for ref in want:
+        torch.testing.assert_close(again[ref], want[ref])
+    assert again[c].flatten().tolist() == [5.0, 10.0, 15.0]
+    assert again[d].tolist() == [3.0, 3.0, 3.0] and first[c].flatten().tolist() == [5.0] * 3
+    # outputs are copies: the next run does not change what a caller holds
+    x.fill_(0.0)
+    _runs(graph, "tape")
+    assert again[c].flatten().tolist() == [5.0, 10.0, 15.0]
+
+
+def test_a_replaced_constant_lowers_the_tape_again():
+    x = torch.ones(3)
+    kernel = _Const(x)
+    a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    graph = TaskGraph(tasks=(Task(0, (), a, kernel), Task(1, (a,), b, _Scale(2.0))),
+                      retain=frozenset({1}))
+    assert _runs(graph, "tape")[b].tolist() == [2.0] * 3
+    before = Tape.of(graph)
+    kernel.value = torch.full((3,), 4.0)  # another storage: the tape is stale
+    assert _runs(graph, "tape")[b].tolist() == [8.0] * 3
+    assert Tape.of(graph) is not before
+
+
+def test_stored_tensors_tiled_products_against_numpy():
+    """A query over stored tensors (store reads, a series over the contracted tiles, a
+    pointwise chain) run as a tape, again after a constant changes in place."""
+    rng = np.random.default_rng(7)
+    db = tq.connect()
+    a = rng.standard_normal((24, 40)).astype(np.float32)
+    w = rng.standard_normal((40, 16)).astype(np.float32)
+    stored = db.from_numpy("w", w, tile=(8, 16))
+    x = torch.from_numpy(a.copy())
+    expr = (tq.einsum("ij,jk->ik", db.constant(x), stored) + 1.0).relu()
+    query = tq.pipeline.CompiledGroup.compile([expr.node], db)
+    for scale in (1.0, -2.0, 0.5):
+        x.copy_(torch.from_numpy(a * scale))
+        (got,) = query.run(strategy="tape")
+        want = np.maximum(a * scale @ w + 1.0, 0.0)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-4)
+    graph = query.physical.task_graph()
+    assert Tape.of(graph).counts.sources >= 5  # the constant and the stored tiles
+    before = Tape.of(graph)
+    w2 = rng.standard_normal((40, 16)).astype(np.float32)
+    db.from_numpy("w", w2, tile=(8, 16), replace=True)  # new chunks: lowered again
+    (got,) = query.run(strategy="tape")
+    np.testing.assert_allclose(got.numpy(), np.maximum(a * 0.5 @ w2 + 1.0, 0.0), rtol=1e-5,
+                               atol=1e-4)
+    assert Tape.of(graph) is not before
+
+
+def test_graphs_beyond_the_byte_bound_run_serially(monkeypatch):
+    db = tq.connect()
+    x = torch.arange(12.0).reshape(3, 4)
+    query = tq.pipeline.CompiledGroup.compile([(db.constant(x) * 2.0).node], db)
+    monkeypatch.setattr(tape, "TAPE_MAX_BYTES", 8)
+    (got,) = query.run(strategy="tape")
+    assert torch.equal(got, x * 2.0)
+    assert "tape" not in query.physical.task_graph().programs
+
+
+def test_a_failing_call_names_its_task():
+    class Boom:
+        fail = False
+
+        def run(self, inputs, acc):
+            if Boom.fail:
+                raise RuntimeError("boom")
+            return inputs[0] + 1
+
+    a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    graph = TaskGraph(tasks=(Task(0, (), a, _Const(torch.ones(2))), Task(1, (a,), b, Boom())),
+                      retain=frozenset({1}))
+    run_tape(graph)
+    Boom.fail = True
+    with pytest.raises(tq.TensorQLError, match="task 1.*boom"):
+        run_tape(graph)
+
+
+_CONTRACTIONS = [
+    ((("b", "s", "d"), ("v", "d")), ("b", "s", "v"), [(1, 1, 8), (5, 8)]),       # flat, W^T
+    ((("d", "f"), ("b", "s", "f")), ("b", "s", "d"), [(6, 8), (1, 1, 8)]),       # swapped
+    ((("i", "j"), ("j", "k")), ("k", "i"), [(3, 4), (4, 5)]),                    # transposed
+    ((("i", "j"), ("j", "k")), ("i", "k"), [(20, 4), (4, 5)]),                   # >= 16 rows
+    ((("b", "s", "d"), ("b", "s", "d")), ("b", "s"), [(2, 3, 4), (2, 3, 4)]),    # row dot
+    ((("b", "s", "k", "e"), ("b", "t", "k", "e")), ("b", "k", "s", "t"),
+     [(1, 2, 3, 4), (1, 5, 3, 4)]),                                               # einsum
+    ((("b", "d"), ("d",)), ("b", "d"), [(3, 4), (4,)]),                          # broadcast
+    ((("p",), ("b", "s", "k", "g", "p")), ("b", "k", "g", "s"), [(2,), (1, 1, 3, 2, 2)]),
+    ((("b", "s", "p", "k", "e"), ("p", "e", "f")), ("b", "s", "p", "k", "f"),
+     [(1, 1, 2, 3, 4), (2, 4, 4)]),                                               # batched
+    ((("b", "k", "g", "s", "t"), ("b", "t", "k", "e")), ("b", "s", "k", "g", "e"),
+     [(1, 2, 3, 1, 5), (1, 5, 2, 4)]),                                            # strided
+]
+
+
+@pytest.mark.parametrize("in_labels, out_labels, shapes", _CONTRACTIONS)
+def test_bound_contractions_equal_the_kernel_run(in_labels, out_labels, shapes):
+    from tensorql.physical.kernels import ContractChunk
+
+    gen = torch.Generator().manual_seed(len(shapes[0]) * 7 + len(out_labels))
+    inputs = [torch.randn(shape, generator=gen) for shape in shapes]
+    kernel = ContractChunk(in_labels=in_labels, out_labels=out_labels)
+    out = kernel.run(inputs, None)
+    (call,) = kernel.bind(inputs, out)
+    for _ in range(2):
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, generator=gen))
+        call()
+        torch.testing.assert_close(out, kernel.run(inputs, None), rtol=1e-6, atol=1e-6)
+
+
+def test_a_contraction_whose_views_would_copy_is_left_to_the_kernel():
+    from tensorql.physical.kernels import ContractChunk
+
+    kernel = ContractChunk(in_labels=(("i", "j", "k"), ("k", "j")), out_labels=("i",))
+    inputs = [torch.ones(2, 3, 4)[:, :, ::2], torch.ones(2, 3)]
+    assert kernel.bind(inputs, kernel.run(inputs, None)) is None
