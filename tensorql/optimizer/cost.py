@@ -1040,16 +1040,46 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
              bhas: np.ndarray, unit: np.ndarray, dtype: type) -> np.ndarray:
     """Elements of every region ``[lo, hi)`` ((kd, m, r) each) inside the boxes of the group
     ``unit`` (kd, m) of its reader: boxes ``blo, bhi`` (q, U, B, r), ``bhas`` (q, U, B);
-    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays."""
-    acc = np.zeros((blo.shape[0],) + unit.shape, dtype=dtype)
-    for b in range(blo.shape[2]):
-        held = bhas[:, :, b][:, unit].astype(dtype)
-        for a in range(lo.shape[2]):
-            ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
-            ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
-            np.maximum(ov, 0, out=ov)
-            held *= ov
-        acc += held
+    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays; read maps whose
+    tasks sit on the same groups (most of them: a task a device, in one of a few orders)
+    look their boxes up once, (q, m), broadcast over those maps.
+
+    >>> lo = np.array([[[0], [4]], [[0], [2]]]); hi = lo + 4   # 2 maps of 2 regions
+    >>> blo = np.array([[[[0]], [[4]]]]); bhi = blo + 4        # a box [0, 4) and [4, 8)
+    >>> _held_in(lo, hi, blo, bhi, np.ones((1, 2, 1), dtype=bool),
+    ...          np.array([[0, 1], [0, 1]]), np.int64).tolist()
+    [[[4, 4], [4, 2]]]
+    """
+    q, kd = blo.shape[0], unit.shape[0]
+    rows, which = np.unique(unit, axis=0, return_inverse=True)
+    acc = np.zeros((q,) + unit.shape, dtype=dtype)
+    if len(rows) * 4 > kd:  # mostly distinct: each region's boxes looked up on its own
+        for b in range(blo.shape[2]):
+            held = bhas[:, :, b][:, unit].astype(dtype)
+            for a in range(lo.shape[2]):
+                ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
+                ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
+                np.maximum(ov, 0, out=ov)
+                held *= ov
+            acc += held
+        return acc
+    which = np.asarray(which).reshape(-1)
+    for u, row in enumerate(rows):
+        sel = slice(None) if len(rows) == 1 else np.flatnonzero(which == u)
+        slo, shi = lo[sel], hi[sel]                                   # (s, m, r)
+        got = np.zeros((q,) + slo.shape[:2], dtype=dtype)
+        for b in range(blo.shape[2]):
+            held = np.repeat(bhas[:, row, b][:, None, :].astype(dtype), slo.shape[0], axis=1)
+            for a in range(lo.shape[2]):
+                ov = np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :])
+                ov -= np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :])
+                np.maximum(ov, 0, out=ov)
+                held *= ov
+            got += held
+        if len(rows) == 1:
+            acc = got
+        else:
+            acc[:, sel] = got
     return acc
 
 
@@ -1154,8 +1184,8 @@ def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarra
     out = np.zeros(len(table.cands))
     nodes = topo.node_array
     groups = len(topo.groups)
-    for c, lay in enumerate(table.layouts):
-        src, dst, elems = lay.partial_pairs
+    for c in np.flatnonzero(table.partial_bytes):  # the others send no partial
+        src, dst, elems = table.layouts[c].partial_pairs
         if not len(src):
             continue
         nbytes = (elems * node.itemsize).astype(float)
@@ -1180,3 +1210,4 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                                  devices, node.itemsize)
     np.add.at(out, (src, dst), sent)
     return out
+

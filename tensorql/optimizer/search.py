@@ -366,7 +366,7 @@ def _own(table: NodeTable) -> np.ndarray:
 # -- dynamic programming over a tree cover ------------------------------------------------
 def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     """A choice per node from DP over trees; shared nodes root their own trees."""
-    graph, tables = problem.graph, problem.tables
+    graph = problem.graph
     in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
     out_degree = {n.index: 0 for n in graph.nodes}
     for p, c, _, m in problem.edges:
@@ -394,14 +394,13 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
         v = np.where(problem.allowed[n], problem.own_cost(n), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
-            if p in frozen:
-                vin = np.full(len(tables[p].cands), inf)
-                vin[frozen[p]] = 0.0
-            else:
-                vin = value[p]
-            total = vin[:, None] + m
+            if p in frozen:  # the producer's candidate is fixed: its row of the matrix
+                v = v + m[frozen[p]]
+                best_in[n].append((p, np.full(m.shape[1], frozen[p])))
+                continue
+            total = value[p][:, None] + m
             arg = np.argmin(total, axis=0)
-            v = v + total[arg, np.arange(total.shape[1])]
+            v = v + total.min(axis=0)
             best_in[n].append((p, arg))
         value[n] = v
         if freeze_shared and out_degree[n] > 1:
@@ -416,17 +415,25 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
 
 def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[int, ...]:
-    """Coordinate descent: change one node's candidate at a time while the total drops."""
+    """Coordinate descent: change one node's candidate at a time while the total drops.
+
+    A node is looked at again only once a neighbour has changed since it was last looked
+    at: its cost vector is the same otherwise, so it would keep its candidate (the result is
+    that of visiting every node every pass)."""
     graph = problem.graph
     touching: dict[int, list[tuple[int, int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
     for p, c, _, m in problem.edges:
         touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
         touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
     current = list(choice)
+    stale = [True] * len(graph.nodes)   # a neighbour changed since the node was looked at
     for _ in range(passes):
         improved = False
         for node in graph.nodes:
             n = node.index
+            if not stale[n]:
+                continue
+            stale[n] = False
             cost = problem.own_cost(n).copy()
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
@@ -435,6 +442,8 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
             if cost[best] < cost[current[n]]:
                 current[n] = best
                 improved = True
+                for other, _, _ in touching[n]:
+                    stale[other] = True
         if not improved:
             break
     return tuple(current)
@@ -551,8 +560,8 @@ def search_model(problem: Problem) -> tuple[int, ...]:
 def auto_options(problem: Problem) -> list[tuple[int, ...]]:
     """The choices ``auto`` picks from: the DP results and the two baselines, and each of them
     refined."""
-    seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
-             search_model(problem)]
+    seeds = list(dict.fromkeys([tree_dp(problem, True), tree_dp(problem, False),
+                                search_data(problem), search_model(problem)]))
     return list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
 
 
