@@ -1211,3 +1211,77 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
     np.add.at(out, (src, dst), sent)
     return out
 
+
+# -- memory tiers a memory limit forces (host offload, the DuckDB spill tier) -------------
+def resident_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
+    """Bytes every device holds after each operation, (N, steps): an operation's output
+    pieces live on their owners from the operation (a stored source or constant: from its
+    first reader) to its last reader, the results to the end; operands loaded where read
+    hold nothing between operations. Operations run in the graph's order, one a step.
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> g = OpGraph((a, m), 1)
+    >>> lays = [layout((8,), (2,), 1, 2), layout((8,), (2,), 1, 2)]
+    >>> resident_bytes(g, lays, 2).tolist()   # a (16 B a device) is loaded for m (16 B)
+    [[0, 32], [0, 32]]
+    """
+    steps = len(graph.nodes)
+    delta = np.zeros((devices, steps + 1), dtype=np.int64)
+    consumers = graph.consumers
+    results = {graph.root, *graph.also}
+    for node, lay in zip(graph.nodes, layouts):
+        readers = [c for c, _ in consumers.get(node.index, [])]
+        if node.loaded_where_read or (not readers and node.index not in results):
+            continue
+        born = min(readers) if not node.inputs and readers else node.index
+        dies = steps - 1 if node.index in results else max(readers)
+        out = lay.outputs
+        held = np.bincount(out.device, np.prod(out.lens, axis=1) * node.itemsize,
+                           minlength=devices).astype(np.int64)
+        delta[:, born] += held
+        delta[:, dies + 1] -= held
+    return np.cumsum(delta, axis=1)[:, :steps]
+
+
+def tier_bytes(graph: OpGraph, layouts: Sequence[Layout], memory_limit: int,
+               topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """What a plan held to ``memory_limit`` a device must move through the memory tiers, at
+    least: each device's bytes over the limit at its fullest step (:func:`resident_bytes`)
+    are evicted to its host and read back (twice those bytes over its host link), and each
+    node's evictions beyond ``topo.host_memory`` at its fullest step go on to the DuckDB
+    tier and come back (twice those bytes through the node's spill tier). Returns the host
+    link's bytes per device (N,) and the DuckDB tier's per node (G,).
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> g = OpGraph((a, m), 1)
+    >>> lays = [layout((8,), (2,), 1, 2), layout((8,), (2,), 1, 2)]
+    >>> import dataclasses
+    >>> topo = dataclasses.replace(Topology.flat(2), host_memory=20)
+    >>> [x.tolist() for x in tier_bytes(g, lays, 24, topo)]  # 8 B over a device, 16 a node
+    [[16, 16], [0]]
+    >>> [x.tolist() for x in tier_bytes(g, lays, 20, topo)]  # 12 over, 24 on the host: 4 spill
+    [[24, 24], [8]]
+    """
+    resident = resident_bytes(graph, layouts, topo.devices)
+    over = np.maximum(resident - memory_limit, 0)                      # (N, steps)
+    host = 2 * over.max(axis=1, initial=0)
+    node_over = np.zeros((len(topo.groups), over.shape[1]), dtype=np.int64)
+    np.add.at(node_over, topo.node_array, over)
+    spill = 2 * np.maximum(node_over.max(axis=1, initial=0) - topo.host_memory, 0)
+    return host.astype(np.int64), spill.astype(np.int64)
+
+
+def tier_seconds(host: np.ndarray, spill: np.ndarray, topo: Topology) -> float:
+    """Seconds of the tiers' traffic of :func:`tier_bytes`: the busiest device's host link
+    plus the busiest node's DuckDB tier (no overlap counted, as for the links).
+
+    >>> topo = Topology.flat(2, "cpu-gloo")
+    >>> tier_seconds(np.array([5e9, 0]), np.array([4e8]), topo)  # 1 s + 1 s
+    2.0
+    """
+    link = float(host.max(initial=0)) / topo.host_bandwidth
+    return link + float(spill.max(initial=0)) / topo.spill_bandwidth
