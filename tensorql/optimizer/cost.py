@@ -433,11 +433,12 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
 
 def build_table(graph: OpGraph, node: OpNode, devices: int,
                 allowed: Sequence[tuple[int, ...]] | None = None,
-                pieces: int | None = None) -> NodeTable:
+                pieces: int | None = None, layouts: dict | None = None) -> NodeTable:
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
     ``pieces`` pieces, ``devices`` by default). An aggregation whose aggregated labels are cut
     is also offered as a reduce-scatter along each output label that can be cut finer
-    (:func:`scatter_options`)."""
+    (:func:`scatter_options`). ``layouts``: a dict the layouts made are kept in and taken
+    from (tables of one search share them: a layout depends on its arguments only)."""
     chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
     n_out = node.n_out
     plain = tuple(range(len(node.sizes)))
@@ -452,7 +453,13 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
                                                                          len(node.sizes))
     orders = [o for _, o, _ in options]
     K, N = len(cands), devices
-    layouts = [layout(node.sizes, cand, n_out, N, order, sc) for cand, order, sc in options]
+    made = {} if layouts is None else layouts
+    layouts = []
+    for cand, order, sc in options:
+        key = (node.sizes, cand, n_out, N, order, sc)
+        if key not in made:
+            made[key] = layout(node.sizes, cand, n_out, N, order, sc)
+        layouts.append(made[key])
     per_dev = max(int(np.bincount(lay.outputs.device, minlength=N).max()) for lay in layouts)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     piece_hi = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
@@ -1040,9 +1047,11 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
              bhas: np.ndarray, unit: np.ndarray, dtype: type) -> np.ndarray:
     """Elements of every region ``[lo, hi)`` ((kd, m, r) each) inside the boxes of the group
     ``unit`` (kd, m) of its reader: boxes ``blo, bhi`` (q, U, B, r), ``bhas`` (q, U, B);
-    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays; read maps whose
+    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays. Read maps whose
     tasks sit on the same groups (most of them: a task a device, in one of a few orders)
-    look their boxes up once, (q, m), broadcast over those maps.
+    look their boxes up once, (q, m), broadcast over those maps; on an axis where every box
+    holds every region's interval (the producer does not cut it) the overlap is the region's
+    length, and where every region holds every box (the consumer does not cut it) the box's.
 
     >>> lo = np.array([[[0], [4]], [[0], [2]]]); hi = lo + 4   # 2 maps of 2 regions
     >>> blo = np.array([[[[0]], [[4]]]]); bhi = blo + 4        # a box [0, 4) and [4, 8)
@@ -1051,31 +1060,57 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
     [[[4, 4], [4, 2]]]
     """
     q, kd = blo.shape[0], unit.shape[0]
-    rows, which = np.unique(unit, axis=0, return_inverse=True)
+    modes = []  # per axis: "region" (its length), "box" (the box's) or "both" (overlap)
+    for a in range(lo.shape[2]):
+        held_lo, held_hi = blo[..., a][bhas], bhi[..., a][bhas]
+        if not held_lo.size:
+            modes.append("region")
+        elif held_lo.max() <= lo[:, :, a].min() and held_hi.min() >= hi[:, :, a].max():
+            modes.append("region")
+        elif lo[:, :, a].max() <= held_lo.min() and hi[:, :, a].min() >= held_hi.max():
+            modes.append("box")
+        else:
+            modes.append("both")
+    length = (hi - lo).astype(dtype)
+    fixed = np.ones(unit.shape, dtype=dtype)   # the region-length axes' product, (kd, m)
+    for a, mode in enumerate(modes):
+        if mode == "region":
+            fixed *= length[:, :, a]
+    first, which = _distinct(unit)
+    rows = unit[first]
     acc = np.zeros((q,) + unit.shape, dtype=dtype)
     if len(rows) * 4 > kd:  # mostly distinct: each region's boxes looked up on its own
         for b in range(blo.shape[2]):
             held = bhas[:, :, b][:, unit].astype(dtype)
-            for a in range(lo.shape[2]):
-                ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
-                ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
-                np.maximum(ov, 0, out=ov)
-                held *= ov
+            for a, mode in enumerate(modes):
+                if mode == "box":
+                    held *= (bhi[:, :, b, a] - blo[:, :, b, a])[:, unit]
+                elif mode == "both":
+                    ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
+                    ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
+                    np.maximum(ov, 0, out=ov)
+                    held *= ov
             acc += held
+        acc *= fixed
         return acc
-    which = np.asarray(which).reshape(-1)
     for u, row in enumerate(rows):
         sel = slice(None) if len(rows) == 1 else np.flatnonzero(which == u)
         slo, shi = lo[sel], hi[sel]                                   # (s, m, r)
         got = np.zeros((q,) + slo.shape[:2], dtype=dtype)
         for b in range(blo.shape[2]):
-            held = np.repeat(bhas[:, row, b][:, None, :].astype(dtype), slo.shape[0], axis=1)
-            for a in range(lo.shape[2]):
-                ov = np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :])
-                ov -= np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :])
-                np.maximum(ov, 0, out=ov)
-                held *= ov
+            box = bhas[:, row, b].astype(dtype)                       # (q, m)
+            for a, mode in enumerate(modes):
+                if mode == "box":
+                    box *= bhi[:, row, b, a] - blo[:, row, b, a]
+            held = np.repeat(box[:, None, :], slo.shape[0], axis=1)
+            for a, mode in enumerate(modes):
+                if mode == "both":
+                    ov = np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :])
+                    ov -= np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :])
+                    np.maximum(ov, 0, out=ov)
+                    held *= ov
             got += held
+        got *= fixed[sel][None]
         if len(rows) == 1:
             acc = got
         else:

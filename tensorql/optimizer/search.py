@@ -303,7 +303,8 @@ def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict,
         if only is not None:
             allowed = tuple(sorted(only))
         cache[("node", key)] = build_table(graph, node, devices, allowed=allowed,
-                                           pieces=pieces)
+                                           pieces=pieces, layouts=cache.setdefault(
+                                               ("layouts",), {}))
     return key, cache[("node", key)]
 
 
@@ -400,7 +401,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
                 continue
             total = value[p][:, None] + m
             arg = np.argmin(total, axis=0)
-            v = v + total.min(axis=0)
+            v = v + total[arg, np.arange(total.shape[1])]
             best_in[n].append((p, arg))
         value[n] = v
         if freeze_shared and out_degree[n] > 1:
