@@ -923,8 +923,13 @@ def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
     """Owner, reader and bytes of every piece or slice the ``readers`` (``(id, axes) ->
     consumer layout``) read of ``prod`` from other devices, each once a device."""
     wholes, slices = [], []
-    for (_, axes), lay in readers.items():
-        whole, rows = _remote_reads(prod, lay, axes)
+    # a producer's layout keeps what each distinct reader reads of it (layouts are shared
+    # by the tables of one search, and the exact recounts ask again for the same reads)
+    memo = prod.__dict__.setdefault("_remote_memo", {})
+    for (fingerprint, axes), lay in readers.items():
+        if (fingerprint, axes) not in memo:
+            memo[(fingerprint, axes)] = _remote_reads(prod, lay, axes)
+        whole, rows = memo[(fingerprint, axes)]
         wholes.append(whole)
         slices.append(rows)
     sizes = np.prod(prod.outputs.lens, axis=1)

@@ -254,6 +254,35 @@ class Problem:
                 out.setdefault(p, []).append((c, m))
         return {p: e for p, e in out.items() if len(e) > 1}
 
+    @property
+    def dp_edges(self) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, int]]:
+        """Per node its in-edges (producer, matrix as float) and its out-degree, made once
+        (problems restricted from one share them: the edges are the same); read only."""
+        got = self.memo.get(("dp edges",))
+        if got is None or got[0] is not self.edges:
+            nodes = self.graph.nodes
+            in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in nodes}
+            out_degree = {n.index: 0 for n in nodes}
+            for p, c, _, m in self.edges:
+                in_edges[c].append((p, self.as_float(m)))
+                out_degree[p] += 1
+            got = self.memo[("dp edges",)] = (self.edges, (in_edges, out_degree))
+        return got[1]
+
+    @property
+    def touching(self) -> dict[int, list[tuple[int, int, np.ndarray]]]:
+        """Per node the edges touching it, ``(other node, 0 if it is the consumer else 1,
+        matrix)``, made once (as :attr:`dp_edges`); read only."""
+        got = self.memo.get(("touching",))
+        if got is None or got[0] is not self.edges:
+            touching: dict[int, list[tuple[int, int, np.ndarray]]] = {
+                n.index: [] for n in self.graph.nodes}
+            for p, c, _, m in self.edges:
+                touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
+                touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
+            got = self.memo[("touching",)] = (self.edges, touching)
+        return got[1]
+
     def as_float(self, matrix: np.ndarray) -> np.ndarray:
         """An edge matrix as float64 (what adding a float vector makes of it), converted once
         a matrix (identical layers share them); read only."""
@@ -368,16 +397,13 @@ def _own(table: NodeTable) -> np.ndarray:
 def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     """A choice per node from DP over trees; shared nodes root their own trees."""
     graph = problem.graph
-    in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
-    out_degree = {n.index: 0 for n in graph.nodes}
-    for p, c, _, m in problem.edges:
-        in_edges[c].append((p, problem.as_float(m)))
-        out_degree[p] += 1
+    in_edges, out_degree = problem.dp_edges
     inf = np.inf
     value: dict[int, np.ndarray] = {}
     best_in: dict[int, list[tuple[int, np.ndarray]]] = {}
     frozen: dict[int, int] = {}
     choice: dict[int, int] = {}
+    live: dict[int, np.ndarray | None] = {}  # a node's finite candidates, when not all
 
     def assign(node: int, cand: int) -> None:
         stack = [(node, cand)]
@@ -399,11 +425,19 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
                 v = v + m[frozen[p]]
                 best_in[n].append((p, np.full(m.shape[1], frozen[p])))
                 continue
-            total = value[p][:, None] + m
-            arg = np.argmin(total, axis=0)
+            vin = value[p]
+            rows = live[p]
+            if rows is None:
+                total = vin[:, None] + m
+                arg = np.argmin(total, axis=0)
+            else:  # only the producer's finite candidates can be picked: the first minimum
+                total = vin[rows][:, None] + m[rows]   # over them is the first over all
+                arg = np.argmin(total, axis=0)
             v = v + total[arg, np.arange(total.shape[1])]
-            best_in[n].append((p, arg))
+            best_in[n].append((p, arg if rows is None else rows[arg]))
         value[n] = v
+        finite = np.isfinite(v)
+        live[n] = None if finite.all() or not finite.any() else np.flatnonzero(finite)
         if freeze_shared and out_degree[n] > 1:
             frozen[n] = int(np.argmin(v))
             assign(n, frozen[n])
@@ -422,10 +456,7 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
     at: its cost vector is the same otherwise, so it would keep its candidate (the result is
     that of visiting every node every pass)."""
     graph = problem.graph
-    touching: dict[int, list[tuple[int, int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
-    for p, c, _, m in problem.edges:
-        touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
-        touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
+    touching = problem.touching
     current = list(choice)
     stale = [True] * len(graph.nodes)   # a neighbour changed since the node was looked at
     for _ in range(passes):
