@@ -454,13 +454,20 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     orders = [o for _, o, _ in options]
     K, N = len(cands), devices
     made = {} if layouts is None else layouts
-    layouts = []
+    nkey = node_key(graph, node, devices, pieces)  # what a row depends on beside its layout
+    layouts, rows = [], []
+    in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
+    in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
     for cand, order, sc in options:
         key = (node.sizes, cand, n_out, N, order, sc)
         if key not in made:
             made[key] = layout(node.sizes, cand, n_out, N, order, sc)
-        layouts.append(made[key])
-    per_dev = max(int(np.bincount(lay.outputs.device, minlength=N).max()) for lay in layouts)
+        lay = made[key]
+        layouts.append(lay)
+        if ("row", key, nkey) not in made:
+            made[("row", key, nkey)] = _table_row(node, lay, in_axes, in_items)
+        rows.append(made[("row", key, nkey)])
+    per_dev = max(int(row[1].max(initial=-1)) + 1 for row in rows)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     piece_hi = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     has_piece = np.zeros((K, N, per_dev), dtype=bool)
@@ -468,28 +475,36 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     flops = np.zeros((K, N), dtype=np.int64)
     peak = np.zeros(K, dtype=np.int64)
     fold = np.zeros(K, dtype=np.int64)
-    in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
-    in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
-    for c, lay in enumerate(layouts):
-        ln, dev = lay.lens, lay.device
-        out = lay.outputs
-        by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
-        d = out.device[by_dev]
-        slot = np.arange(len(d)) - np.searchsorted(d, d)
-        piece_lo[c, d, slot] = out.starts[by_dev]
-        piece_hi[c, d, slot] = out.starts[by_dev] + out.lens[by_dev]
+    for c, (d, slot, lo, hi, part, fold_c, flops_c, peak_c) in enumerate(rows):
+        piece_lo[c, d, slot] = lo
+        piece_hi[c, d, slot] = hi
         has_piece[c, d, slot] = True
-        sends, elems = lay.partial_totals()
-        partial[c] = elems * node.itemsize
-        if sends:  # a fold reads a partial (a task's output region) and writes a piece
-            fold[c] = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize
-        np.add.at(flops[c], dev, node.flops(ln))
-        working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
-        for axes, item in zip(in_axes, in_items):
-            working = working + np.prod(ln[:, axes], axis=1) * item
-        peak[c] = int(working.max())
+        partial[c], fold[c], peak[c] = part, fold_c, peak_c
+        flops[c, :len(flops_c)] = flops_c
     return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops,
                      peak, fold)
+
+
+def _table_row(node: OpNode, lay: Layout, in_axes: list[list[int]], in_items: list[int]
+               ) -> tuple:
+    """One candidate's row of :func:`build_table`: its pieces' devices, slots, starts and
+    ends (each device's pieces in order), partial bytes, fold bytes, FLOPs per device and
+    peak working set (shared by every table offering the same layout of the same node)."""
+    n_out = lay.n_out
+    ln, dev = lay.lens, lay.device
+    out = lay.outputs
+    by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
+    d = out.device[by_dev]
+    slot = np.arange(len(d)) - np.searchsorted(d, d)
+    sends, elems = lay.partial_totals()
+    fold = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize if sends else 0
+    flops = np.zeros(int(dev.max(initial=-1)) + 1, dtype=np.int64)
+    np.add.at(flops, dev, node.flops(ln))
+    working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
+    for axes, item in zip(in_axes, in_items):
+        working = working + np.prod(ln[:, axes], axis=1) * item
+    return (d, slot, out.starts[by_dev], out.starts[by_dev] + out.lens[by_dev],
+            elems * node.itemsize, fold, flops, int(working.max()))
 
 
 def scatter_options(node: OpNode, cand: Sequence[int]) -> list[tuple[int, int]]:
