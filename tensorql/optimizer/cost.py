@@ -1116,7 +1116,9 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
     for u, row in enumerate(rows):
         sel = slice(None) if len(rows) == 1 else np.flatnonzero(which == u)
         slo, shi = lo[sel], hi[sel]                                   # (s, m, r)
-        got = np.zeros((q,) + slo.shape[:2], dtype=dtype)
+        shape = (q,) + slo.shape[:2]
+        got = np.zeros(shape, dtype=dtype)
+        ov, low = np.empty(shape, dtype=dtype), np.empty(shape, dtype=dtype)  # reused
         for b in range(blo.shape[2]):
             box = bhas[:, row, b].astype(dtype)                       # (q, m)
             for a, mode in enumerate(modes):
@@ -1125,8 +1127,9 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
             held = np.repeat(box[:, None, :], slo.shape[0], axis=1)
             for a, mode in enumerate(modes):
                 if mode == "both":
-                    ov = np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :])
-                    ov -= np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :])
+                    np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :], out=ov)
+                    np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :], out=low)
+                    ov -= low
                     np.maximum(ov, 0, out=ov)
                     held *= ov
             got += held

@@ -404,6 +404,7 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     frozen: dict[int, int] = {}
     choice: dict[int, int] = {}
     live: dict[int, np.ndarray | None] = {}  # a node's finite candidates, when not all
+    buffer = np.empty(0)  # the sums of an edge, reused (large ones are fresh pages each time)
 
     def assign(node: int, cand: int) -> None:
         stack = [(node, cand)]
@@ -428,7 +429,9 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
             vin = value[p]
             rows = live[p]
             if rows is None:
-                total = vin[:, None] + m
+                if m.size > len(buffer):
+                    buffer = np.empty(m.size)
+                total = np.add(vin[:, None], m, out=buffer[:m.size].reshape(m.shape))
                 arg = np.argmin(total, axis=0)
             else:  # only the producer's finite candidates can be picked: the first minimum
                 total = vin[rows][:, None] + m[rows]   # over them is the first over all
