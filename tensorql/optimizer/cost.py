@@ -1242,16 +1242,21 @@ def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarra
     out = np.zeros(len(table.cands))
     nodes = topo.node_array
     groups = len(topo.groups)
-    for c in np.flatnonzero(table.partial_bytes):  # the others send no partial
-        src, dst, elems = table.layouts[c].partial_pairs
-        if not len(src):
-            continue
-        nbytes = (elems * node.itemsize).astype(float)
-        to = nodes[dst]
-        same = nodes[src] == to  # a partial never goes to its own device
-        intra = np.bincount(to[same], nbytes[same], minlength=groups)
-        inter = np.bincount(to[~same], nbytes[~same], minlength=groups)
-        out[c] = float(topo.node_seconds(intra, inter))
+    sending = [c for c in np.flatnonzero(table.partial_bytes)  # the others send none
+               if len(table.layouts[c].partial_pairs[0])]
+    if not sending:
+        return out
+    pairs = [table.layouts[c].partial_pairs for c in sending]
+    row = np.repeat(np.arange(len(sending)), [len(src) for src, _, _ in pairs])
+    src, dst, elems = (np.concatenate(x) for x in zip(*pairs))
+    nbytes = (elems * node.itemsize).astype(float)
+    to = nodes[dst]
+    same = nodes[src] == to  # a partial never goes to its own device
+    slot = row * groups + to
+    size = len(sending) * groups
+    intra = np.bincount(slot[same], nbytes[same], minlength=size).reshape(-1, groups)
+    inter = np.bincount(slot[~same], nbytes[~same], minlength=size).reshape(-1, groups)
+    out[sending] = topo.node_seconds(intra, inter)
     return out
 
 

@@ -217,7 +217,7 @@ class Problem:
         per-edge sum (within one operation a device never needs a piece both whole and in
         part), so only they are recounted (:func:`~tensorql.optimizer.cost.read_bytes`)."""
         total = self.total(choice)
-        layouts = None
+        layouts = keys = None
         for p, edges in self.shared_edges.items():
             # identical layers share tables and edge matrices: key on those, not on indices
             key = (id(self.tables[p]), choice[p],
@@ -226,8 +226,9 @@ class Problem:
                 if layouts is None:
                     layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
                 per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
-                keys = [(id(t), k) for t, k in zip(self.tables, choice)]
                 if self.topology is None:
+                    if keys is None:
+                        keys = [(id(t), k) for t, k in zip(self.tables, choice)]
                     exact = read_bytes(self.graph, layouts, p, self.memo, keys)
                 else:  # the reads of p priced as one exchange
                     exact = int(_units(self.topology.transfer_seconds(
