@@ -110,7 +110,10 @@ def machine(name: str) -> Machine:
 @dataclass(frozen=True)
 class Topology:
     """Devices grouped into nodes (``groups``: the device indices of each node), with the
-    per-device bandwidth of each link level (bytes/s) and a device's FLOP rate.
+    per-device bandwidth of each link level (bytes/s) and a device's FLOP rate; and the
+    memory tiers a memory limit can force (:func:`~tensorql.optimizer.cost.tier_bytes`): a
+    device's link to its host (``host_bandwidth``), a node's host memory for evicted chunks
+    (``host_memory``) and its DuckDB spill tier's rate (``spill_bandwidth``).
 
     >>> Topology.flat(4).groups
     ((0, 1, 2, 3),)
