@@ -26,6 +26,16 @@ bytes moved (per link level and the estimated time where the plan has an estimat
 no worse than ``data`` or ``model`` (estimated time on a topology, bytes when flat). The smoke
 run plans a 2-layer small-shape graph at 8, 64 and 256 devices (coarse to fine above 64).
 ``--cluster-only`` runs these rows alone; ``--cluster-devices 8,256`` picks the counts.
+
+``--vs-distributed [JSON ...]`` (issue 33, point 4) prints the optimizer's time estimate next to
+the times ``bench/distributed.py`` measured on this host (its JSON files; by default
+``bench/results/distributed.json`` and the 2-rank recheck under ``docs/bench-runs/``): for
+each workload (mlp, block, mlp-dp, mlp-tp) and rank count K <= the cores the JSON recorded,
+``tq.optimize`` of the query each rank runs -- the same strategy and ``memory_limit``, the
+``mlp-tp`` weights stored in shards -- for K devices of the ``cpu-gloo`` machine with stored
+tensors loaded where read (``sources_everywhere``, as in a distributed job), and the error of
+``estimate.total_s`` against the measured median, and the FLOP rate a rank would need for
+the estimate's compute to take the measured time. Nothing is timed or written.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import argparse
 import functools
 import gc
 import inspect
+import os
 import sys
 import time
 
@@ -167,6 +178,79 @@ def cluster_rows(record: Record, devices: tuple[int, ...], shape: dict, gated: b
     return rows
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DISTRIBUTED_RUNS = tuple(os.path.join(_ROOT, p) for p in (
+    "bench/results/distributed.json",
+    "docs/bench-runs/2026-11-26-s4-distributed-ranks2-recheck.json"))
+
+
+def _distributed_size(run: dict) -> str:
+    """The workload size a distributed.py run used (from its command line)."""
+    command = run.get("env", {}).get("command", "")
+    return "tiny" if "--tiny" in command else "issue" if "--issue-size" in command else "default"
+
+
+def distributed_estimate(name: str, size: str, ranks: int) -> tuple[tq.PartitionPlan, dict]:
+    """The plan (and the sizes) of ``bench/distributed.py``'s workload ``name`` at ``size`` on
+    ``ranks`` CPU ranks of one host, planned as each rank plans it."""
+    import distributed as dist_bench
+
+    from tensorql.optimizer.topology import Topology
+
+    base, tp = name.split("-")[0], name.endswith("-tp")
+    db = tq.connect()
+    try:
+        if base == "mlp":
+            b, d, h = dist_bench.SIZES[size]["mlp"]
+            w = mlp(db, batch=b, d_model=d, d_ff=h, prefix="mlp_")
+        else:
+            b, seq, d, heads, head_dim, ff = dist_bench.SIZES[size]["block"]
+            w = llama_block(db, batch=b, seq=seq, d_model=d, heads=heads, head_dim=head_dim,
+                            d_ff=ff, prefix="block_")
+        expr = dist_bench._sharded_mlp(db, w.arrays, ranks) if tp else w.output
+        limit = dist_bench.tp_memory_limit(*dist_bench.SIZES[size]["mlp"], ranks) if tp \
+            else None
+        plan = tq.optimize(expr, devices=ranks, strategy="data" if name.endswith("-dp")
+                           else "auto", memory_limit=limit, sources_everywhere=True,
+                           topology=Topology.flat(ranks, "cpu-gloo"))
+    finally:
+        db.close()
+    return plan, {"limit": limit}
+
+
+def vs_distributed(paths: list[str]) -> list[list]:
+    """Rows of estimate against measurement for every (workload, K) of the runs in ``paths``
+    (a later file's row replaces an earlier one's), K no more than the recorded cores."""
+    import json
+
+    measured: dict[tuple[str, int], tuple[float, float, str, str]] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        cores = int(run.get("env", {}).get("cores_usable") or 1)
+        size = _distributed_size(run)
+        for key, timing in run["timings"].items():
+            name, _, k = key.partition(" ranks=")
+            if int(k) > cores or "tq" not in timing:
+                continue
+            summary = timing["tq"]["summary"]
+            measured[(name, int(k))] = (summary["median"], summary["iqr"], size, path)
+    rows = []
+    for (name, k), (median, iqr, size, path) in sorted(measured.items()):
+        plan, _ = distributed_estimate(name, size, k)
+        est = plan.estimate
+        rows.append([name, size, k, round(median * 1e3, 2), round(iqr * 1e3, 2),
+                     round(est.total_s * 1e3, 2), round(est.compute_s * 1e3, 2),
+                     round((est.transfer_s + est.tier_s) * 1e3, 3),
+                     f"{(est.total_s / median - 1) * 100:+.0f}%",
+                     round(est.compute_s * plan.topology.device_flops / median / 1e9, 1),
+                     path.rsplit("/", 1)[-1]])
+    return rows
+
+
+DISTRIBUTED_COLUMNS = ["workload", "size", "K", "measured ms", "IQR ms", "estimate ms",
+                       "compute ms", "transfers+tiers ms", "error", "implied GFLOP/s", "run"]
+
 CLUSTER_COLUMNS = ["devices", "topology", "plan auto s", "CPU s", "bytes auto", "bytes data",
                    "bytes model", "est. auto", "est. data", "est. model"]
 
@@ -178,8 +262,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the 70B-shaped cluster rows")
     parser.add_argument("--cluster-devices", default=None,
                         help="device counts of the cluster rows, e.g. 8,256")
+    parser.add_argument("--vs-distributed", nargs="*", default=None, metavar="JSON",
+                        help="print the time estimate against bench/distributed.py's measured "
+                        "times (its JSON files; default: the recorded 2-core runs)")
     add_arguments(parser, isolate=None)
     args = parser.parse_args(argv)
+    if args.vs_distributed is not None:
+        rows = vs_distributed(args.vs_distributed or list(DISTRIBUTED_RUNS))
+        widths = [max(len(str(x)) for x in col) for col in zip(DISTRIBUTED_COLUMNS, *rows)]
+        for row in [DISTRIBUTED_COLUMNS, *rows]:
+            print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+        return 0
     layers = 2 if args.tiny else 32
     counts = (2, 4) if args.tiny else (8, 16)
     record = Record("optimizer", smoke=args.tiny, args=args, argv=argv)

@@ -433,11 +433,12 @@ def node_key(graph: OpGraph, node: OpNode, devices: int, pieces: int | None = No
 
 def build_table(graph: OpGraph, node: OpNode, devices: int,
                 allowed: Sequence[tuple[int, ...]] | None = None,
-                pieces: int | None = None) -> NodeTable:
+                pieces: int | None = None, layouts: dict | None = None) -> NodeTable:
     """The :class:`NodeTable` of ``node`` over ``allowed`` candidates (default: every vector of
     ``pieces`` pieces, ``devices`` by default). An aggregation whose aggregated labels are cut
     is also offered as a reduce-scatter along each output label that can be cut finer
-    (:func:`scatter_options`)."""
+    (:func:`scatter_options`). ``layouts``: a dict the layouts made are kept in and taken
+    from (tables of one search share them: a layout depends on its arguments only)."""
     chosen = allowed if allowed is not None else candidates(node.sizes, pieces or devices)
     n_out = node.n_out
     plain = tuple(range(len(node.sizes)))
@@ -452,8 +453,21 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
                                                                          len(node.sizes))
     orders = [o for _, o, _ in options]
     K, N = len(cands), devices
-    layouts = [layout(node.sizes, cand, n_out, N, order, sc) for cand, order, sc in options]
-    per_dev = max(int(np.bincount(lay.outputs.device, minlength=N).max()) for lay in layouts)
+    made = {} if layouts is None else layouts
+    nkey = node_key(graph, node, devices, pieces)  # what a row depends on beside its layout
+    layouts, rows = [], []
+    in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
+    in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
+    for cand, order, sc in options:
+        key = (node.sizes, cand, n_out, N, order, sc)
+        if key not in made:
+            made[key] = layout(node.sizes, cand, n_out, N, order, sc)
+        lay = made[key]
+        layouts.append(lay)
+        if ("row", key, nkey) not in made:
+            made[("row", key, nkey)] = _table_row(node, lay, in_axes, in_items)
+        rows.append(made[("row", key, nkey)])
+    per_dev = max(int(row[1].max(initial=-1)) + 1 for row in rows)
     piece_lo = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     piece_hi = np.zeros((K, N, per_dev, n_out), dtype=np.int64)
     has_piece = np.zeros((K, N, per_dev), dtype=bool)
@@ -461,28 +475,36 @@ def build_table(graph: OpGraph, node: OpNode, devices: int,
     flops = np.zeros((K, N), dtype=np.int64)
     peak = np.zeros(K, dtype=np.int64)
     fold = np.zeros(K, dtype=np.int64)
-    in_items = [graph.nodes[e.producer].itemsize for e in node.inputs]
-    in_axes = [[node.labels.index(a) for a in e.axes] for e in node.inputs]
-    for c, lay in enumerate(layouts):
-        ln, dev = lay.lens, lay.device
-        out = lay.outputs
-        by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
-        d = out.device[by_dev]
-        slot = np.arange(len(d)) - np.searchsorted(d, d)
-        piece_lo[c, d, slot] = out.starts[by_dev]
-        piece_hi[c, d, slot] = out.starts[by_dev] + out.lens[by_dev]
+    for c, (d, slot, lo, hi, part, fold_c, flops_c, peak_c) in enumerate(rows):
+        piece_lo[c, d, slot] = lo
+        piece_hi[c, d, slot] = hi
         has_piece[c, d, slot] = True
-        sends, elems = lay.partial_totals()
-        partial[c] = elems * node.itemsize
-        if sends:  # a fold reads a partial (a task's output region) and writes a piece
-            fold[c] = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize
-        np.add.at(flops[c], dev, node.flops(ln))
-        working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
-        for axes, item in zip(in_axes, in_items):
-            working = working + np.prod(ln[:, axes], axis=1) * item
-        peak[c] = int(working.max())
+        partial[c], fold[c], peak[c] = part, fold_c, peak_c
+        flops[c, :len(flops_c)] = flops_c
     return NodeTable(cands, layouts, orders, piece_lo, piece_hi, has_piece, partial, flops,
                      peak, fold)
+
+
+def _table_row(node: OpNode, lay: Layout, in_axes: list[list[int]], in_items: list[int]
+               ) -> tuple:
+    """One candidate's row of :func:`build_table`: its pieces' devices, slots, starts and
+    ends (each device's pieces in order), partial bytes, fold bytes, FLOPs per device and
+    peak working set (shared by every table offering the same layout of the same node)."""
+    n_out = lay.n_out
+    ln, dev = lay.lens, lay.device
+    out = lay.outputs
+    by_dev = np.argsort(out.device, kind="stable")   # each device's pieces in order
+    d = out.device[by_dev]
+    slot = np.arange(len(d)) - np.searchsorted(d, d)
+    sends, elems = lay.partial_totals()
+    fold = 2 * int(np.prod(ln[:, :n_out], axis=1).max()) * node.itemsize if sends else 0
+    flops = np.zeros(int(dev.max(initial=-1)) + 1, dtype=np.int64)
+    np.add.at(flops, dev, node.flops(ln))
+    working = np.prod(ln[:, :n_out], axis=1) * node.itemsize
+    for axes, item in zip(in_axes, in_items):
+        working = working + np.prod(ln[:, axes], axis=1) * item
+    return (d, slot, out.starts[by_dev], out.starts[by_dev] + out.lens[by_dev],
+            elems * node.itemsize, fold, flops, int(working.max()))
 
 
 def scatter_options(node: OpNode, cand: Sequence[int]) -> list[tuple[int, int]]:
@@ -916,8 +938,13 @@ def _read_sends(prod: Layout, readers: dict, devices: int, itemsize: int
     """Owner, reader and bytes of every piece or slice the ``readers`` (``(id, axes) ->
     consumer layout``) read of ``prod`` from other devices, each once a device."""
     wholes, slices = [], []
-    for (_, axes), lay in readers.items():
-        whole, rows = _remote_reads(prod, lay, axes)
+    # a producer's layout keeps what each distinct reader reads of it (layouts are shared
+    # by the tables of one search, and the exact recounts ask again for the same reads)
+    memo = prod.__dict__.setdefault("_remote_memo", {})
+    for (fingerprint, axes), lay in readers.items():
+        if (fingerprint, axes) not in memo:
+            memo[(fingerprint, axes)] = _remote_reads(prod, lay, axes)
+        whole, rows = memo[(fingerprint, axes)]
         wholes.append(whole)
         slices.append(rows)
     sizes = np.prod(prod.outputs.lens, axis=1)
@@ -1040,16 +1067,77 @@ def _held_in(lo: np.ndarray, hi: np.ndarray, blo: np.ndarray, bhi: np.ndarray,
              bhas: np.ndarray, unit: np.ndarray, dtype: type) -> np.ndarray:
     """Elements of every region ``[lo, hi)`` ((kd, m, r) each) inside the boxes of the group
     ``unit`` (kd, m) of its reader: boxes ``blo, bhi`` (q, U, B, r), ``bhas`` (q, U, B);
-    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays."""
-    acc = np.zeros((blo.shape[0],) + unit.shape, dtype=dtype)
-    for b in range(blo.shape[2]):
-        held = bhas[:, :, b][:, unit].astype(dtype)
-        for a in range(lo.shape[2]):
-            ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
-            ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
-            np.maximum(ov, 0, out=ov)
-            held *= ov
-        acc += held
+    returns (q, kd, m). Loops over boxes and axes on (q, kd, m) arrays. Read maps whose
+    tasks sit on the same groups (most of them: a task a device, in one of a few orders)
+    look their boxes up once, (q, m), broadcast over those maps; on an axis where every box
+    holds every region's interval (the producer does not cut it) the overlap is the region's
+    length, and where every region holds every box (the consumer does not cut it) the box's.
+
+    >>> lo = np.array([[[0], [4]], [[0], [2]]]); hi = lo + 4   # 2 maps of 2 regions
+    >>> blo = np.array([[[[0]], [[4]]]]); bhi = blo + 4        # a box [0, 4) and [4, 8)
+    >>> _held_in(lo, hi, blo, bhi, np.ones((1, 2, 1), dtype=bool),
+    ...          np.array([[0, 1], [0, 1]]), np.int64).tolist()
+    [[[4, 4], [4, 2]]]
+    """
+    q, kd = blo.shape[0], unit.shape[0]
+    modes = []  # per axis: "region" (its length), "box" (the box's) or "both" (overlap)
+    for a in range(lo.shape[2]):
+        held_lo, held_hi = blo[..., a][bhas], bhi[..., a][bhas]
+        if not held_lo.size:
+            modes.append("region")
+        elif held_lo.max() <= lo[:, :, a].min() and held_hi.min() >= hi[:, :, a].max():
+            modes.append("region")
+        elif lo[:, :, a].max() <= held_lo.min() and hi[:, :, a].min() >= held_hi.max():
+            modes.append("box")
+        else:
+            modes.append("both")
+    length = (hi - lo).astype(dtype)
+    fixed = np.ones(unit.shape, dtype=dtype)   # the region-length axes' product, (kd, m)
+    for a, mode in enumerate(modes):
+        if mode == "region":
+            fixed *= length[:, :, a]
+    first, which = _distinct(unit)
+    rows = unit[first]
+    acc = np.zeros((q,) + unit.shape, dtype=dtype)
+    if len(rows) * 4 > kd:  # mostly distinct: each region's boxes looked up on its own
+        for b in range(blo.shape[2]):
+            held = bhas[:, :, b][:, unit].astype(dtype)
+            for a, mode in enumerate(modes):
+                if mode == "box":
+                    held *= (bhi[:, :, b, a] - blo[:, :, b, a])[:, unit]
+                elif mode == "both":
+                    ov = np.minimum(hi[:, :, a], bhi[:, :, b, a][:, unit])
+                    ov -= np.maximum(lo[:, :, a], blo[:, :, b, a][:, unit])
+                    np.maximum(ov, 0, out=ov)
+                    held *= ov
+            acc += held
+        acc *= fixed
+        return acc
+    for u, row in enumerate(rows):
+        sel = slice(None) if len(rows) == 1 else np.flatnonzero(which == u)
+        slo, shi = lo[sel], hi[sel]                                   # (s, m, r)
+        shape = (q,) + slo.shape[:2]
+        got = np.zeros(shape, dtype=dtype)
+        ov, low = np.empty(shape, dtype=dtype), np.empty(shape, dtype=dtype)  # reused
+        for b in range(blo.shape[2]):
+            box = bhas[:, row, b].astype(dtype)                       # (q, m)
+            for a, mode in enumerate(modes):
+                if mode == "box":
+                    box *= bhi[:, row, b, a] - blo[:, row, b, a]
+            held = np.repeat(box[:, None, :], slo.shape[0], axis=1)
+            for a, mode in enumerate(modes):
+                if mode == "both":
+                    np.minimum(shi[None, :, :, a], bhi[:, row, b, a][:, None, :], out=ov)
+                    np.maximum(slo[None, :, :, a], blo[:, row, b, a][:, None, :], out=low)
+                    ov -= low
+                    np.maximum(ov, 0, out=ov)
+                    held *= ov
+            got += held
+        got *= fixed[sel][None]
+        if len(rows) == 1:
+            acc = got
+        else:
+            acc[:, sel] = got
     return acc
 
 
@@ -1154,16 +1242,21 @@ def partial_seconds(table: NodeTable, node: OpNode, topo: Topology) -> np.ndarra
     out = np.zeros(len(table.cands))
     nodes = topo.node_array
     groups = len(topo.groups)
-    for c, lay in enumerate(table.layouts):
-        src, dst, elems = lay.partial_pairs
-        if not len(src):
-            continue
-        nbytes = (elems * node.itemsize).astype(float)
-        to = nodes[dst]
-        same = nodes[src] == to  # a partial never goes to its own device
-        intra = np.bincount(to[same], nbytes[same], minlength=groups)
-        inter = np.bincount(to[~same], nbytes[~same], minlength=groups)
-        out[c] = float(topo.node_seconds(intra, inter))
+    sending = [c for c in np.flatnonzero(table.partial_bytes)  # the others send none
+               if len(table.layouts[c].partial_pairs[0])]
+    if not sending:
+        return out
+    pairs = [table.layouts[c].partial_pairs for c in sending]
+    row = np.repeat(np.arange(len(sending)), [len(src) for src, _, _ in pairs])
+    src, dst, elems = (np.concatenate(x) for x in zip(*pairs))
+    nbytes = (elems * node.itemsize).astype(float)
+    to = nodes[dst]
+    same = nodes[src] == to  # a partial never goes to its own device
+    slot = row * groups + to
+    size = len(sending) * groups
+    intra = np.bincount(slot[same], nbytes[same], minlength=size).reshape(-1, groups)
+    inter = np.bincount(slot[~same], nbytes[~same], minlength=size).reshape(-1, groups)
+    out[sending] = topo.node_seconds(intra, inter)
     return out
 
 
@@ -1180,3 +1273,78 @@ def read_pairs(graph: OpGraph, layouts: Sequence[Layout], producer: int,
                                  devices, node.itemsize)
     np.add.at(out, (src, dst), sent)
     return out
+
+
+# -- memory tiers a memory limit forces (host offload, the DuckDB spill tier) -------------
+def resident_bytes(graph: OpGraph, layouts: Sequence[Layout], devices: int) -> np.ndarray:
+    """Bytes every device holds after each operation, (N, steps): an operation's output
+    pieces live on their owners from the operation (a stored source or constant: from its
+    first reader) to its last reader, the results to the end; operands loaded where read
+    hold nothing between operations. Operations run in the graph's order, one a step.
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> g = OpGraph((a, m), 1)
+    >>> lays = [layout((8,), (2,), 1, 2), layout((8,), (2,), 1, 2)]
+    >>> resident_bytes(g, lays, 2).tolist()   # a (16 B a device) is loaded for m (16 B)
+    [[0, 32], [0, 32]]
+    """
+    steps = len(graph.nodes)
+    delta = np.zeros((devices, steps + 1), dtype=np.int64)
+    consumers = graph.consumers
+    results = {graph.root, *graph.also}
+    for node, lay in zip(graph.nodes, layouts):
+        readers = [c for c, _ in consumers.get(node.index, [])]
+        if node.loaded_where_read or (not readers and node.index not in results):
+            continue
+        born = min(readers) if not node.inputs and readers else node.index
+        dies = steps - 1 if node.index in results else max(readers)
+        out = lay.outputs
+        held = np.bincount(out.device, np.prod(out.lens, axis=1) * node.itemsize,
+                           minlength=devices).astype(np.int64)
+        delta[:, born] += held
+        delta[:, dies + 1] -= held
+    return np.cumsum(delta, axis=1)[:, :steps]
+
+
+def tier_bytes(graph: OpGraph, layouts: Sequence[Layout], memory_limit: int,
+               topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """What a plan held to ``memory_limit`` a device must move through the memory tiers, at
+    least: each device's bytes over the limit at its fullest step (:func:`resident_bytes`)
+    are evicted to its host and read back (twice those bytes over its host link), and each
+    node's evictions beyond ``topo.host_memory`` at its fullest step go on to the DuckDB
+    tier and come back (twice those bytes through the node's spill tier). Returns the host
+    link's bytes per device (N,) and the DuckDB tier's per node (G,).
+
+    >>> from tensorql.optimizer.graph import OpNode
+    >>> a = OpNode(0, "source", ("i",), (8,), 1, (), "float32", "a")
+    >>> m = OpNode(1, "map", ("i",), (8,), 1, (Edge(0, ("i",)),), "float32", "m")
+    >>> g = OpGraph((a, m), 1)
+    >>> lays = [layout((8,), (2,), 1, 2), layout((8,), (2,), 1, 2)]
+    >>> import dataclasses
+    >>> topo = dataclasses.replace(Topology.flat(2), host_memory=20)
+    >>> [x.tolist() for x in tier_bytes(g, lays, 24, topo)]  # 8 B over a device, 16 a node
+    [[16, 16], [0]]
+    >>> [x.tolist() for x in tier_bytes(g, lays, 20, topo)]  # 12 over, 24 on the host: 4 spill
+    [[24, 24], [8]]
+    """
+    resident = resident_bytes(graph, layouts, topo.devices)
+    over = np.maximum(resident - memory_limit, 0)                      # (N, steps)
+    host = 2 * over.max(axis=1, initial=0)
+    node_over = np.zeros((len(topo.groups), over.shape[1]), dtype=np.int64)
+    np.add.at(node_over, topo.node_array, over)
+    spill = 2 * np.maximum(node_over.max(axis=1, initial=0) - topo.host_memory, 0)
+    return host.astype(np.int64), spill.astype(np.int64)
+
+
+def tier_seconds(host: np.ndarray, spill: np.ndarray, topo: Topology) -> float:
+    """Seconds of the tiers' traffic of :func:`tier_bytes`: the busiest device's host link
+    plus the busiest node's DuckDB tier (no overlap counted, as for the links).
+
+    >>> topo = Topology.flat(2, "cpu-gloo")
+    >>> tier_seconds(np.array([5e9, 0]), np.array([4e8]), topo)  # 1 s + 1 s
+    2.0
+    """
+    link = float(host.max(initial=0)) / topo.host_bandwidth
+    return link + float(spill.max(initial=0)) / topo.spill_bandwidth

@@ -31,6 +31,8 @@ from tensorql.optimizer.cost import (
     pair_bytes,
     refine,
     sub_tile,
+    tier_bytes,
+    tier_seconds,
 )
 from tensorql.optimizer.graph import OpGraph
 from tensorql.optimizer.search import (
@@ -39,7 +41,7 @@ from tensorql.optimizer.search import (
     build_problem,
     get_strategy,
 )
-from tensorql.optimizer.topology import LEVELS, Topology
+from tensorql.optimizer.topology import LEVELS, TIERS, Topology
 from tensorql.options import parse_bytes
 from tensorql.units import format_bytes, format_flops
 
@@ -94,30 +96,40 @@ class TimeEstimate:
     operation after another; ``transfer_s``: every exchange (an operand's repartition, a
     producer read by several operations, partial aggregates) priced by
     :meth:`~tensorql.optimizer.topology.Topology.transfer_seconds`, one after another;
-    ``total_s`` adds them (no overlap of kernels and transfers is counted: a bound).
+    ``tier_s``: what a memory limit forces through the memory tiers (chunks evicted to the
+    host and read back, those beyond the host's memory through the DuckDB spill tier:
+    :func:`~tensorql.optimizer.cost.tier_bytes`), 0 without; ``total_s`` adds them (no
+    overlap of kernels and transfers is counted: a bound). ``level_bytes``: the link levels'
+    bytes (``intra``, ``inter``), then the tiers' where a limit forces any (``host``: over
+    every device's host link, ``duckdb``: through every node's spill tier; both ways).
 
     >>> TimeEstimate(0.5, 0.25, (("intra", 10), ("inter", 2))).total_s
     0.75
+    >>> TimeEstimate(0.5, 0.25, (("intra", 10), ("host", 4)), tier_s=1.0).total_s
+    1.75
     """
 
     compute_s: float
     transfer_s: float
     level_bytes: tuple[tuple[str, int], ...]
+    tier_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.transfer_s
+        return self.compute_s + self.transfer_s + self.tier_s
 
     def bytes_at(self, level: str) -> int:
-        """Bytes moved over links of ``level`` (``intra`` or ``inter``)."""
+        """Bytes moved over links of ``level`` (``intra``, ``inter``) or through a memory
+        tier (``host``, ``duckdb``; 0 unless a memory limit forces it)."""
         return dict(self.level_bytes).get(level, 0)
 
     def describe(self) -> str:
         """One line: bytes per level, then the time estimate and its parts."""
         levels = ", ".join(f"{name} {format_bytes(b)}" for name, b in self.level_bytes)
+        tiers = f" + memory tiers {_seconds(self.tier_s)}" if self.tier_s else ""
         return (f"traffic by level: {levels}; estimated time {_seconds(self.total_s)} "
                 f"(compute {_seconds(self.compute_s)} + transfers "
-                f"{_seconds(self.transfer_s)}, no overlap counted)")
+                f"{_seconds(self.transfer_s)}{tiers}, no overlap counted)")
 
 
 def _seconds(s: float) -> str:
@@ -187,6 +199,8 @@ class PartitionPlan:
             lines[0] += f" (limit {format_bytes(self.memory_limit)})"
         if self.topology is not None and self.estimate is not None:
             lines.append(f"topology: {self.topology.describe()}")
+            lines.append(self.estimate.describe())
+        elif self.estimate is not None and self.estimate.tier_s:  # a limit forces tiers
             lines.append(self.estimate.describe())
         for op in self.ops:
             if op.kind in ("source", "constant"):
@@ -387,7 +401,14 @@ def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,
     levels = topo.level_bytes(pairs)
     compute_s = sum(float(t.flops_dev[k].max()) for t, k in zip(tables, choice)) \
         / topo.device_flops
-    estimate = TimeEstimate(compute_s, transfer_s, tuple((lv, levels[lv]) for lv in LEVELS))
+    level_bytes = tuple((lv, levels[lv]) for lv in LEVELS)
+    tier_s = 0.0
+    if memory_limit is not None:  # what the limit forces through the host and DuckDB
+        host, spill = tier_bytes(graph, layouts, memory_limit, topo)
+        tier_s = tier_seconds(host, spill, topo)
+        level_bytes += tuple((tier, int(b.sum())) for tier, b in zip(TIERS, (host, spill))
+                             if b.any())
+    estimate = TimeEstimate(compute_s, transfer_s, level_bytes, tier_s)
     cost = Cost(flops=int(device_flops.max()), bytes_moved=exact, peak_bytes=peak)
     return PartitionPlan(devices=problem.devices, strategy=strategy, ops=tuple(ops), cost=cost,
                          memory_limit=memory_limit, graph=graph, topology=topology,

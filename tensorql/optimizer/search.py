@@ -217,7 +217,7 @@ class Problem:
         per-edge sum (within one operation a device never needs a piece both whole and in
         part), so only they are recounted (:func:`~tensorql.optimizer.cost.read_bytes`)."""
         total = self.total(choice)
-        layouts = None
+        layouts = keys = None
         for p, edges in self.shared_edges.items():
             # identical layers share tables and edge matrices: key on those, not on indices
             key = (id(self.tables[p]), choice[p],
@@ -226,8 +226,9 @@ class Problem:
                 if layouts is None:
                     layouts = [t.layouts[k] for t, k in zip(self.tables, choice)]
                 per_edge = sum(int(m[choice[p], choice[c]]) for c, m in edges)
-                keys = [(id(t), k) for t, k in zip(self.tables, choice)]
                 if self.topology is None:
+                    if keys is None:
+                        keys = [(id(t), k) for t, k in zip(self.tables, choice)]
                     exact = read_bytes(self.graph, layouts, p, self.memo, keys)
                 else:  # the reads of p priced as one exchange
                     exact = int(_units(self.topology.transfer_seconds(
@@ -253,6 +254,35 @@ class Problem:
             if not self.graph.nodes[p].loaded_where_read:  # those move nothing
                 out.setdefault(p, []).append((c, m))
         return {p: e for p, e in out.items() if len(e) > 1}
+
+    @property
+    def dp_edges(self) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, int]]:
+        """Per node its in-edges (producer, matrix as float) and its out-degree, made once
+        (problems restricted from one share them: the edges are the same); read only."""
+        got = self.memo.get(("dp edges",))
+        if got is None or got[0] is not self.edges:
+            nodes = self.graph.nodes
+            in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in nodes}
+            out_degree = {n.index: 0 for n in nodes}
+            for p, c, _, m in self.edges:
+                in_edges[c].append((p, self.as_float(m)))
+                out_degree[p] += 1
+            got = self.memo[("dp edges",)] = (self.edges, (in_edges, out_degree))
+        return got[1]
+
+    @property
+    def touching(self) -> dict[int, list[tuple[int, int, np.ndarray]]]:
+        """Per node the edges touching it, ``(other node, 0 if it is the consumer else 1,
+        matrix)``, made once (as :attr:`dp_edges`); read only."""
+        got = self.memo.get(("touching",))
+        if got is None or got[0] is not self.edges:
+            touching: dict[int, list[tuple[int, int, np.ndarray]]] = {
+                n.index: [] for n in self.graph.nodes}
+            for p, c, _, m in self.edges:
+                touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
+                touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
+            got = self.memo[("touching",)] = (self.edges, touching)
+        return got[1]
 
     def as_float(self, matrix: np.ndarray) -> np.ndarray:
         """An edge matrix as float64 (what adding a float vector makes of it), converted once
@@ -303,7 +333,8 @@ def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict,
         if only is not None:
             allowed = tuple(sorted(only))
         cache[("node", key)] = build_table(graph, node, devices, allowed=allowed,
-                                           pieces=pieces)
+                                           pieces=pieces, layouts=cache.setdefault(
+                                               ("layouts",), {}))
     return key, cache[("node", key)]
 
 
@@ -366,17 +397,15 @@ def _own(table: NodeTable) -> np.ndarray:
 # -- dynamic programming over a tree cover ------------------------------------------------
 def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
     """A choice per node from DP over trees; shared nodes root their own trees."""
-    graph, tables = problem.graph, problem.tables
-    in_edges: dict[int, list[tuple[int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
-    out_degree = {n.index: 0 for n in graph.nodes}
-    for p, c, _, m in problem.edges:
-        in_edges[c].append((p, problem.as_float(m)))
-        out_degree[p] += 1
+    graph = problem.graph
+    in_edges, out_degree = problem.dp_edges
     inf = np.inf
     value: dict[int, np.ndarray] = {}
     best_in: dict[int, list[tuple[int, np.ndarray]]] = {}
     frozen: dict[int, int] = {}
     choice: dict[int, int] = {}
+    live: dict[int, np.ndarray | None] = {}  # a node's finite candidates, when not all
+    buffer = np.empty(0)  # the sums of an edge, reused (large ones are fresh pages each time)
 
     def assign(node: int, cand: int) -> None:
         stack = [(node, cand)]
@@ -394,16 +423,25 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
         v = np.where(problem.allowed[n], problem.own_cost(n), inf)
         best_in[n] = []
         for p, m in in_edges[n]:
-            if p in frozen:
-                vin = np.full(len(tables[p].cands), inf)
-                vin[frozen[p]] = 0.0
-            else:
-                vin = value[p]
-            total = vin[:, None] + m
-            arg = np.argmin(total, axis=0)
+            if p in frozen:  # the producer's candidate is fixed: its row of the matrix
+                v = v + m[frozen[p]]
+                best_in[n].append((p, np.full(m.shape[1], frozen[p])))
+                continue
+            vin = value[p]
+            rows = live[p]
+            if rows is None:
+                if m.size > len(buffer):
+                    buffer = np.empty(m.size)
+                total = np.add(vin[:, None], m, out=buffer[:m.size].reshape(m.shape))
+                arg = np.argmin(total, axis=0)
+            else:  # only the producer's finite candidates can be picked: the first minimum
+                total = vin[rows][:, None] + m[rows]   # over them is the first over all
+                arg = np.argmin(total, axis=0)
             v = v + total[arg, np.arange(total.shape[1])]
-            best_in[n].append((p, arg))
+            best_in[n].append((p, arg if rows is None else rows[arg]))
         value[n] = v
+        finite = np.isfinite(v)
+        live[n] = None if finite.all() or not finite.any() else np.flatnonzero(finite)
         if freeze_shared and out_degree[n] > 1:
             frozen[n] = int(np.argmin(v))
             assign(n, frozen[n])
@@ -416,17 +454,22 @@ def tree_dp(problem: Problem, freeze_shared: bool) -> tuple[int, ...]:
 
 
 def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[int, ...]:
-    """Coordinate descent: change one node's candidate at a time while the total drops."""
+    """Coordinate descent: change one node's candidate at a time while the total drops.
+
+    A node is looked at again only once a neighbour has changed since it was last looked
+    at: its cost vector is the same otherwise, so it would keep its candidate (the result is
+    that of visiting every node every pass)."""
     graph = problem.graph
-    touching: dict[int, list[tuple[int, int, np.ndarray]]] = {n.index: [] for n in graph.nodes}
-    for p, c, _, m in problem.edges:
-        touching[c].append((p, 0, m))   # node is the consumer: row fixed by producer
-        touching[p].append((c, 1, m))   # node is the producer: column fixed by consumer
+    touching = problem.touching
     current = list(choice)
+    stale = [True] * len(graph.nodes)   # a neighbour changed since the node was looked at
     for _ in range(passes):
         improved = False
         for node in graph.nodes:
             n = node.index
+            if not stale[n]:
+                continue
+            stale[n] = False
             cost = problem.own_cost(n).copy()
             for other, role, m in touching[n]:
                 cost += m[current[other], :] if role == 0 else m[:, current[other]]
@@ -435,6 +478,8 @@ def refine(problem: Problem, choice: tuple[int, ...], passes: int = 6) -> tuple[
             if cost[best] < cost[current[n]]:
                 current[n] = best
                 improved = True
+                for other, _, _ in touching[n]:
+                    stale[other] = True
         if not improved:
             break
     return tuple(current)
@@ -551,8 +596,8 @@ def search_model(problem: Problem) -> tuple[int, ...]:
 def auto_options(problem: Problem) -> list[tuple[int, ...]]:
     """The choices ``auto`` picks from: the DP results and the two baselines, and each of them
     refined."""
-    seeds = [tree_dp(problem, True), tree_dp(problem, False), search_data(problem),
-             search_model(problem)]
+    seeds = list(dict.fromkeys([tree_dp(problem, True), tree_dp(problem, False),
+                                search_data(problem), search_model(problem)]))
     return list(dict.fromkeys([*seeds, *(refine(problem, s) for s in seeds)]))
 
 

@@ -42,6 +42,15 @@ import numpy as np
 from tensorql.errors import OptionError
 
 LEVELS = ("intra", "inter")
+#: The memory tiers a memory limit can force, after the link levels: a device's chunks
+#: evicted to its host's memory and read back (``host``), and those beyond the host's memory
+#: spilled to the DuckDB tier and read back (``duckdb``).
+TIERS = ("host", "duckdb")
+
+#: The DuckDB spill tier's rate, bytes/s each way, for every machine: the slower direction
+#: of a chunk's BLOB round trip measured on the project's 2-core VM (docs/storage.md: reads
+#: at 437 MB/s, writes at 1,926 MB/s) -- a spill is its CPU per byte on the node's host.
+SPILL_BANDWIDTH = 0.4e9
 
 
 class TopologyError(OptionError):
@@ -60,20 +69,27 @@ class Machine:
     inter_bandwidth: float
     device_flops: float
     note: str
+    host_bandwidth: float = 32e9     # a device's link to its host's memory (offload), B/s
+    host_memory: int = 1 << 40       # a node's host memory for evicted chunks, bytes
+    spill_bandwidth: float = SPILL_BANDWIDTH  # a node's DuckDB spill tier, B/s a direction
 
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (
     Machine("dgx-a100", 8, 300e9, 25e9, 150e12,
             "8 A100 on NVLink 3 / NVSwitch (300 GB/s a direction), one 200 Gb/s HDR "
-            "InfiniBand NIC per GPU (25 GB/s)"),
+            "InfiniBand NIC per GPU (25 GB/s); PCIe 4 x16 to the host (32 GB/s), 1 TiB of "
+            "host memory", 32e9, 1 << 40),
     Machine("dgx-h100", 8, 450e9, 50e9, 400e12,
             "8 H100 on NVLink 4 / NVSwitch (450 GB/s a direction), one 400 Gb/s NDR "
-            "InfiniBand NIC per GPU (50 GB/s)"),
+            "InfiniBand NIC per GPU (50 GB/s); PCIe 5 x16 to the host (64 GB/s), 2 TiB of "
+            "host memory", 64e9, 2 << 40),
     Machine("pcie-ethernet", 4, 32e9, 3.125e9, 100e12,
-            "4 GPUs on PCIe 5 x16 (32 GB/s) without NVLink, nodes on 25 Gb/s Ethernet"),
+            "4 GPUs on PCIe 5 x16 (32 GB/s) without NVLink, nodes on 25 Gb/s Ethernet; the "
+            "same PCIe link to the host, 512 GiB of host memory", 32e9, 512 << 30),
     Machine("cpu-gloo", 1, 2e9, 1e9, 20e9,
             "CPU ranks of a gloo job: loopback TCP inside a host, 10 Gb/s Ethernet between "
-            "hosts; FLOP rate of a few cores"),
+            "hosts; FLOP rate of a few cores; a device's memory is host memory (an "
+            "offload is a copy, 5 GB/s), 16 GiB a host", 5e9, 16 << 30),
 )}
 DEFAULT_MACHINE = "dgx-a100"
 
@@ -94,7 +110,10 @@ def machine(name: str) -> Machine:
 @dataclass(frozen=True)
 class Topology:
     """Devices grouped into nodes (``groups``: the device indices of each node), with the
-    per-device bandwidth of each link level (bytes/s) and a device's FLOP rate.
+    per-device bandwidth of each link level (bytes/s) and a device's FLOP rate; and the
+    memory tiers a memory limit can force (:func:`~tensorql.optimizer.cost.tier_bytes`): a
+    device's link to its host (``host_bandwidth``), a node's host memory for evicted chunks
+    (``host_memory``) and its DuckDB spill tier's rate (``spill_bandwidth``).
 
     >>> Topology.flat(4).groups
     ((0, 1, 2, 3),)
@@ -107,6 +126,9 @@ class Topology:
     inter_bandwidth: float = MACHINES[DEFAULT_MACHINE].inter_bandwidth
     device_flops: float = MACHINES[DEFAULT_MACHINE].device_flops
     machine: str = DEFAULT_MACHINE
+    host_bandwidth: float = MACHINES[DEFAULT_MACHINE].host_bandwidth
+    host_memory: int = MACHINES[DEFAULT_MACHINE].host_memory
+    spill_bandwidth: float = MACHINES[DEFAULT_MACHINE].spill_bandwidth
 
     def __post_init__(self) -> None:
         groups = tuple(tuple(int(d) for d in g) for g in self.groups)
@@ -115,7 +137,8 @@ class Topology:
         if not groups or any(not g for g in groups) or seen != list(range(len(seen))):
             raise TopologyError(f"topology groups {groups} must hold devices 0..N-1 once each, "
                                 "in non-empty nodes")
-        for name in ("intra_bandwidth", "inter_bandwidth", "device_flops"):
+        for name in ("intra_bandwidth", "inter_bandwidth", "device_flops", "host_bandwidth",
+                     "host_memory", "spill_bandwidth"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise TopologyError(f"topology {name}={value!r} must be a positive number")
@@ -148,7 +171,9 @@ class Topology:
         return cls(tuple(tuple(g) for g in groups),
                    m.intra_bandwidth if intra_bandwidth is None else intra_bandwidth,
                    m.inter_bandwidth if inter_bandwidth is None else inter_bandwidth,
-                   m.device_flops if device_flops is None else device_flops, m.name)
+                   m.device_flops if device_flops is None else device_flops, m.name,
+                   host_bandwidth=m.host_bandwidth, host_memory=m.host_memory,
+                   spill_bandwidth=m.spill_bandwidth)
 
     @classmethod
     def from_hosts(cls, hosts: Sequence[str], local_devices: int = 1,
