@@ -401,47 +401,56 @@ def refined_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
 
 
 def traffic_refined_paths(inputs: Sequence[Sequence[str]], output: Sequence[str],
-                          sizes: Mapping[str, int], start: Sequence[Sequence[int]]
-                          ) -> list[list[tuple[int, ...]]]:
+                          sizes: Mapping[str, int], start: Sequence[Sequence[int]],
+                          max_time: float | None = None) -> list[list[tuple[int, ...]]]:
     """``start`` re-contracted for less memory traffic: subtree reconfiguration (subtrees of
-    :data:`RECONFIGURE_SIZES` leaves) minimising cotengra's ``combo`` (FLOPs + 64 x elements
-    written) and ``write`` (elements written), pass after pass while the score drops (at most
-    :data:`TRAFFIC_PASSES`). The fewest-FLOPs path can write intermediates several times
-    larger than a path with a few more FLOPs (the bench's 3x3x3 lattice: 11.2 M elements
-    against 3.7 M, and 3x the time on opt_einsum's own kernels); :func:`path_cost` decides.
+    :data:`TRAFFIC_SUBTREE` leaves) minimising cotengra's ``combo`` (FLOPs + 64 x elements
+    written) and, separately, ``write`` (elements written), pass after pass while
+    :func:`path_cost` drops (at most :data:`TRAFFIC_PASSES` passes, within ``max_time``
+    seconds, default :data:`TRAFFIC_MAX_S`). The fewest-FLOPs path can write intermediates
+    several times larger than a path with a few more FLOPs (the bench's 3x3x3 lattice: 11.2 M
+    elements against 3.7 M, and 3x the time on opt_einsum's own kernels); :func:`path_cost`
+    decides. Seeded by ``start`` and deterministic unless the time runs out.
 
     >>> sizes = {"i": 64, "j": 8, "k": 64, "l": 8}
     >>> traffic_refined_paths([("i", "j"), ("j", "k"), ("k", "l")], ("i", "l"), sizes,
     ...                       [(1, 2), (0, 1)])
     [[(1, 2), (0, 1)], [(1, 2), (0, 1)]]
     """
+    import time
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # cotengra notes optional optimisers it lacks
         import cotengra
 
+    deadline = time.perf_counter() + (TRAFFIC_MAX_S if max_time is None else max_time)
     inputs = [tuple(labels) for labels in inputs]
     sizes = {lab: int(n) for lab, n in sizes.items()}
+    start = [tuple(p) for p in start]
     found = []
     for minimize in ("combo", "write"):
-        best: tuple[float, list[tuple[int, ...]]] | None = None
-        for size in RECONFIGURE_SIZES:
-            tree = cotengra.ContractionTree.from_path(inputs, tuple(output), sizes,
-                                                      path=[tuple(p) for p in start])
-            for _ in range(TRAFFIC_PASSES):
-                better = tree.subtree_reconfigure(subtree_size=size, minimize=minimize)
-                if better.get_path() == tree.get_path():
-                    break
-                tree = better
+        tree = cotengra.ContractionTree.from_path(inputs, tuple(output), sizes, path=start)
+        best, cost = start, path_cost(start, inputs, output, sizes)
+        for _ in range(TRAFFIC_PASSES):
+            if time.perf_counter() > deadline:
+                break
+            tree = tree.subtree_reconfigure(subtree_size=TRAFFIC_SUBTREE, minimize=minimize)
             path = [tuple(p) for p in tree.get_path()]
-            cost = path_cost(path, inputs, output, sizes)
-            if best is None or cost < best[0]:
-                best = (cost, path)
-        found.append(best[1])
+            new_cost = path_cost(path, inputs, output, sizes)
+            if new_cost >= cost:  # a pass that only reshuffles equal paths ends the search
+                break
+            best, cost = path, new_cost
+        found.append(best)
     return found
 
 
+# subtrees of this many leaves re-contracted for traffic (8 found nothing better than 6 on the
+# bench's networks at twice the time)
+TRAFFIC_SUBTREE = 6
+# traffic-minimising reconfiguration stops after this many seconds (the MPS of 120 tensors
+# ran 8 passes of ~0.06 s each that only reshuffled equal paths before passes stopped at no gain)
+TRAFFIC_MAX_S = 0.5
 # passes of traffic-minimising reconfiguration at most (each pass ~5-20 ms on 40 operands)
 TRAFFIC_PASSES = 8
 
