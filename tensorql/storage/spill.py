@@ -61,6 +61,11 @@ log = logging.getLogger("tensorql.spill")
 SPILL_PREFIX = "tq_spill_"
 SCHEMA = "tq_internal"
 MIN_MEMORY_BYTES = 32 << 20  # below about this, DuckDB fails to commit pages it must pin
+# statements (a write's INSERT, a read's SELECT) on the spill database at once, each moving at
+# most 1/8 of its memory: a write pins its batch twice at its commit and a read its result, so
+# at most about half of the memory is pinned at once. Unbounded, two workers' writes beside
+# the prefetcher's read and a load's read pinned more than 32 MiB ("failed to pin block").
+SPILL_STATEMENTS = 2
 MAX_PAGE_BYTES = 4 << 20
 _RUNS = itertools.count(1)
 
@@ -135,6 +140,7 @@ class SpillSpace:
         self.path: str | None = None  # the folder of DuckDB's temporary files
         self._con: Any = None
         self._lock = threading.Lock()
+        self.statements = threading.BoundedSemaphore(SPILL_STATEMENTS)
 
     def _connection(self) -> Any:
         with self._lock:
@@ -221,8 +227,9 @@ class SpillPages:
         return cursor
 
     def _pages_per_statement(self) -> int:
-        """Pages one INSERT or SELECT moves: a quarter of the spill database's memory."""
-        return max(1, (self.space.memory_bytes // 4) // self.page_bytes)
+        """Pages one INSERT or SELECT moves: an eighth of the spill database's memory (at most
+        :data:`SPILL_STATEMENTS` run at once)."""
+        return max(1, (self.space.memory_bytes // 8) // self.page_bytes)
 
     def prepare(self) -> None:
         """Make this thread's cursor and the next chunk's table now (the spill database too,
@@ -254,7 +261,7 @@ class SpillPages:
             ident, self._next_id = self._next_id, self._next_id + 1
             self._create(con, ident)
             ref = self.chunk_table(ident)
-            # a statement at a time holds at most a quarter of the database's memory (a chunk
+            # a statement at a time holds at most an eighth of the database's memory (a chunk
             # larger than that would not fit its buffer pool in one INSERT)
             for lo in range(0, count, per):
                 hi = min(count, lo + per)
@@ -263,7 +270,8 @@ class SpillPages:
                                   "payload": payload.slice(lo, hi - lo)})
                 con.register("tq_spill_batch", batch)
                 try:
-                    con.execute(f"INSERT INTO {ref} SELECT * FROM tq_spill_batch")
+                    with self.space.statements:
+                        con.execute(f"INSERT INTO {ref} SELECT * FROM tq_spill_batch")
                 finally:
                     con.unregister("tq_spill_batch")
             self._rows[ident] = (ref, count)
@@ -299,11 +307,12 @@ class SpillPages:
         filled = 0
         per = self._pages_per_statement()
         cursor = self._cursor()
-        for lo in range(first, first + count, per):  # a quarter of DuckDB's memory at a time
+        for lo in range(first, first + count, per):  # an eighth of DuckDB's memory at a time
             hi = min(first + count, lo + per)
-            result = cursor.sql(f"SELECT id, page, payload FROM {ref} "
-                                f"WHERE rowid >= {int(lo)} AND rowid < {int(hi)}"
-                                ).to_arrow_table()
+            with self.space.statements:
+                result = cursor.sql(f"SELECT id, page, payload FROM {ref} "
+                                    f"WHERE rowid >= {int(lo)} AND rowid < {int(hi)}"
+                                    ).to_arrow_table()
             ids = result.column(0).to_numpy()
             pages = result.column(1).to_numpy()
             payload = result.column(2)

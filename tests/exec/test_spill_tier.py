@@ -536,3 +536,40 @@ def test_host_tier_discards_a_spilled_copy_at_its_last_read():
     finally:
         tier.close()
         space.close()
+
+
+def test_concurrent_spill_writes_and_reads_stay_within_the_spill_databases_memory():
+    """Two workers' writes beside the prefetcher's and a load's reads: the spill database
+    (32 MiB of DuckDB memory) used to fail with "failed to pin block" (the out-of-core bench's
+    budgeted run died so once its memory plan let two workers run); statements are now gated
+    and moved an eighth of that memory at a time."""
+    import threading
+
+    import torch
+
+    space = SpillSpace(memory_bytes=32 << 20)
+    pages = space.open_run("concurrent")
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for i in range(6):
+                value = torch.rand((2048, 2048), generator=generator)  # 16 MiB
+                ident = pages.write(value)
+                assert torch.equal(pages.read(ident, (2048, 2048), torch.float32), value)
+                if i % 2:
+                    pages.discard(ident)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+    finally:
+        pages.close()
+        space.close()
