@@ -603,6 +603,24 @@ def _read_maps(consumer: NodeTable, axes: Sequence[int]
     return lo[first], hi[first], dev[first], mask[first], inverse
 
 
+def _edge_maps(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode, edge: Edge
+               ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """What :func:`transition_matrix` and :func:`_distinct_levels` both start from: the
+    consumer's distinct read maps of operand ``edge`` (``lo, hi, dev, mask, cols``: see
+    :func:`_read_maps`) and the producer's distinct holdings (``rows``: each candidate's
+    distinct holding; ``plo, phi`` (kq, N, S, r) and ``has`` (kq, N, S) of each distinct one).
+    Candidates placing the same pieces on the same devices share one."""
+    axes = [consumer_node.labels.index(a) for a in edge.axes]
+    reads = _read_maps(consumer, axes)
+    kp = len(producer.cands)
+    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
+                            producer.piece_hi.reshape(kp, -1),
+                            producer.has_piece.reshape(kp, -1)], axis=1)
+    first, rows = _distinct(holds)
+    return reads, (rows, producer.piece_lo[first], producer.piece_hi[first],
+                   producer.has_piece[first])
+
+
 def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: OpNode,
                       edge: Edge, itemsize: int, devices: int) -> np.ndarray:
     """Bytes moved into ``consumer``'s devices for operand ``edge``: (K_producer, K_consumer).
@@ -612,16 +630,9 @@ def transition_matrix(producer: NodeTable, consumer: NodeTable, consumer_node: O
     same devices (a producer's owned pieces, a consumer's reads) share their row or column:
     each distinct one is computed once, in blocks that bound the memory used.
     """
-    axes = [consumer_node.labels.index(a) for a in edge.axes]
-    lo, hi, dev, mask, cols = _read_maps(consumer, axes)
-    kp = len(producer.cands)
-    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
-                            producer.piece_hi.reshape(kp, -1),
-                            producer.has_piece.reshape(kp, -1)], axis=1)
-    first, rows = _distinct(holds)
-    plo, phi = producer.piece_lo[first], producer.piece_hi[first]   # (kq, N, S, r)
-    has = producer.has_piece[first]                                  # (kq, N, S)
-    kq, kd, (_, m, r) = len(first), len(lo), lo.shape
+    (lo, hi, dev, mask, cols), (rows, plo, phi, has) = _edge_maps(producer, consumer,
+                                                                  consumer_node, edge)
+    kq, kd, (_, m, r) = len(plo), len(lo), lo.shape
     region = (np.prod(hi - lo, axis=2) * mask).sum(axis=1)           # (kd,)
     local = np.zeros((kq, kd), dtype=np.int64)
     step = max(1, (1 << 22) // max(1, kd * m))
@@ -1149,18 +1160,11 @@ def _distinct_levels(producer: NodeTable, consumer: NodeTable, consumer_node: Op
     (kd); and the distinct holding of every producer candidate (K_p,) and read map of every
     consumer candidate (K_c,). A node's pieces are merged into boxes once per producer
     candidate (:func:`_group_boxes`), and so are a device's."""
-    axes = [consumer_node.labels.index(a) for a in edge.axes]
-    lo, hi, dev, _, cols = _read_maps(consumer, axes)                 # (kd, m, r), (kd, m)
-    kp = len(producer.cands)
-    holds = np.concatenate([producer.piece_lo.reshape(kp, -1),
-                            producer.piece_hi.reshape(kp, -1),
-                            producer.has_piece.reshape(kp, -1)], axis=1)
-    first, rows = _distinct(holds)
-    plo, phi = producer.piece_lo[first], producer.piece_hi[first]    # (kq, N, S, r)
-    has = producer.has_piece[first]
+    (lo, hi, dev, _, cols), (rows, plo, phi, has) = _edge_maps(producer, consumer,
+                                                               consumer_node, edge)
     nlo, nhi, nhas, nwide = _group_boxes(plo, phi, has, _members(topo.groups))
     dlo, dhi, dhas, dwide = _group_boxes(plo, phi, has, np.arange(topo.devices)[:, None])
-    kq, (kd, m, _) = len(first), lo.shape
+    kq, (kd, m, _) = len(plo), lo.shape
     groups = len(topo.groups)
     region = np.prod(hi - lo, axis=2)            # (kd, m); 0 where a device reads it again
     top = max(int(region.max(initial=0)), int(hi.max(initial=0)),
