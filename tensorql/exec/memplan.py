@@ -223,6 +223,7 @@ class _Device:
         # other tasks run beside the simulated one (:func:`plan_room`)
         self.room = budget if room is None else room
         self.resident: dict[ChunkRef, _Interval] = {}
+        self.last_free: dict[ChunkRef, int] = {}  # each chunk's latest free op here
         self.live = 0
         self.peak = 0
         self.alloc_total = 0
@@ -398,6 +399,7 @@ class _Planner:
             deps.append(d.free_ops[-1])  # frees form a chain (see the module docstring)
         op = self.emit("free", d.index, ref, deps, nbytes=iv.nbytes, evict=evict)
         d.free_ops.append(op.id)
+        d.last_free[ref] = op.id
         d.freed.append(d.freed[-1] + iv.nbytes)
         d.live -= iv.nbytes
         d.evictions += evict
@@ -444,6 +446,14 @@ class _Planner:
         nbytes = self.size(ref)
         self.make_room(d, nbytes, pinned, pos, what)
         mem = self._alloc_dep(d, nbytes)
+        # a chunk brought back after a free of it here waits for that free: the runtime holds
+        # a device's chunks by name, so a late free of the old copy would drop the new one
+        # (frees are chained: waiting on the later of the two frees waits on both). The
+        # memory dependency alone implied it only when the simulated order kept the whole
+        # budget full; with room for other workers (:func:`plan_room`) it did not.
+        again = d.last_free.get(ref)
+        if again is not None and (mem is None or again > mem):
+            mem = again
         d.live += nbytes
         d.peak = max(d.peak, d.live)
         if ref in self.source:

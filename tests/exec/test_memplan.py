@@ -233,3 +233,63 @@ def test_a_binding_budget_leaves_room_for_every_worker():
     got = expr.numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     db.close()
+
+
+def test_a_chunk_brought_back_waits_for_the_free_of_its_old_copy():
+    """With room kept for a second worker, a chunk evicted and loaded again had a load that
+    did not wait for the free of its old copy; the runtime holds a device's chunks by name, so
+    that late free dropped the new copy (``KeyError`` in a compute: the GPU probe's offload
+    on ``devices="cpu"``). Every free of a chunk is now ordered with every compute reading
+    it on that device, and the run matches numpy."""
+    import numpy as np
+
+    import tensorql as tq
+    from tensorql.exec import memplan
+
+    programs = []
+    original = memplan.plan_program
+
+    def recording(*args, **kwargs):
+        programs.append(original(*args, **kwargs))
+        return programs[-1]
+
+    n = 1024
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    import tensorql.exec.runtime as runtime
+
+    saved = runtime.plan_program
+    runtime.plan_program = recording
+    try:
+        with tq.connect(memory_limit="2MiB", workers=2, devices="cpu") as db:
+            A = db.from_numpy("A", a, tile=(n // 4, n // 4))
+            got = (A @ A).numpy()
+    finally:
+        runtime.plan_program = saved
+    np.testing.assert_allclose(got, a.astype(np.float64) @ a, rtol=1e-4, atol=1e-3)
+    assert programs
+    for program in programs:
+        ops = {op.id: op for op in program.ops}
+        ancestors: dict[int, set[int]] = {}
+        frees = [op for op in program.ops if op.kind == "free"]
+        for op in program.ops:
+            if op.kind != "compute":
+                continue
+            for ref in set(op.task.inputs):
+                for free in frees:
+                    if free.ref == ref and free.device == op.device:
+                        assert free.id in _behind(ops, op.id, ancestors) or \
+                            op.id in _behind(ops, free.id, ancestors), (
+                            op.describe(), free.describe())
+
+
+def _behind(ops: dict, i: int, memo: dict[int, set[int]]) -> set[int]:
+    """The ids of every op op ``i`` depends on, directly or not (memoised)."""
+    if i not in memo:
+        seen, stack = set(), [i]
+        while stack:
+            for dep in ops[stack.pop()].deps:
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append(dep)
+        memo[i] = seen
+    return memo[i]
