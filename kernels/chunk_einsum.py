@@ -90,14 +90,7 @@ class BroadcastJoin:
         >>> j([torch.tensor([1.0, 2.0]), torch.ones(3)], out=tile).tolist()
         [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
         """
-        views = []
-        for x, perm, present in zip(operands, self.perms, self.present):
-            if perm is not None:
-                x = x.permute(perm)
-            if not all(present):
-                sizes = iter(x.shape)
-                x = x.reshape([next(sizes) if has else 1 for has in present])
-            views.append(x)
+        views = self._views(operands)
         if out is not None:
             self.fn(views[0], views[1], out=out)
             for view in views[2:]:
@@ -108,6 +101,19 @@ class BroadcastJoin:
             value = self.fn(value, view)
         return value
 
+
+    def _views(self, operands: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each operand permuted to the output's label order, with size-1 dims where it
+        lacks a label (so that the join broadcasts)."""
+        views = []
+        for x, perm, present in zip(operands, self.perms, self.present):
+            if perm is not None:
+                x = x.permute(perm)
+            if not all(present):
+                sizes = iter(x.shape)
+                x = x.reshape([next(sizes) if has else 1 for has in present])
+            views.append(x)
+        return views
 
     def bind(self, operands: Sequence[torch.Tensor],
              out: torch.Tensor) -> Callable[[], torch.Tensor] | None:
@@ -122,14 +128,7 @@ class BroadcastJoin:
         """
         if not self.writes_into(operands, out):
             return None
-        views = []
-        for x, perm, present in zip(operands, self.perms, self.present):
-            if perm is not None:
-                x = x.permute(perm)
-            if not all(present):
-                sizes = iter(x.shape)
-                x = x.reshape([next(sizes) if has else 1 for has in present])
-            views.append(x)
+        views = self._views(operands)
         if not all(_same_storage(v, x) for v, x in zip(views, operands)):
             return None  # a reshape that copied: not a view to keep
         fn, first, second, rest = self.fn, views[0], views[1], tuple(views[2:])
