@@ -33,6 +33,8 @@ It ends with a one-screen summary (each step ok / FAIL / skipped with its key fi
 {'failed': 3, 'passed': 1235, 'skipped': 2}
 >>> pytest_counts("4 skipped, 1060 deselected in 12.05s")
 {'skipped': 4, 'deselected': 1060}
+>>> failed_tests("[gw4] [ 12%] FAILED tests/a.py::test_x[a] \\nFAILED tests/a.py::test_x[a] - E")
+['tests/a.py::test_x[a]']
 """
 
 from __future__ import annotations
@@ -161,6 +163,12 @@ def pytest_counts(text: str) -> dict[str, int]:
     return {word: int(count) for count, word in re.findall(words, lines[-1])} if lines else {}
 
 
+def failed_tests(text: str) -> list[str]:
+    """The tests pytest reported failed or in error in ``text``: the ``-v`` lines of xdist
+    workers as they end and the short summary's, each once."""
+    return sorted({m.group(1) for m in re.finditer(r"(?:FAILED|ERROR) (\S+::\S+)", text)})
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
@@ -251,17 +259,19 @@ def step_pytest_gpu(check: Check, result: StepResult) -> None:
 
 def _pytest_result(result: StepResult, rc: int | None, out: str) -> None:
     counts = pytest_counts(out)
-    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    failed = failed_tests(out)
     result.rc = rc
     result.record = {"counts": counts, "failed": failed}
     summary = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no summary line"
     if rc is None:
-        result.status, result.key = "TIMEOUT", f"stopped at its cap ({summary} so far)"
+        result.status, result.key = "TIMEOUT", (f"stopped at its cap ({summary} so far)" + (
+            f"; failed so far: {', '.join(failed)[:150]}" if failed else ""))
     elif rc == 0 and counts.get("passed"):
         result.status, result.key = "ok", summary
     else:
         result.status = "FAIL"
-        result.key = summary + (f"; first: {failed[0][:90]}" if failed else f" (exit {rc})")
+        result.key = summary + (f"; {len(failed)} failed, first: {failed[0][:90]}" if failed
+                                else f" (exit {rc})")
 
 
 def _bench(script: str, key: Callable[[dict], str]) -> Callable[[Check, StepResult], None]:
@@ -333,8 +343,12 @@ def step_suite(check: Check, result: StepResult) -> None:
         result.status = "skipped"
         result.key = "dry run: the CPU suite is `make test`" if check.dry else "--no-suite"
         return
-    result.command = check.python("-m", "pytest", "-n", str(check.args.suite_workers), "-q",
-                                  "--maxfail=100", "-p", "no:cacheprovider", "--tb=short")
+    # -m "not gpu": those ran in their own step (beside 14 busy workers a timing test of the
+    # GPU's launch queue can starve); -v: each test's outcome as it ends, so a suite stopped at
+    # its cap still names its failures
+    result.command = check.python("-m", "pytest", "-n", str(check.args.suite_workers), "-v",
+                                  "-m", "not gpu", "--maxfail=100", "-p", "no:cacheprovider",
+                                  "-p", "no:benchmark", "--tb=short")
     rc, out, _ = check.run(result.command, check.args.suite_timeout)
     _pytest_result(result, rc, out)
 
@@ -433,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where logs and JSON go when $OUT is not set")
     p.add_argument("--budget", type=float, default=420.0,
                    help="seconds for every step together (the suite gets what is left)")
-    p.add_argument("--suite-timeout", type=float, default=200.0)
+    p.add_argument("--suite-timeout", type=float, default=280.0)
     p.add_argument("--suite-workers", type=int, default=14)
     p.add_argument("--no-suite", action="store_true")
     p.add_argument("--python", default=sys.executable)

@@ -45,6 +45,21 @@ def pytest_addoption(parser):
                      help="rewrite the golden plan files under tests/fixtures/explain")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _the_cpu_suite_means_the_cpu():
+    """On a machine with a GPU, ``devices="auto"`` (the default) is the GPUs; the CPU suite
+    compares CPU results against CPU oracles (bit for bit in places) and runs the ``tensorql``
+    command in subprocesses, so it says once that it means the CPU: ``TENSORQL_DEVICES=cpu``
+    for the whole session (sessions and subprocesses read it through ``Options.from_env``).
+    The GPU tests (marked ``gpu``) name their CUDA devices. Nothing changes without CUDA."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TENSORQL_DEVICES", "cpu")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same torch and numpy global seeds."""

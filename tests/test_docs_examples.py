@@ -14,6 +14,7 @@ import io
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,13 @@ def test_sql_examples_run(name):
 def test_shell_examples_run(name, tmp_path):
     path = ROOT / name if name == "README.md" else ROOT / "docs" / name
     env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+    if shutil.which("tensorql", path=env["PATH"]) is None:  # a checkout not pip-installed
+        bin_dir = tmp_path / "bin"  # (the GPU machine's image): the command as python -m
+        bin_dir.mkdir()
+        shim = bin_dir / "tensorql"
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tensorql "$@"\n')
+        shim.chmod(0o755)
+        env["PATH"] = f"{bin_dir}:{env['PATH']}"
     for lang, code, line in blocks(path):
         if lang != "sh":
             continue

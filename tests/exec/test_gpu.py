@@ -58,7 +58,8 @@ def test_offload_matmul_exact_and_within_limit():
 
 def test_kernels_stay_in_flight_without_a_host_wait_per_op():
     """The launching thread records each op's end event and goes on (finding 7): 8 kernels
-    of ~10 ms each are all launched before the first completes."""
+    of ~50 ms of GPU time each: more than two are launched before the first completes (the
+    launch of one takes microseconds; 50 ms leaves room for a host loaded by other tests)."""
     import threading
     import time
 
@@ -75,7 +76,7 @@ def test_kernels_stay_in_flight_without_a_host_wait_per_op():
 
     def work():
         launched.append(time.perf_counter())
-        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time at ~2 GHz
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time at ~2 GHz
         return torch.ones(4, device="cuda:0")
 
     dev.open(post)
