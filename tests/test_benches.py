@@ -34,6 +34,7 @@ SMOKE_RUNS = {
     "memory": (["--tiny"], "correct: matmul: result correct"),
     "out_of_core": (["--smoke"], "held goals: tq-budget peak RSS growth"),
     "gpu_offload": (["--device", "cpu", "--n", "512", "--tile", "128"], "speed-up"),
+    "gpu_profile": (["--device", "cpu"], "compute lane busy (union)"),
     "llama": (["--tiny", "--repeat", "1", "--new", "2", "--phases", "generate,prefill cold",
                "--no-isolate"], "correct: generate: tq tokens equal"),
     "networks": (["--tiny", "--repeat", "1", "--cotengra-time", "0.5", "--no-isolate"],
