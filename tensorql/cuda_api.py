@@ -169,3 +169,17 @@ def use(api: Any) -> Iterator[Any]:
         yield api
     finally:
         _installed.remove(api)
+        release(api)
+
+
+def release(api: Any) -> None:
+    """Stop what was made for ``api`` that runs threads (the lanes of its devices, see
+    :func:`tensorql.exec.devices.cuda.device_lanes`): an interface that goes out of use (a
+    test's fake) leaves no thread behind. The real interface's lanes live with the process."""
+    with _cache_lock:
+        made = list(getattr(api, "_tensorql_cache", {}).values())
+    for value in made:
+        for item in (value.values() if isinstance(value, dict) else [value]):
+            stop = getattr(item, "stop", None)
+            if callable(stop):
+                stop()

@@ -16,8 +16,11 @@ allocator hands out again is never still read by a kernel of another stream.
 
 The streams of a device are made once per process (:func:`device_streams`) and reused by every
 run, so the cuBLAS workspaces torch keeps per (handle, stream) pair stay
-``compute_streams`` many (the launching thread of a lane has one handle, which the next run's
-thread takes back from torch's pool) instead of growing with every query.
+``compute_streams`` many instead of growing with every query. So are the lanes' threads
+(:func:`device_lanes`): a run hands each op its own ``post`` with the work, so runs share a
+device's lanes, and a query does not start and join nine threads (on the first H100 runs the
+runtime's fixed cost per run was ~4-5 ms; on a loaded 2-core host starting the threads alone
+took ~13 ms a run).
 :meth:`CUDADevice.default_reserve` keeps those workspaces and a share for kernel temporaries
 out of the chunk budget.
 
@@ -30,6 +33,7 @@ the recording fake of the tests). Needs CUDA; constructing one without it raises
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -57,6 +61,24 @@ def device_streams(api: Any, device: torch.device, lane: str, count: int) -> lis
         return streams[:count]
 
 
+def device_lanes(api: Any, device: torch.device, name: str,
+                 lanes: dict[str, int]) -> dict[str, _Lane]:
+    """The lanes of ``device`` (``lane -> streams``), their threads started once per process
+    (per ``api``) and reused by every run: a new set only when one of them stopped."""
+    key = ("lanes", str(device), tuple(sorted(lanes.items())), os.getpid())
+    with _streams_lock:
+        cache = cuda_api.cache_of(api)
+        found = cache.get(key)
+        if found is not None and all(lane.alive() for lane in found.values()):
+            return found
+    made = {lane: _Lane(f"{name}-{lane}", api, device,
+                        device_streams(api, device, lane, n))
+            for lane, n in lanes.items()}
+    with _streams_lock:
+        cache[key] = made
+    return made
+
+
 def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
     """Bytes of a device's ``memory_limit`` kept out of the chunk budget: the cuBLAS workspace
     of each compute stream, plus 1/16 of the limit (at most 512 MiB) for the temporaries of
@@ -65,20 +87,20 @@ def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
 
 
 class _Pending:
-    __slots__ = ("error", "end", "op_id", "start", "started", "value")
+    __slots__ = ("error", "end", "op_id", "post", "start", "started", "value")
 
     def __init__(self, op_id: int, started: float, start: Any, end: Any, value: Any,
-                 error: BaseException | None) -> None:
+                 error: BaseException | None, post: Post) -> None:
         self.op_id, self.started, self.start, self.end = op_id, started, start, end
-        self.value, self.error = value, error
+        self.value, self.error, self.post = value, error, post
 
 
 class _Lane:
-    """One lane of a CUDA device: its launching thread and a waiter thread per stream."""
+    """One lane of a CUDA device: its launching thread and a waiter thread per stream, kept
+    for the process (:func:`device_lanes`); each op comes with the ``post`` of its run."""
 
-    def __init__(self, name: str, api: Any, device: torch.device, streams: list[Any],
-                 post: Post) -> None:
-        self.api, self.device, self.streams, self.post = api, device, streams, post
+    def __init__(self, name: str, api: Any, device: torch.device, streams: list[Any]) -> None:
+        self.api, self.device, self.streams = api, device, streams
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.waits: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in streams]
         self.threads = [threading.Thread(target=self._launch, daemon=True,
@@ -89,8 +111,11 @@ class _Lane:
         for thread in self.threads:
             thread.start()
 
-    def submit(self, op_id: int, fn: Callable[[], Any]) -> None:
-        self.queue.put((op_id, fn))
+    def submit(self, op_id: int, fn: Callable[[], Any], post: Post) -> None:
+        self.queue.put((op_id, fn, post))
+
+    def alive(self) -> bool:
+        return all(thread.is_alive() for thread in self.threads)
 
     def _launch(self) -> None:
         api = self.api
@@ -105,22 +130,28 @@ class _Lane:
                 for w in self.waits:
                     w.put(None)
                 return
-            op_id, fn = item
             k = turn % len(self.streams)
             turn += 1
-            stream = self.streams[k]
-            started = time.perf_counter()
-            try:
-                with api.stream_context(stream):
-                    start = api.event(enable_timing=True)
-                    start.record(stream)
-                    value = fn()
-                    end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
-                    end.record(stream)
-            except BaseException as err:  # noqa: BLE001 - reported to the runtime
-                self.waits[k].put(_Pending(op_id, started, None, None, None, err))
-                continue
-            self.waits[k].put(_Pending(op_id, started, start, end, value, None))
+            self.waits[k].put(self._run(item, self.streams[k]))
+            # the thread outlives the run: keep nothing of it (the op's closure holds the
+            # run's chunks) while it waits for the next op
+            item = None
+
+    def _run(self, item: tuple[int, Callable[[], Any], Post], stream: Any) -> _Pending:
+        """Launch one op on ``stream`` between a start and an end event."""
+        op_id, fn, post = item
+        api = self.api
+        started = time.perf_counter()
+        try:
+            with api.stream_context(stream):
+                start = api.event(enable_timing=True)
+                start.record(stream)
+                value = fn()
+                end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
+                end.record(stream)
+        except BaseException as err:  # noqa: BLE001 - reported to the runtime
+            return _Pending(op_id, started, None, None, None, err, post)
+        return _Pending(op_id, started, start, end, value, None, post)
 
     def _wait(self, waits: queue.SimpleQueue) -> None:
         while True:
@@ -134,10 +165,12 @@ class _Lane:
                     device_s = item.start.elapsed_time(item.end) / 1e3
                 except BaseException as err:  # noqa: BLE001 - reported to the runtime
                     error = err
-            self.post(Completion(item.op_id, item.started, time.perf_counter(),
+            item.post(Completion(item.op_id, item.started, time.perf_counter(),
                                  item.value if error is None else None, error, device_s))
+            item = error = None  # the op's chunk is the run's now: hold no reference to it
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End the lane's threads (after its queued work)."""
         self.queue.put(None)
         for thread in self.threads:
             thread.join(timeout=30)
@@ -157,16 +190,23 @@ class CUDADevice(ThreadedDevice):
         self.index = int(index or 0)
         self.device = self.api.torch_device(self.index)
         self._lanes: dict[str, _Lane] = {}
+        self._post: Post | None = None
 
     @property
     def torch_device(self) -> torch.device:
         return self.device
 
     def open(self, post: Post) -> None:
-        self._lanes = {
-            lane: _Lane(f"{self.name}-{lane}", self.api, self.device,
-                        device_streams(self.api, self.device, lane, n), post)
-            for lane, n in self.lanes.items()}
+        self._post = post
+        self._lanes = device_lanes(self.api, self.device, self.name, self.lanes)
+
+    def close(self) -> None:
+        """The run is over: the lanes stay for the next run (every op it submitted has
+        posted its completion by now)."""
+        self._lanes = {}
+
+    def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
+        self._lanes[lane].submit(op_id, fn, self._post)
 
     def holds(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is already in this device's memory."""
