@@ -25,6 +25,15 @@ updates). Memory: each process's peak RSS, and the standing bytes (weights, opti
 gradients and buffers for torch; the stored tensors -- weights, Adam slots, data -- for
 tensorql).
 
+Each timed step's process CPU time is recorded beside its wall time (``cpu_s``), and so is the
+CPU each process used between its steps (``idle_cpu_s``: a pool spinning after its step, in
+the 20 ms pause before the next contender); the bench prints both. On a host whose cores are
+shared, a two-thread contender that lost a core reads CPU/wall near 1 where it reads near 2
+alone: torch's steps and tensorql's serial (block) step run every kernel on both threads and
+slow down several-fold when another process takes a core (a two-thread barrier waits for the
+descheduled thread), while tensorql's threaded (MLP) step, one thread per worker, loses about
+the core's share -- so the ratios of a run made on a busy host swing either way.
+
 Goals (issue 31): MLP tq/fastest torch <= 1.1, LLaMA block tq/fastest torch <= 1.2. Exits 1
 on a loss gap, or on a missed goal unless ``--tiny``.
 """
@@ -224,6 +233,14 @@ def standing_factory(inner: str, **kwargs):
     return lambda: np.array([float(step()), float(_standing.get("bytes", 0))])
 
 
+def _share(t) -> str:
+    """A contender's median CPU/wall of a step and the CPU it used between its steps."""
+    share = t.cpu_share()
+    idle = t.extra.get("idle_cpu_s")
+    return (f"{'-' if share is None else f'{share:.2f}'}, "
+            f"{'-' if idle is None else f'{idle * 1e3:.0f} ms'}")
+
+
 def case(name: str, args, size: str, tmp: str) -> dict:
     if name == "mlp":
         ours = Contender("tq", "train:standing_factory",
@@ -288,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                          (timings[fastest].peak_rss_bytes or 0) / 2**20])
             print(f"  {name}: " + "; ".join(f"{k} {t.describe()}" for k, t in timings.items()),
                   flush=True)
+            print(f"  {name} CPU/wall of a step (threads busy), CPU while idle: " + "; ".join(
+                f"{k} {_share(t)}" for k, t in timings.items()), flush=True)
     columns = ["step", "tq ms", "tq cold ms", *(f"{f} ms" for f in TORCH_FORMS), "fastest torch",
                "tq/fastest", "goal", "tq standing MiB", "torch standing MiB", "tq peak RSS MiB",
                "torch peak RSS MiB"]

@@ -138,6 +138,10 @@ def test_isolated_contenders_run_in_their_own_processes():
     assert outputs["ours"].tolist()[:2] == [ours.pid, 1]
     assert len(base.samples) == len(ours.samples) == 3 and base.first_s > 0
     assert len(base.extra["values"]) == 4  # the cold call and the three timed ones
+    # each timed call's process CPU, and what the process used between its calls (a probe
+    # uses next to nothing either way)
+    assert len(base.extra["cpu_s"]) == 3 and all(c >= 0 for c in base.extra["cpu_s"])
+    assert base.cpu_share() is not None and abs(base.extra["idle_cpu_s"]) < 0.5
 
 
 def test_record_json_fields_and_exit_codes(tmp_path):
