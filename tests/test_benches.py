@@ -13,6 +13,7 @@ from __future__ import annotations
 import doctest
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,18 @@ def test_docs_tables_match_the_committed_records():
     names = [m.group("name") for m in tables.MARKER.finditer(
         (ROOT / "docs" / "benchmarks.md").read_text())]
     assert {n.partition(":")[0] for n in names} <= GATED
+
+
+def test_train_pools_fresh_processes_and_keeps_each_ones_median():
+    import train
+
+    def timing(samples, cpu):
+        return harness.Timing(samples, 1.0, isolated=True, pid=1, peak_rss_bytes=10,
+                              extra={"values": [[0.5]] * len(samples), "cpu_s": cpu,
+                                     "idle_cpu_s": 0.01})
+    runs = [{"tq": timing([1.0, 3.0], [2.0, 2.0])}, {"tq": timing([5.0, 7.0], [1.0, 1.0])}]
+    merged = train._merged(runs)["tq"]
+    assert merged.samples == [1.0, 3.0, 5.0, 7.0] and merged.first_s == 1.0
+    assert merged.extra["process_medians"] == [2.0, 6.0]
+    assert len(merged.extra["values"]) == 4 and merged.extra["idle_cpu_s"] == 0.02
+    assert merged.cpu_share() == pytest.approx(statistics.median([2.0, 2 / 3, 0.2, 1 / 7]))
