@@ -136,6 +136,15 @@ class Timing:
     def to_json(self) -> dict:
         return {**asdict(self), **{"summary": self.summary()}}
 
+    def cpu_share(self) -> float | None:
+        """The median of each timed call's process CPU time over its wall time (isolated
+        runs: about the threads it kept busy; well below its thread count when the host
+        took cores from it), or None when not recorded."""
+        cpu = self.extra.get("cpu_s")
+        if not cpu:
+            return None
+        return statistics.median(c / max(s, 1e-9) for c, s in zip(cpu, self.samples))
+
     def describe(self, scale: float = 1e3, unit: str = "ms") -> str:
         """``median [q1-q3] (min-max) unit, cold first``, e.g. for a log line."""
         s = self.summary()
@@ -375,20 +384,27 @@ def measure_isolated(contenders: Sequence[Contender], repeats: int = MIN_REPEATS
                 for _ in range(warmup - 1):
                     values[name].append(worker.call(op="run").get("value"))
         samples: dict[str, list[float]] = {name: [] for name in workers}
+        cpu: dict[str, list[float]] = {name: [] for name in workers}
+        cpu_before = {name: worker.call(op="stats")["cpu_s"] for name, worker in workers.items()}
         for name in schedule(list(workers), repeats, order, seed):
             time.sleep(SETTLE_S)  # the last contender's pool threads stop spinning first
             reply = workers[name].call(op="run")
             samples[name].append(reply["s"])
+            cpu[name].append(reply["cpu"])
             values[name].append(reply.get("value"))
         timings = {}
         for name, worker in workers.items():
             stats = worker.call(op="stats")
+            # CPU the process used between its timed calls, while the others ran (threads
+            # spinning or working in the background would take the others' cores)
+            idle = stats["cpu_s"] - cpu_before[name] - sum(cpu[name])
             timings[name] = Timing(samples[name], firsts[name], isolated=True,
                                    pid=worker.info["pid"],
                                    tensorql_imported=stats["tensorql_imported"],
                                    threads=worker.info["threads"],
                                    peak_rss_bytes=stats["peak_rss_bytes"],
-                                   extra={"values": values[name]})
+                                   extra={"values": values[name], "cpu_s": cpu[name],
+                                          "idle_cpu_s": idle})
         return timings, outputs
     finally:
         for worker in workers.values():
@@ -441,8 +457,9 @@ def _worker_main() -> int:
                 reply = {"pid": os.getpid(), "threads": _torch_threads()}
             elif op == "run":
                 assert fn is not None, "run before setup"
+                cpu = time.process_time()
                 took, out = _call(fn)
-                reply = {"s": took, "value": _small(out)}
+                reply = {"s": took, "value": _small(out), "cpu": time.process_time() - cpu}
                 if command.get("save"):
                     import numpy as np
 
@@ -450,6 +467,7 @@ def _worker_main() -> int:
                 del out
             elif op == "stats":
                 reply = {"tensorql_imported": "tensorql" in sys.modules,
+                         "cpu_s": time.process_time(),
                          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                          * 1024, "pid": os.getpid()}
             elif op == "exit":

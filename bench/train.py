@@ -1,7 +1,8 @@
 """One training step, tensorql against PyTorch, each in its own process: an MLP classifier and a
 LLaMA block, Adam on both sides, same weights, same data.
 
-    python bench/train.py [--repeat 7] [--tiny] [--mlp-only | --block-only] [--no-isolate]
+    python bench/train.py [--repeat 7] [--processes 2] [--tiny] [--mlp-only | --block-only]
+                          [--no-isolate]
 
 * **MLP**: batch 256, 784 -> 2048 -> 2048 -> 10 with ReLU, mean cross-entropy (log-softmax);
 * **LLaMA block**: ``tensorql.models.llama_block`` (RMSNorm, rotary attention with a causal
@@ -25,6 +26,19 @@ updates). Memory: each process's peak RSS, and the standing bytes (weights, opti
 gradients and buffers for torch; the stored tensors -- weights, Adam slots, data -- for
 tensorql).
 
+Each contender runs in ``--processes`` fresh processes in turn (default 2, the random order
+reseeded for each): the samples are pooled and each process's median is printed, so an effect
+of one process's life (where its memory or threads landed) shows as medians apart rather than
+as a different figure from one run of the bench to the next. Each timed step's process CPU
+time is recorded beside its wall time (``cpu_s``), and so is the
+CPU each process used between its steps (``idle_cpu_s``: a pool spinning after its step, in
+the 20 ms pause before the next contender); the bench prints both. On a host whose cores are
+shared, a two-thread contender that lost a core reads CPU/wall near 1 where it reads near 2
+alone: torch's steps and tensorql's serial (block) step run every kernel on both threads and
+slow down several-fold when another process takes a core (a two-thread barrier waits for the
+descheduled thread), while tensorql's threaded (MLP) step, one thread per worker, loses about
+the core's share -- so the ratios of a run made on a busy host swing either way.
+
 Goals (issue 31): MLP tq/fastest torch <= 1.1, LLaMA block tq/fastest torch <= 1.2. Exits 1
 on a loss gap, or on a missed goal unless ``--tiny``.
 """
@@ -32,6 +46,7 @@ on a loss gap, or on a missed goal unless ``--tiny``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -224,6 +239,14 @@ def standing_factory(inner: str, **kwargs):
     return lambda: np.array([float(step()), float(_standing.get("bytes", 0))])
 
 
+def _share(t) -> str:
+    """A contender's median CPU/wall of a step and the CPU it used between its steps."""
+    share = t.cpu_share()
+    idle = t.extra.get("idle_cpu_s")
+    return (f"{'-' if share is None else f'{share:.2f}'}, "
+            f"{'-' if idle is None else f'{idle * 1e3:.0f} ms'}")
+
+
 def case(name: str, args, size: str, tmp: str) -> dict:
     if name == "mlp":
         ours = Contender("tq", "train:standing_factory",
@@ -242,8 +265,35 @@ def case(name: str, args, size: str, tmp: str) -> dict:
                              "arrays": path}) for form in TORCH_FORMS]
         b, s, d, heads, head_dim, ff = SIZES[size]["block"]
         label = f"LLaMA block b{b} s{s} d{d} h{heads}x{head_dim} ff{ff}"
-    timings, outputs = run_contenders([ours, *theirs], args)
-    return {"label": label, "timings": timings, "outputs": outputs}
+    runs = [run_contenders([ours, *theirs], _with_seed(args, args.seed + k))
+            for k in range(args.processes if args.isolate else 1)]
+    return {"label": label, "timings": _merged([t for t, _ in runs]), "outputs": runs[0][1]}
+
+
+def _with_seed(args, seed: int):
+    out = argparse.Namespace(**vars(args))
+    out.seed = seed
+    return out
+
+
+def _merged(runs: list[dict]) -> dict:
+    """Each contender's timings over ``runs`` (fresh processes each, in turn): the samples
+    of all, the cold figure and results of the first, and each process's median
+    (``extra["process_medians"]``: a host or process effect shows as medians apart)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {}
+    for name, first in runs[0].items():
+        every = [run[name] for run in runs]
+        extra = {"values": [v for t in every for v in t.extra.get("values", [])],
+                 "process_medians": [t.median for t in every]}
+        if all("cpu_s" in t.extra for t in every):
+            extra["cpu_s"] = [c for t in every for c in t.extra["cpu_s"]]
+            extra["idle_cpu_s"] = sum(t.extra.get("idle_cpu_s", 0.0) for t in every)
+        out[name] = dataclasses.replace(
+            first, samples=[x for t in every for x in t.samples], extra=extra,
+            peak_rss_bytes=max((t.peak_rss_bytes or 0) for t in every) or None)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="smallest sizes (a smoke run)")
     parser.add_argument("--mlp-only", action="store_true")
     parser.add_argument("--block-only", action="store_true")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="fresh processes per contender, in turn (isolated runs; the "
+                             "samples of all are pooled, each process's median printed; "
+                             "default 2)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     size = "tiny" if args.tiny else "default"
@@ -288,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                          (timings[fastest].peak_rss_bytes or 0) / 2**20])
             print(f"  {name}: " + "; ".join(f"{k} {t.describe()}" for k, t in timings.items()),
                   flush=True)
+            print(f"  {name} CPU/wall of a step (threads busy), CPU while idle: " + "; ".join(
+                f"{k} {_share(t)}" for k, t in timings.items()), flush=True)
+            if any("process_medians" in t.extra for t in timings.values()):
+                print(f"  {name} median of each process: " + "; ".join(
+                    f"{k} " + "/".join(f"{m * 1e3:.3g}" for m in t.extra["process_medians"])
+                    for k, t in timings.items()) + " ms", flush=True)
     columns = ["step", "tq ms", "tq cold ms", *(f"{f} ms" for f in TORCH_FORMS), "fastest torch",
                "tq/fastest", "goal", "tq standing MiB", "torch standing MiB", "tq peak RSS MiB",
                "torch peak RSS MiB"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import doctest
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,10 @@ def test_isolated_contenders_run_in_their_own_processes():
     assert outputs["ours"].tolist()[:2] == [ours.pid, 1]
     assert len(base.samples) == len(ours.samples) == 3 and base.first_s > 0
     assert len(base.extra["values"]) == 4  # the cold call and the three timed ones
+    # each timed call's process CPU, and what the process used between its calls (a probe
+    # uses next to nothing either way)
+    assert len(base.extra["cpu_s"]) == 3 and all(c >= 0 for c in base.extra["cpu_s"])
+    assert base.cpu_share() is not None and abs(base.extra["idle_cpu_s"]) < 0.5
 
 
 def test_record_json_fields_and_exit_codes(tmp_path):
@@ -204,3 +209,18 @@ def test_docs_tables_match_the_committed_records():
     names = [m.group("name") for m in tables.MARKER.finditer(
         (ROOT / "docs" / "benchmarks.md").read_text())]
     assert {n.partition(":")[0] for n in names} <= GATED
+
+
+def test_train_pools_fresh_processes_and_keeps_each_ones_median():
+    import train
+
+    def timing(samples, cpu):
+        return harness.Timing(samples, 1.0, isolated=True, pid=1, peak_rss_bytes=10,
+                              extra={"values": [[0.5]] * len(samples), "cpu_s": cpu,
+                                     "idle_cpu_s": 0.01})
+    runs = [{"tq": timing([1.0, 3.0], [2.0, 2.0])}, {"tq": timing([5.0, 7.0], [1.0, 1.0])}]
+    merged = train._merged(runs)["tq"]
+    assert merged.samples == [1.0, 3.0, 5.0, 7.0] and merged.first_s == 1.0
+    assert merged.extra["process_medians"] == [2.0, 6.0]
+    assert len(merged.extra["values"]) == 4 and merged.extra["idle_cpu_s"] == 0.02
+    assert merged.cpu_share() == pytest.approx(statistics.median([2.0, 2 / 3, 0.2, 1 / 7]))

@@ -569,8 +569,10 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         return g * out
     if fn == "log":
         return g / x
-    if fn == "relu":
-        return g * step(x > 0.0)
+    if fn == "relu":  # relu(x) > 0 exactly where x > 0 (NaN in neither): read the output,
+        # as torch's threshold_backward does, so that x is read once (its producer, a bias
+        # add, fuses with the relu instead of staying a step of its own)
+        return g * step(out > 0.0)
     if fn == "abs":
         return g * (step(x > 0.0) - step(x < 0.0))
     if fn == "sqrt":

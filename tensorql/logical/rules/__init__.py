@@ -26,12 +26,15 @@ from tensorql.logical.plan import LogicalNode, Results
 from tensorql.logical.rules.attention import match_attention
 from tensorql.logical.rules.pointwise import fuse_pointwise
 from tensorql.logical.rules.scalar import scalar_out_of_sum
+from tensorql.logical.rules.update import contiguous_update
 
 Rule = Callable[[LogicalNode], LogicalNode]
 
 # attention first: its chain's maps and joins are not pointwise chains of their own; a scalar
-# factor leaves its contraction before the pointwise chains are cut
-RULES: tuple[Rule, ...] = (match_attention, scalar_out_of_sum, fuse_pointwise)
+# factor leaves its contraction before the pointwise chains are cut; an update's gradient is
+# retiled (contiguous_update) before the chains are cut too
+RULES: tuple[Rule, ...] = (match_attention, scalar_out_of_sum, contiguous_update,
+                           fuse_pointwise)
 
 
 @dataclass(frozen=True)
@@ -55,5 +58,5 @@ def rewrite(roots: Sequence[LogicalNode], rules: Sequence[Rule] = RULES) -> Rewr
     return Rewritten(tuple(done), tuple(fired))
 
 
-__all__ = ["RULES", "Rewritten", "rewrite", "fuse_pointwise", "match_attention",
-           "scalar_out_of_sum"]
+__all__ = ["RULES", "Rewritten", "contiguous_update", "fuse_pointwise", "match_attention",
+           "rewrite", "scalar_out_of_sum"]
