@@ -13,7 +13,10 @@ Steps, in order (each a subprocess with its own time cap, all within ``--budget`
 6. ``gpu_probe``: the public API's paths on the GPU (fused chains, Adam, LoRA, device-resident
    inputs, workspace growth over 5 runs, ...);
 7. ``gpu_llama_layer``: a LLaMA-7B-shaped layer's prefill, seq 4096, vs torch with SDPA;
-8. ``cpu suite``: the whole CPU test suite on the GPU machine (``pytest -n 14``), capped at
+8. ``gpu_profile``: where the matmul's and the offload's time goes (``bench/gpu_profile.py``:
+   the runtime against floors of plain torch calls, lane busy time, the GPU's idle share),
+   its lines in the log and in the JSON, so a missed goal comes with its reasons;
+9. ``cpu suite``: the whole CPU test suite on the GPU machine (``pytest -n 14``), capped at
    ``--suite-timeout`` seconds and by what is left of the budget (skipped in a dry run: that
    suite is ``make test``).
 
@@ -338,6 +341,21 @@ def step_probe(check: Check, result: StepResult) -> None:
             f"; FAIL: {', '.join(bad)}" if bad else "")
 
 
+def step_profile(check: Check, result: StepResult) -> None:
+    result.command = check.python("bench/gpu_profile.py", "--device", check.device)
+    rc, out, _ = check.run(result.command, 100)
+    result.rc = rc
+    lines = [ln for ln in out.splitlines() if ln.lstrip().startswith(("==", "tile", "compute"))]
+    result.record = {"lines": lines}
+    if rc is None:
+        result.status, result.key = "TIMEOUT", f"stopped at its cap ({len(lines)} lines)"
+    elif rc != 0:
+        result.status, result.key = "FAIL", f"exit {rc}: {_tail(out, 1)[:120]}"
+    else:
+        result.status = "ok"
+        result.key = f"{len(lines)} lines of figures (in the log and gpu_check.json)"
+
+
 def step_suite(check: Check, result: StepResult) -> None:
     if check.dry or check.args.no_suite:
         result.status = "skipped"
@@ -361,6 +379,7 @@ STEPS = (
     Step("gpu_offload", _bench("gpu_offload", _offload_key), 150),
     Step("gpu_probe", step_probe, 150),
     Step("gpu_llama_layer", _bench("gpu_llama_layer", _llama_key), 180),
+    Step("gpu_profile", step_profile, 100),
     Step("cpu suite", step_suite, 600),
 )
 
@@ -445,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=os.environ.get("DEV") or "cuda")
     p.add_argument("--out", default=str(ROOT / ".bench-out" / "gpu-check"),
                    help="where logs and JSON go when $OUT is not set")
-    p.add_argument("--budget", type=float, default=420.0,
+    p.add_argument("--budget", type=float, default=500.0,
                    help="seconds for every step together (the suite gets what is left)")
     p.add_argument("--suite-timeout", type=float, default=280.0)
     p.add_argument("--suite-workers", type=int, default=14)

@@ -48,7 +48,7 @@ def test_dev_cpu_make_gpu_check_is_a_dry_run_of_every_step(tmp_path):
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status == {"setup": "ok", "environment": "ok", "pytest -m gpu": "skipped",
                       "gpu_matmul": "ok", "gpu_offload": "ok", "gpu_probe": "ok",
-                      "gpu_llama_layer": "ok", "cpu suite": "skipped"}
+                      "gpu_llama_layer": "ok", "gpu_profile": "ok", "cpu suite": "skipped"}
     assert report["ok"] and report["environment"]["torch"] == torch.__version__
     records = {s["name"]: s["record"] for s in report["steps"]}
     for bench in ("gpu_matmul", "gpu_llama_layer", "gpu_offload"):
