@@ -1,5 +1,6 @@
-"""The DuckDB backend's batched kernels (issue 31): the join function folds every product of
-one output chunk within a batch into one partial, and results stay those of numpy however
+"""The DuckDB backend's batched kernels (issue 31): each stored chunk crosses from DuckDB into
+Python once (a scan loads it and hands its handle on), the join function folds every product
+of one output chunk within a batch into one partial, and results stay those of numpy however
 DuckDB splits the join's rows into batches."""
 
 from __future__ import annotations
@@ -7,15 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 import tensorql as tq
 from tensorql.backend import duckdb_sql
-from tensorql.backend.duckdb_sql import SQLPlan
-from tensorql.storage.blob_codec import decode_payloads
+from tensorql.backend.duckdb_sql import ChunkArena, SQLPlan
 
 
 def _plan_and_rows(db, a, b, tile):
-    """The plan of ``A @ B`` and the join's rows (keys and payloads of every tile pair)."""
+    """The plan of ``A @ B`` and the join's rows (the keys of every tile pair)."""
     A = db.from_numpy("A", a, tile=(tile, tile))
     B = db.from_numpy("B", b, tile=(tile, tile))
     plan = SQLPlan.build(tq.einsum("ij,jk->ik", A, B).compile().logical, db.chunk_store)
@@ -24,23 +25,16 @@ def _plan_and_rows(db, a, b, tile):
     return plan, rows, grid_a, grid_b
 
 
-def _pages(tiles, rng):
-    """Each tile's bytes as two pages, listed in a random order with their page numbers (as
-    DuckDB's ``list(payload)``, ``list(page)`` may come)."""
-    lists, numbers = [], []
-    for tile in tiles:
-        raw = np.ascontiguousarray(tile).tobytes()
-        half = len(raw) // 2
-        order = [0, 1] if rng.random() < 0.5 else [1, 0]
-        lists.append([(raw[:half], raw[half:])[i] for i in order])
-        numbers.append(order)
-    return [pa.array(lists, pa.list_(pa.binary())), pa.array(numbers, pa.list_(pa.int32()))]
-
-
-def _columns(rows, a, b, grid_a, grid_b, rng):
+def _columns(rows, a, b, grid_a, grid_b, arena):
+    """The partial function's columns for ``rows``: the keys of both tiles of each pair and
+    the handles of the tiles, loaded into ``arena`` once each (as the scans load them)."""
+    handles = {}
+    for s, (x, grid) in enumerate(((a, grid_a), (b, grid_b))):
+        for key in grid.keys():
+            tile = torch.from_numpy(np.ascontiguousarray(x[grid.slices(key)]))
+            handles[s, key] = arena.put([tile])[0].as_py()
     cols = [pa.array([r[s][d] for r in rows], pa.int32()) for s in (0, 1) for d in (0, 1)]
-    cols += _pages([a[grid_a.slices(ka)] for ka, _ in rows], rng)
-    cols += _pages([b[grid_b.slices(kb)] for _, kb in rows], rng)
+    cols += [pa.array([handles[s, r[s]] for r in rows], pa.int64()) for s in (0, 1)]
     return cols
 
 
@@ -52,25 +46,25 @@ def test_partial_function_returns_one_sum_per_output_chunk_and_batch(split):
         plan, rows, grid_a, grid_b = _plan_and_rows(db, a, b, 2)
         (partial,) = [u for u in plan.udfs if "partial" in u.name]
         assert partial.null_handling == "special"
-        assert partial.params == ("INTEGER",) * 4 + ("BLOB[]", "INTEGER[]") * 2  # page lists
+        assert partial.params == ("INTEGER",) * 4 + ("BIGINT",) * 2  # keys, chunk handles
+        assert partial.returns == "BIGINT"
         order = rng.permutation(len(rows))  # DuckDB's join emits rows in no set order
         rows = [rows[i] for i in order]
         batches = [rows] if split is None else [rows[:split], rows[split:]]
+        arena = ChunkArena()
         total = np.zeros((8, 6))
         sums = 0
         for batch in batches:
-            out = partial.fn(*_columns(batch, a, b, grid_a, grid_b, rng))
+            out = partial.fn(arena, *_columns(batch, a, b, grid_a, grid_b, arena))
             assert len(out) == len(batch)
             outputs = {(ka[0], kb[1]) for ka, kb in batch}
             assert len(out) - out.null_count == len(outputs)  # one partial per output chunk
-            valid = [r for r in range(len(batch)) if out[r].is_valid]
-            chunks = decode_payloads(out.filter(pa.array([out[r].is_valid
-                                                          for r in range(len(batch))])),
-                                     "float64", [(2, 2)] * len(valid))
-            for r, chunk in zip(valid, chunks):
-                ka, kb = batch[r]
-                total[2 * ka[0]:2 * ka[0] + 2, 2 * kb[1]:2 * kb[1] + 2] += chunk.numpy()
-                sums += 1
+            for r in range(len(batch)):
+                if out[r].is_valid:
+                    (chunk,) = arena.get([out[r].as_py()])
+                    ka, kb = batch[r]
+                    total[2 * ka[0]:2 * ka[0] + 2, 2 * kb[1]:2 * kb[1] + 2] += chunk.numpy()
+                    sums += 1
         assert sums == 12 if split is None else sums >= 12
         np.testing.assert_allclose(total, a @ b, rtol=1e-12, atol=1e-12)
 
@@ -80,14 +74,14 @@ def test_output_chunks_summed_over_several_batches_match_numpy(threads, monkeypa
     """2,500 tile pairs per output chunk: more than one DuckDB vector (2,048 rows), so each
     output chunk's products reach the partial function in several batches, and its partials
     are folded by the aggregate function."""
-    partials = []
-    sparse_out = duckdb_sql._sparse_out
+    folds = []
+    combine = duckdb_sql.combine
 
-    def counting(n_rows, sizes, data):
-        partials.append(len(sizes))
-        return sparse_out(n_rows, sizes, data)
+    def counting(acc, part, agg):
+        folds.append(agg)
+        return combine(acc, part, agg)
 
-    monkeypatch.setattr(duckdb_sql, "_sparse_out", counting)
+    monkeypatch.setattr(duckdb_sql, "combine", counting)  # only the aggregate function folds
     rng = np.random.default_rng(7)
     a, b = rng.standard_normal((2, 2500)), rng.standard_normal((2500, 3))
     with tq.connect(backend="duckdb") as db:
@@ -95,7 +89,7 @@ def test_output_chunks_summed_over_several_batches_match_numpy(threads, monkeypa
         A = db.from_numpy("A", a, tile=(1, 1))
         B = db.from_numpy("B", b, tile=(1, 1))
         np.testing.assert_allclose((A @ B).numpy(), a @ b, rtol=1e-12, atol=1e-12)
-        assert sum(partials) > 6  # 6 output chunks, some summed from several partials
+        assert folds  # some of the 6 output chunks summed from several partials
         got = tq.einsum("ij,jk->ik", A, B, join="add", agg="max").numpy()
         np.testing.assert_allclose(got, (a[:, :, None] + b[None]).max(axis=1), rtol=1e-12)
 
@@ -106,7 +100,8 @@ def test_plan_sql_gathers_only_partials_that_are_not_null():
         plan = SQLPlan.build(tq.einsum("ij,jk->ik", A, A).compile().logical, db.chunk_store)
     assert 'FILTER (WHERE "partial" IS NOT NULL)' in plan.sql
     assert 'CASE WHEN len("parts") = 1 THEN "parts"[1]' in plan.sql  # a lone partial as is
-    assert [u.null_handling for u in plan.udfs] == ["special", "default"]
+    assert [(u.name.split("_")[1], u.null_handling) for u in plan.udfs] == \
+        [("load", "default"), ("partial", "special"), ("agg", "default")]  # A loaded once
 
 
 def test_only_steps_read_twice_are_materialized():
@@ -117,16 +112,18 @@ def test_only_steps_read_twice_are_materialized():
         x = tq.einsum("ij,jk->ik", A, B)
         chain = tq.einsum("ij,jk,kl->il", A, B, tq.einsum("ki->ik", x))
         squared = tq.einsum("ik,ik->ik", x, x)
-        for expr, expected, materialized in ((chain, a @ b @ (a @ b).T, 0),
+        # the chain reads A and B twice (x and the chain's own join): their scans are
+        # materialized, so each stored chunk is loaded once; squared reads x twice
+        for expr, expected, materialized in ((chain, a @ b @ (a @ b).T, 2),
                                              (squared, (a @ b) ** 2, 1)):
             sql = SQLPlan.build(expr.compile().logical, db.chunk_store).sql
             assert sql.count("MATERIALIZED") == materialized
             np.testing.assert_allclose(expr.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_stored_tiles_of_several_pages_read_as_pages_by_joins_only():
-    """Tiles of 8 KiB (two 4 KiB pages) and ragged edge tiles: a join reads the stored pages
-    (no chunk view), a Map still reads whole chunks through the chunk view."""
+def test_stored_tiles_of_several_pages_read_as_pages_by_every_reader():
+    """Tiles of 8 KiB (two 4 KiB pages) and ragged edge tiles: joins and Maps alike read the
+    stored pages (no chunk view)."""
     rng = np.random.default_rng(5)
     a, b = rng.standard_normal((80, 72)), rng.standard_normal((72, 40))
     with tq.connect(backend="duckdb") as db:
@@ -141,7 +138,7 @@ def test_stored_tiles_of_several_pages_read_as_pages_by_joins_only():
         scaled = tq.einsum("ij,jk->ik", A * 2.0, B)
         steps = dict(SQLPlan.build(scaled.compile().logical, db.chunk_store).steps)
         assert sorted(v for v in steps.values() if v.startswith("Scan")) == \
-            ["Scan A (chunk view)", "Scan B (chunk pages)"]
+            ["Scan A (chunk pages)", "Scan B (chunk pages)"]
         np.testing.assert_allclose(scaled.numpy(), 2 * a @ b, rtol=1e-12, atol=1e-12)
 
 
@@ -154,3 +151,72 @@ def test_chunk_pages_sql_names_the_page_rows_of_a_stored_tensor():
                                  f"{store.chunk_pages_sql('A')} ORDER BY k0, k1").fetchall()
         assert rows == [(0, 0, 0, 32), (0, 1, 0, 32), (1, 0, 0, 16), (1, 1, 0, 16)]
         assert store.chunk_pages_sql("missing") is None
+
+
+@pytest.mark.parametrize("tile", [2, 4, 8])
+def test_each_stored_chunk_crosses_into_python_once(tile):
+    """However many pairs a tile joins into (g per tile on a g x g grid), its bytes are loaded
+    from DuckDB once; only BIGINT handles go through the join and the GROUP BY."""
+    rng = np.random.default_rng(tile)
+    a, b = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
+    with tq.connect(backend="duckdb") as db:
+        db.connection.execute("SET threads = 2")
+        A, B = db.from_numpy("A", a, tile=(tile, tile)), db.from_numpy("B", b, tile=(tile, tile))
+        compiled = tq.einsum("ij,jk->ik", A, B).compile()
+        plan = SQLPlan.build(compiled.logical, db.chunk_store)
+        assert {u.returns for u in plan.udfs} == {"BIGINT"}  # no chunk bytes back to DuckDB
+        assert "BLOB" not in {p for u in plan.udfs if "load" not in u.name for p in u.params}
+        db.chunk_store.sync_views()
+        arena = plan.arena()
+        chunks, _ = plan.run(db.connection, arena)
+        assert arena.loaded_bytes == a.nbytes + b.nbytes
+        g = 8 // tile
+        assert arena.rows >= 2 * g * g + g ** 3  # load rows, then pair rows (and any folds)
+        got = np.zeros((8, 8))
+        for (i, k), chunk in chunks.items():
+            got[i * tile:(i + 1) * tile, k * tile:(k + 1) * tile] = chunk.numpy()
+        np.testing.assert_allclose(got, a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_in_memory_chunks_are_preset_handles_and_left_unchanged():
+    """A constant operand (and a store without DuckDB) reaches the SQL as a registered table
+    of fixed handles; its chunks are the kernels' inputs as they are, never written into."""
+    from tensorql.storage.memory_store import MemoryChunkStore
+
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((6, 4)), rng.standard_normal((4, 6))
+    a_before = a.copy()
+    for store in (None, MemoryChunkStore()):
+        with tq.connect(backend="duckdb", store=store) as db:
+            B = db.from_numpy("B", b, tile=(2, 3))
+            A = db.constant(a, tile=(3, 2))
+            expr = tq.einsum("ij,jk->ik", A, B, join="add", agg="max")
+            plan = SQLPlan.build(expr.compile().logical, db.chunk_store)
+            assert plan.constants and all(h < 0 for h in plan.constants)
+            for table in plan.tables.values():
+                assert table.schema.field("chunk").type == pa.int64()
+            np.testing.assert_allclose(expr.numpy(), (a[:, :, None] + b[None]).max(axis=1),
+                                       rtol=1e-12)
+            np.testing.assert_allclose((A @ B).numpy(), a @ b, rtol=1e-12, atol=1e-12)
+            np.testing.assert_array_equal(tq.einsum("ij->ji", A).numpy(), a.T)
+    np.testing.assert_array_equal(a, a_before)
+
+
+def test_chunk_view_scan_when_the_store_names_no_page_rows(monkeypatch):
+    rng = np.random.default_rng(12)
+    a, b = rng.standard_normal((5, 7)), rng.standard_normal((7, 3))
+    with tq.connect(backend="duckdb") as db:
+        A, B = db.from_numpy("A", a, tile=(2, 4)), db.from_numpy("B", b, tile=(4, 2))
+        monkeypatch.setattr(db.chunk_store, "chunk_pages_sql", lambda name: None)
+        expr = tq.einsum("ij,jk->ik", A, B)
+        steps = dict(SQLPlan.build(expr.compile().logical, db.chunk_store).steps)
+        assert sorted(v for v in steps.values() if v.startswith("Scan")) == \
+            ["Scan A (chunk view)", "Scan B (chunk view)"]
+        np.testing.assert_allclose(expr.numpy(), a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_handle_of_another_run_is_an_execution_error():
+    arena = ChunkArena()
+    arena.put([torch.ones(1)])
+    with pytest.raises(tq.ExecutionError, match="no chunk with handle 7"):
+        arena.get(pa.array([7], pa.int64()))
