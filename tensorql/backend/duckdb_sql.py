@@ -134,13 +134,17 @@ class ChunkArena:
         self.loaded_bytes = 0
         self.made = 0
 
-    def count(self, rows: int, loaded_bytes: int = 0) -> None:
-        """One Arrow function call over ``rows`` rows (``loaded_bytes``: chunk bytes it took
-        from DuckDB)."""
+    def count(self, rows: int) -> None:
+        """One Arrow function call over ``rows`` rows."""
         with self._lock:
             self.calls += 1
             self.rows += rows
-            self.loaded_bytes += loaded_bytes
+
+    def loaded(self, chunks: Sequence[torch.Tensor]) -> None:
+        """``chunks`` were loaded from DuckDB's bytes (counted in ``loaded_bytes``)."""
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        with self._lock:
+            self.loaded_bytes += nbytes
 
     def put(self, tensors: Sequence[torch.Tensor | None]) -> pa.Array:
         """Handles of ``tensors`` as an Arrow BIGINT array (NULL where ``None``)."""
@@ -242,12 +246,12 @@ class SQLPlan:
         registered = self._register(con, arena)
         try:
             start = time.perf_counter()
-            try:
-                table = con.sql(self.sql).to_arrow_table()
+            try:  # rows of keys and a handle: plain Python tuples, no Arrow table needed
+                rows = con.execute(self.sql).fetchall()
             except duckdb.Error as err:
                 raise ExecutionError(f"DuckDB backend failed: {str(err).splitlines()[0]}") \
                     from None
-            chunks = self.decode(table, arena)
+            chunks = self.decode(rows, arena)
             return chunks, time.perf_counter() - start
         finally:
             self._unregister(con, registered)
@@ -261,18 +265,20 @@ class SQLPlan:
         finally:
             self._unregister(con, registered)
 
-    def decode(self, table: pa.Table, arena: ChunkArena) -> dict[Key, torch.Tensor]:
-        """The result chunks by key: the chunks of the handles in ``table``'s last column."""
-        rel = self.root.relation
-        ndim = len(rel.labels)
-        keys = _keys(table.columns[:ndim], table.num_rows)
-        chunks = arena.get(table.column(ndim))
-        for key, chunk in zip(keys, chunks):
-            if tuple(chunk.shape) != tuple(rel.grid.chunk_shape(key)):
+    def decode(self, rows: Sequence[tuple[int, ...]], arena: ChunkArena
+               ) -> dict[Key, torch.Tensor]:
+        """The result chunks by key from the result ``rows`` (keys, then a handle)."""
+        grid = self.root.relation.grid
+        chunks = arena.get([row[-1] for row in rows])
+        out: dict[Key, torch.Tensor] = {}
+        for row, chunk in zip(rows, chunks):
+            key = tuple(row[:-1])
+            if tuple(chunk.shape) != tuple(grid.chunk_shape(key)):
                 raise ExecutionError(f"DuckDB backend: chunk {key} has shape "
                                      f"{tuple(chunk.shape)}, expected "
-                                     f"{tuple(rel.grid.chunk_shape(key))}")
-        return dict(zip(keys, chunks))
+                                     f"{tuple(grid.chunk_shape(key))}")
+            out[key] = chunk
+        return out
 
     def _register(self, con, arena: ChunkArena) -> list[str]:
         done: list[str] = []
@@ -393,10 +399,6 @@ def _page_chunks(pages: pa.Array | pa.ChunkedArray, numbers: pa.Array | pa.Chunk
     return out
 
 
-def _nbytes(chunks: Sequence[torch.Tensor]) -> int:
-    return sum(c.numel() * c.element_size() for c in chunks)
-
-
 class _Builder:
     def __init__(self, store: ChunkStore | None, plan_id: int) -> None:
         self.store = store
@@ -445,7 +447,7 @@ class _Builder:
                 def load_pages(arena, *cols):
                     shapes = [grid.chunk_shape(k) for k in _keys(cols[:ndim], len(cols[-1]))]
                     chunks = _page_chunks(cols[ndim], cols[ndim + 1], dtype, shapes)
-                    arena.count(0, _nbytes(chunks))
+                    arena.loaded(chunks)
                     return arena.put(chunks)
 
                 self.udfs.append(UDF(name, load_pages, ("INTEGER",) * ndim +
@@ -456,7 +458,7 @@ class _Builder:
             def load_chunks(arena, *cols):
                 shapes = [grid.chunk_shape(k) for k in _keys(cols[:ndim], len(cols[-1]))]
                 chunks = decode_payloads(_blobs(cols[-1]), dtype, shapes)
-                arena.count(0, _nbytes(chunks))
+                arena.loaded(chunks)
                 return arena.put(chunks)
 
             self.udfs.append(UDF(name, load_chunks, ("INTEGER",) * ndim + ("BLOB",)))

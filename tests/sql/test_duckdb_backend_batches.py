@@ -171,7 +171,11 @@ def test_each_stored_chunk_crosses_into_python_once(tile):
         chunks, _ = plan.run(db.connection, arena)
         assert arena.loaded_bytes == a.nbytes + b.nbytes
         g = 8 // tile
-        assert arena.rows >= 2 * g * g + g ** 3  # load rows, then pair rows (and any folds)
+        names = [u.name.split("_")[1] for u in plan.udfs]
+        assert names == ["load", "load", "partial", "agg"]
+        # one call per load and per batch of pairs (a batch holds up to 2,048 rows) and,
+        # where partials of one output chunk came in several batches, of the aggregate
+        assert arena.calls >= 3 and arena.rows >= 2 * g * g + g ** 3
         got = np.zeros((8, 8))
         for (i, k), chunk in chunks.items():
             got[i * tile:(i + 1) * tile, k * tile:(k + 1) * tile] = chunk.numpy()
