@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ import torch
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.algebra import AggName
-from tensorql.dtypes import torch_dtype
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.run_types import RunStats
@@ -65,7 +66,9 @@ from tensorql.physical.kernels import ContractChunk, ContractSeries, MapChunk, S
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
 from tensorql.storage.blob_codec import decode_payloads, view_bytes
+from tensorql.storage.pages import PAGE_BYTES
 from tensorql.storage.sql_text import quote_ident as q
+from tensorql.units import format_bytes
 
 if TYPE_CHECKING:
     from tensorql.storage.chunk_store import ChunkStore
@@ -114,8 +117,9 @@ class ChunkArena:
 
     Counters, which do not depend on the host's load: ``calls`` and ``rows`` of the Arrow
     functions (counted by the registered wrappers), ``loaded_bytes``, the chunk bytes that
-    crossed from DuckDB into Python (each stored chunk a scan reads, once), and ``made``, the
-    chunks registered.
+    crossed from DuckDB into Python (each stored chunk a scan reads, once), ``made``, the
+    chunks registered, and ``assembled``, those of them copied together from pieces of their
+    pages (the others a scan loads are views of DuckDB's Arrow buffers).
 
     >>> arena = ChunkArena()
     >>> handles = arena.put([torch.ones(2), None, torch.zeros(3)])
@@ -133,6 +137,10 @@ class ChunkArena:
         self.rows = 0
         self.loaded_bytes = 0
         self.made = 0
+        self.assembled = 0
+        # chunks whose pages came in pieces (a chunk cut by a batch boundary or out of order)
+        self._assembling: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._missing: dict[int, int] = {}  # handle -> bytes not yet copied in
 
     def count(self, rows: int) -> None:
         """One Arrow function call over ``rows`` rows."""
@@ -140,9 +148,8 @@ class ChunkArena:
             self.calls += 1
             self.rows += rows
 
-    def loaded(self, chunks: Sequence[torch.Tensor]) -> None:
-        """``chunks`` were loaded from DuckDB's bytes (counted in ``loaded_bytes``)."""
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+    def loaded(self, nbytes: int) -> None:
+        """``nbytes`` chunk bytes were loaded from DuckDB (counted in ``loaded_bytes``)."""
         with self._lock:
             self.loaded_bytes += nbytes
 
@@ -163,11 +170,48 @@ class ChunkArena:
     def get(self, column: pa.Array | pa.ChunkedArray | Sequence[int]) -> list[torch.Tensor]:
         """The chunks of the handles in ``column`` (no NULLs), in order."""
         handles = column if isinstance(column, list) else _ints(column).tolist()
+        if self._missing:
+            self._check_complete(handles)
         try:
             return [self._chunks[h] for h in handles]
         except KeyError as err:
             raise ExecutionError(f"DuckDB backend: no chunk with handle {err.args[0]} in this "
                                  f"run (a handle of another run?)") from None
+
+    def assemble(self, where: tuple, shape: tuple[int, ...], dtype: str, at: int,
+                 raw: np.ndarray) -> int:
+        """Copy ``raw`` (bytes of a chunk from byte ``at`` on) into the chunk ``where`` (a
+        scan and a key) assembled from pieces, made on its first piece; its handle. The
+        chunk is readable (:meth:`get`) once every byte has come."""
+        with self._lock:
+            got = self._assembling.get(where)
+            if got is None:
+                chunk = torch.empty(shape, dtype=torch_dtype(dtype))
+                handle = next(self._next)
+                self._chunks[handle] = chunk
+                got = self._assembling[where] = (handle, chunk)
+                self._missing[handle] = chunk.numel() * chunk.element_size()
+                self.made += 1
+                self.assembled += 1
+            handle, chunk = got
+            self._missing[handle] -= raw.size
+        flat = _flat_bytes(chunk)
+        if at < 0 or at + raw.size > flat.size:
+            raise ExecutionError(f"DuckDB backend: page bytes {at}..{at + raw.size} outside "
+                                 f"chunk {where[1]} of {flat.size} bytes")
+        flat[at:at + raw.size] = raw
+        return handle
+
+    def _check_complete(self, handles: Sequence[int]) -> None:
+        with self._lock:
+            for handle in handles:
+                left = self._missing.get(handle)
+                if left is None:
+                    continue
+                if left != 0:
+                    raise ExecutionError(f"DuckDB backend: chunk of handle {handle} read with "
+                                         f"{format_bytes(left)} of its pages missing")
+                del self._missing[handle]
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -369,34 +413,63 @@ def _binary(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
                      else np.zeros(0, np.uint8))
 
 
-def _page_chunks(pages: pa.Array | pa.ChunkedArray, numbers: pa.Array | pa.ChunkedArray,
-                 dtype: str, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """The chunks whose stored pages are ``pages`` (a list of BLOBs per row) with their page
-    numbers ``numbers`` (an aggregate's order is DuckDB's choice): a view of the Arrow buffer
-    when a chunk's pages come in order -- they lie back to back in the list's child -- else
-    the pages joined in order (one copy).
+def _flat_bytes(chunk: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a flat, writable uint8 array (a view)."""
+    return chunk.view(-1).view(torch.uint8).numpy()
 
-    >>> blobs = pa.array([[b"\\x01\\x00", b"\\x02\\x00"], [b"\\x04\\x00", b"\\x03\\x00"]])
-    >>> [c.tolist() for c in _page_chunks(blobs, pa.array([[0, 1], [1, 0]]), "int16",
-    ...                                   [(2,), (2,)])]
-    [[1, 2], [3, 4]]
+
+def _page_loader(name: str, grid, dtype: str) -> Callable[..., pa.Array]:
+    """The load function of a stored tensor's scan: rows ``k.., page, payload``, one per
+    stored page (``PAGE_BYTES`` each, the last of a chunk shorter), a chunk's handle back on
+    each of its pages. Pages of one chunk that come in order in one batch lie back to back in
+    the Arrow buffer: when they are the whole chunk (the usual case), the chunk is a view of
+    that buffer; pages of a chunk cut by a batch boundary, or out of order, are copied into
+    a chunk assembled in the arena (:meth:`ChunkArena.assemble`).
+
+    >>> import tensorql.grid as g
+    >>> load = _page_loader("t", g.ChunkGrid((2, 2), (1, 2)), "int16")
+    >>> arena = ChunkArena()
+    >>> pages = pa.array([b"\\x01\\x00\\x02\\x00", b"\\x03\\x00\\x04\\x00"])
+    >>> cols = [pa.array([0, 1], pa.int32()), pa.array([0, 0], pa.int32()),
+    ...         pa.array([0, 0], pa.int32()), pages]
+    >>> [c.tolist() for c in arena.get(load(arena, *cols))]
+    [[[1, 2]], [[3, 4]]]
     """
-    pages, numbers = _blobs(pages), _blobs(numbers)
-    starts = np.asarray(pages.offsets)
-    page_at, data = _binary(pages.values)
-    number_starts = np.asarray(numbers.offsets)
-    number_values = numbers.values.to_numpy(zero_copy_only=False)
-    out = []
-    for r, shape in enumerate(shapes):
-        lo, hi = int(starts[r]), int(starts[r + 1])
-        nums = number_values[number_starts[r]:number_starts[r + 1]]
-        if np.array_equal(nums, np.arange(hi - lo)):
-            raw = data[page_at[lo]:page_at[hi]]
-        else:
-            raw = np.concatenate([data[page_at[lo + i]:page_at[lo + i + 1]]
-                                  for i in np.argsort(nums, kind="stable")])
-        out.append(view_bytes(raw, dtype, shape))
-    return out
+    ndim = grid.ndim
+    size = itemsize(dtype)
+
+    def load(arena: ChunkArena, *cols) -> pa.Array:
+        n_rows = len(cols[-1])
+        keys = _keys(cols[:ndim], n_rows)
+        page = _ints(cols[ndim])
+        offsets, data = _binary(_blobs(cols[ndim + 1]))
+        # runs of rows: one chunk's pages in order
+        cut = np.ones(n_rows, dtype=bool)
+        if n_rows > 1:
+            cut[1:] = page[1:] != page[:-1] + 1
+            for d in range(ndim):
+                k = _ints(cols[d])
+                cut[1:] |= k[1:] != k[:-1]
+        starts = np.flatnonzero(cut).tolist()
+        out = np.empty(n_rows, dtype=np.int64)
+        loaded = 0
+        for lo, hi in zip(starts, starts[1:] + [n_rows]):
+            key = keys[lo]
+            shape = grid.chunk_shape(key)
+            nbytes = math.prod(shape) * size
+            a, b = int(offsets[lo]), int(offsets[hi])
+            raw = data[a:b]
+            first = int(page[lo])
+            if first == 0 and b - a == nbytes:  # the whole chunk in order: a view
+                handle = arena.put([view_bytes(raw, dtype, shape)])[0].as_py()
+            else:
+                handle = arena.assemble((name, key), shape, dtype, first * PAGE_BYTES, raw)
+            out[lo:hi] = handle
+            loaded += b - a
+        arena.loaded(loaded)
+        return pa.array(out)
+
+    return load
 
 
 class _Builder:
@@ -442,23 +515,19 @@ class _Builder:
             pages = getattr(self.store, "chunk_pages_sql", None)
             pages = pages(node.source) if pages is not None else None
             name = self._name("load")
-            if pages is not None:  # each chunk as the list of its stored pages, loaded once
-
-                def load_pages(arena, *cols):
-                    shapes = [grid.chunk_shape(k) for k in _keys(cols[:ndim], len(cols[-1]))]
-                    chunks = _page_chunks(cols[ndim], cols[ndim + 1], dtype, shapes)
-                    arena.loaded(chunks)
-                    return arena.put(chunks)
-
-                self.udfs.append(UDF(name, load_pages, ("INTEGER",) * ndim +
-                                     ("BLOB[]", "INTEGER[]")))
-                return (f"SELECT {keys}{q(name)}({keys}list(\"payload\"), list(\"page\")) AS "
-                        f"\"chunk\" FROM {pages}{group}", f"Scan {node.source} (chunk pages)")
+            if pages is not None:  # each chunk's stored pages, loaded once
+                self.udfs.append(UDF(name, _page_loader(name, grid, dtype),
+                                     ("INTEGER",) * ndim + ("INTEGER", "BLOB")))
+                # the GROUP BY is a pipeline breaker: every page has been loaded before a
+                # chunk's handle (the same on all its pages) goes on
+                return (f"SELECT {keys}min(\"chunk\") AS \"chunk\" FROM (SELECT {keys}"
+                        f"{q(name)}({keys}\"page\", \"payload\") AS \"chunk\" FROM {pages})"
+                        f"{group}", f"Scan {node.source} (chunk pages)")
 
             def load_chunks(arena, *cols):
                 shapes = [grid.chunk_shape(k) for k in _keys(cols[:ndim], len(cols[-1]))]
                 chunks = decode_payloads(_blobs(cols[-1]), dtype, shapes)
-                arena.loaded(chunks)
+                arena.loaded(sum(c.numel() * c.element_size() for c in chunks))
                 return arena.put(chunks)
 
             self.udfs.append(UDF(name, load_chunks, ("INTEGER",) * ndim + ("BLOB",)))

@@ -224,3 +224,55 @@ def test_a_handle_of_another_run_is_an_execution_error():
     arena.put([torch.ones(1)])
     with pytest.raises(tq.ExecutionError, match="no chunk with handle 7"):
         arena.get(pa.array([7], pa.int64()))
+
+
+def test_page_loader_assembles_chunks_cut_by_batches_or_out_of_order():
+    """A chunk whose pages come in pieces (a batch boundary, pages out of order) is copied
+    together in the arena under one handle, and is not readable before its last page; a
+    chunk whose pages come whole and in order is a view of the batch's Arrow buffer."""
+    from tensorql.grid import ChunkGrid
+    from tensorql.storage.pages import PAGE_BYTES
+
+    per_page = PAGE_BYTES // 8
+    grid = ChunkGrid((2, 3 * per_page), (1, 3 * per_page))  # chunks of 3 pages
+    values = np.arange(2 * 3 * per_page, dtype=np.float64).reshape(2, -1)
+    pages = [[values[r, p * per_page:(p + 1) * per_page].tobytes() for p in range(3)]
+             for r in range(2)]
+
+    def batch(rows):  # (chunk row, page)
+        return [pa.array([r for r, _ in rows], pa.int32()), pa.array([0] * len(rows), pa.int32()),
+                pa.array([p for _, p in rows], pa.int32()),
+                pa.array([pages[r][p] for r, p in rows], pa.binary())]
+
+    load = duckdb_sql._page_loader("t", grid, "float64")
+    arena = ChunkArena()
+    cols = batch([(0, 2), (0, 0), (1, 0), (1, 1), (1, 2)])
+    first = load(arena, *cols).to_pylist()
+    assert first[0] == first[1] and len(set(first)) == 2  # one handle a chunk
+    (whole,) = arena.get([first[2]])
+    np.testing.assert_array_equal(whole.numpy()[0], values[1])
+    data = cols[-1].buffers()[2]  # a view of the batch's Arrow buffer, not a copy
+    assert data.address <= whole.data_ptr() < data.address + data.size
+    with pytest.raises(tq.ExecutionError, match="missing"):
+        arena.get([first[0]])  # page 1 of chunk 0 has not come
+    second = load(arena, *batch([(0, 1)])).to_pylist()
+    assert second == first[:1]
+    np.testing.assert_array_equal(arena.get([first[0]])[0].numpy()[0], values[0])
+    assert arena.loaded_bytes == values.nbytes
+
+
+def test_tiles_cut_by_a_batch_boundary_match_numpy():
+    """Tiles of six 4 KiB pages: 2,400 page rows, so DuckDB's 2,048-row batches cut a tile."""
+    rng = np.random.default_rng(13)
+    a, b = rng.standard_normal((960, 1280)), rng.standard_normal((1280, 96))
+    with tq.connect(backend="duckdb") as db:
+        db.connection.execute("SET threads = 2")
+        A, B = db.from_numpy("A", a, tile=(48, 64)), db.from_numpy("B", b, tile=(64, 96))
+        expr = tq.einsum("ij,jk->ik", A * 2.0, B)
+        db.chunk_store.sync_views()
+        plan = SQLPlan.build(expr.compile().logical, db.chunk_store)
+        arena = plan.arena()
+        chunks, _ = plan.run(db.connection, arena)
+        assert arena.loaded_bytes == a.nbytes + b.nbytes
+        assert 1 <= arena.assembled < 400  # the tiles cut by a boundary, the rest are views
+        np.testing.assert_allclose(expr.numpy(), 2 * a @ b, rtol=1e-10, atol=1e-10)
