@@ -12,7 +12,7 @@
     first product's rows back into lists with ``list(val ORDER BY k)``).
 
 The floor of (b) (issue 31), for the matmul at each tile: (e) DuckDB reading the same stored
-tiles as (b) reads them (each chunk's pages, handed to an Arrow function once, which views them
+tiles as (b) reads them (each chunk's pages, handed to (b)'s page loader once, which views them
 and returns a handle), joining the handles on the contracted key and handing every pair's
 handles to an Arrow function that computes nothing, plus (k) the same tile products called
 directly in torch (``mm`` then ``addmm_`` per output tile, tiles already in memory). (b) cannot
@@ -50,7 +50,8 @@ import torch
 from harness import Record, add_arguments, measure
 
 import tensorql as tq
-from tensorql.backend.duckdb_sql import SQLPlan, _page_chunks, run_compiled
+from tensorql.backend.duckdb_sql import ChunkArena, SQLPlan, _page_loader, run_compiled
+from tensorql.grid import ChunkGrid
 
 
 def coo_tables(db, names, suffix: str = "") -> None:
@@ -107,19 +108,18 @@ def _page_scan(store, name: str) -> str:
 
 
 def floor_join(db, left: str, right: str, tile: int):
-    """(e): the stored ``tile``-square tiles of ``left`` and ``right`` read as their pages, each
-    handed to an Arrow function once (``tq_floor_load_<tile>``: a view, a handle back), the handles
-    joined on the contracted key in DuckDB and each pair's handles handed to an Arrow function
-    that looks the tiles up and returns 0."""
+    """(e): the stored ``tile``-square tiles of ``left`` and ``right`` loaded as (b) loads them
+    (``tq_floor_load_<tile>``: (b)'s own page loader, a view of each tile's pages and a handle
+    back), the handles joined on the contracted key in DuckDB and each pair's handles handed to
+    an Arrow function that looks the tiles up and returns 0."""
     store, con = db.chunk_store, db.connection
     store.sync_views()
-    scans = [f"SELECT k0, k1, tq_floor_load_{tile}(k0, k1, list(payload), list(page)) AS h FROM "
-             f"{store.chunk_pages_sql(name)} GROUP BY k0, k1" for name in (left, right)]
-    try:
-        return con.sql(f"WITH x AS ({scans[0]}), y AS ({scans[1]}) SELECT sum(tq_floor(x.h, "
-                       f"y.h)) FROM x JOIN y ON x.k1 = y.k0").fetchall()
-    finally:
-        FLOOR_ARENA.clear()
+    FLOOR["arena"] = ChunkArena()
+    scans = [f"SELECT k0, k1, min(h) AS h FROM (SELECT k0, k1, tq_floor_load_{tile}(k0, k1, "
+             f"page, payload) AS h FROM {store.chunk_pages_sql(name)}) GROUP BY k0, k1"
+             for name in (left, right)]
+    return con.sql(f"WITH x AS ({scans[0]}), y AS ({scans[1]}) SELECT sum(tq_floor(x.h, "
+                   f"y.h)) FROM x JOIN y ON x.k1 = y.k0").fetchall()
 
 
 def floor_pair_bytes(db, left: str, right: str):
@@ -133,24 +133,23 @@ def floor_pair_bytes(db, left: str, right: str):
                    ).fetchall()
 
 
-FLOOR_ARENA: dict[int, torch.Tensor] = {}
+FLOOR: dict[str, ChunkArena] = {"arena": ChunkArena()}
 
 
 def floor_load(tile: int):
-    """The load of (e): each row's pages viewed as a tile (as (b)'s scans do), a handle back."""
-    def load(k0, k1, pages, numbers):
-        chunks = _page_chunks(pages, numbers, "float32", [(tile, tile)] * len(k0))
-        handles = np.arange(len(FLOOR_ARENA), len(FLOOR_ARENA) + len(chunks), dtype=np.int64)
-        FLOOR_ARENA.update(zip(handles.tolist(), chunks))
-        return pa.array(handles)
+    """The load of (e): (b)'s page loader for ``tile``-square fp32 tiles, into ``FLOOR``."""
+    load = _page_loader("floor", ChunkGrid((1 << 20, 1 << 20), (tile, tile)), "float32")
 
-    return load
+    def call(k0, k1, page, payload):
+        return load(FLOOR["arena"], k0, k1, page, payload)
+
+    return call
 
 
 def floor_pairs(left, right):
     """Each pair's tiles looked up; nothing is computed."""
-    for a, b in zip(left.to_pylist(), right.to_pylist()):
-        FLOOR_ARENA[a], FLOOR_ARENA[b]
+    FLOOR["arena"].get(left)
+    FLOOR["arena"].get(right)
     return pa.array(np.zeros(len(left), np.int64))
 
 
@@ -248,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             count_rows.append([label, size, tile, *counts(db, compiled, len(names) == 2)])
             if len(names) == 2:
                 db.connection.create_function(
-                    f"tq_floor_load_{tile}", floor_load(tile), ["INTEGER"] * 2 +
-                    ["BLOB[]", "INTEGER[]"], "BIGINT", type="arrow", side_effects=False)
+                    f"tq_floor_load_{tile}", floor_load(tile), ["INTEGER"] * 3 + ["BLOB"],
+                    "BIGINT", type="arrow", side_effects=False)
                 fns[f"(e) join floor {tile}"] = lambda t=tile, x=names: floor_join(
                     db, f"{x[0]}_t{t}", f"{x[1]}_t{t}", t)
                 fns[f"(e0) pair bytes {tile}"] = lambda t=tile, x=names: floor_pair_bytes(
@@ -288,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     record.table("floor", ["workload", "size", "tile", "(e) DuckDB join of tile handles s",
                            "(e0) pairs' bytes s", "(k) kernels directly s", "floor (e)+(k) s",
                            "(b) s", "(c) s", "(b)/floor", "floor/(c)"], floor_rows,
-                 note="(e): the same stored tiles read as (b) reads them (each chunk's pages, "
-                 "handed to an Arrow function once, a handle back), the handles joined on the "
+                 note="(e): the same stored tiles read as (b) reads them (each tile's page rows "
+                 "handed once to (b)'s page loader, a handle back), the handles joined on the "
                  "contracted key in DuckDB and every pair's handles handed to an Arrow function "
                  "computing nothing; (e0): the hand-over before, every pair's bytes through the "
                  "join; (k): the same tile products in torch, tiles in memory. (b) pays (e) and "
@@ -297,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     record.table("counts", ["workload", "size", "tile", "Arrow function calls", "rows",
                             "MiB from DuckDB into Python", "MiB of pairs' bytes (e0)"],
                  count_rows, note="Per query of (b), counted by its chunk arena (independent "
-                 "of the host's load): every stored tile crosses once; (e0) would hand each "
+                 "of the host's load; rows: the loads' page rows, then the pairs' and any "
+                 "folds' rows): every stored tile crosses once; (e0) would hand each "
                  "tile over once per pair it is in (2·g·S for a g×g grid of an S-byte operand).")
     from tables import render_table
 
