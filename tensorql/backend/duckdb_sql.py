@@ -194,12 +194,13 @@ class ChunkArena:
                 self.made += 1
                 self.assembled += 1
             handle, chunk = got
-            self._missing[handle] -= raw.size
         flat = _flat_bytes(chunk)
         if at < 0 or at + raw.size > flat.size:
             raise ExecutionError(f"DuckDB backend: page bytes {at}..{at + raw.size} outside "
                                  f"chunk {where[1]} of {flat.size} bytes")
-        flat[at:at + raw.size] = raw
+        flat[at:at + raw.size] = raw  # pieces of one chunk are disjoint: no lock needed
+        with self._lock:
+            self._missing[handle] -= raw.size
         return handle
 
     def _check_complete(self, handles: Sequence[int]) -> None:
