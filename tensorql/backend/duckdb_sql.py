@@ -49,8 +49,9 @@ from tensorql.algebra import AggName
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
+from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
-from tensorql.grid import Key, regrid_pieces
+from tensorql.grid import ChunkGrid, Key, regrid_pieces
 from tensorql.logical.plan import (
     Aggregate,
     Join,
@@ -129,8 +130,13 @@ class ChunkArena:
     [[0.0, 0.0, 0.0], [1.0, 1.0]]
     """
 
-    def __init__(self, preset: Mapping[int, torch.Tensor] | None = None) -> None:
+    def __init__(self, preset: Mapping[int, torch.Tensor] | None = None,
+                 result: tuple[ChunkGrid, torch.Tensor] | None = None) -> None:
         self._chunks: dict[int, torch.Tensor] = dict(preset or {})
+        #: the run's dense result and its grid, when one was asked for: the root step's
+        #: partials are written straight into it (:meth:`result_view`)
+        self.result = result
+        self._claimed: set[Key] = set()
         self._next = itertools.count(1)
         self._lock = threading.Lock()  # DuckDB may call the functions from several threads
         self.calls = 0
@@ -177,6 +183,19 @@ class ChunkArena:
         except KeyError as err:
             raise ExecutionError(f"DuckDB backend: no chunk with handle {err.args[0]} in this "
                                  f"run (a handle of another run?)") from None
+
+    def result_view(self, key: Key) -> torch.Tensor | None:
+        """The view of chunk ``key`` of the dense result, for the first caller asking for it
+        (a partial of the root step: another partial of the same chunk, from another batch,
+        gets None and writes a tensor of its own, folded later); None without a result."""
+        if self.result is None:
+            return None
+        with self._lock:
+            if key in self._claimed:
+                return None
+            self._claimed.add(key)
+        grid, dense = self.result
+        return dense[grid.slices(key)]
 
     def assemble(self, where: tuple, shape: tuple[int, ...], dtype: str, at: int,
                  raw: np.ndarray) -> int:
@@ -251,6 +270,7 @@ class SQLPlan:
     @classmethod
     def build(cls, root: LogicalNode, store: ChunkStore | None) -> SQLPlan:
         builder = _Builder(store, next(_IDS))
+        builder.root = id(root)
         names: dict[int, str] = {}
         ctes = []
         fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)}
@@ -279,9 +299,28 @@ class SQLPlan:
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants)
 
-    def arena(self) -> ChunkArena:
-        """A fresh arena for one run (the constant chunks preset)."""
-        return ChunkArena(self.constants)
+    def arena(self, dense: bool = False) -> ChunkArena:
+        """A fresh arena for one run (the constant chunks preset); with ``dense``, a dense
+        result the root step's kernels write into (read it with :meth:`dense_result`)."""
+        if not dense:
+            return ChunkArena(self.constants)
+        rel = self.root.relation
+        return ChunkArena(self.constants,
+                          (rel.grid, empty_result(rel.grid.shape, torch_dtype(rel.dtype))))
+
+    def dense_result(self, chunks: Mapping[Key, torch.Tensor], arena: ChunkArena
+                     ) -> torch.Tensor:
+        """The run's dense result: ``arena``'s, with every chunk a kernel did not write in
+        place copied in (or assembled anew when the arena has none)."""
+        if arena.result is None:
+            rel = self.root.relation
+            return assemble(rel.grid, rel.dtype, dict(chunks))
+        grid, dense = arena.result
+        for key, chunk in chunks.items():
+            view = dense[grid.slices(key)]
+            if chunk.data_ptr() != view.data_ptr() or chunk.stride() != view.stride():
+                view.copy_(chunk)
+        return dense
 
     def run(self, con: duckdb.DuckDBPyConnection, arena: ChunkArena | None = None
             ) -> tuple[dict[Key, torch.Tensor], float]:
@@ -480,6 +519,7 @@ class _Builder:
         self.udfs: list[UDF] = []
         self.tables: dict[str, pa.Table] = {}
         self.constants: dict[int, torch.Tensor] = {}  # fixed (negative) handles
+        self.root = 0  # id of the plan's root node (its partials may write a dense result)
 
     def _name(self, kind: str) -> str:
         return f"tq_{kind}_{self.plan_id}_{len(self.udfs) + len(self.tables)}"
@@ -676,7 +716,8 @@ class _Builder:
         if aggregate is None:
             self.udfs.append(UDF(join_fn, run_join, params))
         else:
-            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows),
+            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows,
+                                                           id(aggregate) == self.root),
                                  params, null_handling="special"))
         sources = [f"{q(names[id(src)])} AS x{s}" for s, src in enumerate(join.sources)]
         from_sql = sources[0]
@@ -734,14 +775,16 @@ class _Builder:
 
     @staticmethod
     def _partial_fn(join: Join, aggregate: Aggregate, kernel: ContractChunk,
-                    decode_rows: Callable) -> Callable[..., pa.Array]:
+                    decode_rows: Callable, root: bool) -> Callable[..., pa.Array]:
         """The join's Arrow function when an Aggregate follows: a partial aggregate per batch.
 
         The rows of one batch that feed the same output chunk are folded in one call of the
         native executor's series kernel (:class:`ContractSeries`: the products accumulate
         into one tensor, in the order of the aggregated keys); that sum's handle is returned
         at the group's first row and NULL at its others, so one partial per output chunk and
-        batch goes back to DuckDB instead of one per product.
+        batch goes back to DuckDB instead of one per product. At the plan's ``root``, a
+        run that asked for a dense result has the first partial of each chunk written straight
+        into it (:meth:`ChunkArena.result_view`).
         """
         where: dict[str, tuple[int, int]] = {}  # label -> (source, dim) first carrying it
         for s, labels in enumerate(join.input_labels):
@@ -763,7 +806,9 @@ class _Builder:
             for key, members in groups.items():
                 members.sort()
                 # the first product into a tensor of its own (never into an input's memory)
-                into = torch.empty(out_grid.chunk_shape(key), dtype=out_dtype)
+                into = arena.result_view(key) if root else None
+                if into is None:
+                    into = torch.empty(out_grid.chunk_shape(key), dtype=out_dtype)
                 out[members[0][1]] = series.run_into(
                     [d[r] for _, r in members for d in decoded], into)
             return arena.put(out)
@@ -784,16 +829,19 @@ def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
 
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
-    """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
+    """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
+    (``dense``: the dense result made during the run, the root's sums written into it)."""
     con = _connection(compiled, con)  # first: the plan reads the views' current tables
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    chunks, wall = plan.run(con)
+    arena = plan.arena(dense=dense)
+    chunks, wall = plan.run(con, arena)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:
         raise ExecutionError(f"DuckDB backend returned no chunk for keys {missing[:3]}")
     stats = RunStats(wall_s=wall, workers=1, tasks=len(chunks))
-    return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats)
+    assembled = plan.dense_result(chunks, arena) if dense else None
+    return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats, assembled=assembled)
 
 
 def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,

@@ -276,3 +276,31 @@ def test_tiles_cut_by_a_batch_boundary_match_numpy():
         assert arena.loaded_bytes == a.nbytes + b.nbytes
         assert 1 <= arena.assembled < 400  # the tiles cut by a boundary, the rest are views
         np.testing.assert_allclose(expr.numpy(), 2 * a @ b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_result_written_in_place_and_folded_partials_copied_in(threads):
+    """With a dense result asked for, the root's first partial of each chunk is written into
+    it; partials folded later (2,500 pairs a chunk: several batches) and roots that are not
+    an aggregate are copied in; the result is numpy's either way."""
+    from tensorql.backend.duckdb_sql import run_compiled
+
+    rng = np.random.default_rng(17)
+    with tq.connect(backend="duckdb") as db:
+        db.connection.execute(f"SET threads = {threads}")
+        a, b = rng.standard_normal((6, 8)), rng.standard_normal((8, 4))
+        A, B = db.from_numpy("A", a, tile=(3, 4)), db.from_numpy("B", b, tile=(4, 2))
+        result = run_compiled((A @ B).compile(), dense=True)
+        dense = result.dense()
+        np.testing.assert_allclose(dense.numpy(), a @ b, rtol=1e-12, atol=1e-12)
+        for (i, k), chunk in result.chunks.items():  # every chunk a view of the result
+            assert chunk.data_ptr() == dense[3 * i:3 * i + 3, 2 * k:2 * k + 2].data_ptr()
+        scaled = run_compiled(((A @ B) * 2.0).compile(), dense=True).dense()
+        np.testing.assert_allclose(scaled.numpy(), 2 * a @ b, rtol=1e-12, atol=1e-12)
+        long_a, long_b = rng.standard_normal((2, 2500)), rng.standard_normal((2500, 3))
+        LA, LB = db.from_numpy("LA", long_a, tile=(1, 1)), db.from_numpy("LB", long_b, tile=(1, 1))
+        for join, agg, expected in (("mul", "sum", long_a @ long_b),
+                                    ("add", "max", (long_a[:, :, None] + long_b[None]).max(1))):
+            got = run_compiled(tq.einsum("ij,jk->ik", LA, LB, join=join, agg=agg).compile(),
+                               dense=True).dense()
+            np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
