@@ -8,8 +8,8 @@ the native executor. A stored chunk's bytes cross from DuckDB into Python once, 
 (``tq_load``: the chunk's stored pages, viewed in place), however many pairs it joins into;
 chunks a kernel computes stay torch tensors and never go back into DuckDB as bytes:
 
-- ``Scan``: the stored pages of each chunk, ``list(payload)`` grouped by chunk key and loaded
-  once (or a registered Arrow table of handles of constant chunks);
+- ``Scan``: the stored page rows of each chunk handed to a load function, one handle a chunk
+  after a GROUP BY on its key (or a registered Arrow table of handles of constant chunks);
 - ``Join`` (+ ``Aggregate``): ``FROM x0 JOIN x1 ON x0.k1 = x1.k0`` with a partial aggregate
   kernel over the matching pairs' handles, then ``GROUP BY`` the output keys gathering the
   partials' handles -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
@@ -112,7 +112,8 @@ class ChunkArena:
     A kernel's Arrow function resolves the handles of its rows (:meth:`get`) and registers
     the chunks it makes (:meth:`put`); only handles go through DuckDB's joins, list
     aggregates and GROUP BYs, never a chunk's bytes. A chunk a scan loads is a view of the
-    Arrow buffer DuckDB handed its pages in (kept alive by the view); every chunk lives until
+    Arrow buffer DuckDB handed its pages in (kept alive by the view) when they came whole and
+    in order in one batch, else copied together (:meth:`assemble`); every chunk lives until
     the run ends (the arena is dropped). Handles of the plan's constant chunks are fixed and
     negative (``preset``); the run's own count up from 1.
 
@@ -170,7 +171,7 @@ class ChunkArena:
             self._chunks[handle] = tensor
             out.append(handle)
         with self._lock:
-            self.made += len(out)
+            self.made += sum(h is not None for h in out)
         return pa.array(out, pa.int64())
 
     def get(self, column: pa.Array | pa.ChunkedArray | Sequence[int]) -> list[torch.Tensor]:
