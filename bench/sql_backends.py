@@ -11,11 +11,15 @@
     and DuckDB's own ``list_dot_product`` over their cross product (a chain aggregates the
     first product's rows back into lists with ``list(val ORDER BY k)``).
 
-The floor of (b) (issue 31), for the matmul at each tile: (e) DuckDB joining the same stored
-tiles (read as (b) reads them, a chunk's pages) and handing every pair's bytes to an Arrow
-function that computes nothing, plus (k) the same tile products called directly in torch
-(``mm`` then ``addmm_`` per output tile, tiles already in memory). (b) cannot beat (e) + (k)
-while it pairs tiles in DuckDB and runs kernels in Python; the floor table prints both.
+The floor of (b) (issue 31), for the matmul at each tile: (e) DuckDB reading the same stored
+tiles as (b) reads them (each chunk's pages, handed to (b)'s page loader once, which views them
+and returns a handle), joining the handles on the contracted key and handing every pair's
+handles to an Arrow function that computes nothing, plus (k) the same tile products called
+directly in torch (``mm`` then ``addmm_`` per output tile, tiles already in memory). (b) cannot
+beat (e) + (k) while it pairs tiles in DuckDB and runs kernels in Python; the floor table prints
+both, and (e0), the hand-over (b) used before: every pair's bytes through the join into the
+Arrow function. The counts table gives (b)'s Arrow function calls and rows and the chunk
+bytes that crossed from DuckDB into Python per query, which do not depend on the host's load.
 
 Usage: ``python bench/sql_backends.py [--n 1024] [--chain-n 1024] [--tiles 512,256]
 [--repeat 7]``
@@ -37,6 +41,7 @@ chunks) and is checked against torch; exits 1 on a wrong result, or on a missed 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import numpy as np
@@ -45,7 +50,8 @@ import torch
 from harness import Record, add_arguments, measure
 
 import tensorql as tq
-from tensorql.backend.duckdb_sql import run_compiled
+from tensorql.backend.duckdb_sql import ChunkArena, SQLPlan, _page_loader, run_compiled
+from tensorql.grid import ChunkGrid
 
 
 def coo_tables(db, names, suffix: str = "") -> None:
@@ -96,15 +102,55 @@ def list_chain(db):
     ).to_arrow_table()
 
 
-def floor_join(db, left: str, right: str):
-    """(e): the stored tiles of ``left`` and ``right`` read as their pages and joined on the
-    contracted key in DuckDB, each pair's bytes handed to an Arrow function that returns 0."""
+def _page_scan(store, name: str) -> str:
+    return (f"SELECT k0, k1, list(payload) AS payload, list(page) AS page FROM "
+            f"{store.chunk_pages_sql(name)} GROUP BY k0, k1")
+
+
+def floor_join(db, left: str, right: str, tile: int):
+    """(e): the stored ``tile``-square tiles of ``left`` and ``right`` loaded as (b) loads them
+    (``tq_floor_load_<tile>``: (b)'s own page loader, a view of each tile's pages and a handle
+    back), the handles joined on the contracted key in DuckDB and each pair's handles handed to
+    an Arrow function that looks the tiles up and returns 0."""
     store, con = db.chunk_store, db.connection
     store.sync_views()
-    scans = [f"SELECT k0, k1, list(payload) AS payload, list(page) AS page FROM "
-             f"{store.chunk_pages_sql(name)} GROUP BY k0, k1" for name in (left, right)]
-    return con.sql(f"WITH x AS ({scans[0]}), y AS ({scans[1]}) SELECT sum(tq_floor(x.payload, "
-                   f"x.page, y.payload, y.page)) FROM x JOIN y ON x.k1 = y.k0").fetchall()
+    FLOOR["arena"] = ChunkArena()
+    scans = [f"SELECT k0, k1, min(h) AS h FROM (SELECT k0, k1, tq_floor_load_{tile}(k0, k1, "
+             f"page, payload) AS h FROM {store.chunk_pages_sql(name)}) GROUP BY k0, k1"
+             for name in (left, right)]
+    return con.sql(f"WITH x AS ({scans[0]}), y AS ({scans[1]}) SELECT sum(tq_floor(x.h, "
+                   f"y.h)) FROM x JOIN y ON x.k1 = y.k0").fetchall()
+
+
+def floor_pair_bytes(db, left: str, right: str):
+    """(e0): the hand-over (b) used before: each pair's bytes (both tiles' pages) through the
+    join into an Arrow function that returns 0."""
+    store, con = db.chunk_store, db.connection
+    store.sync_views()
+    scans = [_page_scan(store, name) for name in (left, right)]
+    return con.sql(f"WITH x AS ({scans[0]}), y AS ({scans[1]}) SELECT sum(tq_floor_bytes("
+                   f"x.payload, x.page, y.payload, y.page)) FROM x JOIN y ON x.k1 = y.k0"
+                   ).fetchall()
+
+
+FLOOR: dict[str, ChunkArena] = {"arena": ChunkArena()}
+
+
+def floor_load(tile: int):
+    """The load of (e): (b)'s page loader for ``tile``-square fp32 tiles, into ``FLOOR``."""
+    load = _page_loader("floor", ChunkGrid((1 << 20, 1 << 20), (tile, tile)), "float32")
+
+    def call(k0, k1, page, payload):
+        return load(FLOOR["arena"], k0, k1, page, payload)
+
+    return call
+
+
+def floor_pairs(left, right):
+    """Each pair's tiles looked up; nothing is computed."""
+    FLOOR["arena"].get(left)
+    FLOOR["arena"].get(right)
+    return pa.array(np.zeros(len(left), np.int64))
 
 
 def floor_udf(pages0, numbers0, pages1, numbers1):
@@ -128,6 +174,21 @@ def floor_kernels(a: torch.Tensor, b: torch.Tensor, tile: int):
                     acc.addmm_(at[i][j], bt[j][k])
 
     return run
+
+
+def counts(db, compiled, matmul: bool) -> list:
+    """(b)'s Arrow function calls, rows and MiB loaded from DuckDB in one query, and for a
+    matmul the MiB the pair hand-over (e0) moves for the same join (each pair's two tiles)."""
+    db.chunk_store.sync_views()
+    plan = SQLPlan.build(compiled.logical, db.chunk_store)
+    arena = plan.arena()
+    plan.run(db.connection, arena)
+    pair_mib = float("nan")
+    if matmul:  # ij,jk->ik: tile (i, j) of A meets tile (j, k) of B
+        a, b = (s.relation.grid for s in compiled.logical.input.sources)
+        pair_mib = 4 * sum(math.prod(a.chunk_shape(ka)) + math.prod(b.chunk_shape(kb))  # fp32
+                           for ka in a.keys() for kb in b.keys() if ka[1] == kb[0]) / 2**20
+    return [arena.calls, arena.rows, arena.loaded_bytes / 2**20, pair_mib]
 
 
 def dense_of(table, n: int) -> np.ndarray:
@@ -166,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         ("3-matrix chain fp32", f"3 × {m}²", "ij,jk,kl->il", ("X", "Y", "Z"),
          mats["X"] @ mats["Y"] @ mats["Z"], coo_chain, list_chain, m),
     ]
-    db.connection.create_function("tq_floor", floor_udf, ["BLOB[]", "INTEGER[]"] * 2, "BIGINT",
+    db.connection.create_function("tq_floor_bytes", floor_udf, ["BLOB[]", "INTEGER[]"] * 2,
+                                  "BIGINT", type="arrow", side_effects=False)
+    db.connection.create_function("tq_floor", floor_pairs, ["BIGINT", "BIGINT"], "BIGINT",
                                   type="arrow", side_effects=False)
-    rows, floor_rows = [], []
+    rows, floor_rows, count_rows = [], [], []
     for label, size, equation, names, expected, coo, lists, dim in cases:
         tol = 1e-3 * float(expected.abs().max())
         coo_tables(db, names, suffix=f"_t{tiles[0]}")
@@ -181,12 +244,18 @@ def main(argv: list[str] | None = None) -> int:
             compiled = expr.compile()
             fns[f"(c) native {tile}"] = lambda c=compiled: c.run(dense=True).dense()
             fns[f"(b) DuckDB {tile}"] = lambda c=compiled: run_compiled(c, db.connection).dense()
+            count_rows.append([label, size, tile, *counts(db, compiled, len(names) == 2)])
             if len(names) == 2:
+                db.connection.create_function(
+                    f"tq_floor_load_{tile}", floor_load(tile), ["INTEGER"] * 3 + ["BLOB"],
+                    "BIGINT", type="arrow", side_effects=False)
                 fns[f"(e) join floor {tile}"] = lambda t=tile, x=names: floor_join(
+                    db, f"{x[0]}_t{t}", f"{x[1]}_t{t}", t)
+                fns[f"(e0) pair bytes {tile}"] = lambda t=tile, x=names: floor_pair_bytes(
                     db, f"{x[0]}_t{t}", f"{x[1]}_t{t}")
                 fns[f"(k) kernels {tile}"] = floor_kernels(mats[names[0]], mats[names[1]], tile)
         for who, fn in fns.items():  # correctness first, off the clock
-            if who[:3] in ("(e)", "(k)"):
+            if who[:3] in ("(e)", "(e0", "(k)"):
                 continue
             got = fn()
             got = dense_of(got, dim) if hasattr(got, "column_names") else got.double().numpy()
@@ -205,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             record.goal(f"{label} tile {tile}: (b)/(c) {b / c:.2f} <= 2 (issue 31)", b / c <= 2)
             if f"(e) join floor {tile}" in med:
                 e, k = med[f"(e) join floor {tile}"], med[f"(k) kernels {tile}"]
-                floor_rows.append([label, size, tile, e, k, e + k, b, c, b / (e + k),
-                                   (e + k) / c])
+                floor_rows.append([label, size, tile, e, med[f"(e0) pair bytes {tile}"], k,
+                                   e + k, b, c, b / (e + k), (e + k) / c])
         print(f"  {label}: " + "; ".join(f"{k} {t.describe(1, 's')}"
                                          for k, t in timings.items()), flush=True)
     threads = db.connection.sql("SELECT current_setting('threads')").fetchall()[0][0]
@@ -215,17 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     record.table("main", columns, rows, note=f"One warm-up (cold figure) then medians of "
                  f"{args.repeat} for every variant; DuckDB threads = {threads}, tensorql "
                  f"workers = {args.threads}.")
-    record.table("floor", ["workload", "size", "tile", "(e) DuckDB join handing pairs over s",
-                           "(k) kernels directly s", "floor (e)+(k) s", "(b) s", "(c) s",
-                           "(b)/floor", "floor/(c)"], floor_rows,
-                 note="(e): the same stored tiles read as (b) reads them (each chunk's pages), "
-                 "joined on the contracted key in DuckDB, every pair's bytes handed to an Arrow "
-                 "function computing nothing; (k): the same tile products in torch, tiles in "
-                 "memory. (b) pays both; medians as above.")
+    record.table("floor", ["workload", "size", "tile", "(e) DuckDB join of tile handles s",
+                           "(e0) pairs' bytes s", "(k) kernels directly s", "floor (e)+(k) s",
+                           "(b) s", "(c) s", "(b)/floor", "floor/(c)"], floor_rows,
+                 note="(e): the same stored tiles read as (b) reads them (each tile's page rows "
+                 "handed once to (b)'s page loader, a handle back), the handles joined on the "
+                 "contracted key in DuckDB and every pair's handles handed to an Arrow function "
+                 "computing nothing; (e0): the hand-over before, every pair's bytes through the "
+                 "join; (k): the same tile products in torch, tiles in memory. (b) pays (e) and "
+                 "(k); medians as above.")
+    record.table("counts", ["workload", "size", "tile", "Arrow function calls", "rows",
+                            "MiB from DuckDB into Python", "MiB of pairs' bytes (e0)"],
+                 count_rows, note="Per query of (b), counted by its chunk arena (independent "
+                 "of the host's load; rows: the loads' page rows, then the pairs' and any "
+                 "folds' rows): every stored tile crosses once; (e0) would hand each "
+                 "tile over once per pair it is in (2·g·S for a g×g grid of an S-byte operand).")
     from tables import render_table
 
     print(render_table(record.data, "main").rsplit("\n\n", 1)[0])
     print(render_table(record.data, "floor").rsplit("\n\n", 1)[0])
+    print(render_table(record.data, "counts").rsplit("\n\n", 1)[0])
     return record.finish()
 
 

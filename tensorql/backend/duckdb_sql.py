@@ -1,14 +1,18 @@
 """The DuckDB execution backend: a logical plan as one SQL query over chunk relations.
 
-Every logical node becomes a CTE with columns ``k0, k1, ...`` (its chunk keys) and ``payload``
-(the chunk's bytes). Joins on chunk keys and GROUP BY run inside DuckDB as real SQL; the chunk
-kernels are vectorized Arrow UDFs (one Python call per batch of rows) that decode payloads
-without copying and run the same torch kernels as the native executor:
+Every logical node becomes a CTE with columns ``k0, k1, ...`` (its chunk keys) and ``chunk``
+(a BIGINT handle of the chunk in the run's :class:`ChunkArena`). Joins on chunk keys and
+GROUP BY run inside DuckDB as real SQL; the chunk kernels are vectorized Arrow UDFs (one
+Python call per batch of rows) that take and return handles and run the same torch kernels as
+the native executor. A stored chunk's bytes cross from DuckDB into Python once, in the scan
+(``tq_load``: the chunk's stored pages, viewed in place), however many pairs it joins into;
+chunks a kernel computes stay torch tensors and never go back into DuckDB as bytes:
 
-- ``Scan``: the store's chunk view ``"<name>__chunks"`` (or a registered Arrow table of chunks);
-- ``Join`` (+ ``Aggregate``): ``FROM x0 JOIN x1 ON x0.k1 = x1.k0`` with a join kernel per
-  matching pair, then ``GROUP BY`` the output keys with an aggregate kernel over
-  ``list(partial)`` -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
+- ``Scan``: the stored page rows of each chunk handed to a load function, one handle a chunk
+  after a GROUP BY on its key (or a registered Arrow table of handles of constant chunks);
+- ``Join`` (+ ``Aggregate``): ``FROM x0 JOIN x1 ON x0.k1 = x1.k0`` with a partial aggregate
+  kernel over the matching pairs' handles, then ``GROUP BY`` the output keys gathering the
+  partials' handles -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
 - ``Rekey``: a registered mapping of new to old keys, joined and grouped;
 - ``Map``: a kernel per chunk;
 - ``Reshape``: a kernel per chunk, its keys mapped in SQL.
@@ -18,17 +22,20 @@ without copying and run the same torch kernels as the native executor:
 >>> a = db.from_numpy("A", np.ones((4, 4), np.float32), tile=(2, 2))
 >>> plan = SQLPlan.build(tq.einsum("ij,jk->ik", a, a).compile().logical, db.chunk_store)
 >>> print(plan.sql.splitlines()[-1])
-SELECT "k0", "k1", "payload" FROM "s1"
+SELECT "k0", "k1", "chunk" FROM "s1"
 >>> run_compiled(tq.einsum("ij,jk->ik", a, a).compile(), db.connection).dense()[0].tolist()
 [4.0, 4.0, 4.0, 4.0]
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import math
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,11 +46,12 @@ import torch
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.algebra import AggName
-from tensorql.dtypes import itemsize
+from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
+from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
-from tensorql.grid import Key, regrid_pieces
+from tensorql.grid import ChunkGrid, Key, regrid_pieces
 from tensorql.logical.plan import (
     Aggregate,
     Join,
@@ -58,8 +66,10 @@ from tensorql.logical.plan import (
 from tensorql.physical.kernels import ContractChunk, ContractSeries, MapChunk, SoftmaxChunk
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult, assemble
-from tensorql.storage.blob_codec import decode_payloads, encode_payloads, view_bytes
+from tensorql.storage.blob_codec import decode_payloads, view_bytes
+from tensorql.storage.pages import PAGE_BYTES
 from tensorql.storage.sql_text import quote_ident as q
+from tensorql.units import format_bytes
 
 if TYPE_CHECKING:
     from tensorql.storage.chunk_store import ChunkStore
@@ -91,19 +101,152 @@ class CompiledPlan(Protocol):
     def db(self) -> _Session: ...
 
 
-__all__ = ["CompiledPlan", "SQLPlan", "explain_compiled", "run_compiled"]
+__all__ = ["ChunkArena", "CompiledPlan", "SQLPlan", "explain_compiled", "run_compiled"]
 
 _IDS = itertools.count()
 
 
+class ChunkArena:
+    """The chunks of one run of an :class:`SQLPlan`, by the BIGINT handles its SQL carries.
+
+    A kernel's Arrow function resolves the handles of its rows (:meth:`get`) and registers
+    the chunks it makes (:meth:`put`); only handles go through DuckDB's joins, list
+    aggregates and GROUP BYs, never a chunk's bytes. A chunk a scan loads is a view of the
+    Arrow buffer DuckDB handed its pages in (kept alive by the view) when they came whole and
+    in order in one batch, else copied together (:meth:`assemble`); every chunk lives until
+    the run ends (the arena is dropped). Handles of the plan's constant chunks are fixed and
+    negative (``preset``); the run's own count up from 1.
+
+    Counters, which do not depend on the host's load: ``calls`` and ``rows`` of the Arrow
+    functions (counted by the registered wrappers), ``loaded_bytes``, the chunk bytes that
+    crossed from DuckDB into Python (each stored chunk a scan reads, once), ``made``, the
+    chunks registered, and ``assembled``, those of them copied together from pieces of their
+    pages (the others a scan loads are views of DuckDB's Arrow buffers).
+
+    >>> arena = ChunkArena()
+    >>> handles = arena.put([torch.ones(2), None, torch.zeros(3)])
+    >>> handles.to_pylist()
+    [1, None, 2]
+    >>> [t.tolist() for t in arena.get(pa.array([2, 1]))]
+    [[0.0, 0.0, 0.0], [1.0, 1.0]]
+    """
+
+    def __init__(self, preset: Mapping[int, torch.Tensor] | None = None,
+                 result: tuple[ChunkGrid, torch.Tensor] | None = None) -> None:
+        self._chunks: dict[int, torch.Tensor] = dict(preset or {})
+        #: the run's dense result and its grid, when one was asked for: the root step's
+        #: partials are written straight into it (:meth:`result_view`)
+        self.result = result
+        self._claimed: set[Key] = set()
+        self._next = itertools.count(1)
+        self._lock = threading.Lock()  # DuckDB may call the functions from several threads
+        self.calls = 0
+        self.rows = 0
+        self.loaded_bytes = 0
+        self.made = 0
+        self.assembled = 0
+        # chunks whose pages came in pieces (a chunk cut by a batch boundary or out of order)
+        self._assembling: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._missing: dict[int, int] = {}  # handle -> bytes not yet copied in
+
+    def count(self, rows: int) -> None:
+        """One Arrow function call over ``rows`` rows."""
+        with self._lock:
+            self.calls += 1
+            self.rows += rows
+
+    def loaded(self, nbytes: int) -> None:
+        """``nbytes`` chunk bytes were loaded from DuckDB (counted in ``loaded_bytes``)."""
+        with self._lock:
+            self.loaded_bytes += nbytes
+
+    def put(self, tensors: Sequence[torch.Tensor | None]) -> pa.Array:
+        """Handles of ``tensors`` as an Arrow BIGINT array (NULL where ``None``)."""
+        out: list[int | None] = []
+        for tensor in tensors:
+            if tensor is None:
+                out.append(None)
+                continue
+            handle = next(self._next)  # atomic under the GIL
+            self._chunks[handle] = tensor
+            out.append(handle)
+        with self._lock:
+            self.made += sum(h is not None for h in out)
+        return pa.array(out, pa.int64())
+
+    def get(self, column: pa.Array | pa.ChunkedArray | Sequence[int]) -> list[torch.Tensor]:
+        """The chunks of the handles in ``column`` (no NULLs), in order."""
+        handles = column if isinstance(column, list) else _ints(column).tolist()
+        if self._missing:
+            self._check_complete(handles)
+        try:
+            return [self._chunks[h] for h in handles]
+        except KeyError as err:
+            raise ExecutionError(f"DuckDB backend: no chunk with handle {err.args[0]} in this "
+                                 f"run (a handle of another run?)") from None
+
+    def result_view(self, key: Key) -> torch.Tensor | None:
+        """The view of chunk ``key`` of the dense result, for the first caller asking for it
+        (a partial of the root step: another partial of the same chunk, from another batch,
+        gets None and writes a tensor of its own, folded later); None without a result."""
+        if self.result is None:
+            return None
+        with self._lock:
+            if key in self._claimed:
+                return None
+            self._claimed.add(key)
+        grid, dense = self.result
+        return dense[grid.slices(key)]
+
+    def assemble(self, where: tuple, shape: tuple[int, ...], dtype: str, at: int,
+                 raw: np.ndarray) -> int:
+        """Copy ``raw`` (bytes of a chunk from byte ``at`` on) into the chunk ``where`` (a
+        scan and a key) assembled from pieces, made on its first piece; its handle. The
+        chunk is readable (:meth:`get`) once every byte has come."""
+        with self._lock:
+            got = self._assembling.get(where)
+            if got is None:
+                chunk = torch.empty(shape, dtype=torch_dtype(dtype))
+                handle = next(self._next)
+                self._chunks[handle] = chunk
+                got = self._assembling[where] = (handle, chunk)
+                self._missing[handle] = chunk.numel() * chunk.element_size()
+                self.made += 1
+                self.assembled += 1
+            handle, chunk = got
+        flat = _flat_bytes(chunk)
+        if at < 0 or at + raw.size > flat.size:
+            raise ExecutionError(f"DuckDB backend: page bytes {at}..{at + raw.size} outside "
+                                 f"chunk {where[1]} of {flat.size} bytes")
+        flat[at:at + raw.size] = raw  # pieces of one chunk are disjoint: no lock needed
+        with self._lock:
+            self._missing[handle] -= raw.size
+        return handle
+
+    def _check_complete(self, handles: Sequence[int]) -> None:
+        with self._lock:
+            for handle in handles:
+                left = self._missing.get(handle)
+                if left is None:
+                    continue
+                if left != 0:
+                    raise ExecutionError(f"DuckDB backend: chunk of handle {handle} read with "
+                                         f"{format_bytes(left)} of its pages missing")
+                del self._missing[handle]
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+
 @dataclass(frozen=True)
 class UDF:
-    """A vectorized Arrow scalar function the plan's SQL calls."""
+    """A vectorized Arrow scalar function the plan's SQL calls: ``fn(arena, *columns)``, the
+    run's :class:`ChunkArena` first, then one Arrow array per parameter."""
 
     name: str
     fn: Callable[..., pa.Array]
     params: tuple[str, ...]
-    returns: str = "BLOB"
+    returns: str = "BIGINT"
     #: "special": NULLs reach the function and it may return them (a partial aggregate that
     #: leaves a row empty); "default": DuckDB filters them out
     null_handling: str = "default"
@@ -113,8 +256,9 @@ class UDF:
 class SQLPlan:
     """The SQL text of a logical plan, with the UDFs and Arrow tables it needs.
 
-    ``sql`` selects ``k0.., payload`` of the root relation; ``steps`` names each CTE's logical
-    node for EXPLAIN.
+    ``sql`` selects ``k0.., chunk`` (the handles of the root relation's chunks); ``steps``
+    names each CTE's logical node for EXPLAIN; ``constants`` are the chunks of constant (or
+    non-DuckDB) scans, by the fixed handles their registered tables hold.
     """
 
     root: LogicalNode
@@ -122,21 +266,15 @@ class SQLPlan:
     udfs: tuple[UDF, ...]
     tables: dict[str, pa.Table] = field(hash=False)
     steps: tuple[tuple[str, str], ...] = ()
+    constants: dict[int, torch.Tensor] = field(default_factory=dict, hash=False, compare=False)
 
     @classmethod
     def build(cls, root: LogicalNode, store: ChunkStore | None) -> SQLPlan:
         builder = _Builder(store, next(_IDS))
+        builder.root = id(root)
         names: dict[int, str] = {}
         ctes = []
         fused = {id(n.input) for n in walk(root) if isinstance(n, Aggregate)}
-        # stored tensors read only by joins come as their pages (the join's kernels take a
-        # chunk's pages as they are); any other reader gets whole chunks (the chunk view)
-        other = {id(root)}
-        for node in walk(root):
-            if not isinstance(node, (Join, Aggregate)):
-                other.update(id(x) for x in node.inputs)
-        builder.page_scans = {id(n) for n in walk(root) if isinstance(n, Scan)
-                              and id(n) not in other}
         for node in walk(root):
             if id(node) in fused:
                 continue
@@ -152,32 +290,59 @@ class SQLPlan:
                                node.inputs):
                     readers[names[id(source)]] += 1
         keys = "".join(f"{q(f'k{d}')}, " for d in range(len(root.relation.labels)))
-        # computed steps read more than once are MATERIALIZED: each chunk kernel runs once,
-        # whoever reads it; a step read once is inlined into its reader (no copy of its chunks)
+        # steps read more than once are MATERIALIZED (their handles: a few bytes a chunk), so
+        # each kernel runs and each stored chunk is loaded once, whoever reads it; a step read
+        # once is inlined into its reader
         with_sql = ",\n".join(
-            f"{q(n)} AS {'MATERIALIZED ' if readers[n] > 1 and not what.startswith('Scan') else ''}"
-            f"(\n  {body}\n)" for n, body, what in ctes)
-        sql = f"WITH {with_sql}\nSELECT {keys}\"payload\" FROM {q(ctes[-1][0])}"
+            f"{q(n)} AS {'MATERIALIZED ' if readers[n] > 1 else ''}(\n  {body}\n)"
+            for n, body, what in ctes)
+        sql = f"WITH {with_sql}\nSELECT {keys}\"chunk\" FROM {q(ctes[-1][0])}"
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
-                   steps=tuple((n, what) for n, _, what in ctes))
+                   steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants)
 
-    def run(self, con: duckdb.DuckDBPyConnection) -> tuple[dict[Key, torch.Tensor], float]:
-        """Execute on ``con``; the result chunks by key and the wall time."""
-        registered = self._register(con)
+    def arena(self, dense: bool = False) -> ChunkArena:
+        """A fresh arena for one run (the constant chunks preset); with ``dense``, a dense
+        result the root step's kernels write into (read it with :meth:`dense_result`)."""
+        if not dense:
+            return ChunkArena(self.constants)
+        rel = self.root.relation
+        return ChunkArena(self.constants,
+                          (rel.grid, empty_result(rel.grid.shape, torch_dtype(rel.dtype))))
+
+    def dense_result(self, chunks: Mapping[Key, torch.Tensor], arena: ChunkArena
+                     ) -> torch.Tensor:
+        """The run's dense result: ``arena``'s, with every chunk a kernel did not write in
+        place copied in (or assembled anew when the arena has none)."""
+        if arena.result is None:
+            rel = self.root.relation
+            return assemble(rel.grid, rel.dtype, dict(chunks))
+        grid, dense = arena.result
+        for key, chunk in chunks.items():
+            view = dense[grid.slices(key)]
+            if chunk.data_ptr() != view.data_ptr() or chunk.stride() != view.stride():
+                view.copy_(chunk)
+        return dense
+
+    def run(self, con: duckdb.DuckDBPyConnection, arena: ChunkArena | None = None
+            ) -> tuple[dict[Key, torch.Tensor], float]:
+        """Execute on ``con``; the result chunks by key and the wall time. ``arena``: the
+        run's chunks (a fresh one by default; pass one to read its counters after)."""
+        arena = self.arena() if arena is None else arena
+        registered = self._register(con, arena)
         try:
             start = time.perf_counter()
-            try:
-                table = con.sql(self.sql).to_arrow_table()
+            try:  # rows of keys and a handle: plain Python tuples, no Arrow table needed
+                rows = con.execute(self.sql).fetchall()
             except duckdb.Error as err:
                 raise ExecutionError(f"DuckDB backend failed: {str(err).splitlines()[0]}") \
                     from None
-            chunks = self.decode(table)
+            chunks = self.decode(rows, arena)
             return chunks, time.perf_counter() - start
         finally:
             self._unregister(con, registered)
 
     def explain_analyze(self, con: duckdb.DuckDBPyConnection, analyze: bool) -> str:
-        registered = self._register(con)
+        registered = self._register(con, self.arena())
         try:
             prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
             rows = con.sql(prefix + self.sql).fetchall()
@@ -185,23 +350,28 @@ class SQLPlan:
         finally:
             self._unregister(con, registered)
 
-    def decode(self, table: pa.Table) -> dict[Key, torch.Tensor]:
-        rel = self.root.relation
-        ndim = len(rel.labels)
-        keys = list(zip(*(table.column(d).to_numpy() for d in range(ndim)))) if ndim \
-            else [()] * table.num_rows
-        keys = [tuple(int(k) for k in key) for key in keys]
-        shapes = [rel.grid.chunk_shape(k) for k in keys]
-        chunks = decode_payloads(table.column(ndim), rel.dtype, shapes)
-        return dict(zip(keys, chunks))
+    def decode(self, rows: Sequence[tuple[int, ...]], arena: ChunkArena
+               ) -> dict[Key, torch.Tensor]:
+        """The result chunks by key from the result ``rows`` (keys, then a handle)."""
+        grid = self.root.relation.grid
+        chunks = arena.get([row[-1] for row in rows])
+        out: dict[Key, torch.Tensor] = {}
+        for row, chunk in zip(rows, chunks):
+            key = tuple(row[:-1])
+            if tuple(chunk.shape) != tuple(grid.chunk_shape(key)):
+                raise ExecutionError(f"DuckDB backend: chunk {key} has shape "
+                                     f"{tuple(chunk.shape)}, expected "
+                                     f"{tuple(grid.chunk_shape(key))}")
+            out[key] = chunk
+        return out
 
-    def _register(self, con) -> list[str]:
+    def _register(self, con, arena: ChunkArena) -> list[str]:
         done: list[str] = []
         try:
             for udf in self.udfs:
-                con.create_function(udf.name, _with_arity(udf.fn, len(udf.params)),
-                                    [duckdb.sqltype(p) for p in udf.params],
-                                    duckdb.sqltype(udf.returns), type="arrow",
+                con.create_function(udf.name, _bound(udf.fn, arena, len(udf.params)),
+                                    [_sqltype(p) for p in udf.params],
+                                    _sqltype(udf.returns), type="arrow",
                                     null_handling=udf.null_handling, side_effects=False)
                 done.append("f:" + udf.name)
             for name, table in self.tables.items():
@@ -225,11 +395,19 @@ class SQLPlan:
                 pass
 
 
-def _with_arity(fn: Callable[..., pa.Array], n: int) -> Callable[..., pa.Array]:
-    """``fn(*cols)`` seen by DuckDB as a function of exactly ``n`` parameters."""
+@functools.cache
+def _sqltype(name: str) -> duckdb.DuckDBPyType:
+    """``duckdb.sqltype(name)``, parsed once (a parse costs ~0.2 ms, a few per UDF and run)."""
+    return duckdb.sqltype(name)
+
+
+def _bound(fn: Callable[..., pa.Array], arena: ChunkArena, n: int) -> Callable[..., pa.Array]:
+    """``fn(arena, *cols)`` seen by DuckDB as a function of exactly ``n`` parameters, each
+    call counted in ``arena``."""
 
     def call(*cols):
-        return fn(*cols)
+        arena.count(len(cols[-1]))
+        return fn(arena, *cols)
 
     kind = inspect.Parameter.POSITIONAL_ONLY
     call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -248,6 +426,25 @@ def _ints(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
                       else column.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
+def _keys(columns: Sequence[pa.Array | pa.ChunkedArray], n_rows: int) -> list[Key]:
+    """The key tuples of ``n_rows`` rows from their key columns (``()`` each for none)."""
+    if not columns:
+        return [()] * n_rows
+    return list(zip(*(_ints(c).tolist() for c in columns)))
+
+
+def _int_lists(column: pa.Array | pa.ChunkedArray) -> list[list[int]]:
+    """Each row of a LIST of integers (handles) as a Python list.
+
+    >>> _int_lists(pa.array([[3, 1], [], [2]]))
+    [[3, 1], [], [2]]
+    """
+    lists = _blobs(column)
+    starts = np.asarray(lists.offsets).tolist()
+    values = _ints(lists.values).tolist()
+    return [values[lo:hi] for lo, hi in zip(starts[:-1], starts[1:])]
+
+
 def _binary(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, bytes) of an Arrow binary array."""
     width = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
@@ -257,59 +454,63 @@ def _binary(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
                      else np.zeros(0, np.uint8))
 
 
-def _page_chunks(pages: pa.Array | pa.ChunkedArray, numbers: pa.Array | pa.ChunkedArray,
-                 dtype: str, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """The chunks whose stored pages are ``pages`` (a list of BLOBs per row) with their page
-    numbers ``numbers`` (an aggregate's order is DuckDB's choice): a view of the Arrow buffer
-    when a chunk's pages come in order -- they lie back to back in the list's child -- else
-    the pages joined in order (one copy).
+def _flat_bytes(chunk: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a flat, writable uint8 array (a view)."""
+    return chunk.view(-1).view(torch.uint8).numpy()
 
-    >>> blobs = pa.array([[b"\\x01\\x00", b"\\x02\\x00"], [b"\\x04\\x00", b"\\x03\\x00"]])
-    >>> [c.tolist() for c in _page_chunks(blobs, pa.array([[0, 1], [1, 0]]), "int16",
-    ...                                   [(2,), (2,)])]
-    [[1, 2], [3, 4]]
+
+def _page_loader(name: str, grid, dtype: str) -> Callable[..., pa.Array]:
+    """The load function of a stored tensor's scan: rows ``k.., page, payload``, one per
+    stored page (``PAGE_BYTES`` each, the last of a chunk shorter), a chunk's handle back on
+    each of its pages. Pages of one chunk that come in order in one batch lie back to back in
+    the Arrow buffer: when they are the whole chunk (the usual case), the chunk is a view of
+    that buffer; pages of a chunk cut by a batch boundary, or out of order, are copied into
+    a chunk assembled in the arena (:meth:`ChunkArena.assemble`).
+
+    >>> import tensorql.grid as g
+    >>> load = _page_loader("t", g.ChunkGrid((2, 2), (1, 2)), "int16")
+    >>> arena = ChunkArena()
+    >>> pages = pa.array([b"\\x01\\x00\\x02\\x00", b"\\x03\\x00\\x04\\x00"])
+    >>> cols = [pa.array([0, 1], pa.int32()), pa.array([0, 0], pa.int32()),
+    ...         pa.array([0, 0], pa.int32()), pages]
+    >>> [c.tolist() for c in arena.get(load(arena, *cols))]
+    [[[1, 2]], [[3, 4]]]
     """
-    pages, numbers = _blobs(pages), _blobs(numbers)
-    starts = np.asarray(pages.offsets)
-    page_at, data = _binary(pages.values)
-    number_starts = np.asarray(numbers.offsets)
-    number_values = numbers.values.to_numpy(zero_copy_only=False)
-    out = []
-    for r, shape in enumerate(shapes):
-        lo, hi = int(starts[r]), int(starts[r + 1])
-        nums = number_values[number_starts[r]:number_starts[r + 1]]
-        if np.array_equal(nums, np.arange(hi - lo)):
-            raw = data[page_at[lo]:page_at[hi]]
-        else:
-            raw = np.concatenate([data[page_at[lo + i]:page_at[lo + i + 1]]
-                                  for i in np.argsort(nums, kind="stable")])
-        out.append(view_bytes(raw, dtype, shape))
-    return out
+    ndim = grid.ndim
+    size = itemsize(dtype)
 
+    def load(arena: ChunkArena, *cols) -> pa.Array:
+        n_rows = len(cols[-1])
+        keys = _keys(cols[:ndim], n_rows)
+        page = _ints(cols[ndim])
+        offsets, data = _binary(_blobs(cols[ndim + 1]))
+        # runs of rows: one chunk's pages in order
+        cut = np.ones(n_rows, dtype=bool)
+        if n_rows > 1:
+            cut[1:] = page[1:] != page[:-1] + 1
+            for d in range(ndim):
+                k = _ints(cols[d])
+                cut[1:] |= k[1:] != k[:-1]
+        starts = np.flatnonzero(cut).tolist()
+        out = np.empty(n_rows, dtype=np.int64)
+        loaded = 0
+        for lo, hi in zip(starts, starts[1:] + [n_rows]):
+            key = keys[lo]
+            shape = grid.chunk_shape(key)
+            nbytes = math.prod(shape) * size
+            a, b = int(offsets[lo]), int(offsets[hi])
+            raw = data[a:b]
+            first = int(page[lo])
+            if first == 0 and b - a == nbytes:  # the whole chunk in order: a view
+                handle = arena.put([view_bytes(raw, dtype, shape)])[0].as_py()
+            else:
+                handle = arena.assemble((name, key), shape, dtype, first * PAGE_BYTES, raw)
+            out[lo:hi] = handle
+            loaded += b - a
+        arena.loaded(loaded)
+        return pa.array(out)
 
-def _out(tensors: Sequence[torch.Tensor]) -> pa.Array:
-    return encode_payloads(list(tensors)).cast(pa.binary())
-
-
-def _sparse_out(n_rows: int, sizes: dict[int, int], data: np.ndarray) -> pa.Array:
-    """A BLOB column of ``n_rows`` rows over the bytes ``data`` (no copy): row ``r`` of
-    ``sizes`` holds the next ``sizes[r]`` bytes (rows in order), the other rows are NULL.
-
-    >>> arr = _sparse_out(3, {1: 8}, np.ones(8, np.uint8))
-    >>> arr.null_count, arr[1].as_py()
-    (2, b'\\x01\\x01\\x01\\x01\\x01\\x01\\x01\\x01')
-    """
-    rows = sorted(sizes)
-    lengths = np.zeros(n_rows, dtype=np.int64)
-    lengths[rows] = [sizes[r] for r in rows]
-    offsets = np.zeros(n_rows + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    valid = np.zeros(n_rows, dtype=bool)
-    valid[rows] = True
-    validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
-    return pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), n_rows, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
-        null_count=n_rows - len(rows)).cast(pa.binary())
+    return load
 
 
 class _Builder:
@@ -318,8 +519,8 @@ class _Builder:
         self.plan_id = plan_id
         self.udfs: list[UDF] = []
         self.tables: dict[str, pa.Table] = {}
-        self.page_scans: set[int] = set()  # Scans that may select page lists (see _scan)
-        self.paged: set[int] = set()  # nodes whose relation has page lists, not payloads
+        self.constants: dict[int, torch.Tensor] = {}  # fixed (negative) handles
+        self.root = 0  # id of the plan's root node (its partials may write a dense result)
 
     def _name(self, kind: str) -> str:
         return f"tq_{kind}_{self.plan_id}_{len(self.udfs) + len(self.tables)}"
@@ -347,90 +548,90 @@ class _Builder:
             raise UnsupportedError(f"the DuckDB backend does not read a region of "
                                    f"{node.source!r} (a slice); use the native backend")
         rel = node.relation
-        keys = ", ".join(q(f"k{d}") for d in range(len(rel.labels)))
+        grid, dtype, ndim = rel.grid, rel.dtype, len(rel.labels)
+        keys = ", ".join(q(f"k{d}") for d in range(ndim))
         group = f" GROUP BY {keys}" if keys else ""
         keys = keys + ", " if keys else ""
         if node.constant is None and self.store is not None and hasattr(self.store,
                                                                          "connection"):
             pages = getattr(self.store, "chunk_pages_sql", None)
-            pages = pages(node.source) if pages is not None and id(node) in \
-                self.page_scans else None
-            if pages is not None:  # each chunk as the list of its stored pages
-                self.paged.add(id(node))
-                return (f"SELECT {keys}list(\"payload\") AS \"payload\", list(\"page\") AS "
-                        f"\"page\" FROM {pages}{group}", f"Scan {node.source} (chunk pages)")
-            return (f"SELECT {keys}\"payload\" FROM {q(node.source + '__chunks')}",
-                    f"Scan {node.source} (chunk view)")
-        grid = rel.grid
+            pages = pages(node.source) if pages is not None else None
+            name = self._name("load")
+            if pages is not None:  # each chunk's stored pages, loaded once
+                self.udfs.append(UDF(name, _page_loader(name, grid, dtype),
+                                     ("INTEGER",) * ndim + ("INTEGER", "BLOB")))
+                # the GROUP BY is a pipeline breaker: every page has been loaded before a
+                # chunk's handle (the same on all its pages) goes on
+                return (f"SELECT {keys}min(\"chunk\") AS \"chunk\" FROM (SELECT {keys}"
+                        f"{q(name)}({keys}\"page\", \"payload\") AS \"chunk\" FROM {pages})"
+                        f"{group}", f"Scan {node.source} (chunk pages)")
+
+            def load_chunks(arena, *cols):
+                shapes = [grid.chunk_shape(k) for k in _keys(cols[:ndim], len(cols[-1]))]
+                chunks = decode_payloads(_blobs(cols[-1]), dtype, shapes)
+                arena.loaded(sum(c.numel() * c.element_size() for c in chunks))
+                return arena.put(chunks)
+
+            self.udfs.append(UDF(name, load_chunks, ("INTEGER",) * ndim + ("BLOB",)))
+            return (f"SELECT {keys}{q(name)}({keys}\"payload\") AS \"chunk\" FROM "
+                    f"{q(node.source + '__chunks')}", f"Scan {node.source} (chunk view)")
         key_list = list(grid.keys())
         if node.constant is not None:
-            chunks = [node.constant[grid.slices(k)] for k in key_list]
+            chunks = [node.constant[grid.slices(k)].contiguous() for k in key_list]
         else:
             if self.store is None:
                 raise PlanError(f"no store to read {node.source!r} from")
             got = dict(self.store.read_chunks(node.source, key_list))
             chunks = [got[k] for k in key_list]
+        handles = [-(len(self.constants) + 1 + i) for i in range(len(chunks))]
+        self.constants.update(zip(handles, chunks))
         columns = {f"k{d}": pa.array([k[d] for k in key_list], pa.int32())
                    for d in range(grid.ndim)}
-        columns["payload"] = encode_payloads(chunks)
+        columns["chunk"] = pa.array(handles, pa.int64())
         name = self._name("chunks")
         self.tables[name] = pa.table(columns)
-        return f"SELECT {keys}\"payload\" FROM {q(name)}", f"Scan {node.source} (Arrow chunks)"
+        return f"SELECT {keys}\"chunk\" FROM {q(name)}", f"Scan {node.source} (in memory)"
 
     # -- maps ---------------------------------------------------------------------------
     def _map(self, node: Map | Softmax, names: dict[int, str]) -> tuple[str, str]:
-        grid = node.input.relation.grid
-        in_dtype = node.input.relation.dtype
         rel = node.relation
         if isinstance(node, Softmax):
             kernel, what = SoftmaxChunk.of(node), node.title
         else:
             kernel = MapChunk(node.fn, node.scalar, rel.dtype)
             what = f"Map {node.fn}"
-        ndim = grid.ndim
 
-        def run(*cols):
-            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
-                                                                cols[:ndim]))] \
-                if ndim else [()] * len(cols[-1])
-            chunks = decode_payloads(_blobs(cols[-1]), in_dtype,
-                                     [grid.chunk_shape(k) for k in keys])
-            return _out([kernel.run([c], None) for c in chunks])
+        def run(arena, chunks):
+            return arena.put([kernel.run([c], None) for c in arena.get(chunks)])
 
         name = self._name("map")
-        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB",)))
-        keys = [q(f"k{d}") for d in range(ndim)]
-        args = "".join(f"{k}, " for k in keys)
-        return (f"SELECT {args}{q(name)}({args}\"payload\") AS \"payload\" "
+        self.udfs.append(UDF(name, run, ("BIGINT",)))
+        args = "".join(f"{q(f'k{d}')}, " for d in range(rel.grid.ndim))
+        return (f"SELECT {args}{q(name)}(\"chunk\") AS \"chunk\" "
                 f"FROM {q(names[id(node.input)])}", what)
 
     # -- reshape ------------------------------------------------------------------------
     def _reshape(self, node: Reshape, names: dict[int, str]) -> tuple[str, str]:
-        old, new, lay = node.input.relation.grid, node.relation.grid, node.layout
-        dtype = node.relation.dtype
-        ndim = old.ndim
+        new, lay = node.relation.grid, node.layout
+        ndim = node.input.relation.grid.ndim
 
-        def run(*cols):
-            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
-                                                                cols[:ndim]))] \
-                if ndim else [()] * len(cols[-1])
-            chunks = decode_payloads(_blobs(cols[-1]), dtype, [old.chunk_shape(k) for k in keys])
-            return _out([c.reshape(new.chunk_shape(lay.output_key(k)))
-                         for c, k in zip(chunks, keys)])
+        def run(arena, *cols):
+            keys = _keys(cols[:ndim], len(cols[-1]))
+            return arena.put([c.reshape(new.chunk_shape(lay.output_key(k)))
+                              for c, k in zip(arena.get(cols[-1]), keys)])
 
         name = self._name("reshape")
-        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB",)))
+        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BIGINT",)))
         leading = {g.outputs[0]: g.inputs[0] for g in lay.groups if g.inputs and g.outputs}
         sel = "".join(f"{q(f'k{leading[d]}') if d in leading else '0'} AS {q(f'k{d}')}, "
                       for d in range(new.ndim))
         args = "".join(f"{q(f'k{d}')}, " for d in range(ndim))
-        return (f"SELECT {sel}{q(name)}({args}\"payload\") AS \"payload\" "
+        return (f"SELECT {sel}{q(name)}({args}\"chunk\") AS \"chunk\" "
                 f"FROM {q(names[id(node.input)])}", node.title)
 
     # -- rekey --------------------------------------------------------------------------
     def _rekey(self, node: Rekey, names: dict[int, str]) -> tuple[str, str]:
         old, new = node.input.relation.grid, node.relation.grid
-        dtype = node.relation.dtype
         ndim = new.ndim
         plan: dict[Key, tuple[list[Key], list]] = {}
         rows: dict[str, list[int]] = {f"n{d}": [] for d in range(ndim)}
@@ -448,33 +649,28 @@ class _Builder:
                 rows["piece"].append(n)
             plan[tuple(key)] = (olds, pieces)
 
-        def run(*cols):
-            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
-                                                                cols[:ndim]))] \
-                if ndim else [()] * len(cols[-1])
-            lists = _blobs(cols[-1])
+        def run(arena, *cols):
             out = []
-            for r, key in enumerate(keys):
+            for key, handles in zip(_keys(cols[:ndim], len(cols[-1])), _int_lists(cols[-1])):
                 olds, pieces = plan[key]
-                parts = decode_payloads(lists[r].values, dtype,
-                                        [old.chunk_shape(k) for k in olds])
+                parts = arena.get(handles)
                 chunk = torch.empty(new.chunk_shape(key), dtype=parts[0].dtype)
                 for part, (src, dst) in zip(parts, pieces):
                     chunk[dst] = part[src]
                 out.append(chunk)
-            return _out(out)
+            return arena.put(out)
 
         table = self._name("rekeymap")
         self.tables[table] = pa.table({k: pa.array(v, pa.int32()) for k, v in rows.items()})
         name = self._name("rekey")
-        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BLOB[]",)))
+        self.udfs.append(UDF(name, run, ("INTEGER",) * ndim + ("BIGINT[]",)))
         nk = [f"m.{q(f'n{d}')}" for d in range(ndim)]
         on = " AND ".join(f"m.{q(f'o{d}')} = s.{q(f'k{d}')}" for d in range(ndim)) or "TRUE"
         sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(nk))
         args = "".join(f"{k}, " for k in nk)
         group = f" GROUP BY {', '.join(nk)}" if nk else ""
-        return (f"SELECT {sel}{q(name)}({args}list(s.\"payload\" ORDER BY m.\"piece\")) AS "
-                f"\"payload\" FROM {q(table)} AS m JOIN {q(names[id(node.input)])} AS s ON "
+        return (f"SELECT {sel}{q(name)}({args}list(s.\"chunk\" ORDER BY m.\"piece\")) AS "
+                f"\"chunk\" FROM {q(table)} AS m JOIN {q(names[id(node.input)])} AS s ON "
                 f"{on}{group}", f"Rekey to tiles {new.tile}")
 
     # -- join (+ aggregate) -------------------------------------------------------------
@@ -484,10 +680,7 @@ class _Builder:
         agg = aggregate.agg if aggregate else AggName.SUM
         kernel = ContractChunk(in_labels=join.input_labels, out_labels=out_rel.labels,
                                join=join.join, agg=agg, dtype=out_rel.dtype)
-        grids = [src.relation.grid for src in join.sources]
-        dtypes = [src.relation.dtype for src in join.sources]
-        ranks = [g.ndim for g in grids]
-        paged = [id(src) in self.paged for src in join.sources]
+        ranks = [src.relation.grid.ndim for src in join.sources]
         # where each label's key is found: the first (source, dim) carrying it
         first: dict[str, str] = {}
         conds: list[str] = []
@@ -501,43 +694,31 @@ class _Builder:
         key_args: list[str] = []
         for s, labels in enumerate(join.input_labels):
             key_args += [f"x{s}.{q(f'k{d}')}" for d in range(len(labels))]
-        payloads = [f"x{s}.\"payload\", x{s}.\"page\"" if paged[s] else f"x{s}.\"payload\""
-                    for s in range(len(join.sources))]
+        chunk_args = [f"x{s}.\"chunk\"" for s in range(len(join.sources))]
 
-        def decode_rows(cols) -> tuple[list[list[torch.Tensor]], list[list[Key]], int]:
-            """Each source's chunks (views of the Arrow buffers) and keys, row by row."""
+        def decode_rows(arena: ChunkArena, cols) -> tuple[list[list[torch.Tensor]],
+                                                          list[list[Key]], int]:
+            """Each source's chunks and keys, row by row."""
             n_rows = len(cols[-1])
             pos = 0
             keys_per_source: list[list[Key]] = []
             for rank in ranks:
-                if rank:
-                    ks = list(zip(*(_ints(c) for c in cols[pos:pos + rank])))
-                    keys_per_source.append([tuple(int(k) for k in key) for key in ks])
-                else:
-                    keys_per_source.append([()] * n_rows)
+                keys_per_source.append(_keys(cols[pos:pos + rank], n_rows))
                 pos += rank
-            decoded = []
-            for s in range(len(ranks)):
-                shapes = [grids[s].chunk_shape(k) for k in keys_per_source[s]]
-                if paged[s]:
-                    decoded.append(_page_chunks(cols[pos], cols[pos + 1], dtypes[s], shapes))
-                    pos += 2
-                else:
-                    decoded.append(decode_payloads(_blobs(cols[pos]), dtypes[s], shapes))
-                    pos += 1
+            decoded = [arena.get(cols[pos + s]) for s in range(len(ranks))]
             return decoded, keys_per_source, n_rows
 
-        def run_join(*cols):
-            decoded, _, n_rows = decode_rows(cols)
-            return _out([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
+        def run_join(arena, *cols):
+            decoded, _, n_rows = decode_rows(arena, cols)
+            return arena.put([kernel.run([d[r] for d in decoded], None) for r in range(n_rows)])
 
-        params = ("INTEGER",) * sum(ranks) + sum(
-            (("BLOB[]", "INTEGER[]") if p else ("BLOB",) for p in paged), ())
+        params = ("INTEGER",) * sum(ranks) + ("BIGINT",) * len(join.sources)
         join_fn = self._name("join" if aggregate is None else "partial")
         if aggregate is None:
             self.udfs.append(UDF(join_fn, run_join, params))
         else:
-            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows),
+            self.udfs.append(UDF(join_fn, self._partial_fn(join, aggregate, kernel, decode_rows,
+                                                           id(aggregate) == self.root),
                                  params, null_handling="special"))
         sources = [f"{q(names[id(src)])} AS x{s}" for s, src in enumerate(join.sources)]
         from_sql = sources[0]
@@ -553,35 +734,27 @@ class _Builder:
             inner = conds
         where = f" WHERE {' AND '.join(inner)}" if inner else ""
         out_keys = [first[label] for label in out_rel.labels]
-        call = f"{q(join_fn)}({', '.join(key_args + payloads)})"
+        call = f"{q(join_fn)}({', '.join(key_args + chunk_args)})"
         if aggregate is None:
             sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(out_keys))
             what = (f"Join {join.join} on [{', '.join(join.on)}]" if len(sources) >= 2
                     else f"Project ({','.join(join.input_labels[0])})")
-            return f"SELECT {sel}{call} AS \"payload\" FROM {from_sql}{where}", what
+            return f"SELECT {sel}{call} AS \"chunk\" FROM {from_sql}{where}", what
 
-        out_grid = out_rel.grid
-        out_dtype = out_rel.dtype
-        ndim = out_grid.ndim
+        ndim = out_rel.grid.ndim
 
-        def run_agg(*cols):
-            lists = _blobs(cols[-1])
-            keys = [tuple(int(k) for k in key) for key in zip(*(_ints(c) for c in
-                                                                cols[:ndim]))] \
-                if ndim else [()] * len(lists)
+        def run_agg(arena, parts_column):
             out = []
-            for r, key in enumerate(keys):
-                part_list = lists[r].values
-                shape = out_grid.chunk_shape(key)
-                parts = decode_payloads(part_list, out_dtype, [shape] * len(part_list))
+            for handles in _int_lists(parts_column):
+                parts = arena.get(handles)
                 acc = parts[0].clone() if len(parts) > 1 else parts[0]
                 for part in parts[1:]:
                     acc = combine(acc, part, agg)
                 out.append(acc)
-            return _out(out)
+            return arena.put(out)
 
         agg_fn = self._name("agg")
-        self.udfs.append(UDF(agg_fn, run_agg, ("INTEGER",) * ndim + ("BLOB[]",)))
+        self.udfs.append(UDF(agg_fn, run_agg, ("BIGINT[]",)))
         over_keys = [first[label] for label in aggregate.over if label in first]
         inner_sel = "".join(f"{k} AS {q(f'k{d}')}, " for d, k in enumerate(out_keys))
         inner_sel += "".join(f"{k} AS {q(f'o{d}')}, " for d, k in enumerate(over_keys))
@@ -591,26 +764,28 @@ class _Builder:
         sel = "".join(f"{k}, " for k in keys)
         group = f" GROUP BY {', '.join(keys)}" if keys else ""
         # the partial aggregates of each batch (NULL where a row's product went into another
-        # row's), gathered per output chunk in DuckDB and folded by the aggregate kernel
-        # (a lone partial -- the whole sum came in one batch -- is the result as it is)
+        # row's), their handles gathered per output chunk in DuckDB and folded by the
+        # aggregate kernel (a lone partial -- the whole sum came in one batch -- is the
+        # result as it is)
         body = (f"SELECT {sel}CASE WHEN len(\"parts\") = 1 THEN \"parts\"[1] ELSE "
-                f"{q(agg_fn)}({sel}\"parts\") END AS \"payload\" FROM (SELECT {sel}"
+                f"{q(agg_fn)}(\"parts\") END AS \"chunk\" FROM (SELECT {sel}"
                 f"list(\"partial\"{order}) FILTER (WHERE \"partial\" IS NOT NULL) AS \"parts\" "
                 f"FROM (SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group})")
         what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
         return body, what
 
-
     @staticmethod
     def _partial_fn(join: Join, aggregate: Aggregate, kernel: ContractChunk,
-                    decode_rows: Callable) -> Callable[..., pa.Array]:
+                    decode_rows: Callable, root: bool) -> Callable[..., pa.Array]:
         """The join's Arrow function when an Aggregate follows: a partial aggregate per batch.
 
         The rows of one batch that feed the same output chunk are folded in one call of the
         native executor's series kernel (:class:`ContractSeries`: the products accumulate
-        into one tensor, in the order of the aggregated keys); that sum is returned at the
-        group's first row and NULL at its others, so one partial per output chunk and batch
-        goes back to DuckDB instead of one per product.
+        into one tensor, in the order of the aggregated keys); that sum's handle is returned
+        at the group's first row and NULL at its others, so one partial per output chunk and
+        batch goes back to DuckDB instead of one per product. At the plan's ``root``, a
+        run that asked for a dense result has the first partial of each chunk written straight
+        into it (:meth:`ChunkArena.result_view`).
         """
         where: dict[str, tuple[int, int]] = {}  # label -> (source, dim) first carrying it
         for s, labels in enumerate(join.input_labels):
@@ -619,31 +794,25 @@ class _Builder:
         out_at = [where[label] for label in aggregate.relation.labels]
         over_at = [where[label] for label in aggregate.over if label in where]
         series = ContractSeries(kernel, arity=len(join.sources))
-        out_grid, out_dtype = aggregate.relation.grid, aggregate.relation.dtype
-        size = itemsize(out_dtype)
+        out_grid, out_dtype = aggregate.relation.grid, torch_dtype(aggregate.relation.dtype)
 
-        def run_partial(*cols):
-            decoded, keys, n_rows = decode_rows(cols)
+        def run_partial(arena, *cols):
+            decoded, keys, n_rows = decode_rows(arena, cols)
             groups: dict[Key, list[tuple[Key, int]]] = {}
             for r in range(n_rows):
                 out_key = tuple(keys[s][r][d] for s, d in out_at)
                 over_key = tuple(keys[s][r][d] for s, d in over_at)
                 groups.setdefault(out_key, []).append((over_key, r))
-            # each sum is written straight into the bytes handed back to DuckDB
-            shapes = {key: out_grid.chunk_shape(key) for key in groups}
-            for members in groups.values():
+            out: list[torch.Tensor | None] = [None] * n_rows
+            for key, members in groups.items():
                 members.sort()
-            order = sorted(groups, key=lambda key: groups[key][0][1])
-            nbytes = {key: int(np.prod(shapes[key], dtype=np.int64)) * size for key in order}
-            data = np.empty(sum(nbytes.values()), dtype=np.uint8)
-            at = 0
-            for key in order:
-                out = view_bytes(data[at:at + nbytes[key]], out_dtype, shapes[key])
-                got = series.run_into([d[r] for _, r in groups[key] for d in decoded], out)
-                if got.data_ptr() != out.data_ptr() or got.shape != out.shape:
-                    out.copy_(got)  # a kernel that made its own tensor
-                at += nbytes[key]
-            return _sparse_out(n_rows, {groups[key][0][1]: nbytes[key] for key in order}, data)
+                # the first product into a tensor of its own (never into an input's memory)
+                into = arena.result_view(key) if root else None
+                if into is None:
+                    into = torch.empty(out_grid.chunk_shape(key), dtype=out_dtype)
+                out[members[0][1]] = series.run_into(
+                    [d[r] for _, r in members for d in decoded], into)
+            return arena.put(out)
 
         return run_partial
 
@@ -661,16 +830,19 @@ def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
 
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
-    """Run a compiled query on the DuckDB backend; a QueryResult like the native run's."""
+    """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
+    (``dense``: the dense result made during the run, the root's sums written into it)."""
     con = _connection(compiled, con)  # first: the plan reads the views' current tables
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    chunks, wall = plan.run(con)
+    arena = plan.arena(dense=dense)
+    chunks, wall = plan.run(con, arena)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:
         raise ExecutionError(f"DuckDB backend returned no chunk for keys {missing[:3]}")
     stats = RunStats(wall_s=wall, workers=1, tasks=len(chunks))
-    return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats)
+    assembled = plan.dense_result(chunks, arena) if dense else None
+    return QueryResult(plan=compiled.physical, chunks=chunks, stats=stats, assembled=assembled)
 
 
 def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,

@@ -117,7 +117,7 @@ class DuckDBBackend:
             dense: bool) -> QueryResult:
         from tensorql.backend.duckdb_sql import run_compiled
 
-        return run_compiled(query)
+        return run_compiled(query, dense=dense)
 
     def explain(self, query: CompiledQuery, analyze: bool,
                 trace: str | None = None) -> tuple[str, QueryResult | None]:
