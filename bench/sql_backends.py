@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             expr = tq.einsum(equation, *(db.tensor(f"{x}_t{tile}") for x in names))
             compiled = expr.compile()
             fns[f"(c) native {tile}"] = lambda c=compiled: c.run(dense=True).dense()
-            fns[f"(b) DuckDB {tile}"] = lambda c=compiled: run_compiled(c, db.connection).dense()
+            fns[f"(b) DuckDB {tile}"] = lambda c=compiled: run_compiled(
+                c, db.connection, dense=True).dense()
             count_rows.append([label, size, tile, *counts(db, compiled, len(names) == 2)])
             if len(names) == 2:
                 db.connection.create_function(
