@@ -187,6 +187,8 @@ def _dense(x: torch.Tensor) -> bool:
     >>> _dense(x.T), _dense(x[:, :2]), _dense(torch.ones(3).expand(2, 3))
     (True, False, False)
     """
+    if x.is_contiguous():
+        return True
     expected = 1
     dims = sorted(((size, stride) for size, stride in zip(x.shape, x.stride()) if size != 1),
                   key=lambda dim: dim[1])
@@ -441,8 +443,8 @@ def contract_into(
     if acc is None and join == _MUL and agg == _SUM and len(operands) == 2:
         pair = pair_route(operands, labels, out_labels)
         if pair is not None:  # chunk_einsum's pair product, its route known
-            out = pair(operands[0], operands[1])
-            return _owned(out if _dense(out) else out.contiguous(), operands)
+            out = pair(operands[0], operands[1])  # a product torch.mm made: no input's
+            return out if _dense(out) else out.contiguous()
     mats = _matmul(operands, labels, out_labels, join, agg)
     if mats is not None:
         left, right = blas_operand(mats[0]), blas_operand(mats[1])

@@ -186,7 +186,7 @@ def test_pair_route_kept_gives_what_the_full_route_gives(seed):
                 assert got.untyped_storage().data_ptr() not in (
                     ta.untyped_storage().data_ptr(), tb.untyped_storage().data_ptr())
             # a permuted view of the same shape: the route is the same, the values read right
-            pa = torch.from_numpy(np.ascontiguousarray(a.T)).T
+            pa = torch.from_numpy(np.ascontiguousarray(a.T)).permute(*reversed(range(a.ndim)))
             got = ce.contract_into(None, [pa, tb], [la, lb], out)
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
     # labels given as lists are not kept but still contracted
