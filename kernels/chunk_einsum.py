@@ -187,6 +187,8 @@ def _dense(x: torch.Tensor) -> bool:
     >>> _dense(x.T), _dense(x[:, :2]), _dense(torch.ones(3).expand(2, 3))
     (True, False, False)
     """
+    if x.is_contiguous():
+        return True
     expected = 1
     dims = sorted(((size, stride) for size, stride in zip(x.shape, x.stride()) if size != 1),
                   key=lambda dim: dim[1])
@@ -438,6 +440,11 @@ def contract_into(
     A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary); into
     a wider ``acc`` (float32 for bfloat16 operands) its product is added.
     """
+    if acc is None and join == _MUL and agg == _SUM and len(operands) == 2:
+        pair = pair_route(operands, labels, out_labels)
+        if pair is not None:  # chunk_einsum's pair product, its route known
+            out = pair(operands[0], operands[1])  # a product torch.mm made: no input's
+            return out if _dense(out) else out.contiguous()
     mats = _matmul(operands, labels, out_labels, join, agg)
     if mats is not None:
         left, right = blas_operand(mats[0]), blas_operand(mats[1])
@@ -466,6 +473,56 @@ def contract_into(
     if acc is None:
         return partial
     return combine(acc, partial.to(acc.dtype), agg)
+
+
+# pair_route's answers by (labels, output labels, shapes, dtypes, device type)
+_PAIR_ROUTES: dict[tuple, PairProduct | None] = {}
+PAIR_ROUTES_MAX = 4096
+
+
+def pair_route(operands: Sequence[torch.Tensor], labels: Sequence[Labels],
+               out_labels: Labels) -> PairProduct | None:
+    """The :class:`PairProduct` that a fresh sum of products of these two operands comes to
+    through :func:`contract_into` (no plain or flattened matrix product, no diagonal, no
+    integer path, no row-wise dot: :func:`chunk_einsum`'s pair product), or None for any
+    other route. Decided once per labels, shapes, dtypes and device type and kept: a chain of
+    small products (a tensor network's 119 steps of 64x64x16 blocks) otherwise worked the
+    route out again on every call, ~30 Python calls each.
+
+    >>> a, b = torch.rand(2, 3, 4), torch.rand(4, 5, 2)
+    >>> pair = pair_route([a, b], [("i", "j", "k"), ("k", "l", "i")], ("j", "l"))
+    >>> torch.allclose(pair(a, b), torch.einsum("ijk,kli->jl", a, b))
+    True
+    >>> pair_route([a[0], b[:, :, 0]], [("j", "k"), ("k", "l")], ("j", "l")) is None  # mm
+    True
+    """
+    a, b = operands
+    try:
+        key = (tuple(labels), tuple(out_labels), a.shape, b.shape, a.dtype, b.dtype,
+               a.device.type)
+        return _PAIR_ROUTES[key]
+    except KeyError:
+        pass
+    except TypeError:  # labels given as lists: not kept
+        return _pair_route(operands, labels, out_labels)
+    if len(_PAIR_ROUTES) >= PAIR_ROUTES_MAX:
+        _PAIR_ROUTES.clear()
+    route = _PAIR_ROUTES[key] = _pair_route(operands, labels, out_labels)
+    return route
+
+
+def _pair_route(operands: Sequence[torch.Tensor], labels: Sequence[Labels],
+                out_labels: Labels) -> PairProduct | None:
+    (a, b), (la, lb) = operands, (tuple(labels[0]), tuple(labels[1]))
+    if a.dtype != b.dtype or not a.is_floating_point() or exact_integer_path(operands):
+        return None
+    if len(set(la)) != len(la) or len(set(lb)) != len(lb) or la == lb:
+        return None  # diagonals first, or a row-wise dot
+    if _matmul(operands, labels, out_labels, _MUL, _SUM) is not None:
+        return None
+    if _flat_plan(la, lb, tuple(out_labels), tuple(a.shape), tuple(b.shape)) is not None:
+        return None
+    return PairProduct.for_operands(operands, (la, lb), tuple(out_labels))
 
 
 def contract_to(

@@ -73,10 +73,20 @@ class ChunkGrid:
         return tuple(hi - lo for lo, hi in (self.dim_extent(d, b) for d, b in enumerate(key)))
 
     def check_key(self, key: Sequence[int]) -> Key:
-        key = tuple(int(k) for k in key)
-        if len(key) != self.ndim or any(not 0 <= k < b for k, b in zip(key, self.blocks)):
-            raise ShapeError(f"chunk key {key} is outside grid blocks {self.blocks}")
-        return key
+        """``key`` as a tuple of ints, ShapeError when it is outside the grid (a loop, not
+        generators: every chunk a run loads from the store is checked).
+
+        >>> ChunkGrid((4, 5), (2, 5)).check_key([1, 0])
+        (1, 0)
+        """
+        key = tuple(map(int, key))
+        if len(key) == len(self.shape):
+            for k, n, t in zip(key, self.shape, self.tile):
+                if not 0 <= k < -(-n // t):
+                    break
+            else:
+                return key
+        raise ShapeError(f"chunk key {key} is outside grid blocks {self.blocks}")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ an einsum may have any number of labels; numpy's interleaved form is converted b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -98,8 +99,28 @@ class EinsumSpec:
         join: str = JoinName.MUL,
         agg: str = AggName.SUM,
     ) -> EinsumSpec:
-        """Parse ``equation`` against operand ``shapes``; ParseError / ShapeError on bad input."""
+        """Parse ``equation`` against operand ``shapes``; ParseError / ShapeError on bad input.
+
+        A spec is immutable, so the same equation over the same shapes (a query written again,
+        e.g. a tensor network of 120 operands in a loop) gets the spec parsed the first time
+        (:data:`PARSE_CACHE_SIZE` kept); the operators are checked on every call (a join may
+        have been registered since).
+
+        >>> a = EinsumSpec.parse("ij,jk->ik", [(2, 3), (3, 4)])
+        >>> a is EinsumSpec.parse("ij,jk->ik", [[2, 3], (3, 4)]), a.output_shape
+        (True, (2, 4))
+        """
         check_operators(join, agg)
+        try:
+            key = (equation, tuple(map(tuple, shapes)), join, agg)
+            hash(key)
+        except TypeError:  # an unhashable shape or equation: parsed (and refused) as it is
+            return cls._parse(equation, shapes, join, agg)
+        return _parse_cached(cls, *key)
+
+    @classmethod
+    def _parse(cls, equation: str, shapes: Sequence[Sequence[int]], join: str,
+               agg: str) -> EinsumSpec:
         raw_inputs, raw_output = _split(equation)
         if len(raw_inputs) != len(shapes):
             raise ShapeError(
@@ -137,6 +158,16 @@ class EinsumSpec:
             equation=equation, inputs=tuple(inputs), output=output, sizes=sizes,
             squeezed=squeezed, join=join, agg=agg,
         )
+
+
+#: parsed specs kept by (equation, shapes, join, agg)
+PARSE_CACHE_SIZE = 256
+
+
+@functools.lru_cache(maxsize=PARSE_CACHE_SIZE)
+def _parse_cached(cls: type[EinsumSpec], equation: str, shapes: tuple[tuple[int, ...], ...],
+                  join: str, agg: str) -> EinsumSpec:
+    return cls._parse(equation, shapes, join, agg)
 
 
 def operand_labels(equation: str) -> list[tuple[list[str], bool, int]]:

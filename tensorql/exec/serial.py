@@ -62,6 +62,7 @@ class SerialTask:
     retained: bool  # its output is a result of the run
     frees: tuple[int, ...]  # slots not retained that no later task reads
     frees_retained: tuple[int, ...]  # retained slots no later task reads (streamed runs)
+    bytes_read: int = 0  # what its kernel reads from rest (``kernel.bytes_read``), per run
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class SerialSchedule:
                 retained=out.step in graph.retain,
                 frees=tuple(slot[ref] for ref in done_here if ref.step not in graph.retain),
                 frees_retained=tuple(slot[ref] for ref in done_here
-                                     if ref.step in graph.retain)))
+                                     if ref.step in graph.retain),
+                bytes_read=getattr(task.kernel, "bytes_read", 0)))
         return cls(tuple(tasks), len(slot), tuple((slot[t.output], t) for t in inline))
 
 
@@ -182,8 +184,8 @@ def run_serial(graph: TaskGraph, progress: ProgressCallback | None = None,
             ended = time.perf_counter()
             values[entry.output] = value
             record_task(stats, task.output.step, started, ended,
-                        bytes_in=sum(x.nbytes for x in inputs),
-                        bytes_read=getattr(task.kernel, "bytes_read", 0))
+                        bytes_in=sum([x.nbytes for x in inputs]) if inputs else 0,
+                        bytes_read=entry.bytes_read)
             del inputs
             peak = max(peak, live)
             if entry.completes and entry.retained and sink is not None:

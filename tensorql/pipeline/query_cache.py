@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -69,21 +70,37 @@ def query_key(root: Node) -> tuple | None:
     """
     position: dict[int, int] = {}
     entries: list[tuple] = []
+    leaves = _LEAF_ENTRIES
     for node in topological_order(root):
-        if isinstance(node, Constant):
-            return None
-        kind = type(node)
-        parts: list[Hashable] = [kind]
-        for name in _field_names(kind):
-            parts.append(_field_key(getattr(node, name), position))
-        entry = tuple(parts)
-        try:
-            hash(entry)
-        except TypeError:
-            return None
+        entry = leaves.get(node)
+        if entry is None:
+            if isinstance(node, Constant):
+                return None
+            kind = type(node)
+            parts: list[Hashable] = [kind]
+            leaf = True
+            for name in _field_names(kind):
+                value = _field_key(getattr(node, name), position)
+                leaf = leaf and not (type(value) is tuple and value[0] in _NODE_TAGS)
+                parts.append(value)
+            entry = tuple(parts)
+            try:
+                hash(entry)
+            except TypeError:
+                return None
+            if leaf:  # no input: its entry is the same in every graph it is part of
+                leaves[node] = entry
         position[id(node)] = len(entries)
         entries.append(entry)
     return tuple(entries)
+
+
+# A leaf's entry (a stored tensor's Source: its name, shape, grid, ...) by node object: the
+# operands of a query written again are the same nodes (``db.tensor(...)``'s), so a key of a
+# 120-operand network reads 120 kept entries instead of keying 600 fields. Nodes are frozen;
+# the entry lives while its node does.
+_LEAF_ENTRIES: weakref.WeakKeyDictionary[Node, tuple] = weakref.WeakKeyDictionary()
+_NODE_TAGS = ("node", "nodes")
 
 
 @functools.cache

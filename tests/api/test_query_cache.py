@@ -101,3 +101,55 @@ def test_cache_is_bounded(capacity):
     assert cache.get((4,), stamp=0) == "plan 4"
     cache.put((5,), 1, "stale")  # put under an older stamp than the cache's: ignored
     assert cache.get((5,), stamp=0) is None
+
+
+def test_leaf_entries_are_kept_per_node_and_key_alike():
+    """A stored operand's key entry is kept with its node (issue 31: a 120-operand network
+    keyed 600 fields a call): the key is the one computed afresh, and the entry goes with
+    its node."""
+    import gc
+
+    from tensorql.einsum.graph import EinsumOp, Source
+    from tensorql.grid import ChunkGrid
+    from tensorql.pipeline import query_cache
+
+    _, _, stored = _session()
+    query = tq.einsum(EQ, *stored)
+    first = query_key(query.node)
+    assert all(t.node in query_cache._LEAF_ENTRIES for t in stored)
+    assert query.node not in query_cache._LEAF_ENTRIES  # it has inputs: keyed by position
+    query_cache._LEAF_ENTRIES.clear()
+    assert query_key(tq.einsum(EQ, *stored).node) == first
+    # a node of another name, shape or grid has its own entry
+    grid = ChunkGrid((2, 3), (2, 3))
+    a = Source(shape=(2, 3), dtype="float32", name="A", grid=grid)
+    others = [Source(shape=(2, 3), dtype="float32", name="B", grid=grid),
+              Source(shape=(2, 3), dtype="float64", name="A", grid=grid),
+              Source(shape=(2, 3), dtype="float32", name="A", grid=ChunkGrid((2, 3), (1, 3)))]
+    key = query_key(EinsumOp.build("ij->i", [a]))
+    assert all(query_key(EinsumOp.build("ij->i", [b])) != key for b in others)
+    before = len(query_cache._LEAF_ENTRIES)
+    del a, others
+    gc.collect()
+    assert len(query_cache._LEAF_ENTRIES) == before - 4
+
+
+def test_values_changed_between_calls_are_read_each_call():
+    """Stored values replaced between two warm calls of the same query (same names, shapes
+    and tiles): the second call computes with the new values (numpy oracle)."""
+    db, arrays, stored = _session()
+    np.testing.assert_allclose(tq.einsum(EQ, *stored).numpy(), np.einsum(EQ, *arrays),
+                               rtol=1e-5, atol=1e-5)
+    for step in range(3):
+        arrays[step] = arrays[step] * (step + 2)
+        stored[step] = db.from_numpy(f"t{step}", arrays[step], replace=True)
+        _close(tq.einsum(EQ, *stored).numpy(), np.einsum(EQ, *arrays))
+    # the old Tensor objects name the same stored tensors: they read the new values too
+    old = [db.tensor(f"t{n}") for n in range(4)]
+    _close(tq.einsum(EQ, *old).numpy(), np.einsum(EQ, *arrays))
+
+
+def _close(got, want):
+    """Equal up to float32 rounding, relative to the result's scale."""
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())

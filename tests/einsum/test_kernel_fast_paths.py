@@ -157,3 +157,56 @@ def test_flat_products_match_numpy(a_first, b_first, swap):
     big = torch.zeros(want.shape[0] + 1, *want.shape[1:], dtype=torch.float64)
     contract_to(big[1:], tensors, labs, out)
     np.testing.assert_allclose(big[1:].numpy(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pair_route_kept_gives_what_the_full_route_gives(seed):
+    """contract_into's kept pair route (issue 31) against numpy, on random two-operand
+    contractions of 1-4 labels each, called twice (the second call takes the kept route) and
+    again on operands of other shapes, other dtypes and permuted (strided) views."""
+    from tensorql_kernels import chunk_einsum as ce
+
+    rng = np.random.default_rng(seed)
+    letters = "abcdefg"
+    for _ in range(25):
+        la = tuple(rng.choice(list(letters), size=rng.integers(1, 5), replace=False))
+        lb = tuple(rng.choice(list(letters), size=rng.integers(1, 5), replace=False))
+        kept = [lab for lab in dict.fromkeys(la + lb) if (lab in la) != (lab in lb)]
+        out = tuple(rng.permutation(kept)) if kept else ()
+        sizes = {lab: int(rng.integers(1, 5)) for lab in letters}
+        for dtype in (np.float32, np.float64):
+            a = rng.standard_normal([sizes[lab] for lab in la]).astype(dtype)
+            b = rng.standard_normal([sizes[lab] for lab in lb]).astype(dtype)
+            eq = f"{''.join(la)},{''.join(lb)}->{''.join(out)}"
+            want = np.einsum(eq, a, b)
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            for _ in range(2):
+                got = ce.contract_into(None, [ta, tb], [la, lb], out)
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+                assert got.untyped_storage().data_ptr() not in (
+                    ta.untyped_storage().data_ptr(), tb.untyped_storage().data_ptr())
+            # a permuted view of the same shape: the route is the same, the values read right
+            pa = torch.from_numpy(np.ascontiguousarray(a.T)).permute(*reversed(range(a.ndim)))
+            got = ce.contract_into(None, [pa, tb], [la, lb], out)
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    # labels given as lists are not kept but still contracted
+    x, y = torch.rand(2, 3, 4), torch.rand(4, 5, 2)
+    got = ce.contract_into(None, [x, y], [["i", "j", "k"], ["k", "l", "i"]], ["j", "l"])
+    torch.testing.assert_close(got, torch.einsum("ijk,kli->jl", x, y))
+
+
+def test_pair_route_only_for_the_pair_product():
+    """The kept route is the pair product's alone: a plain matrix product, a flattened one,
+    a diagonal, a row-wise dot and integer operands keep their own routes (None)."""
+    from tensorql_kernels.chunk_einsum import pair_route
+
+    m, t = torch.rand(3, 4), torch.rand(2, 3, 4)
+    assert pair_route([m, torch.rand(4, 5)], [("i", "j"), ("j", "k")], ("i", "k")) is None
+    assert pair_route([t, torch.rand(5, 4)], [("b", "s", "d"), ("v", "d")],
+                      ("b", "s", "v")) is None
+    assert pair_route([torch.rand(3, 3), m], [("i", "i"), ("i", "j")], ("j",)) is None
+    assert pair_route([t, t], [("b", "s", "d"), ("b", "s", "d")], ("b", "s")) is None
+    ints = torch.ones(2, 3, 4, dtype=torch.int64)
+    assert pair_route([ints, ints], [("i", "j", "k"), ("k", "l", "i")], ("j", "l")) is None
+    assert pair_route([t, torch.rand(4, 5, 2)], [("i", "j", "k"), ("k", "l", "i")],
+                      ("j", "l")) is not None

@@ -87,3 +87,23 @@ def test_interleaved_bad_subscripts(db):
         tq.einsum(t, [0, "x"], [0])
     with pytest.raises(ParseError, match="list of subscripts"):
         tq.einsum(t, "ab")
+
+
+def test_parse_is_kept_per_equation_and_shapes_and_still_checks():
+    """EinsumSpec.parse keeps the spec of an equation over shapes (issue 31): the same spec
+    for equal shapes of any sequence type, another for other shapes, and a bad call still
+    raises after a good one was kept."""
+    import numpy as np
+    import pytest
+
+    from tensorql.einsum.spec import EinsumSpec
+    from tensorql.errors import ShapeError
+
+    spec = EinsumSpec.parse("ij,jk->ik", [(2, 3), (3, 4)])
+    assert EinsumSpec.parse("ij,jk->ik", [np.array([2, 3]), [3, 4]]) is spec
+    assert EinsumSpec.parse("ij,jk->ik", [(2, 3), (3, 5)]).output_shape == (2, 5)
+    assert EinsumSpec.parse("ij,jk->ik", [(2, 3), (3, 4)], agg="max") is not spec
+    with pytest.raises(ShapeError):
+        EinsumSpec.parse("ij,jk->ik", [(2, 3), (4, 4)])
+    with pytest.raises(ShapeError):
+        EinsumSpec.parse("ij,jk->ik", [(2, 3)])

@@ -70,3 +70,22 @@ def test_a_chunk_cached_after_a_region_of_it_replaces_the_region(store):
     view = store.read_region("w", (0, 0), (16, 32))
     assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
     np.testing.assert_array_equal(part.numpy(), view.numpy())
+
+
+def test_check_key_accepts_the_grid_and_refuses_the_rest():
+    """ChunkGrid.check_key (a loop since issue 31): every key of the grid comes back as a
+    tuple of ints; a key of another length, a negative or past-the-end block is a ShapeError
+    naming the blocks."""
+    import numpy as np
+    import pytest
+
+    from tensorql.errors import ShapeError
+    from tensorql.grid import ChunkGrid
+
+    grid = ChunkGrid((5, 4, 3), (2, 4, 2))
+    assert [grid.check_key(k) for k in grid.keys()] == list(grid.keys())
+    assert grid.check_key(np.array([2, 0, 1])) == (2, 0, 1)
+    assert type(grid.check_key([np.int64(1), 0, 0])[0]) is int
+    for bad in [(3, 0, 0), (0, 1, 0), (0, 0, -1), (0, 0), (0, 0, 0, 0)]:
+        with pytest.raises(ShapeError, match=r"outside grid blocks \(3, 1, 2\)"):
+            grid.check_key(bad)
