@@ -6,9 +6,15 @@ files in a folder beside the session's file (``work.duckdb.spill-<pid>-<id>/``),
 in-memory session in the temporary directory; the folder goes when the session closes. Each
 run that spills gets a :class:`SpillPages`: a table ``tq_internal."tq_spill_<run>_c<id>"`` of
 ``(id BIGINT, page INTEGER, payload BLOB)`` rows per chunk, a chunk being the pages of its
-C-contiguous bytes (no pickle; up to 4 MiB a page, :func:`page_bytes_for`), inserted from Arrow
-views of the chunk's own memory in one transaction and read back by their ``rowid`` range (a
-direct fetch; a filter on ``id`` scanned the table and read whole vectors of pages). A chunk's
+C-contiguous bytes (no pickle; up to 4 MiB a page, :func:`page_bytes_for`), inserted from
+Arrow views of the chunk's own memory by one ``INSERT`` into its empty table, and read back by
+their ``rowid`` range (a direct fetch; a filter on ``id`` scanned the table and read whole
+vectors of pages). Each byte is copied once on the way in: DuckDB moves the rows of an insert
+into an empty table at its commit; an insert into a table holding rows scans them (pinning a
+vector of pages) and copies them a second time (4 statements per 16 MiB chunk did: 1.7x the
+CPU of a write). DuckDB still hashes each page whole for its distinct-value statistics (a BLOB
+in a STRUCT has none, but a scan of a STRUCT column reads every row of its vector, whatever
+the ``rowid`` range: a read pinned the whole chunk). A chunk's
 table is dropped as soon as its copy is no longer needed (:meth:`SpillPages.discard`, at its
 last read): its blocks leave DuckDB's memory and temporary files at once. With one table per
 run, blocks read back stayed in DuckDB's buffer pool until evicted -- written to the
@@ -61,10 +67,12 @@ log = logging.getLogger("tensorql.spill")
 SPILL_PREFIX = "tq_spill_"
 SCHEMA = "tq_internal"
 MIN_MEMORY_BYTES = 32 << 20  # below about this, DuckDB fails to commit pages it must pin
-# statements (a write's INSERT, a read's SELECT) on the spill database at once, each moving at
-# most 1/8 of its memory: a write pins its batch twice at its commit and a read its result, so
-# at most about half of the memory is pinned at once. Unbounded, two workers' writes beside
-# the prefetcher's read and a load's read pinned more than 32 MiB ("failed to pin block").
+# statements (a write's INSERT, a read's SELECT) on the spill database at once. A read pins
+# the pages of its result (at most 1/8 of the memory a statement); a write pins one page at a
+# time (each page is a block of its own, unpinned once copied; the rows move to the table at
+# its commit without a scan). Unbounded, two workers' writes beside the prefetcher's read and
+# a load's read (writes then in 1/8 batches, each pinned twice at its commit: the rows were
+# copied into a table holding rows) pinned more than 32 MiB ("failed to pin block").
 SPILL_STATEMENTS = 2
 MAX_PAGE_BYTES = 4 << 20
 _RUNS = itertools.count(1)
@@ -206,6 +214,7 @@ class SpillPages:
         self._rows: dict[int, tuple[str, int]] = {}  # id -> (its table, pages)
         self.bytes_written = self.bytes_read = 0
         self.chunks_written = self.chunks_read = self.chunks_discarded = 0
+        self.statements_run = 0  # INSERTs and SELECTs that moved pages
 
     def chunk_table(self, ident: int) -> str:
         """The quoted name of chunk ``ident``'s table."""
@@ -227,8 +236,8 @@ class SpillPages:
         return cursor
 
     def _pages_per_statement(self) -> int:
-        """Pages one INSERT or SELECT moves: an eighth of the spill database's memory (at most
-        :data:`SPILL_STATEMENTS` run at once)."""
+        """Pages one SELECT reads back (its result pins them all): an eighth of the spill
+        database's memory (at most :data:`SPILL_STATEMENTS` run at once)."""
         return max(1, (self.space.memory_bytes // 8) // self.page_bytes)
 
     def prepare(self) -> None:
@@ -246,34 +255,34 @@ class SpillPages:
             self._created.add(ident)
 
     def write(self, value: torch.Tensor) -> int:
-        """Store ``value``'s bytes as pages of a new table under a new id (one committed
-        transaction per statement).
+        """Store ``value``'s bytes as pages of a new table under a new id: one ``INSERT``
+        (one committed transaction) into the chunk's own, empty table.
 
-        The pages are Arrow views of the chunk's own bytes (no copy before DuckDB's)."""
+        The pages are Arrow views of the chunk's own bytes (no copy before DuckDB's), and
+        DuckDB copies each page once, into a block of its own that it unpins at once: the
+        statement pins one page at a time, whatever the chunk's size. At the commit the rows
+        move to the empty table whole (into a table holding rows they would be scanned --
+        pinning a vector of pages -- and copied again)."""
         raw = chunk_bytes(value)
         count = max(1, -(-raw.size // self.page_bytes))
         offsets = np.minimum(np.arange(count + 1, dtype=np.int64) * self.page_bytes, raw.size)
         payload = pa.LargeBinaryArray.from_buffers(
             pa.large_binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
         con = self._cursor()
-        per = self._pages_per_statement()
         with self._write_lock:
             ident, self._next_id = self._next_id, self._next_id + 1
+            batch = pa.table({"id": pa.array(np.full(count, ident, np.int64)),
+                              "page": pa.array(np.arange(count, dtype=np.int32)),
+                              "payload": payload})
             self._create(con, ident)
             ref = self.chunk_table(ident)
-            # a statement at a time holds at most an eighth of the database's memory (a chunk
-            # larger than that would not fit its buffer pool in one INSERT)
-            for lo in range(0, count, per):
-                hi = min(count, lo + per)
-                batch = pa.table({"id": pa.array(np.full(hi - lo, ident, np.int64)),
-                                  "page": pa.array(np.arange(lo, hi, dtype=np.int32)),
-                                  "payload": payload.slice(lo, hi - lo)})
-                con.register("tq_spill_batch", batch)
-                try:
-                    with self.space.statements:
-                        con.execute(f"INSERT INTO {ref} SELECT * FROM tq_spill_batch")
-                finally:
-                    con.unregister("tq_spill_batch")
+            con.register("tq_spill_batch", batch)
+            try:
+                with self.space.statements:
+                    con.execute(f"INSERT INTO {ref} SELECT * FROM tq_spill_batch")
+            finally:
+                con.unregister("tq_spill_batch")
+            self.statements_run += 1
             self._rows[ident] = (ref, count)
             self.bytes_written += raw.size
             self.chunks_written += 1
@@ -313,6 +322,8 @@ class SpillPages:
                 result = cursor.sql(f"SELECT id, page, payload FROM {ref} "
                                     f"WHERE rowid >= {int(lo)} AND rowid < {int(hi)}"
                                     ).to_arrow_table()
+            with self._write_lock:
+                self.statements_run += 1
             ids = result.column(0).to_numpy()
             pages = result.column(1).to_numpy()
             payload = result.column(2)

@@ -573,3 +573,24 @@ def test_concurrent_spill_writes_and_reads_stay_within_the_spill_databases_memor
     finally:
         pages.close()
         space.close()
+
+
+def test_a_chunk_is_written_by_one_insert_into_its_own_table():
+    """A chunk of many pages is one INSERT (its rows move whole into the empty table at the
+    commit: batches into a table holding rows were copied a second time) and comes back bit
+    for bit, read a bounded number of pages per SELECT."""
+    import torch
+
+    gen = torch.Generator().manual_seed(17)
+    chunk = torch.randn(12 << 20, generator=gen)  # 48 MiB: 12 pages, 1.5x DuckDB's memory
+    space = SpillSpace(memory_bytes=32 << 20)
+    pages = space.open_run("one")
+    try:
+        ident = pages.write(chunk)
+        assert pages.statements_run == 1
+        assert torch.equal(pages.read(ident, tuple(chunk.shape), chunk.dtype), chunk)
+        per = pages._pages_per_statement()
+        assert pages.statements_run == 1 + -(-12 // per)
+    finally:
+        pages.close()
+        space.close()
