@@ -216,8 +216,9 @@ class ChunkArena:
             handle, chunk = got
         flat = _flat_bytes(chunk)
         if at < 0 or at + raw.size > flat.size:
-            raise ExecutionError(f"DuckDB backend: page bytes {at}..{at + raw.size} outside "
-                                 f"chunk {where[1]} of {flat.size} bytes")
+            raise ExecutionError(f"DuckDB backend: a page of {format_bytes(raw.size)} at "
+                                 f"offset {format_bytes(at)} falls outside chunk {where[1]} "
+                                 f"({format_bytes(flat.size)})")
         flat[at:at + raw.size] = raw  # pieces of one chunk are disjoint: no lock needed
         with self._lock:
             self._missing[handle] -= raw.size
