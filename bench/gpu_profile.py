@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 import time
 from dataclasses import replace
 
 import torch
-from gpu_common import sync
+from gpu_common import median_seconds, sync
 from gpu_matmul import tiled_matmul_graph
 from gpu_offload import host_tiles
 
@@ -45,19 +44,6 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
             total += e - end
             end = e
     return total
-
-
-def timed(fn, device: str, repeat: int = 5) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
-    fn()
-    sync(device)
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def lanes(result, wall: float) -> None:
@@ -87,7 +73,7 @@ def matmul(device: str, cuda: bool) -> None:
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     flops = 2 * n ** 3
-    t_torch = timed(lambda: torch.matmul(a, b), device)
+    t_torch = median_seconds(lambda: torch.matmul(a, b), device)[0]
     print(f"== matmul n={n} {dtype}: torch.matmul {t_torch * 1e3:.2f} ms "
           f"({flops / t_torch / 1e12:.1f} TFLOP/s)", flush=True)
     for tile in ((16384, 8192, 4096) if cuda else (512, 256, 128)):
@@ -109,13 +95,13 @@ def matmul(device: str, cuda: bool) -> None:
                     torch.mm(a[i * tile:(i + 1) * tile], b[:, j * tile:(j + 1) * tile])
 
         for name, fn in (("blocks, fp32 sums", fp32_sums), ("blocks, full K", full_k)):
-            t = timed(fn, device)
+            t = median_seconds(fn, device)[0]
             print(f"  tile {tile:5d} floor {name:18}: {t * 1e3:7.2f} ms = "
                   f"{t_torch / t:.3f} of torch's throughput", flush=True)
         graph = tiled_matmul_graph(a, b, tile)
         for workers in (1, 2):
             rt = Runtime(device, None, workers=workers, results_on_device=True)
-            t = timed(lambda rt=rt, graph=graph: rt.run(graph), device)
+            t = median_seconds(lambda rt=rt, graph=graph: rt.run(graph), device)[0]
             print(f"  tile {tile:5d} runtime workers {workers}        : {t * 1e3:7.2f} ms = "
                   f"{t_torch / t:.3f} of torch's throughput", flush=True)
         rt = Runtime(device, None, workers=2, results_on_device=True, timeline=True)

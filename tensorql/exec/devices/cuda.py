@@ -50,6 +50,7 @@ from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
 CUDA_LOOKAHEAD = 6
 
 _streams_lock = threading.Lock()
+_lanes_lock = threading.Lock()  # the outer lock: device_streams takes _streams_lock inside it
 
 
 def device_streams(api: Any, device: torch.device, lane: str, count: int) -> list[Any]:
@@ -66,17 +67,14 @@ def device_lanes(api: Any, device: torch.device, name: str,
     """The lanes of ``device`` (``lane -> streams``), their threads started once per process
     (per ``api``) and reused by every run: a new set only when one of them stopped."""
     key = ("lanes", str(device), tuple(sorted(lanes.items())), os.getpid())
-    with _streams_lock:
-        cache = cuda_api.cache_of(api)
+    cache = cuda_api.cache_of(api)
+    with _lanes_lock:  # one set per key even when two runs open the device at once
         found = cache.get(key)
-        if found is not None and all(lane.alive() for lane in found.values()):
-            return found
-    made = {lane: _Lane(f"{name}-{lane}", api, device,
-                        device_streams(api, device, lane, n))
-            for lane, n in lanes.items()}
-    with _streams_lock:
-        cache[key] = made
-    return made
+        if found is None or not all(lane.alive() for lane in found.values()):
+            found = cache[key] = {lane: _Lane(f"{name}-{lane}", api, device,
+                                              device_streams(api, device, lane, n))
+                                  for lane, n in lanes.items()}
+        return found
 
 
 def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
