@@ -42,6 +42,15 @@ def rel_error(got, ref) -> float:
     return float((got - ref).norm() / max(float(ref.norm()), 1e-30))
 
 
+def _wrong_elements(got: np.ndarray, ref: np.ndarray, inputs: np.ndarray, show: int = 6) -> str:
+    """How many elements are off by more than 1e-5 relative, and the first few of them."""
+    off = np.abs(got.astype(np.float64) - ref) > 1e-5 * np.maximum(np.abs(ref), 1.0)
+    where = np.argwhere(off)[:show]
+    items = ", ".join(f"{tuple(int(i) for i in w)}: got {float(got[tuple(w)])!r} want "
+                      f"{ref[tuple(w)]:.6g} (input {float(inputs[tuple(w)])!r})" for w in where)
+    return f"{int(off.sum())} of {off.size} elements wrong [{items}]"
+
+
 class Probes:
     def __init__(self, device: str) -> None:
         self.device = device
@@ -85,12 +94,19 @@ class Probes:
     def fused_chain(self) -> float:
         rng = np.random.default_rng(0)
         a = rng.standard_normal((1024, 1024)).astype(np.float32)
-        with self.connect() as db:
-            A = db.from_numpy("A", a, tile=(1024, 1024))  # one chunk of 2^20 elements
-            got = ((A * 2.0 + 1.0).relu().exp() - 1.0).numpy()
         # the reference in float64: numpy's float32 exp rounds differently with the buffer's
         # alignment (its SIMD path or not), which moved a float32 reference's error 300x
-        return rel_error(got, np.exp(np.maximum(a.astype(np.float64) * 2 + 1, 0)) - 1)
+        ref = np.exp(np.maximum(a.astype(np.float64) * 2 + 1, 0)) - 1
+        with self.connect() as db:
+            A = db.from_numpy("A", a, tile=(1024, 1024))  # one chunk of 2^20 elements
+            chain = (A * 2.0 + 1.0).relu().exp() - 1.0
+            got = chain.numpy()
+            err = rel_error(got, ref)
+            if err > 1e-5:  # a miss: which elements, and does a second run repeat it?
+                print(f"[probe] fused_chain miss: {_wrong_elements(got, ref, a)}; "
+                      f"input intact: {bool(np.array_equal(A.numpy(), a))}; "
+                      f"rerun rel err {rel_error(chain.numpy(), ref):.2e}", flush=True)
+        return err
 
     def _adam(self, cls_name: str) -> float:
         rng = np.random.default_rng(0)

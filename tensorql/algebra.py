@@ -244,6 +244,9 @@ def _arity(name: str, fn: Callable[..., Any], error: type[TensorQLError], what: 
 
 
 def _check_template(name: str, sql: str, arity: int) -> None:
+    if not isinstance(sql, str):
+        raise JoinFunctionError(f"join {name!r}: sql template must be a string like "
+                                f"'{{0}} + {{1}}', got {type(sql).__name__} {sql!r}")
     try:
         sql.format(*[f"x{k}" for k in range(arity)])
     except (IndexError, KeyError, ValueError) as err:

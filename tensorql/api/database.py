@@ -22,7 +22,7 @@ from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Node, Source
 from tensorql.einsum.literals import constant_node, literal_array
-from tensorql.errors import ShapeError, StorageError
+from tensorql.errors import ShapeError, StorageError, UnsupportedError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
@@ -222,6 +222,15 @@ class Database:
                    *, replace: bool = False, progress: ProgressCallback | None = None) -> Tensor:
         """Store a torch tensor under ``name`` (moved to CPU chunk by chunk); ``progress`` as
         in :meth:`from_numpy`."""
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsupportedError(f"from_torch {name!r}: expected a torch.Tensor, got "
+                                   f"{type(tensor).__name__}")
+        if tensor.is_meta:
+            raise UnsupportedError(f"from_torch {name!r}: a tensor on the meta device has no "
+                                   "values to store")
+        if tensor.layout != torch.strided:
+            raise UnsupportedError(f"from_torch {name!r}: a {str(tensor.layout)[6:]} tensor is "
+                                   "not stored as such; pass tensor.to_dense()")
         tensor = tensor.detach()
         return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
                          lambda sl: tensor[sl].cpu().contiguous(), replace, progress)

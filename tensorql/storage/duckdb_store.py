@@ -280,6 +280,8 @@ class DuckDBChunkStore(ChunkStore):
         return self._lookup(name) is not None
 
     def _lookup(self, name: str) -> tuple[str, TensorMeta] | None:
+        if not isinstance(name, str):  # never stored (and a number would cast the column)
+            return None
         page_bytes = "page_bytes" if self._paged_catalog else "0"
         row = self._cursor().execute(
             f"SELECT chunk_table, dtype, shape, tile, {page_bytes} FROM {self._catalog} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import tensorql as tq
 
@@ -107,3 +108,33 @@ def test_zero_size_dimensions_like_numpy(db, equation, agg):
     assert got.shape == expected_shape and got.dtype == np.float32
     assert np.all(got == identity)  # nothing contributes: the aggregation's identity
     assert db.store("s", tq.einsum(equation, *operands, agg=agg)).shape == expected_shape
+
+
+# -- found by the session-7 fuzz of the Python surface (raw exceptions before) -------------
+
+def test_a_name_that_is_not_a_string_is_an_unknown_tensor(db, x):
+    # a number was bound as the catalog query's parameter: DuckDB cast the name column to
+    # INT32 and raised its own ConversionException
+    for bad in (3, 2.5, None, ("x",)):
+        with pytest.raises(tq.UnknownTensorError, match="unknown tensor"):
+            db.tensor(bad)
+        with pytest.raises(tq.UnknownTensorError):
+            db.drop(bad)
+    assert db.tensors() == ["x"]
+    np.testing.assert_array_equal(db.tensor("x").numpy(), np.arange(3, dtype=np.float32))
+
+
+@pytest.mark.parametrize("value, words", [
+    (torch.ones(3).to_sparse(), "sparse_coo tensor is not stored as such; pass tensor.to_dense"),
+    (torch.ones(3, device="meta"), "meta device has no values"),
+    ([1.0, 2.0], "expected a torch.Tensor, got list"),
+])
+def test_from_torch_refuses_what_has_no_dense_values(db, value, words):
+    with pytest.raises(tq.UnsupportedError, match=words):
+        db.from_torch("t", value)
+    assert "t" not in db.tensors()
+
+
+def test_a_join_sql_template_that_is_not_a_string_is_named(db):
+    with pytest.raises(tq.JoinFunctionError, match="sql template must be a string.*int 3"):
+        tq.register_join("plus_fuzz", lambda a, b: a + b, identity=0.0, sql=3)
