@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import html as _html
 import json
+import os
 from typing import Any
 
-from tensorql.errors import ExecutionError
+from tensorql.errors import ExecutionError, OptionError, StorageError
 
 _COLOURS = {"compute": "#4e79a7", "load": "#f28e2b", "send": "#59a14f", "d2h": "#e15759",
             "fetch": "#b07aa1"}
@@ -94,7 +95,34 @@ def chrome_trace(stats: Any, step_names: dict[int, str] | None = None) -> dict[s
             "otherData": {"wall_ms": float(stats.wall_s) * 1e3}}
 
 
+def check_trace_path(path: Any) -> None:
+    """Refuse, before anything runs, a trace destination that cannot be a new file: not a
+    path (an int would be taken as an open file descriptor), a directory, or a file in a
+    directory that does not exist.
+
+    >>> check_trace_path(5)
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.OptionError: explain(trace=...) takes a file path, got int 5
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise OptionError(f"explain(trace=...) takes a file path, got {type(path).__name__} "
+                          f"{path!r}")
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        raise OptionError(f"explain(trace={path!r}): that is a directory, not a file")
+    if not os.path.isdir(os.path.dirname(target)):
+        raise OptionError(f"explain(trace={path!r}): the directory "
+                          f"{os.path.dirname(target)!r} does not exist")
+
+
 def write_trace(path: Any, stats: Any, step_names: dict[int, str] | None = None) -> None:
-    """Write :func:`chrome_trace` of ``stats`` to the file ``path``."""
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(chrome_trace(stats, step_names), fh)
+    """Write :func:`chrome_trace` of ``stats`` to the file ``path`` (StorageError naming the
+    file when it cannot be written)."""
+    check_trace_path(path)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(chrome_trace(stats, step_names), fh)
+    except OSError as err:
+        raise StorageError(f"cannot write the trace to {os.fspath(path)!r}: "
+                           f"{err.strerror or err}") from err

@@ -12,6 +12,7 @@ from tensorql.einsum.graph import Node
 from tensorql.errors import OptionError, PlanError
 from tensorql.exec.host_malloc import STREAM_RETAINED_FREE_BYTES, heap_only, release_free_memory
 from tensorql.exec.run_types import ProgressCallback, RunStats
+from tensorql.exec.timeline import check_trace_path
 from tensorql.grid import Key
 from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
@@ -121,6 +122,8 @@ class CompiledQuery:
                               f"{', '.join(PLAN_FORMATS)}")
         if trace is not None and not analyze:
             raise OptionError("explain(trace=...) records a run: pass analyze=True too")
+        if trace is not None:
+            check_trace_path(trace)
         if stage is not None and stage not in STAGES:
             raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
                                     f"{', '.join(STAGES)}")

@@ -131,3 +131,18 @@ def test_duckdb_backend_draws_the_plan_and_refuses_a_trace(tmp_path):
         with pytest.raises(tq.UnsupportedError, match="native backend"):
             expr.explain(analyze=True, trace=str(tmp_path / "run.json"))
     assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.parametrize("trace, words", [
+    (5, "takes a file path, got int 5"),  # was opened as file descriptor 5
+    ("", "takes a file path, got str ''"),
+    ("{missing}/t.json", "the directory .* does not exist"),
+    ("{tmp}", "that is a directory, not a file"),
+])
+def test_a_trace_that_cannot_be_a_new_file_is_refused_before_the_run(tmp_path, trace, words):
+    if isinstance(trace, str):
+        trace = trace.format(tmp=tmp_path, missing=tmp_path / "missing")
+    with tq.connect(devices="cpu") as db:
+        expr = _query(db)
+        with pytest.raises(tq.OptionError, match=words):
+            expr.explain(analyze=True, trace=trace)
