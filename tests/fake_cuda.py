@@ -233,6 +233,7 @@ class FakeCuda:
         self.ops_on_device = 0
         self.ops_by_device: dict[int, int] = {}
         self.ops_by_label: dict[str, int] = {}
+        self.ops_by_name: dict[str, int] = {}  # aten op name -> calls on device data
         self.copies: dict[str, int] = {"h2d": 0, "d2h": 0, "d2d": 0}
         self.pinned_bytes = 0
         self._pending: set[FakeEvent] = set()
@@ -508,6 +509,7 @@ class StrictDevice(TorchDispatchMode):
             fake.ops_on_device += 1
             fake.ops_by_device[stream.device] = fake.ops_by_device.get(stream.device, 0) + 1
             fake.ops_by_label[stream.label] = fake.ops_by_label.get(stream.label, 0) + 1
+            fake.ops_by_name[name] = fake.ops_by_name.get(name, 0) + 1
         for t in metas:
             tag = fake._tag_of(t)
             if tag is not None:

@@ -419,6 +419,80 @@ class ContractSeries:
         return self.kernel.combine(acc, partial)
 
 
+def coalesce(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, without a copy when the parts are adjacent views of one
+    tensor along ``dim`` (the tiles of a constant, sliced from it): then the view of the
+    whole span.
+
+    >>> x = torch.arange(12.0).reshape(3, 4)
+    >>> whole = coalesce([x[:, 0:2], x[:, 2:4]], 1)
+    >>> whole.data_ptr() == x.data_ptr(), torch.equal(whole, x)
+    (True, True)
+    >>> coalesce([torch.ones(1, 2), torch.zeros(1, 1)], 1).tolist()
+    [[1.0, 1.0, 0.0]]
+    """
+    first = parts[0]
+    base = first._base
+    if base is not None and len(parts) > 1 and all(
+            p._base is base and p.stride() == first.stride() and p.dim() == first.dim()
+            for p in parts):
+        offset = first.storage_offset()
+        adjacent = True
+        for p in parts:
+            if p.storage_offset() != offset or any(
+                    a != b for d, (a, b) in enumerate(zip(p.shape, first.shape)) if d != dim):
+                adjacent = False
+                break
+            offset += p.shape[dim] * p.stride(dim)
+        if adjacent:
+            shape = list(first.shape)
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            return first.as_strided(shape, first.stride(), first.storage_offset())
+    return torch.cat(list(parts), dim)
+
+
+@dataclass(frozen=True, eq=False)
+class ContractWhole:
+    """Every contribution to one output chunk as ONE product over the whole of the
+    contracted label that the contributions tile: each operand's tiles along it are put
+    together (:func:`coalesce`: a view when they are adjacent slices of one tensor, else one
+    ``torch.cat`` on the operands' device) and ``kernel`` runs once -- one ``torch.mm`` per
+    output chunk instead of one per tile of K. On a GPU that is one cuBLAS call, which
+    accumulates in float32 inside and rounds a bfloat16 result once, at full occupancy
+    (a series of K-tile products summed in float32 reached 0.81 of ``torch.matmul`` on an
+    H100, one product over K 0.91). ``axes[p]``: the dim of operand ``p`` that the tiles
+    run along (None: the operand has no such dim and is the same chunk in every group).
+    The physical planner chooses it (:class:`~tensorql.physical.builder.ContributionSeries`)
+    on devices where one call beats a series and the copies fit.
+
+    >>> k = ContractWhole(ContractChunk((("i", "j"), ("j", "k")), ("i", "k")), 2, (1, 0))
+    >>> a, b = torch.arange(8.0).reshape(2, 4), torch.arange(12.0).reshape(4, 3)
+    >>> got = k.run([a[:, :2], b[:2], a[:, 2:], b[2:]], None)
+    >>> torch.equal(got, a @ b)
+    True
+    """
+
+    kernel: ContractChunk
+    arity: int
+    axes: tuple[int | None, ...]
+
+    def operands(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The operands of the one product: each operand's tiles put together."""
+        groups = [inputs[i:i + self.arity] for i in range(0, len(inputs), self.arity)]
+        return [groups[0][p] if axis is None or len(groups) == 1
+                else coalesce([g[p] for g in groups], axis)
+                for p, axis in enumerate(self.axes)]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel.run(self.operands(inputs), acc)
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        return self.kernel.run_into(self.operands(inputs), out)
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)
+
+
 @dataclass(frozen=True)
 class FusedArg:
     """One argument of a fused op: external input ``index`` (>= 0) or the result of op

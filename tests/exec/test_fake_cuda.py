@@ -452,3 +452,83 @@ def test_a_limit_below_the_reserve_says_so(fake_cuda):
         with pytest.raises(PlanError, match=r"16\.0 MiB of cuda:0 leaves nothing for chunks: "
                                             r"65\.0 MiB of it is kept"):
             (A @ A).numpy()
+
+
+# -- products over the whole contracted label (issue 29 item 7: one mm per output tile) ----
+def _product_tasks(expr):
+    """The tasks of ``expr``'s product step, by output chunk."""
+    q = expr.compile()
+    sid = q.physical.result_step.id
+    return [t for t in q.physical.task_graph().tasks if t.output.step == sid]
+
+
+def test_a_product_on_cuda_is_one_mm_per_output_tile_over_the_whole_k(fake_cuda):
+    """On a CUDA device the planner runs each output tile's K tiles as ONE product (the
+    operand tiles put together on the device): 2 x 2 output tiles of K in 4 tiles are 4 mm
+    calls, not 16 products folded into accumulators."""
+    from tensorql.physical.kernels import ContractWhole
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 64)).astype(np.float32)
+    with tq.connect(devices="cuda:0") as db:
+        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
+        tasks = _product_tasks(A @ B)
+        assert len(tasks) == 4 and {type(t.kernel) for t in tasks} == {ContractWhole}
+        assert all(len(t.inputs) == 8 for t in tasks)  # 4 K tiles of each operand
+        got = (A @ B).numpy()
+    assert got.shape == (64, 64) and all_nan(got)
+    assert fake_cuda.ops_by_name.get("mm", 0) + fake_cuda.ops_by_name.get("addmm", 0) == 4
+    assert fake_cuda.ops_by_name.get("cat", 0) == 8  # each operand's K tiles, put together
+    ran_on_device(fake_cuda)
+
+
+def test_whole_k_only_where_the_kernel_temporaries_hold_the_copies(fake_cuda):
+    """Under a memory_limit whose share for kernel temporaries (1/16) is below an output
+    tile's inputs, the product keeps its series of per-tile products (as on a CPU)."""
+    from tensorql.physical.kernels import ContractChunk, ContractSeries, ContractWhole
+
+    a = np.ones((64, 128), np.float32)
+    with tq.connect(devices="cuda:0", memory_limit="256KiB") as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        kinds = {type(t.kernel) for t in _product_tasks(A @ B)}  # inputs 32 KiB > 16 KiB
+    assert ContractWhole not in kinds and kinds <= {ContractChunk, ContractSeries}
+    with tq.connect(devices="cuda:0", memory_limit="1MiB") as db:  # 64 KiB share: whole
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        assert {type(t.kernel) for t in _product_tasks(A @ B)} == {ContractWhole}
+    with tq.connect(devices="cpu") as db:  # a CPU's series keeps its accumulator in cache
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        assert ContractWhole not in {type(t.kernel) for t in _product_tasks(A @ B)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_k_kernel_is_exact_against_torch_on_cpu_data(dtype):
+    """The kernel the rule picks, on CPU data: the operands' K tiles put together (copied,
+    or a view when they are slices of one tensor) and one product, equal to torch's product
+    of the whole operands (integer values: every sum exact, in bfloat16 too)."""
+    from tensorql.physical.builder import ContributionSeries, WholeK
+    from tensorql.physical.kernels import ContractChunk, ContractWhole
+
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randint(-3, 4, (48, 96), generator=gen).to(dtype)
+    b = torch.randint(-3, 4, (96, 40), generator=gen).to(dtype)
+    kernel = ContractChunk((("i", "k"), ("k", "j")), ("i", "j"), dtype=str(dtype)[6:])
+    series = ContributionSeries(kernel, None, 1, WholeK.of(float("inf"), kernel,
+                                                          {"i": 1, "k": 3, "j": 1}))
+    for k in range(3):
+        series.add((0, 0), None, [("a", k), ("b", k)], 0, 1)
+    ((_, _, refs, task_kernel, _),) = list(series.tasks())
+    assert isinstance(task_kernel, ContractWhole) and len(refs) == 6
+    tiles = {("a", k): a[:, 32 * k:32 * (k + 1)] for k in range(3)}
+    tiles |= {("b", k): b[32 * k:32 * (k + 1)] for k in range(3)}
+    exact = a.double() @ b.double()
+    views = task_kernel.run([tiles[r] for r in refs], None)  # slices of one tensor: no copy
+    copies = task_kernel.run([tiles[r].clone() for r in refs], None)  # torch.cat
+    out = torch.empty(48, 40, dtype=dtype)
+    task_kernel.run_into([tiles[r].clone() for r in refs], out)
+    for got in (views, copies, out):
+        assert got.dtype == dtype and torch.equal(got.double(), exact)
+    assert torch.equal(views, torch.mm(a, b))

@@ -81,7 +81,17 @@ def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
     """Bytes of a device's ``memory_limit`` kept out of the chunk budget: the cuBLAS workspace
     of each compute stream, plus 1/16 of the limit (at most 512 MiB) for the temporaries of
     the kernel the compute lane is launching (one at a time: one launching thread)."""
-    return compute_streams * workspace + min(budget // 16, 512 << 20)
+    return compute_streams * workspace + kernel_temp_bytes(budget)
+
+
+def kernel_temp_bytes(budget: int) -> int:
+    """The share of a device's ``memory_limit`` kept for the temporaries of the one kernel
+    being launched: 1/16 of it, at most 512 MiB.
+
+    >>> kernel_temp_bytes(1 << 30) >> 20, kernel_temp_bytes(64 << 30) >> 20
+    (64, 512)
+    """
+    return min(budget // 16, 512 << 20)
 
 
 class _Pending:
