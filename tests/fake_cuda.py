@@ -229,6 +229,7 @@ class FakeCuda:
         self.log: list[tuple[Any, ...]] = []
         self.host_syncs: list[tuple[str, str, str]] = []  # (what, thread, stream label)
         self.events_recorded = 0
+        self.events_created = 0
         self.max_pending_compute_events = 0
         self.ops_on_device = 0
         self.ops_by_device: dict[int, int] = {}
@@ -299,6 +300,8 @@ class FakeCuda:
         return self._default[index]
 
     def event(self, enable_timing: bool = False, blocking: bool = False) -> FakeEvent:
+        with self.lock:
+            self.events_created += 1
         return FakeEvent(self, enable_timing)
 
     def synchronize(self, device: torch.device | None = None) -> None:

@@ -85,6 +85,10 @@ class DeviceStats:
     evictions: int = 0
     reloads: int = 0
     ops: int = 0
+    # source chunks found in the device's memory already (a slice of a device tensor):
+    # completed on the coordinator, no copy, no lane, no event
+    resident_loads: int = 0
+    resident_bytes: int = 0
 
     def describe(self, cpu_like: bool) -> str:
         into = "host->mem" if cpu_like else "H2D"
@@ -338,7 +342,9 @@ class OpKind:
     to its device; ``work`` is what runs on the lane; ``complete`` records a finished op and
     says whether it finished a chunk task of the graph. ``allocates``: its bytes count as
     live when it is submitted; ``exclusive``: two ops writing one chunk never run at once;
-    ``by_bytes``: the null device's cost is its bytes (else its FLOPs)."""
+    ``by_bytes``: the null device's cost is its bytes (else its FLOPs); ``resident``: the
+    op's value when the device holds it already (then it completes on the coordinator: no
+    lane, no CUDA events, no thread hand-off), else None."""
 
     name: str
     work: Callable[[StreamRun, Op, Device], Callable[[], Any]] | None = None
@@ -349,6 +355,7 @@ class OpKind:
     allocates: bool = False
     exclusive: bool = False
     by_bytes: bool = True
+    resident: Callable[[StreamRun, Op, Device], Any] | None = None
 
 
 def _noop() -> None:
@@ -402,12 +409,28 @@ def _load_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
     return lambda: run.load(op, dev)
 
 
+def _load_resident(run: StreamRun, op: Op, dev: Device) -> Any:
+    """A source chunk already in the memory of a device with memory of its own (a slice of
+    a tensor on that GPU: :class:`~tensorql.physical.kernels.ConstChunk` says ``inline``, a
+    view taken at no cost), else None."""
+    holds = getattr(dev, "holds", None)
+    if not op.from_rest or dev.host_memory or holds is None \
+            or not getattr(op.task.kernel, "inline", False):
+        return None
+    value = op.task.kernel.run([], None)
+    return value if isinstance(value, torch.Tensor) and holds(value) else None
+
+
 def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
     start, end = run.timed(op, c)
     stats = run.stats.devices[op.device]
     if not run.devices[op.device].is_null:
         run.values[op.device][op.ref] = c.value
-    stats.bytes_h2d += op.nbytes
+    if op.id in run.resident_ops:
+        stats.resident_loads += 1
+        stats.resident_bytes += op.nbytes
+    else:
+        stats.bytes_h2d += op.nbytes
     if not op.from_rest:
         stats.reloads += 1
         run.host_load_done(op)
@@ -491,7 +514,7 @@ OP_KINDS: dict[str, OpKind] = {
     "alloc": OpKind("alloc", bookkeeping=_alloc),
     "free": OpKind("free", bookkeeping=_free),
     "compute": OpKind("compute", _compute_work, _compute_done, exclusive=True, by_bytes=False),
-    "load": OpKind("load", _load_work, _load_done, allocates=True),
+    "load": OpKind("load", _load_work, _load_done, allocates=True, resident=_load_resident),
     "send": OpKind("send", _send_work, _send_done, allocates=True),
     "fetch": OpKind("fetch", _fetch_work, _fetch_done),
     "d2h": OpKind("d2h", _d2h_work, _d2h_done),
@@ -553,6 +576,7 @@ class StreamRun(RunState):
         self.cleanup: dict[int, Callable[[], None]] = {}
         self.done_ops = 0
         self.loaded_sources: set[ChunkRef] = set()
+        self.resident_ops: set[int] = set()  # loads found in the device's memory already
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
@@ -707,6 +731,13 @@ class StreamRun(RunState):
         if kind.exclusive:
             self.busy_out.add((op.device, op.ref))
         dev = self.devices[op.device]
+        if kind.resident is not None and not dev.is_null:
+            value = kind.resident(self, op, dev)
+            if value is not None:  # in the device's memory already: done, on this thread
+                self.resident_ops.add(op.id)
+                now = time.perf_counter()
+                self.events.put(Completion(op.id, now, now, value))
+                return
         work = _noop if dev.is_null else kind.work(self, op, dev)  # type: ignore[misc]
         dev.submit(op.lane, op.id, work, float(op.nbytes) if kind.by_bytes else op.cost)
 

@@ -532,3 +532,73 @@ def test_whole_k_kernel_is_exact_against_torch_on_cpu_data(dtype):
     for got in (views, copies, out):
         assert got.dtype == dtype and torch.equal(got.double(), exact)
     assert torch.equal(views, torch.mm(a, b))
+
+
+# -- the fixed cost of a run (issue 29 item 7: ~4-5 ms a run on the H100) ------------------
+def _one_product(tile: int = 64, whole_k: float | None = None):
+    """bench/gpu_matmul.py's graph of one product whose inputs are device tensors (the
+    fake's meta), with the runtime it runs on, results left on the device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from gpu_matmul import tiled_matmul_graph
+
+    a, b = torch.empty(64, 64, device="meta"), torch.empty(64, 64, device="meta")
+    graph = tiled_matmul_graph(a, b, tile, whole_k)
+    return graph, Runtime("cuda:0", None, workers=2, results_on_device=True)
+
+
+def test_a_run_of_one_product_does_only_the_product_on_the_device(fake_cuda):
+    """What a run of a one-product graph does on the host, counted with the fake (machine
+    independent): its sources are slices of tensors already on the GPU, so their loads
+    complete on the coordinator (no lane, no events, no thread hand-off, no bytes counted
+    as copied); the product is the run's only op on a lane; its two CUDA events are made
+    once and re-recorded by every later run; streams, lanes and the memory plan are made
+    at the first run only."""
+    graph, rt = _one_product()
+    first = rt.run(graph)
+    made = (fake_cuda.events_created, len(fake_cuda._streams))
+    recorded = fake_cuda.events_recorded
+    programs = dict(graph.programs)
+    for _ in range(5):
+        result = rt.run(graph)
+    assert (fake_cuda.events_created, len(fake_cuda._streams)) == made
+    assert made[0] == 2  # one pair, for the product
+    assert fake_cuda.events_recorded - recorded == 5 * 2
+    assert graph.programs.keys() == programs.keys()
+    for res in (first, result):
+        (dev,) = res.stats.devices
+        assert dev.resident_loads == 2 and dev.bytes_h2d == 0 and dev.ops == 3
+        assert list(res.outputs) == [ChunkRef(2, (0, 0))]
+    assert fake_cuda.copies["h2d"] == 0 and fake_cuda.ops_by_name.get("mm") == 6
+    assert fake_cuda.violations == []
+
+
+def test_host_sources_still_go_through_the_copy_lane(fake_cuda):
+    """A source in host memory is copied on the H2D lane (counted as copied), as before."""
+    from tensorql.physical.kernels import ContractChunk
+
+    src = torch.ones(8, 8)
+    a, b, out = ChunkRef(0, (0,)), ChunkRef(1, (0,)), ChunkRef(2, (0,))
+    kernel = ContractChunk((("i", "k"), ("k", "j")), ("i", "j"))
+    graph = TaskGraph((Task(0, (), a, _Const(src)), Task(1, (), b, _Const(src)),
+                       Task(2, (a, b), out, kernel)), retain=frozenset({2}),
+                      chunk_bytes={a: src.nbytes, b: src.nbytes, out: src.nbytes})
+    result = Runtime("cuda:0", None, results_on_device=True).run(graph)
+    (dev,) = result.stats.devices
+    assert dev.resident_loads == 0 and dev.bytes_h2d == 2 * src.nbytes
+    assert fake_cuda.copies["h2d"] == 2
+
+
+class _Const:
+    """A source kernel returning a host tensor (not ``inline``)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def run(self, inputs, acc):
+        return self.value
+
+    def combine(self, acc, partial):
+        raise AssertionError

@@ -110,6 +110,9 @@ class _Lane:
     def __init__(self, name: str, api: Any, device: torch.device, streams: list[Any]) -> None:
         self.api, self.device, self.streams = api, device, streams
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # (start, end) event pairs whose waiter is done with them: re-recorded by later ops
+        # of any run instead of making two events per op
+        self.spare_events: queue.SimpleQueue = queue.SimpleQueue()
         self.waits: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in streams]
         self.threads = [threading.Thread(target=self._launch, daemon=True,
                                          name=f"tensorql-{name}")]
@@ -151,11 +154,14 @@ class _Lane:
         api = self.api
         started = time.perf_counter()
         try:
-            with api.stream_context(stream):
+            try:
+                start, end = self.spare_events.get_nowait()
+            except queue.Empty:
                 start = api.event(enable_timing=True)
+                end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
+            with api.stream_context(stream):
                 start.record(stream)
                 value = fn()
-                end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
                 end.record(stream)
         except BaseException as err:  # noqa: BLE001 - reported to the runtime
             return _Pending(op_id, started, None, None, None, err, post)
@@ -171,6 +177,7 @@ class _Lane:
                 try:
                     item.end.synchronize()  # this waiter only: the launcher has moved on
                     device_s = item.start.elapsed_time(item.end) / 1e3
+                    self.spare_events.put((item.start, item.end))  # both complete: reusable
                 except BaseException as err:  # noqa: BLE001 - reported to the runtime
                     error = err
             item.post(Completion(item.op_id, item.started, time.perf_counter(),
