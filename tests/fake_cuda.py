@@ -230,6 +230,8 @@ class FakeCuda:
         self.host_syncs: list[tuple[str, str, str]] = []  # (what, thread, stream label)
         self.events_recorded = 0
         self.events_created = 0
+        self.record_h2d = False  # keep a copy of the host data of each H2D copy
+        self.h2d_sources: list[torch.Tensor] = []
         self.max_pending_compute_events = 0
         self.ops_on_device = 0
         self.ops_by_device: dict[int, int] = {}
@@ -557,6 +559,8 @@ class StrictDevice(TorchDispatchMode):
         if func is aten._to_copy.default and args[0].device.type == "cpu":
             with fake.lock:
                 fake.copies["h2d"] += 1
+                if fake.record_h2d:
+                    fake.h2d_sources.append(args[0].clone())
         if func is aten.copy_.default and isinstance(args[1], torch.Tensor):
             kind = "h2d" if args[1].device.type == "cpu" else "d2d"
             with fake.lock:

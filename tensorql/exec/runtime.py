@@ -216,7 +216,9 @@ class Runtime:
     ``timeline=True`` records every op for :func:`tensorql.exec.timeline.timeline_html`.
     ``results_on_device=True`` (no limit) leaves result chunks in device memory instead of
     copying them to the host. ``direct=True`` lets a run on one CPU with no limit skip the
-    memory plan (see :meth:`run`).
+    memory plan (see :meth:`run`). ``device_cache`` (``Options.device_cache``: "auto", bytes,
+    None or 0 for none): what each device with memory of its own keeps of the stored chunks
+    runs load, across runs (:mod:`tensorql.exec.device_cache`), out of ``memory_limit``.
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
@@ -225,7 +227,8 @@ class Runtime:
                  spill_store: Any = None, host_budget: int | None = None,
                  timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False,
-                 host_domains: Sequence[int] | None = None) -> None:
+                 host_domains: Sequence[int] | None = None,
+                 device_cache: Any = None) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -239,6 +242,7 @@ class Runtime:
         self.host_budget = host_budget
         self.timeline = timeline
         self.results_on_device = results_on_device
+        self.device_cache = device_cache
         self._host_domains = tuple(host_domains) if host_domains is not None else None
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
@@ -261,8 +265,26 @@ class Runtime:
                     f"nothing for chunks: {format_bytes(reserve)} of it is kept for kernel "
                     "workspaces and temporaries (cuBLAS keeps a workspace per compute "
                     f"stream); give a memory_limit above {format_bytes(reserve)}")
-            out.append(max(0, self.memory_limit - reserve))
+            out.append(max(0, self.memory_limit - reserve - self.cache_bytes(dev)))
         return out
+
+    def cache_bytes(self, dev: Device) -> int:
+        """Bytes of ``dev``'s memory kept for device copies of stored chunks across runs
+        (0 for a device without memory of its own): "auto" 1/4 of the memory limit, or of
+        the device's memory; under a limit at most half of what the reserve leaves."""
+        setting = self.device_cache
+        if not setting or getattr(dev, "resident_cache", None) is None:
+            return 0
+        if setting == "auto":
+            total = self.memory_limit if self.memory_limit is not None else dev.capacity()
+            wanted = (total or 0) // 4
+        else:
+            wanted = int(setting)
+        if self.memory_limit is not None:
+            reserve = (self.reserve_bytes if self.reserve_bytes is not None
+                       else dev.default_reserve(self.memory_limit))
+            wanted = min(wanted, max(0, self.memory_limit - reserve) // 2)
+        return max(0, wanted)
 
     def plan(self, graph: TaskGraph) -> Program:
         """The op program and memory plan for ``graph`` (PlanError if infeasible), made once
@@ -410,15 +432,36 @@ def _load_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
 
 
 def _load_resident(run: StreamRun, op: Op, dev: Device) -> Any:
-    """A source chunk already in the memory of a device with memory of its own (a slice of
-    a tensor on that GPU: :class:`~tensorql.physical.kernels.ConstChunk` says ``inline``, a
-    view taken at no cost), else None."""
+    """A source chunk already in the memory of a device with memory of its own, else None:
+    a slice of a tensor on that GPU (:class:`~tensorql.physical.kernels.ConstChunk` says
+    ``inline``, a view taken at no cost), or a stored chunk the device kept from an earlier
+    run (:mod:`tensorql.exec.device_cache`; a miss is kept when its load is done)."""
     holds = getattr(dev, "holds", None)
-    if not op.from_rest or dev.host_memory or holds is None \
-            or not getattr(op.task.kernel, "inline", False):
+    if not op.from_rest or dev.host_memory or holds is None:
         return None
-    value = op.task.kernel.run([], None)
-    return value if isinstance(value, torch.Tensor) and holds(value) else None
+    kernel = op.task.kernel
+    if getattr(kernel, "inline", False):
+        value = kernel.run([], None)
+        return value if isinstance(value, torch.Tensor) and holds(value) else None
+    cache = run.caches[op.device]
+    key_of = getattr(kernel, "cache_key", None)
+    key = key_of() if cache is not None and key_of is not None else None
+    if key is None:
+        return None
+    value = cache.get(key)
+    if value is None:
+        run.cache_misses[op.id] = key
+    return value
+
+
+def _device_cache(rt: Runtime, dev: Device) -> Any:
+    """``dev``'s cache of stored chunks, sized for this run, or None (none kept)."""
+    nbytes = rt.cache_bytes(dev)
+    if nbytes <= 0:
+        return None
+    cache = dev.resident_cache()  # type: ignore[attr-defined]
+    cache.resize(nbytes)
+    return cache
 
 
 def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
@@ -431,6 +474,9 @@ def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
         stats.resident_bytes += op.nbytes
     else:
         stats.bytes_h2d += op.nbytes
+        key = run.cache_misses.pop(op.id, None)
+        if key is not None and isinstance(c.value, torch.Tensor):
+            run.caches[op.device].put(key, c.value)  # the next run's load finds it
     if not op.from_rest:
         stats.reloads += 1
         run.host_load_done(op)
@@ -577,6 +623,9 @@ class StreamRun(RunState):
         self.done_ops = 0
         self.loaded_sources: set[ChunkRef] = set()
         self.resident_ops: set[int] = set()  # loads found in the device's memory already
+        # each device's copies of stored chunks kept across runs (None: it keeps none)
+        self.caches = [_device_cache(rt, d) for d in self.devices]
+        self.cache_misses: dict[int, Any] = {}  # load op -> the key its copy is kept under
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,

@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensorql_kernels.chunk_einsum import (
@@ -62,11 +63,28 @@ class LoadChunk(_NoCombine):
     def _torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
 
+    def cache_key(self) -> tuple[Any, Any, Any] | None:
+        """What identifies this chunk's bytes across runs (a device keeps its copy under it:
+        :mod:`tensorql.exec.device_cache`): the store, the chunk, and the version of the
+        tensor the run under way pinned; None where no version is known."""
+        return _cache_key(self.store, self.name, ("chunk", self.key))
+
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         chunk = self.store.read_chunk(self.name, self.key)
         if chunk.shape != self.shape or chunk.dtype != self._torch_dtype:
             check_layout(self.name, f"chunk {self.key}", chunk, self.shape, self.dtype)
         return chunk
+
+
+def _cache_key(store: ChunkStore | PlanReads, name: str, what: tuple
+               ) -> tuple[Any, Any, Any] | None:
+    """(store, (name, dtype, what), version handle) of a read of a pinned stored tensor."""
+    if not isinstance(store, PlanReads):
+        return None
+    version = store.version_of(name)
+    if version is None or version.handle is None:
+        return None
+    return (store.store, (name, version.meta.dtype, what), version.handle)
 
 
 def check_layout(name: str, what: str, value: torch.Tensor, shape: Sequence[int],
@@ -105,6 +123,10 @@ class LoadPiece:
     @property
     def bytes_read(self) -> int:
         return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
+
+    def cache_key(self) -> tuple[Any, Any, Any] | None:
+        """As :meth:`LoadChunk.cache_key`, for the region."""
+        return _cache_key(self.store, self.name, ("region", self.lo, self.hi))
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         try:

@@ -386,7 +386,14 @@ def test_a_lane_keeps_no_chunk_of_a_finished_run_alive(fake_cuda):
         A = db.from_numpy("A", a, tile=(32, 32))
         (A @ A + 1.0).numpy()
         gc.collect()
-        assert fake_cuda.memory_allocated(fake_cuda.torch_device(0)) == 0
+        # what stays is the device's copies of the stored chunks (Options.device_cache)
+        kept = _device_cache(fake_cuda).nbytes
+        assert kept == a.nbytes
+        assert fake_cuda.memory_allocated(fake_cuda.torch_device(0)) == kept
+
+
+def _device_cache(fake, index: int = 0):
+    return cuda_api.cache_of(fake)[("device cache", str(fake.torch_device(index)))]
 
 
 def test_cuda_device_without_cuda_raises():
@@ -602,3 +609,73 @@ class _Const:
 
     def combine(self, acc, partial):
         raise AssertionError
+
+
+# -- stored tensors kept in device memory across queries (Options.device_cache) ------------
+def _tiles(x: np.ndarray, rows: int, cols: int) -> list[np.ndarray]:
+    return [np.ascontiguousarray(x[i:i + rows, j:j + cols])
+            for i in range(0, x.shape[0], rows) for j in range(0, x.shape[1], cols)]
+
+
+def _same_chunks(sent: list[torch.Tensor], x: np.ndarray, rows: int, cols: int) -> bool:
+    """``sent`` (host data of H2D copies) is exactly the chunks of ``x``, in any order."""
+    want = sorted(t.tobytes() for t in _tiles(x, rows, cols))
+    return sorted(np.ascontiguousarray(s.numpy()).tobytes() for s in sent) == want
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_a_second_query_reads_the_stored_weights_from_device_memory(fake_cuda):
+    """Query 1 copies the stored weights to the GPU (H2D); query 2, another expression
+    reading them, copies only its other operand: the weights' loads find the device copies
+    kept by query 1 (no H2D bytes for them). A store of new values is seen: query 3 copies
+    the new chunks, exactly, and none of the old."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x1 = rng.standard_normal((16, 64)).astype(np.float32)
+    x2 = rng.standard_normal((16, 64)).astype(np.float32)
+    w_new = (w + 1.0).astype(np.float32)
+    fake_cuda.record_h2d = True
+    with tq.connect(devices="cuda:0") as db:
+        W = db.from_numpy("W", w, tile=(32, 32))
+        X1, X2 = db.from_numpy("X1", x1, tile=(16, 32)), db.from_numpy("X2", x2, tile=(16, 32))
+        assert all_nan((X1 @ W).numpy())
+        first = fake_cuda.h2d_sources
+        assert len(first) == 2 + 2  # W's 2 chunks and X1's 2
+        assert _same_chunks([t for t in first if t.shape == (32, 32)], w, 32, 32)
+        fake_cuda.h2d_sources = []
+        text = (X2 @ W).relu().explain(analyze=True)
+        assert _same_chunks(fake_cuda.h2d_sources, x2, 16, 32)  # X2's chunks only
+        assert "H2D 4.0 KiB" in text  # X2: 2 chunks of 16 x 32 float32
+        fake_cuda.h2d_sources.clear()
+        db.from_numpy("W", w_new, tile=(32, 32), replace=True)
+        assert all_nan((X2 @ db.tensor("W")).numpy())
+        assert len(fake_cuda.h2d_sources) == 2  # the new W's chunks; X2's are kept
+        assert _same_chunks(fake_cuda.h2d_sources, w_new, 32, 32)
+        fake_cuda.h2d_sources.clear()
+        assert all_nan((X2 @ db.tensor("W")).numpy())
+        assert fake_cuda.h2d_sources == []  # everything it reads is on the device now
+    ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_the_device_cache_stays_within_its_share_of_the_memory_limit(fake_cuda):
+    """Under memory_limit the kept copies are at most device_cache bytes (taken out of the
+    chunk budget), least recently used out first; device_cache=0 keeps none."""
+    from tensorql.exec.devices.cuda import CUDADevice
+
+    a = np.ones((128, 128), np.float32)  # 16 chunks of 4 KiB
+    with tq.connect(devices="cuda:0", memory_limit="256KiB", device_cache="16KiB") as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        assert all_nan((A @ A).numpy())
+        cache = _device_cache(fake_cuda)
+        assert 0 < cache.nbytes <= 16 << 10 and cache.evictions > 0
+        rt = Runtime("cuda:0", 256 << 10, device_cache=16 << 10)
+        no_cache = Runtime("cuda:0", 256 << 10)
+        assert rt.budgets()[0] == no_cache.budgets()[0] - (16 << 10)
+        assert isinstance(rt.devices[0], CUDADevice)
+    cache.clear()
+    with tq.connect(devices="cuda:0", device_cache=0) as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        assert all_nan((A @ A).numpy())
+        assert cache.nbytes == 0
+    ran_on_device(fake_cuda)

@@ -44,6 +44,7 @@ import torch
 
 import tensorql.cuda_api as cuda_api
 from tensorql.errors import ExecutionError
+from tensorql.exec.device_cache import DeviceCache
 from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
 
 #: ready ops a lane of a CUDA device is handed beyond its streams: launched, not yet done
@@ -222,6 +223,13 @@ class CUDADevice(ThreadedDevice):
 
     def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
         self._lanes[lane].submit(op_id, fn, self._post)
+
+    def resident_cache(self) -> DeviceCache:
+        """The device copies of stored chunks this device keeps across runs, one per device
+        and process (per ``api``; :mod:`tensorql.exec.device_cache`)."""
+        cache = cuda_api.cache_of(self.api)
+        with _streams_lock:
+            return cache.setdefault(("device cache", str(self.device)), DeviceCache())
 
     def holds(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is already in this device's memory."""
