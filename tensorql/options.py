@@ -126,8 +126,9 @@ class Options:
             stored again since is dropped, so a ``store()`` of new values is always seen):
             a second query reading the same weights copies none of them again. "auto" (the
             default): 1/4 of ``memory_limit``, or of the GPU's memory without one; 0 or
-            None: off. Taken out of ``memory_limit`` (the memory plan's chunk budget is the
-            rest). CPU devices have no such cache (their chunk cache is the store's).
+            None: off. Under ``memory_limit`` each run first shrinks it to what its memory
+            plan leaves of the budget, so copies kept and the run's chunks fit the limit
+            together. CPU devices have no such cache (their chunk cache is the store's).
     """
 
     workers: int = 0

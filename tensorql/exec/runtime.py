@@ -218,7 +218,8 @@ class Runtime:
     copying them to the host. ``direct=True`` lets a run on one CPU with no limit skip the
     memory plan (see :meth:`run`). ``device_cache`` (``Options.device_cache``: "auto", bytes,
     None or 0 for none): what each device with memory of its own keeps of the stored chunks
-    runs load, across runs (:mod:`tensorql.exec.device_cache`), out of ``memory_limit``.
+    runs load, across runs (:mod:`tensorql.exec.device_cache`), within what each run's memory
+    plan leaves of ``memory_limit``.
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
@@ -265,13 +266,15 @@ class Runtime:
                     f"nothing for chunks: {format_bytes(reserve)} of it is kept for kernel "
                     "workspaces and temporaries (cuBLAS keeps a workspace per compute "
                     f"stream); give a memory_limit above {format_bytes(reserve)}")
-            out.append(max(0, self.memory_limit - reserve - self.cache_bytes(dev)))
+            out.append(max(0, self.memory_limit - reserve))
         return out
 
-    def cache_bytes(self, dev: Device) -> int:
+    def cache_bytes(self, dev: Device, room: int | None = None) -> int:
         """Bytes of ``dev``'s memory kept for device copies of stored chunks across runs
         (0 for a device without memory of its own): "auto" 1/4 of the memory limit, or of
-        the device's memory; under a limit at most half of what the reserve leaves."""
+        the device's memory; at most ``room``, what the run's memory plan leaves of the
+        device's chunk budget (its budget less its planned peak), so that the copies kept
+        and the run's chunks together stay within ``memory_limit``."""
         setting = self.device_cache
         if not setting or getattr(dev, "resident_cache", None) is None:
             return 0
@@ -280,11 +283,7 @@ class Runtime:
             wanted = (total or 0) // 4
         else:
             wanted = int(setting)
-        if self.memory_limit is not None:
-            reserve = (self.reserve_bytes if self.reserve_bytes is not None
-                       else dev.default_reserve(self.memory_limit))
-            wanted = min(wanted, max(0, self.memory_limit - reserve) // 2)
-        return max(0, wanted)
+        return max(0, wanted if room is None else min(wanted, room))
 
     def plan(self, graph: TaskGraph) -> Program:
         """The op program and memory plan for ``graph`` (PlanError if infeasible), made once
@@ -454,14 +453,15 @@ def _load_resident(run: StreamRun, op: Op, dev: Device) -> Any:
     return value
 
 
-def _device_cache(rt: Runtime, dev: Device) -> Any:
-    """``dev``'s cache of stored chunks, sized for this run, or None (none kept)."""
-    nbytes = rt.cache_bytes(dev)
-    if nbytes <= 0:
-        return None
-    cache = dev.resident_cache()  # type: ignore[attr-defined]
-    cache.resize(nbytes)
-    return cache
+def _device_cache(rt: Runtime, dev: Device, budget: int | None, peak: int) -> Any:
+    """``dev``'s cache of stored chunks, sized for this run (shrunk first to what the run's
+    memory plan leaves of the budget: ``budget`` less its planned ``peak``), or None."""
+    if rt.device_cache and getattr(dev, "resident_cache", None) is not None:
+        cache = dev.resident_cache()  # type: ignore[attr-defined]
+        nbytes = rt.cache_bytes(dev, None if budget is None else max(0, budget - peak))
+        cache.resize(nbytes)  # the copies beyond it go now, before the run allocates
+        return cache if nbytes > 0 else None
+    return None
 
 
 def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
@@ -624,7 +624,8 @@ class StreamRun(RunState):
         self.loaded_sources: set[ChunkRef] = set()
         self.resident_ops: set[int] = set()  # loads found in the device's memory already
         # each device's copies of stored chunks kept across runs (None: it keeps none)
-        self.caches = [_device_cache(rt, d) for d in self.devices]
+        self.caches = [_device_cache(rt, d, b.budget, b.peak_bytes)
+                       for d, b in zip(self.devices, program.devices)]
         self.cache_misses: dict[int, Any] = {}  # load op -> the key its copy is kept under
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
