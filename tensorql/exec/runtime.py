@@ -99,6 +99,8 @@ class DeviceStats:
                 f"{into} {format_bytes(self.bytes_h2d)}, {out} {format_bytes(self.bytes_d2h)}")
         if self.bytes_d2d:
             text += f", peer {format_bytes(self.bytes_d2d)}"
+        if self.resident_bytes:
+            text += f", found in device memory {format_bytes(self.resident_bytes)}"
         return text + (f", peak {format_bytes(self.peak_bytes)} of {budget} "
                        f"(planned {format_bytes(self.planned_peak_bytes)}), "
                        f"evictions {self.evictions}, reloads {self.reloads}")

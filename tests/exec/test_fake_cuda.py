@@ -646,6 +646,7 @@ def test_a_second_query_reads_the_stored_weights_from_device_memory(fake_cuda):
         text = (X2 @ W).relu().explain(analyze=True)
         assert _same_chunks(fake_cuda.h2d_sources, x2, 16, 32)  # X2's chunks only
         assert "H2D 4.0 KiB" in text  # X2: 2 chunks of 16 x 32 float32
+        assert "found in device memory 8.0 KiB" in text  # W: 2 chunks of 32 x 32
         fake_cuda.h2d_sources.clear()
         db.from_numpy("W", w_new, tile=(32, 32), replace=True)
         assert all_nan((X2 @ db.tensor("W")).numpy())
@@ -690,3 +691,33 @@ def test_the_device_cache_stays_within_its_share_of_the_memory_limit(fake_cuda):
         assert all_nan((A @ A).numpy())
         assert cache.nbytes == 0
     ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "streams"])
+def test_a_whole_k_plan_runs_exactly_on_cpu_data(strategy):
+    """The whole-K plan (forced on a CPU session) through the engine on real data: one task
+    per output chunk, each reading every K tile of its operands, equal to numpy's product
+    (integer values: every sum exact)."""
+    from dataclasses import replace
+
+    from runtime_helpers import dense
+
+    from tensorql.physical.builder import build
+    from tensorql.physical.kernels import ContractWhole
+
+    rng = np.random.default_rng(6)
+    a = rng.integers(-4, 5, (96, 128)).astype(np.float64)
+    b = rng.integers(-4, 5, (128, 64)).astype(np.float64)
+    with tq.connect(devices="cpu") as db:
+        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
+        q = (A @ B).compile()
+        q = replace(q, physical=build(q.logical, None, db.chunk_store, whole_k=float("inf")))
+        graph = q.physical.task_graph()
+        product = [t for t in graph.tasks if t.output.step == q.physical.result_step.id]
+        assert len(product) == 6 and all(isinstance(t.kernel, ContractWhole)
+                                          for t in product)
+        with q.physical.pinned():
+            result = Runtime("cpu", None if strategy == "direct" else 1 << 20,
+                             workers=2, direct=strategy == "direct").run(graph)
+    got = dense(q, result.outputs)
+    assert np.array_equal(got.numpy(), a @ b)
