@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goal", type=float, default=None,
                    help="fail when tensorql/torch time exceeds this (none by default)")
     p.add_argument("--json", help="write the record here")
+    p.add_argument("--device-cache", default="auto",
+                   help="Options.device_cache: stored weights kept on the GPU across "
+                        "prompts ('auto'; 0 for the A/B without it)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -59,14 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     record = Record("gpu_llama_layer", device, not cuda, config={
         **shape, "vocab": args.vocab, "seq": seq, "batch": 1, "dtype": "float32",
         "repeat": repeat, "transformers": transformers.__version__,
+        "device_cache": args.device_cache,
         "timing": "CUDA events + device synchronize, 1 warm-up, median" if cuda
         else "wall clock, 1 warm-up, median"})
     return guarded(record, args.json, lambda: measure(record, device, shape, args.vocab, seq,
-                                                      repeat, args.goal))
+                                                      repeat, args.goal, args.device_cache))
 
 
 def measure(record: Record, device: str, shape: dict, vocab: int, seq: int, repeat: int,
-            speed_goal: float | None) -> None:
+            speed_goal: float | None, device_cache: str = "auto") -> None:
     """Time transformers (SDPA) and tensorql's prefill, check the logits; fills ``record``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
@@ -80,7 +84,7 @@ def measure(record: Record, device: str, shape: dict, vocab: int, seq: int, repe
           f"{shape['intermediate_size']}, vocab {vocab}, seq {seq}, fp32, "
           f"{params / 1e6:.1f}M parameters; transformers {transformers.__version__} "
           f"(attention: {model.config._attn_implementation})", flush=True)
-    db = tq.connect(devices="cuda" if is_cuda(device) else "cpu")
+    db = tq.connect(devices="cuda" if is_cuda(device) else "cpu", device_cache=device_cache)
     ours = Llama.from_transformers(db, model)  # weights into the session's store
     model.to(device)
     ids = np.random.default_rng(0).integers(0, vocab, size=(1, seq))

@@ -8,6 +8,7 @@ result or a missed goal exits 1. ``--json`` writes the record (bench/gpu_common.
 
     python bench/gpu_matmul.py [--json out.json]    # CUDA: 16384^3 bf16, tiles 8192
     python bench/gpu_matmul.py --device cpu         # smoke: 256^3 fp32 on the CPU, goal not applied
+    python bench/gpu_matmul.py --split-k            # the plan before the whole-K rule (A/B)
 
 Without CUDA (and without --device cpu) it exits 2 with a message saying so.
 """
@@ -23,13 +24,21 @@ from gpu_common import Record, SumOfSquares, check, cuda_unavailable, goal, guar
 
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+from tensorql.options import Options
+from tensorql.physical.builder import ContributionSeries, WholeK
 from tensorql.physical.kernels import ConstChunk, ContractChunk
+from tensorql.pipeline.planning import whole_k_bytes
 
 GOAL = 0.95  # runtime throughput / torch.matmul throughput
 
 
-def tiled_matmul_graph(a: torch.Tensor, b: torch.Tensor, tile: int) -> TaskGraph:
-    """``a @ b`` as chunk tasks over ``tile``-sized blocks (inputs are sliced, not copied)."""
+def tiled_matmul_graph(a: torch.Tensor, b: torch.Tensor, tile: int,
+                       whole_k: float | None = None) -> TaskGraph:
+    """``a @ b`` as chunk tasks over ``tile``-sized blocks (inputs are sliced, not copied):
+    one task per block product, or, with ``whole_k`` (the physical planner's rule,
+    :func:`tensorql.pipeline.planning.whole_k_bytes`: bytes up to which an output block's
+    products run as one product over the whole K), one task per output block as the planner
+    makes it (:class:`tensorql.physical.builder.WholeK`)."""
     n, k = a.shape
     m = b.shape[1]
     bi, bk, bj = -(-n // tile), -(-k // tile), -(-m // tile)
@@ -51,14 +60,25 @@ def tiled_matmul_graph(a: torch.Tensor, b: torch.Tensor, tile: int) -> TaskGraph
             tid += 1
     kernel = ContractChunk(in_labels=(("i", "k"), ("k", "j")), out_labels=("i", "j"),
                            dtype=dtype)
+    whole = WholeK.of(whole_k, kernel, {"i": bi, "k": bk, "j": bj})
+    series = ContributionSeries(kernel, None, 1, whole)
     for i, j, kk in itertools.product(range(bi), range(bj), range(bk)):
         out = ChunkRef(2, (i, j))
         rows = min(tile, n - i * tile)
         cols = min(tile, m - j * tile)
         inner = min(tile, k - kk * tile)
-        tasks.append(Task(tid, (ChunkRef(0, (i, kk)), ChunkRef(1, (kk, j))), out, kernel,
-                          priority=float(tid), flops=2 * rows * cols * inner))
+        inputs = [ChunkRef(0, (i, kk)), ChunkRef(1, (kk, j))]
         sizes[out] = rows * cols * size
+        if whole is None:
+            tasks.append(Task(tid, tuple(inputs), out, kernel, priority=float(tid),
+                              flops=2 * rows * cols * inner))
+            tid += 1
+        else:
+            series.add(out.key, None, inputs, 2 * rows * cols * inner,
+                       sizes[inputs[0]] + sizes[inputs[1]])
+    for key, _, inputs, task_kernel, flops in (series.tasks() if whole is not None else ()):
+        tasks.append(Task(tid, tuple(inputs), ChunkRef(2, key), task_kernel,
+                          priority=float(tid), flops=flops))
         tid += 1
     return TaskGraph(tuple(tasks), retain=frozenset({2}), chunk_bytes=sizes,
                      step_names={0: "Scan A", 1: "Scan B", 2: "Aggregate sum over [k]"})
@@ -83,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile", type=int, default=None)
     p.add_argument("--repeat", type=int, default=9, help="timed samples (median; >= 5)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--split-k", action="store_true",
+                   help="one task per block product (the plan before the whole-K rule)")
     p.add_argument("--json", help="write the record here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -96,21 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     repeat = max(5, args.repeat)
     record = Record("gpu_matmul", dev, smoke, config={
         "n": n, "tile": tile, "dtype": str(dtype), "workers": args.workers, "repeat": repeat,
+        "split_k": args.split_k,
         "timing": "CUDA events + device synchronize, 1 warm-up, median" if cuda
         else "wall clock, 1 warm-up, median"})
+    whole_k = None if args.split_k else whole_k_bytes(Options(devices=dev))
     return guarded(record, args.json, lambda: measure(record, dev, n, tile, dtype, repeat,
-                                                      args.workers))
+                                                      args.workers, whole_k))
 
 
 def measure(record: Record, dev: str, n: int, tile: int, dtype: torch.dtype, repeat: int,
-            workers: int) -> None:
+            workers: int, whole_k: float | None = None) -> None:
     """Time torch.matmul and the runtime, check the runtime's blocks; fills ``record``."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the exact reference is plain fp32
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
     runtime = Runtime(dev, None, workers=workers, results_on_device=True)
-    graph = tiled_matmul_graph(a, b, tile)
+    graph = tiled_matmul_graph(a, b, tile, whole_k)
     flops = 2 * n ** 3
     holder = {}
 
@@ -120,7 +144,9 @@ def measure(record: Record, dev: str, n: int, tile: int, dtype: torch.dtype, rep
     def run_chunked():
         holder["runtime"] = runtime.run(graph)
 
-    print(f"device={dev} n={n} tile={tile} dtype={dtype} workers={workers}", flush=True)
+    print(f"device={dev} n={n} tile={tile} dtype={dtype} workers={workers} "
+          f"{'one product over K per block' if whole_k is not None else 'K split'}",
+          flush=True)
     t_torch, s_torch = median_seconds(run_torch, dev, repeat)
     record.figures.update({"torch_ms": t_torch * 1e3, "torch_tflops": flops / t_torch / 1e12})
     record.samples["torch_s"] = s_torch

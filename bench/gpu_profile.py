@@ -30,7 +30,9 @@ from gpu_matmul import tiled_matmul_graph
 from gpu_offload import host_tiles
 
 from tensorql.exec.runtime import Runtime
+from tensorql.options import Options
 from tensorql.physical.kernels import ConstChunk
+from tensorql.pipeline.planning import whole_k_bytes
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -98,11 +100,13 @@ def matmul(device: str, cuda: bool) -> None:
             t = median_seconds(fn, device)[0]
             print(f"  tile {tile:5d} floor {name:18}: {t * 1e3:7.2f} ms = "
                   f"{t_torch / t:.3f} of torch's throughput", flush=True)
-        graph = tiled_matmul_graph(a, b, tile)
-        for workers in (1, 2):
+        split = tiled_matmul_graph(a, b, tile)
+        graph = tiled_matmul_graph(a, b, tile, whole_k_bytes(Options(devices=device)))
+        for (plan, g), workers in itertools.product((("split K", split), ("planned", graph)),
+                                                    (1, 2)):
             rt = Runtime(device, None, workers=workers, results_on_device=True)
-            t = median_seconds(lambda rt=rt, graph=graph: rt.run(graph), device)[0]
-            print(f"  tile {tile:5d} runtime workers {workers}        : {t * 1e3:7.2f} ms = "
+            t = median_seconds(lambda rt=rt, g=g: rt.run(g), device)[0]
+            print(f"  tile {tile:5d} runtime {plan:7} workers {workers}: {t * 1e3:7.2f} ms = "
                   f"{t_torch / t:.3f} of torch's throughput", flush=True)
         rt = Runtime(device, None, workers=2, results_on_device=True, timeline=True)
         rt.run(graph)

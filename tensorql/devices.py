@@ -27,17 +27,21 @@ class DeviceKind:
     """What a kind of device is, as far as planning and the pipeline care.
 
     ``computes_values`` is False for a device that only schedules (the null device's virtual
-    time); ``accelerator`` for one with memory of its own that chunks are copied into."""
+    time); ``accelerator`` for one with memory of its own that chunks are copied into;
+    ``whole_k``: one product over the whole contracted label beats a series of products per
+    tile of it folded into an accumulator (a GPU: one cuBLAS call at full occupancy that
+    accumulates in float32 inside; a CPU's series keeps its accumulator in cache instead)."""
 
     name: str
     computes_values: bool = True
     accelerator: bool = False
+    whole_k: bool = False
 
 
 #: every kind of device the ``devices`` option may name, by name
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "cpu": DeviceKind("cpu"),
-    "cuda": DeviceKind("cuda", accelerator=True),
+    "cuda": DeviceKind("cuda", accelerator=True, whole_k=True),
     "null": DeviceKind("null", computes_values=False),
 }
 

@@ -121,6 +121,14 @@ class Options:
             whose kernels use every core (``intra_op_threads``); concurrent chunk kernels
             were seen to round differently from run to run. Costs the overlap of tasks.
             Training resumed from a checkpoint then ends with identical weights.
+        device_cache: bytes of each GPU's memory that keep the device copies of stored
+            chunks the session's queries load, across queries (LRU; a copy of a tensor
+            stored again since is dropped, so a ``store()`` of new values is always seen):
+            a second query reading the same weights copies none of them again. "auto" (the
+            default): 1/4 of ``memory_limit``, or of the GPU's memory without one; 0 or
+            None: off. Under ``memory_limit`` each run first shrinks it to what its memory
+            plan leaves of the budget, so copies kept and the run's chunks fit the limit
+            together. CPU devices have no such cache (their chunk cache is the store's).
     """
 
     workers: int = 0
@@ -141,6 +149,7 @@ class Options:
     distributed_exchange: str = "collective"
     process_memory_limit: int | None = None
     deterministic: bool = False
+    device_cache: Any = "auto"
 
     def __post_init__(self) -> None:
         if self.deterministic:
@@ -153,6 +162,10 @@ class Options:
                 max(1, _default_workers(self.distributed) // self.workers)
             )
         object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        if self.device_cache in (None, 0, "0", "off"):
+            object.__setattr__(self, "device_cache", 0)
+        elif self.device_cache != "auto":
+            object.__setattr__(self, "device_cache", parse_bytes(self.device_cache))
         # parsed once, here (OptionError now rather than at the first query)
         object.__setattr__(self, "_device_set",
                            DeviceSet.parse(self.devices, distributed=self.distributed))

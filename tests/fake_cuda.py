@@ -229,10 +229,14 @@ class FakeCuda:
         self.log: list[tuple[Any, ...]] = []
         self.host_syncs: list[tuple[str, str, str]] = []  # (what, thread, stream label)
         self.events_recorded = 0
+        self.events_created = 0
+        self.record_h2d = False  # keep a copy of the host data of each H2D copy
+        self.h2d_sources: list[torch.Tensor] = []
         self.max_pending_compute_events = 0
         self.ops_on_device = 0
         self.ops_by_device: dict[int, int] = {}
         self.ops_by_label: dict[str, int] = {}
+        self.ops_by_name: dict[str, int] = {}  # aten op name -> calls on device data
         self.copies: dict[str, int] = {"h2d": 0, "d2h": 0, "d2d": 0}
         self.pinned_bytes = 0
         self._pending: set[FakeEvent] = set()
@@ -298,6 +302,8 @@ class FakeCuda:
         return self._default[index]
 
     def event(self, enable_timing: bool = False, blocking: bool = False) -> FakeEvent:
+        with self.lock:
+            self.events_created += 1
         return FakeEvent(self, enable_timing)
 
     def synchronize(self, device: torch.device | None = None) -> None:
@@ -508,6 +514,7 @@ class StrictDevice(TorchDispatchMode):
             fake.ops_on_device += 1
             fake.ops_by_device[stream.device] = fake.ops_by_device.get(stream.device, 0) + 1
             fake.ops_by_label[stream.label] = fake.ops_by_label.get(stream.label, 0) + 1
+            fake.ops_by_name[name] = fake.ops_by_name.get(name, 0) + 1
         for t in metas:
             tag = fake._tag_of(t)
             if tag is not None:
@@ -552,6 +559,8 @@ class StrictDevice(TorchDispatchMode):
         if func is aten._to_copy.default and args[0].device.type == "cpu":
             with fake.lock:
                 fake.copies["h2d"] += 1
+                if fake.record_h2d:
+                    fake.h2d_sources.append(args[0].clone())
         if func is aten.copy_.default and isinstance(args[1], torch.Tensor):
             kind = "h2d" if args[1].device.type == "cpu" else "d2d"
             with fake.lock:

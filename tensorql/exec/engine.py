@@ -95,6 +95,7 @@ class EngineConfig:
     rank: RankJob | None = None
     spill: Any = field(default=None, compare=False)
     host_budget: int | None = None
+    device_cache: Any = None  # Options.device_cache: "auto", bytes, or None/0 (off)
 
     @classmethod
     def of(cls, options: Any, *, timeline: bool = False, rank: RankJob | None = None,
@@ -107,7 +108,7 @@ class EngineConfig:
                   if spill is not None or options.memory_limit is not None else None)
         return cls(options.device_set, options.memory_limit, options.workers,
                    options.intra_op_threads, timeline, rank=rank, spill=spill,
-                   host_budget=budget)
+                   host_budget=budget, device_cache=options.device_cache)
 
     @classmethod
     def cpu(cls, workers: int = 1, intra_op_threads: int = 1) -> EngineConfig:
@@ -136,7 +137,8 @@ class EngineConfig:
             return self.runtime
         return Runtime(self.devices, self.memory_limit, workers=self.workers,
                        intra_op_threads=self.intra_op_threads, timeline=self.timeline,
-                       spill_store=self.spill, host_budget=self.host_budget)
+                       spill_store=self.spill, host_budget=self.host_budget,
+                       device_cache=self.device_cache)
 
 
 _ONE_CPU = DeviceSet.parse("cpu")

@@ -85,6 +85,10 @@ class DeviceStats:
     evictions: int = 0
     reloads: int = 0
     ops: int = 0
+    # source chunks found in the device's memory already (a slice of a device tensor):
+    # completed on the coordinator, no copy, no lane, no event
+    resident_loads: int = 0
+    resident_bytes: int = 0
 
     def describe(self, cpu_like: bool) -> str:
         into = "host->mem" if cpu_like else "H2D"
@@ -95,6 +99,8 @@ class DeviceStats:
                 f"{into} {format_bytes(self.bytes_h2d)}, {out} {format_bytes(self.bytes_d2h)}")
         if self.bytes_d2d:
             text += f", peer {format_bytes(self.bytes_d2d)}"
+        if self.resident_bytes:
+            text += f", found in device memory {format_bytes(self.resident_bytes)}"
         return text + (f", peak {format_bytes(self.peak_bytes)} of {budget} "
                        f"(planned {format_bytes(self.planned_peak_bytes)}), "
                        f"evictions {self.evictions}, reloads {self.reloads}")
@@ -212,7 +218,10 @@ class Runtime:
     ``timeline=True`` records every op for :func:`tensorql.exec.timeline.timeline_html`.
     ``results_on_device=True`` (no limit) leaves result chunks in device memory instead of
     copying them to the host. ``direct=True`` lets a run on one CPU with no limit skip the
-    memory plan (see :meth:`run`).
+    memory plan (see :meth:`run`). ``device_cache`` (``Options.device_cache``: "auto", bytes,
+    None or 0 for none): what each device with memory of its own keeps of the stored chunks
+    runs load, across runs (:mod:`tensorql.exec.device_cache`), within what each run's memory
+    plan leaves of ``memory_limit``.
     """
 
     def __init__(self, devices: Any = "cpu", memory_limit: int | None = None, *,
@@ -221,7 +230,8 @@ class Runtime:
                  spill_store: Any = None, host_budget: int | None = None,
                  timeline: bool = False,
                  results_on_device: bool = False, direct: bool = False,
-                 host_domains: Sequence[int] | None = None) -> None:
+                 host_domains: Sequence[int] | None = None,
+                 device_cache: Any = None) -> None:
         if isinstance(devices, (list, tuple)) and devices and isinstance(devices[0], Device):
             self.devices: list[Device] = list(devices)
         else:
@@ -235,6 +245,7 @@ class Runtime:
         self.host_budget = host_budget
         self.timeline = timeline
         self.results_on_device = results_on_device
+        self.device_cache = device_cache
         self._host_domains = tuple(host_domains) if host_domains is not None else None
         self._pool: PinnedPool | None = None
         self.workers = sum(d.lanes.get("compute", 1) for d in self.devices)
@@ -259,6 +270,22 @@ class Runtime:
                     f"stream); give a memory_limit above {format_bytes(reserve)}")
             out.append(max(0, self.memory_limit - reserve))
         return out
+
+    def cache_bytes(self, dev: Device, room: int | None = None) -> int:
+        """Bytes of ``dev``'s memory kept for device copies of stored chunks across runs
+        (0 for a device without memory of its own): "auto" 1/4 of the memory limit, or of
+        the device's memory; at most ``room``, what the run's memory plan leaves of the
+        device's chunk budget (its budget less its planned peak), so that the copies kept
+        and the run's chunks together stay within ``memory_limit``."""
+        setting = self.device_cache
+        if not setting or getattr(dev, "resident_cache", None) is None:
+            return 0
+        if setting == "auto":
+            total = self.memory_limit if self.memory_limit is not None else dev.capacity()
+            wanted = (total or 0) // 4
+        else:
+            wanted = int(setting)
+        return max(0, wanted if room is None else min(wanted, room))
 
     def plan(self, graph: TaskGraph) -> Program:
         """The op program and memory plan for ``graph`` (PlanError if infeasible), made once
@@ -338,7 +365,9 @@ class OpKind:
     to its device; ``work`` is what runs on the lane; ``complete`` records a finished op and
     says whether it finished a chunk task of the graph. ``allocates``: its bytes count as
     live when it is submitted; ``exclusive``: two ops writing one chunk never run at once;
-    ``by_bytes``: the null device's cost is its bytes (else its FLOPs)."""
+    ``by_bytes``: the null device's cost is its bytes (else its FLOPs); ``resident``: the
+    op's value when the device holds it already (then it completes on the coordinator: no
+    lane, no CUDA events, no thread hand-off), else None."""
 
     name: str
     work: Callable[[StreamRun, Op, Device], Callable[[], Any]] | None = None
@@ -349,6 +378,7 @@ class OpKind:
     allocates: bool = False
     exclusive: bool = False
     by_bytes: bool = True
+    resident: Callable[[StreamRun, Op, Device], Any] | None = None
 
 
 def _noop() -> None:
@@ -402,12 +432,53 @@ def _load_work(run: StreamRun, op: Op, dev: Device) -> Callable[[], Any]:
     return lambda: run.load(op, dev)
 
 
+def _load_resident(run: StreamRun, op: Op, dev: Device) -> Any:
+    """A source chunk already in the memory of a device with memory of its own, else None:
+    a slice of a tensor on that GPU (:class:`~tensorql.physical.kernels.ConstChunk` says
+    ``inline``, a view taken at no cost), or a stored chunk the device kept from an earlier
+    run (:mod:`tensorql.exec.device_cache`; a miss is kept when its load is done)."""
+    holds = getattr(dev, "holds", None)
+    if not op.from_rest or dev.host_memory or holds is None:
+        return None
+    kernel = op.task.kernel
+    if getattr(kernel, "inline", False):
+        value = kernel.run([], None)
+        return value if isinstance(value, torch.Tensor) and holds(value) else None
+    cache = run.caches[op.device]
+    key_of = getattr(kernel, "cache_key", None)
+    key = key_of() if cache is not None and key_of is not None else None
+    if key is None:
+        return None
+    value = cache.get(key)
+    if value is None:
+        run.cache_misses[op.id] = key
+    return value
+
+
+def _device_cache(rt: Runtime, dev: Device, budget: int | None, peak: int) -> Any:
+    """``dev``'s cache of stored chunks, sized for this run (shrunk first to what the run's
+    memory plan leaves of the budget: ``budget`` less its planned ``peak``), or None."""
+    if rt.device_cache and getattr(dev, "resident_cache", None) is not None:
+        cache = dev.resident_cache()  # type: ignore[attr-defined]
+        nbytes = rt.cache_bytes(dev, None if budget is None else max(0, budget - peak))
+        cache.resize(nbytes)  # the copies beyond it go now, before the run allocates
+        return cache if nbytes > 0 else None
+    return None
+
+
 def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
     start, end = run.timed(op, c)
     stats = run.stats.devices[op.device]
     if not run.devices[op.device].is_null:
         run.values[op.device][op.ref] = c.value
-    stats.bytes_h2d += op.nbytes
+    if op.id in run.resident_ops:
+        stats.resident_loads += 1
+        stats.resident_bytes += op.nbytes
+    else:
+        stats.bytes_h2d += op.nbytes
+        key = run.cache_misses.pop(op.id, None)
+        if key is not None and isinstance(c.value, torch.Tensor):
+            run.caches[op.device].put(key, c.value)  # the next run's load finds it
     if not op.from_rest:
         stats.reloads += 1
         run.host_load_done(op)
@@ -491,7 +562,7 @@ OP_KINDS: dict[str, OpKind] = {
     "alloc": OpKind("alloc", bookkeeping=_alloc),
     "free": OpKind("free", bookkeeping=_free),
     "compute": OpKind("compute", _compute_work, _compute_done, exclusive=True, by_bytes=False),
-    "load": OpKind("load", _load_work, _load_done, allocates=True),
+    "load": OpKind("load", _load_work, _load_done, allocates=True, resident=_load_resident),
     "send": OpKind("send", _send_work, _send_done, allocates=True),
     "fetch": OpKind("fetch", _fetch_work, _fetch_done),
     "d2h": OpKind("d2h", _d2h_work, _d2h_done),
@@ -553,6 +624,11 @@ class StreamRun(RunState):
         self.cleanup: dict[int, Callable[[], None]] = {}
         self.done_ops = 0
         self.loaded_sources: set[ChunkRef] = set()
+        self.resident_ops: set[int] = set()  # loads found in the device's memory already
+        # each device's copies of stored chunks kept across runs (None: it keeps none)
+        self.caches = [_device_cache(rt, d, b.budget, b.peak_bytes)
+                       for d, b in zip(self.devices, program.devices)]
+        self.cache_misses: dict[int, Any] = {}  # load op -> the key its copy is kept under
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
@@ -707,6 +783,13 @@ class StreamRun(RunState):
         if kind.exclusive:
             self.busy_out.add((op.device, op.ref))
         dev = self.devices[op.device]
+        if kind.resident is not None and not dev.is_null:
+            value = kind.resident(self, op, dev)
+            if value is not None:  # in the device's memory already: done, on this thread
+                self.resident_ops.add(op.id)
+                now = time.perf_counter()
+                self.events.put(Completion(op.id, now, now, value))
+                return
         work = _noop if dev.is_null else kind.work(self, op, dev)  # type: ignore[misc]
         dev.submit(op.lane, op.id, work, float(op.nbytes) if kind.by_bytes else op.cost)
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,6 +86,7 @@ from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
     ContractSeries,
+    ContractWhole,
     FoldPartial,
     LoadChunk,
     LoadPiece,
@@ -103,7 +105,7 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
           store: ChunkStore | None = None, *, also: tuple[LogicalNode, ...] = (),
           max_temp_elems: int = 1 << 24, fuse_bytes: int | None = None,
           min_tasks: int = 4, sub_tiles: bool = True,
-          fired: tuple[str, ...] = ()) -> PhysicalPlan:
+          fired: tuple[str, ...] = (), whole_k: float | None = None) -> PhysicalPlan:
     """The physical plan of logical plan ``root`` (and of ``also``, further results sharing
     its steps where their graphs do) as ``partition`` cuts and places it (None: one device;
     a partition plan carries its own logical plan, ``root`` must be it).
@@ -114,7 +116,10 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
     pieces are cut into the logical plan's tiles (same bytes moved). ``fired``: the logical
     rewrite rules that made ``root`` (for EXPLAIN). The plan's load tasks read ``store``
     through its :class:`~tensorql.storage.chunk_store.PlanReads` (``plan.reads``), which
-    pins the version of each stored tensor per run."""
+    pins the version of each stored tensor per run. ``whole_k`` (one device; None: never):
+    the input bytes up to which a product's contributions to one output chunk run as one
+    product over the whole contracted label (:class:`WholeK`, chosen by
+    :func:`tensorql.pipeline.planning.whole_k_bytes`)."""
     reads = PlanReads(store) if store is not None else None
     if partition is not None:
         if partition.graph.logical is not root:
@@ -122,7 +127,7 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
         return dataclasses.replace(
             _partitioned(partition, reads, max_temp_elems, sub_tiles, fuse_bytes, min_tasks,
                          fired), reads=reads)
-    builder = _OneDevice(reads, max_temp_elems, fuse_bytes, min_tasks)
+    builder = _OneDevice(reads, max_temp_elems, fuse_bytes, min_tasks, whole_k)
     nodes = walk(root, *also)
     joins = contraction_joins(nodes, (root, *also))
     for node in nodes:
@@ -168,6 +173,44 @@ _KERNELS = {
 }
 
 
+@dataclass(frozen=True)
+class WholeK:
+    """The rule's verdict for one product step: run each output chunk's contributions as one
+    product over the whole contracted label they tile (:class:`ContractWhole`), when their
+    inputs are at most ``max_bytes`` (the copies that put the tiles together are temporaries
+    of that size); ``axes``: per operand, the dim of that label (None: not in the operand).
+    """
+
+    max_bytes: float
+    axes: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, max_bytes: float | None, kernel: ContractChunk,
+           blocks: dict[str, int]) -> WholeK | None:
+        """The verdict for ``kernel`` over a grid of ``blocks`` per label, given the bytes
+        the device may spend on the copies (None: the device gains nothing by it). Only a
+        step whose contributions tile exactly one contracted label qualifies (several would
+        be a grid of tiles to put together; products that broadcast are not matmuls).
+
+        >>> k = ContractChunk((("i", "j"), ("j", "k")), ("i", "k"))
+        >>> WholeK.of(1e9, k, {"i": 2, "j": 4, "k": 2})
+        WholeK(max_bytes=1000000000.0, axes=(1, 0))
+        >>> WholeK.of(None, k, {"i": 2, "j": 4, "k": 2}) is None
+        True
+        >>> WholeK.of(1e9, k, {"i": 2, "j": 1, "k": 2}) is None  # nothing to put together
+        True
+        """
+        if max_bytes is None or kernel._broadcast is not None:
+            return None
+        contracted = [label for label, n in blocks.items()
+                      if n > 1 and label not in kernel.out_labels]
+        if len(contracted) != 1:
+            return None
+        (label,) = contracted
+        return cls(max_bytes, tuple(labels.index(label) if label in labels else None
+                                    for labels in kernel.in_labels))
+
+
 class ContributionSeries:
     """Groups the contributions to each output chunk (on each device) into *series*: one task
     runs a series as consecutive products folded into one accumulator
@@ -187,10 +230,12 @@ class ContributionSeries:
     [(('out', 0), ['a0', 'b0', 'a1', 'b1', 'a2', 'b2'], 'ContractSeries', 24)]
     """
 
-    def __init__(self, kernel: ContractChunk, fuse_bytes: int | None, min_tasks: int) -> None:
+    def __init__(self, kernel: ContractChunk, fuse_bytes: int | None, min_tasks: int,
+                 whole: WholeK | None = None) -> None:
         self.kernel = kernel
         self.fuse_bytes = fuse_bytes
         self.min_tasks = max(1, min_tasks)
+        self.whole = whole
         self.parts: dict[tuple, list[tuple[list, int, int]]] = {}
 
     def add(self, key: tuple, device: int | None, refs: list, flops: int, in_bytes: int) -> None:
@@ -203,6 +248,10 @@ class ContributionSeries:
         for _, device in self.parts:
             outputs[device] = outputs.get(device, 0) + 1
         for (key, device), parts in self.parts.items():
+            if len(parts) > 1 and self.whole is not None \
+                    and sum(p[2] for p in parts) <= self.whole.max_bytes:
+                yield self._whole_task(key, device, parts)
+                continue
             cuts = -(-self.min_tasks // outputs[device])  # series wanted per output chunk
             longest = max(1, -(-len(parts) // cuts))
             run: list = []
@@ -217,6 +266,12 @@ class ContributionSeries:
             if run:
                 yield self._task(key, device, run)
 
+    def _whole_task(self, key: tuple, device: int | None, parts: list):
+        assert self.whole is not None
+        inputs = [r for refs, _, _ in parts for r in refs]
+        kernel = ContractWhole(self.kernel, len(parts[0][0]), self.whole.axes)
+        return key, device, inputs, kernel, sum(f for _, f, _ in parts)
+
     def _task(self, key: tuple, device: int | None, run: list):
         inputs = [r for refs, _, _ in run for r in refs]
         kernel = (self.kernel if len(run) == 1
@@ -229,11 +284,13 @@ class _OneDevice:
     the node's grid (an Aggregate with the Join it reads as one step)."""
 
     def __init__(self, store: PlanReads | None, max_temp_elems: int,
-                 fuse_bytes: int | None = None, min_tasks: int = 4) -> None:
+                 fuse_bytes: int | None = None, min_tasks: int = 4,
+                 whole_k: float | None = None) -> None:
         self.store = store
         self.max_temp_elems = max_temp_elems
         self.fuse_bytes = fuse_bytes
         self.min_tasks = min_tasks
+        self.whole_k = whole_k
         self.steps: list[Step] = []
         self.step_of: dict[int, int] = {}
         self.next_task = 0
@@ -410,7 +467,8 @@ class _OneDevice:
         tasks = []
         bytes_in = 0
         in_grids = [src.relation.grid for src in join.sources]
-        series = ContributionSeries(kernel, self.fuse_bytes, self.min_tasks)
+        series = ContributionSeries(kernel, self.fuse_bytes, self.min_tasks,
+                                    WholeK.of(self.whole_k, kernel, blocks))
         for combo in itertools.product(*(range(blocks[lab]) for lab in labels)):
             block = dict(zip(labels, combo))
             inputs = []
@@ -695,4 +753,4 @@ def _assemble(plan: PartitionPlan, steps: _Steps, root_sid: int,
                         chunk_meta=steps.meta, also_ids=also_sids, rules_fired=fired)
 
 
-__all__ = ["ContributionSeries", "build"]
+__all__ = ["ContributionSeries", "WholeK", "build"]

@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensorql_kernels.chunk_einsum import (
@@ -62,11 +63,28 @@ class LoadChunk(_NoCombine):
     def _torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
 
+    def cache_key(self) -> tuple[Any, Any, Any] | None:
+        """What identifies this chunk's bytes across runs (a device keeps its copy under it:
+        :mod:`tensorql.exec.device_cache`): the store, the chunk, and the version of the
+        tensor the run under way pinned; None where no version is known."""
+        return _cache_key(self.store, self.name, ("chunk", self.key))
+
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         chunk = self.store.read_chunk(self.name, self.key)
         if chunk.shape != self.shape or chunk.dtype != self._torch_dtype:
             check_layout(self.name, f"chunk {self.key}", chunk, self.shape, self.dtype)
         return chunk
+
+
+def _cache_key(store: ChunkStore | PlanReads, name: str, what: tuple
+               ) -> tuple[Any, Any, Any] | None:
+    """(store, (name, dtype, what), version handle) of a read of a pinned stored tensor."""
+    if not isinstance(store, PlanReads):
+        return None
+    version = store.version_of(name)
+    if version is None or version.handle is None:
+        return None
+    return (store.store, (name, version.meta.dtype, what), version.handle)
 
 
 def check_layout(name: str, what: str, value: torch.Tensor, shape: Sequence[int],
@@ -105,6 +123,10 @@ class LoadPiece:
     @property
     def bytes_read(self) -> int:
         return math.prod(b - a for a, b in zip(self.lo, self.hi)) * itemsize(self.dtype)
+
+    def cache_key(self) -> tuple[Any, Any, Any] | None:
+        """As :meth:`LoadChunk.cache_key`, for the region."""
+        return _cache_key(self.store, self.name, ("region", self.lo, self.hi))
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         try:
@@ -414,6 +436,80 @@ class ContractSeries:
         for group in rest:
             acc = self.kernel.run(group, acc)
         return acc
+
+    def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        return self.kernel.combine(acc, partial)
+
+
+def coalesce(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, without a copy when the parts are adjacent views of one
+    tensor along ``dim`` (the tiles of a constant, sliced from it): then the view of the
+    whole span.
+
+    >>> x = torch.arange(12.0).reshape(3, 4)
+    >>> whole = coalesce([x[:, 0:2], x[:, 2:4]], 1)
+    >>> whole.data_ptr() == x.data_ptr(), torch.equal(whole, x)
+    (True, True)
+    >>> coalesce([torch.ones(1, 2), torch.zeros(1, 1)], 1).tolist()
+    [[1.0, 1.0, 0.0]]
+    """
+    first = parts[0]
+    base = first._base
+    if base is not None and len(parts) > 1 and all(
+            p._base is base and p.stride() == first.stride() and p.dim() == first.dim()
+            for p in parts):
+        offset = first.storage_offset()
+        adjacent = True
+        for p in parts:
+            if p.storage_offset() != offset or any(
+                    a != b for d, (a, b) in enumerate(zip(p.shape, first.shape)) if d != dim):
+                adjacent = False
+                break
+            offset += p.shape[dim] * p.stride(dim)
+        if adjacent:
+            shape = list(first.shape)
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            return first.as_strided(shape, first.stride(), first.storage_offset())
+    return torch.cat(list(parts), dim)
+
+
+@dataclass(frozen=True, eq=False)
+class ContractWhole:
+    """Every contribution to one output chunk as ONE product over the whole of the
+    contracted label that the contributions tile: each operand's tiles along it are put
+    together (:func:`coalesce`: a view when they are adjacent slices of one tensor, else one
+    ``torch.cat`` on the operands' device) and ``kernel`` runs once -- one ``torch.mm`` per
+    output chunk instead of one per tile of K. On a GPU that is one cuBLAS call, which
+    accumulates in float32 inside and rounds a bfloat16 result once, at full occupancy
+    (a series of K-tile products summed in float32 reached 0.81 of ``torch.matmul`` on an
+    H100, one product over K 0.91). ``axes[p]``: the dim of operand ``p`` that the tiles
+    run along (None: the operand has no such dim and is the same chunk in every group).
+    The physical planner chooses it (:class:`~tensorql.physical.builder.ContributionSeries`)
+    on devices where one call beats a series and the copies fit.
+
+    >>> k = ContractWhole(ContractChunk((("i", "j"), ("j", "k")), ("i", "k")), 2, (1, 0))
+    >>> a, b = torch.arange(8.0).reshape(2, 4), torch.arange(12.0).reshape(4, 3)
+    >>> got = k.run([a[:, :2], b[:2], a[:, 2:], b[2:]], None)
+    >>> torch.equal(got, a @ b)
+    True
+    """
+
+    kernel: ContractChunk
+    arity: int
+    axes: tuple[int | None, ...]
+
+    def operands(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The operands of the one product: each operand's tiles put together."""
+        groups = [inputs[i:i + self.arity] for i in range(0, len(inputs), self.arity)]
+        return [groups[0][p] if axis is None or len(groups) == 1
+                else coalesce([g[p] for g in groups], axis)
+                for p, axis in enumerate(self.axes)]
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel.run(self.operands(inputs), acc)
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        return self.kernel.run_into(self.operands(inputs), out)
 
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return self.kernel.combine(acc, partial)

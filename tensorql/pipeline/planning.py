@@ -66,7 +66,7 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
         return partition, physical
     return None, build(done.roots[0], None, db.chunk_store, max_temp_elems=max_temp,
                        **_series(options, options.memory_limit, 1), also=done.roots[1:],
-                       fired=done.fired)
+                       fired=done.fired, whole_k=whole_k_bytes(options))
 
 
 def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
@@ -97,6 +97,35 @@ def _series(options: Options, limit: int | None, devices: int) -> dict[str, Any]
         return {"fuse_bytes": None, "min_tasks": 1}
     return {"fuse_bytes": _fuse_bytes(limit),
             "min_tasks": 2 * max(1, options.workers // devices)}
+
+
+def whole_k_bytes(options: Options) -> float | None:
+    """The rule for products on one device: the input bytes up to which an output chunk's
+    contributions run as ONE product over the whole contracted label (the tiles of each
+    operand put together on the device: a view when they are slices of one tensor, else a
+    ``torch.cat``), instead of a series of per-tile products folded into an accumulator
+    (:class:`~tensorql.physical.builder.WholeK`); None: never.
+
+    Only where the device's kind says one product beats a series (``DeviceKind.whole_k``:
+    CUDA -- one cuBLAS call accumulates in float32 inside and runs at full occupancy; an H100
+    reached 0.91 of ``torch.matmul`` that way against 0.81 summing 8192-tiles of K). The
+    copies are a temporary of the kernel, so under a ``memory_limit`` they must fit the share
+    the device keeps for kernel temporaries (1/16 of it, at most 512 MiB); beyond it, the
+    series as before. With no limit, no bound.
+
+    >>> from tensorql.options import Options
+    >>> whole_k_bytes(Options(devices="cpu")) is None
+    True
+    """
+    specs = options.device_set.specs
+    if not specs or not all(spec.info.whole_k for spec in specs):
+        return None
+    limit = options.memory_limit
+    if limit is None:
+        return math.inf
+    from tensorql.exec.devices.cuda import kernel_temp_bytes
+
+    return float(kernel_temp_bytes(limit))
 
 
 def _sub_tiles(options: Options, limit: int | None) -> bool:

@@ -242,6 +242,10 @@ class PlanReads:
             return self.store.read_chunk(name, key)
         return self.store.read_chunk_at(version, key)
 
+    def version_of(self, name: str) -> StoredVersion | None:
+        """The version of ``name`` the run under way pinned (None outside a run)."""
+        return self._pinned.get(name)
+
     def read_region(self, name: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
         version = self._pinned.get(name)
         if version is None:

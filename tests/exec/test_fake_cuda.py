@@ -386,7 +386,14 @@ def test_a_lane_keeps_no_chunk_of_a_finished_run_alive(fake_cuda):
         A = db.from_numpy("A", a, tile=(32, 32))
         (A @ A + 1.0).numpy()
         gc.collect()
-        assert fake_cuda.memory_allocated(fake_cuda.torch_device(0)) == 0
+        # what stays is the device's copies of the stored chunks (Options.device_cache)
+        kept = _device_cache(fake_cuda).nbytes
+        assert kept == a.nbytes
+        assert fake_cuda.memory_allocated(fake_cuda.torch_device(0)) == kept
+
+
+def _device_cache(fake, index: int = 0):
+    return cuda_api.cache_of(fake)[("device cache", str(fake.torch_device(index)))]
 
 
 def test_cuda_device_without_cuda_raises():
@@ -452,3 +459,265 @@ def test_a_limit_below_the_reserve_says_so(fake_cuda):
         with pytest.raises(PlanError, match=r"16\.0 MiB of cuda:0 leaves nothing for chunks: "
                                             r"65\.0 MiB of it is kept"):
             (A @ A).numpy()
+
+
+# -- products over the whole contracted label (issue 29 item 7: one mm per output tile) ----
+def _product_tasks(expr):
+    """The tasks of ``expr``'s product step, by output chunk."""
+    q = expr.compile()
+    sid = q.physical.result_step.id
+    return [t for t in q.physical.task_graph().tasks if t.output.step == sid]
+
+
+def test_a_product_on_cuda_is_one_mm_per_output_tile_over_the_whole_k(fake_cuda):
+    """On a CUDA device the planner runs each output tile's K tiles as ONE product (the
+    operand tiles put together on the device): 2 x 2 output tiles of K in 4 tiles are 4 mm
+    calls, not 16 products folded into accumulators."""
+    from tensorql.physical.kernels import ContractWhole
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 64)).astype(np.float32)
+    with tq.connect(devices="cuda:0") as db:
+        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
+        tasks = _product_tasks(A @ B)
+        assert len(tasks) == 4 and {type(t.kernel) for t in tasks} == {ContractWhole}
+        assert all(len(t.inputs) == 8 for t in tasks)  # 4 K tiles of each operand
+        got = (A @ B).numpy()
+    assert got.shape == (64, 64) and all_nan(got)
+    assert fake_cuda.ops_by_name.get("mm", 0) + fake_cuda.ops_by_name.get("addmm", 0) == 4
+    assert fake_cuda.ops_by_name.get("cat", 0) == 8  # each operand's K tiles, put together
+    ran_on_device(fake_cuda)
+
+
+def test_whole_k_only_where_the_kernel_temporaries_hold_the_copies(fake_cuda):
+    """Under a memory_limit whose share for kernel temporaries (1/16) is below an output
+    tile's inputs, the product keeps its series of per-tile products (as on a CPU)."""
+    from tensorql.physical.kernels import ContractChunk, ContractSeries, ContractWhole
+
+    a = np.ones((64, 128), np.float32)
+    with tq.connect(devices="cuda:0", memory_limit="256KiB") as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        kinds = {type(t.kernel) for t in _product_tasks(A @ B)}  # inputs 32 KiB > 16 KiB
+    assert ContractWhole not in kinds and kinds <= {ContractChunk, ContractSeries}
+    with tq.connect(devices="cuda:0", memory_limit="1MiB") as db:  # 64 KiB share: whole
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        assert {type(t.kernel) for t in _product_tasks(A @ B)} == {ContractWhole}
+    with tq.connect(devices="cpu") as db:  # a CPU's series keeps its accumulator in cache
+        A = db.from_numpy("A", a, tile=(32, 32))
+        B = db.from_numpy("B", a.T.copy(), tile=(32, 32))
+        assert ContractWhole not in {type(t.kernel) for t in _product_tasks(A @ B)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_k_kernel_is_exact_against_torch_on_cpu_data(dtype):
+    """The kernel the rule picks, on CPU data: the operands' K tiles put together (copied,
+    or a view when they are slices of one tensor) and one product, equal to torch's product
+    of the whole operands (integer values: every sum exact, in bfloat16 too)."""
+    from tensorql.physical.builder import ContributionSeries, WholeK
+    from tensorql.physical.kernels import ContractChunk, ContractWhole
+
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randint(-3, 4, (48, 96), generator=gen).to(dtype)
+    b = torch.randint(-3, 4, (96, 40), generator=gen).to(dtype)
+    kernel = ContractChunk((("i", "k"), ("k", "j")), ("i", "j"), dtype=str(dtype)[6:])
+    series = ContributionSeries(kernel, None, 1, WholeK.of(float("inf"), kernel,
+                                                          {"i": 1, "k": 3, "j": 1}))
+    for k in range(3):
+        series.add((0, 0), None, [("a", k), ("b", k)], 0, 1)
+    ((_, _, refs, task_kernel, _),) = list(series.tasks())
+    assert isinstance(task_kernel, ContractWhole) and len(refs) == 6
+    tiles = {("a", k): a[:, 32 * k:32 * (k + 1)] for k in range(3)}
+    tiles |= {("b", k): b[32 * k:32 * (k + 1)] for k in range(3)}
+    exact = a.double() @ b.double()
+    views = task_kernel.run([tiles[r] for r in refs], None)  # slices of one tensor: no copy
+    copies = task_kernel.run([tiles[r].clone() for r in refs], None)  # torch.cat
+    out = torch.empty(48, 40, dtype=dtype)
+    task_kernel.run_into([tiles[r].clone() for r in refs], out)
+    for got in (views, copies, out):
+        assert got.dtype == dtype and torch.equal(got.double(), exact)
+    assert torch.equal(views, torch.mm(a, b))
+
+
+# -- the fixed cost of a run (issue 29 item 7: ~4-5 ms a run on the H100) ------------------
+def _one_product(tile: int = 64, whole_k: float | None = None):
+    """bench/gpu_matmul.py's graph of one product whose inputs are device tensors (the
+    fake's meta), with the runtime it runs on, results left on the device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from gpu_matmul import tiled_matmul_graph
+
+    a, b = torch.empty(64, 64, device="meta"), torch.empty(64, 64, device="meta")
+    graph = tiled_matmul_graph(a, b, tile, whole_k)
+    return graph, Runtime("cuda:0", None, workers=2, results_on_device=True)
+
+
+def test_a_run_of_one_product_does_only_the_product_on_the_device(fake_cuda):
+    """What a run of a one-product graph does on the host, counted with the fake (machine
+    independent): its sources are slices of tensors already on the GPU, so their loads
+    complete on the coordinator (no lane, no events, no thread hand-off, no bytes counted
+    as copied); the product is the run's only op on a lane; its two CUDA events are made
+    once and re-recorded by every later run; streams, lanes and the memory plan are made
+    at the first run only."""
+    graph, rt = _one_product()
+    first = rt.run(graph)
+    made = (fake_cuda.events_created, len(fake_cuda._streams))
+    recorded = fake_cuda.events_recorded
+    programs = dict(graph.programs)
+    for _ in range(5):
+        result = rt.run(graph)
+    assert (fake_cuda.events_created, len(fake_cuda._streams)) == made
+    assert made[0] == 2  # one pair, for the product
+    assert fake_cuda.events_recorded - recorded == 5 * 2
+    assert graph.programs.keys() == programs.keys()
+    for res in (first, result):
+        (dev,) = res.stats.devices
+        assert dev.resident_loads == 2 and dev.bytes_h2d == 0 and dev.ops == 3
+        assert list(res.outputs) == [ChunkRef(2, (0, 0))]
+    assert fake_cuda.copies["h2d"] == 0 and fake_cuda.ops_by_name.get("mm") == 6
+    assert fake_cuda.violations == []
+
+
+def test_host_sources_still_go_through_the_copy_lane(fake_cuda):
+    """A source in host memory is copied on the H2D lane (counted as copied), as before."""
+    from tensorql.physical.kernels import ContractChunk
+
+    src = torch.ones(8, 8)
+    a, b, out = ChunkRef(0, (0,)), ChunkRef(1, (0,)), ChunkRef(2, (0,))
+    kernel = ContractChunk((("i", "k"), ("k", "j")), ("i", "j"))
+    graph = TaskGraph((Task(0, (), a, _Const(src)), Task(1, (), b, _Const(src)),
+                       Task(2, (a, b), out, kernel)), retain=frozenset({2}),
+                      chunk_bytes={a: src.nbytes, b: src.nbytes, out: src.nbytes})
+    result = Runtime("cuda:0", None, results_on_device=True).run(graph)
+    (dev,) = result.stats.devices
+    assert dev.resident_loads == 0 and dev.bytes_h2d == 2 * src.nbytes
+    assert fake_cuda.copies["h2d"] == 2
+
+
+class _Const:
+    """A source kernel returning a host tensor (not ``inline``)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def run(self, inputs, acc):
+        return self.value
+
+    def combine(self, acc, partial):
+        raise AssertionError
+
+
+# -- stored tensors kept in device memory across queries (Options.device_cache) ------------
+def _tiles(x: np.ndarray, rows: int, cols: int) -> list[np.ndarray]:
+    return [np.ascontiguousarray(x[i:i + rows, j:j + cols])
+            for i in range(0, x.shape[0], rows) for j in range(0, x.shape[1], cols)]
+
+
+def _same_chunks(sent: list[torch.Tensor], x: np.ndarray, rows: int, cols: int) -> bool:
+    """``sent`` (host data of H2D copies) is exactly the chunks of ``x``, in any order."""
+    want = sorted(t.tobytes() for t in _tiles(x, rows, cols))
+    return sorted(np.ascontiguousarray(s.numpy()).tobytes() for s in sent) == want
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_a_second_query_reads_the_stored_weights_from_device_memory(fake_cuda):
+    """Query 1 copies the stored weights to the GPU (H2D); query 2, another expression
+    reading them, copies only its other operand: the weights' loads find the device copies
+    kept by query 1 (no H2D bytes for them). A store of new values is seen: query 3 copies
+    the new chunks, exactly, and none of the old."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    x1 = rng.standard_normal((16, 64)).astype(np.float32)
+    x2 = rng.standard_normal((16, 64)).astype(np.float32)
+    w_new = (w + 1.0).astype(np.float32)
+    fake_cuda.record_h2d = True
+    with tq.connect(devices="cuda:0") as db:
+        W = db.from_numpy("W", w, tile=(32, 32))
+        X1, X2 = db.from_numpy("X1", x1, tile=(16, 32)), db.from_numpy("X2", x2, tile=(16, 32))
+        assert all_nan((X1 @ W).numpy())
+        first = fake_cuda.h2d_sources
+        assert len(first) == 2 + 2  # W's 2 chunks and X1's 2
+        assert _same_chunks([t for t in first if t.shape == (32, 32)], w, 32, 32)
+        fake_cuda.h2d_sources = []
+        text = (X2 @ W).relu().explain(analyze=True)
+        assert _same_chunks(fake_cuda.h2d_sources, x2, 16, 32)  # X2's chunks only
+        assert "H2D 4.0 KiB" in text  # X2: 2 chunks of 16 x 32 float32
+        assert "found in device memory 8.0 KiB" in text  # W: 2 chunks of 32 x 32
+        fake_cuda.h2d_sources.clear()
+        db.from_numpy("W", w_new, tile=(32, 32), replace=True)
+        assert all_nan((X2 @ db.tensor("W")).numpy())
+        assert len(fake_cuda.h2d_sources) == 2  # the new W's chunks; X2's are kept
+        assert _same_chunks(fake_cuda.h2d_sources, w_new, 32, 32)
+        fake_cuda.h2d_sources.clear()
+        assert all_nan((X2 @ db.tensor("W")).numpy())
+        assert fake_cuda.h2d_sources == []  # everything it reads is on the device now
+    ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_the_device_cache_stays_within_its_share_of_the_memory_limit(fake_cuda):
+    """The kept copies are at most device_cache bytes, least recently used out first, and
+    under memory_limit at most what the run's memory plan leaves of the budget (so the
+    copies and the run's chunks fit the limit together); device_cache=0 keeps none."""
+    a = np.ones((128, 128), np.float32)  # 16 chunks of 4 KiB
+    with tq.connect(devices="cuda:0", device_cache="16KiB") as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        assert all_nan((A @ A).numpy())
+        cache = _device_cache(fake_cuda)
+        assert cache.nbytes == 16 << 10 and cache.evictions > 0
+    cache.clear()
+    fake_cuda.reset_peak_memory_stats(fake_cuda.torch_device(0))
+    limit = 160 << 10
+    with tq.connect(devices="cuda:0", memory_limit=limit) as db:
+        A = db.from_numpy("A", a[:64], tile=(32, 32))
+        B = db.from_numpy("B", a[:, :64], tile=(32, 32))
+        physical = (A @ B).compile().physical
+        graph = physical.task_graph()
+        for _ in range(2):
+            with physical.pinned():  # as the pipeline runs it: one version of each tensor
+                result = Runtime("cuda:0", limit, device_cache="auto").run(graph)
+            (dev,) = result.stats.devices
+            room = dev.budget - dev.planned_peak_bytes
+            assert 0 < cache.nbytes <= min(limit // 4, room), (cache.nbytes, room)
+        assert dev.resident_loads > 0  # the second run found copies the first one kept
+        assert fake_cuda.max_memory_allocated(fake_cuda.torch_device(0)) <= limit
+    cache.clear()
+    with tq.connect(devices="cuda:0", device_cache=0) as db:
+        A = db.from_numpy("A", a, tile=(32, 32))
+        assert all_nan((A @ A).numpy())
+        assert cache.nbytes == 0
+    ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "streams"])
+def test_a_whole_k_plan_runs_exactly_on_cpu_data(strategy):
+    """The whole-K plan (forced on a CPU session) through the engine on real data: one task
+    per output chunk, each reading every K tile of its operands, equal to numpy's product
+    (integer values: every sum exact)."""
+    from dataclasses import replace
+
+    from runtime_helpers import dense
+
+    from tensorql.physical.builder import build
+    from tensorql.physical.kernels import ContractWhole
+
+    rng = np.random.default_rng(6)
+    a = rng.integers(-4, 5, (96, 128)).astype(np.float64)
+    b = rng.integers(-4, 5, (128, 64)).astype(np.float64)
+    with tq.connect(devices="cpu") as db:
+        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
+        q = (A @ B).compile()
+        q = replace(q, physical=build(q.logical, None, db.chunk_store, whole_k=float("inf")))
+        graph = q.physical.task_graph()
+        product = [t for t in graph.tasks if t.output.step == q.physical.result_step.id]
+        assert len(product) == 6 and all(isinstance(t.kernel, ContractWhole)
+                                          for t in product)
+        with q.physical.pinned():
+            result = Runtime("cpu", None if strategy == "direct" else 1 << 20,
+                             workers=2, direct=strategy == "direct").run(graph)
+    got = dense(q, result.outputs)
+    assert np.array_equal(got.numpy(), a @ b)

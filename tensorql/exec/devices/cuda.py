@@ -44,6 +44,7 @@ import torch
 
 import tensorql.cuda_api as cuda_api
 from tensorql.errors import ExecutionError
+from tensorql.exec.device_cache import DeviceCache
 from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
 
 #: ready ops a lane of a CUDA device is handed beyond its streams: launched, not yet done
@@ -81,7 +82,17 @@ def reserve_for(budget: int, compute_streams: int, workspace: int) -> int:
     """Bytes of a device's ``memory_limit`` kept out of the chunk budget: the cuBLAS workspace
     of each compute stream, plus 1/16 of the limit (at most 512 MiB) for the temporaries of
     the kernel the compute lane is launching (one at a time: one launching thread)."""
-    return compute_streams * workspace + min(budget // 16, 512 << 20)
+    return compute_streams * workspace + kernel_temp_bytes(budget)
+
+
+def kernel_temp_bytes(budget: int) -> int:
+    """The share of a device's ``memory_limit`` kept for the temporaries of the one kernel
+    being launched: 1/16 of it, at most 512 MiB.
+
+    >>> kernel_temp_bytes(1 << 30) >> 20, kernel_temp_bytes(64 << 30) >> 20
+    (64, 512)
+    """
+    return min(budget // 16, 512 << 20)
 
 
 class _Pending:
@@ -100,6 +111,9 @@ class _Lane:
     def __init__(self, name: str, api: Any, device: torch.device, streams: list[Any]) -> None:
         self.api, self.device, self.streams = api, device, streams
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # (start, end) event pairs whose waiter is done with them: re-recorded by later ops
+        # of any run instead of making two events per op
+        self.spare_events: queue.SimpleQueue = queue.SimpleQueue()
         self.waits: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in streams]
         self.threads = [threading.Thread(target=self._launch, daemon=True,
                                          name=f"tensorql-{name}")]
@@ -141,11 +155,14 @@ class _Lane:
         api = self.api
         started = time.perf_counter()
         try:
-            with api.stream_context(stream):
+            try:
+                start, end = self.spare_events.get_nowait()
+            except queue.Empty:
                 start = api.event(enable_timing=True)
+                end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
+            with api.stream_context(stream):
                 start.record(stream)
                 value = fn()
-                end = api.event(enable_timing=True, blocking=True)  # its waiter sleeps
                 end.record(stream)
         except BaseException as err:  # noqa: BLE001 - reported to the runtime
             return _Pending(op_id, started, None, None, None, err, post)
@@ -161,6 +178,7 @@ class _Lane:
                 try:
                     item.end.synchronize()  # this waiter only: the launcher has moved on
                     device_s = item.start.elapsed_time(item.end) / 1e3
+                    self.spare_events.put((item.start, item.end))  # both complete: reusable
                 except BaseException as err:  # noqa: BLE001 - reported to the runtime
                     error = err
             item.post(Completion(item.op_id, item.started, time.perf_counter(),
@@ -205,6 +223,13 @@ class CUDADevice(ThreadedDevice):
 
     def submit(self, lane: str, op_id: int, fn: Callable[[], Any], cost: float = 0.0) -> None:
         self._lanes[lane].submit(op_id, fn, self._post)
+
+    def resident_cache(self) -> DeviceCache:
+        """The device copies of stored chunks this device keeps across runs, one per device
+        and process (per ``api``; :mod:`tensorql.exec.device_cache`)."""
+        cache = cuda_api.cache_of(self.api)
+        with _streams_lock:
+            return cache.setdefault(("device cache", str(self.device)), DeviceCache())
 
     def holds(self, value: torch.Tensor) -> bool:
         """Whether ``value`` is already in this device's memory."""
