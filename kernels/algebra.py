@@ -56,6 +56,7 @@ class JoinName:
     MOD = "mod"
     ADAM = "adam"
     ADAMW = "adamw"
+    SILU_GRAD = "silu_grad"
 
 
 class AggName:
@@ -269,6 +270,27 @@ _FLOORDIV_SQL = (f"CASE WHEN {{1}} = 0 THEN (CASE WHEN TRY({{0}} % {{1}}) IS NUL
                  f"ELSE round(({{0}} - ({_MOD_SQL})) / {{1}}) END")
 
 
+def _silu_grad(grad: torch.Tensor, x: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU's adjoint, ``grad * silu'(x)`` = ``grad * s * (1 + x * (1 - s))`` with ``s`` the
+    sigmoid of ``x``, as one kernel: aten's ``silu_backward`` (what torch.autograd runs), one
+    pass over the operands where the formula spelt as joins and maps is six (with ``out``:
+    written into it, as the arithmetic joins' ``out=``).
+
+    >>> g, x = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 1.0])
+    >>> [round(v, 4) for v in _silu_grad(g, x).tolist()]
+    [0.5, 1.8553]
+    """
+    if out is None:
+        return torch.ops.aten.silu_backward(grad, x)
+    return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
+
+
+# ``silu_grad`` in DuckDB: {0} * s * (1 + {1} * (1 - s)), s = 1 / (1 + exp(-{1}))
+_SIGMOID_SQL = "(1.0 / (1.0 + exp(-({1}))))"
+_SILU_GRAD_SQL = f"({{0}}) * {_SIGMOID_SQL} * (1.0 + ({{1}}) * (1.0 - {_SIGMOID_SQL}))"
+
+
 def _update(name: str) -> Callable[..., torch.Tensor]:
     def fn(*operands: torch.Tensor) -> torch.Tensor:
         from tensorql_kernels.optimizer_update import optimizer_update
@@ -322,6 +344,9 @@ _BUILTIN_JOINS = (
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
     Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
+    # the adjoint of the map silu (tensorql.api.autodiff), not offered by name
+    Join(_J.SILU_GRAD, _silu_grad, arity=2, sql=_SILU_GRAD_SQL, dtype_rule=FLOATING,
+         listed=False),
     Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False, dtype_rule=UPDATE,
          rule=UpdateRule(decoupled=False)),
     Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False,

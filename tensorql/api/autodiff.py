@@ -45,7 +45,7 @@ from opt_einsum import get_symbol
 from tensorql.algebra import BUILTIN_AGGS, derivative_join, join_record
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
-from tensorql.api.tensor import Tensor
+from tensorql.api.tensor import Tensor, broadcast_binary
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import (
     EinsumOp,
@@ -516,6 +516,18 @@ def _pow_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials
     return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
 
 
+def _silu_grad_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``silu_grad(g, x) = g * silu'(x)``: ``silu'(x)`` by ``g``, ``g * silu''(x)`` by ``x``
+    (``silu'(x) = s (1 + x (1 - s))``, ``silu''(x) = s (1 - s) (2 + x (1 - 2 s))``, ``s`` the
+    sigmoid of ``x``): a gradient of a gradient through SiLU."""
+    x = b.tensor
+    s = x.sigmoid()
+    first = s * (x * (1.0 - s) + 1.0)
+    second = s * (1.0 - s) * (x * (1.0 - s * 2.0) + 2.0)
+    return JoinPartials(Partial((Factor(first, b.labels),)),
+                        Partial((a, Factor(second, b.labels))))
+
+
 # the built-in joins' adjoints (one step of the fold); a user's join has its own adjoint or
 # autograd's (tensorql.algebra.derivative_join), comparisons and where's condition none
 PARTIALS = {
@@ -528,6 +540,7 @@ PARTIALS = {
     _J.POW: _pow_partials,
     _J.FLOORDIV: _floordiv_partials,
     _J.MOD: _mod_partials,
+    _J.SILU_GRAD: _silu_grad_partials,
 }
 
 
@@ -585,9 +598,8 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         return g * (1.0 - out * out)
     if fn == "sigmoid":
         return g * out * (1.0 - out)
-    if fn == "silu":
-        s = x.sigmoid()
-        return g * s * (x * (1.0 - s) + 1.0)
+    if fn == "silu":  # one kernel, aten's silu_backward (see _silu_grad_partials)
+        return broadcast_binary(g, x if x.dtype == dtype else x.astype(dtype), _J.SILU_GRAD)
     if fn == "rdiv":
         return -(g * out / x)
     if fn == "pow":
