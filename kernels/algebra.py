@@ -57,6 +57,7 @@ class JoinName:
     ADAM = "adam"
     ADAMW = "adamw"
     SILU_GRAD = "silu_grad"
+    RELU_GRAD = "relu_grad"
 
 
 class AggName:
@@ -286,6 +287,24 @@ def _silu_grad(grad: torch.Tensor, x: torch.Tensor,
     return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
 
 
+def _relu_grad(grad: torch.Tensor, y: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReLU's adjoint read from its output ``y``: ``grad`` where ``y > 0``, else 0, as one
+    kernel -- aten's ``threshold_backward``, what torch.autograd runs for relu -- where
+    ``grad * (y > 0)`` was a comparison, a cast and a product (with ``out``: written into
+    it). At ``y`` NaN it passes ``grad`` on, as torch does.
+
+    >>> _relu_grad(torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.0, 1.0, 2.0])).tolist()
+    [0.0, -2.0, 3.0]
+    """
+    if out is None:
+        return torch.ops.aten.threshold_backward(grad, y, 0)
+    return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=out)
+
+
+# ``relu_grad`` in DuckDB (NaN <= 0 is false there too: the gradient passes, as in torch)
+_RELU_GRAD_SQL = "CASE WHEN ({1}) <= 0 THEN 0 ELSE {0} END"
+
 # ``silu_grad`` in DuckDB: {0} * s * (1 + {1} * (1 - s)), s = 1 / (1 + exp(-{1}))
 _SIGMOID_SQL = "(1.0 / (1.0 + exp(-({1}))))"
 _SILU_GRAD_SQL = f"({{0}}) * {_SIGMOID_SQL} * (1.0 + ({{1}}) * (1.0 - {_SIGMOID_SQL}))"
@@ -344,9 +363,10 @@ _BUILTIN_JOINS = (
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
     Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
-    # the adjoint of the map silu (tensorql.api.autodiff), not offered by name
+    # the adjoints of the maps silu and relu (tensorql.api.autodiff), not offered by name
     Join(_J.SILU_GRAD, _silu_grad, arity=2, sql=_SILU_GRAD_SQL, dtype_rule=FLOATING,
          listed=False),
+    Join(_J.RELU_GRAD, _relu_grad, arity=2, sql=_RELU_GRAD_SQL, listed=False),
     Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False, dtype_rule=UPDATE,
          rule=UpdateRule(decoupled=False)),
     Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False,

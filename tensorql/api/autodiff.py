@@ -528,6 +528,13 @@ def _silu_grad_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPa
                         Partial((a, Factor(second, b.labels))))
 
 
+def _relu_grad_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``relu_grad(g, y)`` is ``g`` where ``y > 0``, else 0: that mask by ``g``, 0 by ``y``
+    (piecewise constant in it)."""
+    mask = (b.tensor > 0.0).astype(e.dtype)
+    return JoinPartials(Partial((Factor(mask, b.labels),)), Partial(scale=0.0))
+
+
 # the built-in joins' adjoints (one step of the fold); a user's join has its own adjoint or
 # autograd's (tensorql.algebra.derivative_join), comparisons and where's condition none
 PARTIALS = {
@@ -541,6 +548,7 @@ PARTIALS = {
     _J.FLOORDIV: _floordiv_partials,
     _J.MOD: _mod_partials,
     _J.SILU_GRAD: _silu_grad_partials,
+    _J.RELU_GRAD: _relu_grad_partials,
 }
 
 
@@ -582,10 +590,10 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         return g * out
     if fn == "log":
         return g / x
-    if fn == "relu":  # relu(x) > 0 exactly where x > 0 (NaN in neither): read the output,
-        # as torch's threshold_backward does, so that x is read once (its producer, a bias
-        # add, fuses with the relu instead of staying a step of its own)
-        return g * step(out > 0.0)
+    if fn == "relu":  # relu(x) > 0 exactly where x > 0: read the output, as torch's
+        # threshold_backward does (one kernel, the join relu_grad), so that x is read once
+        # (its producer, a bias add, fuses with the relu instead of staying a step of its own)
+        return broadcast_binary(g, out, _J.RELU_GRAD)
     if fn == "abs":
         return g * (step(x > 0.0) - step(x < 0.0))
     if fn == "sqrt":
