@@ -561,14 +561,29 @@ def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str
     return e.einsum([cond, zero, Factor(value, labels)], labels, join=_J.WHERE)
 
 
+def _labels(n: int) -> str:
+    """``n`` distinct one-character labels."""
+    return "".join(get_symbol(k) for k in range(n))
+
+
 # -- maps ------------------------------------------------------------------------------------
 def _softmax_adjoint(node: SoftmaxOp, g: Tensor, db: Any) -> Tensor:
     """softmax: ``y * (g - sum(g * y))``; log_softmax: ``g - exp(y) * sum(g)`` (sums along
     the axis, broadcast back)."""
+    from tensorql.api.einsum import einsum
+
     y = Tensor(node, db)
+    # the sums broadcast back by label, not as a kept size-1 dim: a kept dim is a size-1
+    # label the join sums over, which kept it out of the pointwise chain it feeds (the
+    # attention's softmax gradient, y * (g - s) * scale, ran its subtraction as a pass of
+    # its own over the probabilities)
+    every = _labels(y.ndim)
+    axis = node.axis % y.ndim
+    rows = every[:axis] + every[axis + 1:]
+    back = f"{every},{rows}->{every}"
     if node.log:
-        return g - y.exp() * g.sum(axis=node.axis, keepdims=True)
-    return y * (g - (g * y).sum(axis=node.axis, keepdims=True))
+        return g - einsum(back, y.exp(), g.sum(axis=axis))
+    return y * einsum(back, g, (g * y).sum(axis=axis), join=_J.SUB)
 
 
 def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
