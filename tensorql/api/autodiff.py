@@ -562,7 +562,11 @@ def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str
 
 
 def _labels(n: int) -> str:
-    """``n`` distinct one-character labels."""
+    """``n`` distinct one-character labels.
+
+    >>> _labels(3)
+    'abc'
+    """
     return "".join(get_symbol(k) for k in range(n))
 
 

@@ -46,3 +46,17 @@ def test_attention_softmax_gradient_is_one_pointwise_chain(db):
     theirs = torch.autograd.grad((tout * tout).sum(), [tq_, tk, tv])
     for a, b in zip((gq, gk, gv), theirs):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_gradient_of_a_vector(db, log):
+    """One axis: the row sum is 0-d, broadcast back over the vector."""
+    rng = np.random.default_rng(8)
+    values, weight = rng.normal(size=7), rng.normal(size=7)
+    x = db.from_numpy("v", values)
+    y = x.log_softmax(axis=0) if log else x.softmax(axis=0)
+    (g,) = tq.grad((y * db.constant(torch.from_numpy(weight))).sum(), [x])
+    tx = torch.tensor(values, requires_grad=True)
+    ty = torch.log_softmax(tx, dim=0) if log else torch.softmax(tx, dim=0)
+    (expected,) = torch.autograd.grad((ty * torch.from_numpy(weight)).sum(), [tx])
+    np.testing.assert_allclose(g.numpy(), expected.numpy(), rtol=1e-12, atol=1e-15)
