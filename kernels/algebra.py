@@ -56,6 +56,8 @@ class JoinName:
     MOD = "mod"
     ADAM = "adam"
     ADAMW = "adamw"
+    SILU_GRAD = "silu_grad"
+    RELU_GRAD = "relu_grad"
 
 
 class AggName:
@@ -269,6 +271,45 @@ _FLOORDIV_SQL = (f"CASE WHEN {{1}} = 0 THEN (CASE WHEN TRY({{0}} % {{1}}) IS NUL
                  f"ELSE round(({{0}} - ({_MOD_SQL})) / {{1}}) END")
 
 
+def _silu_grad(grad: torch.Tensor, x: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU's adjoint, ``grad * silu'(x)`` = ``grad * s * (1 + x * (1 - s))`` with ``s`` the
+    sigmoid of ``x``, as one kernel: aten's ``silu_backward`` (what torch.autograd runs), one
+    pass over the operands where the formula spelt as joins and maps is six (with ``out``:
+    written into it, as the arithmetic joins' ``out=``).
+
+    >>> g, x = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 1.0])
+    >>> [round(v, 4) for v in _silu_grad(g, x).tolist()]
+    [0.5, 1.8553]
+    """
+    if out is None:
+        return torch.ops.aten.silu_backward(grad, x)
+    return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
+
+
+def _relu_grad(grad: torch.Tensor, y: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReLU's adjoint read from its output ``y``: ``grad`` where ``y > 0``, else 0, as one
+    kernel -- aten's ``threshold_backward``, what torch.autograd runs for relu -- where
+    ``grad * (y > 0)`` was a comparison, a cast and a product (with ``out``: written into
+    it). At ``y`` NaN it passes ``grad`` on, as torch does.
+
+    >>> _relu_grad(torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.0, 1.0, 2.0])).tolist()
+    [0.0, -2.0, 3.0]
+    """
+    if out is None:
+        return torch.ops.aten.threshold_backward(grad, y, 0)
+    return torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=out)
+
+
+# ``relu_grad`` in DuckDB (NaN <= 0 is false there too: the gradient passes, as in torch)
+_RELU_GRAD_SQL = "CASE WHEN ({1}) <= 0 THEN 0 ELSE {0} END"
+
+# ``silu_grad`` in DuckDB: {0} * s * (1 + {1} * (1 - s)), s = 1 / (1 + exp(-{1}))
+_SIGMOID_SQL = "(1.0 / (1.0 + exp(-({1}))))"
+_SILU_GRAD_SQL = f"({{0}}) * {_SIGMOID_SQL} * (1.0 + ({{1}}) * (1.0 - {_SIGMOID_SQL}))"
+
+
 def _update(name: str) -> Callable[..., torch.Tensor]:
     def fn(*operands: torch.Tensor) -> torch.Tensor:
         from tensorql_kernels.optimizer_update import optimizer_update
@@ -322,6 +363,10 @@ _BUILTIN_JOINS = (
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),
     Join(_J.MOD, _mod, sql=_MOD_SQL, sql_double="nonint"),
+    # the adjoints of the maps silu and relu (tensorql.api.autodiff), not offered by name
+    Join(_J.SILU_GRAD, _silu_grad, arity=2, sql=_SILU_GRAD_SQL, dtype_rule=FLOATING,
+         listed=False),
+    Join(_J.RELU_GRAD, _relu_grad, arity=2, sql=_RELU_GRAD_SQL, listed=False),
     Join(_J.ADAM, _update(_J.ADAM), nary=True, update=True, listed=False, dtype_rule=UPDATE,
          rule=UpdateRule(decoupled=False)),
     Join(_J.ADAMW, _update(_J.ADAMW), nary=True, update=True, listed=False,

@@ -149,8 +149,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # the joins whose torch function writes into a given tensor (``out=``) with the values it
 # returns when the operands have the output's dtype (no promotion: a division of integers is
-# not one)
-OUT_JOINS = frozenset({torch.mul, torch.add, torch.sub, torch.maximum, torch.minimum})
+# not one; the adjoints ``silu_grad`` and ``relu_grad`` write their one kernel's result into it)
+OUT_JOINS = frozenset({torch.mul, torch.add, torch.sub, torch.maximum, torch.minimum,
+                       JOINS[JoinName.SILU_GRAD].fn, JOINS[JoinName.RELU_GRAD].fn})
 
 
 def diagonalize(x: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, tuple[str, ...]]:

@@ -45,7 +45,7 @@ from opt_einsum import get_symbol
 from tensorql.algebra import BUILTIN_AGGS, derivative_join, join_record
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
-from tensorql.api.tensor import Tensor
+from tensorql.api.tensor import Tensor, broadcast_binary
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import (
     EinsumOp,
@@ -516,6 +516,25 @@ def _pow_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials
     return JoinPartials(Partial((Factor(da, labels),)), Partial((Factor(db_, labels),)))
 
 
+def _silu_grad_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``silu_grad(g, x) = g * silu'(x)``: ``silu'(x)`` by ``g``, ``g * silu''(x)`` by ``x``
+    (``silu'(x) = s (1 + x (1 - s))``, ``silu''(x) = s (1 - s) (2 + x (1 - 2 s))``, ``s`` the
+    sigmoid of ``x``): a gradient of a gradient through SiLU."""
+    x = b.tensor
+    s = x.sigmoid()
+    first = s * (x * (1.0 - s) + 1.0)
+    second = s * (1.0 - s) * (x * (1.0 - s * 2.0) + 2.0)
+    return JoinPartials(Partial((Factor(first, b.labels),)),
+                        Partial((a, Factor(second, b.labels))))
+
+
+def _relu_grad_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
+    """``relu_grad(g, y)`` is ``g`` where ``y > 0``, else 0: that mask by ``g``, 0 by ``y``
+    (piecewise constant in it)."""
+    mask = (b.tensor > 0.0).astype(e.dtype)
+    return JoinPartials(Partial((Factor(mask, b.labels),)), Partial(scale=0.0))
+
+
 # the built-in joins' adjoints (one step of the fold); a user's join has its own adjoint or
 # autograd's (tensorql.algebra.derivative_join), comparisons and where's condition none
 PARTIALS = {
@@ -528,6 +547,8 @@ PARTIALS = {
     _J.POW: _pow_partials,
     _J.FLOORDIV: _floordiv_partials,
     _J.MOD: _mod_partials,
+    _J.SILU_GRAD: _silu_grad_partials,
+    _J.RELU_GRAD: _relu_grad_partials,
 }
 
 
@@ -540,14 +561,33 @@ def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str
     return e.einsum([cond, zero, Factor(value, labels)], labels, join=_J.WHERE)
 
 
+def _labels(n: int) -> str:
+    """``n`` distinct one-character labels.
+
+    >>> _labels(3)
+    'abc'
+    """
+    return "".join(get_symbol(k) for k in range(n))
+
+
 # -- maps ------------------------------------------------------------------------------------
 def _softmax_adjoint(node: SoftmaxOp, g: Tensor, db: Any) -> Tensor:
     """softmax: ``y * (g - sum(g * y))``; log_softmax: ``g - exp(y) * sum(g)`` (sums along
     the axis, broadcast back)."""
+    from tensorql.api.einsum import einsum
+
     y = Tensor(node, db)
+    # the sums broadcast back by label, not as a kept size-1 dim: a kept dim is a size-1
+    # label the join sums over, which kept it out of the pointwise chain it feeds (the
+    # attention's softmax gradient, y * (g - s) * scale, ran its subtraction as a pass of
+    # its own over the probabilities)
+    every = _labels(y.ndim)
+    axis = node.axis % y.ndim
+    rows = every[:axis] + every[axis + 1:]
+    back = f"{every},{rows}->{every}"
     if node.log:
-        return g - y.exp() * g.sum(axis=node.axis, keepdims=True)
-    return y * (g - (g * y).sum(axis=node.axis, keepdims=True))
+        return g - einsum(back, y.exp(), g.sum(axis=axis))
+    return y * einsum(back, g, (g * y).sum(axis=axis), join=_J.SUB)
 
 
 def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
@@ -569,10 +609,10 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         return g * out
     if fn == "log":
         return g / x
-    if fn == "relu":  # relu(x) > 0 exactly where x > 0 (NaN in neither): read the output,
-        # as torch's threshold_backward does, so that x is read once (its producer, a bias
-        # add, fuses with the relu instead of staying a step of its own)
-        return g * step(out > 0.0)
+    if fn == "relu":  # relu(x) > 0 exactly where x > 0: read the output, as torch's
+        # threshold_backward does (one kernel, the join relu_grad), so that x is read once
+        # (its producer, a bias add, fuses with the relu instead of staying a step of its own)
+        return broadcast_binary(g, out, _J.RELU_GRAD)
     if fn == "abs":
         return g * (step(x > 0.0) - step(x < 0.0))
     if fn == "sqrt":
@@ -585,9 +625,8 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         return g * (1.0 - out * out)
     if fn == "sigmoid":
         return g * out * (1.0 - out)
-    if fn == "silu":
-        s = x.sigmoid()
-        return g * s * (x * (1.0 - s) + 1.0)
+    if fn == "silu":  # one kernel, aten's silu_backward (see _silu_grad_partials)
+        return broadcast_binary(g, x if x.dtype == dtype else x.astype(dtype), _J.SILU_GRAD)
     if fn == "rdiv":
         return -(g * out / x)
     if fn == "pow":

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import tensorql as tq
+from tensorql.algebra import JoinName
 
 
 def _arrays():
@@ -45,3 +46,51 @@ def test_the_bias_add_fuses_with_its_relu_in_a_training_step():
         names = [step.name for step in opt._plan(loss).physical.steps]
     assert "Pointwise relu <- add" in names
     assert not any(name.startswith("Join add") for name in names)  # no add of its own
+
+
+def test_relu_gradient_is_one_relu_grad_kernel_equal_to_torchs():
+    """The adjoint is the join relu_grad (aten's threshold_backward, torch's own kernel for
+    relu): no comparison, cast and product in the gradient's plan, and the values are
+    torch's to the bit -- 0 at the kink, the gradient passed on where the input is NaN."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(33, 17)).astype(np.float32)
+    x[0, :4] = (0.0, -0.0, np.nan, 1e-30)
+    w = rng.normal(size=x.shape).astype(np.float32)
+    with tq.connect() as db:
+        a, c = db.from_numpy("a", x, tile=(16, 8)), db.from_numpy("c", w, tile=(16, 8))
+        (g,) = tq.grad((a.relu() * c).sum(), [a])
+        plan = g.explain(stage="logical")
+        got = g.numpy()
+    ta = torch.tensor(x, requires_grad=True)
+    (expected,) = torch.autograd.grad((torch.relu(ta) * torch.from_numpy(w)).sum(), [ta])
+    np.testing.assert_array_equal(got, expected.numpy())
+    assert "relu_grad" in plan and " gt " not in plan and "cast" not in plan
+
+
+def test_gradient_of_the_relu_gradient():
+    """The partials of relu_grad: its mask by the incoming gradient, 0 by relu's output
+    (torch's double backward of relu)."""
+    rng = np.random.default_rng(4)
+    x, w1, w2 = rng.normal(size=(3, 6, 5))
+    with tq.connect() as db:
+        a, c = db.from_numpy("a", x), db.from_numpy("c", w1)
+        k = db.constant(torch.from_numpy(w2))
+        (g,) = tq.grad((a.relu() * c).sum(), [a])
+        ga, gc = tq.grad((g * k).sum(), [a, c])
+        got = ga.numpy(), gc.numpy()
+    ta, tc = torch.tensor(x, requires_grad=True), torch.tensor(w1, requires_grad=True)
+    (tg,) = torch.autograd.grad((torch.relu(ta) * tc).sum(), [ta], create_graph=True)
+    tga, tgc = torch.autograd.grad((tg * torch.from_numpy(w2)).sum(), [ta, tc],
+                                   allow_unused=True)
+    np.testing.assert_array_equal(got[0], np.zeros_like(x) if tga is None else tga.numpy())
+    np.testing.assert_array_equal(got[1], tgc.numpy())
+
+
+def test_relu_grad_in_duckdb_sql():
+    g = np.array([[1.0, -2.0, 3.0, 4.0], [5.0, 6.0, -7.0, 8.0]])
+    y = np.array([[0.0, 1.0, 2.0, -1.0], [np.nan, 0.5, 0.0, 3.0]])
+    with tq.connect(backend="duckdb") as db:
+        G, Y = db.from_numpy("g", g, tile=(1, 2)), db.from_numpy("y", y, tile=(1, 2))
+        got = tq.einsum("ij,ij->ij", G, Y, join=JoinName.RELU_GRAD).numpy()
+    expected = torch.ops.aten.threshold_backward(torch.from_numpy(g), torch.from_numpy(y), 0)
+    np.testing.assert_array_equal(got, expected.numpy())

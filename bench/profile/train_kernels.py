@@ -1,0 +1,136 @@
+"""Where a training step's two threads go, kernel by kernel (issue 31: the LLaMA block's step
+scales worse to two threads than torch's). Not a bench (no record, no goal): a profile for a
+quiet host.
+
+    python bench/profile/train_kernels.py [--case block|mlp] [--repeat 15] [--torch-only]
+
+* tensorql: the bench's step (``bench/train.py``) is run once more with every kernel of its
+  serial run rerun ``--repeat`` times at one and at two torch threads, alternating, the minimum
+  of each kept (in-place updates run once and are not listed); the kernels are summed by kind
+  (a product's labels, a fused chain's ops), sorted by what two threads lose against half
+  the one-thread time. Only a step the engine runs serially (the block) is covered: the MLP's
+  lanes run each kernel on one thread.
+* torch: the bench's fused-Adam step under ``torch.profiler`` at one and at two threads, self
+  CPU per op (on two threads an op's self CPU is its wall time on the calling thread).
+
+On a host whose cores are shared the two-thread figures are worthless (a parallel region
+waits for a descheduled thread: single pointwise ops read 8 ms); the one-thread ones hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import train  # noqa: E402  (bench/train.py)
+
+
+def kind(kernel) -> str:
+    """A kernel's kind: its type, a product's labels and join, a fused chain's ops."""
+    from tensorql.physical import kernels as k
+
+    if isinstance(kernel, k.ContractSeries):
+        return "series of " + kind(kernel.kernel)
+    if isinstance(kernel, k.ContractChunk):
+        labels = ",".join("".join(lab) for lab in kernel.in_labels)
+        return f"{labels}->{''.join(kernel.out_labels)} {kernel.join}/{kernel.agg}"
+    if isinstance(kernel, k.FusedPointwise):
+        return "fused " + " ".join(getattr(op.kernel, "fn", None) or op.kernel.join
+                                   for op in kernel.ops)
+    if isinstance(kernel, k.MapChunk):
+        return f"map {kernel.fn}"
+    return type(kernel).__name__
+
+
+def tensorql_kernels(case: str, repeat: int) -> None:
+    import tensorql.exec.serial as serial
+    from tensorql.algebra import is_update
+
+    rows: list[tuple[str, float, float]] = []
+    active = [False]
+    run_first = serial.first_contribution
+
+    def timed(kernel, inputs, dest):
+        # an update may write in place (run once); a source reads, it computes nothing
+        if not active[0] or not inputs or is_update(getattr(kernel, "join", "")):
+            return run_first(kernel, inputs, dest)
+        best = {1: float("inf"), 2: float("inf")}
+        for rep in range(repeat):
+            for threads in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                out = run_first(kernel, inputs, dest)
+                best[threads] = min(best[threads], time.perf_counter() - start)
+        torch.set_num_threads(2)
+        rows.append((kind(kernel), best[1], best[2]))
+        return out
+
+    step = getattr(train, f"tq_{case}")("default", 2)
+    step()
+    step()
+    serial.first_contribution = timed
+    active[0] = True
+    try:
+        step()
+    finally:
+        active[0] = False
+        serial.first_contribution = run_first
+    if not rows:
+        print(f"tensorql {case}: no kernel ran serially (the lanes run each on one thread)")
+        return
+    total = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for name, one, two in rows:
+        entry = total[name]
+        entry[0] += one
+        entry[1] += two
+        entry[2] += 1
+    one = sum(r[1] for r in rows)
+    two = sum(r[2] for r in rows)
+    print(f"tensorql {case}: {len(rows)} kernels, 1 thread {one * 1e3:.1f} ms, 2 threads "
+          f"{two * 1e3:.1f} ms (x{one / two:.2f}); by kind, most lost first:")
+    for name, (a, b, n) in sorted(total.items(), key=lambda kv: kv[1][0] / 2 - kv[1][1]):
+        print(f"  {a * 1e3:7.2f} -> {b * 1e3:7.2f} ms  x{a / b:4.2f}  lost {(b - a / 2) * 1e3:5.2f}"
+              f"  n={n:<3d} {name}")
+
+
+def torch_ops(case: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    if case == "mlp":
+        step = train.torch_mlp("default", "torch fused")
+    else:
+        path = os.path.join(tempfile.mkdtemp(prefix="tq-train-kernels-"), "block.npz")
+        train.block_arrays("default", path)
+        step = train.torch_block("default", "torch fused", path)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step()
+        print(f"torch fused {case}, {threads} thread(s), 5 steps:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=("block", "mlp"), default="block")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--torch-only", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.torch_only:
+        tensorql_kernels(args.case, args.repeat)
+    torch_ops(args.case)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
