@@ -9,8 +9,7 @@ from typing import Any, Protocol
 
 from tensorql.errors import PlanError
 from tensorql.logical.plan import LogicalNode, walk
-from tensorql.logical.rules import RULES, rewrite
-from tensorql.logical.rules.balance import balance_lanes
+from tensorql.logical.rules import rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.options import Options
 from tensorql.physical.builder import build
@@ -48,9 +47,7 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     count = job_devices(options) if options.distributed else options.device_set.count
     # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
-    # one device's worker lanes share its products' tasks evenly (a rule, see its module)
-    lanes = options.workers if count == 1 and not options.distributed else 1
-    done = rewrite(roots, RULES + (balance_lanes(lanes),)) if lanes > 1 else rewrite(roots)
+    done = rewrite(roots)
     if done.fired:
         log.debug("rewrite rules fired: %s", ", ".join(done.fired))
     if count > 1 and partitioned and not empty:

@@ -150,11 +150,9 @@ class ChunkStore(abc.ABC):
         grid = version.meta.grid
         lo, hi = tuple(int(a) for a in lo), tuple(int(b) for b in hi)
         keys = region_keys(grid, lo, hi)
-        if len(keys) == 1:  # the region is one stored chunk, or a view of one
-            src, _ = region_slices(grid, keys[0], lo, hi)
-            chunk = self.read_chunk_at(version, keys[0])
-            return chunk if grid.slices(keys[0]) == tuple(
-                slice(a, b) for a, b in zip(lo, hi)) else chunk[src]
+        if len(keys) == 1 and grid.slices(keys[0]) == tuple(
+                slice(a, b) for a, b in zip(lo, hi)):
+            return self.read_chunk_at(version, keys[0])  # the region is one stored chunk
         out = None
         for key in keys:
             chunk = self.read_chunk_at(version, key)
