@@ -88,6 +88,8 @@ _OUT_MAPS = {
     "maximum": lambda x, c, o: torch.clamp_min(x, c, out=o),
     "minimum": lambda x, c, o: torch.clamp_max(x, c, out=o),
 }
+# the maps with a form writing into a given tensor (the input itself: in place)
+OUT_MAPS = frozenset(_OUT_MAPS)
 
 
 def bind_map(name: str, x: torch.Tensor, scalar: float | None,

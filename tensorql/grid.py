@@ -30,6 +30,11 @@ class ChunkGrid:
     tile: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        shape, tile = self.shape, self.tile
+        if type(shape) is tuple and type(tile) is tuple and len(shape) == len(tile) and all(
+                type(n) is int and type(t) is int and 1 <= t <= n
+                for n, t in zip(shape, tile)):
+            return  # already canonical (every grid a plan makes): nothing to check or convert
         if len(self.shape) != len(self.tile):
             raise ShapeError(f"tile {self.tile} has {len(self.tile)} dims, shape {self.shape} "
                              f"has {len(self.shape)}")
@@ -70,7 +75,12 @@ class ChunkGrid:
         return tuple(slice(*self.dim_extent(d, b)) for d, b in enumerate(key))
 
     def chunk_shape(self, key: Key) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in (self.dim_extent(d, b) for d, b in enumerate(key)))
+        """The shape of chunk ``key`` (the last block of a dim may be short).
+
+        >>> ChunkGrid((5, 4), (2, 4)).chunk_shape((2, 0))
+        (1, 4)
+        """
+        return tuple(min(t, n - b * t) for b, t, n in zip(key, self.tile, self.shape))
 
     def check_key(self, key: Sequence[int]) -> Key:
         """``key`` as a tuple of ints, ShapeError when it is outside the grid (a loop, not

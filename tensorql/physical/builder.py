@@ -60,8 +60,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from tensorql_kernels.elementwise import OUT_MAPS
 
-from tensorql.algebra import AggName
+from tensorql.algebra import AggName, JoinName
 from tensorql.dtypes import itemsize
 from tensorql.exec.taskgraph import ChunkRef, Task
 from tensorql.grid import ChunkGrid, Key, regrid_pieces
@@ -85,6 +86,7 @@ from tensorql.physical.attention import attention_kernel
 from tensorql.physical.kernels import (
     ConstChunk,
     ContractChunk,
+    ContractEpilogue,
     ContractSeries,
     ContractWhole,
     FoldPartial,
@@ -129,6 +131,7 @@ def build(root: LogicalNode, partition: PartitionPlan | None = None,
                          fired), reads=reads)
     builder = _OneDevice(reads, max_temp_elems, fuse_bytes, min_tasks, whole_k)
     nodes = walk(root, *also)
+    builder.read_once = _read_once(nodes, (root, *also))
     joins = contraction_joins(nodes, (root, *also))
     for node in nodes:
         if id(node) not in joins:
@@ -279,6 +282,29 @@ class ContributionSeries:
         return key, device, inputs, kernel, sum(f for _, f, _ in run)
 
 
+# maps folded into the product making their input (ContractEpilogue): activations with an
+# in-place form, on floating chunks
+EPILOGUE_MAPS = frozenset({"relu", "silu", "sigmoid", "tanh"}) & OUT_MAPS
+_FLOAT_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
+
+
+def _is_product(node: Aggregate) -> bool:
+    """Whether ``node`` sums a product of two relations (a matrix product, a contraction)."""
+    join = node.input
+    return node.agg == AggName.SUM and isinstance(join, Join) and join.join == JoinName.MUL \
+        and len(join.sources) == 2
+
+
+def _read_once(nodes: list[LogicalNode], results: tuple[LogicalNode, ...]) -> frozenset[int]:
+    """The ids of the nodes exactly one node reads and that are no result of the plan."""
+    count: dict[int, int] = {}
+    for node in nodes:
+        for child in node.inputs:
+            count[id(child)] = count.get(id(child), 0) + 1
+    done = {id(r) for r in results}
+    return frozenset(k for k, n in count.items() if n == 1 and k not in done)
+
+
 class _OneDevice:
     """The steps of a plan on one device: one step per logical node, its tasks the chunks of
     the node's grid (an Aggregate with the Join it reads as one step)."""
@@ -294,6 +320,7 @@ class _OneDevice:
         self.steps: list[Step] = []
         self.step_of: dict[int, int] = {}
         self.next_task = 0
+        self.read_once: frozenset[int] = frozenset()  # maps fold into such products only
 
     def _new_task(self, inputs, output, kernel, flops: int = 0) -> Task:
         task = Task(id=self.next_task, inputs=tuple(inputs), output=output, kernel=kernel,
@@ -309,6 +336,8 @@ class _OneDevice:
         if isinstance(node, Scan):
             step = self._scan(sid, node)
         elif isinstance(node, Map):
+            if self._epilogue(node):
+                return
             step = self._map(sid, node)
         elif isinstance(node, Rekey):
             step = self._rekey(sid, node)
@@ -328,6 +357,38 @@ class _OneDevice:
             raise TypeError(type(node).__name__)
         self.steps.append(step)
         self.step_of[id(node)] = sid
+
+    def _epilogue(self, node: Map) -> bool:
+        """Fold activation ``node`` into the step of the product it reads, as the epilogue of
+        each of its tasks (:class:`~tensorql.physical.kernels.ContractEpilogue`), when that
+        contraction is read by ``node`` alone, makes each output chunk in one task, and
+        ``node`` keeps its grid and dtype with an in-place form; True when folded."""
+        source = node.input
+        sid = self.step_of.get(id(source))
+        if not (isinstance(source, Aggregate) and sid is not None and id(source) in
+                self.read_once and node.fn in EPILOGUE_MAPS and _is_product(source)
+                and node.relation.grid == source.relation.grid
+                and node.relation.dtype == source.relation.dtype
+                and node.relation.dtype in _FLOAT_DTYPES):
+            return False
+        step = self.steps[sid]
+        if step.node is not source or step.output is not None or not all(
+                isinstance(t.kernel, (ContractChunk, ContractSeries, ContractWhole))
+                for t in step.tasks) \
+                or len({t.output for t in step.tasks}) != len(step.tasks):
+            return False
+        grid = node.relation.grid
+        tasks = tuple(dataclasses.replace(
+            t, kernel=ContractEpilogue(t.kernel, node.fn, node.scalar, node.relation.dtype),
+            flops=t.flops + math.prod(grid.chunk_shape(t.output.key))) for t in step.tasks)
+        join = source.input
+        assert isinstance(join, Join)
+        name = f"{node.title} <- {step.name} <- Join {join.join} on [{', '.join(join.on)}]"
+        self.steps[sid] = Step(sid, name, (*step.nodes, node), tasks,
+                               step.est_flops + math.prod(node.relation.shape),
+                               step.est_bytes_in, step.est_bytes_out)
+        self.step_of[id(node)] = sid
+        return True
 
     def _fused(self, sid: int, node: Pointwise) -> Step:
         """One step computing a chain of pointwise ops chunk by chunk in one task each,

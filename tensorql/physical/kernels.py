@@ -515,6 +515,59 @@ class ContractWhole:
         return self.kernel.combine(acc, partial)
 
 
+@dataclass(frozen=True, eq=False)
+class ContractEpilogue(_NoCombine):
+    """A contraction's one task per output chunk (``kernel``: its product or series) with
+    elementwise map ``fn`` applied in place to the finished chunk -- an activation fused into
+    the product that makes its input: no pass over the chunk in a task of its own, no second
+    chunk (``relu(X @ W1)``: the product's tile is still in cache when it is clamped). Maps
+    with no in-place form (:func:`~tensorql_kernels.elementwise.bind_map` answers None) and
+    products handing back a view of an input are mapped into a new tensor instead.
+
+    >>> k = ContractEpilogue(ContractChunk((("i", "j"), ("j", "k")), ("i", "k")), "relu", None,
+    ...                      "float32")
+    >>> k.run([torch.tensor([[1.0, -1.0]]), torch.tensor([[1.0], [2.0]])], None).tolist()
+    [[0.0]]
+    >>> out = torch.empty(1, 1)
+    >>> k.run_into([torch.tensor([[3.0]]), torch.tensor([[2.0]])], out) is out, out.item()
+    (True, 6.0)
+    """
+
+    kernel: ContractChunk | ContractSeries | ContractWhole
+    fn: str
+    scalar: float | None
+    dtype: str
+
+    def _finish(self, value: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        mine = value.untyped_storage().data_ptr()
+        call = None if any(x.untyped_storage().data_ptr() == mine for x in inputs) \
+            else bind_map(self.fn, value, self.scalar, value)
+        if call is None:
+            return apply_map(self.fn, value, self.scalar).to(torch_dtype(self.dtype))
+        call()
+        return value
+
+    def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        return self._finish(self.kernel.run(inputs, acc), inputs)
+
+    def run_into(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Like ``run(inputs, None)``, the product written into ``out`` (a tile of a dense
+        result) when it can be."""
+        value = self.kernel.run_into(inputs, out)
+        done = self._finish(value, inputs)
+        return done if done is value or value is not out else out.copy_(done)
+
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound, ...] | None:
+        """The product's bound calls into ``out`` and the map in place on it (see
+        :mod:`tensorql.exec.tape`), or None."""
+        bind = getattr(self.kernel, "bind", None)
+        calls = None if bind is None else bind(inputs, out)
+        finish = bind_map(self.fn, out, self.scalar, out)
+        if calls is None or finish is None or out.dtype != torch_dtype(self.dtype):
+            return None
+        return (*calls, finish)
+
+
 @dataclass(frozen=True)
 class FusedArg:
     """One argument of a fused op: external input ``index`` (>= 0) or the result of op

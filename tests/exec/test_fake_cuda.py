@@ -721,3 +721,31 @@ def test_a_whole_k_plan_runs_exactly_on_cpu_data(strategy):
                              workers=2, direct=strategy == "direct").run(graph)
     got = dense(q, result.outputs)
     assert np.array_equal(got.numpy(), a @ b)
+
+
+def test_an_activation_over_a_whole_k_product_is_its_epilogue_and_exact():
+    """relu(A @ B) with the whole-K plan (forced on a CPU session, real data): the relu
+    folds into each output chunk's one product (ContractEpilogue over ContractWhole), and
+    the result equals numpy's."""
+    from dataclasses import replace
+
+    from runtime_helpers import dense
+
+    from tensorql.physical.builder import build
+    from tensorql.physical.kernels import ContractEpilogue, ContractWhole
+
+    rng = np.random.default_rng(7)
+    a = rng.integers(-4, 5, (96, 128)).astype(np.float64)
+    b = rng.integers(-4, 5, (128, 64)).astype(np.float64)
+    with tq.connect(devices="cpu") as db:
+        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
+        q = (A @ B).relu().compile()
+        q = replace(q, physical=build(q.logical, None, db.chunk_store, whole_k=float("inf")))
+        graph = q.physical.task_graph()
+        product = [t for t in graph.tasks if t.output.step == q.physical.result_step.id]
+        assert len(product) == 6 and all(
+            isinstance(t.kernel, ContractEpilogue) and isinstance(t.kernel.kernel, ContractWhole)
+            for t in product)
+        with q.physical.pinned():
+            result = Runtime("cpu", None, workers=2, direct=True).run(graph)
+    assert np.array_equal(dense(q, result.outputs).numpy(), np.maximum(a @ b, 0))

@@ -1,0 +1,41 @@
+"""A prompt's rotary tables and causal mask are made once for all its layers
+(``Llama._prompt_tables``): the same arrays for the same positions, made anew for others,
+equal to ``rope_tables`` and the causal mask computed directly; logits of prompts of
+alternating lengths equal those of a fresh model (no memo)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import tensorql as tq
+from tensorql.models import Llama
+from tensorql.models.llama import MASK_VALUE, LlamaShape, query_rope_tables, rope_tables
+
+SHAPE = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=2, heads=2, kv_heads=1, head_dim=4)
+
+
+def test_tables_are_made_once_per_positions_and_match_a_direct_computation():
+    model = Llama.random(tq.connect(), SHAPE, seed=0)
+    first = model._prompt_tables(range(5))
+    assert model._prompt_tables([0, 1, 2, 3, 4]) is first
+    tables, query, mask = first
+    want = rope_tables(SHAPE, range(5))
+    for got, ref in zip(tables + query, want + query_rope_tables(SHAPE, want)):
+        np.testing.assert_array_equal(got, ref)
+    expected = np.triu(np.full((5, 5), MASK_VALUE, np.float32), k=1)
+    np.testing.assert_array_equal(mask, expected)
+    other = model._prompt_tables(range(3))
+    assert other is not first and other[2].shape == (3, 3)
+    assert model._prompt_tables([0])[2] is None  # one position: nothing to mask
+
+
+def test_logits_of_alternating_lengths_match_a_fresh_model():
+    db = tq.connect()
+    model = Llama.random(db, SHAPE, seed=1)
+    rng = np.random.default_rng(2)
+    for length in (4, 3, 4):
+        ids = rng.integers(0, SHAPE.vocab, size=(1, length))
+        fresh = Llama(db, SHAPE)  # the same stored weights, no tables made yet
+        torch.testing.assert_close(model.logits(ids).torch(), fresh.logits(ids).torch(),
+                                   rtol=0, atol=0)
