@@ -289,32 +289,39 @@ class _Planner:
         priority), so the product of a chunk task is consumed while resident. In ``(A @ B) @
         C`` under a small budget each tile of ``A @ B`` then feeds its partial product with
         ``C`` at once and never spills; in priority order every tile of ``A @ B`` would be
-        made before any is used (dask's scheduler orders by the same rule).
+        made before any is used (dask's scheduler orders by the same rule). Among the tasks
+        one completion makes ready, those whose other inputs were made last go first
+        (:func:`_recency`): when a reduction over a whole intermediate releases all its
+        consumers at once, the tiles still resident are used before the evicted ones come
+        back.
         """
         depth_first = self.budget_binds()
         waiting: dict[ChunkRef, list[Task]] = {}
         pending: dict[int, int] = {}
-        ready: list[tuple[int, float, int, Task]] = []
+        ready: list[tuple[int, tuple[int, ...], float, int, Task]] = []
         for t in self.tasks:
             deps = {r for r in t.inputs if r not in self.source}
             pending[t.id] = len(deps)
             for r in deps:
                 waiting.setdefault(r, []).append(t)
             if not deps:
-                ready.append((0, t.priority, t.id, t))
+                ready.append((0, (), t.priority, t.id, t))
         heapq.heapify(ready)
         remaining = dict(self.remaining)
+        finished: dict[ChunkRef, int] = {}  # when each computed chunk was complete
         out: list[Task] = []
         while ready:
             *_, t = heapq.heappop(ready)
             out.append(t)
             remaining[t.output] -= 1
             if remaining[t.output] == 0:
+                finished[t.output] = len(out)
                 generation = -len(out) if depth_first else 0
                 for c in waiting.pop(t.output, ()):
                     pending[c.id] -= 1
                     if pending[c.id] == 0:
-                        heapq.heappush(ready, (generation, c.priority, c.id, c))
+                        recency = _recency(c, finished) if depth_first else ()
+                        heapq.heappush(ready, (generation, recency, c.priority, c.id, c))
         if len(out) != len(self.tasks):
             missing = sorted({r for t in self.tasks for r in t.inputs
                               if r not in self.remaining and r not in self.source},
@@ -610,6 +617,25 @@ class _Planner:
                                       sooner_than=ahead):
                     return
                 self.bring(d, ref, pinned, pos, "prefetch", output=False)
+
+
+def _recency(task: Task, finished: dict[ChunkRef, int]) -> tuple[int, ...]:
+    """How recently ``task``'s computed inputs were made, as a key that puts the task whose
+    inputs are the newest first: the completion positions of its inputs, latest first,
+    negated. Among tasks made ready by the same completion (a reduction's last contribution
+    releases every task that waits for it) the memory-aware order then runs first those whose
+    other inputs were made last -- the ones still resident -- instead of those made first,
+    which a binding budget has already evicted.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task
+    >>> y0, y1, m = ChunkRef(0, (0,)), ChunkRef(0, (1,)), ChunkRef(1, ())
+    >>> done = {y0: 1, y1: 2, m: 3}
+    >>> _recency(Task(5, (y0, m), ChunkRef(2, (0,)), None), done)
+    (-3, -1)
+    >>> _recency(Task(6, (y1, m), ChunkRef(2, (1,)), None), done) < _
+    True
+    """
+    return tuple(sorted(-finished[r] for r in set(task.inputs) if r in finished))
 
 
 def _task_cost(task: Task, sizes: dict[ChunkRef, int]) -> float:

@@ -293,3 +293,44 @@ def _behind(ops: dict, i: int, memo: dict[int, set[int]]) -> set[int]:
                     stack.append(dep)
         memo[i] = seen
     return memo[i]
+
+
+def _whole_reduction_graph(n: int = 10, tile: int = 100):
+    """``z_i = f(y_i, max(y))`` for ``y_i = g(a_i)``: no ``z_i`` can run before the maximum of
+    every ``y_i``, so all of ``y`` is live at once (the out-of-core bench's ``spill`` shape).
+    ``a_i`` are at rest (10 bytes), ``y_i`` ``tile`` bytes, the maximum and ``z_i`` 1 byte."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    a = [ChunkRef(0, (i,)) for i in range(n)]
+    y = [ChunkRef(1, (i,)) for i in range(n)]
+    m = ChunkRef(2, ())
+    z = [ChunkRef(3, (i,)) for i in range(n)]
+    tasks = [Task(i, (), a[i], None, float(i)) for i in range(n)]
+    tasks += [Task(n + i, (a[i],), y[i], None, float(i)) for i in range(n)]
+    tasks += [Task(2 * n + i, (y[i],), m, None, float(i)) for i in range(n)]
+    tasks += [Task(3 * n + i, (y[i], m), z[i], None, float(i)) for i in range(n)]
+    sizes = {**{r: 10 for r in a}, **{r: tile for r in y}, m: 1, **{r: 1 for r in z}}
+    return TaskGraph(tasks=tuple(tasks), retain=frozenset({3}), chunk_bytes=sizes), y
+
+
+@pytest.mark.parametrize(("budget", "host_budget"), [(350, 250), (250, 100), (560, 0)])
+def test_a_whole_reduction_spills_only_what_no_tier_can_hold(budget, host_budget):
+    """When the maximum of all of ``y`` completes, every tile is live: the device keeps what
+    its budget holds beside the maximum (``(budget - 1) // tile`` tiles), the host tier what
+    its budget holds, and only the rest must go to DuckDB. The consumers released by the
+    maximum used to run in priority order (``z_0`` first), so the tiles made last -- the ones
+    still resident -- were evicted to make room for ``y_0`` and spilled too (the bench's
+    ``spill``: 1008 MiB spilled where its plan needs 928). Now the consumers of the tiles made
+    last run first, and the plan spills exactly the minimum."""
+    n, tile = 10, 100
+    graph, y = _whole_reduction_graph(n, tile)
+    program = plan_program(graph, budgets=[budget], host_budget=host_budget)
+    on_device = (budget - 1) // tile  # beside the maximum (1 byte)
+    in_host = host_budget // tile
+    minimum = (n - on_device - in_host) * tile
+    assert program.host.spill_bytes == minimum
+    assert program.host.reload_bytes == minimum
+    written_back = {op.ref for op in program.ops if op.kind == "d2h" and op.evict}
+    assert written_back <= set(y) and len(written_back) == n - on_device
+    for seed in range(3):
+        assert _replay(program, seed)[0] <= budget
