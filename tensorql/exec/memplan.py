@@ -254,6 +254,8 @@ class _Planner:
                                                       concurrency[i] if concurrency else 1))
                      for i in range(n_devices)]
         contributions = graph.contributions()
+        self.contributions = contributions
+        self.lanes = max(concurrency) if concurrency else 1  # workers of the busiest device
         # data at rest is loaded onto whichever device reads it, unless its task is pinned to a
         # device (a partitioned plan places every piece): then it is computed there
         self.source: dict[ChunkRef, Task] = {
@@ -293,12 +295,16 @@ class _Planner:
         one completion makes ready, those whose other inputs were made last go first
         (:func:`_recency`): when a reduction over a whole intermediate releases all its
         consumers at once, the tiles still resident are used before the evicted ones come
-        back.
+        back. When the device runs several tasks at once (``concurrency``), such a batch is
+        dealt out over as many accumulations as it has workers (:meth:`_batch_keys`): the
+        consumers feeding two different partial sums alternate, so two chains of
+        contributions (each serial: they add into one chunk) run side by side within the
+        plan's room, instead of one row's chain after another with a worker idle.
         """
         depth_first = self.budget_binds()
         waiting: dict[ChunkRef, list[Task]] = {}
         pending: dict[int, int] = {}
-        ready: list[tuple[int, tuple[int, ...], float, int, Task]] = []
+        ready: list[tuple[int, tuple, float, int, Task]] = []
         for t in self.tasks:
             deps = {r for r in t.inputs if r not in self.source}
             pending[t.id] = len(deps)
@@ -317,11 +323,13 @@ class _Planner:
             if remaining[t.output] == 0:
                 finished[t.output] = len(out)
                 generation = -len(out) if depth_first else 0
+                batch = []
                 for c in waiting.pop(t.output, ()):
                     pending[c.id] -= 1
                     if pending[c.id] == 0:
-                        recency = _recency(c, finished) if depth_first else ()
-                        heapq.heappush(ready, (generation, recency, c.priority, c.id, c))
+                        batch.append(c)
+                for key, c in self._batch_keys(batch, finished, waiting, depth_first):
+                    heapq.heappush(ready, (generation, key, c.priority, c.id, c))
         if len(out) != len(self.tasks):
             missing = sorted({r for t in self.tasks for r in t.inputs
                               if r not in self.remaining and r not in self.source},
@@ -329,6 +337,31 @@ class _Planner:
             if missing:
                 raise PlanError(f"a task reads chunk {missing[0]} that no task writes")
             raise PlanError("the task graph has a cycle")
+        return out
+
+    def _batch_keys(self, batch: list[Task], finished: dict[ChunkRef, int],
+                    waiting: dict[ChunkRef, list[Task]], depth_first: bool
+                    ) -> list[tuple[tuple, Task]]:
+        """Keys for the tasks one completion made ready together (see :meth:`order`), with
+        each task: by :func:`_recency`, and with ``self.lanes`` workers per device the
+        tasks are grouped by the accumulation their consumers add to (a chunk of several
+        contributions; else the task's own output) and the groups, in order of their most
+        recent task, taken ``lanes`` at a time with their tasks alternating."""
+        if not depth_first:
+            return [((), c) for c in batch]
+        keyed = sorted(((_recency(c, finished), c.priority, c.id), c) for c in batch)
+        lanes = self.lanes
+        if lanes <= 1 or len(batch) <= 1:
+            return [((k[0],), c) for k, c in keyed]
+        groups: dict[object, int] = {}
+        ranks: dict[int, int] = {}
+        out = []
+        for k, c in keyed:
+            chain = frozenset(u.output for u in waiting.get(c.output, ())
+                              if self.contributions.get(u.output, 1) > 1) or c.output
+            g = groups.setdefault(chain, len(groups))
+            rank = ranks[g] = ranks.get(g, -1) + 1
+            out.append(((g // lanes, rank, g % lanes, k[0]), c))
         return out
 
     def place(self, order: list[Task]) -> list[int]:
