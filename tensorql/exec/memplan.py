@@ -254,6 +254,8 @@ class _Planner:
                                                       concurrency[i] if concurrency else 1))
                      for i in range(n_devices)]
         contributions = graph.contributions()
+        self.contributions = contributions
+        self.lanes = max(concurrency) if concurrency else 1  # workers of the busiest device
         # data at rest is loaded onto whichever device reads it, unless its task is pinned to a
         # device (a partitioned plan places every piece): then it is computed there
         self.source: dict[ChunkRef, Task] = {
@@ -289,32 +291,45 @@ class _Planner:
         priority), so the product of a chunk task is consumed while resident. In ``(A @ B) @
         C`` under a small budget each tile of ``A @ B`` then feeds its partial product with
         ``C`` at once and never spills; in priority order every tile of ``A @ B`` would be
-        made before any is used (dask's scheduler orders by the same rule).
+        made before any is used (dask's scheduler orders by the same rule). Among the tasks
+        one completion makes ready, those whose other inputs were made last go first
+        (:func:`_recency`): when a reduction over a whole intermediate releases all its
+        consumers at once, the tiles still resident are used before the evicted ones come
+        back. When the device runs several tasks at once (``concurrency``), such a batch is
+        dealt out over as many accumulations as it has workers (:meth:`_batch_keys`): the
+        consumers feeding two different partial sums alternate, so two chains of
+        contributions (each serial: they add into one chunk) run side by side within the
+        plan's room, instead of one row's chain after another with a worker idle.
         """
         depth_first = self.budget_binds()
         waiting: dict[ChunkRef, list[Task]] = {}
         pending: dict[int, int] = {}
-        ready: list[tuple[int, float, int, Task]] = []
+        ready: list[tuple[int, tuple, float, int, Task]] = []
         for t in self.tasks:
             deps = {r for r in t.inputs if r not in self.source}
             pending[t.id] = len(deps)
             for r in deps:
                 waiting.setdefault(r, []).append(t)
             if not deps:
-                ready.append((0, t.priority, t.id, t))
+                ready.append((0, (), t.priority, t.id, t))
         heapq.heapify(ready)
         remaining = dict(self.remaining)
+        finished: dict[ChunkRef, int] = {}  # when each computed chunk was complete
         out: list[Task] = []
         while ready:
             *_, t = heapq.heappop(ready)
             out.append(t)
             remaining[t.output] -= 1
             if remaining[t.output] == 0:
+                finished[t.output] = len(out)
                 generation = -len(out) if depth_first else 0
+                batch = []
                 for c in waiting.pop(t.output, ()):
                     pending[c.id] -= 1
                     if pending[c.id] == 0:
-                        heapq.heappush(ready, (generation, c.priority, c.id, c))
+                        batch.append(c)
+                for key, c in self._batch_keys(batch, finished, waiting, depth_first):
+                    heapq.heappush(ready, (generation, key, c.priority, c.id, c))
         if len(out) != len(self.tasks):
             missing = sorted({r for t in self.tasks for r in t.inputs
                               if r not in self.remaining and r not in self.source},
@@ -322,6 +337,31 @@ class _Planner:
             if missing:
                 raise PlanError(f"a task reads chunk {missing[0]} that no task writes")
             raise PlanError("the task graph has a cycle")
+        return out
+
+    def _batch_keys(self, batch: list[Task], finished: dict[ChunkRef, int],
+                    waiting: dict[ChunkRef, list[Task]], depth_first: bool
+                    ) -> list[tuple[tuple, Task]]:
+        """Keys for the tasks one completion made ready together (see :meth:`order`), with
+        each task: by :func:`_recency`, and with ``self.lanes`` workers per device the
+        tasks are grouped by the accumulation their consumers add to (a chunk of several
+        contributions; else the task's own output) and the groups, in order of their most
+        recent task, taken ``lanes`` at a time with their tasks alternating."""
+        if not depth_first:
+            return [((), c) for c in batch]
+        keyed = sorted(((_recency(c, finished), c.priority, c.id), c) for c in batch)
+        lanes = self.lanes
+        if lanes <= 1 or len(batch) <= 1:
+            return [((k[0],), c) for k, c in keyed]
+        groups: dict[object, int] = {}
+        ranks: dict[int, int] = {}
+        out = []
+        for k, c in keyed:
+            chain = frozenset(u.output for u in waiting.get(c.output, ())
+                              if self.contributions.get(u.output, 1) > 1) or c.output
+            g = groups.setdefault(chain, len(groups))
+            rank = ranks[g] = ranks.get(g, -1) + 1
+            out.append(((g // lanes, rank, g % lanes, k[0]), c))
         return out
 
     def place(self, order: list[Task]) -> list[int]:
@@ -610,6 +650,25 @@ class _Planner:
                                       sooner_than=ahead):
                     return
                 self.bring(d, ref, pinned, pos, "prefetch", output=False)
+
+
+def _recency(task: Task, finished: dict[ChunkRef, int]) -> tuple[int, ...]:
+    """How recently ``task``'s computed inputs were made, as a key that puts the task whose
+    inputs are the newest first: the completion positions of its inputs, latest first,
+    negated. Among tasks made ready by the same completion (a reduction's last contribution
+    releases every task that waits for it) the memory-aware order then runs first those whose
+    other inputs were made last -- the ones still resident -- instead of those made first,
+    which a binding budget has already evicted.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task
+    >>> y0, y1, m = ChunkRef(0, (0,)), ChunkRef(0, (1,)), ChunkRef(1, ())
+    >>> done = {y0: 1, y1: 2, m: 3}
+    >>> _recency(Task(5, (y0, m), ChunkRef(2, (0,)), None), done)
+    (-3, -1)
+    >>> _recency(Task(6, (y1, m), ChunkRef(2, (1,)), None), done) < _
+    True
+    """
+    return tuple(sorted(-finished[r] for r in set(task.inputs) if r in finished))
 
 
 def _task_cost(task: Task, sizes: dict[ChunkRef, int]) -> float:

@@ -293,3 +293,105 @@ def _behind(ops: dict, i: int, memo: dict[int, set[int]]) -> set[int]:
                     stack.append(dep)
         memo[i] = seen
     return memo[i]
+
+
+def _whole_reduction_graph(n: int = 10, tile: int = 100):
+    """``z_i = f(y_i, max(y))`` for ``y_i = g(a_i)``: no ``z_i`` can run before the maximum of
+    every ``y_i``, so all of ``y`` is live at once (the out-of-core bench's ``spill`` shape).
+    ``a_i`` are at rest (10 bytes), ``y_i`` ``tile`` bytes, the maximum and ``z_i`` 1 byte."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    a = [ChunkRef(0, (i,)) for i in range(n)]
+    y = [ChunkRef(1, (i,)) for i in range(n)]
+    m = ChunkRef(2, ())
+    z = [ChunkRef(3, (i,)) for i in range(n)]
+    tasks = [Task(i, (), a[i], None, float(i)) for i in range(n)]
+    tasks += [Task(n + i, (a[i],), y[i], None, float(i)) for i in range(n)]
+    tasks += [Task(2 * n + i, (y[i],), m, None, float(i)) for i in range(n)]
+    tasks += [Task(3 * n + i, (y[i], m), z[i], None, float(i)) for i in range(n)]
+    sizes = {**{r: 10 for r in a}, **{r: tile for r in y}, m: 1, **{r: 1 for r in z}}
+    return TaskGraph(tasks=tuple(tasks), retain=frozenset({3}), chunk_bytes=sizes), y
+
+
+@pytest.mark.parametrize(("budget", "host_budget"), [(350, 250), (250, 100), (560, 0)])
+def test_a_whole_reduction_spills_only_what_no_tier_can_hold(budget, host_budget):
+    """When the maximum of all of ``y`` completes, every tile is live: the device keeps what
+    its budget holds beside the maximum (``(budget - 1) // tile`` tiles), the host tier what
+    its budget holds, and only the rest must go to DuckDB. The consumers released by the
+    maximum used to run in priority order (``z_0`` first), so the tiles made last -- the ones
+    still resident -- were evicted to make room for ``y_0`` and spilled too (the bench's
+    ``spill``: 1008 MiB spilled where its plan needs 928). Now the consumers of the tiles made
+    last run first, and the plan spills exactly the minimum."""
+    n, tile = 10, 100
+    graph, y = _whole_reduction_graph(n, tile)
+    program = plan_program(graph, budgets=[budget], host_budget=host_budget)
+    on_device = (budget - 1) // tile  # beside the maximum (1 byte)
+    in_host = host_budget // tile
+    minimum = (n - on_device - in_host) * tile
+    assert program.host.spill_bytes == minimum
+    assert program.host.reload_bytes == minimum
+    written_back = {op.ref for op in program.ops if op.kind == "d2h" and op.evict}
+    assert written_back <= set(y) and len(written_back) == n - on_device
+    for seed in range(3):
+        assert _replay(program, seed)[0] <= budget
+
+
+def _whole_reduction_rows_graph(rows: int = 4, cols: int = 4, tile: int = 100):
+    """``out_i = sum_j f(y_ij, max(y))`` for ``y_ij = g(a_ij)``: the bench's ``spill`` shape
+    with its rows: each ``out_i`` is a chain of ``cols`` contributions (they add into one
+    chunk, one after another) that the maximum releases all at once."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    keys = [(i, j) for i in range(rows) for j in range(cols)]
+    a = {k: ChunkRef(0, k) for k in keys}
+    y = {k: ChunkRef(1, k) for k in keys}
+    m = ChunkRef(2, ())
+    e = {k: ChunkRef(3, k) for k in keys}
+    out = {i: ChunkRef(4, (i,)) for i in range(rows)}
+    tasks: list = []
+
+    def add(inputs, output, flops):
+        tasks.append(Task(len(tasks), inputs, output, None, float(len(tasks)), flops))
+
+    for k in keys:
+        add((), a[k], 0)
+    for k in keys:
+        add((a[k],), y[k], 10**8)
+    for k in keys:
+        add((y[k],), m, 10**6)
+    for k in keys:
+        add((y[k], m), e[k], 4 * 10**7)
+    for (i, j) in keys:
+        add((e[(i, j)],), out[i], 10**8)
+    sizes = {**{r: 10 for r in a.values()}, **{r: tile for r in y.values()}, m: 1,
+             **{r: tile for r in e.values()}, **{r: 10 for r in out.values()}}
+    return TaskGraph(tasks=tuple(tasks), retain=frozenset({4}), chunk_bytes=sizes)
+
+
+def test_two_workers_get_two_chains_of_contributions_side_by_side():
+    """The maximum releases every consumer at once; each row's contributions add into one
+    chunk, one after another. Taken row by row (the tiles still resident first), a second
+    worker had only the cheap ``f`` tasks to run beside one row's chain (the bench's
+    ``spill``: one kernel running for ~40 % of its second phase, in runs under load). With
+    two workers the plan now alternates two rows' chains; with one it keeps row by row. Either
+    way the plan spills the minimum for its room, and the budget holds in any order."""
+    graph = _whole_reduction_rows_graph()
+    plans = {n: plan_program(graph, budgets=[900], host_budget=200, concurrency=[n])
+             for n in (1, 2)}
+    rows = {n: [op.ref.key[0] for op in p.ops if op.kind == "compute" and op.ref.step == 4]
+            for n, p in plans.items()}
+    # one worker: each row's chain whole, the row made last (still resident) first
+    assert rows[1] == [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4
+    # two workers: two rows' chains alternate
+    assert rows[2] == [3, 2] * 4 + [1, 0] * 4
+    # either way only what no tier holds spills: when the maximum completes, the device's
+    # room (plan_room: less with room kept for the second worker) keeps the tiles beside it
+    # and the first f's output, the host tier two, the rest go to DuckDB
+    from tensorql.exec.memplan import largest_task_bytes, plan_room
+
+    for n, plan in plans.items():
+        room = plan_room(900, largest_task_bytes(graph), n)
+        on_device = (room - 1 - 100) // 100
+        assert plan.host.spill_bytes == (16 - on_device - 200 // 100) * 100
+    for seed in range(3):
+        assert _replay(plans[2], seed)[0] <= 900
