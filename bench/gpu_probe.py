@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -46,9 +47,14 @@ def _wrong_elements(got: np.ndarray, ref: np.ndarray, inputs: np.ndarray, show: 
     """How many elements are off by more than 1e-5 relative, and the first few of them."""
     off = np.abs(got.astype(np.float64) - ref) > 1e-5 * np.maximum(np.abs(ref), 1.0)
     where = np.argwhere(off)[:show]
+    rows = np.nonzero(off.any(axis=tuple(range(1, off.ndim))))[0] if off.ndim > 1 else []
+    rel = np.abs(got.astype(np.float64) - ref) / np.maximum(np.abs(ref), 1e-30)
+    span = (f"rows {int(rows[0])}..{int(rows[-1])} ({len(rows)} rows), "
+            if len(rows) else "")
     items = ", ".join(f"{tuple(int(i) for i in w)}: got {float(got[tuple(w)])!r} want "
                       f"{ref[tuple(w)]:.6g} (input {float(inputs[tuple(w)])!r})" for w in where)
-    return f"{int(off.sum())} of {off.size} elements wrong [{items}]"
+    return (f"{int(off.sum())} of {off.size} elements wrong, {span}max relative error "
+            f"{float(rel.max()):.2e} [{items}]")
 
 
 class Probes:
@@ -106,6 +112,9 @@ class Probes:
                 print(f"[probe] fused_chain miss: {_wrong_elements(got, ref, a)}; "
                       f"input intact: {bool(np.array_equal(A.numpy(), a))}; "
                       f"rerun rel err {rel_error(chain.numpy(), ref):.2e}", flush=True)
+                dump = os.environ.get("TQ_PROBE_DUMP")
+                if dump:  # the wrong result, for a look at its pattern
+                    np.save(dump, got)
         return err
 
     def _adam(self, cls_name: str) -> float:
