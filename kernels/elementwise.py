@@ -64,6 +64,32 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.clamp_min(x, floor)).masked_fill_(x < floor, 0.0)
 
 
+def warm_transcendentals() -> None:
+    """Call torch's float32 transcendental kernels once, on one thread and a few elements,
+    before any lane runs one.
+
+    Why: the first large ``torch.exp`` of a process, entered by two threads at once (a lane
+    and its OpenMP partner, once the pool is up), now and then computed the calling thread's
+    half with a low-accuracy exp: about 1 fresh process in 42 on the 2-core Intel host
+    (torch 2.13 CPU), 76,123 of 2^20 elements wrong by up to 1.5e-4, an error that follows
+    ``frac(x * log2(e))`` like a low-degree polynomial, and a rerun in the same process exact
+    (``bench/gpu_probe.py``'s fused chain; see docs/runtime.md, "A first-call race in torch's
+    exp"). With this warm-up first, 0 of 150 such processes went wrong. It is a mitigation of
+    a race inside torch, not a proof of its cause.
+
+    >>> warm_transcendentals()  # idempotent and cheap (microseconds)
+    """
+    x = torch.linspace(-1.0, 1.0, 16)
+    positive = x.abs() + 1.0
+    for fn in (torch.exp, torch.tanh, torch.sigmoid):
+        fn(x)
+    for fn in (torch.log, torch.rsqrt, torch.sqrt):
+        fn(positive)
+    torch.nn.functional.silu(x)
+
+
+warm_transcendentals()
+
 MAP_FUNCTIONS = tuple(sorted(_MAPS))
 SCALAR_MAPS = frozenset(name for name, (_, scalar) in _MAPS.items() if scalar)
 # Maps whose result is floating even on integer input.
