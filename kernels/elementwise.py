@@ -74,7 +74,7 @@ def warm_transcendentals() -> None:
     (torch 2.13 CPU), 76,123 of 2^20 elements wrong by up to 1.5e-4, an error that follows
     ``frac(x * log2(e))`` like a low-degree polynomial, and a rerun in the same process exact
     (``bench/gpu_probe.py``'s fused chain; see docs/runtime.md, "A first-call race in torch's
-    exp"). With this warm-up first, 0 of 150 such processes went wrong. It is a mitigation of
+    exp"). With this warm-up first, 0 of 270 such processes went wrong. It is a mitigation of
     a race inside torch, not a proof of its cause.
 
     >>> warm_transcendentals()  # idempotent and cheap (microseconds)
