@@ -515,8 +515,12 @@ def torch_build() -> dict:
     shown = torch.__config__.show()
     mkl = re.search(r"Math Kernel Library Version ([\d.]+)", shown)
     onednn = re.search(r"MKL-DNN (v[^\s]+)", shown)
+    try:  # whether tensorql packs stored weights on this host, and why (its default)
+        from tensorql_kernels.packed_weights import RULE as packing
+    except ImportError:
+        packing = None
     return {"torch": torch.__version__, "mkl": mkl.group(1) if mkl else None,
-            "onednn": onednn.group(1) if onednn else None}
+            "onednn": onednn.group(1) if onednn else None, "packed_weights": packing}
 
 
 def git_commit() -> dict:

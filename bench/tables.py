@@ -69,6 +69,8 @@ def provenance(record: Mapping, source: str) -> str:
              f"torch {env.get('torch', '?')}", f"MKL {env.get('mkl', '?')}",
              f"oneDNN {env.get('onednn', '?')}", f"THP {env.get('thp', '?')}",
              str(env.get("date", "?"))[:10]]
+    if env.get("packed_weights"):
+        parts.insert(-1, f"packed weights {env['packed_weights']}")
     how = []
     if "repeat" in method:
         how.append(f"{method['repeat']} repeats")

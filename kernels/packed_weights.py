@@ -13,12 +13,21 @@ a kernel may write in place is not), also when the tensor's version counter says
 written; the first product with a chunk packs it, so a query computes the same bits every
 run. Products of fewer than :data:`MIN_ROWS` rows (a decoded token's) keep ``torch.mm``.
 A packed copy is as large as its chunk and is dropped with it: the packed copies of a
-session are at most as large as its chunk cache. ``TENSORQL_PACKED_WEIGHTS=0`` turns them off.
+session are at most as large as its chunk cache.
+
+Whether to pack depends on the host (:func:`choose`, its verdict in :data:`RULE`). MKL's
+``sgemm`` runs its own tuned kernels only on Intel CPUs: on the AMD host above it lost to the
+packed product at every shape, while on a 2-core Intel Xeon (Sapphire Rapids, AVX-512, MKL
+2024.2) it won at every shape, one thread: 64 x 1024 x 2816 at 106 GFLOP/s against 88 packed,
+512 x 768 x 3072 at 122 against 109, 1024 x 3072 x 1024 at 127 against 115. So by default
+(``TENSORQL_PACKED_WEIGHTS`` unset or ``auto``) weights are packed unless torch's BLAS is MKL
+on a ``GenuineIntel`` CPU; ``TENSORQL_PACKED_WEIGHTS=1`` packs wherever oneDNN exists, ``0``
+never packs.
 
 >>> import torch
 >>> w, x = torch.randn(8, 4), torch.randn(32, 8)
 >>> mark_immutable(w)
->>> bool(torch.allclose(matmul(x, w), x @ w, atol=1e-5)), packed_bytes() >= w.nbytes
+>>> bool(torch.allclose(matmul(x, w), x @ w, atol=1e-5)), (packed_bytes() >= w.nbytes) == ENABLED
 (True, True)
 """
 
@@ -31,8 +40,50 @@ from typing import Any
 
 import torch
 
-ENABLED = os.environ.get("TENSORQL_PACKED_WEIGHTS", "1") != "0" and \
-    torch.backends.mkldnn.is_available()
+_SETTINGS = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False,
+             "auto": None, "": None}
+
+
+def choose(setting: str | None, vendor: str | None, blas_is_mkl: bool, onednn: bool
+           ) -> tuple[bool, str]:
+    """Whether products pack stored weights, and why: ``setting`` is
+    ``TENSORQL_PACKED_WEIGHTS`` (``1``/``on``, ``0``/``off``, ``auto`` or unset), ``vendor``
+    the CPU's ``vendor_id``.
+
+    >>> choose(None, "GenuineIntel", True, True)
+    (False, "off: torch's BLAS is MKL on an Intel CPU, faster than the packed product (auto)")
+    >>> choose(None, "AuthenticAMD", True, True)[0], choose("1", "GenuineIntel", True, True)[0]
+    (True, True)
+    """
+    wanted = _SETTINGS.get((setting or "").strip().lower(), None)
+    if wanted is False:
+        return False, "off (TENSORQL_PACKED_WEIGHTS=0)"
+    if not onednn:
+        return False, "off: this torch has no oneDNN"
+    if wanted:
+        return True, "on (TENSORQL_PACKED_WEIGHTS=1)"
+    if blas_is_mkl and vendor == "GenuineIntel":
+        return False, ("off: torch's BLAS is MKL on an Intel CPU, faster than the packed "
+                       "product (auto)")
+    return True, f"on: torch's BLAS is not MKL on an Intel CPU ({vendor or 'vendor unknown'}; auto)"
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's ``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), or
+    None where there is none to read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+ENABLED, RULE = choose(os.environ.get("TENSORQL_PACKED_WEIGHTS"), cpu_vendor(),
+                       torch.backends.mkl.is_available(), torch.backends.mkldnn.is_available())
+AVAILABLE = torch.backends.mkldnn.is_available()  # oneDNN's packed ops exist (tests use them)
 # fewer rows: a matrix-vector product, bound by reading the weight, where the packed product
 # was not reliably faster (one row, one thread: 768 x 768 45 against 48 us, 768 x 8000 568
 # against 622 us)

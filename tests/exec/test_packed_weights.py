@@ -14,14 +14,59 @@ from tensorql_kernels.packed_weights import mark_immutable, matmul, packed_bytes
 
 import tensorql as tq
 
-pytestmark = pytest.mark.skipif(not packed_weights.ENABLED, reason="no oneDNN in this torch")
+needs_onednn = pytest.mark.skipif(not packed_weights.AVAILABLE, reason="no oneDNN in this torch")
+
+
+@pytest.fixture
+def packing_on(monkeypatch):
+    """The packed path is tested on every host: its default is off where MKL's own product is
+    faster (an Intel CPU), so these tests turn it on as ``TENSORQL_PACKED_WEIGHTS=1`` would."""
+    monkeypatch.setattr(packed_weights, "ENABLED", packed_weights.AVAILABLE)
+
+
+@pytest.mark.parametrize("setting, vendor, mkl, onednn, packs", [
+    (None, "GenuineIntel", True, True, False),   # MKL's own kernels beat the packed product
+    (None, "AuthenticAMD", True, True, True),    # MKL off its home ground: pack
+    ("auto", "GenuineIntel", False, True, True),  # another BLAS: pack
+    (None, None, True, True, True),              # vendor unknown (no /proc/cpuinfo): pack
+    ("1", "GenuineIntel", True, True, True),     # asked for
+    ("on", "GenuineIntel", True, True, True),
+    ("0", "AuthenticAMD", True, True, False),    # refused
+    ("1", "AuthenticAMD", True, False, False),   # no oneDNN: nothing to pack with
+])
+def test_packing_is_chosen_by_the_setting_and_the_host(setting, vendor, mkl, onednn, packs):
+    chosen, why = packed_weights.choose(setting, vendor, mkl, onednn)
+    assert chosen is packs
+    assert why.startswith("on" if packs else "off")
+
+
+def test_the_default_follows_the_environment_in_a_new_process():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tensorql_kernels import packed_weights as p; "
+            "print(p.ENABLED, p.RULE == p.choose(p.os.environ.get('TENSORQL_PACKED_WEIGHTS'), "
+            "p.cpu_vendor(), p.torch.backends.mkl.is_available(), p.AVAILABLE)[1])")
+    seen = {}
+    for setting in ("0", "1", "auto"):
+        env = {**os.environ, "TENSORQL_PACKED_WEIGHTS": setting}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True)
+        seen[setting] = done.stdout.split()
+    assert seen["0"] == ["False", "True"]
+    assert seen["1"] == [str(packed_weights.AVAILABLE), "True"]
+    expected = packed_weights.choose("auto", packed_weights.cpu_vendor(),
+                                     torch.backends.mkl.is_available(), packed_weights.AVAILABLE)
+    assert seen["auto"] == [str(expected[0]), "True"]
 
 
 def _rng():
     return np.random.default_rng(11)
 
 
-def test_a_query_over_a_stored_weight_packs_it_once_and_gives_the_same_bits_each_run():
+@needs_onednn
+def test_a_query_over_a_stored_weight_packs_it_once_and_gives_the_same_bits_each_run(packing_on):
     rng = _rng()
     x = rng.standard_normal((64, 96)).astype(np.float32)
     w = rng.standard_normal((96, 80)).astype(np.float32)
@@ -37,7 +82,7 @@ def test_a_query_over_a_stored_weight_packs_it_once_and_gives_the_same_bits_each
         np.testing.assert_array_equal(again, first)
 
 
-def test_a_tensor_not_marked_immutable_is_never_packed():
+def test_a_tensor_not_marked_immutable_is_never_packed(packing_on):
     """A constant over a user's array may be rewritten in place (numpy does not tell torch):
     its products keep torch.mm and follow the new values."""
     rng = _rng()
@@ -52,7 +97,8 @@ def test_a_tensor_not_marked_immutable_is_never_packed():
                                    atol=1e-5)
 
 
-def test_an_immutable_chunk_written_anyway_is_packed_again():
+@needs_onednn
+def test_an_immutable_chunk_written_anyway_is_packed_again(packing_on):
     w = torch.randn(24, 12, generator=torch.Generator().manual_seed(3))
     x = torch.randn(20, 24, generator=torch.Generator().manual_seed(4))
     mark_immutable(w)
@@ -62,7 +108,8 @@ def test_an_immutable_chunk_written_anyway_is_packed_again():
     torch.testing.assert_close(matmul(x, w[:, 4:]), x @ w[:, 4:], rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy():
+@needs_onednn
+def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy(packing_on):
     gc.collect()  # an earlier test's chunks in cyclic garbage would leave during this one
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
     mark_immutable(w)
@@ -78,7 +125,9 @@ def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy():
     assert packed_bytes() == before
 
 
-def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(monkeypatch):
+@needs_onednn
+def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(packing_on,
+                                                                         monkeypatch):
     """oneDNN's linear has no ``out``: into a tile of a dense result, the product is made row
     block by row block through a scratch of OUT_BLOCK_BYTES at most (the last block shorter),
     each block the bits of the whole product's rows."""
