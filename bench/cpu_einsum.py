@@ -25,7 +25,8 @@ order; medians and IQRs are printed.
 What each side may reuse: where its host rule packs (``kernels/packed_weights.py``: not on
 an Intel CPU with MKL, where MKL's product is faster; the JSON's ``env.packed_weights`` says
 which), tensorql keeps a oneDNN-packed copy of each stored weight from its first call on;
-torch's ``@`` (MKL sgemm) repacks its right operand per call. The ``tq nopack`` contender is tensorql with
+torch's ``@`` (MKL sgemm) repacks its right operand per call. The ``tq nopack`` contender is
+tensorql with
 ``TENSORQL_PACKED_WEIGHTS=0``, and the cold column is the first call (packing on the clock), so
 the reuse is visible, not hidden; ``torch packed`` gives torch the same reuse (its right
 operands prepacked once with the same oneDNN ops), as a torch user who prepacks would have it,
