@@ -693,59 +693,50 @@ def test_the_device_cache_stays_within_its_share_of_the_memory_limit(fake_cuda):
     ran_on_device(fake_cuda)
 
 
-@pytest.mark.parametrize("strategy", ["direct", "streams"])
-def test_a_whole_k_plan_runs_exactly_on_cpu_data(strategy):
-    """The whole-K plan (forced on a CPU session) through the engine on real data: one task
-    per output chunk, each reading every K tile of its operands, equal to numpy's product
-    (integer values: every sum exact)."""
+def _whole_k_run(expression, seed, limit=None, direct=True):
+    """``expression(A, B)`` over integer-valued 96x128 and 128x64 operands in 32x32 tiles,
+    planned whole-K (forced on a CPU session) and run through the engine on real data: the
+    operands, the result step's tasks and the dense result."""
     from dataclasses import replace
 
     from runtime_helpers import dense
 
     from tensorql.physical.builder import build
-    from tensorql.physical.kernels import ContractWhole
 
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng(seed)
     a = rng.integers(-4, 5, (96, 128)).astype(np.float64)
     b = rng.integers(-4, 5, (128, 64)).astype(np.float64)
     with tq.connect(devices="cpu") as db:
         A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
-        q = (A @ B).compile()
+        q = expression(A, B).compile()
         q = replace(q, physical=build(q.logical, None, db.chunk_store, whole_k=float("inf")))
         graph = q.physical.task_graph()
         product = [t for t in graph.tasks if t.output.step == q.physical.result_step.id]
-        assert len(product) == 6 and all(isinstance(t.kernel, ContractWhole)
-                                          for t in product)
         with q.physical.pinned():
-            result = Runtime("cpu", None if strategy == "direct" else 1 << 20,
-                             workers=2, direct=strategy == "direct").run(graph)
-    got = dense(q, result.outputs)
-    assert np.array_equal(got.numpy(), a @ b)
+            result = Runtime("cpu", limit, workers=2, direct=direct).run(graph)
+    return a, b, product, dense(q, result.outputs).numpy()
+
+
+@pytest.mark.parametrize("strategy", ["direct", "streams"])
+def test_a_whole_k_plan_runs_exactly_on_cpu_data(strategy):
+    """The whole-K plan: one task per output chunk, each reading every K tile of its
+    operands, equal to numpy's product (integer values: every sum exact)."""
+    from tensorql.physical.kernels import ContractWhole
+
+    a, b, product, got = _whole_k_run(lambda A, B: A @ B, 6,
+                                      None if strategy == "direct" else 1 << 20,
+                                      direct=strategy == "direct")
+    assert len(product) == 6 and all(isinstance(t.kernel, ContractWhole) for t in product)
+    assert np.array_equal(got, a @ b)
 
 
 def test_an_activation_over_a_whole_k_product_is_its_epilogue_and_exact():
-    """relu(A @ B) with the whole-K plan (forced on a CPU session, real data): the relu
-    folds into each output chunk's one product (ContractEpilogue over ContractWhole), and
-    the result equals numpy's."""
-    from dataclasses import replace
-
-    from runtime_helpers import dense
-
-    from tensorql.physical.builder import build
+    """relu(A @ B) with the whole-K plan: the relu folds into each output chunk's one product
+    (ContractEpilogue over ContractWhole), and the result equals numpy's."""
     from tensorql.physical.kernels import ContractEpilogue, ContractWhole
 
-    rng = np.random.default_rng(7)
-    a = rng.integers(-4, 5, (96, 128)).astype(np.float64)
-    b = rng.integers(-4, 5, (128, 64)).astype(np.float64)
-    with tq.connect(devices="cpu") as db:
-        A, B = db.from_numpy("A", a, tile=(32, 32)), db.from_numpy("B", b, tile=(32, 32))
-        q = (A @ B).relu().compile()
-        q = replace(q, physical=build(q.logical, None, db.chunk_store, whole_k=float("inf")))
-        graph = q.physical.task_graph()
-        product = [t for t in graph.tasks if t.output.step == q.physical.result_step.id]
-        assert len(product) == 6 and all(
-            isinstance(t.kernel, ContractEpilogue) and isinstance(t.kernel.kernel, ContractWhole)
-            for t in product)
-        with q.physical.pinned():
-            result = Runtime("cpu", None, workers=2, direct=True).run(graph)
-    assert np.array_equal(dense(q, result.outputs).numpy(), np.maximum(a @ b, 0))
+    a, b, product, got = _whole_k_run(lambda A, B: (A @ B).relu(), 7)
+    assert len(product) == 6 and all(
+        isinstance(t.kernel, ContractEpilogue) and isinstance(t.kernel.kernel, ContractWhole)
+        for t in product)
+    assert np.array_equal(got, np.maximum(a @ b, 0))
