@@ -123,6 +123,11 @@ class AmbiguousTruthError(ShapeError, ValueError):
     """``bool()`` of a tensor of more than one element (or none), as numpy's ValueError."""
 
 
+class IndexingError(ShapeError, IndexError):
+    """An index a tensor cannot take (out of bounds, too many, a mask of the wrong shape); an
+    ``IndexError`` too, as numpy's, so iteration by index stops at the end."""
+
+
 class PlanError(TensorQLError):
     """A plan could not be built: an unknown strategy, an infeasible memory limit, ..."""
 

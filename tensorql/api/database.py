@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -340,6 +340,9 @@ class Database:
         >>> [t.shape for t in db.store_many({"s": a.sum(), "d": a * 2})]
         [(), (4,)]
         """
+        if not isinstance(items, Mapping):
+            raise UnsupportedError(f"store_many takes a dict of name -> expression, not "
+                                   f"{type(items).__name__}")
         names = list(items)
         for name in names:
             if not isinstance(name, str) or not name:

@@ -92,6 +92,13 @@ def pandas_to_numpy(frame: Any) -> np.ndarray:
     """A pandas DataFrame of numeric (or bool) columns as a 2-D array (rows x columns, numpy's
     common dtype), a Series as 1-D; DTypeError naming a column that is not numeric,
     UnsupportedError for missing values in a nullable column."""
+    try:
+        import pandas as pd
+    except ImportError:  # then ``frame`` is no pandas object either
+        pd = None
+    if pd is None or not isinstance(frame, (pd.DataFrame, pd.Series)):
+        raise UnsupportedError(f"from_pandas takes a pandas DataFrame or Series, not "
+                               f"{type(frame).__name__} (use db.from_numpy for an array)")
     columns = [frame] if frame.ndim == 1 else [frame[c] for c in frame.columns]
     for column in columns:
         what = "the Series" if frame.ndim == 1 else f"column {column.name!r}"

@@ -37,6 +37,8 @@ is made again from the store.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,20 @@ from tensorql.einsum.graph import Node, substitute
 from tensorql.errors import ExecutionError, OptionError, ShapeError
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+
+
+def hyperparameter(name: str, value: Any, below: float | None = None) -> float:
+    """``value`` as a float, checked as torch.optim checks it: a finite number >= 0 (and
+    below ``below`` where given), else an :class:`OptionError` naming it.
+
+    >>> hyperparameter("lr", 1e-3), hyperparameter("betas[0]", 0.9, below=1.0)
+    (0.001, 0.9)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not math.isfinite(value) or value < 0 or (below is not None and value >= below):
+        bound = f"in [0, {below:g})" if below is not None else "a finite number >= 0"
+        raise OptionError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -77,11 +93,22 @@ class Optimizer:
                  checkpoint_every: int = 1) -> None:
         if isinstance(params, str):
             params = [params]
+        if not isinstance(params, (list, tuple)) or not all(
+                isinstance(p, str) and p for p in params):
+            raise OptionError("params must be the names of stored weights (a string or a list "
+                              f"of strings), got {params!r}")
+        if len(set(params)) != len(params):
+            raise OptionError(f"params names a weight more than once: {list(params)!r}")
+        if not isinstance(name, str) or not name:
+            raise OptionError(f"name must be a non-empty string (it prefixes the stored state), "
+                              f"got {name!r}")
         self.db, self.names, self.name = db, list(params), name
         if not self.names:
             raise OptionError("an optimizer needs at least one weight to train")
-        if int(checkpoint_every) < 1:
-            raise OptionError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or \
+                checkpoint_every < 1:
+            raise OptionError(f"checkpoint_every must be an integer >= 1, got "
+                              f"{checkpoint_every!r}")
         self.checkpoint_every = int(checkpoint_every)
         self.values: dict[str, torch.Tensor] = {}
         for n in self.names:
@@ -280,8 +307,9 @@ class SGD(Optimizer):
     def __init__(self, db: Any, params: Sequence[str], lr: float = 1e-3, *,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  name: str = "sgd", checkpoint_every: int = 1) -> None:
-        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), bool(nesterov)
-        self.weight_decay = float(weight_decay)
+        self.lr, self.momentum = hyperparameter("lr", lr), hyperparameter("momentum", momentum)
+        self.nesterov = bool(nesterov)
+        self.weight_decay = hyperparameter("weight_decay", weight_decay)
         self.slots = ("momentum",) if self.momentum else ()
         super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
 
@@ -309,8 +337,12 @@ class Adam(Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, name: str = "adam",
                  checkpoint_every: int = 1) -> None:
-        self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
-        self.beta1, self.beta2 = (float(b) for b in betas)
+        self.lr, self.eps = hyperparameter("lr", lr), hyperparameter("eps", eps)
+        self.weight_decay = hyperparameter("weight_decay", weight_decay)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise OptionError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        self.beta1, self.beta2 = (hyperparameter(f"betas[{k}]", b, below=1.0)
+                                  for k, b in enumerate(betas))
         super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
 
     def scalars(self, step: int) -> dict[str, float]:

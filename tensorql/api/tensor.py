@@ -26,7 +26,13 @@ from tensorql.algebra import JoinName as _J
 from tensorql.algebra import join_record
 from tensorql.dtypes import DTypeName, canonical_dtype, to_numpy, torch_dtype
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
-from tensorql.errors import AmbiguousTruthError, ShapeError, TensorQLError, UnsupportedError
+from tensorql.errors import (
+    AmbiguousTruthError,
+    IndexingError,
+    ShapeError,
+    TensorQLError,
+    UnsupportedError,
+)
 
 if TYPE_CHECKING:
     from tensorql.api.database import Database
@@ -152,7 +158,7 @@ class Tensor:
 
     def __len__(self) -> int:
         if not self.shape:
-            raise TypeError("len() of a 0-d tensor")
+            raise UnsupportedError("len() of a 0-d tensor")
         return self.shape[0]
 
     def __bool__(self) -> bool:
@@ -409,10 +415,10 @@ class Tensor:
                                    "together) is not supported: index one dimension with an "
                                    "array at a time, e.g. t[rows][:, cols]")
         if sum(item is Ellipsis for item in items) > 1:
-            raise IndexError("an index can only have a single ellipsis ('...')")
+            raise IndexingError("an index can only have a single ellipsis ('...')")
         used = sum(1 for item in items if item is not None and item is not Ellipsis)
         if used > self.ndim:
-            raise IndexError(f"too many indices for a tensor of {self.ndim} dimension(s): "
+            raise IndexingError(f"too many indices for a tensor of {self.ndim} dimension(s): "
                              f"{used} were given")
         at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
         items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
@@ -430,7 +436,7 @@ class Tensor:
             elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
                 k = int(item) + (n if item < 0 else 0)
                 if not 0 <= k < n:
-                    raise IndexError(f"index {int(item)} is out of bounds for dimension "
+                    raise IndexingError(f"index {int(item)} is out of bounds for dimension "
                                      f"{dim} of size {n}")
                 picks.append(range(k, k + 1))
             elif isinstance(item, np.ndarray):
@@ -524,7 +530,7 @@ class Tensor:
             if self.ndim == 0:
                 raise ShapeError(f"arg{agg} of a 0-d tensor")
             axis = 0
-        (axis,) = _normalize_axes(axis, self.ndim)
+        axis = _one_axis(axis, self.ndim)
         extreme = self._reduce(axis, agg, keepdims=True)
         n = self.shape[axis]
         index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
@@ -725,7 +731,7 @@ class Tensor:
         _no_numpy_extras("cumsum", dtype, out)
         if axis is None:
             return self.reshape(-1).cumsum(0) if self.ndim != 1 else self.cumsum(0)
-        (axis,) = _normalize_axes(axis, self.ndim)
+        axis = _one_axis(axis, self.ndim)
         n = self.shape[axis]
         if n * n > CUMSUM_MATRIX_ELEMENTS:
             raise UnsupportedError(f"cumsum along dimension {axis} of size {n}: its "
@@ -773,7 +779,7 @@ class Tensor:
     def log_softmax(self, axis: int = -1) -> Tensor:
         """x - max - log(sum(exp(x - max))) along ``axis`` (stable, as torch's): one step
         whose chunks hold the whole axis."""
-        (axis,) = _normalize_axes(axis, self.ndim)
+        axis = _one_axis(axis, self.ndim)
         return self._wrap(SoftmaxOp.build(self.node, axis, log=True))
 
     def softmax(self, axis: int = -1) -> Tensor:
@@ -785,7 +791,7 @@ class Tensor:
         >>> db.from_numpy("S", np.log(np.array([[1.0, 3.0]]))).softmax(-1).numpy().tolist()
         [[0.25, 0.75]]
         """
-        (axis,) = _normalize_axes(axis, self.ndim)
+        axis = _one_axis(axis, self.ndim)
         return self._wrap(SoftmaxOp.build(self.node, axis))
 
     def transpose(self, *axes: int) -> Tensor:
@@ -866,14 +872,14 @@ def _array_positions(item: np.ndarray, dim: int, n: int) -> np.ndarray:
     from the end; its shape kept) or a one-dimensional boolean mask picks."""
     if item.dtype == np.bool_:
         if item.ndim != 1 or item.shape[0] != n:
-            raise IndexError(f"boolean index of shape {item.shape} does not match dimension "
+            raise IndexingError(f"boolean index of shape {item.shape} does not match dimension "
                              f"{dim} of size {n}: a mask indexes one dimension (shape ({n},)) "
                              "or the whole tensor")
         return np.flatnonzero(item)
     positions = item.astype(np.int64) + np.where(item < 0, n, 0)
     bad = (positions < 0) | (positions >= n)
     if bad.any():
-        raise IndexError(f"index {int(item[bad].flat[0])} is out of bounds for dimension {dim} "
+        raise IndexingError(f"index {int(item[bad].flat[0])} is out of bounds for dimension {dim} "
                          f"of size {n}")
     return positions
 
@@ -933,7 +939,13 @@ def _cast_const(node: Node, dtype: str, db: Database) -> Node:
 def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, numbers.Integral) else tuple(axis)
+    if isinstance(axis, numbers.Integral) and not isinstance(axis, bool):
+        axes: tuple = (int(axis),)
+    elif isinstance(axis, (tuple, list)) and all(
+            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axis):
+        axes = tuple(int(a) for a in axis)
+    else:
+        raise UnsupportedError(f"axis must be an integer or a tuple of integers, got {axis!r}")
     out = []
     for a in axes:
         if not -ndim <= a < ndim:
@@ -942,6 +954,15 @@ def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     if len(set(out)) != len(out):
         raise ShapeError(f"repeated axis in {axis}")
     return tuple(out)
+
+
+def _one_axis(axis: Any, ndim: int) -> int:
+    """The one axis an operation along an axis (softmax, argmax, ...) takes, normalised."""
+    axes = _normalize_axes(axis, ndim)
+    if len(axes) != 1:
+        raise ShapeError(f"this operation takes one axis, got {axis!r}"
+                         + (" (a 0-d tensor has none)" if ndim == 0 else ""))
+    return axes[0]
 
 
 def broadcast_binary(left: Tensor, right: Tensor, join: str) -> Tensor:

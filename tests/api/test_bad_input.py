@@ -138,3 +138,69 @@ def test_from_torch_refuses_what_has_no_dense_values(db, value, words):
 def test_a_join_sql_template_that_is_not_a_string_is_named(db):
     with pytest.raises(tq.JoinFunctionError, match="sql template must be a string.*int 3"):
         tq.register_join("plus_fuzz", lambda a, b: a + b, identity=0.0, sql=3)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda t: t.sum(1.5), tq.UnsupportedError, "axis must be an integer"),
+    (lambda t: t.max("x"), tq.UnsupportedError, "axis must be an integer"),
+    (lambda t: t.softmax((0, 1)), tq.ShapeError, "takes one axis"),
+    (lambda t: t.log_softmax(True), tq.UnsupportedError, "axis must be an integer"),
+    (lambda t: t.argmax(()), tq.ShapeError, "takes one axis"),
+    (lambda t: t.cumsum(5), tq.ShapeError, "out of range"),
+    (lambda t: t[0, 0, 0], IndexError, "too many indices"),
+    (lambda t: t[..., ...], IndexError, "single ellipsis"),
+    (lambda t: t[7], IndexError, "out of bounds"),
+])
+def test_a_bad_axis_or_index_is_a_tensorql_error_naming_it(db, call, error, words):
+    """Found by fuzzing the tensor methods: float, string and bool axes, several axes where
+    one is taken, and bad indices reached Python's own errors; each is a TensorQLError now
+    (an index error is an IndexError too, as numpy's)."""
+    t = db.from_numpy("m", np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(error, match=words) as caught:
+        call(t)
+    assert isinstance(caught.value, tq.TensorQLError)
+    assert t.sum(np.int64(1)).numpy().tolist() == [3.0, 12.0]  # numpy integers are axes
+    assert [row.tolist() for row in t] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]  # iteration ends
+
+
+def test_len_of_a_zero_d_tensor_is_a_tensorql_type_error(db):
+    with pytest.raises(TypeError, match="0-d") as caught:
+        len(db.constant(np.float32(2)))
+    assert isinstance(caught.value, tq.TensorQLError)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda db: tq.optim.Adam(db, 3), "names of stored weights"),
+    (lambda db: tq.optim.Adam(db, ["w", "w"]), "more than once"),
+    (lambda db: tq.optim.Adam(db, ["w"], lr="x"), "lr must be"),
+    (lambda db: tq.optim.Adam(db, ["w"], lr=float("nan")), "lr must be"),
+    (lambda db: tq.optim.SGD(db, ["w"], lr=-1), "lr must be"),
+    (lambda db: tq.optim.Adam(db, ["w"], betas=(0.9,)), "betas must be a pair"),
+    (lambda db: tq.optim.Adam(db, ["w"], betas=(1.5, 0.9)), r"betas\[0\] must be in \[0, 1\)"),
+    (lambda db: tq.optim.AdamW(db, ["w"], eps=None), "eps must be"),
+    (lambda db: tq.optim.AdamW(db, ["w"], weight_decay="x"), "weight_decay must be"),
+    (lambda db: tq.optim.SGD(db, ["w"], momentum=-0.5), "momentum must be"),
+    (lambda db: tq.optim.SGD(db, ["w"], checkpoint_every="x"), "checkpoint_every"),
+    (lambda db: tq.optim.SGD(db, ["w"], name=""), "name must be"),
+])
+def test_bad_optimizer_settings_are_option_errors_and_store_nothing(db, make, words):
+    """Found by fuzzing: strings, None, NaN and out-of-range values reached float() or
+    unpacking; each is an OptionError naming the setting, as torch.optim's checks, and the
+    weight and the stored tensors are unchanged."""
+    w = np.array([1.0, -2.0], np.float32)
+    db.from_numpy("w", w)
+    before = sorted(db.tensors())
+    with pytest.raises(tq.OptionError, match=words):
+        make(db)
+    assert sorted(db.tensors()) == before
+    np.testing.assert_array_equal(db.tensor("w").numpy(), w)
+    tq.optim.Adam(db, ["w"], lr=np.float32(0.1), betas=[0.8, 0.9])  # numpy floats, a list
+
+
+def test_store_many_and_from_pandas_refuse_what_they_do_not_take(db):
+    a = np.arange(4.0)
+    with pytest.raises(tq.UnsupportedError, match="dict of name"):
+        db.store_many([("x", a)])
+    with pytest.raises(tq.UnsupportedError, match="pandas DataFrame or Series, not ndarray"):
+        db.from_pandas("p", a)
+    assert db.tensors() == []
