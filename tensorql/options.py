@@ -13,7 +13,10 @@ cannot import this module).
 
 from __future__ import annotations
 
+import difflib
 import functools
+import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, fields, replace
@@ -34,6 +37,9 @@ _UNITS = {
 
 def parse_bytes(value: int | str | None) -> int | None:
     """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None."""
+    if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
+        raise OptionError(f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a "
+                          "byte count")
     if value is None or isinstance(value, int):
         if isinstance(value, int) and value <= 0:
             raise OptionError(f"memory size must be positive, got {value}")
@@ -44,6 +50,68 @@ def parse_bytes(value: int | str | None) -> int | None:
             f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a byte count"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+MAX_THREADS = 4096  # more threads than any machine has: a typo, refused (torch overflows)
+
+
+def _count(name: str, value: Any) -> int:
+    """A thread count: an integer in [0, MAX_THREADS] (0: the default)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+            not 0 <= value <= MAX_THREADS:
+        raise OptionError(f"{name} must be an integer from 0 (the default) to {MAX_THREADS}, "
+                          f"got {value!r}")
+    return int(value)
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _bytes_or_zero(name: str, value: Any) -> int:
+    """A byte count that may be 0 (nothing kept): an int >= 0 or a size like "64MiB"."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0:
+        return 0
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    try:
+        parsed = parse_bytes(value)
+    except OptionError as err:
+        raise OptionError(f"{name}: {err}") from None
+    if parsed is None:
+        raise OptionError(f"{name} must be a byte count (0 or more), got None")
+    return parsed
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise OptionError(f"{name} must be True or False, got {value!r}")
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not math.isfinite(value) or value <= 0:
+        raise OptionError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _name(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise OptionError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+# how each setting is checked and normalised when a session's Options are made (the memory
+# sizes that may be None, devices, topology and device_cache have checks of their own below)
+_CHECKS = {
+    "workers": _count, "intra_op_threads": _count, "tile_target_elems": _positive,
+    "kernel_temp_bytes": _bytes_or_zero, "chunk_cache_bytes": _bytes_or_zero,
+    "progress": _flag, "distributed": _flag, "deterministic": _flag,
+    "distributed_timeout_s": _seconds, "strategy": _name,
+}
 
 
 def _default_workers(distributed: bool = False) -> int:
@@ -152,6 +220,8 @@ class Options:
     device_cache: Any = "auto"
 
     def __post_init__(self) -> None:
+        for name, check in _CHECKS.items():
+            object.__setattr__(self, name, check(name, getattr(self, name)))
         if self.deterministic:
             object.__setattr__(self, "workers", 1)
         if self.workers <= 0:
@@ -223,6 +293,14 @@ class Options:
         >>> Options(workers=2).with_(workers=1).intra_op_threads == max(1, _default_workers())
         True
         """
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+            said = ", ".join(f"{name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                             for name, hint in zip(unknown, hints))
+            raise OptionError(f"unknown option(s): {said}; the options are "
+                              f"{', '.join(sorted(known))}")
         if "workers" in changes and "intra_op_threads" not in changes:
             changes = {**changes, "intra_op_threads": 0}
         return replace(self, **changes)

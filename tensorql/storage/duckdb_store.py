@@ -118,6 +118,11 @@ class DuckDBChunkStore(ChunkStore):
         if path is not None and duckdb_memory_bytes:
             self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
         self.schema = self._internal_schema()
+        if read_only and not self._has_catalog():
+            self.connection.close()
+            where = repr(path) if path is not None else "an in-memory database"
+            raise StorageError(f"cannot open {where} read-only: it holds no tensorql catalog "
+                               "(read_only opens a tensor database written before)")
         if not read_only:
             self.connection.execute(ddl("catalog.sql").format(schema=quote_ident(self.schema)))
             self._remove_orphans()
@@ -187,6 +192,12 @@ class DuckDBChunkStore(ChunkStore):
             "AND table_name = 'tensorql_catalog'").fetchall()
         found = {row[0] for row in rows}
         return "main" if "main" in found and INTERNAL_SCHEMA not in found else INTERNAL_SCHEMA
+
+    def _has_catalog(self) -> bool:
+        rows = self.connection.execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND table_name = 'tensorql_catalog'").fetchall()
+        return rows[0][0] > 0
 
     @property
     def _catalog(self) -> str:

@@ -204,3 +204,59 @@ def test_store_many_and_from_pandas_refuse_what_they_do_not_take(db):
     with pytest.raises(tq.UnsupportedError, match="pandas DataFrame or Series, not ndarray"):
         db.from_pandas("p", a)
     assert db.tensors() == []
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(workers="2"), "workers must be an integer"),
+    (dict(workers=-1), "workers must be an integer"),
+    (dict(intra_op_threads=10**15), "intra_op_threads must be an integer"),
+    (dict(intra_op_threads=1.5), "intra_op_threads must be an integer"),
+    (dict(tile_target_elems=0), "tile_target_elems must be a positive integer"),
+    (dict(kernel_temp_bytes=float("nan")), "kernel_temp_bytes: cannot read memory size"),
+    (dict(chunk_cache_bytes=float("inf")), "chunk_cache_bytes: cannot read memory size"),
+    (dict(chunk_cache_bytes="x"), "chunk_cache_bytes: cannot read memory size"),
+    (dict(memory_limit=True), "cannot read memory size True"),
+    (dict(progress="yes"), "progress must be True or False"),
+    (dict(distributed_timeout_s=0), "distributed_timeout_s must be a finite number"),
+    (dict(distributed_timeout_s="x"), "distributed_timeout_s must be a finite number"),
+    (dict(strategy=3), "strategy must be a non-empty string"),
+    (dict(worker=2), "unknown option.*'worker' \\(did you mean 'workers'\\?\\)"),
+])
+def test_bad_connect_settings_are_option_errors_naming_the_setting(settings, words):
+    """Found by fuzzing every Options field through connect(): strings, floats, NaN, huge
+    numbers and misspelt names reached comparisons, int() or torch.set_num_threads (an
+    overflow); each is an OptionError naming the setting now, before anything is opened."""
+    with pytest.raises(tq.OptionError, match=words):
+        tq.connect(devices="cpu", **settings)
+
+
+def test_sizes_and_counts_that_are_fine_still_open_a_session():
+    opts = tq.Options(workers=2, chunk_cache_bytes=0, kernel_temp_bytes="32MiB",
+                      progress=1, distributed_timeout_s=5, intra_op_threads=np.int64(1))
+    assert (opts.workers, opts.chunk_cache_bytes, opts.kernel_temp_bytes) == (2, 0, 32 << 20)
+    assert opts.progress is True and opts.intra_op_threads == 1
+    with tq.connect(devices="cpu", options=opts) as db:
+        a = np.arange(6.0).reshape(2, 3)
+        np.testing.assert_array_equal(db.from_numpy("a", a).sum(0).numpy(), a.sum(0))
+
+
+def test_read_only_needs_a_tensor_database_that_exists(tmp_path):
+    """Read-only over an in-memory database or a file with no tensorql catalog raised
+    DuckDB's catalog error; it is a StorageError saying what read_only opens, and the file
+    is left as it was."""
+    import duckdb
+
+    with pytest.raises(tq.StorageError, match="in-memory database read-only"):
+        tq.connect(read_only=True)
+    plain = tmp_path / "plain.duckdb"
+    with duckdb.connect(str(plain)) as con:
+        con.execute("CREATE TABLE t AS SELECT 1 AS x")
+    with pytest.raises(tq.StorageError, match="holds no tensorql catalog"):
+        tq.connect(str(plain), read_only=True)
+    with duckdb.connect(str(plain)) as con:
+        assert con.execute("SELECT table_name FROM duckdb_tables()").fetchall() == [("t",)]
+    path = str(tmp_path / "t.duckdb")
+    with tq.connect(path) as db:
+        db.from_numpy("a", np.arange(3.0))
+    with tq.connect(path, read_only=True) as db:
+        assert db.tensor("a").numpy().tolist() == [0.0, 1.0, 2.0]
