@@ -55,6 +55,20 @@ def counted(monkeypatch):
     return runs
 
 
+def _torch_steps(x, onehot, start, steps: int):
+    w = {k: torch.tensor(v, requires_grad=True) for k, v in start.items()}
+    opt = torch.optim.Adam(list(w.values()), lr=1e-2, foreach=False)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        value = _loss(w, torch.from_numpy(x), torch.from_numpy(onehot),
+                      lambda t: torch.log_softmax(t, dim=1))
+        value.backward()
+        opt.step()
+        losses.append(float(value.detach()))
+    return losses, {k: v.detach() for k, v in w.items()}
+
+
 def test_an_mlp_step_on_the_lanes_matches_torch_and_slices_its_weights_without_tasks(counted):
     x, onehot, start = _data()
     with tq.connect(workers=2, intra_op_threads=1, tile_target_elems=1 << 16) as db:
@@ -76,19 +90,31 @@ def test_an_mlp_step_on_the_lanes_matches_torch_and_slices_its_weights_without_t
         assert graph.programs["executor-template"].views == tuple(views)
         weights = {k: opt.values[k].clone() for k in start}
 
-    w = {k: torch.tensor(v, requires_grad=True) for k, v in start.items()}
-    theirs_opt = torch.optim.Adam(list(w.values()), lr=1e-2, foreach=False)
-    theirs = []
-    for _ in range(3):
-        theirs_opt.zero_grad()
-        value = _loss(w, torch.from_numpy(x), torch.from_numpy(onehot),
-                      lambda t: torch.log_softmax(t, dim=1))
-        value.backward()
-        theirs_opt.step()
-        theirs.append(float(value.detach()))
+    theirs, w = _torch_steps(x, onehot, start, 3)
     np.testing.assert_allclose(ours, theirs, rtol=1e-10)
     for k in start:
-        torch.testing.assert_close(weights[k], w[k].detach(), rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(weights[k], w[k], rtol=1e-9, atol=1e-10)
+
+
+def test_an_optimizer_runs_its_step_in_the_strategy_it_names(counted):
+    x, onehot, start = _data()
+    with tq.connect(workers=2, intra_op_threads=1, tile_target_elems=1 << 16) as db:
+        db.store_many({"x": x, "onehot": onehot, **start})
+        opt = tq.optim.Adam(db, list(start), lr=1e-2, checkpoint_every=10 ** 9)
+        opt.strategy = "serial"
+        loss = _loss({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
+                     lambda t: t.log_softmax(axis=1))
+        ours = [opt.step(loss) for _ in range(2)]
+        assert counted == []  # never on the lanes
+        assert opt._plan(loss).last_stats[0].serial
+        opt.strategy = "lanes"
+        ours.append(opt.step(loss))
+        assert len(counted) == 1
+        weights = {k: opt.values[k].clone() for k in start}
+    theirs, w = _torch_steps(x, onehot, start, 3)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-10)
+    for k in start:
+        torch.testing.assert_close(weights[k], w[k], rtol=1e-9, atol=1e-10)
 
 
 def test_a_graph_of_constant_slices_only_completes():
