@@ -69,16 +69,30 @@ def _torch_steps(x, onehot, start, steps: int):
     return losses, {k: v.detach() for k, v in w.items()}
 
 
-def test_an_mlp_step_on_the_lanes_matches_torch_and_slices_its_weights_without_tasks(counted):
+def test_an_mlp_step_on_the_lanes_matches_torch_and_slices_its_weights_without_tasks(
+        counted, monkeypatch):
+    from tensorql.pipeline import compile as compiling
+
+    plans = []
+    compile_group = compiling.CompiledGroup.compile.__func__
+
+    def counting_compile(cls, *args, **kwargs):
+        plans.append(1)
+        return compile_group(cls, *args, **kwargs)
+
+    monkeypatch.setattr(compiling.CompiledGroup, "compile", classmethod(counting_compile))
     x, onehot, start = _data()
     with tq.connect(workers=2, intra_op_threads=1, tile_target_elems=1 << 16) as db:
         db.store_many({"x": x, "onehot": onehot, **start})
         opt = tq.optim.Adam(db, list(start), lr=1e-2, checkpoint_every=10 ** 9)
         loss = _loss({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
                      lambda t: t.log_softmax(axis=1))
+        plans.clear()  # what storing the data planned
         ours = [opt.step(loss) for _ in range(3)]
         group = opt._plan(loss)
+        assert len(plans) == 1  # forward, backward and update planned once for every step
         graph = group.physical.task_graph()
+        assert graph.programs["executor-template"] is not None  # and prepared once
         config = engine.EngineConfig.of(db.options)
         assert engine.choose_strategy(graph, config) == "lanes"
         views = [t for t in graph.tasks if isinstance(t.kernel, ConstChunk)
