@@ -2,7 +2,7 @@
 LLaMA block, Adam on both sides, same weights, same data.
 
     python bench/train.py [--repeat 7] [--processes 2] [--tiny] [--mlp-only | --block-only]
-                          [--no-isolate]
+                          [--no-isolate] [--tq-strategy serial|lanes]
 
 * **MLP**: batch 256, 784 -> 2048 -> 2048 -> 10 with ReLU, mean cross-entropy (log-softmax);
 * **LLaMA block**: ``tensorql.models.llama_block`` (RMSNorm, rotary attention with a causal
@@ -11,11 +11,12 @@ LLaMA block, Adam on both sides, same weights, same data.
 
 tensorql's step is ``Adam.step(loss)``: forward, gradients (``tq.grad``) and the update of
 every weight and Adam slot planned and run as one query (checkpointing off: the step alone is
-timed). torch's step is ``zero_grad``, forward, ``backward`` and ``torch.optim.Adam.step`` in
-three forms: the default (``torch adam``), ``foreach=True`` and ``fused=True``; the block on
-torch's side is idiomatic torch (``nn.Linear`` projections and
-``F.scaled_dot_product_attention(is_causal=True)``) with the same weights, built without
-importing tensorql.
+timed; ``--tq-strategy`` names the engine's strategy for it, default the engine's policy:
+the MLP's step runs on the lanes, the block's serially). torch's step is ``zero_grad``,
+forward, ``backward`` and ``torch.optim.Adam.step`` in three forms: the default (``torch
+adam``), ``foreach=True`` and ``fused=True``; the block on torch's side is idiomatic torch
+(``nn.Linear`` projections and ``F.scaled_dot_product_attention(is_causal=True)``) with the
+same weights, built without importing tensorql.
 
 Method (``bench/harness.py``): each contender in its own process (the torch ones never import
 tensorql, so they run with glibc's default allocator settings, not tensorql's), equal threads,
@@ -87,13 +88,14 @@ def mlp_loss(w, xs, ys, softmax, batch: int):
     return -(ys * softmax(logits)).sum() * (1.0 / batch)
 
 
-def tq_mlp(size: str, threads: int):
+def tq_mlp(size: str, threads: int, strategy: str | None = None):
     import tensorql as tq
 
     x, onehot, start = mlp_data(size)
     db = tq.connect(workers=threads, intra_op_threads=1)
     db.store_many({"x": x, "onehot": onehot, **start})
     opt = tq.optim.Adam(db, list(start), lr=1e-3, checkpoint_every=10 ** 9)
+    opt.strategy = strategy
     loss = mlp_loss({k: db.tensor(k) for k in start}, db.tensor("x"), db.tensor("onehot"),
                     lambda t: t.log_softmax(axis=1), x.shape[0])
     return _tq_step(db, opt, loss)
@@ -174,7 +176,7 @@ def block_arrays(size: str, path: str) -> None:
     np.savez(path, **{k[len("blk_"):]: v for k, v in work.arrays.items()})
 
 
-def tq_block(size: str, threads: int):
+def tq_block(size: str, threads: int, strategy: str | None = None):
     import tensorql as tq
     from tensorql.models import llama_block
 
@@ -184,6 +186,7 @@ def tq_block(size: str, threads: int):
                        prefix="blk_")
     names = sorted(n for n in work.arrays if n.startswith("blk_l0_"))
     opt = tq.optim.Adam(db, names, lr=1e-4, checkpoint_every=10 ** 9)
+    opt.strategy = strategy
     out = work.output
     loss = (out * out).mean()
     return _tq_step(db, opt, loss)
@@ -250,7 +253,8 @@ def _share(t) -> str:
 def case(name: str, args, size: str, tmp: str) -> dict:
     if name == "mlp":
         ours = Contender("tq", "train:standing_factory",
-                         {"inner": "tq_mlp", "size": size, "threads": args.threads})
+                         {"inner": "tq_mlp", "size": size, "threads": args.threads,
+                          "strategy": args.tq_strategy})
         theirs = [Contender(form, "train:standing_factory",
                             {"inner": "torch_mlp", "size": size, "form": form})
                   for form in TORCH_FORMS]
@@ -259,7 +263,8 @@ def case(name: str, args, size: str, tmp: str) -> dict:
         path = os.path.join(tmp, "block.npz")
         block_arrays(size, path)
         ours = Contender("tq", "train:standing_factory",
-                         {"inner": "tq_block", "size": size, "threads": args.threads})
+                         {"inner": "tq_block", "size": size, "threads": args.threads,
+                          "strategy": args.tq_strategy})
         theirs = [Contender(form, "train:standing_factory",
                             {"inner": "torch_block", "size": size, "form": form,
                              "arrays": path}) for form in TORCH_FORMS]
@@ -305,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fresh processes per contender, in turn (isolated runs; the "
                              "samples of all are pooled, each process's median printed; "
                              "default 2)")
+    parser.add_argument("--tq-strategy", choices=("serial", "lanes"), default=None,
+                        help="the engine's strategy for tensorql's step (default: the "
+                             "engine's policy)")
     add_arguments(parser)
     args = parser.parse_args(argv)
     size = "tiny" if args.tiny else "default"

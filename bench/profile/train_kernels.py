@@ -8,8 +8,13 @@ quiet host.
   serial run rerun ``--repeat`` times at one and at two torch threads, alternating, the minimum
   of each kept (in-place updates run once and are not listed); the kernels are summed by kind
   (a product's labels, a fused chain's ops), sorted by what two threads lose against half
-  the one-thread time. Only a step the engine runs serially (the block) is covered: the MLP's
-  lanes run each kernel on one thread.
+  the one-thread time. A step the engine runs on its lanes (the MLP) is run once more with
+  every task recorded (its kernel, inputs, accumulator and destination), then every kernel
+  is rerun alone the same way; beside the sums, the step's own wall time (median of
+  ``--repeat`` steps): ``wall - one-thread sum / 2`` is what the lanes lose to idle workers,
+  scheduling and two kernels sharing the memory bus, against kernels run alone and perfectly
+  balanced (the updates run in place again, on the live weights: a profile, not a bench).
+  ``TENSORQL_PACKED_WEIGHTS=0`` as the bench's Intel runs use it.
 * torch: the bench's fused-Adam step under ``torch.profiler`` at one and at two threads, self
   CPU per op (on two threads an op's self CPU is its wall time on the calling thread).
 
@@ -75,6 +80,8 @@ def tensorql_kernels(case: str, repeat: int) -> None:
     step = getattr(train, f"tq_{case}")("default", 2)
     step()
     step()
+    if lanes_kernels(step, repeat):
+        return
     serial.first_contribution = timed
     active[0] = True
     try:
@@ -98,6 +105,72 @@ def tensorql_kernels(case: str, repeat: int) -> None:
     for name, (a, b, n) in sorted(total.items(), key=lambda kv: kv[1][0] / 2 - kv[1][1]):
         print(f"  {a * 1e3:7.2f} -> {b * 1e3:7.2f} ms  x{a / b:4.2f}  lost {(b - a / 2) * 1e3:5.2f}"
               f"  n={n:<3d} {name}")
+
+
+def lanes_kernels(step, repeat: int) -> bool:
+    """The kernels of a step the engine runs on its lanes, rerun alone (see the module);
+    False when the step ran no task on the lanes (a serial step)."""
+    import statistics
+
+    import tensorql.exec.executor as ex
+
+    tasks: list[tuple] = []
+    execute = ex._execute
+
+    def recording(state, task):
+        inputs = [state.values[ref] for ref in task.inputs]
+        acc = state.values.get(task.output)
+        dest = None
+        if acc is None and state.destination is not None and \
+                task.output.step in state.graph.retain:
+            dest = state.destination(task.output)
+        out = execute(state, task)
+        tasks.append((task, inputs, acc, dest))
+        return out
+
+    ex._execute = recording
+    try:
+        step()
+    finally:
+        ex._execute = execute
+    if not tasks:
+        return False
+    walls = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    rows = []
+    for task, inputs, acc, dest in tasks:
+        best = {1: float("inf"), 2: float("inf")}
+        for rep in range(repeat):
+            for threads in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                if acc is None:
+                    ex.first_contribution(task.kernel, inputs, dest)
+                else:
+                    task.kernel.run(inputs, acc)
+                best[threads] = min(best[threads], time.perf_counter() - start)
+        rows.append((kind(task.kernel), best[1], best[2]))
+    torch.set_num_threads(2)
+    one = sum(r[1] for r in rows)
+    two = sum(r[2] for r in rows)
+    wall = statistics.median(walls)
+    print(f"tensorql step on the lanes: {len(rows)} tasks; step wall {wall * 1e3:.1f} ms "
+          f"(median of {repeat}); kernels alone: 1 thread {one * 1e3:.1f} ms (/2 = "
+          f"{one * 5e2:.1f}), 2 threads {two * 1e3:.1f} ms; wall - 1-thread sum/2 = "
+          f"{(wall - one / 2) * 1e3:.1f} ms")
+    total = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for name, a, b in rows:
+        entry = total[name]
+        entry[0] += a
+        entry[1] += b
+        entry[2] += 1
+    print("  by kind, 1 thread -> 2 threads, longest first:")
+    for name, (a, b, n) in sorted(total.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {a * 1e3:7.2f} -> {b * 1e3:7.2f} ms  n={n:<3d} {name}")
+    return True
 
 
 def torch_ops(case: str) -> None:

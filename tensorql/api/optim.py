@@ -85,9 +85,15 @@ class Optimizer:
     ``name`` prefixes the state stored with each checkpoint (``{name}.step`` and one tensor per
     weight and slot, e.g. ``adam.m.W1``); ``checkpoint_every`` is how many steps run between
     checkpoints (1: every step is committed).
+
+    ``strategy``: the engine's strategy for the step's run (None, the default: the engine's
+    policy, :func:`tensorql.exec.engine.choose_strategy`; e.g. "serial" or "lanes" to
+    compare them on a host, as ``bench/train.py --tq-strategy`` does). Set it on the
+    optimizer: ``opt.strategy = "serial"``.
     """
 
     slots: tuple[str, ...] = ()
+    strategy: str | None = None
 
     def __init__(self, db: Any, params: Sequence[str], *, name: str = "optim",
                  checkpoint_every: int = 1) -> None:
@@ -256,7 +262,7 @@ class Optimizer:
         out = [latest[k] if k in in_place else None if spare is None else spare[k]
                for k in range(len(group.nodes))]
         try:
-            results = group.run(out=out)
+            results = group.run(out=out, strategy=self.strategy)
         except BaseException as err:
             if in_place:
                 self._failed_in_place = (

@@ -54,8 +54,13 @@ class _Template:
     waiting: dict[ChunkRef, tuple[Task, ...]]
     pending: dict[int, int]
     ready: tuple[tuple[float, int, Task], ...]  # a heap, without the inline tasks
-    inline: tuple[Task, ...]  # constant slices run by the caller before the workers start
+    inline: tuple[Task, ...]  # constant slices of retained steps, run as any task
     step_tasks: collections.Counter
+    # constant slices of steps not retained, run by the caller before the workers start;
+    # what their completion does to the counts is worked out here once (``ready``,
+    # ``pending`` and ``waiting`` are the state after them), so a run only takes the views
+    views: tuple[Task, ...] = ()
+    view_steps: tuple[tuple[int, int], ...] = ()  # (step, tasks) of ``views``
 
     @classmethod
     def of(cls, graph: TaskGraph) -> _Template:
@@ -73,9 +78,19 @@ class _Template:
                        and contributions[task.output] == 1)
         ready = [entry for entry in ready if not (getattr(entry[2].kernel, "inline", False)
                                                   and contributions[entry[2].output] == 1)]
+        views = tuple(task for task in inline if task.output.step not in graph.retain)
+        inline = tuple(task for task in inline if task.output.step in graph.retain)
+        waiting, pending = dict(deps.readers), dict(deps.pending)
+        for task in views:  # each completes its chunk: its readers wait for one chunk less
+            for consumer in waiting.pop(task.output, ()):
+                pending[consumer.id] -= 1
+                if pending[consumer.id] == 0:
+                    ready.append((consumer.priority, consumer.id, consumer))
         heapq.heapify(ready)
-        template = cls(contributions, uses, deps.readers, deps.pending, tuple(ready), inline,
-                       collections.Counter(task.output.step for task in graph.tasks))
+        view_steps = collections.Counter(task.output.step for task in views)
+        template = cls(contributions, uses, waiting, pending, tuple(ready), inline,
+                       collections.Counter(task.output.step for task in graph.tasks),
+                       views, tuple(sorted(view_steps.items())))
         graph.programs["executor-template"] = template
         return template
 
@@ -97,6 +112,11 @@ class _Run(RunState):
         self.waiting = dict(template.waiting)
         self.pending = dict(template.pending)
         self.values: dict[ChunkRef, torch.Tensor] = {}
+        self.views = template.views
+        for task in template.views:  # their chunks are complete: no contribution remains
+            self.remaining[task.output] = 0
+        self.done_tasks = len(template.views)
+        self.view_steps = template.view_steps
         self.slot_locks = {ref: threading.Lock() for ref, n in self.contributions.items() if n > 1}
         self.ready = list(template.ready)
         self.inline = template.inline
@@ -277,6 +297,19 @@ class Lanes:
         """Run the ready tasks whose kernel says ``inline`` (a slice of an in-memory
         constant: a view, no work) here and now, before the workers start: they would cost a
         scheduling round trip each (a one-token LLaMA step has 187 of them in 535 tasks)."""
+        values = state.values
+        live = 0
+        for task in state.views:
+            value = values[task.output] = task.kernel.run((), None)
+            live += value.nbytes
+        if state.views:
+            now = time.perf_counter()
+            for step, count in state.view_steps:
+                record_task(state.stats, step, now, now, tasks=count)
+            state.live_bytes += live
+            state.stats.peak_live_bytes = max(state.stats.peak_live_bytes, live)
+            if state.progress is not None:
+                state.progress(state.done_tasks, state.total_tasks)
         with state.cond:  # no worker runs yet: the lock is taken once, not per task
             for task in state.inline:
                 state.in_flight[task.output] = state.in_flight.get(task.output, 0) + 1
