@@ -61,10 +61,15 @@ class _Refused(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Extent:
-    """The old extent, the new one, and the new tile of each old tile (same chunk count)."""
+    """The old extent, the new one, and the new tile of each old tile (same chunk count);
+    each grid and relation re-bound once (a plan's nodes share them)."""
 
     old: int
     new: int
+    _grids: dict[tuple, ChunkGrid] = dataclasses.field(default_factory=dict)
+    # by id, the old relation kept beside the new one (so that its id stays its own)
+    _relations: dict[int, tuple[TensorRelation, TensorRelation]] = dataclasses.field(
+        default_factory=dict)
 
     def tile(self, tile: int) -> int:
         blocks = -(-self.old // tile)
@@ -76,13 +81,23 @@ class _Extent:
     def grid(self, grid: ChunkGrid) -> ChunkGrid:
         if self.old not in grid.shape:
             return grid
-        shape = tuple(self.new if n == self.old else n for n in grid.shape)
-        tile = tuple(self.tile(t) if n == self.old else t for n, t in zip(grid.shape, grid.tile))
-        return ChunkGrid(shape, tile)
+        key = (grid.shape, grid.tile)
+        new = self._grids.get(key)
+        if new is None:
+            shape = tuple(self.new if n == self.old else n for n in grid.shape)
+            tile = tuple(self.tile(t) if n == self.old else t
+                         for n, t in zip(grid.shape, grid.tile))
+            new = self._grids[key] = ChunkGrid(shape, tile)
+        return new
 
     def relation(self, rel: TensorRelation) -> TensorRelation:
+        seen = self._relations.get(id(rel))
+        if seen is not None:
+            return seen[1]
         grid = self.grid(rel.grid)
-        return rel if grid is rel.grid else TensorRelation(rel.labels, grid, rel.dtype)
+        new = rel if grid is rel.grid else TensorRelation(rel.labels, grid, rel.dtype)
+        self._relations[id(rel)] = (rel, new)
+        return new
 
 
 Rebind = Callable[[LogicalNode, TensorRelation, tuple[LogicalNode, ...], _Extent,

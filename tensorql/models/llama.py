@@ -724,10 +724,15 @@ class Prefill(_PromptOfShape):
         return out
 
     def logits(self, tokens: Any) -> torch.Tensor:
-        """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape."""
+        """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape (run as a
+        query's: every allocation from the heap, so a prompt's chunks reuse the last one's
+        pages -- :func:`~tensorql.exec.host_malloc.heap_only`)."""
+        from tensorql.exec.host_malloc import heap_only
+
         query = self.query()
         self._embed(tokens)
-        return query.run()[0]
+        with heap_only():
+            return query.run()[0]
 
 
 @dataclass(frozen=True)
