@@ -18,7 +18,9 @@ seed that counts the calls, the same sequence on both sides. Phases:
 - **prefill cached**: logits of a ``--seq``-token prompt, tensorql's query planned on the
   first call (``Llama.prefill``) and reused, as a server would;
 - **prefill cold**: each call a prompt length not seen before (``--seq`` minus the call's
-  number), tensorql planning from scratch (``Llama.logits(ids).torch()``);
+  number), tensorql planning it on the clock (``Llama.prefill(1, length).logits(ids)``: the
+  first call plans from the expression; a later length re-binds that plan, its template, to
+  its own extent and builds the physical plan -- see ``Prefill``);
 - **decode**: seconds per new token over ``--new`` tokens after an untimed prompt (tensorql:
   ``Llama.decoder`` built off the clock -- its plan, weights and tape, the plan lowered to
   bound calls that every token replays; transformers: ``model(token, past_key_values=...)``).
@@ -203,7 +205,7 @@ def tq_factory(tiny: bool, phase: str, seq: int, new: int, threads: int):
         if phase == "generate":
             return np.array(ours.generate(ids[0].tolist(), new)[seq:])
         if phase == "prefill cold":
-            return ours.logits(ids).torch()[0, -1]
+            return ours.prefill(1, length).logits(ids)[0, -1]
         if phase == "prefill cached":
             if not prefill:
                 prefill.append(ours.prefill(1, seq))

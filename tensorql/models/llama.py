@@ -220,6 +220,8 @@ class Llama:
         self._kept_prompt: tuple[tuple[int, int], int, Any, PromptQuery] | None = None
         # a prompt's rotary tables and causal mask by its positions (see _prompt_tables)
         self._prompt_memo: tuple[tuple[int, ...], Any] | None = None
+        # the plan of the last prefill planned from its expression, for other lengths
+        self._prefill_template: _PrefillTemplate | None = None
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
@@ -593,6 +595,7 @@ class _TokenEmbeddings:
             (batch, seq, model.shape.d_model), dtype=model.embedding_table().dtype)
         value = self.onehot if limited else self.hidden
         constant = db.constant(value, tile=model._prompt_tile(value.shape))
+        self.constant = constant  # the constant written in place
         self.tensor = einsum("vd,bsv->bsd", model._w("embed"), constant) if limited else constant
 
     def write(self, ids: np.ndarray, table: Callable[[], torch.Tensor]) -> None:
@@ -642,8 +645,16 @@ class Prefill(_PromptOfShape):
     (written in place for each prompt: the table's rows gathered, or under a
     ``memory_limit`` a one-hot matrix joined with the stored table) -- the rotary tables and
     the causal mask depend on the shape only. The plan is made again when the stored tensors
-    or the session's options change. Planning a 512-token prompt of an 8-layer model takes
-    ~40 ms, against ~600 ms for the run.
+    or the session's options change.
+
+    A prompt of a new length reuses the plan of the model's last prefill planned from its
+    expression (its *template*: the logical plan after the rewrite rules, the same for every
+    length but for the sequence's extent): re-bound to the new length, with this prefill's
+    embeddings, rotary tables and mask (:meth:`CompiledGroup.with_extent`) and built into a
+    physical plan -- no expression graph, no lowering and no rewrite rules; :attr:`rebound`
+    says whether that happened. Where it cannot be done unambiguously (the length equals
+    another size of the model, or cannot be cut into the template's blocks) the prefill is
+    planned from its expression as before.
 
     >>> import tensorql as tq
     >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
@@ -653,19 +664,120 @@ class Prefill(_PromptOfShape):
     >>> all(torch.allclose(prompts.logits(ids), model.logits(ids).torch(), atol=1e-6)
     ...     for ids in ([[1, 2, 3]], [[4, 5, 6]]))
     True
+    >>> longer = model.prefill(batch=1, seq=5)
+    >>> ids = [[1, 2, 3, 4, 5]]
+    >>> bool(torch.allclose(longer.logits(ids), model.logits(ids).torch(), atol=1e-6))
+    True
+    >>> prompts.rebound, longer.rebound
+    (False, True)
     """
 
     def __init__(self, model: Llama, batch: int, seq: int) -> None:
         super().__init__(model, batch, seq, "prefill")
-        x = self.embeddings.tensor
-        for layer in range(model.shape.layers):
-            x = model.block(x, layer, self.positions)
-        self.output = model.head(x)
+        self._output: Tensor | None = None
+        self._kept: tuple[tuple, Any] | None = None  # (stamp, CompiledGroup)
+        self.rebound = False  # whether the plan is another length's, re-bound (see above)
+
+    @property
+    def output(self) -> Tensor:
+        """The logits (B, S, V) as a lazy expression over this prefill's embeddings (built
+        on first use: a re-bound plan needs none)."""
+        if self._output is None:
+            model = self.model
+            x = self.embeddings.tensor
+            for layer in range(model.shape.layers):
+                x = model.block(x, layer, self.positions)
+            self._output = model.head(x)
+        return self._output
+
+    def query(self) -> Any:
+        """The planned query (a :class:`~tensorql.pipeline.CompiledGroup` of one output):
+        made on first use and again when the stored tensors, the session's options or the
+        path cache change; re-bound from the model's template where it can be."""
+        from tensorql.logical.path import PATH_CACHE
+        from tensorql.pipeline import CompiledGroup
+
+        db = self.model.db
+        stamp = (db.generation, db.options, PATH_CACHE.epoch)
+        if self._kept is not None and self._kept[0] == stamp:
+            return self._kept[1]
+        template = self.model._prefill_template
+        group = None if template is None else template.rebind(self, stamp)
+        self.rebound = group is not None
+        if group is None:
+            group = CompiledGroup.compile([self.output.node], db)
+            self.model._prefill_template = _PrefillTemplate.of(self, group, stamp)
+        self._kept = (stamp, group)
+        return group
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """What this prefill's plan reads that depends on its length, by role: the
+        embeddings (or one-hot tokens) written for each prompt, the rotary tables of the
+        keys and of the queries, and the causal mask (absent for one position)."""
+        tables, query_tables, mask = self.model._prompt_tables(self.positions)
+        out = {"embeddings": self.embeddings.constant.node.value,
+               "cos": torch.from_numpy(tables[0]), "sin": torch.from_numpy(tables[1]),
+               "query_cos": torch.from_numpy(query_tables[0]),
+               "query_sin": torch.from_numpy(query_tables[1])}
+        if mask is not None:
+            out["mask"] = torch.from_numpy(mask)
+        return out
 
     def logits(self, tokens: Any) -> torch.Tensor:
-        """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape."""
+        """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape (run as a
+        query's: every allocation from the heap, so a prompt's chunks reuse the last one's
+        pages -- :func:`~tensorql.exec.host_malloc.heap_only`)."""
+        from tensorql.exec.host_malloc import heap_only
+
+        query = self.query()
         self._embed(tokens)
-        return self.output.torch()
+        with heap_only():
+            return query.run()[0]
+
+
+@dataclass(frozen=True)
+class _PrefillTemplate:
+    """A prefill's plan kept for prompts of other lengths (:class:`Prefill`): its batch and
+    length, what it was planned under, and the role of each constant its logical plan scans
+    that depends on the length (by the id of the constant's tensor)."""
+
+    batch: int
+    seq: int
+    stamp: tuple
+    group: Any  # CompiledGroup
+    roles: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def of(cls, prefill: Prefill, group: Any, stamp: tuple) -> _PrefillTemplate | None:
+        """The template of ``prefill``, planned as ``group``; None when the group keeps no
+        logical plan to re-bind (several devices, a backend of its own)."""
+        if group.rewritten is None:
+            return None
+        from tensorql.logical.plan import Scan, walk
+
+        def at(t: torch.Tensor) -> tuple:
+            return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+        where = {at(value): role for role, value in prefill.constants().items()}
+        roles = {}
+        for node in walk(*group.rewritten.roots):
+            if isinstance(node, Scan) and node.constant is not None:
+                role = where.get(at(node.constant))
+                if role is not None:
+                    roles[id(node.constant)] = role
+        return cls(prefill.batch, prefill.seq, stamp, group, tuple(roles.items()))
+
+    def rebind(self, prefill: Prefill, stamp: tuple) -> Any:
+        """The template's plan re-bound to ``prefill``'s length, or None where it cannot be
+        (another batch, options or stored tensors; a length of this one's, or the batch's)."""
+        if (stamp != self.stamp or prefill.batch != self.batch or prefill.seq == self.seq
+                or prefill.batch == self.seq):
+            return None
+        values = prefill.constants()
+        if {role for _, role in self.roles} != set(values):
+            return None  # a mask on one side only (a prompt of one position)
+        return self.group.with_extent(self.seq, prefill.seq,
+                                      {key: values[role] for key, role in self.roles})
 
 
 class PromptQuery(_PromptOfShape):

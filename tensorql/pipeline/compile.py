@@ -3,7 +3,7 @@ query (or group of queries) that runs and explains it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,8 @@ from tensorql.exec.timeline import check_trace_path
 from tensorql.grid import Key
 from tensorql.logical.lower import lower, lower_many
 from tensorql.logical.plan import LogicalNode
+from tensorql.logical.rebind import rebind_extent
+from tensorql.logical.rules import Rewritten
 from tensorql.optimizer.plan import PartitionPlan
 from tensorql.physical.explain import render_plan
 from tensorql.physical.in_place import order_in_place
@@ -24,7 +26,7 @@ from tensorql.physical.plan_graph import logical_json, plan_json, render_doc
 from tensorql.physical.planner import PhysicalPlan
 from tensorql.physical.result import QueryResult
 from tensorql.pipeline.backends import get_backend
-from tensorql.pipeline.planning import Session, physical_plan
+from tensorql.pipeline.planning import Session, checked_rewrite, physical_plan, plan_rewritten
 from tensorql.pipeline.run import DenseResults, check_dense_fits, execute, session_spill
 from tensorql.pipeline.stages import STAGES, UnknownStageError
 
@@ -184,6 +186,9 @@ class CompiledGroup:
     # the outputs that may be computed into the storage of the constants they replace
     # (``compile(in_place=...)``: the plan orders them after every reader of those)
     in_place: frozenset[int] = frozenset()
+    # the logical plan after the rewrite rules, kept where it can be re-bound to another
+    # extent (one device, not in place: :meth:`with_extent`)
+    rewritten: Rewritten | None = field(default=None, compare=False, repr=False)
     last_stats: list[RunStats] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
@@ -200,12 +205,44 @@ class CompiledGroup:
         if not get_backend(options.backend).supports.multi_output or options.distributed:
             return cls(nodes=tuple(nodes), db=db,
                        queries=tuple(CompiledQuery.compile(n, db) for n in nodes))
-        roots = lower_many(nodes)
-        _, physical = physical_plan(roots, db)  # on N devices: the whole group partitioned
+        rewritten, partitionable = checked_rewrite(lower_many(nodes))
+        # on N devices: the whole group partitioned
+        partition, physical = plan_rewritten(rewritten, db, partitioned=partitionable)
         done: frozenset[int] = frozenset()
         if in_place and options.device_set.count == 1 and options.device_set.all_cpu:
             physical, done = order_in_place(physical, in_place)
-        return cls(nodes=tuple(nodes), db=db, physical=physical, in_place=done)
+        return cls(nodes=tuple(nodes), db=db, physical=physical, in_place=done,
+                   rewritten=rewritten if partition is None and not in_place else None)
+
+    def with_extent(self, old: int, new: int,
+                    constants: Mapping[int, torch.Tensor]) -> CompiledGroup | None:
+        """This group planned again for inputs in which every dim of extent ``old`` is
+        ``new`` (a prompt of another length): its rewritten logical plan re-bound
+        (:func:`~tensorql.logical.rebind.rebind_extent`: the constants whose tensors' ids
+        are keys of ``constants`` read the new tensors given there) and built into a
+        physical plan -- no lowering and no rewrite rules. None where that cannot be done
+        (a partitioned plan, an in-place one, or an ambiguous extent): compile anew then.
+        :attr:`nodes` stay the expressions the group was compiled from (their titles name
+        the old extent).
+
+        >>> import torch, tensorql as tq
+        >>> db = tq.connect()
+        >>> w = db.from_torch("w", torch.ones(3, 2))
+        >>> x = db.constant(torch.ones(5, 3))
+        >>> group = CompiledGroup.compile([tq.einsum("sd,df->sf", x, w).node], db)
+        >>> other = group.with_extent(5, 4, {id(x.node.value): torch.full((4, 3), 2.0)})
+        >>> other.run()[0].tolist()
+        [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0], [6.0, 6.0]]
+        """
+        if self.rewritten is None:
+            return None
+        roots = rebind_extent(self.rewritten.roots, old, new, constants)
+        if roots is None:
+            return None
+        rewritten = Rewritten(roots, self.rewritten.fired)
+        partition, physical = plan_rewritten(rewritten, self.db, partitioned=False)
+        return CompiledGroup(nodes=self.nodes, db=self.db, physical=physical,
+                             rewritten=rewritten)
 
     def run(self, progress: ProgressCallback | None = None,
             out: Sequence[torch.Tensor | None] | None = None,

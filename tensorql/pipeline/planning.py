@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from tensorql.errors import PlanError
 from tensorql.logical.plan import LogicalNode, walk
-from tensorql.logical.rules import rewrite
+from tensorql.logical.rules import Rewritten, rewrite
 from tensorql.optimizer.plan import PartitionPlan, optimize
 from tensorql.options import Options
 from tensorql.physical.builder import build
@@ -39,18 +39,33 @@ def physical_plan(roots: list[LogicalNode], db: Session, partitioned: bool = Tru
     """The physical plan of ``roots`` (one result, or several sharing their common steps):
     the optimizer's partitioning when the session has several devices, else one device's.
     The logical rewrite rules (:mod:`tensorql.logical.rules`) are applied here, once."""
-    options = db.options
-    max_temp = max(1, options.kernel_temp_bytes // 4)
+    done, partitionable = checked_rewrite(roots)
+    return plan_rewritten(done, db, partitioned=partitioned and partitionable)
+
+
+def checked_rewrite(roots: list[LogicalNode]) -> tuple[Rewritten, bool]:
+    """``roots`` after the logical rewrite rules, once the task count is checked
+    (:func:`check_task_count`), and whether the plan may be partitioned (an empty tensor
+    anywhere: nothing to partition, and no piece to place)."""
     for root in roots:
         check_task_count(root)
-    # a local session plans for its own devices; a rank of a job for the job's
-    count = job_devices(options) if options.distributed else options.device_set.count
-    # an empty tensor anywhere: nothing to partition (and no piece to place)
     empty = any(0 in n.relation.shape for n in walk(*roots))
     done = rewrite(roots)
     if done.fired:
         log.debug("rewrite rules fired: %s", ", ".join(done.fired))
-    if count > 1 and partitioned and not empty:
+    return done, not empty
+
+
+def plan_rewritten(done: Rewritten, db: Session, partitioned: bool = True
+                   ) -> tuple[PartitionPlan | None, PhysicalPlan]:
+    """:func:`physical_plan` of roots the rewrite rules have already made (``done``): the
+    partitioning and the physical plan, with no lowering or rewriting (a plan re-bound to a
+    new extent: :func:`tensorql.logical.rebind.rebind_extent`)."""
+    options = db.options
+    max_temp = max(1, options.kernel_temp_bytes // 4)
+    # a local session plans for its own devices; a rank of a job for the job's
+    count = job_devices(options) if options.distributed else options.device_set.count
+    if count > 1 and partitioned:
         partition, physical = _partition(done.roots[0], db, count, max_temp,
                                          also=done.roots[1:], fired=done.fired)
         if log.isEnabledFor(logging.INFO):
