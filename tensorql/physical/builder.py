@@ -681,13 +681,13 @@ def _partitioned_epilogue(node, graph, layouts: dict[int, Layout], steps: _Steps
                           readers: dict[int, int]) -> int | None:
     """Fold activation map ``node`` into the tasks of the product it reads, as on one device
     (:meth:`_OneDevice._epilogue`): when the product is read by ``node`` alone and is no
-    result, each of its output chunks is made by one task on its owner (no partials), and
-    ``node``'s pieces are those chunks, on the same devices. Returns the product's step
-    (now ``node``'s too), or None when not folded. The MLP on two CPU devices:
+    result (``node`` may be one), each of its output chunks is made by one task on its owner
+    (no partials), and ``node``'s pieces are those chunks, on the same devices. Returns the
+    product's step (now ``node``'s too), or None when not folded. The MLP on two CPU devices:
     ``relu(X @ W1)`` no longer reads and writes each device's 2048 x 2048 piece again in a
     task of its own."""
     if not (node.kind == "map" and node.fn in EPILOGUE_MAPS and node.dtype in _FLOAT_DTYPES
-            and len(node.inputs) == 1 and node.index not in results):
+            and len(node.inputs) == 1):
         return None
     edge = node.inputs[0]
     product = graph.nodes[edge.producer]

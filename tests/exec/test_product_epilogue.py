@@ -136,3 +136,17 @@ def test_a_partitioned_product_read_elsewhere_or_a_result_keeps_its_map():
     relu, plain = db.compute(prod.relu(), prod)
     np.testing.assert_allclose(relu.numpy(), np.maximum(p, 0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(plain.numpy(), p, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_partitioned_activation_that_is_the_result_runs_in_the_products_tasks(devices):
+    x, w = _arrays(7, (64, 32), (32, 96))
+    db = tq.connect(workers=2, intra_op_threads=1, devices=devices)
+    X, W = db.from_numpy("x", x, tile=(32, 32)), db.from_numpy("w", w, tile=(32, 32))
+    expr = (X @ W).silu()
+    kinds = [type(t.kernel) for s in expr.compile().physical.steps for t in s.tasks]
+    assert ContractEpilogue in kinds and MapChunk not in kinds
+    want = torch.nn.functional.silu(torch.from_numpy(x.astype(np.float64) @ w)).numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(expr.numpy(), want, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(expr.torch().numpy(), want, rtol=1e-5, atol=1e-6 * scale)
