@@ -56,6 +56,7 @@ class _Template:
     ready: tuple[tuple[float, int, Task], ...]  # a heap, without the inline tasks
     inline: tuple[Task, ...]  # constant slices run by the caller before the workers start
     step_tasks: collections.Counter
+    big_tasks: int  # tasks of WIDE_TASK_FLOPS or more in the graph
 
     @classmethod
     def of(cls, graph: TaskGraph) -> _Template:
@@ -75,7 +76,8 @@ class _Template:
                                                   and contributions[entry[2].output] == 1)]
         heapq.heapify(ready)
         template = cls(contributions, uses, deps.readers, deps.pending, tuple(ready), inline,
-                       collections.Counter(task.output.step for task in graph.tasks))
+                       collections.Counter(task.output.step for task in graph.tasks),
+                       sum(_big(task) for task in graph.tasks))
         graph.programs["executor-template"] = template
         return template
 
@@ -106,6 +108,7 @@ class _Run(RunState):
         self.wide = False  # a big task runs with every worker's torch threads
         self.big_started: dict[int, tuple[float, int]] = {}  # running big task -> start, flops
         self.big_taken = 0  # big tasks taken so far (a tail wait ends when another is)
+        self.big_tasks = template.big_tasks  # read only
         self.tail_waiting = False  # a worker holds the last big task until the others end
         self.ready_big = sum(_big(entry[2]) for entry in self.ready)  # big tasks ready
         self.step_tasks = template.step_tasks  # read only
@@ -311,10 +314,12 @@ class Lanes:
                     state.sink(task.output, state.values[task.output])
 
     def _tail(self, state: _Run, task: Task, rate: float) -> bool:
-        """Whether ``task`` (just taken) is the last big task of the run's round: big, none
-        other ready, others running that end soon (:meth:`_Run.others_end_soon` at this
+        """Whether ``task`` (just taken) is the last big task of the run: big, every other
+        big task of the graph taken (none ready now is not enough: loads still to run make
+        more ready), others running that end soon (:meth:`_Run.others_end_soon` at this
         worker's ``rate``), no other worker already waiting; called with ``state.cond``."""
         return (self.all_threads > self.intra_op_threads and rate > 0.0 and _big(task)
+                and state.big_taken == state.big_tasks
                 and state.ready_big == 0 and 1 < state.running_big < 1 + self.workers
                 and not state.wide and not state.tail_waiting
                 and state.others_end_soon(task, rate))

@@ -219,3 +219,22 @@ def test_an_odd_count_of_big_product_tiles_is_exact_and_never_wide_beside_anothe
     for start, end, threads in spans:
         if threads == 2:
             assert all(e <= start or s >= end for s, e, _ in spans if (s, e) != (start, end))
+
+
+def test_no_tail_while_a_big_task_is_still_to_become_ready():
+    """None ready is not the end of the run: here ``d`` waits on a small load ``s`` when
+    ``c`` is taken (``b`` beside it nearly done). ``c`` is not the last big task, so it runs
+    on its share; before, the rule held it for ``b`` and ran it wide while ``d`` became
+    ready behind it (3072^3 from the store: a product went wide in the first round)."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    seen: dict[str, int] = {}
+    big = 100 * executor.WIDE_TASK_FLOPS
+    spec = [("a", 0.2, big, ()), ("b", 0.25, big, ()), ("c", 0.2, big, ()),
+            ("s", 0.05, 1, ()), ("d", 0.1, big, (3,))]
+    tasks = tuple(Task(n, tuple(ChunkRef(i, ()) for i in deps), ChunkRef(n, ()),
+                       _Sleep(sec, seen, key), priority=n, flops=int(flops * sec * 10))
+                  for n, (key, sec, flops, deps) in enumerate(spec))
+    graph = TaskGraph(tasks=tasks, retain=frozenset({0, 1, 2, 4}))
+    executor.Executor(workers=2, intra_op_threads=1, mode="threads").run(graph)
+    assert seen["a"] == seen["b"] == seen["c"] == 1
