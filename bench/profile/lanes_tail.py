@@ -4,7 +4,9 @@ lanes). Not a bench (no record, no goal): a paired comparison for a quiet host.
     python bench/profile/lanes_tail.py [--n 3072] [--pairs 15] [--threads 2]
 
 Runs the compiled product alternately with the rule (``executor.TAIL_WAIT_SHARE`` as shipped:
-the round's last big task waits for the ones beside it and runs with every worker's threads)
+the run's last big task waits for the ones beside it and runs with every worker's threads;
+``TAIL_MIN_SPEEDUP`` set to 0 here, so that a tail that gained nothing does not turn the rule
+off for the graph)
 and without it (the last task alone on one thread while the other lane idles), in one process,
 the order flipped every pair; prints each arm's median, the median of the paired ratios, how
 many tasks ran wide, and torch's own ``mm`` on ``--threads`` threads in the same process (a
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import tensorql.exec.executor as executor
 
     shipped = executor.TAIL_WAIT_SHARE
+    executor.TAIL_MIN_SPEEDUP = 0.0  # the rule in every run (never turned off for the graph)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((args.n, args.n), dtype=np.float32) for _ in range(2))
     db = tq.connect(devices="cpu", workers=args.threads, intra_op_threads=1)

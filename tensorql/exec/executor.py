@@ -206,6 +206,11 @@ WIDE_TASK_FLOPS = 20_000_000
 # two-thread product shares its packed panels but not perfectly), instead of after all of it
 # while the other worker idles (3072^3 on 1024 tiles: 9 tasks, 5 rounds on 2 one-thread lanes).
 TAIL_WAIT_SHARE = 0.35
+# A tail task run wide that was not this much faster than its worker's one-thread rate turns
+# the rule off for its graph (``graph.programs["lanes-tail-off"]``): on a host whose cores are
+# busy with other work a two-thread product waits for a descheduled thread (2-core VM under
+# other load: the 9th tile of 3072^3 took 74-83 ms on two threads, 44 ms alone on one).
+TAIL_MIN_SPEEDUP = 1.3
 def _big(task: Task) -> bool:
     """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
     return task.weighted_flops >= WIDE_TASK_FLOPS
@@ -320,6 +325,7 @@ class Lanes:
         worker's ``rate``), no other worker already waiting; called with ``state.cond``."""
         return (self.all_threads > self.intra_op_threads and rate > 0.0 and _big(task)
                 and state.big_taken == state.big_tasks
+                and not state.graph.programs.get("lanes-tail-off")
                 and state.ready_big == 0 and 1 < state.running_big < 1 + self.workers
                 and not state.wide and not state.tail_waiting
                 and state.others_end_soon(task, rate))
@@ -375,8 +381,9 @@ class Lanes:
                 wide = (self.all_threads > self.intra_op_threads and _big(task)
                         and state.running_big == 1 and state.ready_big == 0
                         and state.step_tasks[task.output.step] < self.workers)
-                if not wide and self._tail(state, task, rate):
-                    wide = self._wait_for_tail(state, task, rate)
+                tail = (not wide and self._tail(state, task, rate)
+                        and self._wait_for_tail(state, task, rate))
+                wide = wide or tail
                 if wide:
                     state.wide = True
                     state.stats.wide_tasks += 1
@@ -396,6 +403,8 @@ class Lanes:
             ended = time.perf_counter()
             if _big(task) and not wide and task.weighted_flops:
                 rate = (ended - started) / task.weighted_flops
+            if tail and task.weighted_flops * rate < TAIL_MIN_SPEEDUP * (ended - started):
+                state.graph.programs["lanes-tail-off"] = True  # no gain here: not again
             with state.cond:
                 if wide:
                     state.wide = False

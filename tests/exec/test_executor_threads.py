@@ -137,23 +137,24 @@ class _Sleep:
     """A task kernel that takes ``seconds`` (a sleep: no core used) and records the torch
     threads it ran with."""
 
-    def __init__(self, seconds: float, seen: dict, key: str) -> None:
-        self.seconds, self.seen, self.key = seconds, seen, key
+    def __init__(self, seconds: float, seen: dict, key: str, scales: bool = False) -> None:
+        self.seconds, self.seen, self.key, self.scales = seconds, seen, key, scales
 
     def run(self, inputs, acc):
-        self.seen[self.key] = torch.get_num_threads()
-        time.sleep(self.seconds)
+        threads = torch.get_num_threads()
+        self.seen[self.key] = threads
+        time.sleep(self.seconds / threads if self.scales else self.seconds)
         return torch.zeros(1)
 
 
-def _sleepers(spec: dict[str, float]):
+def _sleepers(spec: dict[str, float], scales: bool = False):
     """A graph of independent big tasks (one output chunk each), in ``spec``'s order of
-    priority, each sleeping its seconds."""
+    priority, each sleeping its seconds (divided by its torch threads with ``scales``)."""
     from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
     seen: dict[str, int] = {}
     flops = 100 * executor.WIDE_TASK_FLOPS
-    tasks = tuple(Task(n, (), ChunkRef(n, ()), _Sleep(s, seen, key), priority=n,
+    tasks = tuple(Task(n, (), ChunkRef(n, ()), _Sleep(s, seen, key, scales), priority=n,
                        flops=int(flops * s * 10))
                   for n, (key, s) in enumerate(spec.items()))
     return TaskGraph(tasks=tasks, retain=frozenset(range(len(tasks)))), seen
@@ -163,12 +164,25 @@ def test_the_last_big_task_of_a_round_gets_the_idle_workers_threads():
     """Three equal big tasks on two one-thread workers: the third would run alone on one
     thread while the other worker idles (3072^3 on 1024 tiles: 9 tasks on 2 lanes); it waits
     for the task beside it to end and runs with both workers' threads."""
-    graph, seen = _sleepers({"a": 0.2, "b": 0.2, "c": 0.2})
+    graph, seen = _sleepers({"a": 0.2, "b": 0.2, "c": 0.2}, scales=True)
     previous = torch.get_num_threads()
-    result = executor.Executor(workers=2, intra_op_threads=1, mode="threads").run(graph)
-    assert seen == {"a": 1, "b": 1, "c": 2}
-    assert result.stats.wide_tasks == 1 and not result.stats.serial
+    lanes = executor.Executor(workers=2, intra_op_threads=1, mode="threads")
+    for _ in range(2):  # twice: two threads made it faster, so the rule stays on
+        seen.clear()
+        result = lanes.run(graph)
+        assert seen == {"a": 1, "b": 1, "c": 2}
+        assert result.stats.wide_tasks == 1 and not result.stats.serial
     assert torch.get_num_threads() == previous
+
+
+def test_a_tail_that_gained_nothing_on_two_threads_runs_on_one_next_time():
+    """A host whose other core is busy elsewhere: the wide tail took as long as on one thread
+    (less than ``TAIL_MIN_SPEEDUP`` faster), so the graph's next run keeps it on one."""
+    graph, seen = _sleepers({"a": 0.2, "b": 0.2, "c": 0.2})
+    lanes = executor.Executor(workers=2, intra_op_threads=1, mode="threads")
+    assert lanes.run(graph).stats.wide_tasks == 1 and seen["c"] == 2
+    assert graph.programs.get("lanes-tail-off")
+    assert lanes.run(graph).stats.wide_tasks == 0 and seen == {"a": 1, "b": 1, "c": 1}
 
 
 def test_a_last_task_keeps_its_share_while_the_other_worker_is_far_from_done():
