@@ -56,6 +56,7 @@ class _Template:
     ready: tuple[tuple[float, int, Task], ...]  # a heap, without the inline tasks
     inline: tuple[Task, ...]  # constant slices of retained steps, run as any task
     step_tasks: collections.Counter
+    big_tasks: int  # tasks of WIDE_TASK_FLOPS or more in the graph
     # constant slices of steps not retained, run by the caller before the workers start;
     # what their completion does to the counts is worked out here once (``ready``,
     # ``pending`` and ``waiting`` are the state after them), so a run only takes the views
@@ -90,6 +91,7 @@ class _Template:
         view_steps = collections.Counter(task.output.step for task in views)
         template = cls(contributions, uses, waiting, pending, tuple(ready), inline,
                        collections.Counter(task.output.step for task in graph.tasks),
+                       sum(_big(task) for task in graph.tasks),
                        views, tuple(sorted(view_steps.items())))
         graph.programs["executor-template"] = template
         return template
@@ -124,6 +126,10 @@ class _Run(RunState):
         self.cond = threading.Condition()
         self.running_big = 0  # tasks of WIDE_TASK_FLOPS or more taken and not yet finished
         self.wide = False  # a big task runs with every worker's torch threads
+        self.big_started: dict[int, tuple[float, int]] = {}  # running big task -> start, flops
+        self.big_taken = 0  # big tasks taken so far (a tail wait ends when another is)
+        self.big_tasks = template.big_tasks  # read only
+        self.tail_waiting = False  # a worker holds the last big task until the others end
         self.ready_big = sum(_big(entry[2]) for entry in self.ready)  # big tasks ready
         self.step_tasks = template.step_tasks  # read only
         self.live_bytes = 0
@@ -160,7 +166,19 @@ class _Run(RunState):
         big = _big(task)
         self.running_big += big
         self.ready_big -= big
+        if big:
+            self.big_taken += 1
+            self.big_started[task.id] = (time.perf_counter(), task.weighted_flops)
         return task
+
+    def others_end_soon(self, task: Task, seconds_per_flop: float) -> bool:
+        """Whether the other big tasks running now are expected to end within
+        :data:`TAIL_WAIT_SHARE` of ``task``'s own time, at ``seconds_per_flop`` (the calling
+        worker's last big task's rate)."""
+        now = time.perf_counter()
+        own = task.weighted_flops * seconds_per_flop
+        return all(start + flops * seconds_per_flop - now < TAIL_WAIT_SHARE * own
+                   for tid, (start, flops) in self.big_started.items() if tid != task.id)
 
     def _complete_chunk(self, ref: ChunkRef) -> None:
         for consumer in self.waiting.pop(ref, ()):
@@ -181,6 +199,7 @@ class _Run(RunState):
                     bytes_read=getattr(task.kernel, "bytes_read", 0))
         self.live_bytes += new_bytes
         self.running_big -= _big(task)
+        self.big_started.pop(task.id, None)
         self.in_flight[task.output] -= 1
         self.remaining[task.output] -= 1
         completed = self.remaining[task.output] == 0
@@ -201,6 +220,17 @@ class _Run(RunState):
 # A task this big (estimated FLOPs) of a step too narrow to occupy every worker runs with all
 # the workers' torch threads (~0.2 ms of one core: smaller kernels gain nothing from threads).
 WIDE_TASK_FLOPS = 20_000_000
+# The last big task of a run's round (none other ready) waits for the big tasks beside it and
+# then runs with every worker's threads when they are expected to end within this share of its
+# own time: on two workers it then ends after wait + ~0.55-0.6 of its one-thread time (a
+# two-thread product shares its packed panels but not perfectly), instead of after all of it
+# while the other worker idles (3072^3 on 1024 tiles: 9 tasks, 5 rounds on 2 one-thread lanes).
+TAIL_WAIT_SHARE = 0.35
+# A tail task run wide that was not this much faster than its worker's one-thread rate turns
+# the rule off for its graph (``graph.programs["lanes-tail-off"]``): on a host whose cores are
+# busy with other work a two-thread product waits for a descheduled thread (2-core VM under
+# other load: the 9th tile of 3072^3 took 74-83 ms on two threads, 44 ms alone on one).
+TAIL_MIN_SPEEDUP = 1.3
 def _big(task: Task) -> bool:
     """Whether ``task`` is long enough (~0.2 ms on one core) to gain from more threads."""
     return task.weighted_flops >= WIDE_TASK_FLOPS
@@ -321,8 +351,42 @@ class Lanes:
                         task.output.step in state.graph.retain:
                     state.sink(task.output, state.values[task.output])
 
+    def _tail(self, state: _Run, task: Task, rate: float) -> bool:
+        """Whether ``task`` (just taken) is the last big task of the run: big, every other
+        big task of the graph taken (none ready now is not enough: loads still to run make
+        more ready), others running that end soon (:meth:`_Run.others_end_soon` at this
+        worker's ``rate``), no other worker already waiting; called with ``state.cond``."""
+        return (self.all_threads > self.intra_op_threads and rate > 0.0 and _big(task)
+                and state.big_taken == state.big_tasks
+                and not state.graph.programs.get("lanes-tail-off")
+                and state.ready_big == 0 and 1 < state.running_big < 1 + self.workers
+                and not state.wide and not state.tail_waiting
+                and state.others_end_soon(task, rate))
+
+    @staticmethod
+    def _wait_for_tail(state: _Run, task: Task, rate: float) -> bool:
+        """Hold ``task`` until the other big tasks end (the idle workers' threads then go to
+        it: True), or give up and run it on this worker's share (False) when another big
+        task is taken or becomes ready meanwhile, or after :data:`TAIL_WAIT_SHARE` of its
+        expected time; called with ``state.cond``."""
+        taken = state.big_taken
+        deadline = time.perf_counter() + TAIL_WAIT_SHARE * task.weighted_flops * rate
+        state.tail_waiting = True
+        try:
+            while (state.error is None and state.running_big > 1 and state.ready_big == 0
+                   and state.big_taken == taken):
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                state.cond.wait(left)
+        finally:
+            state.tail_waiting = False
+        return (state.error is None and state.running_big == 1 and state.ready_big == 0
+                and state.big_taken == taken)
+
     def _work(self, state: _Run) -> None:
         total = len(state.graph.tasks)
+        rate = 0.0  # seconds per weighted FLOP of this worker's last big task (0: none yet)
         # this thread's own torch threads (a new thread starts from the process default);
         # setting them reaches MKL for the whole process, so not while a task runs wide
         with state.cond:
@@ -350,8 +414,12 @@ class Lanes:
                 wide = (self.all_threads > self.intra_op_threads and _big(task)
                         and state.running_big == 1 and state.ready_big == 0
                         and state.step_tasks[task.output.step] < self.workers)
+                tail = (not wide and self._tail(state, task, rate)
+                        and self._wait_for_tail(state, task, rate))
+                wide = wide or tail
                 if wide:
                     state.wide = True
+                    state.stats.wide_tasks += 1
             if wide:  # otherwise the worker keeps its share (set as it started)
                 torch.set_num_threads(self.all_threads)
             started = time.perf_counter()
@@ -366,6 +434,10 @@ class Lanes:
                 if wide:  # back to its share before any other worker starts a product
                     torch.set_num_threads(self.intra_op_threads)
             ended = time.perf_counter()
+            if _big(task) and not wide and task.weighted_flops:
+                rate = (ended - started) / task.weighted_flops
+            if tail and task.weighted_flops * rate < TAIL_MIN_SPEEDUP * (ended - started):
+                state.graph.programs["lanes-tail-off"] = True  # no gain here: not again
             with state.cond:
                 if wide:
                     state.wide = False

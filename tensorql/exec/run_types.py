@@ -54,6 +54,7 @@ class RunStats:
     wall_s: float = 0.0
     workers: int = 1
     serial: bool = False  # run in the engine's serial mode, on the calling thread
+    wide_tasks: int = 0  # tasks that ran with every worker's torch threads (lanes strategy)
     tasks: int = 0
     peak_live_bytes: int = 0
     steps: dict[int, StepStats] = field(default_factory=dict)
@@ -66,8 +67,16 @@ class RunStats:
 
     @property
     def where(self) -> str:
-        """How the run's tasks ran, for EXPLAIN ANALYZE: "2 worker(s)" or "1 thread (serial)"."""
-        return "1 thread (serial)" if self.serial else f"{self.workers} worker(s)"
+        """How the run's tasks ran, for EXPLAIN ANALYZE: "2 worker(s)" (with how many tasks
+        ran on every worker's threads) or "1 thread (serial)".
+
+        >>> print(RunStats(workers=2, wide_tasks=1).where)
+        2 worker(s), 1 task(s) on every worker's threads
+        """
+        if self.serial:
+            return "1 thread (serial)"
+        wide = f", {self.wide_tasks} task(s) on every worker's threads" if self.wide_tasks else ""
+        return f"{self.workers} worker(s){wide}"
 
     @property
     def bytes_read(self) -> int:

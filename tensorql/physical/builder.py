@@ -618,8 +618,17 @@ def _partitioned(plan: PartitionPlan, store: PlanReads | None, max_temp_elems: i
     reads = _Reads(steps, graph, layouts, step_of_node,
                    plan.reads([layouts[n.index] for n in graph.nodes]), store)
     results = {graph.root, *graph.also}
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for edge in node.inputs:
+            readers[edge.producer] = readers.get(edge.producer, 0) + 1
     for node in graph.nodes:
         lay = layouts[node.index]
+        folded = _partitioned_epilogue(node, graph, layouts, steps, step_of_node,
+                                       results, readers)
+        if folded is not None:
+            step_of_node[node.index] = folded
+            continue
         rel = _relation(node.out_labels, node.out_shape, lay, node.dtype)
         sid = steps.new_step(node.name, rel)
         step_of_node[node.index] = sid
@@ -665,6 +674,60 @@ def _partitioned(plan: PartitionPlan, store: PlanReads | None, max_temp_elems: i
                           FoldPartial(node.agg, kernel), dst)
     return _assemble(plan, steps, step_of_node[graph.root],
                      tuple(step_of_node[n] for n in graph.also), fired)
+
+
+def _partitioned_epilogue(node, graph, layouts: dict[int, Layout], steps: _Steps,
+                          step_of_node: dict[int, int], results: set[int],
+                          readers: dict[int, int]) -> int | None:
+    """Fold activation map ``node`` into the tasks of the product it reads, as on one device
+    (:meth:`_OneDevice._epilogue`): when the product is read by ``node`` alone and is no
+    result (``node`` may be one), each of its output chunks is made by one task on its owner
+    (no partials), and ``node``'s pieces are those chunks, on the same devices. Returns the
+    product's step (now ``node``'s too), or None when not folded. The MLP on two CPU devices:
+    ``relu(X @ W1)`` no longer reads and writes each device's 2048 x 2048 piece again in a
+    task of its own."""
+    if not (node.kind == "map" and node.fn in EPILOGUE_MAPS and node.dtype in _FLOAT_DTYPES
+            and len(node.inputs) == 1):
+        return None
+    edge = node.inputs[0]
+    product = graph.nodes[edge.producer]
+    if not (product.kind == "einsum" and product.join == JoinName.MUL
+            and product.agg == AggName.SUM and len(product.inputs) == 2
+            and product.dtype == node.dtype and product.index not in results
+            and readers.get(product.index) == 1 and tuple(edge.axes) == node.out_labels
+            and product.index in step_of_node):
+        return None
+    psid = step_of_node[product.index]
+    tasks = steps.tasks[psid]
+    made = {t.output.key: t for t in tasks}
+    if len(made) != len(tasks) or not all(
+            isinstance(t.kernel, (ContractChunk, ContractSeries, ContractWhole))
+            for t in tasks):
+        return None
+    lay, play = layouts[node.index], layouts[product.index]
+    extents = play.extents()
+    n = node.n_out
+    if len(lay.device) != len(made):
+        return None
+    for t in range(len(lay.device)):
+        lo = tuple(int(x) for x in lay.starts[t, :n])
+        hi = tuple(int(a + b) for a, b in zip(lay.starts[t, :n], lay.lens[t, :n]))
+        sources = play.sources_of(lo, hi)
+        if len(sources) != 1 or extents[sources[0][0]] != (lo, hi):
+            return None
+        task = made.get(sources[0][0])
+        if task is None or task.device != int(lay.device[t]):
+            return None
+    extra = 0
+    for i, t in enumerate(tasks):
+        elems = math.prod(b - a for a, b in zip(*extents[t.output.key]))
+        extra += elems
+        tasks[i] = dataclasses.replace(
+            t, kernel=ContractEpilogue(t.kernel, node.fn, node.scalar, node.dtype),
+            flops=t.flops + elems)
+    steps.flops[psid] += extra
+    steps.names[psid] = f"{node.name} <- {steps.names[psid]}"
+    return psid
 
 
 def _reduce_scatter(steps: _Steps, node, lay: Layout, sid: int, partial_sid: int,

@@ -131,3 +131,124 @@ def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, thread
     for start, end, _, _ in wide:
         beside = [s for s in spans if s[:2] != (start, end) and s[3]]
         assert all(e <= start or s >= end for s, e, _, _ in beside)
+
+
+class _Sleep:
+    """A task kernel that takes ``seconds`` (a sleep: no core used) and records the torch
+    threads it ran with."""
+
+    def __init__(self, seconds: float, seen: dict, key: str, scales: bool = False) -> None:
+        self.seconds, self.seen, self.key, self.scales = seconds, seen, key, scales
+
+    def run(self, inputs, acc):
+        threads = torch.get_num_threads()
+        self.seen[self.key] = threads
+        time.sleep(self.seconds / threads if self.scales else self.seconds)
+        return torch.zeros(1)
+
+
+def _sleepers(spec: dict[str, float], scales: bool = False):
+    """A graph of independent big tasks (one output chunk each), in ``spec``'s order of
+    priority, each sleeping its seconds (divided by its torch threads with ``scales``)."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    seen: dict[str, int] = {}
+    flops = 100 * executor.WIDE_TASK_FLOPS
+    tasks = tuple(Task(n, (), ChunkRef(n, ()), _Sleep(s, seen, key, scales), priority=n,
+                       flops=int(flops * s * 10))
+                  for n, (key, s) in enumerate(spec.items()))
+    return TaskGraph(tasks=tasks, retain=frozenset(range(len(tasks)))), seen
+
+
+def test_the_last_big_task_of_a_round_gets_the_idle_workers_threads():
+    """Three equal big tasks on two one-thread workers: the third would run alone on one
+    thread while the other worker idles (3072^3 on 1024 tiles: 9 tasks on 2 lanes); it waits
+    for the task beside it to end and runs with both workers' threads."""
+    graph, seen = _sleepers({"a": 0.2, "b": 0.2, "c": 0.2}, scales=True)
+    previous = torch.get_num_threads()
+    lanes = executor.Executor(workers=2, intra_op_threads=1, mode="threads")
+    for _ in range(2):  # twice: two threads made it faster, so the rule stays on
+        seen.clear()
+        result = lanes.run(graph)
+        assert seen == {"a": 1, "b": 1, "c": 2}
+        assert result.stats.wide_tasks == 1 and not result.stats.serial
+    assert torch.get_num_threads() == previous
+
+
+def test_a_tail_that_gained_nothing_on_two_threads_runs_on_one_next_time():
+    """A host whose other core is busy elsewhere: the wide tail took as long as on one thread
+    (less than ``TAIL_MIN_SPEEDUP`` faster), so the graph's next run keeps it on one."""
+    graph, seen = _sleepers({"a": 0.2, "b": 0.2, "c": 0.2})
+    lanes = executor.Executor(workers=2, intra_op_threads=1, mode="threads")
+    assert lanes.run(graph).stats.wide_tasks == 1 and seen["c"] == 2
+    assert graph.programs.get("lanes-tail-off")
+    assert lanes.run(graph).stats.wide_tasks == 0 and seen == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_last_task_keeps_its_share_while_the_other_worker_is_far_from_done():
+    """The task beside it has most of its time left: waiting for it would cost more than a
+    second thread gains, so the last task runs at once on its worker's one thread."""
+    graph, seen = _sleepers({"long": 0.8, "b": 0.2, "c": 0.2})
+    result = executor.Executor(workers=2, intra_op_threads=1, mode="threads").run(graph)
+    assert seen == {"long": 1, "b": 1, "c": 1}
+    assert result.stats.wide_tasks == 0
+
+
+def test_a_worker_with_no_measured_task_does_not_wait():
+    """Each worker's first task has no rate to foresee the others' end by: it starts at
+    once on its share (two tasks, two workers: no tail to balance)."""
+    graph, seen = _sleepers({"a": 0.2, "b": 0.2})
+    result = executor.Executor(workers=2, intra_op_threads=1, mode="threads").run(graph)
+    assert seen == {"a": 1, "b": 1} and result.stats.wide_tasks == 0
+
+
+def test_an_odd_count_of_big_product_tiles_is_exact_and_never_wide_beside_another(monkeypatch):
+    """9 output tiles of a matmul on 2 workers (real data, against numpy): whatever the tail
+    does, the result is exact and no big task ever ran beside one with every thread."""
+    rng = np.random.default_rng(4)
+    x, y = (rng.standard_normal((768, 768)).astype(np.float32) for _ in range(2))
+    spans: list[tuple[float, float, int]] = []
+    lock = threading.Lock()
+    original = executor._execute
+
+    def timed(state, task):
+        threads = torch.get_num_threads()
+        start = time.perf_counter()
+        out = original(state, task)
+        if executor._big(task):
+            with lock:
+                spans.append((start, time.perf_counter(), threads))
+        return out
+
+    monkeypatch.setattr(executor, "_execute", timed)
+    with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
+        a = db.from_numpy("A", x, tile=(256, 256))  # 3 x 3 output tiles of 3 products each
+        b = db.from_numpy("B", y, tile=(256, 256))
+        for _ in range(3):
+            result = (a @ b).compile().run(dense=True)
+            np.testing.assert_allclose(result.dense().numpy(),
+                                       x.astype(np.float64) @ y, rtol=1e-4, atol=1e-4)
+            assert result.stats.wide_tasks <= 1
+    assert len(spans) == 27
+    for start, end, threads in spans:
+        if threads == 2:
+            assert all(e <= start or s >= end for s, e, _ in spans if (s, e) != (start, end))
+
+
+def test_no_tail_while_a_big_task_is_still_to_become_ready():
+    """None ready is not the end of the run: here ``d`` waits on a small load ``s`` when
+    ``c`` is taken (``b`` beside it nearly done). ``c`` is not the last big task, so it runs
+    on its share; before, the rule held it for ``b`` and ran it wide while ``d`` became
+    ready behind it (3072^3 from the store: a product went wide in the first round)."""
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    seen: dict[str, int] = {}
+    big = 100 * executor.WIDE_TASK_FLOPS
+    spec = [("a", 0.2, big, ()), ("b", 0.25, big, ()), ("c", 0.2, big, ()),
+            ("s", 0.05, 1, ()), ("d", 0.1, big, (3,))]
+    tasks = tuple(Task(n, tuple(ChunkRef(i, ()) for i in deps), ChunkRef(n, ()),
+                       _Sleep(sec, seen, key), priority=n, flops=int(flops * sec * 10))
+                  for n, (key, sec, flops, deps) in enumerate(spec))
+    graph = TaskGraph(tasks=tasks, retain=frozenset({0, 1, 2, 4}))
+    executor.Executor(workers=2, intra_op_threads=1, mode="threads").run(graph)
+    assert seen["a"] == seen["b"] == seen["c"] == 1

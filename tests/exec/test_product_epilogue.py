@@ -99,3 +99,54 @@ def test_an_epilogue_never_writes_into_an_input_and_binds_for_the_tape():
     for call in calls:
         call()
     assert out.tolist() == [[0.0, 4.0]]
+
+
+@pytest.mark.parametrize("fn", ["relu", "silu"])
+def test_an_activation_folds_into_the_product_on_each_device_of_a_partitioned_plan(fn):
+    """The MLP on two CPU devices: each device's piece of ``X @ W1`` is made by one task on
+    that device and read only by the activation, on the same device: the activation runs in
+    that task (no step, no task and no chunk of its own); the result matches numpy."""
+    x, w1, w2 = _arrays(5, (64, 32), (32, 128), (128, 16))
+    db = tq.connect(workers=2, intra_op_threads=1, devices=2)
+    X, W1, W2 = (db.from_numpy(n, a, tile=(32, 32)) for n, a in
+                 (("x", x), ("w1", w1), ("w2", w2)))
+    expr = getattr(X @ W1, fn)() @ W2
+    steps = expr.compile().physical.steps
+    kinds = [type(t.kernel) for s in steps for t in s.tasks]
+    assert MapChunk not in kinds
+    folded = [s for s in steps if s.name.startswith(f"Map {fn} <- ")]
+    assert len(folded) == 1 and {t.device for t in folded[0].tasks} == {0, 1}
+    assert all(isinstance(t.kernel, ContractEpilogue) for t in folded[0].tasks)
+    hidden = torch.from_numpy(x.astype(np.float64) @ w1)
+    act = {"relu": torch.relu, "silu": torch.nn.functional.silu}[fn](hidden).numpy()
+    want = act @ w2
+    np.testing.assert_allclose(expr.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_partitioned_product_read_elsewhere_or_a_result_keeps_its_map():
+    x, w = _arrays(6, (64, 32), (32, 64))
+    db = tq.connect(workers=2, intra_op_threads=1, devices=2)
+    X, W = db.from_numpy("x", x, tile=(32, 32)), db.from_numpy("w", w, tile=(32, 32))
+    prod = X @ W
+    both = prod.relu() + prod
+    kinds = [type(t.kernel) for s in both.compile().physical.steps for t in s.tasks]
+    assert ContractEpilogue not in kinds
+    p = x.astype(np.float64) @ w
+    np.testing.assert_allclose(both.numpy(), np.maximum(p, 0) + p, rtol=1e-5, atol=1e-5)
+    relu, plain = db.compute(prod.relu(), prod)
+    np.testing.assert_allclose(relu.numpy(), np.maximum(p, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plain.numpy(), p, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_partitioned_activation_that_is_the_result_runs_in_the_products_tasks(devices):
+    x, w = _arrays(7, (64, 32), (32, 96))
+    db = tq.connect(workers=2, intra_op_threads=1, devices=devices)
+    X, W = db.from_numpy("x", x, tile=(32, 32)), db.from_numpy("w", w, tile=(32, 32))
+    expr = (X @ W).silu()
+    kinds = [type(t.kernel) for s in expr.compile().physical.steps for t in s.tasks]
+    assert ContractEpilogue in kinds and MapChunk not in kinds
+    want = torch.nn.functional.silu(torch.from_numpy(x.astype(np.float64) @ w)).numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(expr.numpy(), want, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(expr.torch().numpy(), want, rtol=1e-5, atol=1e-6 * scale)
