@@ -133,6 +133,8 @@ class Database:
 
     def __repr__(self) -> str:
         where = self.path or ":memory:"
+        if self._closed:
+            return f"<tensorql.Database {where} closed>"
         return f"<tensorql.Database {where} tensors={len(self.tensors())}>"
 
     # -- SQL ----------------------------------------------------------------------------

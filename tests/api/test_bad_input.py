@@ -260,3 +260,29 @@ def test_read_only_needs_a_tensor_database_that_exists(tmp_path):
         db.from_numpy("a", np.arange(3.0))
     with tq.connect(path, read_only=True) as db:
         assert db.tensor("a").numpy().tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("path", [None, "file"])
+def test_a_closed_session_is_a_storage_error_and_its_file_is_intact(tmp_path, path):
+    """A tensor, expression or statement of a closed session raised DuckDB's
+    ConnectionException ("Connection already closed!"); it is a StorageError saying the
+    session is closed, and the file reopens with what it held."""
+    where = str(tmp_path / "c.duckdb") if path else None
+    db = tq.connect(where)
+    a = db.from_numpy("a", np.arange(6.0).reshape(2, 3))
+    doubled = a * 2
+    db.close()
+    for use in (a.numpy, doubled.numpy, lambda: np.add(a, 1), lambda: doubled.sum().item(),
+                lambda: db.tensor("a"), db.tensors, lambda: db.sql("SELECT 1"),
+                lambda: db.from_numpy("b", np.ones(2)), lambda: db.store("b", doubled),
+                lambda: db.drop("a"), lambda: doubled.explain(analyze=True),
+                lambda: list(db.iter_chunks("a"))):
+        with pytest.raises(tq.StorageError, match="session is closed"):
+            use()
+    assert "closed" in repr(db)
+    db.close()  # closing twice is fine
+    if where:
+        with tq.connect(where) as again:
+            assert again.tensors() == ["a"]
+            np.testing.assert_array_equal(again.tensor("a").numpy(),
+                                          np.arange(6.0).reshape(2, 3))
