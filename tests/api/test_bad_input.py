@@ -286,3 +286,20 @@ def test_a_closed_session_is_a_storage_error_and_its_file_is_intact(tmp_path, pa
             assert again.tensors() == ["a"]
             np.testing.assert_array_equal(again.tensor("a").numpy(),
                                           np.arange(6.0).reshape(2, 3))
+
+
+def test_compute_and_store_many_refuse_another_sessions_tensors():
+    """db.compute / db.store_many given a tensor of another session read this session's
+    tensor of the same name (silently wrong values); they are UnsupportedErrors and store
+    nothing, while db.store copies the other session's values as before."""
+    a = np.arange(6.0).reshape(2, 3)
+    with tq.connect() as db, tq.connect() as other:
+        mine = db.from_numpy("a", a)
+        theirs = other.from_numpy("a", a * 10)
+        with pytest.raises(tq.UnsupportedError, match="expression 1 belongs to another"):
+            db.compute(mine, theirs + 1)
+        with pytest.raises(tq.UnsupportedError, match="another database"):
+            db.store_many({"b": theirs + 1})
+        assert db.tensors() == ["a"]
+        np.testing.assert_array_equal(db.store("c", theirs * 2).numpy(), a * 20)
+        np.testing.assert_array_equal(db.compute(mine * 2)[0].numpy(), a * 2)
