@@ -34,6 +34,8 @@ def test_relations_without_labels_are_scalars(db):
     ("SELECT * FROM EINSUM('i->i', (SELECT i, val FROM v), sizes := "
      "{'i': 100000000000000000000})", "whole number"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, 'x' AS val FROM v))", "holds string"),
+    ("SELECT * FROM EINSUM('ij,ij->i', A, A, join := () -> a * b)",  # (sqlglot's class name)
+     "a lambda needs its parameters, as in"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, DATE '2020-01-01' AS val FROM v))", "holds date"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, [1, 2] AS val FROM v))", "holds list"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, INTERVAL 1 DAY AS val FROM v))", "interval"),
