@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -200,6 +201,8 @@ elements at other positions: the function is not elementwise
                                 "the optimizers' update joins; choose another name")
     if not callable(fn):
         raise JoinFunctionError(f"join {name!r}: {type(fn).__name__} is not callable")
+    if identity is not None:
+        identity = _number(identity, f"join {name!r}: identity", JoinFunctionError)
     old = JOINS.get(name)
     if old is not None:
         if old.source is fn:
@@ -227,6 +230,23 @@ def add_user_join(name: str, fn: Callable[..., torch.Tensor], *, arity: int,
                          associative=associative, commutative=commutative, sql=sql,
                          dtype_rule=PROBE, adjoint=adjoint, user=True, identity=identity,
                          label=getattr(fn, "__name__", name), listed=listed))
+
+
+def _number(value: Any, what: str, error: type[TensorQLError]) -> float:
+    """``value`` as a float when it is a real number (a numpy scalar too, not a bool), else
+    ``error`` naming ``what``.
+
+    >>> import numpy as np
+    >>> _number(np.float32(0.5), "identity", TensorQLError)
+    0.5
+    >>> _number("0", "agg 'x': identity", TensorQLError)
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.TensorQLError: agg 'x': identity must be a number, got '0'
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{what} must be a number, got {value!r}")
+    return float(value)
 
 
 def _arity(name: str, fn: Callable[..., Any], error: type[TensorQLError], what: str) -> int:
@@ -389,8 +409,7 @@ def register_agg(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Ten
         raise AggFunctionError(f"agg {name!r} is built in; choose another name")
     if fn is None and reduce is None:
         raise AggFunctionError(f"agg {name!r}: give fn(a, b) or reduce(x, dim)")
-    if not isinstance(identity, (int, float)) or isinstance(identity, bool):
-        raise AggFunctionError(f"agg {name!r}: identity must be a number, got {identity!r}")
+    identity = _number(identity, f"agg {name!r}: identity", AggFunctionError)
     old = AGGS.get(name)
     if old is not None:
         if old.fn is fn and fn is not None:

@@ -303,3 +303,26 @@ def test_compute_and_store_many_refuse_another_sessions_tensors():
         assert db.tensors() == ["a"]
         np.testing.assert_array_equal(db.store("c", theirs * 2).numpy(), a * 20)
         np.testing.assert_array_equal(db.compute(mine * 2)[0].numpy(), a * 2)
+
+
+def _fz_logaddexp(a, b):
+    return torch.logaddexp(a, b)
+
+
+def test_a_user_join_or_agg_identity_is_a_real_number(db):
+    """register_join kept any identity ('x', [0], True) and register_agg refused numpy's
+    scalars (np.float32(0) "is not a number"); both take a real number, numpy's too, as a
+    float, and name anything else."""
+    for bad in ("x", [0], True, torch.tensor(0.0)):
+        with pytest.raises(tq.JoinFunctionError, match="identity must be a number"):
+            tq.register_join("t_fz_ident", _fz_logaddexp, identity=bad)
+        with pytest.raises(tq.AggFunctionError, match="identity must be a number"):
+            tq.register_agg("t_fz_agg_ident", torch.maximum, identity=bad)
+    assert "t_fz_ident" not in tq.algebra.JOINS
+    tq.register_join("t_fz_ident", _fz_logaddexp, identity=np.float32(-np.inf))
+    assert tq.algebra.JOINS["t_fz_ident"].identity == float("-inf")
+    tq.register_agg("t_fz_agg_ident", torch.maximum, identity=np.float64(-np.inf))
+    a = np.random.default_rng(4).standard_normal((3, 4))
+    x = db.from_numpy("fa", a, tile=(2, 2))
+    got = tq.einsum("ij->i", x, agg="t_fz_agg_ident").numpy()
+    np.testing.assert_array_equal(got, a.max(axis=1))
