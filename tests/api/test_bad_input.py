@@ -326,3 +326,36 @@ def test_a_user_join_or_agg_identity_is_a_real_number(db):
     x = db.from_numpy("fa", a, tile=(2, 2))
     got = tq.einsum("ij->i", x, agg="t_fz_agg_ident").numpy()
     np.testing.assert_array_equal(got, a.max(axis=1))
+
+
+def _fz_times_square(a, b):
+    return a * b * b
+
+
+@pytest.mark.parametrize("adjoint, words", [
+    (lambda k, a, b: (a * b).sum(), "adjoint\\(0, ...\\): an output element depends"),
+    (lambda k, a, b: (a * b * 10).to(torch.int64), "adjoint\\(0, ...\\) gives torch.int64"),
+    (lambda k, a, b: b * b if k == 0 else (a * b).mean(), "adjoint\\(1, ...\\): an output"),
+    (3, "adjoint int is not callable")])
+def test_a_join_adjoint_that_is_no_gradient_is_refused_when_registered(db, adjoint, words):
+    """A join's adjoint was called raw and its result broadcast: one returning a sum or an
+    integer cast gave tq.grad a silently wrong gradient. register_join probes it as it probes
+    the join (elementwise, a floating tensor, for every operand) and names the operand (one
+    that raises is still tq.grad's GradientError: test_user_joins)."""
+    with pytest.raises(tq.JoinFunctionError, match=words):
+        tq.register_join("t_fz_adj", _fz_times_square, adjoint=adjoint)
+    assert "t_fz_adj" not in tq.algebra.JOINS
+
+
+def _fz_times_square_adjoint(k, a, b):
+    return b * b if k == 0 else 2 * a * b
+
+
+def test_a_join_adjoint_that_is_a_gradient_gives_torchs_gradient(db):
+    tq.register_join("t_fz_adj_ok", _fz_times_square, adjoint=_fz_times_square_adjoint)
+    a = np.random.default_rng(5).uniform(0.5, 1.5, (3, 4))
+    x = db.from_numpy("fx", a, tile=(2, 2))
+    (got,) = tq.grad(tq.einsum("ij,ij->", x, x * 2.0, join="t_fz_adj_ok"), [x])
+    t = torch.tensor(a, requires_grad=True)
+    (want,) = torch.autograd.grad((t * (2 * t) ** 2).sum(), [t])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
