@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -200,6 +201,8 @@ elements at other positions: the function is not elementwise
                                 "the optimizers' update joins; choose another name")
     if not callable(fn):
         raise JoinFunctionError(f"join {name!r}: {type(fn).__name__} is not callable")
+    if identity is not None:
+        identity = _number(identity, f"join {name!r}: identity", JoinFunctionError)
     old = JOINS.get(name)
     if old is not None:
         if old.source is fn:
@@ -223,10 +226,29 @@ def add_user_join(name: str, fn: Callable[..., torch.Tensor], *, arity: int,
     if sql is not None:
         _check_template(name, sql, arity)
     _probe_join(name, fn, arity)
+    if adjoint is not None:
+        _probe_adjoint(name, adjoint, arity)
     return add_join(Join(name, owned_result(fn), source=fn, arity=arity, nary=arity != 2,
                          associative=associative, commutative=commutative, sql=sql,
                          dtype_rule=PROBE, adjoint=adjoint, user=True, identity=identity,
                          label=getattr(fn, "__name__", name), listed=listed))
+
+
+def _number(value: Any, what: str, error: type[TensorQLError]) -> float:
+    """``value`` as a float when it is a real number (a numpy scalar too, not a bool), else
+    ``error`` naming ``what``.
+
+    >>> import numpy as np
+    >>> _number(np.float32(0.5), "identity", TensorQLError)
+    0.5
+    >>> _number("0", "agg 'x': identity", TensorQLError)
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.TensorQLError: agg 'x': identity must be a number, got '0'
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{what} must be a number, got {value!r}")
+    return float(value)
 
 
 def _arity(name: str, fn: Callable[..., Any], error: type[TensorQLError], what: str) -> int:
@@ -265,44 +287,79 @@ def _probe_operands(arity: int) -> list[torch.Tensor]:
         [torch.rand(_PROBE_SHAPE, generator=gen, dtype=torch.float64) + 0.5]
 
 
-def _probe_join(name: str, fn: Callable[..., Any], arity: int) -> None:
+def _probe_join(name: str, fn: Callable[..., Any], arity: int, *,
+                title: str | None = None) -> None:
     """JoinFunctionError unless ``fn`` maps tensors to a tensor of their broadcast shape whose
-    elements each depend on the operands' elements at their position only."""
+    elements each depend on the operands' elements at their position only (``title`` names
+    it in the messages: ``join 'name'`` unless given)."""
+    title = title or f"join {name!r}"
     xs = _probe_operands(arity)
-    out = _call(name, fn, xs, "join", JoinFunctionError)
+    out = _call(name, fn, xs, "join", JoinFunctionError, title)
     try:
         out = out.expand(_PROBE_SHAPE)  # a function may ignore an operand
     except RuntimeError:
-        raise JoinFunctionError(f"join {name!r}: output has shape {tuple(out.shape)}, not the "
+        raise JoinFunctionError(f"{title}: output has shape {tuple(out.shape)}, not the "
                                 f"operands' broadcast shape {_PROBE_SHAPE}: the function is "
                                 "not elementwise") from None
     # a corner of the operands must give the same corner of the output
     corner = [x[tuple(slice(1, None) if n > 1 else slice(None) for n in x.shape)] for x in xs]
-    part = _call(name, fn, corner, "join", JoinFunctionError)
+    part = _call(name, fn, corner, "join", JoinFunctionError, title)
     try:
         part = part.expand(out[1:, 1:].shape)
     except RuntimeError:
         part = None
     if part is None or not torch.allclose(
             part.double(), out[1:, 1:].double(), equal_nan=True):
-        raise JoinFunctionError(f"join {name!r}: an output element depends on operand "
+        raise JoinFunctionError(f"{title}: an output element depends on operand "
                                 "elements at other positions: the function is not elementwise")
 
 
+def _probe_adjoint(name: str, adjoint: Callable[..., Any], arity: int) -> None:
+    """JoinFunctionError unless ``adjoint(k, *operands)`` is, for every operand ``k``, an
+    elementwise function giving a floating tensor (a gradient): the engine broadcasts what it
+    returns, so a sum or an integer cast would be a wrong gradient, not an error. An adjoint
+    that raises is left to ``tq.grad``, which names its error as a GradientError.
+
+    >>> _probe_adjoint("sq", lambda k, a, b: (a * b).sum(), 2)
+    Traceback (most recent call last):
+    ...
+    tensorql.algebra.JoinFunctionError: join 'sq' adjoint(0, ...): an output element depends \
+on operand elements at other positions: the function is not elementwise
+    """
+    if not callable(adjoint):
+        raise JoinFunctionError(f"join {name!r}: adjoint {type(adjoint).__name__} is not "
+                                "callable (adjoint(k, *operands) gives d out / d operand k)")
+    for k in range(arity):
+        def partial(*xs: torch.Tensor, k: int = k) -> Any:
+            return adjoint(k, *xs)
+
+        title = f"join {name!r} adjoint({k}, ...)"
+        try:
+            partial(*_probe_operands(arity))
+        except Exception:  # noqa: BLE001 - the user's: tq.grad names it (a GradientError)
+            continue
+        _probe_join(name, partial, arity, title=title)
+        out = _call(name, partial, _probe_operands(arity), "join", JoinFunctionError, title)
+        if not out.is_floating_point():
+            raise JoinFunctionError(f"{title} gives {out.dtype}, not a floating tensor: a "
+                                    "gradient has the operands' dtype")
+
+
 def _call(name: str, fn: Callable[..., Any], xs: list[torch.Tensor], what: str,
-          error: type[TensorQLError]) -> torch.Tensor:
+          error: type[TensorQLError], title: str | None = None) -> torch.Tensor:
+    title = title or f"{what} {name!r}"
     before = [x.clone() for x in xs]
     try:
         out = fn(*xs)
     except Exception as err:  # the user's function: any failure is theirs to see
-        raise error(f"{what} {name!r} raised {type(err).__name__} on torch tensors of "
+        raise error(f"{title} raised {type(err).__name__} on torch tensors of "
                     f"shapes {[tuple(x.shape) for x in xs]}: {err} (it must be a torch "
                     "function of tensors)") from err
     if any(not torch.equal(x, old) for x, old in zip(xs, before)):
-        raise error(f"{what} {name!r} changed its operands in place; it must compute a new "
+        raise error(f"{title} changed its operands in place; it must compute a new "
                     "tensor (the operands are stored data)")
     if not isinstance(out, torch.Tensor):
-        raise error(f"{what} {name!r} returned {type(out).__name__}, not a torch tensor (it "
+        raise error(f"{title} returned {type(out).__name__}, not a torch tensor (it "
                     "must be a torch function of tensors)")
     return out
 
@@ -389,8 +446,7 @@ def register_agg(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Ten
         raise AggFunctionError(f"agg {name!r} is built in; choose another name")
     if fn is None and reduce is None:
         raise AggFunctionError(f"agg {name!r}: give fn(a, b) or reduce(x, dim)")
-    if not isinstance(identity, (int, float)) or isinstance(identity, bool):
-        raise AggFunctionError(f"agg {name!r}: identity must be a number, got {identity!r}")
+    identity = _number(identity, f"agg {name!r}: identity", AggFunctionError)
     old = AGGS.get(name)
     if old is not None:
         if old.fn is fn and fn is not None:

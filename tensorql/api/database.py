@@ -133,6 +133,8 @@ class Database:
 
     def __repr__(self) -> str:
         where = self.path or ":memory:"
+        if self._closed:
+            return f"<tensorql.Database {where} closed>"
         return f"<tensorql.Database {where} tensors={len(self.tensors())}>"
 
     # -- SQL ----------------------------------------------------------------------------
@@ -327,6 +329,11 @@ class Database:
         from tensorql.pipeline import CompiledGroup
 
         tensors = [self.constant(e) if not isinstance(e, Tensor) else e for e in exprs]
+        for n, tensor in enumerate(tensors):  # (its names would be read in this session)
+            if tensor.db is not self:
+                raise UnsupportedError(f"expression {n} belongs to another database: compute "
+                                       "and store_many take this session's tensors (store "
+                                       "copies another session's values)")
         return CompiledGroup.compile([t.node for t in tensors], self).run()
 
     def store_many(self, items: dict[str, Any], *, replace: bool = False) -> list[Tensor]:

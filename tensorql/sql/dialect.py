@@ -22,6 +22,7 @@ that statements without EINSUM go to DuckDB verbatim and errors point into the s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import sqlglot
@@ -213,13 +214,34 @@ class Statement:
     created: tuple[str, int] | None = None
 
 
+_MISSING = re.compile(r"Required keyword: '(\w+)' missing for <class '[\w.]*\.(\w+)'>")
+
+
+def _plain(message: str) -> str:
+    """sqlglot's message with its class names said in SQL's words (a lambda without
+    parameters, ...).
+
+    >>> _plain("Required keyword: 'expressions' missing for "
+    ...        "<class 'sqlglot.expressions.query.Lambda'>")
+    'a lambda needs its parameters, as in (a, b) -> a * b'
+    >>> _plain("Expecting )")
+    'Expecting )'
+    """
+    def said(m: re.Match[str]) -> str:
+        if m[2] == "Lambda":
+            return "a lambda needs its parameters, as in (a, b) -> a * b"
+        return f"{m[2]} needs its {m[1]}"
+
+    return _MISSING.sub(said, message)
+
+
 def _parse_error(err: Exception, script: str, offset: int) -> ParseError:
     errors = getattr(err, "errors", None) or []
     if errors:
         first = errors[0]
         line, col = first.get("line"), first.get("col")
         highlight = first.get("highlight") or ""
-        message = first.get("description") or str(err)
+        message = _plain(first.get("description") or str(err))
         if line is not None and col is not None:
             # sqlglot reports the column where the offending token ends; point at its start
             piece = script[offset:]

@@ -109,6 +109,23 @@ def _joined(join: str, values: list[str], dtype: str) -> str:
     return out
 
 
+def _value(k: int, op: RelationalOperand) -> str:
+    """Operand ``k``'s value as the join reads it: a BOOLEAN column as the 0/1 of the dtype
+    it counts as (DuckDB has no ``BOOLEAN * BOOLEAN`` nor ``BOOLEAN + DOUBLE``; the dense
+    path computes with those numbers too), TINYINT for a bool tensor.
+
+    >>> _value(0, RelationalOperand("r", ("i",), "val", "float64",
+    ...                             pa.table({"i": [0], "val": [True]})))
+    'CAST(t0."val" AS DOUBLE)'
+    """
+    ref = f"t{k}.{q(op.val)}"
+    boolean = op.dtype == "bool" or (op.rows is not None
+                                     and pa.types.is_boolean(op.rows.column(op.val).type))
+    if not boolean:
+        return ref
+    return f"CAST({ref} AS {'TINYINT' if op.dtype == 'bool' else duckdb_type(op.dtype)})"
+
+
 def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtype: str) -> str:
     """The SELECT computing ``spec`` over the operands' rows; ``dtype`` is the result's.
 
@@ -128,10 +145,10 @@ def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtyp
             else:
                 home[label] = ref
     sources = [f"{op.ref} AS t{k}" for k, op in enumerate(operands)]
-    value = _joined(spec.join, [f"t{k}.{q(op.val)}" for k, op in enumerate(operands)], dtype)
+    value = _joined(spec.join, [_value(k, op) for k, op in enumerate(operands)], dtype)
     agg = agg_record(spec.agg)
     if dtype == "bool":
-        inner = value
+        inner = f"CAST({value} AS BOOLEAN)"
     elif dtype in ("float64", "float32", "float16", "bfloat16"):
         inner = f"CAST({value} AS DOUBLE)" if agg.widens else value
     else:

@@ -355,7 +355,10 @@ class ScriptRunner:
         """Make a relational EINSUM readable as the temporary view ``name`` for the rest of
         the statement: its rows are never materialised outside DuckDB."""
         self._register_operands(call)
-        self.con.execute(f"CREATE TEMP VIEW {quote_ident(name)} AS {call.sql}")
+        try:  # DuckDB binds the view here: its errors read as a statement's (SQLExecutionError)
+            self.con.execute(f"CREATE TEMP VIEW {quote_ident(name)} AS {call.sql}")
+        except duckdb.Error as err:
+            raise self._duckdb_error(err) from None
         self.views.append(name)
 
     def _register_operands(self, call: RelationalEinsum) -> None:

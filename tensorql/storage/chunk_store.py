@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tensorql.dtypes import canonical_dtype, itemsize
-from tensorql.errors import ShapeError, StorageError
+from tensorql.errors import ShapeError, StaleTensorError, StorageError
 from tensorql.grid import ChunkGrid, Key
 
 ChunkData = "np.ndarray | torch.Tensor"
@@ -237,10 +237,19 @@ class PlanReads:
                     self.store.unpin(pinned.values())
 
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:
+        """Chunk ``key`` of ``name`` (of the version pinned for the run under way); a key
+        off the stored grid is a StaleTensorError: the tensor was stored again with another
+        shape or tiling after the plan was made (the plan's keys are its old grid's)."""
         version = self._pinned.get(name)
-        if version is None:
-            return self.store.read_chunk(name, key)
-        return self.store.read_chunk_at(version, key)
+        try:
+            if version is None:
+                return self.store.read_chunk(name, key)
+            return self.store.read_chunk_at(version, key)
+        except ShapeError as err:
+            raise StaleTensorError(
+                f"stored tensor {name!r} changed since this query was planned: its chunk "
+                f"{tuple(key)} cannot be read ({err}); build the expression again, e.g. from "
+                f"db.tensor({name!r})") from err
 
     def version_of(self, name: str) -> StoredVersion | None:
         """The version of ``name`` the run under way pinned (None outside a run)."""
@@ -281,7 +290,19 @@ def region_keys(grid: ChunkGrid, lo: Sequence[int], hi: Sequence[int]) -> list[K
     >>> from tensorql.grid import ChunkGrid
     >>> region_keys(ChunkGrid((4, 4), (2, 2)), (1, 0), (3, 2))
     [(0, 0), (1, 0)]
+
+    ShapeError when the region is not one of the grid's (another number of dimensions, or
+    off its bounds): a plan's region of a tensor stored again with another shape.
+
+    >>> region_keys(ChunkGrid((4,), (2,)), (0, 0), (2, 2))
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.ShapeError: region (0, 0)..(2, 2) is not inside a tensor of shape (4,)
     """
+    if len(lo) != len(grid.shape) or len(hi) != len(grid.shape) or not all(
+            0 <= a <= b <= n for a, b, n in zip(lo, hi, grid.shape)):
+        raise ShapeError(f"region {tuple(lo)}..{tuple(hi)} is not inside a tensor of shape "
+                         f"{grid.shape}")
     spans = [range(a // t, (b - 1) // t + 1) for a, b, t in zip(lo, hi, grid.tile)]
     return list(itertools.product(*spans))
 

@@ -111,7 +111,8 @@ class DuckDBChunkStore(ChunkStore):
         self.cache = ChunkCache(cache_bytes)
         self.read_only = read_only
         self.batch_bytes = batch_bytes
-        self.connection = self._open(path, read_only, lock_timeout)
+        self._closed = False
+        self._connection = self._open(path, read_only, lock_timeout)
         if path is not None:  # spill files of a process killed while it spilled
             remove_stale_files(spill_prefix(path))
         register_functions(self.connection)
@@ -169,6 +170,23 @@ class DuckDBChunkStore(ChunkStore):
         con.execute("SET temp_directory = ?", [path + ".tmp"])
         return con
 
+    @property
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        """The store's DuckDB connection; StorageError once :meth:`close` closed it (a
+        tensor or statement of a closed session names that, not DuckDB's closed connection).
+
+        >>> store = DuckDBChunkStore(); store.close()
+        >>> store.connection
+        Traceback (most recent call last):
+        ...
+        tensorql.errors.StorageError: the session is closed: its tensors and SQL can no longer \
+be used (open it again with tq.connect)
+        """
+        if self._closed:
+            raise StorageError("the session is closed: its tensors and SQL can no longer be "
+                               "used (open it again with tq.connect)")
+        return self._connection
+
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor on the store's database (its own transaction, usable on one thread)."""
         cursor = self.connection.cursor()
@@ -178,7 +196,7 @@ class DuckDBChunkStore(ChunkStore):
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         cursor = getattr(self._local, "cursor", None)
-        if cursor is None:
+        if cursor is None or self._closed:  # (a closed store's cursor: StorageError)
             cursor = self.cursor()
             self._local.cursor = cursor
         return cursor
@@ -271,6 +289,8 @@ class DuckDBChunkStore(ChunkStore):
         return ref if self._is_paged(table) else f"(SELECT *, 0 AS page FROM {ref})"
 
     def close(self) -> None:
+        if self._closed:
+            return
         if not self.read_only and self._write_lock.acquire(blocking=False):
             try:
                 self._drop_unpinned(self.connection)
@@ -280,6 +300,7 @@ class DuckDBChunkStore(ChunkStore):
             self.connection.close()
         except duckdb.Error:  # pragma: no cover - closing twice
             pass
+        self._closed = True
 
     # -- catalog ------------------------------------------------------------------------
     def names(self) -> list[str]:

@@ -260,3 +260,102 @@ def test_read_only_needs_a_tensor_database_that_exists(tmp_path):
         db.from_numpy("a", np.arange(3.0))
     with tq.connect(path, read_only=True) as db:
         assert db.tensor("a").numpy().tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("path", [None, "file"])
+def test_a_closed_session_is_a_storage_error_and_its_file_is_intact(tmp_path, path):
+    """A tensor, expression or statement of a closed session raised DuckDB's
+    ConnectionException ("Connection already closed!"); it is a StorageError saying the
+    session is closed, and the file reopens with what it held."""
+    where = str(tmp_path / "c.duckdb") if path else None
+    db = tq.connect(where)
+    a = db.from_numpy("a", np.arange(6.0).reshape(2, 3))
+    doubled = a * 2
+    db.close()
+    for use in (a.numpy, doubled.numpy, lambda: np.add(a, 1), lambda: doubled.sum().item(),
+                lambda: db.tensor("a"), db.tensors, lambda: db.sql("SELECT 1"),
+                lambda: db.from_numpy("b", np.ones(2)), lambda: db.store("b", doubled),
+                lambda: db.drop("a"), lambda: doubled.explain(analyze=True),
+                lambda: list(db.iter_chunks("a"))):
+        with pytest.raises(tq.StorageError, match="session is closed"):
+            use()
+    assert "closed" in repr(db)
+    db.close()  # closing twice is fine
+    if where:
+        with tq.connect(where) as again:
+            assert again.tensors() == ["a"]
+            np.testing.assert_array_equal(again.tensor("a").numpy(),
+                                          np.arange(6.0).reshape(2, 3))
+
+
+def test_compute_and_store_many_refuse_another_sessions_tensors():
+    """db.compute / db.store_many given a tensor of another session read this session's
+    tensor of the same name (silently wrong values); they are UnsupportedErrors and store
+    nothing, while db.store copies the other session's values as before."""
+    a = np.arange(6.0).reshape(2, 3)
+    with tq.connect() as db, tq.connect() as other:
+        mine = db.from_numpy("a", a)
+        theirs = other.from_numpy("a", a * 10)
+        with pytest.raises(tq.UnsupportedError, match="expression 1 belongs to another"):
+            db.compute(mine, theirs + 1)
+        with pytest.raises(tq.UnsupportedError, match="another database"):
+            db.store_many({"b": theirs + 1})
+        assert db.tensors() == ["a"]
+        np.testing.assert_array_equal(db.store("c", theirs * 2).numpy(), a * 20)
+        np.testing.assert_array_equal(db.compute(mine * 2)[0].numpy(), a * 2)
+
+
+def _fz_logaddexp(a, b):
+    return torch.logaddexp(a, b)
+
+
+def test_a_user_join_or_agg_identity_is_a_real_number(db):
+    """register_join kept any identity ('x', [0], True) and register_agg refused numpy's
+    scalars (np.float32(0) "is not a number"); both take a real number, numpy's too, as a
+    float, and name anything else."""
+    for bad in ("x", [0], True, torch.tensor(0.0)):
+        with pytest.raises(tq.JoinFunctionError, match="identity must be a number"):
+            tq.register_join("t_fz_ident", _fz_logaddexp, identity=bad)
+        with pytest.raises(tq.AggFunctionError, match="identity must be a number"):
+            tq.register_agg("t_fz_agg_ident", torch.maximum, identity=bad)
+    assert "t_fz_ident" not in tq.algebra.JOINS
+    tq.register_join("t_fz_ident", _fz_logaddexp, identity=np.float32(-np.inf))
+    assert tq.algebra.JOINS["t_fz_ident"].identity == float("-inf")
+    tq.register_agg("t_fz_agg_ident", torch.maximum, identity=np.float64(-np.inf))
+    a = np.random.default_rng(4).standard_normal((3, 4))
+    x = db.from_numpy("fa", a, tile=(2, 2))
+    got = tq.einsum("ij->i", x, agg="t_fz_agg_ident").numpy()
+    np.testing.assert_array_equal(got, a.max(axis=1))
+
+
+def _fz_times_square(a, b):
+    return a * b * b
+
+
+@pytest.mark.parametrize("adjoint, words", [
+    (lambda k, a, b: (a * b).sum(), "adjoint\\(0, ...\\): an output element depends"),
+    (lambda k, a, b: (a * b * 10).to(torch.int64), "adjoint\\(0, ...\\) gives torch.int64"),
+    (lambda k, a, b: b * b if k == 0 else (a * b).mean(), "adjoint\\(1, ...\\): an output"),
+    (3, "adjoint int is not callable")])
+def test_a_join_adjoint_that_is_no_gradient_is_refused_when_registered(db, adjoint, words):
+    """A join's adjoint was called raw and its result broadcast: one returning a sum or an
+    integer cast gave tq.grad a silently wrong gradient. register_join probes it as it probes
+    the join (elementwise, a floating tensor, for every operand) and names the operand (one
+    that raises is still tq.grad's GradientError: test_user_joins)."""
+    with pytest.raises(tq.JoinFunctionError, match=words):
+        tq.register_join("t_fz_adj", _fz_times_square, adjoint=adjoint)
+    assert "t_fz_adj" not in tq.algebra.JOINS
+
+
+def _fz_times_square_adjoint(k, a, b):
+    return b * b if k == 0 else 2 * a * b
+
+
+def test_a_join_adjoint_that_is_a_gradient_gives_torchs_gradient(db):
+    tq.register_join("t_fz_adj_ok", _fz_times_square, adjoint=_fz_times_square_adjoint)
+    a = np.random.default_rng(5).uniform(0.5, 1.5, (3, 4))
+    x = db.from_numpy("fx", a, tile=(2, 2))
+    (got,) = tq.grad(tq.einsum("ij,ij->", x, x * 2.0, join="t_fz_adj_ok"), [x])
+    t = torch.tensor(a, requires_grad=True)
+    (want,) = torch.autograd.grad((t * (2 * t) ** 2).sum(), [t])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)

@@ -153,3 +153,20 @@ def test_an_expression_over_a_tensor_stored_again_reads_its_values_or_says_it_ch
         db.from_numpy("sx", np.full((4, 4), 3.0, np.float32), replace=True)
         with pytest.raises(tq.StaleTensorError, match="'sx' changed since"):
             doubled.numpy()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_tensor_stored_again_with_fewer_dimensions_is_stale(devices):
+    """Stored again with another number of dimensions (DROP/CREATE OR REPLACE TENSOR, or
+    from_numpy), an expression over it raised the grid's ShapeError ("chunk key (0, 0) is
+    outside grid blocks (1,)") on one device and, on two, read its regions through the new
+    1-d grid (zip cut the region's dims): silently wrong values. Both are a StaleTensorError
+    naming the tensor."""
+    with tq.connect(devices=devices) as db:
+        x = db.from_numpy("sx", np.arange(12.0).reshape(3, 4))
+        doubled, total = x * 2.0, x.sum()
+        db.sql("CREATE OR REPLACE TENSOR sx AS SELECT * FROM EINSUM('ij->j', sx)")
+        for use in (doubled.numpy, total.item, x.numpy, lambda: np.add(x, 1)):
+            with pytest.raises(tq.StaleTensorError, match="'sx' changed since"):
+                use()
+        np.testing.assert_array_equal(db.tensor("sx").numpy(), [12.0, 15.0, 18.0, 21.0])

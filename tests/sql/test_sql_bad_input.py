@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tensorql as tq
+from tensorql.sql.errors import SQLExecutionError
 
 
 @pytest.fixture
@@ -33,6 +34,8 @@ def test_relations_without_labels_are_scalars(db):
     ("SELECT * FROM EINSUM('i->i', (SELECT i, val FROM v), sizes := "
      "{'i': 100000000000000000000})", "whole number"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, 'x' AS val FROM v))", "holds string"),
+    ("SELECT * FROM EINSUM('ij,ij->i', A, A, join := () -> a * b)",  # (sqlglot's class name)
+     "a lambda needs its parameters, as in"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, DATE '2020-01-01' AS val FROM v))", "holds date"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, [1, 2] AS val FROM v))", "holds list"),
     ("SELECT * FROM EINSUM('i->', (SELECT i, INTERVAL 1 DAY AS val FROM v))", "interval"),
@@ -62,3 +65,42 @@ def test_ubigint_in_range_and_int32_reductions_on_duckdb(db):
     for backend in ("duckdb", "native"):
         got = db.sql(f"SELECT * FROM EINSUM('ij->i', I, backend := '{backend}')").fetchall()
         assert got == [(0, 3), (1, 12)], backend
+
+
+def _times_plus_one(a, b):
+    return a * b + 1
+
+
+def test_a_join_template_duckdb_cannot_bind_is_a_positioned_sql_error(db):
+    """A relational EINSUM inside a larger statement is bound by DuckDB as a temp view; a
+    user join whose sql template DuckDB cannot bind raised DuckDB's CatalogException there
+    (raw). It is an SQLExecutionError like any DuckDB error of db.sql, and CREATE TENSOR
+    stores nothing."""
+    tq.register_join("t_fz_nosql", _times_plus_one, sql="nosuchfn({0}, {1})")
+    for query in (
+            "CREATE TENSOR c AS SELECT * FROM EINSUM('i,i->i', (SELECT i, val FROM v), v, "
+            "join := 't_fz_nosql', sparse := true) LIMIT 2",
+            "WITH q AS (SELECT * FROM EINSUM('i,i->i', v, v, join := 't_fz_nosql', "
+            "sparse := true)) SELECT * FROM q"):
+        with pytest.raises(SQLExecutionError, match="nosuchfn"):
+            db.sql(query)
+    assert sorted(db.tensors()) == ["A", "I"]
+
+
+@pytest.mark.parametrize("join, fn", [("mul", np.multiply), ("add", np.add),
+                                      ("max", np.maximum), ("sub", np.subtract)])
+def test_boolean_relation_values_join_as_numbers_over_sparse_rows(db, join, fn):
+    """A BOOLEAN ``val`` column counts as the 0/1 of the dtype it densifies to; over sparse
+    rows (DuckDB) the join was ``BOOLEAN * BOOLEAN`` -- a DuckDB binder error -- and now gives
+    what the same rows cast to DOUBLE give, and numpy's answer."""
+    rows = "(SELECT i, (val > 0.5) AS val FROM v)"
+    query = (f"SELECT * FROM EINSUM('i,i->i', {rows}, {{}}, join := '{join}', "
+             "sparse := true) ORDER BY i")
+    got = db.sql(query.format(rows)).fetchall()
+    cast = db.sql(query.format("(SELECT i, (val > 0.5)::DOUBLE AS val FROM v)")).fetchall()
+    flags = (np.arange(3) * 1.0 > 0.5).astype(np.float64)
+    assert [i for i, _ in got] == [0, 1, 2]
+    np.testing.assert_array_equal([val for _, val in got], fn(flags, flags))
+    mixed = db.sql(query.format("v")).fetchall()  # against the float rows of v
+    np.testing.assert_array_equal([val for _, val in mixed], fn(flags, np.arange(3.0)))
+    assert got == cast
