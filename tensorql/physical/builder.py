@@ -471,7 +471,7 @@ class _OneDevice:
                 kernel = LoadPiece.of_region(self.store, node, lo, hi)
             else:
                 kernel = LoadChunk(self.store, node.source, key, tuple(grid.chunk_shape(key)),
-                                   node.relation.dtype)
+                                   node.relation.dtype, tuple(grid.shape))
             tasks.append(self._new_task((), ChunkRef(sid, key), kernel))
         return Step(sid, node.title, (node,), tuple(tasks), 0, node.relation.nbytes,
                     node.relation.nbytes)

@@ -54,6 +54,7 @@ class LoadChunk(_NoCombine):
     key: Key
     shape: tuple[int, ...]
     dtype: str
+    stored_shape: tuple[int, ...] | None = None  # the whole tensor's, as planned
 
     @property
     def bytes_read(self) -> int:
@@ -70,6 +71,8 @@ class LoadChunk(_NoCombine):
         return _cache_key(self.store, self.name, ("chunk", self.key))
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        if self.stored_shape is not None:
+            check_stored_shape(self.store, self.name, self.stored_shape)
         chunk = self.store.read_chunk(self.name, self.key)
         if chunk.shape != self.shape or chunk.dtype != self._torch_dtype:
             check_layout(self.name, f"chunk {self.key}", chunk, self.shape, self.dtype)
@@ -85,6 +88,21 @@ def _cache_key(store: ChunkStore | PlanReads, name: str, what: tuple
     if version is None or version.handle is None:
         return None
     return (store.store, (name, version.meta.dtype, what), version.handle)
+
+
+def check_stored_shape(store: ChunkStore | PlanReads, name: str, shape: Sequence[int]) -> None:
+    """StaleTensorError unless the version of ``name`` the run under way pinned has the
+    ``shape`` the plan was made for: a tensor stored again larger (or smaller), with chunks
+    of the same tiling, would otherwise be read through the old grid -- part of the new
+    values, in the old shape. Outside a run (no pinned version) nothing is checked."""
+    version = store.version_of(name) if isinstance(store, PlanReads) else None
+    if version is None or tuple(version.meta.shape) == tuple(shape):
+        return
+    raise StaleTensorError(
+        f"stored tensor {name!r} changed since this query was planned: it is "
+        f"{'x'.join(map(str, version.meta.shape)) or 'a scalar'} where the plan reads "
+        f"{'x'.join(map(str, shape)) or 'a scalar'} (it was stored again with another shape); "
+        f"build the expression again, e.g. from db.tensor({name!r})")
 
 
 def check_layout(name: str, what: str, value: torch.Tensor, shape: Sequence[int],
@@ -129,6 +147,7 @@ class LoadPiece:
         return _cache_key(self.store, self.name, ("region", self.lo, self.hi))
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
+        check_stored_shape(self.store, self.name, self.grid.shape)
         try:
             region = self.store.read_region(self.name, self.lo, self.hi)
         except ShapeError as err:  # the tensor shrank: the region is off its grid

@@ -170,3 +170,22 @@ def test_a_tensor_stored_again_with_fewer_dimensions_is_stale(devices):
             with pytest.raises(tq.StaleTensorError, match="'sx' changed since"):
                 use()
         np.testing.assert_array_equal(db.tensor("sx").numpy(), [12.0, 15.0, 18.0, 21.0])
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_tensor_stored_again_larger_with_the_same_tiles_is_stale(devices):
+    """Stored again larger with the same tiling (3x4 -> 5x5 in 2x2 tiles), every old chunk
+    key is still on the new grid: an index expression (a region), and on two devices any
+    expression, read part of the new tensor in the old shape -- silently wrong. The pinned
+    version's shape is checked against the plan's: a StaleTensorError naming the tensor."""
+    with tq.connect(devices=devices) as db:
+        x = db.from_numpy("gx", np.arange(12.0).reshape(3, 4), tile=(2, 2))
+        row, doubled, total = x[0], x * 2.0, x.sum()
+        np.testing.assert_array_equal(row.numpy(), [0.0, 1.0, 2.0, 3.0])
+        bigger = np.arange(25.0).reshape(5, 5) + 100
+        db.from_numpy("gx", bigger, tile=(2, 2), replace=True)
+        for use in (row.numpy, doubled.numpy, total.item, x.numpy):
+            with pytest.raises(tq.StaleTensorError, match="'gx' changed since.*5x5"):
+                use()
+        np.testing.assert_array_equal(db.tensor("gx")[0].numpy(), bigger[0])
+        np.testing.assert_array_equal((db.tensor("gx") * 2.0).numpy(), bigger * 2)
