@@ -81,9 +81,9 @@ def cpu_vendor() -> str | None:
     return None
 
 
-ENABLED, RULE = choose(os.environ.get("TENSORQL_PACKED_WEIGHTS"), cpu_vendor(),
-                       torch.backends.mkl.is_available(), torch.backends.mkldnn.is_available())
 AVAILABLE = torch.backends.mkldnn.is_available()  # oneDNN's packed ops exist (tests use them)
+ENABLED, RULE = choose(os.environ.get("TENSORQL_PACKED_WEIGHTS"), cpu_vendor(),
+                       torch.backends.mkl.is_available(), AVAILABLE)
 # fewer rows: a matrix-vector product, bound by reading the weight, where the packed product
 # was not reliably faster (one row, one thread: 768 x 768 45 against 48 us, 768 x 8000 568
 # against 622 us)

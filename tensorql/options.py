@@ -72,10 +72,10 @@ def _positive(name: str, value: Any) -> int:
 
 def _bytes_or_zero(name: str, value: Any) -> int:
     """A byte count that may be 0 (nothing kept): an int >= 0 or a size like "64MiB"."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == 0:
-        return 0
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)
+        if value == 0:
+            return 0
     try:
         parsed = parse_bytes(value)
     except OptionError as err:

@@ -66,16 +66,10 @@ def tensorql_kernels(case: str, repeat: int) -> None:
         # an update may write in place (run once); a source reads, it computes nothing
         if not active[0] or not inputs or is_update(getattr(kernel, "join", "")):
             return run_first(kernel, inputs, dest)
-        best = {1: float("inf"), 2: float("inf")}
-        for rep in range(repeat):
-            for threads in ((1, 2) if rep % 2 == 0 else (2, 1)):
-                torch.set_num_threads(threads)
-                start = time.perf_counter()
-                out = run_first(kernel, inputs, dest)
-                best[threads] = min(best[threads], time.perf_counter() - start)
-        torch.set_num_threads(2)
+        result = []
+        best = best_times(lambda: result.append(run_first(kernel, inputs, dest)), repeat)
         rows.append((kind(kernel), best[1], best[2]))
-        return out
+        return result[-1]
 
     step = getattr(train, f"tq_{case}")("default", 2)
     step()
@@ -92,12 +86,7 @@ def tensorql_kernels(case: str, repeat: int) -> None:
     if not rows:
         print(f"tensorql {case}: no kernel ran serially (the lanes run each on one thread)")
         return
-    total = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for name, one, two in rows:
-        entry = total[name]
-        entry[0] += one
-        entry[1] += two
-        entry[2] += 1
+    total = by_kind(rows)
     one = sum(r[1] for r in rows)
     two = sum(r[2] for r in rows)
     print(f"tensorql {case}: {len(rows)} kernels, 1 thread {one * 1e3:.1f} ms, 2 threads "
@@ -105,6 +94,31 @@ def tensorql_kernels(case: str, repeat: int) -> None:
     for name, (a, b, n) in sorted(total.items(), key=lambda kv: kv[1][0] / 2 - kv[1][1]):
         print(f"  {a * 1e3:7.2f} -> {b * 1e3:7.2f} ms  x{a / b:4.2f}  lost {(b - a / 2) * 1e3:5.2f}"
               f"  n={n:<3d} {name}")
+
+
+def best_times(run, repeat: int) -> dict[int, float]:
+    """The best time of ``run()`` at 1 and at 2 torch threads over ``repeat`` alternating
+    rounds (torch left at 2 threads)."""
+    best = {1: float("inf"), 2: float("inf")}
+    for rep in range(repeat):
+        for threads in ((1, 2) if rep % 2 == 0 else (2, 1)):
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            run()
+            best[threads] = min(best[threads], time.perf_counter() - start)
+    torch.set_num_threads(2)
+    return best
+
+
+def by_kind(rows: list[tuple[str, float, float]]) -> dict[str, list]:
+    """Per kernel kind: [1-thread seconds, 2-thread seconds, count]."""
+    total: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for name, one, two in rows:
+        entry = total[name]
+        entry[0] += one
+        entry[1] += two
+        entry[2] += 1
+    return total
 
 
 def lanes_kernels(step, repeat: int) -> bool:
@@ -142,18 +156,12 @@ def lanes_kernels(step, repeat: int) -> bool:
         walls.append(time.perf_counter() - start)
     rows = []
     for task, inputs, acc, dest in tasks:
-        best = {1: float("inf"), 2: float("inf")}
-        for rep in range(repeat):
-            for threads in ((1, 2) if rep % 2 == 0 else (2, 1)):
-                torch.set_num_threads(threads)
-                start = time.perf_counter()
-                if acc is None:
-                    ex.first_contribution(task.kernel, inputs, dest)
-                else:
-                    task.kernel.run(inputs, acc)
-                best[threads] = min(best[threads], time.perf_counter() - start)
+        if acc is None:
+            best = best_times(lambda k=task.kernel, i=inputs, d=dest:
+                              ex.first_contribution(k, i, d), repeat)
+        else:
+            best = best_times(lambda k=task.kernel, i=inputs, a=acc: k.run(i, a), repeat)
         rows.append((kind(task.kernel), best[1], best[2]))
-    torch.set_num_threads(2)
     one = sum(r[1] for r in rows)
     two = sum(r[2] for r in rows)
     wall = statistics.median(walls)
@@ -161,12 +169,7 @@ def lanes_kernels(step, repeat: int) -> bool:
           f"(median of {repeat}); kernels alone: 1 thread {one * 1e3:.1f} ms (/2 = "
           f"{one * 5e2:.1f}), 2 threads {two * 1e3:.1f} ms; wall - 1-thread sum/2 = "
           f"{(wall - one / 2) * 1e3:.1f} ms")
-    total = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for name, a, b in rows:
-        entry = total[name]
-        entry[0] += a
-        entry[1] += b
-        entry[2] += 1
+    total = by_kind(rows)
     print("  by kind, 1 thread -> 2 threads, longest first:")
     for name, (a, b, n) in sorted(total.items(), key=lambda kv: -kv[1][0]):
         print(f"  {a * 1e3:7.2f} -> {b * 1e3:7.2f} ms  n={n:<3d} {name}")

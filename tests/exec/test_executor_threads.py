@@ -102,12 +102,9 @@ def test_a_big_one_chunk_elementwise_step_uses_every_thread(monkeypatch, threade
         assert seen[step] == {2}
 
 
-def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, threaded):
-    """torch's thread count reaches MKL as one setting for the process: a product started on
-    another worker while a task runs wide would share its threads, so while a task runs
-    wide the other workers take only small tasks."""
-    rng = np.random.default_rng(3)
-    x, y = (rng.standard_normal((320, 320)).astype(np.float32) for _ in range(2))
+def _record_spans(monkeypatch) -> list[tuple[float, float, int, int]]:
+    """Every task the executor runs from now on, as (start, end, torch threads, big?),
+    appended to the list returned as tasks end."""
     spans: list[tuple[float, float, int, int]] = []
     lock = threading.Lock()
     original = executor._execute
@@ -121,6 +118,16 @@ def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, thread
         return out
 
     monkeypatch.setattr(executor, "_execute", timed)
+    return spans
+
+
+def test_no_other_big_task_runs_beside_one_with_every_thread(monkeypatch, threaded):
+    """torch's thread count reaches MKL as one setting for the process: a product started on
+    another worker while a task runs wide would share its threads, so while a task runs
+    wide the other workers take only small tasks."""
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((320, 320)).astype(np.float32) for _ in range(2))
+    spans = _record_spans(monkeypatch)
     with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(320, 320))
         b = db.from_numpy("B", y, tile=(320, 320))
@@ -207,20 +214,7 @@ def test_an_odd_count_of_big_product_tiles_is_exact_and_never_wide_beside_anothe
     does, the result is exact and no big task ever ran beside one with every thread."""
     rng = np.random.default_rng(4)
     x, y = (rng.standard_normal((768, 768)).astype(np.float32) for _ in range(2))
-    spans: list[tuple[float, float, int]] = []
-    lock = threading.Lock()
-    original = executor._execute
-
-    def timed(state, task):
-        threads = torch.get_num_threads()
-        start = time.perf_counter()
-        out = original(state, task)
-        if executor._big(task):
-            with lock:
-                spans.append((start, time.perf_counter(), threads))
-        return out
-
-    monkeypatch.setattr(executor, "_execute", timed)
+    recorded = _record_spans(monkeypatch)
     with tq.connect(devices="cpu", workers=2, intra_op_threads=1) as db:
         a = db.from_numpy("A", x, tile=(256, 256))  # 3 x 3 output tiles of 3 products each
         b = db.from_numpy("B", y, tile=(256, 256))
@@ -229,6 +223,7 @@ def test_an_odd_count_of_big_product_tiles_is_exact_and_never_wide_beside_anothe
             np.testing.assert_allclose(result.dense().numpy(),
                                        x.astype(np.float64) @ y, rtol=1e-4, atol=1e-4)
             assert result.stats.wide_tasks <= 1
+    spans = [span[:3] for span in recorded if span[3]]  # the big tasks
     assert len(spans) == 27
     for start, end, threads in spans:
         if threads == 2:
