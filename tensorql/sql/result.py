@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from tensorql.errors import ShapeError, UnsupportedError
+from tensorql.errors import ShapeError, StorageError, UnsupportedError
+from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
 from tensorql.units import format_bytes
@@ -117,9 +118,21 @@ class SQLResult:
         return list(zip(*(col.to_pylist() for col in piece.columns)))
 
     def fetchnumpy(self) -> dict[str, np.ndarray]:
-        """Columns as numpy arrays, by name (as DuckDB's ``fetchnumpy``)."""
+        """Columns as numpy arrays, by name (as DuckDB's ``fetchnumpy``: a repeated name gets
+        a suffix, ``a``, ``a_1``, ...).
+
+        >>> sorted(SQLResult(table=pa.table([[1], [2]], names=["a", "a"])).fetchnumpy())
+        ['a', 'a_1']
+        """
         table = self.arrow()
-        return {name: table.column(name).to_numpy() for name in table.column_names}
+        out: dict[str, np.ndarray] = {}
+        for n, name in enumerate(table.column_names):
+            key, k = name, 0
+            while key in out:
+                k += 1
+                key = f"{name}_{k}"
+            out[key] = table.column(n).to_numpy()
+        return out
 
     def __len__(self) -> int:
         return self.arrow().num_rows
@@ -146,6 +159,26 @@ class SQLResult:
         the relational methods run on (``Database.sql`` binds its own); returns ``self``."""
         self._cache["connection"] = connection
         return self
+
+    def _duckdb(self, what: str, call: Any) -> Any:
+        """``call()`` (a DuckDB relation method named ``what``, with its arguments); DuckDB's
+        error becomes a tensorql one naming the call: a file it cannot write is a StorageError,
+        anything else (an unknown column, a syntax error, a value out of range) an
+        SQLExecutionError.
+
+        >>> SQLResult(table=pa.table({"val": [1.0]})).filter("nope > 1")
+        Traceback (most recent call last):
+        ...
+        tensorql.sql.errors.SQLExecutionError: filter('nope > 1'): DuckDB: Binder Error: ...
+        """
+        import duckdb
+
+        try:
+            return call()
+        except duckdb.IOException as err:
+            raise StorageError(f"{what}: DuckDB: {str(err).splitlines()[0]}") from None
+        except (duckdb.Error, TypeError, ValueError, OverflowError) as err:
+            raise SQLExecutionError(f"{what}: DuckDB: {str(err).splitlines()[0]}") from None
 
     def relation(self) -> Any:
         """A ``duckdb.DuckDBPyRelation`` over the rows (the element rows ``(labels..., val)``
@@ -180,54 +213,62 @@ class SQLResult:
         table = self.arrow()
         return (table.num_rows, table.num_columns)
 
-    def _chain(self, relation: Any) -> SQLResult:
-        return SQLResult(table=relation.to_arrow_table()).bound(self._cache.get("connection"))
+    def _chain(self, what: str, method: str, *args: Any) -> SQLResult:
+        """The relation's ``method(*args)`` as a new result (``what`` names the call in an
+        error)."""
+        table = self._duckdb(what, lambda: getattr(self.relation(), method)(*args)
+                             .to_arrow_table())
+        return SQLResult(table=table).bound(self._cache.get("connection"))
 
     def filter(self, condition: str) -> SQLResult:
         """The rows where the SQL ``condition`` holds (DuckDB's ``filter``)."""
-        return self._chain(self.relation().filter(condition))
+        return self._chain(f"filter({condition!r})", "filter", condition)
 
     def project(self, *expressions: str) -> SQLResult:
         """The SQL ``expressions`` of each row (DuckDB's ``project``; several strings are
         one list)."""
         if all(isinstance(e, str) for e in expressions):
             expressions = (", ".join(expressions),)
-        return self._chain(self.relation().project(*expressions))
+        shown = ", ".join(repr(e) for e in expressions)
+        return self._chain(f"project({shown})", "project", *expressions)
 
     select = project
 
     def order(self, expression: str) -> SQLResult:
         """The rows sorted by the SQL ``expression`` (DuckDB's ``order``)."""
-        return self._chain(self.relation().order(expression))
+        return self._chain(f"order({expression!r})", "order", expression)
 
     def limit(self, n: int, offset: int = 0) -> SQLResult:
         """At most ``n`` rows from ``offset`` (DuckDB's ``limit``)."""
-        return self._chain(self.relation().limit(n, offset))
+        return self._chain(f"limit({n!r}, {offset!r})", "limit", n, offset)
 
     def aggregate(self, expressions: str, group: str = "") -> SQLResult:
         """The SQL aggregate ``expressions`` per ``group`` (DuckDB's ``aggregate``)."""
-        return self._chain(self.relation().aggregate(expressions, group))
+        return self._chain(f"aggregate({expressions!r}, {group!r})", "aggregate", expressions,
+                           group)
 
     def distinct(self) -> SQLResult:
         """The distinct rows (DuckDB's ``distinct``)."""
-        return self._chain(self.relation().distinct())
+        return self._chain("distinct()", "distinct")
 
     def to_table(self, name: str) -> None:
         """Create table ``name`` from the rows on the bound connection (DuckDB's
         ``to_table``)."""
-        self.relation().to_table(name)
+        self._duckdb(f"to_table({name!r})", lambda: self.relation().to_table(name))
 
     create = to_table
 
     def write_parquet(self, path: str, **options: Any) -> None:
         """Write the rows to a Parquet file (DuckDB's ``write_parquet``)."""
-        self.relation().write_parquet(str(path), **options)
+        self._duckdb(f"write_parquet({str(path)!r})",
+                     lambda: self.relation().write_parquet(str(path), **options))
 
     to_parquet = write_parquet
 
     def write_csv(self, path: str, **options: Any) -> None:
         """Write the rows to a CSV file (DuckDB's ``write_csv``)."""
-        self.relation().write_csv(str(path), **options)
+        self._duckdb(f"write_csv({str(path)!r})",
+                     lambda: self.relation().write_csv(str(path), **options))
 
     to_csv = write_csv
 

@@ -61,3 +61,36 @@ def test_named_arguments_accept_duckdb_arrows_and_any_case(small):
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     r = small.sql("SELECT * FROM EINSUM('ij,kj->ik', A, A, join => 'ADD', agg => 'Max')")
     assert np.allclose(r.numpy(), (a[:, None, :] + a[None, :, :]).max(-1))
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda r: r.filter("nope > 1"), tq.ExecutionError, "filter('nope > 1')"),
+    (lambda r: r.filter("val >"), tq.ExecutionError, "filter('val >')"),
+    (lambda r: r.project(""), tq.ExecutionError, "project('')"),
+    (lambda r: r.order("nope"), tq.ExecutionError, "order('nope')"),
+    (lambda r: r.aggregate("sum(nope)"), tq.ExecutionError, "aggregate('sum(nope)', '')"),
+    (lambda r: r.limit(10**20), tq.ExecutionError, "limit(100000000000000000000, 0)"),
+    (lambda r: r.limit(2.5), tq.ExecutionError, "limit(2.5, 0)"),
+    (lambda r: r.to_table("v"), tq.ExecutionError, "to_table('v')"),
+    (lambda r: r.write_csv("/nonexistent/dir/o.csv"), tq.StorageError, "write_csv("),
+    (lambda r: r.write_parquet("/nonexistent/dir/o.parquet"), tq.StorageError, "write_parquet("),
+])
+def test_relational_methods_name_the_call_duckdb_refused(small, call, error, words):
+    """Found by fuzzing (s9): DuckDB's Binder/Parser/Conversion/IO errors of a result's
+    relational methods came out raw; the table the session already has is left as it was."""
+    small.sql("CREATE TABLE v AS SELECT 7 AS x")
+    r = small.sql("SELECT * FROM EINSUM('ij->ij', A)")
+    with pytest.raises(error) as info:
+        call(r)
+    assert words in str(info.value)
+    assert small.sql("SELECT * FROM v").fetchall() == [(7,)]
+    assert r.filter("val > 4").fetchall() == [(1, 2, 5.0)]  # the result still works
+
+
+def test_fetchnumpy_keeps_repeated_column_names_apart(small):
+    """Found by fuzzing (s9): two EINSUMs joined gave columns i, val, i, val, and fetchnumpy
+    raised pyarrow's KeyError; as DuckDB's, a repeated name gets a suffix."""
+    r = small.sql("SELECT * FROM EINSUM('ij->i', A) a, EINSUM('ij->i', A) b WHERE a.i = b.i")
+    cols = r.fetchnumpy()
+    assert list(cols) == ["i", "val", "i_1", "val_1"]
+    assert cols["val"].tolist() == cols["val_1"].tolist() == [3.0, 12.0]
