@@ -124,15 +124,8 @@ class SQLResult:
         >>> sorted(SQLResult(table=pa.table([[1], [2]], names=["a", "a"])).fetchnumpy())
         ['a', 'a_1']
         """
-        table = self.arrow()
-        out: dict[str, np.ndarray] = {}
-        for n, name in enumerate(table.column_names):
-            key, k = name, 0
-            while key in out:
-                k += 1
-                key = f"{name}_{k}"
-            out[key] = table.column(n).to_numpy()
-        return out
+        table = _unique_names(self.arrow())
+        return {name: table.column(name).to_numpy() for name in table.column_names}
 
     def __len__(self) -> int:
         return self.arrow().num_rows
@@ -151,7 +144,8 @@ class SQLResult:
 
     def pl(self) -> Any:
         """The rows as a polars DataFrame (as DuckDB's ``pl``; needs polars)."""
-        return _optional("polars", "pl()", ".arrow() / .df()").from_arrow(self.arrow())
+        polars = _optional("polars", "pl()", ".arrow() / .df()")
+        return polars.from_arrow(_unique_names(self.arrow()))  # polars refuses a repeated name
 
     # -- as a DuckDB relation --------------------------------------------------------------
     def bound(self, connection: Any) -> SQLResult:
@@ -378,6 +372,28 @@ class SQLResult:
                     f"{str(self.tensor.dtype).removeprefix('torch.')}>")
         return f"<SQLResult {len(self)} row(s), columns {self.columns}>\n" \
                + format_table(self.arrow(), limit=10)
+
+
+def _unique_names(table: pa.Table) -> pa.Table:
+    """``table`` with a repeated column name suffixed as DuckDB's results do (``a``, ``a_1``).
+
+    >>> _unique_names(pa.table([[1], [2], [3]], names=["a", "a", "a_1"])).column_names
+    ['a', 'a_2', 'a_1']
+    """
+    names = table.column_names
+    taken = set(names)
+    if len(taken) == len(names):
+        return table
+    seen: set[str] = set()
+    unique = []
+    for name in names:
+        key, k = name, 0
+        while key in seen or (key != name and key in taken):
+            k += 1
+            key = f"{name}_{k}"
+        seen.add(key)
+        unique.append(key)
+    return table.rename_columns(unique)
 
 
 def _optional(module: str, what: str, instead: str) -> Any:

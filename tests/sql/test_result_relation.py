@@ -87,10 +87,13 @@ def test_relational_methods_name_the_call_duckdb_refused(small, call, error, wor
     assert r.filter("val > 4").fetchall() == [(1, 2, 5.0)]  # the result still works
 
 
-def test_fetchnumpy_keeps_repeated_column_names_apart(small):
+def test_fetchnumpy_and_pl_keep_repeated_column_names_apart(small):
     """Found by fuzzing (s9): two EINSUMs joined gave columns i, val, i, val, and fetchnumpy
-    raised pyarrow's KeyError; as DuckDB's, a repeated name gets a suffix."""
+    raised pyarrow's KeyError, pl() polars' DuplicateError; as DuckDB's, a repeated name gets
+    a suffix."""
     r = small.sql("SELECT * FROM EINSUM('ij->i', A) a, EINSUM('ij->i', A) b WHERE a.i = b.i")
     cols = r.fetchnumpy()
     assert list(cols) == ["i", "val", "i_1", "val_1"]
     assert cols["val"].tolist() == cols["val_1"].tolist() == [3.0, 12.0]
+    pytest.importorskip("polars")
+    assert r.pl().columns == ["i", "val", "i_1", "val_1"]
