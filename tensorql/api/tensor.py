@@ -25,6 +25,7 @@ from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
 from tensorql.algebra import join_record
 from tensorql.dtypes import DTypeName, canonical_dtype, to_numpy, torch_dtype
+from tensorql.einsum.graph import INTEGRAL_DTYPES as _INTEGRAL
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import (
     AmbiguousTruthError,
@@ -279,9 +280,13 @@ class Tensor:
         return self.db.constant(other)
 
     def _elementwise(self, other: Any, join: str, reverse: bool = False) -> Tensor:
+        other = _python_number(other)
         maps = join_record(join).scalar_maps
-        if maps is not None and isinstance(other, numbers.Number) \
-                and not isinstance(other, bool):  # one map of self (see the algebra registry)
+        if maps is not None and isinstance(other, (int, float)) and not isinstance(other, bool) \
+                and self.dtype != "bool":
+            # one map of self (see the algebra registry); a bool tensor goes through the join,
+            # whose promotion makes it a number first (bool + 3 is 3, as torch's and numpy's;
+            # torch's maps kept the bool dtype or refused to subtract from a bool)
             fn, scalar = maps[1 if reverse else 0]
             try:
                 value = scalar(other)
@@ -349,8 +354,18 @@ class Tensor:
     def __pow__(self, exponent: Any) -> Tensor:
         """``self ** exponent``: a number (a map), or a tensor / array broadcast against
         ``self`` (the ``pow`` join)."""
-        if isinstance(exponent, numbers.Number) and not isinstance(exponent, bool):
-            return self._map("square") if exponent == 2 else self._map("pow", float(exponent))
+        exponent = _python_number(exponent)
+        if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
+            if exponent == 2:
+                return self._map("square")
+            if isinstance(exponent, int) and self.dtype in _INTEGRAL and self.dtype != "bool":
+                if exponent < 0:
+                    raise UnsupportedError(f"{self.dtype} ** {exponent}: integers to negative "
+                                           "integer powers are not allowed (as numpy's and "
+                                           "torch's); convert first, e.g. "
+                                           "x.astype('float64') ** -1")
+                return self._map("pow", exponent)  # exact in the integer dtype, as numpy's
+            return self._map("pow", float(exponent))
         return broadcast_binary(self, self._operand(exponent), _J.POW)
 
     def __rpow__(self, base: Any) -> Tensor:
@@ -531,6 +546,7 @@ class Tensor:
                 raise ShapeError(f"arg{agg} of a 0-d tensor")
             axis = 0
         axis = _one_axis(axis, self.ndim)
+        self._no_empty_reduction(f"arg{agg}", axis)
         extreme = self._reduce(axis, agg, keepdims=True)
         n = self.shape[axis]
         index = np.arange(n, dtype=np.int64).reshape([n if d == axis else 1
@@ -636,12 +652,31 @@ class Tensor:
     def max(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
         _no_numpy_extras(_A.MAX, None, out)
+        self._no_empty_reduction("max", axis)
         return self._reduce(axis, _A.MAX, keepdims)
 
     def min(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
         _no_numpy_extras(_A.MIN, None, out)
+        self._no_empty_reduction("min", axis)
         return self._reduce(axis, _A.MIN, keepdims)
+
+    def _no_empty_reduction(self, what: str, axis: Any) -> None:
+        """ShapeError when ``what`` (max, min, argmax, argmin: no identity) would reduce a
+        dimension of size 0, as numpy's and torch's refuse (the einsum's aggregation would
+        give its identity, -inf or +inf, or an index past the end).
+
+        >>> import numpy as np, tensorql as tq
+        >>> tq.connect().constant(np.zeros((2, 0))).max(axis=1)
+        Traceback (most recent call last):
+        ...
+        tensorql.errors.ShapeError: max over dimension 1 of size 0 (shape (2, 0)): an empty ...
+        """
+        for d in _normalize_axes(axis, self.ndim):
+            if self.shape[d] == 0:
+                raise ShapeError(f"{what} over dimension {d} of size 0 (shape {self.shape}): "
+                                 "an empty reduction has no value (numpy: zero-size array "
+                                 "to a reduction operation which has no identity)")
 
     def prod(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
@@ -652,10 +687,8 @@ class Tensor:
              keepdims: bool = False) -> Tensor:
         _no_numpy_extras("mean", dtype, out)
         axes = _normalize_axes(axis, self.ndim)
-        count = 1
-        for d in axes:
-            count *= self.shape[d]
-        return self._reduce(axis, _A.SUM, keepdims) * (1.0 / count)
+        count = math.prod(self.shape[d] for d in axes)  # 0: an empty mean is NaN, as numpy's
+        return self._reduce(axis, _A.SUM, keepdims) * (1.0 / count if count else math.nan)
 
     def var(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
             ddof: float = 0, keepdims: bool = False) -> Tensor:
@@ -673,7 +706,8 @@ class Tensor:
         count = math.prod(self.shape[d] for d in axes)
         x = self if self.dtype.startswith(("float", "bfloat")) else self.astype("float64")
         centered = x - x.mean(axis=axes, keepdims=True)
-        return (centered * centered)._reduce(axes, _A.SUM, keepdims) / float(count - ddof)
+        squares = (centered * centered)._reduce(axes, _A.SUM, keepdims)
+        return squares / float(max(count - ddof, 0))  # ddof >= count: inf or NaN, as numpy
 
     def std(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
             ddof: float = 0, keepdims: bool = False) -> Tensor:
@@ -721,12 +755,14 @@ class Tensor:
     def cumsum(self, axis: int | None = None, dtype: Any = None, out: Any = None) -> Tensor:
         """Running sums along ``axis`` (numpy's ``cumsum``; ``axis=None`` runs over the
         flattened tensor), as one einsum with an upper-triangular 0/1 matrix
-        (``cumsum(x)[j] = sum_i x[i] * [i <= j]``): UnsupportedError when that matrix would
-        have more than ``CUMSUM_MATRIX_ELEMENTS`` elements.
+        (``cumsum(x)[j] = sum_i where(i <= j, x[i], 0)``): UnsupportedError when that matrix
+        would have more than ``CUMSUM_MATRIX_ELEMENTS`` elements.
 
         >>> import numpy as np, tensorql as tq
         >>> tq.connect().constant(np.array([[1, 2], [3, 4]])).cumsum(axis=0).tolist()
         [[1, 2], [4, 6]]
+        >>> tq.connect().constant(np.array([1.0, 2.0, np.inf, 1.0])).cumsum().tolist()
+        [1.0, 3.0, inf, inf]
         """
         _no_numpy_extras("cumsum", dtype, out)
         if axis is None:
@@ -739,14 +775,17 @@ class Tensor:
                                    f"{CUMSUM_MATRIX_ELEMENTS:,}); store the tensor in pieces "
                                    "along that dimension or compute it with torch.cumsum")
         x = self.astype("int64") if self.dtype == "bool" else self
-        tri = np.triu(np.ones((n, n), dtype=x.np_dtype))
+        tri = np.triu(np.ones((n, n), dtype=np.bool_))  # tri[i, j]: x[i] counts in out[j]
         labels = _LETTERS[: self.ndim]
         fresh = _LETTERS[self.ndim]
         out_labels = labels.replace(labels[axis], fresh)
+        zero = self.db.constant(torch.zeros((), dtype=torch_dtype(x.dtype)))
         from tensorql.api.einsum import einsum
 
-        return einsum(f"{labels},{labels[axis]}{fresh}->{out_labels}", x,
-                      self.db.constant(torch.from_numpy(tri).to(torch_dtype(x.dtype))))
+        # ``where`` (x[i] if i <= j, else 0), not a product with the 0/1 matrix: an inf or
+        # NaN after position j stays out of out[j] (0 * inf was a NaN in every earlier sum)
+        return einsum(f"{labels[axis]}{fresh},{labels},->{out_labels}",
+                      self.db.constant(torch.from_numpy(tri)), x, zero, join=_J.WHERE)
 
     def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
         """The tensor without size-1 dims (those of ``axis``; all by default), as numpy.
@@ -846,6 +885,22 @@ class Tensor:
     def flatten(self) -> Tensor:
         """The elements as one dim, in row-major order (numpy's ``flatten``)."""
         return self.reshape(-1)
+
+
+def _python_number(value: Any) -> Any:
+    """A numpy scalar (``np.float32(2.5)``, ``np.int64(3)``) as the Python number it holds, so
+    it promotes as a Python scalar does (a float with an integer tensor gives a floating
+    result); anything else as it is.
+
+    >>> _python_number(np.float32(2.5)), _python_number(np.int8(3)), _python_number("x")
+    (2.5, 3, 'x')
+    """
+    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        if isinstance(value, np.integer):
+            return int(value)
+        if isinstance(value, np.floating):
+            return float(value)
+    return value
 
 
 def _index_array(item: Any) -> Any:

@@ -4,6 +4,8 @@ as the oracle."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -230,3 +232,80 @@ def test_gradients_of_floordiv_and_mod_match_torch(db):
     ga, gb = tq.grad(((x // y) * w + x).sum(), [x, y])  # piecewise constant: 0 (+ 1 from x)
     torch.testing.assert_close(ga.torch(), torch.ones_like(a))
     torch.testing.assert_close(gb.torch(), torch.zeros_like(b))
+
+
+# -- found by fuzzing the lazy tensor methods (s9) -------------------------------------------
+
+def test_reductions_of_empty_dimensions_match_numpy(db):
+    """mean/var/std of no elements is NaN (was Python's ZeroDivisionError); max/min/argmax/
+    argmin over a dimension of size 0 have no value (numpy and torch refuse; the einsum gave
+    -inf/+inf or an index past the end); sums, products, any and all keep their identity."""
+    a = np.zeros((2, 0))
+    x = db.constant(a)
+    with warnings.catch_warnings():  # numpy warns of empty means
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for name, args in [("mean", (1,)), ("mean", ()), ("var", (1,)), ("std", ()),
+                           ("mean", (0,)), ("var", (0,)), ("sum", (1,)), ("prod", (1,)),
+                           ("any", (1,)), ("all", (1,)), ("max", (0,)), ("argmin", (0,))]:
+            np.testing.assert_array_equal(getattr(x, name)(*args).numpy(),
+                                          getattr(a, name)(*args), err_msg=f"{name}{args}")
+    for name, args in [("max", (1,)), ("min", ()), ("argmax", (1,)), ("argmin", ()),
+                       ("max", ((0, 1),))]:
+        with pytest.raises(tq.ShapeError, match="size 0|empty tensor"):
+            getattr(x, name)(*args)
+
+
+@pytest.mark.parametrize("ddof", [0, 1, 2, 3])
+def test_var_with_ddof_at_or_past_the_count_matches_numpy(db, ddof):
+    a = np.array([1.0, 2.0])
+    with warnings.catch_warnings():  # numpy warns of degrees of freedom <= 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = (a.var(ddof=ddof), a.std(ddof=ddof))
+    x = db.constant(a)
+    np.testing.assert_array_equal([x.var(ddof=ddof).numpy(), x.std(ddof=ddof).numpy()],
+                                  expected)
+
+
+def test_cumsum_past_an_inf_is_not_nan(db):
+    """The triangular matrix multiplied 0 * inf into every earlier running sum (NaN)."""
+    a = np.array([[1.0, np.inf, 2.0], [-np.inf, 3.0, np.nan]])
+    x = db.constant(a)
+    with np.errstate(all="ignore"):
+        for axis in (None, 0, 1):
+            np.testing.assert_array_equal(x.cumsum(axis).numpy(), np.cumsum(a, axis))
+
+
+@pytest.mark.parametrize("scalar", [3, np.int64(3), np.int8(-2), np.float32(2.5), 2.5,
+                                    np.float64(-1.5), 0])
+def test_scalars_with_integer_and_bool_tensors_promote_as_numpy(db, scalar):
+    """A numpy float32 scalar with an integer tensor kept the integer dtype (int + 2.5 gave
+    int: the fraction lost), and a bool tensor with an int stayed bool (bool + 3 was True)."""
+    import operator as op
+
+    ops = [op.add, op.mul, op.sub, op.truediv, lambda a, c: c - a, lambda a, c: c * a,
+           lambda a, c: c + a]
+    for a in (np.array([False, True, True]), np.array([1, -2, 7], dtype=np.int32)):
+        x = db.constant(a)
+        for fn in ops:
+            with np.errstate(all="ignore"):
+                expected = np.asarray(fn(a, scalar))
+            got = fn(x, scalar).numpy()
+            np.testing.assert_allclose(got, expected.astype(got.dtype), rtol=1e-6,
+                                       err_msg=f"{fn}")
+            assert got.dtype.kind == expected.dtype.kind, (fn, got.dtype, expected.dtype)
+        np.testing.assert_array_equal(x.maximum(scalar).numpy(), np.maximum(a, scalar))
+
+
+def test_integer_powers_stay_exact_integers(db):
+    """x ** 3 of an int64 tensor went through float32 (1234 ** 3 came out 1879080960)."""
+    a = np.array([1, -2, 1234], dtype=np.int64)
+    x = db.constant(a)
+    for exponent in (3, np.int64(3), 0, 1):
+        got = (x ** exponent).numpy()
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, a ** exponent)
+    np.testing.assert_allclose((x ** 0.5).numpy(), np.abs(a) ** 0.5 * np.where(a < 0, np.nan, 1),
+                               rtol=1e-6)
+    with pytest.raises(tq.UnsupportedError, match="negative integer powers"):
+        x ** -1
+    np.testing.assert_allclose((x.astype("float64") ** -1).numpy(), 1.0 / a)
