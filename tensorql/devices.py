@@ -203,6 +203,23 @@ def _rank_names(spec: Any, environ: Any = None) -> tuple[str, ...]:
     return ("cpu:0",)
 
 
+# The most devices a session or a plan is made for: the optimizer's cost model keeps a
+# devices x devices matrix of bytes moved, 2 GiB at this many (and its auto search takes
+# ~35 s on a 2-core host); beyond it a plan was a MemoryError of that matrix (1,000,000
+# devices asked for 7.3 TiB) and devices=2**62 a list of names that filled the memory.
+MAX_DEVICES = 16384
+
+
+def _count(spec: Any, count: int) -> int:
+    """``count`` devices if at least 1 and at most :data:`MAX_DEVICES`, else OptionError."""
+    if count < 1:
+        raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
+    if count > MAX_DEVICES:
+        raise OptionError(f"devices={spec!r} is more than the {MAX_DEVICES} devices tensorql "
+                          "plans for (its cost model keeps a devices x devices matrix)")
+    return count
+
+
 def _spec_of(name: str) -> DeviceSpec:
     kind, _, index = name.partition(":")
     return DeviceSpec(kind, int(index) if index else 0)
@@ -220,10 +237,7 @@ def _names(spec: Any) -> tuple[str, ...]:
     if isinstance(spec, bool):
         raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
     if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
-        count = int(spec)
-        if count < 1:
-            raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
-        return tuple(f"cpu:{i}" for i in range(count))
+        return tuple(f"cpu:{i}" for i in range(_count(spec, int(spec))))
     if isinstance(spec, str):
         text = spec.strip()
         if text == "cpu":
@@ -235,16 +249,15 @@ def _names(spec: Any) -> tuple[str, ...]:
             return tuple(f"cuda:{i}" for i in range(cuda.device_count()))
         if text.startswith("null"):  # null[:N]: N devices of virtual time
             count = text.split(":", 1)[1] if ":" in text else "1"
-            if not count.isdigit() or int(count) < 1:
+            if not count.isdigit():
                 raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-            return tuple(f"null:{i}" for i in range(int(count)))
+            return tuple(f"null:{i}" for i in range(_count(spec, int(count))))
         names = tuple(part.strip() for part in text.split(",") if part.strip())
     elif isinstance(spec, (list, tuple)):
         names = tuple(str(part).strip() for part in spec)
     else:
         raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-    if not names:
-        raise OptionError(f"devices={spec!r} names no device; {_DEVICES_HINT}")
+    _count(spec, len(names))
     for name in names:
         kind, _, index = name.partition(":")
         if kind not in DEVICE_KINDS or (index and not index.isdigit()):
@@ -254,5 +267,5 @@ def _names(spec: Any) -> tuple[str, ...]:
     return names
 
 
-__all__ = ["DEVICE_KINDS", "DeviceKind", "DeviceSet", "DeviceSpec", "device_names", "local_place",
-           "rank_gpus"]
+__all__ = ["DEVICE_KINDS", "MAX_DEVICES", "DeviceKind", "DeviceSet", "DeviceSpec", "device_names",
+           "local_place", "rank_gpus"]

@@ -89,7 +89,13 @@ def grad(output: Tensor, inputs: Sequence[Tensor], grad_output: Any = None,
     if not isinstance(output, Tensor):
         raise GradientError(f"grad: the output must be a tensorql Tensor, got "
                             f"{type(output).__name__}")
-    inputs = list(inputs)
+    if isinstance(inputs, Tensor):  # one tensor, as torch.autograd.grad takes it (not its rows)
+        inputs = [inputs]
+    try:
+        inputs = list(inputs)
+    except TypeError:
+        raise GradientError(f"grad: inputs must be a list of tensors, got "
+                            f"{type(inputs).__name__}") from None
     for n, t in enumerate(inputs):
         if not isinstance(t, Tensor):
             raise GradientError(f"grad: input {n} is a {type(t).__name__}, not a tensorql "

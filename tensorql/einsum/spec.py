@@ -287,6 +287,12 @@ def _output_labels(equation, raw_output, inputs, ell_labels) -> tuple[str, ...]:
     return tuple(out)
 
 
+# Integer labels below this are opt_einsum's symbol of that number (``chr(n + 140)`` past 51,
+# so short of the surrogates at 0xD800); a larger one (10**9: no character) is numbered with
+# the others in sorted order, as other symbols are.
+_DIRECT_SYMBOLS = 0xD800 - 140
+
+
 def interleaved_equation(subscripts: Sequence[Sequence[Hashable]],
                          output: Sequence[Hashable] | None = None) -> str:
     """The equation of numpy's interleaved form ``einsum(A, [0, 1], B, [1, 2], [0, 2])``.
@@ -299,13 +305,16 @@ def interleaved_equation(subscripts: Sequence[Sequence[Hashable]],
     'a...È->...È'
     >>> interleaved_equation([["x", "y"], ["y", "z"]])
     'ab,bc'
+    >>> interleaved_equation([[10**9, 0]], [0])
+    'ba->a'
     """
     from opt_einsum import get_symbol
 
     every = [sym for subs in [*subscripts, () if output is None else output]
              for sym in _sublist(subs)]
     symbols = {sym for sym in every if sym is not Ellipsis}
-    if all(isinstance(sym, int) and not isinstance(sym, bool) and sym >= 0 for sym in symbols):
+    if all(isinstance(sym, int) and not isinstance(sym, bool) and 0 <= sym < _DIRECT_SYMBOLS
+           for sym in symbols):
         names = {sym: get_symbol(sym) for sym in symbols}
     else:
         try:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorql.devices import MAX_DEVICES
 from tensorql.einsum.graph import Node
 from tensorql.errors import PlanError
 from tensorql.logical.plan import LogicalNode
@@ -241,6 +242,10 @@ def device_count(devices: Any) -> int:
         raise PlanError(f"devices must be a positive int or a list of devices, got {devices!r}")
     if n < 1:
         raise PlanError(f"devices must be at least 1, got {n}")
+    if n > MAX_DEVICES:
+        raise PlanError(f"devices={n} is more than the {MAX_DEVICES} devices the "
+                        "optimizer plans for (its cost model keeps a devices x devices matrix "
+                        "of bytes moved: 8 bytes per pair)")
     return n
 
 

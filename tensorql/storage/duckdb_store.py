@@ -330,6 +330,8 @@ be used (open it again with tq.connect)
         return table not in self._unpaged_tables
 
     def _entry(self, name: str) -> tuple[str, TensorMeta]:
+        if not isinstance(name, str):  # a list or dict as a name: never stored (nor hashable)
+            raise UnknownTensorError(name, self.names())
         entry = self._tables.get(name)
         if entry is None:
             entry = self._lookup(name)
@@ -339,7 +341,8 @@ be used (open it again with tq.connect)
         return entry
 
     def meta(self, name: str) -> TensorMeta:
-        self._tables.pop(name, None)  # always answer from the catalog
+        if isinstance(name, str):
+            self._tables.pop(name, None)  # always answer from the catalog
         return self._entry(name)[1]
 
     # -- writing ------------------------------------------------------------------------

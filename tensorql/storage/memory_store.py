@@ -88,7 +88,7 @@ class MemoryChunkStore(ChunkStore):
     def meta(self, name: str) -> TensorMeta:
         try:
             return self._metas[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: a list or dict as a name, never stored
             raise UnknownTensorError(name, list(self._metas)) from None
 
     def read_chunk(self, name: str, key: Key) -> torch.Tensor:

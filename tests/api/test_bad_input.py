@@ -359,3 +359,52 @@ def test_a_join_adjoint_that_is_a_gradient_gives_torchs_gradient(db):
     t = torch.tensor(a, requires_grad=True)
     (want,) = torch.autograd.grad((t * (2 * t) ** 2).sum(), [t])
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
+
+
+# -- found by the s9 fuzzing helper -----------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [10**6, 2**62, "null:99999999", [f"cpu:{i}" for i in
+                                                                      range(16385)]])
+def test_more_devices_than_a_plan_is_made_for_is_an_option_error(devices):
+    """connect(devices=2**62) built a list of 2**62 names until the process was killed;
+    optimize(devices=10**6) a MemoryError of the cost model's devices x devices matrix."""
+    with pytest.raises(tq.OptionError, match="more than the 16384 devices"):
+        tq.connect(devices=devices)
+
+
+def test_optimize_for_more_devices_than_planned_for_is_a_plan_error(db, x):
+    with pytest.raises(tq.PlanError, match="more than the 16384 devices"):
+        tq.optimize(x * 2, devices=10**6)
+    assert tq.optimize(x * 2, devices=16).devices == 16
+
+
+@pytest.mark.parametrize("name", [["x"], {"x": 1}, {}])
+def test_an_unhashable_name_is_an_unknown_tensor(name):
+    """db.tensor(['x']) raised Python's TypeError (unhashable type) from the store's cache."""
+    from tensorql.storage.memory_store import MemoryChunkStore
+
+    for session in (tq.connect(), tq.connect(store=MemoryChunkStore())):
+        session.from_numpy("x", np.ones(2))
+        for call in (session.tensor, session.drop, session.iter_chunks):
+            with pytest.raises(tq.UnknownTensorError):
+                call(name)
+        assert session.tensors() == ["x"]
+
+
+def test_grad_inputs_are_a_list_or_one_tensor(db, x):
+    """tq.grad(loss, None) raised Python's TypeError; one Tensor was iterated row by row (a
+    GradientError about rows the loss does not use); torch.autograd.grad takes one tensor."""
+    loss = (x * x).sum()
+    for inputs in (None, 3):
+        with pytest.raises(tq.GradientError, match="inputs must be a list of tensors"):
+            tq.grad(loss, inputs)
+    (g,) = tq.grad(loss, x)
+    np.testing.assert_array_equal(g.numpy(), 2 * np.arange(3, dtype=np.float32))
+
+
+def test_interleaved_labels_past_any_character_are_renumbered(db, x):
+    """An integer label of 10**9 was opt_einsum's chr() ValueError; as any label it names a
+    dimension, so numbered with the others it gives numpy's answer."""
+    w = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_allclose(tq.einsum(w, [10**9, 0], x, [0], [10**9]).numpy(),
+                               w @ np.arange(3.0))
