@@ -41,7 +41,7 @@ from tensorql.sql.dialect import (
     position_of,
     split_script,
 )
-from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError
+from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError, located
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
 from tensorql.sql.result import DenseForm, SQLResult
 from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
@@ -105,6 +105,11 @@ class ScriptRunner:
             self.statement = st
             try:
                 result = self.statement_result(st)
+            except TensorQLError as err:  # a shape, label or run error found past the parse
+                twin = located(err, self.script, st.offset)  # says which statement
+                if twin is err or not isinstance(twin, type(err)):  # (a MemoryLimitError
+                    raise  # stays one)
+                raise twin from err
             finally:
                 self.unregister()
         return result

@@ -104,3 +104,20 @@ def test_boolean_relation_values_join_as_numbers_over_sparse_rows(db, join, fn):
     mixed = db.sql(query.format("v")).fetchall()  # against the float rows of v
     np.testing.assert_array_equal([val for _, val in mixed], fn(flags, np.arange(3.0)))
     assert got == cast
+
+
+@pytest.mark.parametrize("query, words", [
+    ("WITH q AS MATERIALIZED (SELECT * FROM EINSUM('i,i->i', x, (SELECT i, val, val AS w "
+     "FROM v), join := 'add')) SELECT * FROM q", r"label column\(s\)"),
+    ("SELECT 1; CREATE TENSOR t AS SELECT * FROM EINSUM('i,i->i', (SELECT i, val FROM v), "
+     "(SELECT 3000000000::BIGINT AS i, 1.0 AS val), join := 'sub')", "dense tensor"),
+])
+def test_errors_found_past_the_parse_say_which_statement(db, query, words):
+    """Found by fuzzing (s9): a label-column mismatch beside a tensor operand (join 'add')
+    and the dense bound of CREATE TENSOR over relations were ShapeErrors without a SQL
+    position."""
+    db.from_numpy("x", np.arange(3, dtype=np.float32))
+    with pytest.raises(tq.ShapeError, match=words) as info:
+        db.sql(query)
+    assert info.value.position == query.index("WITH" if "WITH" in query else "CREATE")
+    assert "t" not in db.tensors()
