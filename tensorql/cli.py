@@ -71,8 +71,15 @@ def _read_query(args: argparse.Namespace) -> str:
                 return fh.read()
         except OSError as err:
             raise _UsageError(f"cannot read --file {args.file}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise _UsageError(f"cannot read --file {args.file}: not UTF-8 text (byte "
+                              f"{err.start})") from None
     if args.query in (None, "-"):
-        return sys.stdin.read()
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as err:
+            raise _UsageError(f"cannot read the SQL from stdin: not UTF-8 text ({err.reason} "
+                              f"at byte {err.start})") from None
     return args.query
 
 
@@ -114,11 +121,14 @@ def _cmd_demo(rest: list[str]) -> int:
         return int(done.code or 0)
 
 
+MAX_ROWS_CAP = 2**62  # a larger --max-rows shows every row as well (and fits a C long)
+
+
 def _max_rows(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError("must be >= 0")
-    return value
+    return min(value, MAX_ROWS_CAP)
 
 
 def _parser() -> argparse.ArgumentParser:

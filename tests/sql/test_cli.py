@@ -315,3 +315,17 @@ def test_explain_formats_draw_each_einsum_plan(tmp_path, capsys):
 
     assert main(["explain", "--format", "svg", "SELECT 1", "--db", path]) == 2
     assert "invalid choice: 'svg'" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_and_a_huge_max_rows_are_no_tracebacks(tmp_path, capsys):
+    """Found by fuzzing (s9): --file of bytes that are not UTF-8 raised UnicodeDecodeError,
+    --max-rows 99999999999999999999 pyarrow's OverflowError (it now shows every row)."""
+    script = tmp_path / "bin.sql"
+    script.write_bytes(b"SELECT 1;\n\xff\xfeSELECT 2;\n")
+    assert main(["sql", "--file", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8 text (byte 10)" in err and "Traceback" not in err
+    for argv in (["-c", "SELECT 1 AS x"], ["sql", "SELECT 1 AS x"]):
+        assert main([*argv, "--max-rows", "99999999999999999999"]) == 0
+        out = capsys.readouterr().out
+        assert "│ x " in out or "x" in out.splitlines()[1]
