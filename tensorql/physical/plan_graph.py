@@ -154,7 +154,7 @@ FORMATS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 def render_doc(doc: dict[str, Any], fmt: str) -> str:
     """The plan document in format ``fmt`` (a key of :data:`FORMATS`)."""
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise OptionError(f"unknown EXPLAIN format {fmt!r}; choose one of text, "
                           f"{', '.join(FORMATS)}")
     return FORMATS[fmt](doc)

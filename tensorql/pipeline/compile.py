@@ -119,14 +119,14 @@ class CompiledQuery:
         ``analyze``) writes the run's timeline to that file as Chrome-trace JSON, for
         Perfetto or chrome://tracing: an event per task (see
         :func:`tensorql.exec.timeline.chrome_trace`)."""
-        if format != "text" and format not in PLAN_FORMATS:
+        if format != "text" and (not isinstance(format, str) or format not in PLAN_FORMATS):
             raise OptionError(f"unknown EXPLAIN format {format!r}; choose one of text, "
                               f"{', '.join(PLAN_FORMATS)}")
         if trace is not None and not analyze:
             raise OptionError("explain(trace=...) records a run: pass analyze=True too")
         if trace is not None:
             check_trace_path(trace)
-        if stage is not None and stage not in STAGES:
+        if stage is not None and (not isinstance(stage, str) or stage not in STAGES):
             raise UnknownStageError(f"unknown EXPLAIN stage {stage!r}; choose one of "
                                     f"{', '.join(STAGES)}")
         if stage is not None and analyze:

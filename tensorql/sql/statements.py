@@ -493,7 +493,7 @@ def explain_graphs(session: Any, script: str, fmt: str, analyze: bool = False,
 
     from tensorql.physical.plan_graph import FORMATS
 
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise OptionError(f"unknown EXPLAIN format {fmt!r}; choose one of text, "
                           f"{', '.join(FORMATS)}")
     statements = split_script(script)

@@ -146,3 +146,18 @@ def test_a_trace_that_cannot_be_a_new_file_is_refused_before_the_run(tmp_path, t
         expr = _query(db)
         with pytest.raises(tq.OptionError, match=words):
             expr.explain(analyze=True, trace=trace)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"stage": ["logical"]}, tq.TensorQLError), ({"stage": {}}, tq.TensorQLError),
+    ({"format": ["dot"]}, tq.OptionError), ({"format": {}, "stage": "logical"}, tq.OptionError),
+])
+def test_an_unhashable_stage_or_format_is_named(kwargs, error):
+    """Found by fuzzing (s9): explain(stage=['logical']) raised TypeError: unhashable type."""
+    from tensorql.physical.plan_graph import render_doc
+
+    db = tq.connect()
+    with pytest.raises(error, match="unknown EXPLAIN (stage|format)"):
+        _query(db).explain(**kwargs)
+    with pytest.raises(tq.OptionError, match="unknown EXPLAIN format"):
+        render_doc({}, ["dot"])
