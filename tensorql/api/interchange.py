@@ -40,7 +40,14 @@ def from_dlpack(db: Database, name: str, tensor: Any, tile: Any = None, *,
     if not hasattr(tensor, "__dlpack__"):
         raise UnsupportedError(f"from_dlpack: {type(tensor).__name__} does not export DLPack "
                                "(it has no __dlpack__); use db.from_numpy / db.from_torch")
-    return db.from_torch(name, torch.from_dlpack(tensor), tile, replace=replace)
+    if isinstance(tensor, np.ndarray):  # numpy's own way in: a view with negative strides
+        return db.from_numpy(name, tensor, tile, replace=replace)  # aborted torch's import
+    try:
+        imported = torch.from_dlpack(tensor)
+    except (BufferError, RuntimeError, TypeError, ValueError) as err:  # a dtype or layout
+        raise UnsupportedError(f"from_dlpack: torch cannot import this "  # DLPack lacks
+                               f"{type(tensor).__name__}: {err}") from None
+    return db.from_torch(name, imported, tile, replace=replace)
 
 
 def arrow_to_numpy(data: Any) -> np.ndarray:

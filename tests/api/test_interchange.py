@@ -123,3 +123,24 @@ def test_repr_does_not_compute_a_long_graph(db):
     for _ in range(70):
         x = x + 1.0
     assert "array(" not in repr(x) and x.numpy().tolist() == [71.0, 71.0, 71.0]
+
+
+def test_from_dlpack_of_a_numpy_view_with_negative_strides(db):
+    """Found by fuzzing (s9): torch's DLPack import of np.arange(3.0)[::-1] aborted the whole
+    process (c10::Error thrown past its C boundary); numpy arrays go in as from_numpy's."""
+    a = np.arange(6.0).reshape(2, 3)[::-1, ::-2]
+    np.testing.assert_array_equal(tq.from_dlpack(db, "n", a).numpy(), a)
+    np.testing.assert_array_equal(db.from_dlpack("m", np.arange(3.0)[::-1]).numpy(), [2, 1, 0])
+
+
+def test_from_dlpack_of_what_torch_cannot_import_is_named(db):
+    class Exporter:  # a __dlpack__ that refuses, as numpy's does for datetimes
+        def __dlpack__(self, **kwargs):
+            raise BufferError("no DLPack for this dtype")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(tq.UnsupportedError, match="torch cannot import this Exporter"):
+        tq.from_dlpack(db, "x", Exporter())
+    assert db.tensors() == []
