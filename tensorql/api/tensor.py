@@ -1084,5 +1084,11 @@ def substitute(expr: Tensor, replacements: dict[str, Any]) -> Tensor:
     """
     from tensorql.einsum.graph import substitute as substitute_nodes
 
+    if not isinstance(expr, Tensor):
+        raise UnsupportedError(f"substitute: expr must be a tensorql Tensor, got "
+                               f"{type(expr).__name__}")
+    if not isinstance(replacements, dict):
+        raise UnsupportedError("substitute: replacements must be a dict of stored tensor name "
+                               f"-> expression, got {type(replacements).__name__}")
     nodes = {name: expr._operand(value).node for name, value in replacements.items()}
     return expr._wrap(substitute_nodes(expr.node, nodes))

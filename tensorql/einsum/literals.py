@@ -21,7 +21,7 @@ import torch
 
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Constant
-from tensorql.errors import ShapeError
+from tensorql.errors import ShapeError, UnsupportedError
 from tensorql.grid import ChunkGrid, auto_tile
 
 __all__ = ["constant_node", "literal_array"]
@@ -34,6 +34,8 @@ def literal_array(value: Any) -> np.ndarray:
 
     >>> literal_array(2.0).shape, literal_array([[1, 2], [3, 4]]).dtype.name
     ((), 'int64')
+    >>> literal_array(np.ones(2, ">f4")).dtype.isnative
+    True
     >>> literal_array([[1], [1, 2]])
     Traceback (most recent call last):
     ...
@@ -50,6 +52,8 @@ def literal_array(value: Any) -> np.ndarray:
         raise ShapeError(f"cannot read {_short(value)} as an array of numbers: it holds "
                          "Python objects (None, strings or ragged sequences)")
     canonical_dtype(array.dtype)  # ShapeError names the unsupported dtype
+    if not array.dtype.isnative:  # big-endian ('>f4'): torch takes native byte order only
+        array = array.astype(array.dtype.newbyteorder("="))
     return array
 
 
@@ -73,6 +77,11 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20,
     ('float64', 'float32')
     """
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise UnsupportedError("a tensor on the meta device has no values to compute with")
+        if value.layout != torch.strided:
+            raise UnsupportedError(f"a {str(value.layout)[6:]} tensor is not an operand as "
+                                   "such; pass tensor.to_dense()")
         data = value.detach().cpu()
     else:
         array = literal_array(value)

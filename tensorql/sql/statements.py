@@ -96,6 +96,10 @@ class ScriptRunner:
         statements = split_script(self.script)
         if not statements:
             raise ParseError("no SQL statement given", text=self.script, position=0)
+        if self.params is not None and not isinstance(self.params, (list, tuple, dict)):
+            raise SQLExecutionError("query parameters are a list or tuple (for ? and $1) or a "
+                                    f"dict (for $name), got {type(self.params).__name__}",
+                                    text=self.script, position=0)
         if self.params is not None and len(statements) > 1:
             raise SQLExecutionError("query parameters need a single statement, but the script "
                                     f"has {len(statements)}", text=self.script, position=0)

@@ -408,3 +408,28 @@ def test_interleaved_labels_past_any_character_are_renumbered(db, x):
     w = np.arange(6.0).reshape(2, 3)
     np.testing.assert_allclose(tq.einsum(w, [10**9, 0], x, [0], [10**9]).numpy(),
                                w @ np.arange(3.0))
+
+
+def test_big_endian_arrays_are_operands_like_any_other(db, x):
+    """Found by fuzzing (s9): a '>f8' array as an einsum operand or constant raised torch's
+    ValueError (byte order different from the native)."""
+    big = np.arange(3, dtype=">f8")
+    assert float(tq.einsum("i,i->", x, big).numpy()) == 5.0
+    np.testing.assert_array_equal((db.constant(np.ones(3, ">f4")) + big).numpy(), [1, 2, 3])
+
+
+@pytest.mark.parametrize("value, words", [
+    (torch.ones(3, device="meta"), "meta device"), (torch.ones(3).to_sparse(), "sparse_coo"),
+])
+def test_a_meta_or_sparse_torch_constant_is_unsupported(db, value, words):
+    """db.constant(meta tensor) raised torch's NotImplementedError (cannot copy out of meta)."""
+    with pytest.raises(tq.UnsupportedError, match=words):
+        db.constant(value)
+
+
+@pytest.mark.parametrize("replacements", [None, [("x", 1.0)], "x"])
+def test_substitute_takes_a_dict(db, x, replacements):
+    """tq.substitute(e, None) raised AttributeError ('NoneType' has no attribute 'items')."""
+    with pytest.raises(tq.UnsupportedError, match="must be a dict"):
+        tq.substitute(x * 2, replacements)
+    np.testing.assert_array_equal(tq.substitute(x * 2, {"x": x + 1}).numpy(), [2, 4, 6])

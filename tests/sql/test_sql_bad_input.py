@@ -121,3 +121,13 @@ def test_errors_found_past_the_parse_say_which_statement(db, query, words):
         db.sql(query)
     assert info.value.position == query.index("WITH" if "WITH" in query else "CREATE")
     assert "t" not in db.tensors()
+
+
+@pytest.mark.parametrize("params", [3, "ab", 2.5])
+def test_query_parameters_that_are_no_list_or_dict(db, params):
+    """Found by fuzzing (s9): db.sql("SELECT $1", 3) raised DuckDB's TypeError (not
+    iterable); a str was spread into its characters."""
+    with pytest.raises(SQLExecutionError, match="a list or tuple") as info:
+        db.sql("SELECT $1", params)
+    assert info.value.position == 0
+    assert db.sql("SELECT $1 + 1", [2]).fetchall() == [(3,)]
