@@ -75,6 +75,8 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20,
     (2, 1)
     >>> constant_node(np.float64(0.1)).dtype, constant_node(0.1).dtype
     ('float64', 'float32')
+    >>> constant_node(np.ones((1, 3))[::-1]).value.stride()
+    (3, 1)
     """
     if isinstance(value, torch.Tensor):
         if value.is_meta:
@@ -87,8 +89,9 @@ def constant_node(value: Any, tile_target_elems: int = 1 << 20,
         array = literal_array(value)
         if array.dtype == np.float64 and not isinstance(value, (np.ndarray, np.generic)):
             array = array.astype(np.float32)  # Python floats become float32, like torch
-        if not array.flags.writeable or not array.flags.c_contiguous:
-            array = array.copy(order="C")
+        if not array.flags.writeable or not array.flags.c_contiguous \
+                or any(stride < 0 for stride in array.strides):  # numpy calls a[::-1] of one
+            array = array.copy(order="C")  # element C-contiguous; torch refuses its stride
         data = torch.from_numpy(array)
     dtype = canonical_dtype(data.dtype)
     if tile is None:

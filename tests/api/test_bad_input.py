@@ -433,3 +433,13 @@ def test_substitute_takes_a_dict(db, x, replacements):
     with pytest.raises(tq.UnsupportedError, match="must be a dict"):
         tq.substitute(x * 2, replacements)
     np.testing.assert_array_equal(tq.substitute(x * 2, {"x": x + 1}).numpy(), [2, 4, 6])
+
+
+@pytest.mark.parametrize("view", [np.ones((1, 3))[::-1], np.ones((3, 1))[:, ::-1],
+                                  np.arange(1.0)[::-1]])
+def test_a_flipped_size_one_dimension_is_an_operand(db, x, view):
+    """Found by fuzzing (s9): numpy calls a view flipped along a size-1 dimension
+    C-contiguous, but its stride is negative and torch.from_numpy refused it (ValueError)."""
+    np.testing.assert_array_equal(db.constant(view).numpy(), view)
+    np.testing.assert_array_equal(tq.einsum("i,...->i", x, view).numpy(),
+                                  np.einsum("i,...->i", np.arange(3.0), view))
