@@ -26,6 +26,7 @@ from tensorql_kernels.algebra import JOINS, AggName, JoinName, agg_of, is_update
 from tensorql_kernels.optimizer_update import optimizer_update
 from tensorql_kernels.packed_weights import MIN_ROWS as PACK_MIN_ROWS
 from tensorql_kernels.packed_weights import matmul as packed_matmul
+from tensorql_kernels.packed_weights import matmul_add as packed_matmul_add
 
 Labels = Sequence[str]
 
@@ -746,8 +747,11 @@ def _mm_wide(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def _addmm_into(target: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``target += left @ right``: in place when ``target``'s strides are BLAS-legal, else
+    """``target += left @ right``: with a packed ``right`` where it has one (row blocks of
+    oneDNN's product added), else in place when ``target``'s strides are BLAS-legal, else
     through a scratch product."""
+    if packed_matmul_add(target, left, right):
+        return
     if blas_legal(target):
         target.addmm_(left, right)
     else:
