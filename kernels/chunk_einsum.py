@@ -439,8 +439,10 @@ def contract_into(
 ) -> torch.Tensor:
     """Compute the chunk einsum and fold it into ``acc`` (None: start a new accumulator).
 
-    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary); into
-    a wider ``acc`` (float32 for bfloat16 operands) its product is added.
+    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary), or,
+    against a stored weight with a packed copy, as the packed product added in row blocks
+    (:func:`tensorql_kernels.packed_weights.matmul_add`); into a wider ``acc`` (float32 for
+    bfloat16 operands) its product is added.
     """
     if acc is None and join == _MUL and agg == _SUM and len(operands) == 2:
         pair = pair_route(operands, labels, out_labels)
