@@ -26,6 +26,7 @@ from tensorql_kernels.algebra import JOINS, AggName, JoinName, agg_of, is_update
 from tensorql_kernels.optimizer_update import optimizer_update
 from tensorql_kernels.packed_weights import MIN_ROWS as PACK_MIN_ROWS
 from tensorql_kernels.packed_weights import matmul as packed_matmul
+from tensorql_kernels.packed_weights import matmul_add as packed_matmul_add
 
 Labels = Sequence[str]
 
@@ -438,8 +439,10 @@ def contract_into(
 ) -> torch.Tensor:
     """Compute the chunk einsum and fold it into ``acc`` (None: start a new accumulator).
 
-    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary); into
-    a wider ``acc`` (float32 for bfloat16 operands) its product is added.
+    A matrix product accumulates straight into ``acc`` with ``addmm_`` (no temporary), or,
+    against a stored weight with a packed copy, as the packed product added in row blocks
+    (:func:`tensorql_kernels.packed_weights.matmul_add`); into a wider ``acc`` (float32 for
+    bfloat16 operands) its product is added.
     """
     if acc is None and join == _MUL and agg == _SUM and len(operands) == 2:
         pair = pair_route(operands, labels, out_labels)
@@ -746,8 +749,11 @@ def _mm_wide(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def _addmm_into(target: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``target += left @ right``: in place when ``target``'s strides are BLAS-legal, else
+    """``target += left @ right``: with a packed ``right`` where it has one (row blocks of
+    oneDNN's product added), else in place when ``target``'s strides are BLAS-legal, else
     through a scratch product."""
+    if packed_matmul_add(target, left, right):
+        return
     if blas_legal(target):
         target.addmm_(left, right)
     else:

@@ -150,3 +150,53 @@ def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(packing_o
     torch.testing.assert_close(tile, x @ w, rtol=1e-5, atol=1e-5)
     tile.fill_(-3.0)
     assert (big == -3.0).all()  # nothing outside the tile was written
+
+
+@needs_onednn
+def test_an_accumulating_product_adds_the_packed_product_in_row_blocks(packing_on, monkeypatch):
+    """``acc += x @ w`` (a K-split product's later contributions) with a packed ``w``: row
+    blocks of ACC_BLOCK_BYTES added into ``acc`` (here a strided tile of a larger result),
+    nothing outside it written; a weight not marked immutable is left to the caller."""
+    monkeypatch.setattr(packed_weights, "ACC_BLOCK_BYTES", 40 * 48 * 4)  # 40-row blocks
+    rng = _rng()
+    x = torch.from_numpy(rng.standard_normal((150, 32)).astype(np.float32))
+    w = torch.from_numpy(rng.standard_normal((32, 48)).astype(np.float32))
+    start = torch.from_numpy(rng.standard_normal((150, 48)).astype(np.float32))
+    big = torch.full((200, 100), -3.0)
+    tile = big[10:160, 20:68]
+    tile.copy_(start)
+    loose = w.clone()  # never marked: no packed copy
+    assert not packed_weights.matmul_add(tile, x, loose)
+    torch.testing.assert_close(tile, start, rtol=0, atol=0)
+    mark_immutable(w)
+    assert packed_weights.matmul_add(tile, x, w)
+    torch.testing.assert_close(tile, start + x @ w, rtol=1e-5, atol=1e-5)
+    tile.fill_(-3.0)
+    assert (big == -3.0).all()
+
+
+@needs_onednn
+def test_every_contribution_of_a_k_split_product_over_a_stored_weight_is_packed(packing_on,
+                                                                                monkeypatch):
+    """A weight stored in 3 tiles along the contracted label: the first contribution and both
+    later ones (accumulated) use the packed copy; MKL's ``addmm_`` runs for none of them."""
+    addmm_calls = []
+    real_addmm_ = torch.Tensor.addmm_
+
+    def counting_addmm_(self, *args, **kwargs):
+        addmm_calls.append(self.shape)
+        return real_addmm_(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", counting_addmm_)
+    rng = _rng()
+    x = rng.standard_normal((64, 96)).astype(np.float32)
+    w = rng.standard_normal((96, 80)).astype(np.float32)
+    with tq.connect(devices="cpu") as db:
+        db.from_numpy("w", w, tile=(32, 80))
+        db.from_numpy("x", x, tile=(64, 32))
+        query = (db.tensor("x") @ db.tensor("w")).compile()
+        before = packed_bytes()
+        got = query.run(dense=True).dense().numpy()
+        assert packed_bytes() - before >= w.nbytes  # all three tiles packed
+    np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4)
+    assert addmm_calls == []
