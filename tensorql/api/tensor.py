@@ -435,6 +435,7 @@ class Tensor:
         if used > self.ndim:
             raise IndexingError(f"too many indices for a tensor of {self.ndim} dimension(s): "
                              f"{used} were given")
+        adjacent = _advanced_adjacent(items)  # (a '...' between, even of no dims, parts them)
         at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
         items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
         picks: list[range] = []  # per dim, the positions it keeps
@@ -474,7 +475,7 @@ class Tensor:
             kept = [[i - start for i in p] for p, start in zip(kept, starts)]
         out = out._select(kept)
         out = out if tuple(shape) == out.shape else out.reshape(shape)
-        if array_dims and not _advanced_adjacent(items):  # numpy puts the array's dims first
+        if array_dims and not adjacent:  # numpy puts the array's dims first
             rest = [d for d in range(len(shape)) if d not in array_dims]
             out = out.transpose(*array_dims, *rest)
         return out
@@ -919,10 +920,12 @@ def _advanced_adjacent(items: list[Any]) -> bool:
     True
     >>> _advanced_adjacent([0, slice(None), np.array([1, 2])])
     False
+    >>> _advanced_adjacent([0, ..., np.array([1, 2])])  # even where '...' stands for no dim
+    False
     """
     at = [k for k, item in enumerate(items) if isinstance(item, np.ndarray)
           or (isinstance(item, numbers.Integral) and not isinstance(item, bool))]
-    return at[-1] - at[0] + 1 == len(at)
+    return not at or at[-1] - at[0] + 1 == len(at)
 
 
 def _index_array(item: Any) -> Any:

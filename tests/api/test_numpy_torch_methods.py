@@ -197,6 +197,7 @@ def test_floordiv_and_mod_are_extended_einsum_joins(db):
     lambda t: t[0, ..., [1, 2]],
     lambda t: t[np.array(0), :, [1, 2]],  # a 0-d array indexes as its integer
     lambda t: t[..., 0, [1, 2]],  # adjacent: in place
+    lambda t: t[1, ..., 0, [1, 2]],  # a '...' of no dims parts them too
 ])
 @pytest.mark.parametrize("computed", [False, True])
 def test_array_indexing_matches_numpy(x, a, expr, computed):
