@@ -20,6 +20,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from typing import Any
 
 from tensorql.devices import DeviceSet, device_names
@@ -36,7 +37,11 @@ _UNITS = {
 
 
 def parse_bytes(value: int | str | None) -> int | None:
-    """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None."""
+    """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None.
+
+    >>> parse_bytes("1.5GB"), parse_bytes(" 10 MiB "), parse_bytes("9" * 30)
+    (1500000000, 10485760, 999999999999999999999999999999)
+    """
     if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
         raise OptionError(f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a "
                           "byte count")
@@ -49,7 +54,8 @@ def parse_bytes(value: int | str | None) -> int | None:
         raise OptionError(
             f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a byte count"
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact ("9" * 400 was
+    # float('inf') and an OverflowError); "0" stays 0, as before
 
 
 MAX_THREADS = 4096  # more threads than any machine has: a typo, refused (torch overflows)
@@ -327,16 +333,21 @@ class Options:
 
     def dense_result_budget(self, system: bool = True) -> int:
         """Bytes a dense result may take: the process figure less the chunk cache, DuckDB's
-        memory and the CPU devices' budgets, and (unless ``system=False``) never more than
-        the system has available.
+        memory and the CPU devices' budgets -- at least 1/16 of the figure, as the host tier
+        (a memory_limit per CPU device at or above the figure, memory_limit="20GiB" on a
+        host of 24 GiB, left 0 bytes: even a 24-byte result was a MemoryLimitError) -- and
+        (unless ``system=False``) never more than the system has available.
 
         >>> Options(process_memory_limit="8GiB").dense_result_budget() <= 6 * 2**30  # 8 - 1 - 1
         True
+        >>> Options(process_memory_limit="8GiB", devices="cpu",
+        ...         memory_limit="20GiB").dense_result_budget(system=False) >> 20
+        512
         """
         cpu_devices = self.device_set.count_of("cpu")
         reserved = (self.chunk_cache_bytes + (self.store_memory_limit or 0)
                     + cpu_devices * (self.memory_limit or 0))
-        budget = max(0, self.process_memory_bytes - reserved)
+        budget = max(self.process_memory_bytes // 16, self.process_memory_bytes - reserved)
         return min(budget, available_memory_bytes()) if system else budget
 
     @property

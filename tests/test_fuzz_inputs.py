@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tensorql as tq
@@ -116,3 +116,63 @@ def test_fuzzed_sql_raises_only_tensorql_errors(fuzz_db, query, dense):
     for name in fuzz_db.tensors():
         if name.startswith("t_"):
             fuzz_db.drop(name)
+
+
+def _index_items(draw, shape):
+    """One index item per step: ints, slices, None, '...' and at most one array (s9)."""
+    items, has_array, dim = [], False, 0
+    for _ in range(draw(st.integers(1, len(shape) + 1))):
+        n = shape[min(dim, len(shape) - 1)]
+        kinds = ["int", "slice", "none", "ellipsis"] + ([] if has_array else ["list", "mask"])
+        kind = draw(st.sampled_from(kinds))
+        if kind == "int":
+            item = draw(st.integers(-n - 1, n))
+        elif kind == "slice":
+            item = slice(*draw(st.tuples(st.sampled_from([None, -4, -1, 0, 1, 3]),
+                                         st.sampled_from([None, -2, 0, 2, 5]),
+                                         st.sampled_from([None, 1, 2, -1, -3]))))
+        elif kind == "none":
+            item = None
+        elif kind == "ellipsis":
+            item = Ellipsis
+        elif kind == "list":
+            item, has_array = draw(st.lists(st.integers(-n, n - 1), max_size=3)), True
+        else:
+            item, has_array = np.array(draw(st.lists(st.booleans(), min_size=n,
+                                                     max_size=n))), True
+        items.append(item)
+        dim += item is not None and item is not Ellipsis
+    return tuple(items)
+
+
+@st.composite
+def indexed(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    return shape, _index_items(draw, shape), draw(st.booleans())
+
+
+@FUZZ
+@given(case=indexed())
+@example(case=((2, 3, 2), (0, slice(None), [1, 0]), True))
+@example(case=((2, 3, 2), (slice(None), 1, Ellipsis, np.array([True, True])), False))
+def test_fuzzed_indexing_matches_numpy(fuzz_db, case):
+    """Indexing a stored or computed tensor gives numpy's result or a TensorQLError where
+    numpy refuses too (s9 found numpy's rule for an integer and an array apart: the array's
+    dims go first)."""
+    shape, index, stored = case
+    a = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape)
+    t = fuzz_db.constant(a) * 1.0
+    if stored:
+        t = fuzz_db.store("fz_index", t, replace=True)
+    try:
+        expected = a[index]
+    except (IndexError, TypeError, ValueError):
+        with pytest.raises(tq.TensorQLError):
+            t[index].numpy()
+        return
+    try:
+        got = t[index].numpy()
+    except tq.UnsupportedError:  # documented limits (one array at a time)
+        return
+    assert got.shape == expected.shape, index
+    np.testing.assert_array_equal(got, expected)

@@ -435,11 +435,13 @@ class Tensor:
         if used > self.ndim:
             raise IndexingError(f"too many indices for a tensor of {self.ndim} dimension(s): "
                              f"{used} were given")
+        adjacent = _advanced_adjacent(items)  # (a '...' between, even of no dims, parts them)
         at = next((k for k, item in enumerate(items) if item is Ellipsis), len(items))
         items[at:at + 1] = [slice(None)] * (self.ndim - used)  # '...' or the unindexed rest
         picks: list[range] = []  # per dim, the positions it keeps
         shape = []  # the result's shape
         dim = 0
+        array_dims = range(0)  # where the array's dims are in ``shape``
         for item in items:
             if item is None:
                 shape.append(1)
@@ -457,7 +459,9 @@ class Tensor:
             elif isinstance(item, np.ndarray):
                 positions = _array_positions(item, dim, n)
                 picks.append(positions.tolist())
-                shape.extend(positions.shape if item.dtype != np.bool_ else (len(positions),))
+                dims = positions.shape if item.dtype != np.bool_ else (len(positions),)
+                array_dims = range(len(shape), len(shape) + len(dims))
+                shape.extend(dims)
             else:
                 raise UnsupportedError(f"index {item!r} of dimension {dim}: only ints, "
                                        "slices, '...', None, an integer array or a boolean "
@@ -470,7 +474,11 @@ class Tensor:
             out = self._region(kept)
             kept = [[i - start for i in p] for p, start in zip(kept, starts)]
         out = out._select(kept)
-        return out if tuple(shape) == out.shape else out.reshape(shape)
+        out = out if tuple(shape) == out.shape else out.reshape(shape)
+        if array_dims and not adjacent:  # numpy puts the array's dims first
+            rest = [d for d in range(len(shape)) if d not in array_dims]
+            out = out.transpose(*array_dims, *rest)
+        return out
 
     def _region(self, picks: list[list[int]]) -> Tensor:
         """The stored region spanning ``picks`` (read from only the chunks it overlaps)."""
@@ -903,6 +911,23 @@ def _python_number(value: Any) -> Any:
     return value
 
 
+def _advanced_adjacent(items: list[Any]) -> bool:
+    """Whether the advanced items of an index with an array (the array and every integer,
+    which numpy then counts as advanced too) stand next to each other: numpy puts their dims
+    where they stand if so, else first (``a[0, :, [1, 2]]`` of a (2, 3, 4) array is 2 x 3).
+
+    >>> _advanced_adjacent([0, np.array([1, 2]), slice(None)])
+    True
+    >>> _advanced_adjacent([0, slice(None), np.array([1, 2])])
+    False
+    >>> _advanced_adjacent([0, ..., np.array([1, 2])])  # even where '...' stands for no dim
+    False
+    """
+    at = [k for k, item in enumerate(items) if isinstance(item, np.ndarray)
+          or (isinstance(item, numbers.Integral) and not isinstance(item, bool))]
+    return not at or at[-1] - at[0] + 1 == len(at)
+
+
 def _index_array(item: Any) -> Any:
     """An index item that is an array (a list, numpy array, torch or tensorql tensor: a lazy
     one is computed) as a numpy array of integers or bools; any other item as is."""
@@ -919,6 +944,8 @@ def _index_array(item: Any) -> Any:
     if item.dtype != np.bool_ and not np.issubdtype(item.dtype, np.integer):
         raise UnsupportedError(f"an index array must hold integers or bools, not {item.dtype} "
                                "(as in numpy)")
+    if item.ndim == 0 and item.dtype != np.bool_:
+        return int(item)  # a 0-d integer array indexes as its integer does (numpy's rule)
     return item
 
 

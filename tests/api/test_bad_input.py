@@ -441,5 +441,28 @@ def test_a_flipped_size_one_dimension_is_an_operand(db, x, view):
     """Found by fuzzing (s9): numpy calls a view flipped along a size-1 dimension
     C-contiguous, but its stride is negative and torch.from_numpy refused it (ValueError)."""
     np.testing.assert_array_equal(db.constant(view).numpy(), view)
-    np.testing.assert_array_equal(tq.einsum("i,...->i", x, view).numpy(),
-                                  np.einsum("i,...->i", np.arange(3.0), view))
+    np.testing.assert_array_equal(tq.einsum("i,...->...i", x, view).numpy(),
+                                  np.einsum("i,...->...i", np.arange(3.0), view))
+
+
+def test_a_memory_limit_past_the_process_figure_leaves_results_room():
+    """Found by fuzzing (s9): memory_limit="20GiB" (the contract's example) on a host whose
+    process figure is smaller reserved it all for the CPU device, and a 24-byte result was a
+    MemoryLimitError ("may hold 0 B more"); the budget keeps 1/16 of the figure, as the host
+    tier does."""
+    from tensorql.options import Options
+
+    opts = Options(process_memory_limit="8GiB", devices="cpu", memory_limit="20GiB")
+    assert opts.dense_result_budget(system=False) == (8 << 30) // 16
+    for limit in ("20GiB", 2**70):
+        with tq.connect(memory_limit=limit) as session:
+            x = session.from_numpy("x", np.arange(3.0))
+            np.testing.assert_array_equal((x * 2).numpy(), [0.0, 2.0, 4.0])
+
+
+def test_a_memory_size_of_many_digits_is_read_exactly():
+    """parse_bytes("9" * 400) went through float('inf') to an OverflowError."""
+    from tensorql.options import parse_bytes
+
+    assert parse_bytes("9" * 400) == int("9" * 400)
+    assert parse_bytes("1.5KiB") == 1536

@@ -188,6 +188,16 @@ def test_floordiv_and_mod_are_extended_einsum_joins(db):
     lambda t: t[np.array([False, True, False, True])],
     lambda t: t[[]],
     lambda t: t[2, [True, False, False, False, True]],
+    # found by fuzzing (s9): an integer and an array apart are both advanced, and numpy puts
+    # their dims first (these gave 5 x 2 and 3 x 2 x 1, where numpy gives 2 x 5 and 2 x 1 x 3)
+    lambda t: t[0, :, [1, 2]],
+    lambda t: t[1, :, [[0], [2]]],
+    lambda t: t[0, :, np.array([True, False, True])],
+    lambda t: t[0, None, [1, 2]],
+    lambda t: t[0, ..., [1, 2]],
+    lambda t: t[np.array(0), :, [1, 2]],  # a 0-d array indexes as its integer
+    lambda t: t[..., 0, [1, 2]],  # adjacent: in place
+    lambda t: t[1, ..., 0, [1, 2]],  # a '...' of no dims parts them too
 ])
 @pytest.mark.parametrize("computed", [False, True])
 def test_array_indexing_matches_numpy(x, a, expr, computed):
