@@ -108,7 +108,8 @@ def mask_layout(masks: Sequence[torch.Tensor], work: Callable[[], MaskLayout]) -
     chunks: answered again while each is the same region (address, shape, strides) of the
     same live tensor (a chunk of a constant is a new view of it every run), unwritten since
     (its version) -- a decoder's mask written in place is worked out again, a chunk
-    computed afresh is another tensor.
+    computed afresh is another tensor. An inference tensor (made under
+    ``torch.inference_mode``) counts no versions: its layout is worked out every run.
 
     >>> m = torch.zeros(4, 2)
     >>> calls = []
@@ -121,6 +122,8 @@ def mask_layout(masks: Sequence[torch.Tensor], work: Callable[[], MaskLayout]) -
     >>> _ = mask_layout([m[:2]], work); len(calls)
     2
     """
+    if any(m.is_inference() for m in masks):
+        return work()  # made under torch.inference_mode: no version counter to trust
     roots = [m if m._base is None else m._base for m in masks]
     key = tuple((id(r), m.data_ptr(), tuple(m.shape), m.stride()) for r, m in zip(roots, masks))
     versions = tuple(m._version for m in masks)

@@ -201,3 +201,19 @@ def test_query_runs_attend_to_the_keys_they_see_and_a_written_mask_is_read_again
     torch.testing.assert_close(compiled.run().dense(), _reference(q, k, v, hidden),
                                rtol=1e-5, atol=1e-5)
     assert keys_read[3:] == [64, 192, 192]
+
+
+def test_a_mask_made_under_inference_mode_is_read_every_run():
+    """An inference tensor has no version counter: its layout is not kept (worked out every
+    run), and a query over it runs under torch.inference_mode."""
+    rng = np.random.default_rng(18)
+    b, h, s, e = 1, 1, 2 * attention_module.SUB_ROWS, 4
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    with torch.inference_mode():
+        db = tq.connect()
+        mask = torch.from_numpy(_causal(s, s))
+        assert mask.is_inference()
+        scores = einsum("bhse,bhte->bhst", db.constant(q), db.constant(k)) + db.constant(mask)
+        out = einsum("bhst,bhte->bhse", scores.softmax(-1), db.constant(v))
+        got = out.torch()
+    torch.testing.assert_close(got, _reference(q, k, v, _causal(s, s)), rtol=1e-5, atol=1e-5)
