@@ -42,6 +42,8 @@ from tensorql.models.workloads import rms_norm
 
 MASK_VALUE = -1e9
 PROMPT_BLOCK_ROWS = 128  # the fewest positions a block of a prompt is cut into
+# a weight of at most this many elements is stored as one chunk (see Llama.from_weights)
+WHOLE_WEIGHT_MAX_ELEMS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -232,9 +234,18 @@ class Llama:
     @classmethod
     def from_weights(cls, db: Any, shape: LlamaShape, weights: Mapping[str, np.ndarray],
                      prefix: str = "llama_") -> Llama:
-        """Store ``weights`` (this module's names) in ``db`` and build the model over them."""
+        """Store ``weights`` (this module's names) in ``db`` and build the model over them.
+        A weight of at most :data:`WHOLE_WEIGHT_MAX_ELEMS` elements is stored as one chunk
+        (the automatic tiles cut at about a million): a prompt's product with it is then one
+        task per block of positions, over the whole weight -- the bench model's SwiGLU
+        weights, 2048 x 768, were cut in two, so their products ran at N = 1024 (oneDNN's
+        packed product, one thread, 256 x 768 x N: 72.6 GFLOP/s against 76.6 at N = 2048)
+        and the down projection's two halves accumulated into one output chunk. Larger
+        weights (an LM head) keep the automatic tiles, whose chunks the workers share."""
         for name in shape.weight_shapes():
-            db.from_numpy(prefix + name, np.ascontiguousarray(weights[name]), replace=True)
+            array = np.ascontiguousarray(weights[name])
+            tile = array.shape if array.size <= WHOLE_WEIGHT_MAX_ELEMS else None
+            db.from_numpy(prefix + name, array, tile=tile, replace=True)
         return cls(db, shape, prefix)
 
     @classmethod

@@ -11,6 +11,7 @@ import torch
 
 import tensorql as tq
 import tensorql.logical.lower as lower_module
+import tensorql.physical.attention as attention_module
 from tensorql.api.einsum import einsum
 from tensorql.models import attention, llama_block
 
@@ -162,3 +163,57 @@ def test_queries_on_other_tiles_than_the_output_are_retiled_into_the_step(monkey
     assert steps[q_ref.step].name.startswith("Rekey")
     torch.testing.assert_close(out.torch(), _reference(2 * q, k, v, _causal(s, s)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_query_runs_attend_to_the_keys_they_see_and_a_written_mask_is_read_again(monkeypatch):
+    """A chunk of more than SUB_ROWS query positions under a causal mask attends in runs of
+    SUB_ROWS positions, each over the keys up to its last query (key_ends): the same result
+    as torch's. A run with a query that sees nothing keeps every key. The mask's layout is
+    kept between runs of the plan and worked out again once the mask is written in place."""
+    rng = np.random.default_rng(17)
+    db = tq.connect()
+    b, h, s, e = 1, 2, 3 * attention_module.SUB_ROWS, 8
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    mask = _causal(s, s)
+    assert attention_module.key_ends(torch.from_numpy(mask)) == (64, 128, 192)
+    hidden = mask.copy()
+    hidden[70, :] = -1e9  # a query of the second run sees nothing: that run keeps every key
+    assert attention_module.key_ends(torch.from_numpy(hidden)) == (64, 192, 192)
+    assert attention_module.key_ends(torch.zeros(s, s)) is None
+    mask_const = db.constant(mask)
+    scores = einsum("bhse,bhte->bhst", db.constant(q), db.constant(k)) + mask_const
+    out = einsum("bhst,bhte->bhse", scores.softmax(-1), db.constant(v))
+    compiled = out.compile()
+    (fused,) = [step for step in compiled.physical.steps if step.name.startswith("Attention")]
+    assert len(fused.tasks) == 1  # one chunk of every position: the runs are within the task
+    keys_read = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(query, key, value, **kwargs):
+        keys_read.append(key.shape[2])
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    torch.testing.assert_close(compiled.run().dense(), _reference(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
+    assert keys_read == [64, 128, 192]
+    mask_const.node.value.copy_(torch.from_numpy(hidden))  # written in place: read again
+    torch.testing.assert_close(compiled.run().dense(), _reference(q, k, v, hidden),
+                               rtol=1e-5, atol=1e-5)
+    assert keys_read[3:] == [64, 192, 192]
+
+
+def test_a_mask_made_under_inference_mode_is_read_every_run():
+    """An inference tensor has no version counter: its layout is not kept (worked out every
+    run), and a query over it runs under torch.inference_mode."""
+    rng = np.random.default_rng(18)
+    b, h, s, e = 1, 1, 2 * attention_module.SUB_ROWS, 4
+    q, k, v = _data(rng, b, h, s, e), _data(rng, b, h, s, e), _data(rng, b, h, s, e)
+    with torch.inference_mode():
+        db = tq.connect()
+        mask = torch.from_numpy(_causal(s, s))
+        assert mask.is_inference()
+        scores = einsum("bhse,bhte->bhst", db.constant(q), db.constant(k)) + db.constant(mask)
+        out = einsum("bhst,bhte->bhse", scores.softmax(-1), db.constant(v))
+        got = out.torch()
+    torch.testing.assert_close(got, _reference(q, k, v, _causal(s, s)), rtol=1e-5, atol=1e-5)

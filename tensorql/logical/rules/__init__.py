@@ -27,14 +27,16 @@ from tensorql.logical.rules.attention import match_attention
 from tensorql.logical.rules.pointwise import fuse_pointwise
 from tensorql.logical.rules.scalar import scalar_out_of_sum
 from tensorql.logical.rules.update import contiguous_update
+from tensorql.logical.rules.weight_rows import whole_rows_for_wide_weights
 
 Rule = Callable[[LogicalNode], LogicalNode]
 
 # attention first: its chain's maps and joins are not pointwise chains of their own; a scalar
 # factor leaves its contraction before the pointwise chains are cut; an update's gradient is
-# retiled (contiguous_update) before the chains are cut too
+# retiled (contiguous_update) before the chains are cut too; a product's operands are
+# retiled for a wide weight (whole_rows_for_wide_weights) last, the chains feeding it kept
 RULES: tuple[Rule, ...] = (match_attention, scalar_out_of_sum, contiguous_update,
-                           fuse_pointwise)
+                           fuse_pointwise, whole_rows_for_wide_weights)
 
 
 @dataclass(frozen=True)
@@ -59,4 +61,4 @@ def rewrite(roots: Sequence[LogicalNode], rules: Sequence[Rule] = RULES) -> Rewr
 
 
 __all__ = ["RULES", "Rewritten", "contiguous_update", "fuse_pointwise", "match_attention",
-           "rewrite", "scalar_out_of_sum"]
+           "rewrite", "scalar_out_of_sum", "whole_rows_for_wide_weights"]
