@@ -609,15 +609,15 @@ PAIR_ROUTES_MAX = 4096
 
 def pair_route(operands: Sequence[torch.Tensor], labels: Sequence[Labels],
                out_labels: Labels) -> PairProduct | StackedProduct | None:
-    """The :class:`PairProduct` (or :class:`StackedProduct`) that a fresh sum of products of these two operands comes to
-    through :func:`contract_into` (no plain or flattened matrix product, no diagonal, no
-    integer path, no row-wise dot: :func:`chunk_einsum`'s pair product), or None for any
-    other route. An operand of three or more dims that is a permuted view (a previous
-    product's layout) goes to the pair product, which reads it as it lies, rather than to the
-    flattened matrix product, which would copy it back into its labels' order. Decided once
-    per labels, shapes, strides, dtypes and device type and kept: a chain of
-    small products (a tensor network's 119 steps of 64x64x16 blocks) otherwise worked the
-    route out again on every call, ~30 Python calls each.
+    """The :class:`PairProduct` (or :class:`StackedProduct`) that a fresh sum of products of
+    these two operands comes to through :func:`contract_into` (no plain or flattened matrix
+    product, no diagonal, no integer path, no row-wise dot: :func:`chunk_einsum`'s pair
+    product), or None for any other route. An operand of three or more dims that is a
+    permuted view (a previous product's layout) goes to the pair product, which reads it as
+    it lies, rather than to the flattened matrix product, which would copy it back into its
+    labels' order. Decided once per labels, shapes, strides, dtypes and device type and kept:
+    a chain of small products (a tensor network's 119 steps of 64x64x16 blocks) otherwise
+    worked the route out again on every call, ~30 Python calls each.
 
     >>> a, b = torch.rand(2, 3, 4), torch.rand(4, 5, 2)
     >>> pair = pair_route([a, b], [("i", "j", "k"), ("k", "l", "i")], ("j", "l"))

@@ -246,9 +246,8 @@ def test_a_product_laid_out_for_the_next_reads_it_without_a_copy():
     product laid out ``p f h`` -- no copy of the site tensor -- and the next step, which sums
     ``p`` and ``f`` against the conjugate site ``pfi``, reads that layout as a matrix: the
     two steps copy nothing (torch's profiler counts no ``aten::copy_``)."""
-    from torch.profiler import profile
-
     from tensorql_kernels import chunk_einsum as ce
+    from torch.profiler import profile
 
     g = torch.Generator().manual_seed(5)
     site, env, conj = (torch.randn(12, 64, 64, generator=g), torch.randn(64, 64, generator=g),
