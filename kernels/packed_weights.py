@@ -11,7 +11,8 @@ with the packed weight, 256 x 1024 x 2816 at 99 and 110, 1024 x 2048 x 2048 at 1
 Only chunks the store registered with :func:`mark_immutable` are packed (a tensor a user or
 a kernel may write in place is not), also when the tensor's version counter says it was
 written; the first product with a chunk packs it, so a query computes the same bits every
-run. Products of fewer than :data:`MIN_ROWS` rows (a decoded token's) keep ``torch.mm``.
+run. Products of fewer than :data:`MIN_ROWS` rows (a decoded token's), and products too small
+for the packed call to pay for itself (:data:`MIN_MACS`), keep ``torch.mm``.
 A packed copy is as large as its chunk and is dropped with it: the packed copies of a
 session are at most as large as its chunk cache.
 
@@ -25,9 +26,9 @@ on a ``GenuineIntel`` CPU; ``TENSORQL_PACKED_WEIGHTS=1`` packs wherever oneDNN e
 never packs.
 
 >>> import torch
->>> w, x = torch.randn(8, 4), torch.randn(32, 8)
+>>> w, x = torch.randn(256, 256), torch.randn(256, 256)  # MIN_MACS multiply-adds
 >>> mark_immutable(w)
->>> bool(torch.allclose(matmul(x, w), x @ w, atol=1e-5)), (packed_bytes() >= w.nbytes) == ENABLED
+>>> bool(torch.allclose(matmul(x, w), x @ w, atol=1e-3)), (packed_bytes() >= w.nbytes) == ENABLED
 (True, True)
 """
 
@@ -88,6 +89,13 @@ ENABLED, RULE = choose(os.environ.get("TENSORQL_PACKED_WEIGHTS"), cpu_vendor(),
 # was not reliably faster (one row, one thread: 768 x 768 45 against 48 us, 768 x 8000 568
 # against 622 us)
 MIN_ROWS = 16
+# fewer multiply-adds (rows x inner x columns): a small product, where oneDNN's linear costs a
+# fixed ~0.15-0.2 ms more than ``torch.mm`` when it runs among MKL's products (one thread, AMD
+# EPYC, each call after 20 products of 768 x 64 x 768: 576 x 64 x 4 241 against 68 us,
+# 576 x 64 x 64 321 against 162 us; alone, called back to back, it was 48 against 70 us). An
+# MPS's two 576 x 64 x 4 products against stored ends cost it 1.7 ms a call. The products
+# packing was measured to win (a projection of 64 x 1024 x 2816, 185M) are far above.
+MIN_MACS = 1 << 24
 # oneDNN's linear has no ``out``: a packed product into a given tensor (a tile of a dense
 # result) goes through a scratch of at most this many bytes, row block by row block, so no
 # product-sized temporary is made (a 64 MiB tile of a 2 GiB .numpy() result made one per
@@ -113,10 +121,12 @@ def mark_immutable(chunk: torch.Tensor) -> None:
 def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``left @ right`` (2-D; into ``out`` when given), with a packed ``right`` when it is (a
-    view of) an immutable chunk and ``left`` has :data:`MIN_ROWS` rows or more."""
+    view of) an immutable chunk, ``left`` has :data:`MIN_ROWS` rows or more and the product
+    :data:`MIN_MACS` multiply-adds or more."""
     packed = _packed_copy(right) if ENABLED and left.dtype == torch.float32 and \
         left.dim() == 2 and left.shape[0] >= MIN_ROWS and right.dim() == 2 and \
-        right.dtype == torch.float32 else None
+        right.dtype == torch.float32 and \
+        left.shape[0] * left.shape[1] * right.shape[1] >= MIN_MACS else None
     if packed is None:
         return torch.mm(left, right) if out is None else torch.mm(left, right, out=out)
     if out is None:

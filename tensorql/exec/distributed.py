@@ -219,9 +219,11 @@ class DistributedRuntime:
             sink: ChunkSink | None = None, destination: Any = None) -> RunResult:
         """The engine's rank strategy: the streams strategy over the job's memory plan, with
         this rank's part (:class:`RankPart`) as a component of its run state; what the rank
-        handed to torch.distributed is in the result's stats."""
+        handed to torch.distributed is in the result's stats. ``destination``: as the streams
+        strategy's -- the tiles of the dense results its own result chunks are computed into
+        (then shared from there, :func:`share_results`, with no copy into place)."""
         part = RankPart(self)
-        result = self.runtime.run_streams(graph, progress, sink, rank=part)
+        result = self.runtime.run_streams(graph, progress, sink, destination, rank=part)
         self.sent_bytes, self.received_bytes = part.sent_bytes, part.received_bytes
         self.bytes_by_call = dict(part.bytes_by_call)
         stats: Any = result.stats
@@ -873,7 +875,9 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     owners = _result_owners(graph, layout)
     me, world = layout.rank, layout.world
     for ref in owners[me]:
-        destination(ref).copy_(outputs[ref])
+        place, value = destination(ref), outputs[ref]
+        if not _same_view(place, value):  # a chunk computed straight into its place stays
+            place.copy_(value)
     if world == 1 or not any(owners):
         return 0
     device = device if device is not None else torch.device("cpu")
@@ -908,6 +912,19 @@ def share_results(graph: TaskGraph, outputs: dict[ChunkRef, torch.Tensor],
     for buf, view in unpack:
         view.copy_(buf)
     return sent
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (a chunk the run
+    computed into its tile of the dense result, and that tile): copying one onto the other
+    would rewrite it with itself (4 MiB a rank of a data-parallel MLP's step).
+
+    >>> x = torch.zeros(4, 3)
+    >>> _same_view(x[:2], x[:2]), _same_view(x[:2], x[2:]), _same_view(x[:2], x[:2].clone())
+    (True, False, False)
+    """
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 # [(the default group it was made in, the group)], both weak references: torch's registry

@@ -199,7 +199,7 @@ def _rank(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | N
                                  workers=config.workers,
                                  intra_op_threads=config.intra_op_threads,
                                  exchange=job.exchange, exchange_group=job.exchange_group)
-    return runtime.run(graph, progress=progress, sink=sink)
+    return runtime.run(graph, progress=progress, sink=sink, destination=destination)
 
 
 #: the scheduling strategies, by name

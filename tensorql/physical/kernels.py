@@ -311,7 +311,19 @@ class ContractChunk:
         comparison's bool result; a user's function, whose result dtype is its own)."""
         return join_record(self.join).dtype_rule in (BOOL, PROBE)
 
-    def _cast(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @functools.cached_property
+    def _result_dtype(self) -> torch.dtype | None:
+        """The dtype every operand is cast to (the result's), or None where the operands
+        meet in another (their common one, a user's function's arguments, an update's
+        scalars: :meth:`_cast` works it out)."""
+        if self._in_common_dtype or join_record(self.join).dtype_rule == UPDATE:
+            return None
+        return torch_dtype(self.dtype)
+
+    def _cast(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        dtype = self._result_dtype
+        if dtype is not None and all([x.dtype == dtype for x in inputs]):
+            return inputs  # nothing to cast (a chain of products: every step)
         dtype = torch_dtype(self.dtype)
         if self._in_common_dtype:  # compared in the operands' common dtype
             dtype = functools.reduce(torch.promote_types, (x.dtype for x in inputs))

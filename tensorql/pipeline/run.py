@@ -92,9 +92,9 @@ def execute(physical: PhysicalPlan, options: Options, *, values: str | None = "r
     job = rank_job(physical, partition, options)
     if destination is None:
         destination = DenseResults(physical.output_steps).destination
-    with physical.pinned():
+    with physical.pinned():  # the rank's own result chunks computed into their tiles
         result = engine.run(physical.task_graph(), engine.EngineConfig.of(options, rank=job),
-                            progress=progress)
+                            progress=progress, destination=destination)
     return share_rank_results(physical, result, job, sink, destination, keep_outputs,
                               rank_stats)
 

@@ -210,3 +210,90 @@ def test_pair_route_only_for_the_pair_product():
     assert pair_route([ints, ints], [("i", "j", "k"), ("k", "l", "i")], ("j", "l")) is None
     assert pair_route([t, torch.rand(4, 5, 2)], [("i", "j", "k"), ("k", "l", "i")],
                       ("j", "l")) is not None
+
+
+def _permuted_view(x: torch.Tensor, rng) -> torch.Tensor:
+    """``x`` as a permuted view of a contiguous tensor laid out in a random dim order (a
+    previous product's layout): same values, other strides."""
+    order = [int(d) for d in rng.permutation(x.ndim)]
+    inverse = [order.index(d) for d in range(x.ndim)]
+    return x.permute(order).contiguous().permute(inverse)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pair_products_read_permuted_operands_as_they_lie(seed):
+    """Operands that are permuted views are planned by their memory order (issue 31): the
+    pair product (or its stacked form) gives numpy's values, and an operand whose memory
+    order already splits its labels into contracted and free blocks is not copied."""
+    from tensorql_kernels import chunk_einsum as ce
+
+    rng = np.random.default_rng(100 + seed)
+    la, lb, out, sizes = _random_pair(rng)
+    sizes = {lab: int(rng.choice([1, 3, 8, 17])) for lab in sizes}  # stacked forms too
+    a = rng.standard_normal([sizes[lab] for lab in la]).astype(np.float32)
+    b = rng.standard_normal([sizes[lab] for lab in lb]).astype(np.float32)
+    want = np.einsum(f"{''.join(la)},{''.join(lb)}->{''.join(out)}", a, b)
+    ta, tb = _permuted_view(torch.from_numpy(a), rng), _permuted_view(torch.from_numpy(b), rng)
+    for got in (ce.PairProduct.for_operands([ta, tb], [la, lb], out)(ta, tb),
+                ce.contract_into(None, [ta, tb], [la, lb], out),
+                chunk_einsum([ta, tb], [la, lb], out)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_laid_out_for_the_next_reads_it_without_a_copy():
+    """An MPS step ``peh,ef->phf`` (a site tensor against the environment) is one stacked
+    product laid out ``p f h`` -- no copy of the site tensor -- and the next step, which sums
+    ``p`` and ``f`` against the conjugate site ``pfi``, reads that layout as a matrix: the
+    two steps copy nothing (torch's profiler counts no ``aten::copy_``)."""
+    from tensorql_kernels import chunk_einsum as ce
+    from torch.profiler import profile
+
+    g = torch.Generator().manual_seed(5)
+    site, env, conj = (torch.randn(12, 64, 64, generator=g), torch.randn(64, 64, generator=g),
+                       torch.randn(12, 64, 64, generator=g))
+    first = ce.PairProduct.for_operands([site, env], [("p", "e", "h"), ("e", "f")],
+                                        ("p", "h", "f"))
+    assert isinstance(first, ce.StackedProduct)
+    with profile() as prof:
+        mid = ce.contract_into(None, [site, env], [("p", "e", "h"), ("e", "f")],
+                               ("p", "h", "f"))
+        last = ce.contract_into(None, [conj, mid], [("p", "f", "i"), ("p", "h", "f")],
+                                ("i", "h"))
+    assert not [e for e in prof.events() if e.name == "aten::copy_"]
+    want_mid = torch.einsum("peh,ef->phf", site, env)
+    torch.testing.assert_close(mid, want_mid, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, torch.einsum("pfi,phf->ih", conj, want_mid),
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stacked_products_match_numpy(seed):
+    """One operand lying in memory as ``F1 + C + F2`` (its labels given in any order: a
+    permuted view), the other as ``C + G`` or ``G + C``: the stacked product (one bmm, no
+    copy), with numpy's values, either operand first, the output in any order."""
+    from tensorql_kernels import chunk_einsum as ce
+
+    rng = np.random.default_rng(200 + seed)
+    names = iter("abcdefghij")
+    f1, c, f2, g = ([next(names) for _ in range(rng.integers(1, 3))] for _ in range(4))
+    sizes = {lab: int(rng.choice([4, 8, 16])) for lab in f1 + c + f2 + g}
+    sizes[f2[0]] = sizes[c[0]] = sizes[g[0]] = 16  # wide enough to stack
+    x_mem = f1 + c + f2
+    y_mem = c + g if rng.integers(0, 2) else g + c
+    x = torch.from_numpy(rng.standard_normal([sizes[lab] for lab in x_mem]))
+    y = torch.from_numpy(rng.standard_normal([sizes[lab] for lab in y_mem]))
+    order = [int(d) for d in rng.permutation(len(x_mem))]
+    xv, lx = x.permute(order), tuple(x_mem[d] for d in order)  # labels in another order
+    ly = tuple(y_mem)
+    out = tuple(rng.permutation(f1 + f2 + g))
+    ops, labs = ([xv, y], [lx, ly]) if seed % 2 else ([y, xv], [ly, lx])
+    plan = ce.PairProduct.for_operands(ops, labs, out)
+    assert isinstance(plan, ce.StackedProduct)
+    eq = f"{''.join(labs[0])},{''.join(labs[1])}->{''.join(out)}"
+    want = np.einsum(eq, ops[0].numpy(), ops[1].numpy())
+    np.testing.assert_allclose(plan(*ops).numpy(), want, rtol=1e-10, atol=1e-10)
+    got = ce.contract_into(None, ops, labs, out)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
+    for t in ops:
+        assert got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()

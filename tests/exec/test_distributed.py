@@ -353,3 +353,26 @@ def test_a_rank_that_never_joins_under_torchrun_gets_no_torchrun_advice(tmp_path
         assert seen["error"] == "DistributedError"
         assert "launch the script with torchrun" not in seen["message"], seen["message"]
         assert "under torchrun" in seen["message"] and "3 ranks" in seen["message"]
+
+
+def test_a_result_chunk_already_in_its_tile_is_not_copied_into_place():
+    """share_results puts a rank's own result chunks into the dense result: one the run
+    computed into its tile (the rank strategy now takes the destination) is left as it is --
+    no copy of it onto itself -- and one computed apart is copied in (one rank: nothing to
+    send)."""
+    from torch.profiler import profile
+
+    from tensorql.exec.distributed import RankLayout, share_results
+    from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+
+    top, bottom = ChunkRef(0, (0, 0)), ChunkRef(0, (1, 0))
+    graph = TaskGraph(tasks=(Task(0, (), top, None), Task(1, (), bottom, None)),
+                      retain=frozenset({0}))
+    dense = torch.zeros(4, 3)
+    tiles = {top: dense[:2], bottom: dense[2:]}
+    outputs = {top: tiles[top].fill_(1.0), bottom: torch.full((2, 3), 2.0)}
+    with profile() as prof:
+        share_results(graph, outputs, RankLayout(rank=0, world=1), tiles.__getitem__)
+    copies = [e for e in prof.events() if e.name == "aten::copy_"]
+    assert len(copies) == 1  # the bottom chunk's only
+    assert dense.tolist() == [[1.0] * 3] * 2 + [[2.0] * 3] * 2

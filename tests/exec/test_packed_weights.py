@@ -20,8 +20,10 @@ needs_onednn = pytest.mark.skipif(not packed_weights.AVAILABLE, reason="no oneDN
 @pytest.fixture
 def packing_on(monkeypatch):
     """The packed path is tested on every host: its default is off where MKL's own product is
-    faster (an Intel CPU), so these tests turn it on as ``TENSORQL_PACKED_WEIGHTS=1`` would."""
+    faster (an Intel CPU), so these tests turn it on as ``TENSORQL_PACKED_WEIGHTS=1`` would,
+    for products of any size (their small weights are far below ``MIN_MACS``)."""
     monkeypatch.setattr(packed_weights, "ENABLED", packed_weights.AVAILABLE)
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
 
 
 @pytest.mark.parametrize("setting, vendor, mkl, onednn, packs", [
@@ -123,6 +125,22 @@ def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy(packing_o
     del w
     gc.collect()
     assert packed_bytes() == before
+
+
+@needs_onednn
+def test_a_small_product_keeps_torch_mm(packing_on, monkeypatch):
+    """Below MIN_MACS multiply-adds the product is torch's own (same bits as torch.mm) and
+    nothing is packed; at it, the weight is packed."""
+    w = torch.randn(64, 4, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(576, 64, generator=torch.Generator().manual_seed(9))
+    mark_immutable(w)
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 576 * 64 * 4 + 1)
+    before = packed_bytes()
+    assert torch.equal(matmul(x, w), torch.mm(x, w))
+    assert packed_bytes() == before
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 576 * 64 * 4)
+    torch.testing.assert_close(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    assert packed_bytes() > before
 
 
 @needs_onednn
