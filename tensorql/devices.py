@@ -249,7 +249,7 @@ def _names(spec: Any) -> tuple[str, ...]:
             return tuple(f"cuda:{i}" for i in range(cuda.device_count()))
         if text.startswith("null"):  # null[:N]: N devices of virtual time
             count = text.split(":", 1)[1] if ":" in text else "1"
-            if not count.isdigit():
+            if not count.isdigit() or int(count) < 1:
                 raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
             return tuple(f"null:{i}" for i in range(_count(spec, int(count))))
         names = tuple(part.strip() for part in text.split(",") if part.strip())

@@ -364,8 +364,9 @@ class Tensor:
                                            "integer powers are not allowed (as numpy's and "
                                            "torch's); convert first, e.g. "
                                            "x.astype('float64') ** -1")
-                return self._map("pow", exponent)  # exact in the integer dtype, as numpy's
-            return self._map("pow", float(exponent))
+            else:
+                exponent = float(exponent)  # an int one stays exact in the integer dtype
+            return self._map("pow", exponent)
         return broadcast_binary(self, self._operand(exponent), _J.POW)
 
     def __rpow__(self, base: Any) -> Tensor:
@@ -660,13 +661,13 @@ class Tensor:
     def max(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
         _no_numpy_extras(_A.MAX, None, out)
-        self._no_empty_reduction("max", axis)
+        self._no_empty_reduction(_A.MAX, axis)
         return self._reduce(axis, _A.MAX, keepdims)
 
     def min(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
         _no_numpy_extras(_A.MIN, None, out)
-        self._no_empty_reduction("min", axis)
+        self._no_empty_reduction(_A.MIN, axis)
         return self._reduce(axis, _A.MIN, keepdims)
 
     def _no_empty_reduction(self, what: str, axis: Any) -> None:
