@@ -51,3 +51,16 @@ def rebuild(root: LogicalNode, made: dict[int, Made],
         elif id(node) not in dropped:
             memo[id(node)] = node.with_inputs(tuple(memo[id(c)] for c in node.inputs))
     return memo[id(root)]
+
+
+def rebuild_matching(root: LogicalNode, match: Callable[[LogicalNode], object | None],
+                     make: Callable[[LogicalNode, object], Made]) -> LogicalNode:
+    """``root`` with every node for which ``match`` finds something (not None) replaced by
+    ``make(node, found)``'s function (as :func:`rebuild` takes it); ``root`` itself when
+    ``match`` finds nothing. The walk-match-rebuild of a rule that rewrites nodes one by one."""
+    made = {}
+    for node in walk(root):
+        found = match(node)
+        if found is not None:
+            made[id(node)] = make(node, found)
+    return rebuild(root, made)

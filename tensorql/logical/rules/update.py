@@ -58,8 +58,8 @@ from collections.abc import Sequence
 from tensorql.algebra import is_update
 from tensorql.grid import ChunkGrid
 from tensorql.logical.lower import retile
-from tensorql.logical.plan import Join, LogicalNode, TensorRelation, walk
-from tensorql.logical.rules.common import rebuild
+from tensorql.logical.plan import Join, LogicalNode, TensorRelation
+from tensorql.logical.rules.common import rebuild_matching
 
 NAME = "contiguous_update"
 
@@ -67,12 +67,7 @@ NAME = "contiguous_update"
 def contiguous_update(root: LogicalNode) -> LogicalNode:
     """``root`` with every update join whose weight chunks are not contiguous tiled in blocks
     of whole rows (see the module doc); ``root`` itself when there is none."""
-    made = {}
-    for node in walk(root):
-        tile = _row_tile(node)
-        if tile is not None:
-            made[id(node)] = _maker(node, tile)
-    return rebuild(root, made)
+    return rebuild_matching(root, _row_tile, _maker)
 
 
 def contiguous(shape: Sequence[int], tile: Sequence[int]) -> bool:

@@ -48,8 +48,8 @@ import math
 from tensorql.algebra import AggName, JoinName
 from tensorql.grid import ChunkGrid
 from tensorql.logical.lower import retile
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Scan, TensorRelation, walk
-from tensorql.logical.rules.common import rebuild
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Scan, TensorRelation
+from tensorql.logical.rules.common import rebuild_matching
 
 NAME = "whole_rows_for_wide_weights"
 MIN_WEIGHT_CHUNKS = 8  # the weight's chunks along the output's labels: tasks for the workers
@@ -61,12 +61,7 @@ def whole_rows_for_wide_weights(root: LogicalNode) -> LogicalNode:
     """``root`` with every product of activations and a much larger, finely cut stored weight
     taking the activations in whole rows (see the module doc); ``root`` itself when there is
     none."""
-    made = {}
-    for node in walk(root):
-        tiles = _whole_row_tiles(node)
-        if tiles is not None:
-            made[id(node)] = _maker(node, tiles)
-    return rebuild(root, made)
+    return rebuild_matching(root, _whole_row_tiles, _maker)
 
 
 def _whole_row_tiles(node: LogicalNode) -> dict[str, int] | None:
