@@ -30,18 +30,23 @@ class DeviceKind:
     time); ``accelerator`` for one with memory of its own that chunks are copied into;
     ``whole_k``: one product over the whole contracted label beats a series of products per
     tile of it folded into an accumulator (a GPU: one cuBLAS call at full occupancy that
-    accumulates in float32 inside; a CPU's series keeps its accumulator in cache instead)."""
+    accumulates in float32 inside; a CPU's series keeps its accumulator in cache instead).
+    ``tile_target_elems``: the chunk size automatic tiles aim at on this kind (a CPU's: a
+    few MiB, so a task's operands stay near its cores' caches and tasks spread over the
+    threads; a GPU's: tens of MiB, so each launch fills the device and a plan is tens of
+    tasks where a CPU's is hundreds -- a LLaMA-7B layer's prefill was 945 tasks at 2^20)."""
 
     name: str
     computes_values: bool = True
     accelerator: bool = False
     whole_k: bool = False
+    tile_target_elems: int = 1 << 20
 
 
 #: every kind of device the ``devices`` option may name, by name
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "cpu": DeviceKind("cpu"),
-    "cuda": DeviceKind("cuda", accelerator=True, whole_k=True),
+    "cuda": DeviceKind("cuda", accelerator=True, whole_k=True, tile_target_elems=1 << 24),
     "null": DeviceKind("null", computes_values=False),
 }
 
@@ -115,6 +120,16 @@ class DeviceSet:
     @property
     def uses_cuda(self) -> bool:
         return any(s.kind == "cuda" for s in self.specs)
+
+    @property
+    def tile_target_elems(self) -> int:
+        """The chunk size automatic tiles aim at on these devices: the smallest of their
+        kinds' (:attr:`DeviceKind.tile_target_elems`), so a chunk suits every device.
+
+        >>> DeviceSet.parse("cpu").tile_target_elems == 1 << 20
+        True
+        """
+        return min((s.info.tile_target_elems for s in self.specs), default=1 << 20)
 
     def count_of(self, kind: str) -> int:
         """How many devices of ``kind`` the set has.

@@ -162,7 +162,10 @@ class Options:
             the planner, which raises TopologyError (an OptionError) when it does not fit
             the devices. None: one node, except in a torch.distributed job, whose ranks on
             one host form a node (host names gathered from the ranks).
-        tile_target_elems: element count auto-tiling aims at per chunk.
+        tile_target_elems: element count auto-tiling aims at per chunk (None: the devices'
+            choice, :attr:`~tensorql.devices.DeviceSet.tile_target_elems` -- 2^20 on CPUs,
+            2^24 on GPUs -- lowered under a ``memory_limit`` to at most 1/128 of it, never
+            below 2^20).
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
         chunk_cache_bytes: decoded chunks the DuckDB store keeps in memory (LRU).
         store_memory_limit: DuckDB's memory limit for a file-backed store (bytes or "1GiB";
@@ -211,7 +214,7 @@ class Options:
     strategy: str = "auto"
     memory_limit: int | None = None
     topology: Any = None
-    tile_target_elems: int = 1 << 20
+    tile_target_elems: int | None = None
     kernel_temp_bytes: int = 64 << 20
     chunk_cache_bytes: int = 1 << 30
     store_memory_limit: int | None = 1 << 30
@@ -226,6 +229,11 @@ class Options:
     device_cache: Any = "auto"
 
     def __post_init__(self) -> None:
+        # None: chosen by the devices below, once they are parsed (and again by ``with_``)
+        auto_tiles = self.tile_target_elems is None
+        object.__setattr__(self, "_auto_tiles", auto_tiles)
+        if auto_tiles:
+            object.__setattr__(self, "tile_target_elems", 1)  # a placeholder for the check
         for name, check in _CHECKS.items():
             object.__setattr__(self, name, check(name, getattr(self, name)))
         if self.deterministic:
@@ -245,6 +253,8 @@ class Options:
         # parsed once, here (OptionError now rather than at the first query)
         object.__setattr__(self, "_device_set",
                            DeviceSet.parse(self.devices, distributed=self.distributed))
+        if auto_tiles:
+            object.__setattr__(self, "tile_target_elems", self._device_tile_target())
         object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
                            parse_bytes(self.relation_dense_bytes))
@@ -292,6 +302,19 @@ class Options:
             raise OptionError(f"unknown option(s): {', '.join(sorted(unknown))}")
         return cls(**values)
 
+    def _device_tile_target(self) -> int:
+        """The devices' tile target (:attr:`DeviceSet.tile_target_elems`), under a
+        ``memory_limit`` at most 1/128 of it in float32 elements but never below the CPU's
+        2^20 (a GPU's 2^24 at 2 GiB; 2^21 at 1 GiB).
+
+        >>> Options(devices="cpu").tile_target_elems == 1 << 20
+        True
+        """
+        target = self._device_set.tile_target_elems  # type: ignore[attr-defined]
+        if self.memory_limit is not None:
+            target = max(1 << 20, min(target, self.memory_limit // (4 * 128)))
+        return int(target)
+
     def with_(self, **changes: Any) -> Options:
         """These options with ``changes``; a new ``workers`` without ``intra_op_threads``
         re-derives the torch threads a kernel gets (cores // workers).
@@ -309,6 +332,8 @@ class Options:
                               f"{', '.join(sorted(known))}")
         if "workers" in changes and "intra_op_threads" not in changes:
             changes = {**changes, "intra_op_threads": 0}
+        if self._auto_tiles and "tile_target_elems" not in changes:  # type: ignore[attr-defined]
+            changes = {**changes, "tile_target_elems": None}  # the new devices' choice
         return replace(self, **changes)
 
     @property

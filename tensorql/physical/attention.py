@@ -213,7 +213,10 @@ class AttentionChunk:
         dtype = torch_dtype(self.dtype)
         m = self.key_blocks
         masks = inputs[1 + 2 * m:1 + 3 * m] if self.mask is not None else None
-        layout = None if masks is None else mask_layout(masks, lambda: self._layout(inputs))
+        # the layout reads the mask on the host: on a GPU that is a sync per task and the
+        # runs of SUB_ROWS positions are launches too small for the device -- one call there
+        on_host = masks is not None and masks[0].device.type == "cpu"
+        layout = mask_layout(masks, lambda: self._layout(inputs)) if on_host else None
         inputs = self._keys_whole(inputs, range(m) if layout is None else layout.seen)
         q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in inputs[:3])
         sizes = dict(zip(self.q, q.shape)) | dict(zip(self.k, k.shape)) | dict(zip(self.v,

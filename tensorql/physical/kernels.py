@@ -671,12 +671,17 @@ class FusedPointwise(_NoCombine):
         return results[-1]
 
     def _rows(self, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
-        """The blocked dim's size and the rows of a block."""
+        """The blocked dim's size and the rows of a block. Blocks are a CPU cache's business:
+        on a GPU the chain runs over the whole chunk (a block there is only more launches,
+        each too small to fill the device -- a LLaMA layer's rotary chain of 8M elements
+        was 32 blocks of ~5 launches each)."""
         for op in self.ops:
             for arg in op.args:
                 if arg.index >= 0 and arg.dim is not None:
                     x = inputs[arg.index]
                     n = x.shape[arg.dim]
+                    if x.device.type != "cpu":
+                        return n, n
                     return n, max(1, self.block_elems // max(1, x.numel() // max(1, n)))
         return 1, 1
 

@@ -10,6 +10,7 @@ whose kernels mix devices, sync to the host, or read a transfer before it is kno
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
 import time
@@ -740,3 +741,65 @@ def test_an_activation_over_a_whole_k_product_is_its_epilogue_and_exact():
         isinstance(t.kernel, ContractEpilogue) and isinstance(t.kernel.kernel, ContractWhole)
         for t in product)
     assert np.array_equal(got, np.maximum(a @ b, 0))
+
+
+# -- what a GPU's first run found (an H100, 2026-11-27): CPU-shaped plans on the GPU -------
+def _compute_ops(fake: FakeCuda) -> int:
+    return fake.ops_by_label.get("compute", 0)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_a_fused_chain_on_the_gpu_is_one_launch_an_op_not_one_a_block(fake_cuda):
+    """A fused pointwise chain runs in row blocks of 2^18 elements on the CPU (its
+    intermediates stay in cache); on the GPU blocks are only more, smaller launches: a
+    4-op chain over a 2^22-element chunk was 16 blocks x 4 ops there."""
+    with violations_raised(fake_cuda), tq.connect(devices="cuda:0") as db:
+        A = db.from_numpy("A", np.ones((2048, 2048), np.float32), tile=(2048, 2048))
+        query = ((A * 2.0 + 1.0).relu().exp() - 1.0)
+        before = _compute_ops(fake_cuda)
+        got = query.numpy()
+        ops = _compute_ops(fake_cuda) - before
+    assert all_nan(got)
+    assert ops <= 8, f"{ops} ops on the GPU for a chain of 4 pointwise ops over one chunk"
+    ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_causal_attention_past_a_run_of_positions_does_not_read_the_mask_on_the_host(
+        fake_cuda):
+    """On the CPU a causal mask's layout (which keys each run of 64 query positions sees) is
+    read on the host and attention is called per run over its keys; on a GPU that read is
+    a sync inside a kernel (the strict fake raises it) and the calls too small to fill the
+    device: one call over every key there."""
+    with violations_raised(fake_cuda), tq.connect(devices="cuda:0") as db:
+        w = workloads.llama_block(db, batch=1, seq=256, d_model=32, heads=2, head_dim=16,
+                                  d_ff=48)
+        got = w.output.numpy()
+    assert got.shape == w.reference().shape and all_nan(got)
+    ran_on_device(fake_cuda)
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_automatic_tiles_are_the_devices_choice(fake_cuda):
+    """Automatic tiles aim at 2^20 elements on CPUs and 2^24 on GPUs (a LLaMA-7B layer's
+    prefill planned at 2^20 on an H100 was 945 tasks, each a few launches too small for
+    the device); under a memory_limit at most 1/128 of it; a value given is kept, and
+    ``with_`` re-derives only the automatic one."""
+    from tensorql.options import Options
+
+    assert Options(devices="cpu").tile_target_elems == 1 << 20
+    gpu = Options(devices="cuda:0")
+    assert gpu.tile_target_elems == 1 << 24
+    assert gpu.with_(devices="cpu").tile_target_elems == 1 << 20
+    assert Options(devices="cuda:0", memory_limit="1GiB").tile_target_elems == 1 << 21
+    assert Options(devices="cuda:0", memory_limit="64MiB").tile_target_elems == 1 << 20
+    assert Options(devices=["cpu:0", "cuda:0"]).tile_target_elems == 1 << 20
+    given = Options(devices="cuda:0", tile_target_elems=1 << 16)
+    assert given.with_(devices="cpu").tile_target_elems == 1 << 16
+    assert given.with_(workers=1).tile_target_elems == 1 << 16
+    with tq.connect(devices="cuda:0") as db:
+        x = db.constant(np.ones((4096, 4096), np.float32))
+        assert x.node.grid.blocks == (1, 1)
+    with tq.connect(devices="cpu") as db:
+        x = db.constant(np.ones((4096, 4096), np.float32))
+        assert math.prod(x.node.grid.blocks) >= 16
