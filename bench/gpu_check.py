@@ -404,6 +404,9 @@ def run_all(args: argparse.Namespace) -> int:
     for step in STEPS:
         result = StepResult(step.name)
         check.results.append(result)
+        if step.name in args.skip:
+            result.status, result.key = "skipped", "--skip"
+            continue
         if check.left() < 20:
             result.status, result.key = "NOT RUN", "out of time (--budget)"
             continue
@@ -469,10 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite-timeout", type=float, default=280.0)
     p.add_argument("--suite-workers", type=int, default=14)
     p.add_argument("--no-suite", action="store_true")
+    p.add_argument("--skip", type=lambda text: {n.strip() for n in text.split(",")},
+                   default=set(), help="steps not to run, by name (e.g. 'gpu_profile'): a "
+                   "rerun inside what is left of a lease")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--prepare", action="store_true",
                    help="download the wheels the device image lacks into .whl, then exit")
     args = p.parse_args(argv)
+    unknown = sorted(args.skip - {s.name for s in STEPS})
+    if unknown:
+        p.error(f"--skip: no step named {', '.join(map(repr, unknown))}; the steps are "
+                f"{', '.join(repr(s.name) for s in STEPS)}")
     args.caps = {s.name: s.cap for s in STEPS}
     return prepare(args) if args.prepare else run_all(args)
 

@@ -114,6 +114,8 @@ def measure(record: Record, device: str, shape: dict, vocab: int, seq: int, repe
     record.samples["tensorql_s"] = s_tq
     print(f"tensorql prefill: {t_tq * 1e3:.1f} ms ({len(s_tq)} samples; query built in "
           f"{record.figures['tensorql_build_s']:.2f} s); tensorql/torch time {ratio:.2f}x")
+    if is_cuda(device):
+        record.notes.extend(where_the_time_goes(prefill, run_tq))
     got, ref = holder["tq"].to(device, torch.float64), holder["torch"].double()
     err = float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
     record.figures["logits_rel_error"] = err
@@ -123,6 +125,28 @@ def measure(record: Record, device: str, shape: dict, vocab: int, seq: int, repe
         goal(record, "tensorql/torch prefill time", ratio, "<=", speed_goal)
     else:
         record.notes.append("no speed goal: issue 29 asks for the comparison to be recorded")
+
+
+def where_the_time_goes(prefill, run_tq, kernels: int = 12) -> list[str]:
+    """One more prefill under ``torch.profiler``: the device kernels taking the most time and
+    the host's share, then EXPLAIN ANALYZE of the prefill's plan (each step's tasks, busy
+    time and span on the GPU) -- printed, and returned for the record's notes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_tq()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:kernels]
+    lines = [f"profile of one prefill: device time {device_us / 1e3:.1f} ms in "
+             f"{sum(e.count for e in events if e.self_device_time_total > 0)} device calls"]
+    lines += [f"  {e.self_device_time_total / 1e3:8.2f} ms  x{e.count:<5} {e.key[:90]}"
+              for e in top]
+    text = prefill.query().explain(analyze=True)
+    lines += ["EXPLAIN ANALYZE of the prefill:"] + text.splitlines()[:60]
+    print("\n".join(lines), flush=True)
+    return lines
 
 
 if __name__ == "__main__":

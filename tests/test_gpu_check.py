@@ -206,3 +206,22 @@ def test_wheel_file_names_map_to_their_modules():
 def test_bench_module_doctests(module):
     failures, tried = doctest.testmod(module)
     assert tried > 0 and failures == 0
+
+
+def test_skip_leaves_steps_out_by_name(tmp_path):
+    """``--skip`` (a rerun inside what is left of a lease) leaves the named steps out and
+    says so in the summary; a name that is no step is refused before anything runs."""
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--skip",
+                           "gpu_profile,gpu_llama_layer,gpu_offload,gpu_matmul,gpu_probe"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    status = {s["name"]: (s["status"], s["key"]) for s in
+              json.loads((tmp_path / "gpu_check.json").read_text())["steps"]}
+    assert status["gpu_profile"] == ("skipped", "--skip")
+    assert status["gpu_matmul"] == ("skipped", "--skip")
+    assert status["environment"][0] == "ok"
+    bad = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--skip",
+                          "gpu_matmull"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "OUT": str(tmp_path / "bad")})
+    assert bad.returncode == 2 and "no step named 'gpu_matmull'" in bad.stderr
