@@ -34,19 +34,27 @@ class DeviceKind:
     ``tile_target_elems``: the chunk size automatic tiles aim at on this kind (a CPU's: a
     few MiB, so a task's operands stay near its cores' caches and tasks spread over the
     threads; a GPU's: tens of MiB, so each launch fills the device and a plan is tens of
-    tasks where a CPU's is hundreds -- a LLaMA-7B layer's prefill was 945 tasks at 2^20)."""
+    tasks where a CPU's is hundreds -- a LLaMA-7B layer's prefill was 945 tasks at 2^20).
+    ``compute_lanes``: the tasks one such device runs side by side (a GPU's compute
+    streams); 0 for a CPU, whose share of the session's ``workers`` it is."""
 
     name: str
     computes_values: bool = True
     accelerator: bool = False
     whole_k: bool = False
     tile_target_elems: int = 1 << 20
+    compute_lanes: int = 0
+
+
+#: the compute streams of a CUDA device: kernels it runs side by side
+CUDA_COMPUTE_STREAMS = 2
 
 
 #: every kind of device the ``devices`` option may name, by name
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "cpu": DeviceKind("cpu"),
-    "cuda": DeviceKind("cuda", accelerator=True, whole_k=True, tile_target_elems=1 << 24),
+    "cuda": DeviceKind("cuda", accelerator=True, whole_k=True, tile_target_elems=1 << 24,
+                       compute_lanes=CUDA_COMPUTE_STREAMS),
     "null": DeviceKind("null", computes_values=False),
 }
 
@@ -130,6 +138,19 @@ class DeviceSet:
         True
         """
         return min((s.info.tile_target_elems for s in self.specs), default=1 << 20)
+
+    def task_lanes(self, workers: int) -> int:
+        """The tasks these devices run side by side: the sum of their compute lanes, a CPU
+        device's being its share of the session's ``workers`` (a GPU's its compute streams,
+        however many cores the host has: a 16-core H100 host planned 16 tasks a step for a
+        GPU that runs 2).
+
+        >>> DeviceSet.parse(["cpu:0", "cpu:1"]).task_lanes(4), DeviceSet.parse("cpu").task_lanes(3)
+        (4, 3)
+        """
+        cpus = self.count_of("cpu")
+        share = max(1, workers // cpus) if cpus else 0
+        return max(1, sum(s.info.compute_lanes or share for s in self.specs))
 
     def count_of(self, kind: str) -> int:
         """How many devices of ``kind`` the set has.

@@ -315,6 +315,17 @@ class Options:
             target = max(1 << 20, min(target, self.memory_limit // (4 * 128)))
         return int(target)
 
+    @property
+    def task_lanes(self) -> int:
+        """The tasks the session's devices run side by side (what planning splits a step
+        into at least, :meth:`~tensorql.devices.DeviceSet.task_lanes`): the ``workers`` on
+        CPUs, the compute streams on GPUs.
+
+        >>> Options(devices="cpu", workers=3).task_lanes
+        3
+        """
+        return self.device_set.task_lanes(self.workers)
+
     def with_(self, **changes: Any) -> Options:
         """These options with ``changes``; a new ``workers`` without ``intra_op_threads``
         re-derives the torch threads a kernel gets (cores // workers).

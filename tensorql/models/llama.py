@@ -309,7 +309,8 @@ class Llama:
 
     def _prompt_tile(self, shape: Sequence[int]) -> tuple[int, ...]:
         """Tiles for a prompt's (B, S, ...) input: the automatic ones, with the positions cut
-        into one block per worker (of at least ``PROMPT_BLOCK_ROWS`` rows) -- every
+        into one block per lane (``Options.task_lanes``: a CPU's workers, a GPU's compute
+        streams; of at least ``PROMPT_BLOCK_ROWS`` rows) -- every
         projection, norm and attention of the prompt then runs as that many tasks that the
         workers take side by side, where one task a step left a worker idle (512 tokens of
         the bench model: ~8% faster on 2 workers).
@@ -322,7 +323,7 @@ class Llama:
         ((1, 256, 8), (1, 100, 8))
         """
         tile = list(auto_tile(shape, self.db.options.tile_target_elems))
-        blocks = min(max(1, self.db.options.workers), shape[1] // PROMPT_BLOCK_ROWS)
+        blocks = min(self.db.options.task_lanes, shape[1] // PROMPT_BLOCK_ROWS)
         if blocks > 1:
             tile[1] = min(tile[1], -(-shape[1] // blocks))
         return tuple(tile)

@@ -105,13 +105,14 @@ def _partition(logical: LogicalNode, db: Session, devices: int, max_temp: int,
 
 def _series(options: Options, limit: int | None, devices: int) -> dict[str, Any]:
     """How contributions to one output chunk are grouped into tasks: by default in series
-    of at most ``memory_limit // 4`` bytes of inputs and at least two tasks per worker of a
-    device; with ``Options.deterministic`` one task per output chunk (one accumulation
-    order, so a run gives the same bits every time)."""
+    of at most ``memory_limit // 4`` bytes of inputs and at least two tasks per lane of a
+    device (a CPU's workers, a GPU's compute streams: :attr:`Options.task_lanes`); with
+    ``Options.deterministic`` one task per output chunk (one accumulation order, so a run
+    gives the same bits every time)."""
     if options.deterministic:
         return {"fuse_bytes": None, "min_tasks": 1}
     return {"fuse_bytes": _fuse_bytes(limit),
-            "min_tasks": 2 * max(1, options.workers // devices)}
+            "min_tasks": 2 * max(1, options.task_lanes // devices)}
 
 
 def whole_k_bytes(options: Options) -> float | None:

@@ -803,3 +803,25 @@ def test_automatic_tiles_are_the_devices_choice(fake_cuda):
     with tq.connect(devices="cpu") as db:
         x = db.constant(np.ones((4096, 4096), np.float32))
         assert math.prod(x.node.grid.blocks) >= 16
+
+
+@pytest.mark.parametrize("fake_cuda", [{"devices": 1}], indirect=True)
+def test_a_gpu_plan_does_not_follow_the_hosts_core_count(fake_cuda):
+    """Planning splits a step into at least two tasks per lane: a CPU's workers, a GPU's
+    compute streams. A 16-core H100 host planned a LLaMA layer's prefill for 16 lanes (3336
+    tasks, attention in 32-row pieces) on a GPU that runs 2 kernels side by side."""
+    from tensorql.models import Llama, LlamaShape
+
+    shape = LlamaShape(vocab=64, d_model=256, d_ff=512, layers=1, heads=4, kv_heads=4,
+                       head_dim=64)
+
+    def tasks(workers: int) -> int:
+        with tq.connect(devices="cuda:0", workers=workers) as db:
+            assert db.options.task_lanes == 2
+            model = Llama.random(db, shape, seed=0)
+            text = model.prefill(1, 2048).query().explain()
+        return int(re.search(r"(\d+) chunk tasks", text).group(1))
+
+    assert tasks(16) == tasks(2)
+    with tq.connect(devices="cpu", workers=4) as db:
+        assert db.options.task_lanes == 4

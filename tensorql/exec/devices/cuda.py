@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 import tensorql.cuda_api as cuda_api
+from tensorql.devices import CUDA_COMPUTE_STREAMS
 from tensorql.errors import ExecutionError
 from tensorql.exec.device_cache import DeviceCache
 from tensorql.exec.devices.base import Completion, Post, ThreadedDevice
@@ -196,7 +197,8 @@ class CUDADevice(ThreadedDevice):
     kind = "cuda"
     lookahead = CUDA_LOOKAHEAD
 
-    def __init__(self, name: str = "cuda:0", compute_streams: int = 2) -> None:
+    def __init__(self, name: str = "cuda:0",
+                 compute_streams: int = CUDA_COMPUTE_STREAMS) -> None:
         self.api = cuda_api.current()
         if not self.api.is_available():
             raise ExecutionError(f"device {name!r} needs CUDA, but {self.api.name} has no "
