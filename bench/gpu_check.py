@@ -23,8 +23,9 @@ Steps, in order (each a subprocess with its own time cap, all within ``--budget`
 It ends with a one-screen summary (each step ok / FAIL / skipped with its key figure) and exits
 1 when a step failed or ran out of time. Written to ``$OUT`` when set, else ``--out``
 (default ``.bench-out/gpu-check``): ``gpu_check.log`` (every step's output), ``gpu_check.json``
-(the environment and every step, with the benches' JSON records and the probes' rows), and
-``summary.txt``.
+(the environment and every step, with the benches' JSON records and the probes' rows),
+``summary.txt``, and ``suite_failures.txt`` (each CPU-suite failure's traceback, written as
+the test ends: ``bench/failure_log.py``).
 
     python bench/gpu_check.py                # on the GPU machine (make gpu-check)
     python bench/gpu_check.py --device cpu   # dry run: CPU devices, smoke sizes (DEV=cpu)
@@ -364,11 +365,24 @@ def step_suite(check: Check, result: StepResult) -> None:
     # -m "not gpu": those ran in their own step (beside 14 busy workers a timing test of the
     # GPU's launch queue can starve); -v: each test's outcome as it ends, so a suite stopped at
     # its cap still names its failures
+    # -p failure_log: each failure's traceback into suite_failures.txt as the test ends, so a
+    # suite stopped at its cap says why as well as what (bench/failure_log.py)
+    failures = check.out / "suite_failures.txt"
+    failures.unlink(missing_ok=True)
     result.command = check.python("-m", "pytest", "-n", str(check.args.suite_workers), "-v",
                                   "-m", "not gpu", "--maxfail=100", "-p", "no:cacheprovider",
-                                  "-p", "no:benchmark", "--tb=short")
-    rc, out, _ = check.run(result.command, check.args.suite_timeout)
+                                  "-p", "no:benchmark", "-p", "failure_log", "--tb=short")
+    check.env["TENSORQL_FAILURE_LOG"] = str(failures)
+    check.env["PYTHONPATH"] += os.pathsep + str(BENCH)
+    try:
+        rc, out, _ = check.run(result.command, check.args.suite_timeout)
+    finally:
+        del check.env["TENSORQL_FAILURE_LOG"]
     _pytest_result(result, rc, out)
+    if failures.is_file():
+        result.record["failure_log"] = str(failures)
+        check.log.write(f"\n[gpu-check] failures as they ended ({failures}):\n"
+                        f"{failures.read_text()}\n")
 
 
 STEPS = (

@@ -225,3 +225,44 @@ def test_skip_leaves_steps_out_by_name(tmp_path):
                           "gpu_matmull"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "OUT": str(tmp_path / "bad")})
     assert bad.returncode == 2 and "no step named 'gpu_matmull'" in bad.stderr
+
+
+_FAILING_THEN_SLOW = """
+import time
+
+def test_fails_first():
+    assert 6 * 7 == 41, "the reason the capped run must still give"
+
+def test_then_runs_past_the_cap():
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_suite_stopped_at_its_cap_has_written_why_its_failures_failed(tmp_path, workers):
+    """gpu-check's CPU suite loads ``bench/failure_log.py``: each failure's report is in the
+    file as soon as the test ends, so a suite killed at its cap (as on a device machine)
+    still says why -- once, under xdist too (the controller writes, not the workers)."""
+    if workers is not None:
+        pytest.importorskip("xdist", reason="pytest-xdist (the device image has it)")
+    (tmp_path / "test_capped.py").write_text(_FAILING_THEN_SLOW)
+    log = tmp_path / "failures.txt"
+    env = {**os.environ, "TENSORQL_FAILURE_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pytest", "-p", "failure_log", "-p", "no:cacheprovider",
+               "-q", "--tb=short", "-c", os.devnull, "--rootdir", str(tmp_path),
+               str(tmp_path / "test_capped.py")] + (["-n", str(workers)] if workers else [])
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "41" not in (
+                log.read_text() if log.is_file() else ""):
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, 9)  # the cap: the slow test never ends, pytest never summarises
+        proc.wait()
+    text = log.read_text()
+    assert text.count("===== FAILED") == 1, text
+    assert "test_capped.py::test_fails_first (call)" in text
+    assert "the reason the capped run must still give" in text and "6 * 7" in text
