@@ -78,7 +78,7 @@ def test_bench_smoke_run(bench, tmp_path):
 
 def test_every_cpu_bench_has_a_gated_smoke_run():
     gpu = {"gpu_matmul", "gpu_offload", "gpu_probe", "gpu_check", "out_of_core"}
-    helpers = {"harness", "tables", "timing"}
+    helpers = {"harness", "tables", "timing", "failure_log"}
     benches = {p.stem for p in BENCH.glob("*.py")} - helpers
     assert benches - gpu - {p for p in benches if p.startswith("gpu_")} <= GATED
 
