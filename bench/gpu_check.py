@@ -372,12 +372,13 @@ def step_suite(check: Check, result: StepResult) -> None:
     result.command = check.python("-m", "pytest", "-n", str(check.args.suite_workers), "-v",
                                   "-m", "not gpu", "--maxfail=100", "-p", "no:cacheprovider",
                                   "-p", "no:benchmark", "-p", "failure_log", "--tb=short")
-    check.env["TENSORQL_FAILURE_LOG"] = str(failures)
-    check.env["PYTHONPATH"] += os.pathsep + str(BENCH)
+    env = check.env
+    check.env = {**env, "TENSORQL_FAILURE_LOG": str(failures),
+                 "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(BENCH)}
     try:
         rc, out, _ = check.run(result.command, check.args.suite_timeout)
     finally:
-        del check.env["TENSORQL_FAILURE_LOG"]
+        check.env = env
     _pytest_result(result, rc, out)
     if failures.is_file():
         result.record["failure_log"] = str(failures)

@@ -36,7 +36,8 @@ class DeviceKind:
     threads; a GPU's: tens of MiB, so each launch fills the device and a plan is tens of
     tasks where a CPU's is hundreds -- a LLaMA-7B layer's prefill was 945 tasks at 2^20).
     ``compute_lanes``: the tasks one such device runs side by side (a GPU's compute
-    streams); 0 for a CPU, whose share of the session's ``workers`` it is."""
+    streams); 0 for a CPU (and the null device standing in for one), whose share of the
+    session's ``workers`` it is."""
 
     name: str
     computes_values: bool = True
@@ -148,8 +149,8 @@ class DeviceSet:
         >>> DeviceSet.parse(["cpu:0", "cpu:1"]).task_lanes(4), DeviceSet.parse("cpu").task_lanes(3)
         (4, 3)
         """
-        cpus = self.count_of("cpu")
-        share = max(1, workers // cpus) if cpus else 0
+        hosts = sum(1 for s in self.specs if not s.info.compute_lanes)  # CPU (or null)
+        share = max(1, workers // hosts) if hosts else 0
         return max(1, sum(s.info.compute_lanes or share for s in self.specs))
 
     def count_of(self, kind: str) -> int:

@@ -76,6 +76,11 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
+def _positive_or_none(name: str, value: Any) -> int | None:
+    """A positive integer, or None (chosen later: the devices' tile target)."""
+    return None if value is None else _positive(name, value)
+
+
 def _bytes_or_zero(name: str, value: Any) -> int:
     """A byte count that may be 0 (nothing kept): an int >= 0 or a size like "64MiB"."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -113,7 +118,7 @@ def _name(name: str, value: Any) -> str:
 # how each setting is checked and normalised when a session's Options are made (the memory
 # sizes that may be None, devices, topology and device_cache have checks of their own below)
 _CHECKS = {
-    "workers": _count, "intra_op_threads": _count, "tile_target_elems": _positive,
+    "workers": _count, "intra_op_threads": _count, "tile_target_elems": _positive_or_none,
     "kernel_temp_bytes": _bytes_or_zero, "chunk_cache_bytes": _bytes_or_zero,
     "progress": _flag, "distributed": _flag, "deterministic": _flag,
     "distributed_timeout_s": _seconds, "strategy": _name,
@@ -232,8 +237,6 @@ class Options:
         # None: chosen by the devices below, once they are parsed (and again by ``with_``)
         auto_tiles = self.tile_target_elems is None
         object.__setattr__(self, "_auto_tiles", auto_tiles)
-        if auto_tiles:
-            object.__setattr__(self, "tile_target_elems", 1)  # a placeholder for the check
         for name, check in _CHECKS.items():
             object.__setattr__(self, name, check(name, getattr(self, name)))
         if self.deterministic:
