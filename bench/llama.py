@@ -45,7 +45,10 @@ The decode phase also times its **physical floor**, ``gemv floor``: in a process
 model's weight products of one token (every ``nn.Linear``'s weight, the LM head's included, in
 the layers' order, ``torch.nn.functional.linear`` of one row, as transformers calls them) and
 nothing else, per token. No decoder can be faster than its weights' GEMVs; the table gives
-tq / floor beside tq / transformers.
+tq / floor beside tq / transformers. The prefill phases time theirs, ``gemm floor``: the same
+weights' products of the prompt's rows (each weight packed once for oneDNN, the fastest form
+either side has: :func:`gemm_floor`), with the call's prompt length, and nothing else -- no
+attention, norm, rotary embedding or activation.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 GOALS = {"generate": 0.9, "prefill cached": 0.9, "prefill cold": 1.0, "decode": 1.0}
 FLOOR = "gemv floor"  # the decode phase's physical floor (not a peer: no goal, no check)
+PREFILL_FLOOR = "gemm floor"  # the prefill phases' physical floor (the same: no goal)
+FLOORS = (FLOOR, PREFILL_FLOOR)
 
 
 def hf_model(tiny: bool):
@@ -147,12 +152,46 @@ def gemv_floor(model: torch.nn.Module, new: int):
     return run
 
 
+def gemm_floor(model: torch.nn.Module, seq: int, shrinking: bool = False):
+    """The weight products of a ``seq``-token prompt and nothing else: every ``nn.Linear``'s
+    weight of ``model`` (packed once for oneDNN, as :class:`PackedLinear` and tensorql's packed
+    weights call it), in order, times ``seq`` rows (the floor of a prefill: its GEMMs at the
+    fastest packed rate, with no attention or elementwise work). ``shrinking``: the call
+    numbered ``c`` (from 0) takes ``seq - c`` rows, as the ``prefill cold`` phase's prompts do.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(**TINY)
+    >>> run = gemm_floor(transformers.LlamaForCausalLM(config), 20)
+    >>> interval = run()
+    >>> interval.seconds > 0, interval.value.shape
+    (True, (0,))
+    """
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    rows = {w.shape[1]: torch.randn(seq, w.shape[1]) for w in weights}
+    next_call = _counter()
+
+    @torch.inference_mode()
+    def run():
+        length = seq - next_call() if shrinking else seq
+        start = time.perf_counter()
+        for weight, ready in zip(weights, packed):
+            torch.ops.mkldnn._linear_pointwise(rows[weight.shape[1]][:length], ready, None,
+                                               "none", [], "")
+        return Interval(time.perf_counter() - start, np.zeros(0, dtype=np.int64))
+
+    return run
+
+
 def hf_factory(tiny: bool, phase: str, seq: int, new: int, packed: bool = False,
                floor: bool = False):
     """transformers' side of ``phase`` (under ``torch.inference_mode``); ``packed``: its
     linear layers' weights packed once for oneDNN (:func:`pack_linears`); ``floor``: the
-    model's weight GEMVs alone (:func:`gemv_floor`, decode only)."""
+    model's weight products alone (:func:`gemv_floor` for decode, :func:`gemm_floor` for
+    a prefill)."""
     model = hf_model(tiny)
+    if floor and phase.startswith("prefill"):
+        return gemm_floor(model, seq, shrinking=phase == "prefill cold")
     if floor:
         return gemv_floor(model, new)
     if packed:
@@ -253,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
             contenders.append(Contender("tq nopack", "llama:tq_factory",
                                         dict(common, threads=args.threads),
                                         env={"TENSORQL_PACKED_WEIGHTS": "0"}))
-        if phase == "decode":
-            contenders.append(Contender(FLOOR, "llama:hf_factory", dict(common, floor=True)))
+        if phase == "decode" or phase.startswith("prefill"):
+            contenders.append(Contender(FLOOR if phase == "decode" else PREFILL_FLOOR,
+                                        "llama:hf_factory", dict(common, floor=True)))
         timings, outputs = run_contenders(contenders, args)
         record.timings(phase, timings)
         want = outputs["transformers"]
         for who, got in outputs.items():
-            if who in ("transformers", FLOOR):
+            if who == "transformers" or who in FLOORS:
                 continue
             if phase.startswith("prefill"):
                 err = float(np.abs(got - want).max())
@@ -276,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = tq_.median / hf.median
         best = tq_.median / timings[fastest].median
         nopack = timings.get("tq nopack")
-        floor = timings.get(FLOOR)
+        floor_name = next((name for name in FLOORS if name in timings), None)
+        floor = None if floor_name is None else timings[floor_name]
         scale = 1e3
         rows.append([phase, hf.median * scale, hf.summary()["iqr"] * scale,
                      hf.first_s * scale, hf_packed.median * scale, tq_.median * scale,
@@ -292,16 +333,17 @@ def main(argv: list[str] | None = None) -> int:
             record.goal(f"{phase}: tq / fastest transformers ({fastest}) {best:.2f} <= "
                         f"{GOALS[phase]}", best <= GOALS[phase])
         print(f"  {phase}: transformers {hf.describe()}; tq {tq_.describe()}"
-              + ("" if floor is None else f"; {FLOOR} {floor.describe()}"), flush=True)
+              + ("" if floor is None else f"; {floor_name} {floor.describe()}"), flush=True)
     columns = ["phase", "transformers ms", "IQR", "cold ms", "transformers packed ms", "tq ms",
                "IQR", "cold ms", "tq nopack ms", "tq/transformers", "tq/fastest transformers",
                "nopack/transformers", "transformers peak MiB", "packed peak MiB",
-               "tq peak MiB", "goal", "gemv floor ms", "tq/floor"]
+               "tq peak MiB", "goal", "floor ms", "tq/floor"]
     record.table("main", columns, rows, note=f"prompt {seq} tokens, {args.new} new; decode is "
                  "per token; cold = the first call (a new process's first request); "
                  "transformers packed: its linear layers' weights packed once for oneDNN, "
                  "tensorql's packing rule; the goal is against the fastest transformers form; "
-                 "gemv floor: the model's weight products of one token alone (decode).")
+                 "floor: the model's weight products alone -- of one token (decode: gemv floor) "
+                 "or of the prompt, packed (prefill: gemm floor).")
     from tables import render_table
 
     print(render_table(record.data, "main").rsplit("\n\n", 1)[0])

@@ -203,6 +203,48 @@ def test_tables_regenerates_marked_tables_from_json(tmp_path):
     assert tables.main([*argv, "--check"]) == 0
 
 
+def test_llama_bench_doctests():
+    """The LLaMA bench's peers and floors (``PackedLinear``, ``gemv_floor``, ``gemm_floor``)
+    run as their docstrings show."""
+    import llama
+    import torch
+
+    torch.manual_seed(0)
+    failed, attempted = doctest.testmod(llama)
+    assert attempted >= 3 and failed == 0
+
+
+def test_llama_prefill_floor_shrinks_with_the_cold_phase_prompts():
+    """``gemm floor`` times the call's own prompt length: ``seq - c`` rows on call ``c`` of
+    ``prefill cold`` (as both contenders' prompts), ``seq`` rows every call otherwise."""
+    import llama
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.TINY))
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, rows, *args):
+            seen.append(rows.shape[0])
+            return real(rows, *args)
+
+    for shrinking, want in ((True, [20, 19, 18]), (False, [20, 20, 20])):
+        run = llama.gemm_floor(model, 20, shrinking=shrinking)
+        seen.clear()
+        llama.torch.ops.mkldnn._linear_pointwise = Spy()
+        try:
+            for _ in range(3):
+                assert run().seconds > 0
+        finally:
+            llama.torch.ops.mkldnn._linear_pointwise = real
+        per_call = len(seen) // 3
+        assert per_call == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert seen[::per_call] == want
+
+
 def test_docs_tables_match_the_committed_records():
     """docs/benchmarks.md holds what bench/tables.py makes of bench/results/ (no hand edits)."""
     assert tables.main(["--check"]) == 0
