@@ -245,6 +245,22 @@ def test_llama_prefill_floor_shrinks_with_the_cold_phase_prompts():
         assert seen[::per_call] == want
 
 
+def test_prefill_breakdown_counts_each_step_under_its_kind():
+    """``bench/profile/prefill_breakdown.py`` sorts the prefill plan's steps by their names."""
+    sys.path.insert(0, str(BENCH / "profile"))
+    try:
+        import prefill_breakdown
+    finally:
+        sys.path.remove(str(BENCH / "profile"))
+    failed, attempted = doctest.testmod(prefill_breakdown)
+    assert attempted > 0 and failed == 0
+    kind = prefill_breakdown.kind_of
+    assert kind("Aggregate sum over [d] <- Join mul on [d]", True) == "lm head"
+    assert kind("Aggregate sum over [f] <- Join mul on [f]", False) == "product"
+    assert kind("Attention softmax over [t] with mask", False) == "attention"
+    assert kind("Pointwise rsqrt <- shift <- scale", False) == "norm"
+
+
 def test_docs_tables_match_the_committed_records():
     """docs/benchmarks.md holds what bench/tables.py makes of bench/results/ (no hand edits)."""
     assert tables.main(["--check"]) == 0
