@@ -68,7 +68,6 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 GOALS = {"generate": 0.9, "prefill cached": 0.9, "prefill cold": 1.0, "decode": 1.0}
 FLOOR = "gemv floor"  # the decode phase's physical floor (not a peer: no goal, no check)
 PREFILL_FLOOR = "gemm floor"  # the prefill phases' physical floor (the same: no goal)
-FLOORS = (FLOOR, PREFILL_FLOOR)
 
 
 def hf_model(tiny: bool):
@@ -153,11 +152,12 @@ def gemv_floor(model: torch.nn.Module, new: int):
 
 
 def gemm_floor(model: torch.nn.Module, seq: int, shrinking: bool = False):
-    """The weight products of a ``seq``-token prompt and nothing else: every ``nn.Linear``'s
-    weight of ``model`` (packed once for oneDNN, as :class:`PackedLinear` and tensorql's packed
-    weights call it), in order, times ``seq`` rows (the floor of a prefill: its GEMMs at the
-    fastest packed rate, with no attention or elementwise work). ``shrinking``: the call
-    numbered ``c`` (from 0) takes ``seq - c`` rows, as the ``prefill cold`` phase's prompts do.
+    """The weight products of a ``seq``-token prompt and nothing else: every ``nn.Linear`` of
+    ``model`` as ``transformers packed`` runs it (:class:`PackedLinear`: its weight packed once
+    for oneDNN, as tensorql's packed weights are), in order, times ``seq`` rows (the floor of
+    a prefill: its GEMMs at the fastest packed rate, with no attention or elementwise work).
+    ``shrinking``: the call numbered ``c`` (from 0) takes ``seq - c`` rows, as the ``prefill
+    cold`` phase's prompts do.
 
     >>> import transformers
     >>> config = transformers.LlamaConfig(**TINY)
@@ -166,18 +166,16 @@ def gemm_floor(model: torch.nn.Module, seq: int, shrinking: bool = False):
     >>> interval.seconds > 0, interval.value.shape
     (True, (0,))
     """
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    rows = {w.shape[1]: torch.randn(seq, w.shape[1]) for w in weights}
+    layers = [PackedLinear(m) for m in list(model.modules()) if isinstance(m, torch.nn.Linear)]
+    rows = {layer.weight.shape[1]: torch.randn(seq, layer.weight.shape[1]) for layer in layers}
     next_call = _counter()
 
     @torch.inference_mode()
     def run():
         length = seq - next_call() if shrinking else seq
         start = time.perf_counter()
-        for weight, ready in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(rows[weight.shape[1]][:length], ready, None,
-                                               "none", [], "")
+        for layer in layers:
+            layer(rows[layer.weight.shape[1]][:length])
         return Interval(time.perf_counter() - start, np.zeros(0, dtype=np.int64))
 
     return run
@@ -292,14 +290,15 @@ def main(argv: list[str] | None = None) -> int:
             contenders.append(Contender("tq nopack", "llama:tq_factory",
                                         dict(common, threads=args.threads),
                                         env={"TENSORQL_PACKED_WEIGHTS": "0"}))
-        if phase == "decode" or phase.startswith("prefill"):
-            contenders.append(Contender(FLOOR if phase == "decode" else PREFILL_FLOOR,
-                                        "llama:hf_factory", dict(common, floor=True)))
+        floor_name = (FLOOR if phase == "decode"
+                      else PREFILL_FLOOR if phase.startswith("prefill") else None)
+        if floor_name is not None:
+            contenders.append(Contender(floor_name, "llama:hf_factory", dict(common, floor=True)))
         timings, outputs = run_contenders(contenders, args)
         record.timings(phase, timings)
         want = outputs["transformers"]
         for who, got in outputs.items():
-            if who == "transformers" or who in FLOORS:
+            if who in ("transformers", floor_name):
                 continue
             if phase.startswith("prefill"):
                 err = float(np.abs(got - want).max())
@@ -316,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         ratio = tq_.median / hf.median
         best = tq_.median / timings[fastest].median
         nopack = timings.get("tq nopack")
-        floor_name = next((name for name in FLOORS if name in timings), None)
         floor = None if floor_name is None else timings[floor_name]
         scale = 1e3
         rows.append([phase, hf.median * scale, hf.summary()["iqr"] * scale,

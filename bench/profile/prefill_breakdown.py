@@ -28,7 +28,6 @@ import sys
 import time
 from collections import defaultdict
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,5 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     sys.exit(main())
