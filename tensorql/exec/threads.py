@@ -17,8 +17,9 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 IDLE_THREAD_S = 60.0  # an idle parked thread ends after this long
@@ -69,3 +70,35 @@ class ParkedThreads:
 
 
 PARKED = ParkedThreads()
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the calling thread's torch work inside on that thread alone (``torch`` threads 1,
+    the setting restored after) -- for the small writes made just before a query runs (a
+    prompt's embeddings gathered into their constant). Run on two threads, such a write
+    leaves the second one of the OpenMP team (libgomp's) spinning for its next job, ~10 ms
+    of a core on the 2-core AMD host, while the query's workers, one a core, start: the
+    spinner takes a third of each core from them (a LLaMA prefill's first products were
+    preempted for ~4 ms, and 16-27 ms of CPU a run went to other threads than the workers,
+    4-13 ms with the gather on one thread).
+
+    >>> import torch
+    >>> before = torch.get_num_threads()
+    >>> with one_torch_thread():
+    ...     torch.get_num_threads()
+    1
+    >>> torch.get_num_threads() == before
+    True
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -612,13 +612,19 @@ class _TokenEmbeddings:
 
     def write(self, ids: np.ndarray, table: Callable[[], torch.Tensor]) -> None:
         """Put the embeddings of ``ids`` (batch, seq) in place; ``table()`` gives the
-        embedding table when the rows are gathered."""
-        if self.hidden is not None:  # gathered straight into place (no indexed copy)
-            rows = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).reshape(-1)
-            torch.index_select(table(), 0, rows, out=self.hidden.view(-1, self.hidden.shape[-1]))
-        else:
-            self.onehot.zero_()
-            self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
+        embedding table when the rows are gathered. Done on this thread alone
+        (:func:`~tensorql.exec.threads.one_torch_thread`): the query that reads them starts
+        next, and a second thread of this write would spin beside its workers."""
+        from tensorql.exec.threads import one_torch_thread
+
+        with one_torch_thread():
+            if self.hidden is not None:  # gathered straight into place (no indexed copy)
+                rows = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).reshape(-1)
+                torch.index_select(table(), 0, rows,
+                                   out=self.hidden.view(-1, self.hidden.shape[-1]))
+            else:
+                self.onehot.zero_()
+                self.onehot.scatter_(2, torch.from_numpy(ids)[..., None], 1.0)
 
 
 class _PromptOfShape:

@@ -39,3 +39,30 @@ def test_logits_of_alternating_lengths_match_a_fresh_model():
         fresh = Llama(db, SHAPE)  # the same stored weights, no tables made yet
         torch.testing.assert_close(model.logits(ids).torch(), fresh.logits(ids).torch(),
                                    rtol=0, atol=0)
+
+
+def test_a_prompts_embeddings_are_gathered_on_one_thread(monkeypatch):
+    """The gather runs right before the prefill's query: on two threads it would leave the
+    second one spinning beside the query's workers (``one_torch_thread``). The logits are
+    those of the model's own expression, and the caller's thread setting is restored."""
+    model = Llama.random(tq.connect(workers=2), SHAPE, seed=3)
+    prefill = model.prefill(1, 4)
+    seen = []
+    gather = torch.index_select
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = [[1, 5, 2, 7]]
+        got = prefill.logits(ids)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, model.logits(ids).torch(), atol=1e-5, rtol=1e-5)
