@@ -16,6 +16,8 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -259,6 +261,36 @@ def test_prefill_breakdown_counts_each_step_under_its_kind():
     assert kind("Aggregate sum over [f] <- Join mul on [f]", False) == "product"
     assert kind("Attention softmax over [t] with mask", False) == "attention"
     assert kind("Pointwise rsqrt <- shift <- scale", False) == "norm"
+
+
+def test_prefill_other_threads_counts_only_the_threads_it_did_not_exclude():
+    """``bench/profile/prefill_other_threads.py`` reads the CPU of the process's other live
+    threads: a thread spinning during the call is counted, the calling one is not."""
+    sys.path.insert(0, str(BENCH / "profile"))
+    try:
+        import prefill_other_threads as other
+    finally:
+        sys.path.remove(str(BENCH / "profile"))
+    failed, attempted = doctest.testmod(other)
+    assert attempted > 0 and failed == 0
+    if not other.thread_cpu(set()):
+        pytest.skip("no /proc/self/task here")
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    spinner.start()
+    try:
+        busy = other.others_during(lambda: time.sleep(0.2))
+    finally:
+        stop.set()
+        spinner.join()
+    def spin_here(seconds: float = 0.15) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    own = other.others_during(spin_here)  # the caller's own CPU is not counted
+    assert busy > 0.05  # the spinner ran for most of the 0.2 s the caller slept
+    assert own < 0.05
 
 
 def test_docs_tables_match_the_committed_records():
