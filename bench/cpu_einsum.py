@@ -63,7 +63,7 @@ import threading
 
 import numpy as np
 import torch
-from harness import Contender, Record, add_arguments, measure, run_contenders
+from harness import Contender, Record, add_arguments, measure, ratio_text, run_contenders
 
 # tensorql / the fastest torch form, warm medians (issue 31: <= 1.0 in every run)
 TORCH_GOAL = 1.0
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         row["tq/torch best"] = med["tq"] / forms[row["torch_best_form"]]
         rows.append(row)
         record.goal(f"{key}: tq / fastest torch ({row['torch_best_form']}) "
-                    f"{row['tq/torch best']:.2f} <= {TORCH_GOAL}",
+                    f"{ratio_text(row['tq/torch best'], TORCH_GOAL)} <= {TORCH_GOAL}",
                     row["tq/torch best"] <= TORCH_GOAL)
         if dask:
             record.goal(f"{key}: fastest dask ({row['dask_best_form']}) / tq "
@@ -399,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         manual = ", ".join(f"{t}: {v * 1e3:.3g}" for t, v in r["manual"].items())
         auto_table.append([r["workload"], r["size"], manual, "x".join(map(str, r["auto_tile"])),
                            r["auto"] * 1e3, r["auto/best"]])
-        record.goal(f"auto tile {r['workload']}: auto/best {r['auto/best']:.2f} <= 1.1",
-                    r["auto/best"] <= 1.1)
+        record.goal(f"auto tile {r['workload']}: auto/best "
+                    f"{ratio_text(r['auto/best'], 1.1)} <= 1.1", r["auto/best"] <= 1.1)
     auto_columns = ["workload", "size", "manual tiles: ms", "auto tile", "auto ms", "auto/best"]
     record.table("auto_tiles", auto_columns, auto_table)
     _print_table(auto_columns, auto_table)

@@ -79,7 +79,7 @@ import time
 
 import numpy as np
 import torch
-from harness import Record, Timing, add_arguments
+from harness import Record, Timing, add_arguments, ratio_text
 from tables import cell
 
 SIZES = {  # mlp-tp: the mlp's weights, a batch of d_model / 8 rows (see tp_memory_limit)
@@ -662,9 +662,10 @@ def main(argv: list[str] | None = None) -> int:
                                  f"rank <= 1/{k} of {format_bytes(r['weight_bytes'])}",
                                  r["tq_weight_bytes_rank"] <= share)
                 if k == goal_k:
-                    record.goal(f"{name} ranks={k}: tq/{peer} time {ratio:.2f} <= 1.0",
+                    record.goal(f"{name} ranks={k}: tq/{peer} time {ratio_text(ratio, 1.0)} <= 1.0",
                                 ratio <= 1.0)
-                    record.goal(f"{name} ranks={k}: bytes {byte_ratio:.2f} <= {peer}'s",
+                    record.goal(f"{name} ranks={k}: bytes "
+                                f"{ratio_text(byte_ratio, 1.0)} <= {peer}'s",
                                 r["tq_bytes"] <= r["dt_bytes"])
     if goal_k is None:
         print(f"no row with 1 < ranks <= {cores} cores: no timing goal checked")

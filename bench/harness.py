@@ -231,6 +231,23 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
+def ratio_text(value: float, bound: float) -> str:
+    """``value`` for a goal's text: two decimals, or as many more as it takes for the printed
+    number to fall on the same side of ``bound`` as the value (a miss of a goal of 1.0 by
+    0.0013 reads 1.001, where two decimals printed "1.00 <= 1.0" beside MISSED).
+
+    >>> ratio_text(0.934, 0.9), ratio_text(1.0013, 1.0), ratio_text(0.9004, 0.9)
+    ('0.93', '1.001', '0.9004')
+    >>> ratio_text(0.8996, 0.9)  # met, and 0.90 <= 0.9 reads so
+    '0.90'
+    """
+    for digits in range(2, 8):
+        text = f"{value:.{digits}f}"
+        if (float(text) <= bound) == (value <= bound):
+            return text
+    return repr(value)
+
+
 def thread_env(threads: int) -> dict[str, str]:
     """Environment that caps every BLAS / OpenMP pool at ``threads``.
 

@@ -59,7 +59,7 @@ import time
 
 import numpy as np
 import torch
-from harness import Contender, Interval, Record, add_arguments, run_contenders
+from harness import Contender, Interval, Record, add_arguments, ratio_text, run_contenders
 
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
             num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                      None if floor is None else floor.median * scale,
                      None if floor is None else tq_.median / floor.median])
         if phase in GOALS:
-            record.goal(f"{phase}: tq / fastest transformers ({fastest}) {best:.2f} <= "
-                        f"{GOALS[phase]}", best <= GOALS[phase])
+            record.goal(f"{phase}: tq / fastest transformers ({fastest}) "
+                        f"{ratio_text(best, GOALS[phase])} <= {GOALS[phase]}",
+                        best <= GOALS[phase])
         print(f"  {phase}: transformers {hf.describe()}; tq {tq_.describe()}"
               + ("" if floor is None else f"; {floor_name} {floor.describe()}"), flush=True)
     columns = ["phase", "transformers ms", "IQR", "cold ms", "transformers packed ms", "tq ms",

@@ -55,7 +55,7 @@ import tempfile
 
 import numpy as np
 import torch
-from harness import Contender, Record, add_arguments, run_contenders
+from harness import Contender, Record, add_arguments, ratio_text, run_contenders
 
 SIZES = {
     "default": {"mlp": (256, 784, 2048, 2048, 10), "block": (1, 256, 512, 8, 64, 1376)},
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                                  gap <= 1e-3, gap)
             fastest = min(TORCH_FORMS, key=lambda f: timings[f].median)
             ratio = ours.median / timings[fastest].median
-            record.goal(f"{name}: tq/{fastest} {ratio:.2f} <= {GOALS[name]}",
+            record.goal(f"{name}: tq/{fastest} {ratio_text(ratio, GOALS[name])} <= {GOALS[name]}",
                         ratio <= GOALS[name])
             stand = {who: float(out[1]) for who, out in r["outputs"].items()}
             rows.append([r["label"], ours.median * 1e3, ours.first_s * 1e3,
