@@ -83,12 +83,12 @@ class ChunkGrid:
         >>> ChunkGrid((5, 4), (2, 4)).chunk_shape((2, 0))
         (1, 4)
         """
-        shapes = self._chunk_shapes  # memo: a plan asks for the same chunks' shapes again
-        shape = shapes.get(key) if type(key) is tuple else None
+        if type(key) is not tuple:  # a list or other sequence: not a memo key
+            return tuple(min(t, n - b * t) for b, t, n in zip(key, self.tile, self.shape))
+        shape = self._chunk_shapes.get(key)  # memo: a plan asks for the same chunks again
         if shape is None:
-            shape = tuple(min(t, n - b * t) for b, t, n in zip(key, self.tile, self.shape))
-            if type(key) is tuple:
-                shapes[key] = shape
+            shape = self._chunk_shapes[key] = tuple(
+                min(t, n - b * t) for b, t, n in zip(key, self.tile, self.shape))
         return shape
 
     @functools.cached_property

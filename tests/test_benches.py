@@ -11,6 +11,7 @@ elsewhere) must only finish without a traceback. Figures come from the full runs
 from __future__ import annotations
 
 import doctest
+import importlib
 import json
 import os
 import statistics
@@ -247,16 +248,21 @@ def test_llama_prefill_floor_shrinks_with_the_cold_phase_prompts():
         assert seen[::per_call] == want
 
 
-def test_prefill_breakdown_counts_each_step_under_its_kind():
-    """``bench/profile/prefill_breakdown.py`` sorts the prefill plan's steps by their names."""
+def _profile_script(name: str):
+    """The module ``bench/profile/<name>.py``, its doctests run and passed."""
     sys.path.insert(0, str(BENCH / "profile"))
     try:
-        import prefill_breakdown
+        module = importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH / "profile"))
-    failed, attempted = doctest.testmod(prefill_breakdown)
+    failed, attempted = doctest.testmod(module)
     assert attempted > 0 and failed == 0
-    kind = prefill_breakdown.kind_of
+    return module
+
+
+def test_prefill_breakdown_counts_each_step_under_its_kind():
+    """``bench/profile/prefill_breakdown.py`` sorts the prefill plan's steps by their names."""
+    kind = _profile_script("prefill_breakdown").kind_of
     assert kind("Aggregate sum over [d] <- Join mul on [d]", True) == "lm head"
     assert kind("Aggregate sum over [f] <- Join mul on [f]", False) == "product"
     assert kind("Attention softmax over [t] with mask", False) == "attention"
@@ -266,13 +272,7 @@ def test_prefill_breakdown_counts_each_step_under_its_kind():
 def test_prefill_other_threads_counts_only_the_threads_it_did_not_exclude():
     """``bench/profile/prefill_other_threads.py`` reads the CPU of the process's other live
     threads: a thread spinning during the call is counted, the calling one is not."""
-    sys.path.insert(0, str(BENCH / "profile"))
-    try:
-        import prefill_other_threads as other
-    finally:
-        sys.path.remove(str(BENCH / "profile"))
-    failed, attempted = doctest.testmod(other)
-    assert attempted > 0 and failed == 0
+    other = _profile_script("prefill_other_threads")
     if not other.thread_cpu(set()):
         pytest.skip("no /proc/self/task here")
     stop = threading.Event()
@@ -283,6 +283,7 @@ def test_prefill_other_threads_counts_only_the_threads_it_did_not_exclude():
     finally:
         stop.set()
         spinner.join()
+
     def spin_here(seconds: float = 0.15) -> None:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
