@@ -941,9 +941,18 @@ def _flat_plan(la: tuple[str, ...], lb: tuple[str, ...], out: tuple[str, ...],
                shape_a: tuple[int, ...], shape_b: tuple[int, ...]):
     """How :func:`_flat_matmul` views the operands, decided once per labels and shapes:
     (operands swapped, (m, k, n), (left read transposed, right read transposed), output
-    shape), or None."""
+    shape), or None. A label of extent 1 that one operand alone has and the output lacks
+    (summed over one value: a slice of a stored tensor along a label the product sums, as
+    LLaMA's keys and values each read one half of their joint weight) is left out: a
+    flattened view never depends on it.
+
+    >>> _flat_plan(("b", "s", "d"), ("p", "k", "d"), ("b", "s", "k"), (1, 4, 8), (1, 6, 8))
+    (False, (4, 8, 6), (False, True), (1, 4, 6))
+    """
     if len(set(la)) != len(la) or len(set(lb)) != len(lb) or len(set(out)) != len(out):
         return None
+    la, shape_a = _without_summed_singletons(la, shape_a, lb, out)
+    lb, shape_b = _without_summed_singletons(lb, shape_b, la, out)
     for swapped, (lx, sx), (ly, sy) in ((False, (la, shape_a), (lb, shape_b)),
                                         (True, (lb, shape_b), (la, shape_a))):
         shared = tuple(lab for lab in lx if lab in ly)
@@ -961,6 +970,22 @@ def _flat_plan(la: tuple[str, ...], lb: tuple[str, ...], out: tuple[str, ...],
         shape = tuple(sx[lx.index(lab)] for lab in p) + tuple(sy[ly.index(lab)] for lab in q)
         return swapped, (m, k, n), (left_t, right_t), shape
     return None
+
+
+def _without_summed_singletons(labels: tuple[str, ...], shape: tuple[int, ...],
+                               other: tuple[str, ...], out: tuple[str, ...]
+                               ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``labels`` and ``shape`` without the labels of extent 1 that neither ``other`` nor
+    ``out`` has (a sum over one value, which changes nothing).
+
+    >>> _without_summed_singletons(("p", "k", "d"), (1, 6, 8), ("b", "d"), ("b", "k"))
+    (('k', 'd'), (6, 8))
+    """
+    if 1 not in shape:
+        return labels, shape
+    keep = [n for n, lab in enumerate(labels)
+            if shape[n] != 1 or lab in other or lab in out]
+    return tuple(labels[n] for n in keep), tuple(shape[n] for n in keep)
 
 
 def _matrix_layout(labels, row_labels, col_labels) -> bool | None:

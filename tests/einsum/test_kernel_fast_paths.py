@@ -159,6 +159,41 @@ def test_flat_products_match_numpy(a_first, b_first, swap):
     np.testing.assert_allclose(big[1:].numpy(), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_summed_label_of_one_value_keeps_the_flat_product(where):
+    """A label of extent 1 that one operand alone has and the product sums (LLaMA's keys
+    read their half of the joint key/value weight: ``bsd,pked->bske`` with ``p`` one value
+    wide) no longer sends the product to ``torch.einsum``'s pair route: it is the flat
+    matrix product -- with the stored weight's packed copy where it has one -- and gives
+    numpy's values, fresh, accumulated and written into a tile."""
+    from tensorql_kernels import chunk_einsum as ce
+    from tensorql_kernels import packed_weights
+
+    rng = np.random.default_rng(11)
+    weight_labels = {"first": ("p", "k", "e", "d"), "middle": ("k", "p", "e", "d"),
+                     "last": ("k", "e", "d", "p")}[where]
+    sizes = {"b": 1, "s": 32, "d": 64, "p": 1, "k": 4, "e": 16}
+    x = rng.standard_normal([sizes[lab] for lab in "bsd"]).astype(np.float32)
+    joint = rng.standard_normal([2 if lab == "p" else sizes[lab] for lab in weight_labels]
+                                ).astype(np.float32)
+    stored = torch.from_numpy(joint)
+    packed_weights.mark_immutable(stored)
+    half = stored.narrow(weight_labels.index("p"), 1, 1)  # one value of p: a view
+    labels = [("b", "s", "d"), weight_labels]
+    out = ("b", "s", "k", "e")
+    assert ce.pair_route([torch.from_numpy(x), half], labels, out) is None
+    assert ce._flat_matmul([torch.from_numpy(x), half], labels, out, "mul", "sum") is not None
+    want = np.einsum(f"bsd,{''.join(weight_labels)}->bske", x, half.numpy())
+    got = ce.contract_into(None, [torch.from_numpy(x), half], labels, out)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    acc = torch.ones(want.shape)
+    ce.contract_into(acc, [torch.from_numpy(x), half], labels, out)
+    np.testing.assert_allclose(acc.numpy(), want + 1, rtol=1e-4, atol=1e-4)
+    tile = torch.zeros(2, *want.shape[1:])
+    ce.contract_to(tile[1:], [torch.from_numpy(x), half], labels, out)
+    np.testing.assert_allclose(tile[1:].numpy(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_pair_route_kept_gives_what_the_full_route_gives(seed):
     """contract_into's kept pair route (issue 31) against numpy, on random two-operand
