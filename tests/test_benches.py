@@ -299,7 +299,8 @@ def test_docs_tables_match_the_committed_records():
     assert tables.main(["--check"]) == 0
     names = [m.group("name") for m in tables.MARKER.finditer(
         (ROOT / "docs" / "benchmarks.md").read_text())]
-    assert {n.partition(":")[0] for n in names} <= GATED
+    # every table comes from a gated bench's record; ``goals`` gathers theirs
+    assert {n.partition(":")[0] for n in names} - {"goals"} <= GATED
 
 
 def test_train_pools_fresh_processes_and_keeps_each_ones_median():
