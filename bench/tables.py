@@ -63,10 +63,19 @@ def cell(value: object) -> str:
     return str(value).replace("|", "\\|")
 
 
+def short_commit(env: Mapping) -> str:
+    """The record's commit as the tables name it: 7 hex digits, "(dirty)" when the tree was.
+
+    >>> short_commit({"commit": "abc1234def", "dirty": True}), short_commit({})
+    ('abc1234 (dirty)', 'unknown')
+    """
+    return (env.get("commit") or "unknown")[:7] + (" (dirty)" if env.get("dirty") else "")
+
+
 def provenance(record: Mapping, source: str) -> str:
     env, method = record.get("env", {}), record.get("method", {})
-    commit = (env.get("commit") or "unknown")[:7] + (" (dirty)" if env.get("dirty") else "")
-    parts = [f"commit {commit}", f"{env.get('cpu_model', '?')} ({env.get('cores', '?')} cores)",
+    parts = [f"commit {short_commit(env)}",
+             f"{env.get('cpu_model', '?')} ({env.get('cores', '?')} cores)",
              f"torch {env.get('torch', '?')}", f"MKL {env.get('mkl', '?')}",
              f"oneDNN {env.get('onednn', '?')}", f"THP {env.get('thp', '?')}",
              str(env.get("date", "?"))[:10]]
@@ -116,7 +125,7 @@ def render_goals(records: Mapping[str, Mapping]) -> str:
         if record.get("smoke"):
             continue
         env = record.get("env", {})
-        where = (f"{(env.get('commit') or 'unknown')[:7]}, {env.get('cpu_model', '?')}, "
+        where = (f"{short_commit(env)}, {env.get('cpu_model', '?')}, "
                  f"{str(env.get('date', '?'))[:16]}")
         for text, verdict in record.get("goals", {}).items():
             state = "met" if verdict.get("ok") else "**missed**"
