@@ -804,11 +804,12 @@ def unanswering_ranks(layout: RankLayout, grace_s: float | None = None) -> Unans
     grace = grace_s if grace_s is not None else min(5.0, max(1.0, job_timeout))
     window = job_timeout + grace  # a failure recorded this recently is of the same episode
     host = socket.gethostname()
+    processes: dict[int, tuple[bool, int]] = {}
+    reported: set[int] = set()  # ranks seen recording a failure of this episode
     try:
         store.set_timeout(datetime.timedelta(seconds=max(1.0, grace)))
         try:
             store.set(f"{_FAILED_KEY}{layout.rank}", repr(time.time()))
-            processes = {}
             for r in others:
                 key = f"{_PROCESS_KEY}{r}"
                 if store.check([key]):
@@ -821,14 +822,23 @@ def unanswering_ranks(layout: RankLayout, grace_s: float | None = None) -> Unans
             deadline = time.monotonic() + grace
             while True:
                 now = time.time()
-                missing = [r for r in others if not _failed_since(store, r, now - window)]
-                if not missing or time.monotonic() >= deadline:
+                for r in others:  # one by one: what was read stands if the store goes
+                    if r not in reported and _failed_since(store, r, now - window):
+                        reported.add(r)
+                if len(reported) == len(others) or time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
         finally:
-            store.set_timeout(datetime.timedelta(seconds=job_timeout))
+            try:
+                store.set_timeout(datetime.timedelta(seconds=job_timeout))
+            except Exception:  # noqa: BLE001 - the store went with its host: see below
+                pass
     except Exception:  # noqa: BLE001 - the store went with its host
-        return Unanswering(store_lost=layout.rank != 0)
+        if 0 not in reported:
+            return Unanswering(store_lost=layout.rank != 0)
+        # rank 0 reported this failure too, then ended (its error raised) and took the store
+        # with it: that is no fault of rank 0's; the ranks not seen reporting are still named
+    missing = [r for r in others if r not in reported]
     stalled = tuple(r for r in missing if processes.get(r, (False, 0))[0])
     return Unanswering(stalled=stalled, silent=tuple(r for r in missing if r not in stalled))
 
