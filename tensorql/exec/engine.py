@@ -16,13 +16,15 @@ destination, progress, figures, failure):
 - ``rank`` -- the streams of one rank of a distributed job, its transfers through
   torch.distributed (:class:`~tensorql.exec.distributed.DistributedRuntime`);
 - ``tape`` -- the serial order lowered once into bound kernel calls over buffers kept
-  between runs (:func:`~tensorql.exec.tape.run_tape`), for a plan its caller runs again and
-  again (a decoder's token); asked for by name, never chosen by the policy (it keeps every
-  chunk's buffer), and on anything but one CPU with no memory limit the policy's strategy.
+  between runs (:func:`~tensorql.exec.tape.run_tape`), for a plan run again and again (a
+  decoder's token asks for it by name); on anything but one CPU with no memory limit the
+  policy's strategy.
 
 :func:`choose_strategy` is the policy: a rank runs ``rank``; one CPU device with no memory
 limit (and no timeline) runs ``serial`` or ``lanes`` by the graph
-(:func:`runs_serially`); anything else runs ``streams``.
+(:func:`runs_serially`), and a serial graph run again from its tape where it suits
+(:func:`~tensorql.exec.tape.suits`: pure kernels, small buffers -- a tensor network's warm
+call); anything else runs ``streams``.
 
 >>> import torch
 >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
@@ -54,7 +56,7 @@ from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
-from tensorql.exec.tape import fits, run_tape
+from tensorql.exec.tape import fits, run_tape, suits
 from tensorql.exec.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
@@ -286,7 +288,9 @@ def choose_strategy(graph: TaskGraph, config: EngineConfig) -> str:
         return "rank"
     if not config.runs_direct:
         return "streams"
-    return "serial" if runs_serially(graph, config.workers) else "lanes"
+    if not runs_serially(graph, config.workers):
+        return "lanes"
+    return "tape" if suits(graph) else "serial"
 
 
 def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = None,

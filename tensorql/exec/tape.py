@@ -59,7 +59,10 @@ TapeCounts(calls=1, bound=1, generic=0, accumulate=0, views=0, sources=1)
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,17 +75,27 @@ from tensorql.exec.run_types import (
     ProgressCallback,
     RunResult,
     RunStats,
+    StepStats,
     task_failure,
 )
-from tensorql.exec.serial import SerialSchedule
+from tensorql.exec.serial import SerialSchedule, run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
-__all__ = ["TAPE_MAX_BYTES", "Tape", "TapeCounts", "fits", "run_tape"]
+__all__ = ["AUTO_TAPES_TOTAL_BYTES", "AUTO_TAPE_MAX_BYTES", "TAPE_MAX_BYTES", "Tape",
+           "TapeCounts", "fits", "run_tape", "suits"]
 
 # The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
 # graph whose chunks add up to more runs in the serial strategy, which frees each chunk
 # after its last reader. A decoded LLaMA token's chunks are ~1 MiB (its weights are inputs).
 TAPE_MAX_BYTES = 64 << 20
+# A graph the engine's policy runs from a tape by itself (:func:`suits`, not asked for by
+# name) keeps at most this many bytes of buffers, and all such tapes together at most
+# AUTO_TAPES_TOTAL_BYTES: beyond it the oldest is dropped (lowered again when run again).
+AUTO_TAPE_MAX_BYTES = 16 << 20
+AUTO_TAPES_TOTAL_BYTES = 64 << 20
+# a tape found stale this often (a source read afresh every run, e.g. a store whose cache
+# does not keep its chunks) is no longer chosen by the policy: each run would lower it again
+STALE_LIMIT = 2
 
 Call = Callable[[], Any]
 
@@ -121,6 +134,9 @@ class Tape:
     outputs: tuple[tuple[ChunkRef, torch.Tensor], ...]  # the retained chunks' buffers
     counts: TapeCounts
     nbytes: int  # bytes of the buffers the tape allocated
+    call_steps: tuple[int, ...] = ()  # the step of each call's task
+    # per step: (tasks, bytes in, bytes read) -- fixed, as every run's shapes are
+    step_totals: tuple[tuple[int, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, graph: TaskGraph) -> Tape:
@@ -128,9 +144,10 @@ class Tape:
         return graph.programs["tape"]
 
     @classmethod
-    def lower(cls, graph: TaskGraph) -> Tape:
+    def lower(cls, graph: TaskGraph, stats: RunStats | None = None) -> Tape:
         """Run ``graph`` once in the serial order and bind every task to the tensors of that
-        run (its values are the tape's outputs). ExecutionError when a task fails."""
+        run (its values are the tape's outputs; with ``stats``, each step's figures go into
+        ``stats.steps``). ExecutionError when a task fails."""
         schedule = SerialSchedule.of(graph)
         values: list[Any] = [None] * schedule.slots
         sources: list[_Source] = []
@@ -142,19 +159,27 @@ class Tape:
             calls.extend(new)
             owners.extend([task] * len(new))
 
+        totals: dict[int, list[int]] = {}  # step -> [tasks, bytes in, bytes read]
         for slot, task in schedule.inline:
             values[slot] = task.kernel.run((), None)
             sources.append(_source(task, values[slot]))
+            totals.setdefault(task.output.step, [0, 0, 0])[0] += 1
         storages = {_storage(v) for v in values if v is not None}
         for entry in schedule.tasks:
             task, kernel = entry.task, entry.task.kernel
             inputs = [values[i] for i in entry.inputs]
+            total = totals.setdefault(task.output.step, [0, 0, 0])
+            total[0] += 1
+            total[1] += sum([x.nbytes for x in inputs])
+            total[2] += entry.bytes_read
+            started = time.perf_counter()
             try:
                 if not entry.first:  # a further contribution, folded into the buffer
                     call = _accumulate(kernel, inputs, values[entry.output])
                     call()
                     add(task, (call,))
                     accumulate += 1
+                    _timed(stats, task, started)
                     continue
                 value = kernel.run(inputs, None)
             except TensorQLError:
@@ -179,10 +204,17 @@ class Tape:
                     bound += 1
             values[entry.output] = value
             storages.add(_storage(value))
+            _timed(stats, task, started)
         outputs = tuple((entry.task.output, values[entry.output]) for entry in schedule.tasks
                         if entry.retained and entry.completes)
+        if stats is not None:
+            for step, (tasks, bytes_in, bytes_read) in totals.items():
+                st = stats.steps.setdefault(step, StepStats())
+                st.tasks, st.bytes_in, st.bytes_read = tasks, bytes_in, bytes_read
         counts = TapeCounts(len(calls), bound, generic, accumulate, views, len(sources))
-        return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes)
+        return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes,
+                   tuple(task.output.step for task in owners),
+                   tuple((step, *figures) for step, figures in totals.items()))
 
     def current(self) -> bool:
         """Whether every source still gives the tensor it gave when the tape was made: a
@@ -200,12 +232,18 @@ class Tape:
                 return False
         return True
 
-    def replay(self) -> None:
-        """Run every call once, in order (the sources as they are now)."""
+    def replay(self, stats: RunStats | None = None) -> None:
+        """Run every call once, in order (the sources as they are now); with ``stats``, each
+        step's figures (as the serial strategy records them, its time from its calls) go
+        into ``stats.steps``."""
         k = 0
+        perf = time.perf_counter
+        marks = [0.0] * (len(self.calls) + 1)
+        marks[0] = perf()
         try:
             for k, call in enumerate(self.calls):  # noqa: B007 (k names a failure)
                 call()
+                marks[k + 1] = perf()
         except TensorQLError:
             raise
         except Exception as err:
@@ -213,6 +251,33 @@ class Tape:
             raise ExecutionError(f"tape call {k} of {len(self.calls)} (task {task.id}, step "
                                  f"{task.output.step}, chunk {task.output.key}) failed: "
                                  f"{type(err).__name__}: {err}") from err
+        if stats is not None:
+            self.record(stats, marks)
+
+    def record(self, stats: RunStats, marks: Sequence[float]) -> None:
+        """Each step's figures from the times ``marks`` of a replay (call k ran from
+        ``marks[k]`` to ``marks[k + 1]``); a step of no call (sources, views) took none."""
+        steps = stats.steps
+        for step, tasks, bytes_in, bytes_read in self.step_totals:
+            steps[step] = StepStats(tasks=tasks, bytes_in=bytes_in, bytes_read=bytes_read,
+                                    first_start=marks[0], last_end=marks[0])
+        for k, step in enumerate(self.call_steps):
+            st = steps[step]
+            if st.busy_s == 0.0:
+                st.first_start = marks[k]
+            st.busy_s += marks[k + 1] - marks[k]
+            st.last_end = marks[k + 1]
+
+
+def _timed(stats: RunStats | None, task: Task, started: float) -> None:
+    """Count the time since ``started`` to ``task``'s step (a lowering run's figures)."""
+    if stats is None:
+        return
+    ended = time.perf_counter()
+    st = stats.steps.setdefault(task.output.step, StepStats(first_start=started))
+    st.busy_s += ended - started
+    st.first_start = min(st.first_start, started)
+    st.last_end = ended
 
 
 def _source(task: Task, value: torch.Tensor) -> _Source:
@@ -287,6 +352,41 @@ def fits(graph: TaskGraph) -> bool:
     return estimate <= TAPE_MAX_BYTES
 
 
+def suits(graph: TaskGraph) -> bool:
+    """Whether the engine's policy runs ``graph`` -- one it runs serially -- from its tape
+    rather than in the serial strategy: a plan run again (its serial order is kept with it:
+    the first run was serial), every kernel of it ``replayable`` (its call has no effect
+    beyond its result, so replaying it into a kept buffer is the same run), its buffers
+    within :data:`AUTO_TAPE_MAX_BYTES`, and its tape not found stale :data:`STALE_LIMIT`
+    times (sources read afresh every run). A tensor network's warm call: 240 tasks of
+    ~50 us, where the serial loop's Python is a fifth of the time.
+
+    >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
+    >>> class Pure:
+    ...     replayable = True
+    >>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Pure()),), chunk_bytes={})
+    >>> suits(g)  # its first run: serial
+    False
+    >>> _ = SerialSchedule.of(g)  # what the serial run keeps with the graph
+    >>> suits(g)
+    True
+    """
+    programs = graph.programs
+    if programs.get("tape-stale", 0) >= STALE_LIMIT:
+        return False
+    if "tape" in programs:
+        return True
+    if "serial-schedule" not in programs:
+        return False
+    chosen = programs.get("tape-auto")
+    if chosen is None:
+        estimate = _estimated_bytes(graph)
+        chosen = programs["tape-auto"] = (
+            estimate is not None and estimate <= AUTO_TAPE_MAX_BYTES
+            and all(getattr(task.kernel, "replayable", False) for task in graph.tasks))
+    return chosen
+
+
 def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
              sink: ChunkSink | None = None, keep_outputs: bool = True,
              threads: int | None = None) -> RunResult:
@@ -294,21 +394,39 @@ def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
     when a source changed, see :meth:`Tape.current`) run once on this thread, with
     ``threads`` torch threads when given; arguments and result as
     :func:`tensorql.exec.engine.run` (no ``destination``: the sink copies each result out
-    of its buffer; ``outputs`` are copies). For graphs that :func:`fits`."""
+    of its buffer; ``outputs`` are copies), each step's figures in ``stats.steps`` as a
+    serial run records them. For graphs that :func:`fits`. A tape's buffers serve one run
+    at a time: a run of the same graph on another thread meanwhile runs serially."""
+    lock = graph.programs.setdefault("tape-lock", threading.Lock())
+    if not lock.acquire(blocking=False):  # its buffers are another thread's run's now
+        return run_serial(graph, progress, sink, None, keep_outputs, threads=threads)
+    try:
+        return _run_tape(graph, progress, sink, keep_outputs, threads)
+    finally:
+        lock.release()
+
+
+def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSink | None,
+              keep_outputs: bool, threads: int | None) -> RunResult:
     tape = graph.programs.get("tape")
+    stats = RunStats(tasks=len(graph.tasks), serial=True)
     previous = torch.get_num_threads()
     if threads is not None and threads != previous:
         torch.set_num_threads(threads)
     start = time.perf_counter()
     try:
         if tape is not None and tape.current():
-            tape.replay()
+            tape.replay(stats)
         else:
-            tape = graph.programs["tape"] = Tape.lower(graph)
+            if tape is not None:
+                graph.programs["tape-stale"] = graph.programs.get("tape-stale", 0) + 1
+            tape = graph.programs["tape"] = Tape.lower(graph, stats)
+            if graph.programs.get("tape-auto"):
+                _keep_within_budget(graph, tape.nbytes)
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
-    stats = RunStats(tasks=len(graph.tasks), serial=True, peak_live_bytes=tape.nbytes)
+    stats.peak_live_bytes = tape.nbytes
     outputs: dict[ChunkRef, torch.Tensor] = {}
     for ref, value in tape.outputs:
         if sink is not None:
@@ -316,6 +434,30 @@ def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
         if keep_outputs:
             outputs[ref] = value.clone()
     stats.wall_s = time.perf_counter() - start
+    stats.rebase(start)
     if progress is not None:
         progress(len(graph.tasks), len(graph.tasks))
     return RunResult(outputs=outputs, stats=stats)
+
+
+# the tapes the policy chose (:func:`suits`), oldest first: id(graph) -> (graph, bytes)
+_AUTO_TAPES: OrderedDict[int, tuple[weakref.ref, int]] = OrderedDict()
+_AUTO_TAPES_LOCK = threading.Lock()
+
+
+def _keep_within_budget(graph: TaskGraph, nbytes: int) -> None:
+    """Count ``graph``'s new tape against :data:`AUTO_TAPES_TOTAL_BYTES`, dropping the
+    oldest other tapes the policy chose (their graphs lower them again when run again)."""
+    with _AUTO_TAPES_LOCK:
+        _AUTO_TAPES.pop(id(graph), None)
+        _AUTO_TAPES[id(graph)] = (weakref.ref(graph), nbytes)
+        total = 0
+        for key, (ref, size) in reversed(list(_AUTO_TAPES.items())):
+            kept = ref()
+            if kept is None or "tape" not in kept.programs:
+                del _AUTO_TAPES[key]
+            elif total + size > AUTO_TAPES_TOTAL_BYTES and kept is not graph:
+                kept.programs.pop("tape", None)
+                del _AUTO_TAPES[key]
+            else:
+                total += size

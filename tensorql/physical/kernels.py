@@ -55,6 +55,7 @@ class LoadChunk(_NoCombine):
     shape: tuple[int, ...]
     dtype: str
     stored_shape: tuple[int, ...] | None = None  # the whole tensor's, as planned
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     @property
     def bytes_read(self) -> int:
@@ -188,6 +189,7 @@ class ConstChunk(_NoCombine):
     value: torch.Tensor
     slices: tuple[slice, ...] | None = None
     inline = True  # a view, no work: the executor runs it in place of scheduling it
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return self.value if self.slices is None else self.value[self.slices]
@@ -207,6 +209,7 @@ class MapChunk(_NoCombine):
     scalar: float | None
     dtype: str
     memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return apply_map(self.fn, inputs[0], self.scalar).to(torch_dtype(self.dtype))
@@ -230,6 +233,7 @@ class ReshapeChunk(_NoCombine):
     """
 
     shape: tuple[int, ...]
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return inputs[0].reshape(self.shape)
@@ -248,6 +252,7 @@ class SoftmaxChunk(_NoCombine):
     log: bool
     dtype: str
     memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     @classmethod
     def of(cls, node: Softmax) -> SoftmaxChunk:
@@ -284,6 +289,7 @@ class RekeyChunk(_NoCombine):
 
     shape: tuple[int, ...]
     pieces: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]
+    replayable = True  # no effect beyond its result: a plan may replay it (exec.tape)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         if len(inputs) == 1 and tuple(inputs[0].shape) == self.shape:
@@ -310,6 +316,13 @@ class ContractChunk:
         """Whether the operands meet in their common dtype rather than the result's (a
         comparison's bool result; a user's function, whose result dtype is its own)."""
         return join_record(self.join).dtype_rule in (BOOL, PROBE)
+
+    @functools.cached_property
+    def replayable(self) -> bool:
+        """Whether its call has no effect beyond its result (a plan may replay it:
+        :mod:`tensorql.exec.tape`): every join but an optimizer's update, which writes the
+        weight and its moments in place."""
+        return join_record(self.join).dtype_rule != UPDATE
 
     @functools.cached_property
     def _result_dtype(self) -> torch.dtype | None:
@@ -636,6 +649,11 @@ class FusedPointwise(_NoCombine):
     dim: int | None
     block_elems: int = 1 << 18
     memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
+
+    @functools.cached_property
+    def replayable(self) -> bool:
+        """Whether every op of the chain may be replayed (see :class:`ContractChunk`)."""
+        return all(getattr(op.kernel, "replayable", False) for op in self.ops)
 
     @functools.cached_property
     def _last_use(self) -> tuple[int, ...]:

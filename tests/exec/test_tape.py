@@ -222,3 +222,181 @@ def test_a_contraction_whose_views_would_copy_is_left_to_the_kernel():
     kernel = ContractChunk(in_labels=(("i", "j", "k"), ("k", "j")), out_labels=("i",))
     inputs = [torch.ones(2, 3, 4)[:, :, ::2], torch.ones(2, 3)]
     assert kernel.bind(inputs, kernel.run(inputs, None)) is None
+
+
+# -- the policy's tape: a plan run again from its tape without being asked -----------------
+
+
+def _chain(db, rng, sites=6, bond=8, phys=3, prefix="site"):
+    """An MPS-like chain of stored tensors: its equation, numpy operands and stored ones."""
+    arrays = [rng.standard_normal((phys, bond)).astype(np.float32)]
+    terms = ["pa"]
+    letters = iter("bcdefghijklmnoqrstuvwxyz")
+    left = "a"
+    for _ in range(sites - 2):
+        right = next(letters)
+        arrays.append(rng.standard_normal((phys, bond, bond)).astype(np.float32))
+        terms.append("p" + left + right)
+        left = right
+    arrays.append(rng.standard_normal((phys, bond)).astype(np.float32))
+    terms.append("p" + left)
+    equation = ",".join(terms) + "->p"
+    stored = [db.from_numpy(f"{prefix}{n}", a) for n, a in enumerate(arrays)]
+    return equation, arrays, stored
+
+
+def _strategy_of_runs(monkeypatch):
+    chosen = []
+    policy = engine.choose_strategy
+
+    def record(graph, config):
+        name = policy(graph, config)
+        chosen.append(name)
+        return name
+    monkeypatch.setattr(engine, "choose_strategy", record)
+    return chosen
+
+
+def test_a_network_run_again_replays_its_tape(monkeypatch):
+    """A tensor network's compiled query run again and again: the first run is serial, the
+    second lowers the tape (the policy's choice: pure kernels, small buffers), the later
+    ones replay it -- every result equal to opt_einsum's -- and a stored operand replaced
+    makes the tape stale: lowered again, the result the new values'."""
+    import opt_einsum
+
+    rng = np.random.default_rng(11)
+    db = tq.connect(workers=2)
+    equation, arrays, stored = _chain(db, rng)
+    chosen = _strategy_of_runs(monkeypatch)
+    query = tq.einsum(equation, *stored).compile()
+    graph = query.physical.task_graph()
+    want = opt_einsum.contract(equation, *arrays)
+    for _ in range(4):
+        np.testing.assert_allclose(query.run(dense=True).dense().numpy(), want, rtol=1e-4,
+                                   atol=1e-4)
+    assert chosen == ["serial", "tape", "tape", "tape"]
+    lowered = Tape.of(graph)
+    assert lowered.counts.calls > 0 and graph.programs["tape-auto"]
+    arrays[2] = rng.standard_normal(arrays[2].shape).astype(np.float32)
+    db.from_numpy("site2", arrays[2], replace=True)
+    np.testing.assert_allclose(query.run(dense=True).dense().numpy(),
+                               opt_einsum.contract(equation, *arrays), rtol=1e-4, atol=1e-4)
+    assert Tape.of(graph) is not lowered
+
+
+def test_a_replayed_run_records_every_step_as_the_serial_run_does():
+    """EXPLAIN ANALYZE and a run's figures of a plan replayed from its tape: every step with
+    its tasks and bytes as the serial run counts them, and its time."""
+    rng = np.random.default_rng(12)
+    db = tq.connect(workers=2)
+    equation, _, stored = _chain(db, rng)
+    query = tq.einsum(equation, *stored).compile()
+    graph = query.physical.task_graph()
+    serial = query.run(dense=True).stats
+    query.run(dense=True)  # lowers the tape
+    replayed = query.run(dense=True).stats
+    assert "tape" in graph.programs
+    assert replayed.serial and replayed.tasks == serial.tasks
+    assert sorted(replayed.steps) == sorted(serial.steps)
+    for step, st in serial.steps.items():
+        got = replayed.steps[step]
+        assert (got.tasks, got.bytes_in, got.bytes_read) == (st.tasks, st.bytes_in,
+                                                             st.bytes_read), step
+        assert 0.0 <= got.first_start <= got.last_end <= replayed.wall_s
+    assert sum(st.busy_s for st in replayed.steps.values()) > 0.0
+    text = query.explain(analyze=True)
+    assert "EXPLAIN ANALYZE" in text and "1 thread (serial)" in text
+
+
+def test_runs_of_one_plan_on_two_threads_at_once_each_get_their_own_result():
+    """A tape's buffers serve one run at a time: threads running the same plan together
+    (one replays, the other runs serially meanwhile) each get the right values."""
+    import threading
+
+    import opt_einsum
+
+    rng = np.random.default_rng(13)
+    db = tq.connect(workers=2)
+    equation, arrays, stored = _chain(db, rng, sites=8, bond=16)
+    query = tq.einsum(equation, *stored).compile()
+    want = opt_einsum.contract(equation, *arrays)
+    query.run(dense=True), query.run(dense=True)  # serial, then the tape lowered
+    errors = []
+
+    def work():
+        try:
+            for _ in range(30):
+                got = query.run(dense=True).dense().numpy()
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        except AssertionError as err:
+            errors.append(err)
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_the_policy_leaves_impure_large_and_stale_graphs_serial(monkeypatch):
+    a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    config = engine.EngineConfig.cpu()
+
+    class Pure(_Scale):
+        replayable = True
+
+    class PureConst(_Const):
+        replayable = True
+
+    def graph_of(kernel, nbytes=12):
+        return TaskGraph(tasks=(Task(0, (), a, PureConst(torch.ones(3))),
+                                Task(1, (a,), b, kernel)),
+                         retain=frozenset({1}), chunk_bytes={a: 12, b: nbytes})
+
+    pure = graph_of(Pure(2.0))
+    assert [engine.choose_strategy(pure, config) if engine.run(pure, config) else None
+            for _ in range(3)][-1] == "tape"
+    impure = graph_of(_Scale(2.0))  # not declared replayable (e.g. an optimizer's update)
+    for _ in range(3):
+        engine.run(impure, config)
+    assert engine.choose_strategy(impure, config) == "serial" and "tape" not in impure.programs
+    large = graph_of(Pure(2.0), nbytes=tape.AUTO_TAPE_MAX_BYTES + 1)
+    for _ in range(3):
+        engine.run(large, config)
+    assert engine.choose_strategy(large, config) == "serial"
+    # a source that hands back a new tensor every run makes each replay a new lowering:
+    # after STALE_LIMIT of them the policy runs the graph serially again
+    fresh = TaskGraph(tasks=(Task(0, (), a, _FreshPure(1.0)), Task(1, (a,), b, Pure(2.0))),
+                      retain=frozenset({1}), chunk_bytes={a: 12, b: 12})
+    chosen = _strategy_of_runs(monkeypatch)
+    for _ in range(2 + tape.STALE_LIMIT + 2):
+        assert engine.run(fresh, config).outputs[b].tolist() == [2.0] * 3
+    assert chosen[:2] == ["serial", "tape"] and chosen[-2:] == ["serial", "serial"]
+
+
+class _FreshPure(_Fresh):
+    replayable = True
+
+
+def test_the_policy_keeps_its_tapes_within_the_budget(monkeypatch):
+    """Tapes the policy chose count against AUTO_TAPES_TOTAL_BYTES: the oldest is dropped
+    (and lowered again if its plan runs again); a tape asked for by name is not counted."""
+    monkeypatch.setattr(tape, "_AUTO_TAPES", type(tape._AUTO_TAPES)())
+    rng = np.random.default_rng(14)
+    db = tq.connect(workers=2)
+    queries = []
+    for n in range(3):
+        equation, _, stored = _chain(db, rng, prefix=f"chain{n}_")  # tapes of one size
+        queries.append(tq.einsum(equation, *stored).compile())
+    sizes = []
+    for q in queries[:2]:
+        q.run(dense=True), q.run(dense=True)
+        sizes.append(Tape.of(q.physical.task_graph()).nbytes)
+    monkeypatch.setattr(tape, "AUTO_TAPES_TOTAL_BYTES", sum(sizes))
+    last = queries[2]
+    last.run(dense=True), last.run(dense=True)  # its tape pushes the oldest out
+    graphs = [q.physical.task_graph() for q in queries]
+    assert "tape" not in graphs[0].programs
+    assert "tape" in graphs[1].programs and "tape" in graphs[2].programs
+    queries[0].run(dense=True)  # run again: lowered again
+    assert "tape" in graphs[0].programs
