@@ -400,3 +400,19 @@ def test_the_policy_keeps_its_tapes_within_the_budget(monkeypatch):
     assert "tape" in graphs[1].programs and "tape" in graphs[2].programs
     queries[0].run(dense=True)  # run again: lowered again
     assert "tape" in graphs[0].programs
+
+
+def test_a_stored_operand_dropped_after_the_tape_was_made_is_the_serial_runs_error():
+    """A replay checks its store reads first: one that fails (the tensor dropped) sends the
+    run to lowering, which fails as a serial run of the plan does -- a TensorQLError naming
+    the tensor, not a raw exception from the check."""
+    rng = np.random.default_rng(15)
+    db = tq.connect(workers=2)
+    equation, _, stored = _chain(db, rng, prefix="gone")
+    query = tq.einsum(equation, *stored).compile()
+    for _ in range(3):
+        query.run(dense=True)
+    assert "tape" in query.physical.task_graph().programs
+    db.drop("gone1")
+    with pytest.raises(tq.TensorQLError, match="gone1"):
+        query.run(dense=True)
