@@ -431,11 +431,16 @@ def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSi
             torch.set_num_threads(previous)
     stats.peak_live_bytes = tape.nbytes
     outputs: dict[ChunkRef, torch.Tensor] = {}
+    # a caller that asked for the tape reads each result from its buffer before the next
+    # run; one the policy chose it for may not (a streamed store's writer thread still
+    # encoding a chunk when another thread's run of the plan writes the buffer): a copy
+    private = bool(graph.programs.get("tape-auto"))
     for ref, value in tape.outputs:
+        copy = value.clone() if private or keep_outputs else value
         if sink is not None:
-            sink(ref, value)
+            sink(ref, copy if private else value)
         if keep_outputs:
-            outputs[ref] = value.clone()
+            outputs[ref] = copy
     stats.wall_s = time.perf_counter() - start
     stats.rebase(start)
     if progress is not None:

@@ -416,3 +416,29 @@ def test_a_stored_operand_dropped_after_the_tape_was_made_is_the_serial_runs_err
     db.drop("gone1")
     with pytest.raises(tq.TensorQLError, match="gone1"):
         query.run(dense=True)
+
+
+def test_a_result_handed_out_by_the_policys_tape_is_the_callers_to_keep():
+    """The sink of a run the policy replayed gets a tensor of its own: a chunk a caller keeps
+    (a streamed write still encoding it) is not overwritten by the plan's next run."""
+    rng = np.random.default_rng(16)
+    db = tq.connect(workers=2)
+    equation, arrays, stored = _chain(db, rng, prefix="kept")
+    first = torch.from_numpy(arrays[0].copy())
+    query = tq.einsum(equation, db.constant(first), *stored[1:]).compile()
+    graph = query.physical.task_graph()
+    config = engine.EngineConfig.of(db.options)
+
+    def run(sink=None):
+        with query.physical.pinned():
+            return engine.run(graph, config, sink=sink, keep_outputs=sink is None)
+    run(), run()
+    assert "tape" in graph.programs
+    kept = []
+    run(lambda ref, chunk: kept.append(chunk))
+    before = [k.clone() for k in kept]
+    first.mul_(2.0)  # written in place: the tape is current, its next run replays
+    again = run()
+    assert kept and all(torch.equal(k, b) for k, b in zip(kept, before))
+    assert all(torch.allclose(v, 2.0 * b, rtol=1e-5, atol=1e-6)
+               for v, b in zip(again.outputs.values(), before))
