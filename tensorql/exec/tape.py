@@ -81,7 +81,8 @@ from tensorql.exec.run_types import (
 from tensorql.exec.serial import SerialSchedule, run_serial
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
-__all__ = ["AUTO_TAPES_TOTAL_BYTES", "AUTO_TAPE_MAX_BYTES", "TAPE_MAX_BYTES", "Tape",
+__all__ = ["AUTO_TAPES_TOTAL_BYTES", "AUTO_TAPE_MAX_BYTES", "AUTO_TAPE_MAX_SOURCE_BYTES",
+           "TAPE_MAX_BYTES", "Tape",
            "TapeCounts", "fits", "run_tape", "suits"]
 
 # The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
@@ -91,8 +92,12 @@ TAPE_MAX_BYTES = 64 << 20
 # A graph the engine's policy runs from a tape by itself (:func:`suits`, not asked for by
 # name) keeps at most this many bytes of buffers, and all such tapes together at most
 # AUTO_TAPES_TOTAL_BYTES: beyond it the oldest is dropped (lowered again when run again).
+# Its calls hold on to its sources' tensors too (stored chunks a store's cache could
+# otherwise drop): at most AUTO_TAPE_MAX_SOURCE_BYTES of them, and they count against
+# AUTO_TAPES_TOTAL_BYTES with the buffers.
 AUTO_TAPE_MAX_BYTES = 16 << 20
-AUTO_TAPES_TOTAL_BYTES = 64 << 20
+AUTO_TAPE_MAX_SOURCE_BYTES = 64 << 20
+AUTO_TAPES_TOTAL_BYTES = 256 << 20
 # a tape found stale this often (a source read afresh every run, e.g. a store whose cache
 # does not keep its chunks) is no longer chosen by the policy: each run would lower it again
 STALE_LIMIT = 2
@@ -137,6 +142,7 @@ class Tape:
     call_steps: tuple[int, ...] = ()  # the step of each call's task
     # per step: (tasks, bytes in, bytes read) -- fixed, as every run's shapes are
     step_totals: tuple[tuple[int, int, int, int], ...] = ()
+    source_bytes: int = 0  # bytes of the sources' tensors the tape's calls hold on to
 
     @classmethod
     def of(cls, graph: TaskGraph) -> Tape:
@@ -212,9 +218,11 @@ class Tape:
                 st = stats.steps.setdefault(step, StepStats())
                 st.tasks, st.bytes_in, st.bytes_read = tasks, bytes_in, bytes_read
         counts = TapeCounts(len(calls), bound, generic, accumulate, views, len(sources))
+        held = {_storage(x.value): x.value.untyped_storage().nbytes() for x in sources}
         return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes,
                    tuple(task.output.step for task in owners),
-                   tuple((step, *figures) for step, figures in totals.items()))
+                   tuple((step, *figures) for step, figures in totals.items()),
+                   sum(held.values()))
 
     def current(self) -> bool:
         """Whether every source still gives the tensor it gave when the tape was made: a
@@ -328,11 +336,11 @@ def _accumulate(kernel: Any, inputs: list[torch.Tensor], acc: torch.Tensor) -> C
     return call
 
 
-def _estimated_bytes(graph: TaskGraph) -> int | None:
-    """The bytes of the chunks ``graph``'s non-source tasks write, when the planner gave
-    every size (None when it did not)."""
+def _estimated_bytes(graph: TaskGraph, sources: bool = False) -> int | None:
+    """The bytes of the chunks ``graph``'s non-source tasks write (with ``sources``, those
+    its sources give too), when the planner gave every size (None when it did not)."""
     sizes = graph.chunk_bytes
-    written = {task.output for task in graph.tasks if task.inputs}
+    written = {task.output for task in graph.tasks if task.inputs or sources}
     if not all(ref in sizes for ref in written):
         return None
     return sum(sizes[ref] for ref in written)
@@ -360,14 +368,16 @@ def suits(graph: TaskGraph) -> bool:
     rather than in the serial strategy: a plan run again (its serial order is kept with it:
     the first run was serial), every kernel of it ``replayable`` (its call has no effect
     beyond its result, so replaying it into a kept buffer is the same run), its buffers
-    within :data:`AUTO_TAPE_MAX_BYTES`, and its tape not found stale :data:`STALE_LIMIT`
+    within :data:`AUTO_TAPE_MAX_BYTES` and its sources within
+    :data:`AUTO_TAPE_MAX_SOURCE_BYTES`, and its tape not found stale :data:`STALE_LIMIT`
     times (sources read afresh every run). A tensor network's warm call: 240 tasks of
     ~50 us, where the serial loop's Python is a fifth of the time.
 
     >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
     >>> class Pure:
     ...     replayable = True
-    >>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Pure()),), chunk_bytes={})
+    >>> g = TaskGraph(tasks=(Task(0, (), ChunkRef(0, ()), Pure()),),
+    ...               chunk_bytes={ChunkRef(0, ()): 4})
     >>> suits(g)  # its first run: serial
     False
     >>> _ = SerialSchedule.of(g)  # what the serial run keeps with the graph
@@ -383,9 +393,10 @@ def suits(graph: TaskGraph) -> bool:
         return False
     chosen = programs.get("tape-auto")
     if chosen is None:
-        estimate = _estimated_bytes(graph)
+        written, read = _estimated_bytes(graph), _estimated_bytes(graph, sources=True)
         chosen = programs["tape-auto"] = (
-            estimate is not None and estimate <= AUTO_TAPE_MAX_BYTES
+            written is not None and written <= AUTO_TAPE_MAX_BYTES
+            and read is not None and read - written <= AUTO_TAPE_MAX_SOURCE_BYTES
             and all(getattr(task.kernel, "replayable", False) for task in graph.tasks))
     return chosen
 
@@ -425,7 +436,7 @@ def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSi
                 graph.programs["tape-stale"] = graph.programs.get("tape-stale", 0) + 1
             tape = graph.programs["tape"] = Tape.lower(graph, stats)
             if graph.programs.get("tape-auto"):
-                _keep_within_budget(graph, tape.nbytes)
+                _keep_within_budget(graph, tape.nbytes + tape.source_bytes)
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
@@ -454,7 +465,8 @@ _AUTO_TAPES_LOCK = threading.Lock()
 
 
 def _keep_within_budget(graph: TaskGraph, nbytes: int) -> None:
-    """Count ``graph``'s new tape against :data:`AUTO_TAPES_TOTAL_BYTES`, dropping the
+    """Count ``graph``'s new tape (``nbytes``: its buffers and the sources its calls hold)
+    against :data:`AUTO_TAPES_TOTAL_BYTES`, dropping the
     oldest other tapes the policy chose (their graphs lower them again when run again)."""
     with _AUTO_TAPES_LOCK:
         _AUTO_TAPES.pop(id(graph), None)
