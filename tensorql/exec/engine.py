@@ -308,6 +308,8 @@ def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = 
     if not isinstance(config, EngineConfig):
         config = EngineConfig.of(config)
     name = strategy if strategy is not None else choose_strategy(graph, config)
+    if strategy is None and name == "tape" and progress is not None:
+        name = "serial"  # progress as each task ends (a tape reports once, at its end)
     log.debug("engine strategy %s for %d tasks (%d worker(s), memory_limit %s)", name,
               len(graph.tasks), config.workers, config.memory_limit)
     chosen = STRATEGIES.get(name)

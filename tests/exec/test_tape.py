@@ -9,6 +9,7 @@ import torch
 
 import tensorql as tq
 from tensorql.exec import engine, tape
+from tensorql.exec.serial import SerialSchedule
 from tensorql.exec.tape import Tape, run_tape
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 from tensorql.models import KVCache, Llama, LlamaShape
@@ -443,3 +444,19 @@ def test_a_result_handed_out_by_the_policys_tape_is_the_callers_to_keep():
     assert kept and all(torch.equal(k, b) for k, b in zip(kept, before))
     assert all(torch.allclose(v, 2.0 * b, rtol=1e-5, atol=1e-6)
                for v, b in zip(again.outputs.values(), before))
+
+
+def test_a_run_with_a_progress_callback_reports_each_task_as_the_serial_run_does():
+    """The policy's tape reports progress once, at its end: a run given a progress callback
+    (a progress bar) runs serially, each task reported as it ends."""
+    rng = np.random.default_rng(17)
+    db = tq.connect(workers=2)
+    equation, _, stored = _chain(db, rng, prefix="progress")
+    query = tq.einsum(equation, *stored).compile()
+    graph = query.physical.task_graph()
+    query.run(dense=True), query.run(dense=True)
+    assert "tape" in graph.programs
+    seen = []
+    query.run(progress=lambda done, total: seen.append((done, total)), dense=True)
+    total = len(graph.tasks)
+    assert seen[-1] == (total, total) and len(seen) >= total - len(SerialSchedule.of(graph).inline)
