@@ -56,7 +56,7 @@ from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
 from tensorql.exec.runtime import Runtime
 from tensorql.exec.serial import run_serial
-from tensorql.exec.tape import fits, run_tape, suits
+from tensorql.exec.tape import fits, run_tape_if_free, suits
 from tensorql.exec.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
@@ -172,9 +172,11 @@ def _tape(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | N
         chosen = STRATEGIES[choose_strategy(graph, config)]
         return chosen.run(graph, config, progress, sink, destination, keep_outputs)
     threads = config.workers * config.intra_op_threads
-    if not fits(graph):  # its buffers would hold too much at once: freed as it goes
-        return run_serial(graph, progress, sink, destination, keep_outputs, threads=threads)
-    return run_tape(graph, progress, sink, keep_outputs, threads=threads)
+    if fits(graph):  # else its buffers would hold too much at once: freed as it goes
+        result = run_tape_if_free(graph, progress, sink, keep_outputs, threads)
+        if result is not None:  # None: another thread's run of the graph holds its buffers
+            return result
+    return run_serial(graph, progress, sink, destination, keep_outputs, threads=threads)
 
 
 def _lanes(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | None,

@@ -78,12 +78,12 @@ from tensorql.exec.run_types import (
     StepStats,
     task_failure,
 )
-from tensorql.exec.serial import SerialSchedule, run_serial
+from tensorql.exec.serial import SerialSchedule
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 __all__ = ["AUTO_TAPES_TOTAL_BYTES", "AUTO_TAPE_MAX_BYTES", "AUTO_TAPE_MAX_SOURCE_BYTES",
            "TAPE_MAX_BYTES", "Tape",
-           "TapeCounts", "fits", "run_tape", "suits"]
+           "TapeCounts", "fits", "run_tape", "run_tape_if_free", "suits"]
 
 # The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
 # graph whose chunks add up to more runs in the serial strategy, which frees each chunk
@@ -410,10 +410,22 @@ def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
     :func:`tensorql.exec.engine.run` (no ``destination``: the sink copies each result out
     of its buffer; ``outputs`` are copies), each step's figures in ``stats.steps`` as a
     serial run records them. For graphs that :func:`fits`. A tape's buffers serve one run
-    at a time: a run of the same graph on another thread meanwhile runs serially."""
+    at a time: a run of the same graph on another thread waits for them (the engine runs it
+    serially meanwhile instead, :func:`run_tape_if_free`)."""
+    result = run_tape_if_free(graph, progress, sink, keep_outputs, threads, wait=True)
+    assert result is not None  # waited for the tape
+    return result
+
+
+def run_tape_if_free(graph: TaskGraph, progress: ProgressCallback | None = None,
+                     sink: ChunkSink | None = None, keep_outputs: bool = True,
+                     threads: int | None = None, wait: bool = False) -> RunResult | None:
+    """:func:`run_tape`, or None -- nothing run -- when another thread's run holds the
+    tape's buffers now (unless ``wait``: then it waits for them). The engine then runs the
+    graph serially."""
     lock = graph.programs.setdefault("tape-lock", threading.Lock())
-    if not lock.acquire(blocking=False):  # its buffers are another thread's run's now
-        return run_serial(graph, progress, sink, None, keep_outputs, threads=threads)
+    if not lock.acquire(blocking=wait):  # its buffers are another thread's run's now
+        return None
     try:
         return _run_tape(graph, progress, sink, keep_outputs, threads)
     finally:
