@@ -51,6 +51,7 @@ from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, UnsupportedError
 from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
+from tensorql.exec.threads import run_shared
 from tensorql.grid import ChunkGrid, Key, regrid_pieces
 from tensorql.logical.plan import (
     Aggregate,
@@ -132,8 +133,14 @@ class ChunkArena:
     """
 
     def __init__(self, preset: Mapping[int, torch.Tensor] | None = None,
-                 result: tuple[ChunkGrid, torch.Tensor] | None = None) -> None:
+                 result: tuple[ChunkGrid, torch.Tensor] | None = None,
+                 threads: int = 1, torch_threads: int = 1) -> None:
         self._chunks: dict[int, torch.Tensor] = dict(preset or {})
+        #: threads a batch's kernels may be shared out over (the session's workers, each
+        #: with ``torch_threads`` torch threads): :meth:`share`
+        self.threads = max(1, int(threads))
+        self.torch_threads = max(1, int(torch_threads))
+        self._sharing = 0  # batches whose kernels run now (see share)
         #: the run's dense result and its grid, when one was asked for: the root step's
         #: partials are written straight into it (:meth:`result_view`)
         self.result = result
@@ -184,6 +191,23 @@ class ChunkArena:
         except KeyError as err:
             raise ExecutionError(f"DuckDB backend: no chunk with handle {err.args[0]} in this "
                                  f"run (a handle of another run?)") from None
+
+    def share(self, jobs: Sequence[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        """Run a batch's kernel ``jobs`` (independent: one output chunk each), their results
+        in order: shared out over the arena's ``threads`` (:func:`run_shared`) when no other
+        batch runs its kernels meanwhile (DuckDB may call the functions from several of its
+        threads; those calls then keep to their own thread, so the cores are not
+        oversubscribed), else on the calling thread."""
+        with self._lock:
+            alone = self._sharing == 0
+            self._sharing += 1
+        try:
+            if alone and self.threads > 1 and len(jobs) > 1:
+                return run_shared(jobs, self.threads, self.torch_threads)
+            return [job() for job in jobs]
+        finally:
+            with self._lock:
+                self._sharing -= 1
 
     def result_view(self, key: Key) -> torch.Tensor | None:
         """The view of chunk ``key`` of the dense result, for the first caller asking for it
@@ -301,14 +325,17 @@ class SQLPlan:
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants)
 
-    def arena(self, dense: bool = False) -> ChunkArena:
+    def arena(self, dense: bool = False, threads: int = 1, torch_threads: int = 1
+              ) -> ChunkArena:
         """A fresh arena for one run (the constant chunks preset); with ``dense``, a dense
-        result the root step's kernels write into (read it with :meth:`dense_result`)."""
-        if not dense:
-            return ChunkArena(self.constants)
-        rel = self.root.relation
-        return ChunkArena(self.constants,
-                          (rel.grid, empty_result(rel.grid.shape, torch_dtype(rel.dtype))))
+        result the root step's kernels write into (read it with :meth:`dense_result`);
+        ``threads`` (of ``torch_threads`` torch threads each) a batch's kernels may be
+        shared out over (:meth:`ChunkArena.share`)."""
+        result = None
+        if dense:
+            rel = self.root.relation
+            result = (rel.grid, empty_result(rel.grid.shape, torch_dtype(rel.dtype)))
+        return ChunkArena(self.constants, result, threads, torch_threads)
 
     def dense_result(self, chunks: Mapping[Key, torch.Tensor], arena: ChunkArena
                      ) -> torch.Tensor:
@@ -805,14 +832,22 @@ class _Builder:
                 over_key = tuple(keys[s][r][d] for s, d in over_at)
                 groups.setdefault(out_key, []).append((over_key, r))
             out: list[torch.Tensor | None] = [None] * n_rows
-            for key, members in groups.items():
-                members.sort()
+
+            def fold(key: Key, members: list[tuple[Key, int]]) -> torch.Tensor:
                 # the first product into a tensor of its own (never into an input's memory)
                 into = arena.result_view(key) if root else None
                 if into is None:
                     into = torch.empty(out_grid.chunk_shape(key), dtype=out_dtype)
-                out[members[0][1]] = series.run_into(
-                    [d[r] for _, r in members for d in decoded], into)
+                return series.run_into([d[r] for _, r in members for d in decoded], into)
+
+            for members in groups.values():
+                members.sort()
+            # one job an output chunk, the longest series first (the threads finish together)
+            order = sorted(groups.items(), key=lambda item: -len(item[1]))
+            sums = arena.share([functools.partial(fold, key, members)
+                                for key, members in order])
+            for (_, members), total in zip(order, sums):
+                out[members[0][1]] = total
             return arena.put(out)
 
         return run_partial
@@ -835,7 +870,9 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
     (``dense``: the dense result made during the run, the root's sums written into it)."""
     con = _connection(compiled, con)  # first: the plan reads the views' current tables
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    arena = plan.arena(dense=dense)
+    options = getattr(compiled.db, "options", None)
+    arena = plan.arena(dense=dense, threads=getattr(options, "workers", 1),
+                       torch_threads=getattr(options, "intra_op_threads", 1))
     chunks, wall = plan.run(con, arena)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 IDLE_THREAD_S = 60.0  # an idle parked thread ends after this long
@@ -102,3 +102,65 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def run_shared(jobs: Sequence[Callable[[], Any]], threads: int,
+               torch_threads: int = 1) -> list[Any]:
+    """Each of ``jobs`` run once, shared out over ``threads`` threads -- the calling thread
+    and ``threads - 1`` started for the call and ended with it -- each taking the next job
+    not yet taken, with ``torch_threads`` torch threads each (restored after); the results
+    in the jobs' order. An error is raised once every thread has stopped taking
+    jobs (of the lowest-numbered job that failed). With one thread or one job, everything
+    runs on the calling thread as it is set.
+
+    For chunk kernels called from a thread that is not the executor's (the DuckDB backend's
+    Arrow functions, called by one DuckDB thread for a whole batch of tile products): torch
+    releases the interpreter lock inside a kernel, so the products of a batch run side by
+    side, as the native executor's lanes run them. The threads are not kept (see
+    :class:`~tensorql.exec.devices.base.LaneThreads`: a live thread that ran kernels holds
+    an OpenMP pool).
+
+    >>> run_shared([lambda i=i: i * i for i in range(5)], threads=2)
+    [0, 1, 4, 9, 16]
+    """
+    jobs = list(jobs)
+    n = min(max(1, int(threads)), len(jobs))
+    if n <= 1:
+        return [job() for job in jobs]
+    import torch
+
+    results: list[Any] = [None] * len(jobs)
+    errors: list[tuple[int, BaseException]] = []
+    taken = iter(range(len(jobs)))
+    take_lock = threading.Lock()
+
+    def serve() -> None:
+        previous = torch.get_num_threads()
+        if previous != torch_threads:
+            torch.set_num_threads(torch_threads)
+        try:
+            while True:
+                with take_lock:
+                    i = next(taken, None)
+                    if i is None or errors:
+                        return
+                try:
+                    results[i] = jobs[i]()
+                except BaseException as err:  # noqa: BLE001 - raised by the caller below
+                    with take_lock:
+                        errors.append((i, err))
+                    return
+        finally:
+            if torch.get_num_threads() != previous:
+                torch.set_num_threads(previous)
+
+    helpers = [threading.Thread(target=serve, daemon=True, name=f"tensorql-shared-{k}")
+               for k in range(n - 1)]
+    for helper in helpers:
+        helper.start()
+    serve()
+    for helper in helpers:
+        helper.join()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return results

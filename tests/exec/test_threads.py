@@ -56,3 +56,46 @@ def test_an_idle_thread_ends_after_its_idle_time():
     ident, _ = _run(pool, "tensorql-short")
     assert _wait_for(lambda: pool.idle() == 0 and
                      ident not in {t.ident for t in threading.enumerate()})
+
+
+def test_run_shared_runs_every_job_once_in_order_over_its_threads():
+    import torch
+
+    from tensorql.exec.threads import run_shared
+
+    before = torch.get_num_threads()
+    gate = threading.Barrier(2, timeout=5)  # two jobs can only pass it side by side
+    seen: dict[int, tuple[str, int]] = {}
+
+    def job(i):
+        if i < 2:
+            gate.wait()
+        seen[i] = (threading.current_thread().name, torch.get_num_threads())
+        return i * i
+
+    got = run_shared([lambda i=i: job(i) for i in range(6)], threads=2)
+    assert got == [0, 1, 4, 9, 16, 25]
+    assert sorted(seen) == list(range(6))
+    assert len({name for name, _ in seen.values()}) == 2  # the caller and one helper
+    assert {n for _, n in seen.values()} == {1}  # one torch thread each
+    assert torch.get_num_threads() == before  # the caller's setting restored
+    assert not [t for t in threading.enumerate() if t.name.startswith("tensorql-shared")]
+
+
+def test_run_shared_raises_the_first_failed_jobs_error_and_runs_alone_when_told():
+    from tensorql.exec.threads import run_shared
+
+    def fail(i):
+        raise ValueError(f"job {i}")
+
+    jobs = [lambda: 1, lambda: fail(1), lambda: fail(2)]
+    try:
+        run_shared(jobs, threads=2)
+    except ValueError as err:
+        assert str(err) in ("job 1", "job 2")  # whichever thread met its failure first
+    else:
+        raise AssertionError("no error raised")
+    names = []
+    assert run_shared([lambda: names.append(threading.current_thread().name)] * 3,
+                      threads=1) == [None] * 3
+    assert set(names) == {threading.current_thread().name}

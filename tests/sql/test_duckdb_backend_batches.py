@@ -304,3 +304,53 @@ def test_dense_result_written_in_place_and_folded_partials_copied_in(threads):
             got = run_compiled(tq.einsum("ij,jk->ik", LA, LB, join=join, agg=agg).compile(),
                                dense=True).dense()
             np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_batchs_output_chunks_are_summed_on_the_sessions_workers():
+    """The partial function's output chunks (one series of tile products each) are shared
+    out over the arena's threads -- the session's workers -- and sum as numpy does; a batch
+    called while another batch's kernels run keeps to its own thread."""
+    import threading
+
+    rng = np.random.default_rng(41)
+    a, b = rng.standard_normal((8, 12)), rng.standard_normal((12, 6))
+    with tq.connect(backend="duckdb", workers=2) as db:
+        plan, rows, grid_a, grid_b = _plan_and_rows(db, a, b, 2)
+        (partial,) = [u for u in plan.udfs if "partial" in u.name]
+        threads_seen = set()
+        arena = ChunkArena(threads=2)
+        share = arena.share
+
+        def watching(jobs):
+            gate = threading.Barrier(2, timeout=10)  # the first two pass it side by side
+
+            def watched(i, job):
+                def run():
+                    if i < 2 and arena._sharing == 1:  # this batch alone: shared out
+                        gate.wait()
+                    threads_seen.add(threading.current_thread().name)
+                    return job()
+                return run
+            return share([watched(i, job) for i, job in enumerate(jobs)])
+
+        arena.share = watching
+        out = partial.fn(arena, *_columns(rows, a, b, grid_a, grid_b, arena))
+        assert len(threads_seen) == 2  # 12 output chunks over the caller and one helper
+        total = np.zeros((8, 6))
+        for r, (ka, kb) in enumerate(rows):
+            if out[r].is_valid:
+                (chunk,) = arena.get([out[r].as_py()])
+                total[2 * ka[0]:2 * ka[0] + 2, 2 * kb[1]:2 * kb[1] + 2] += chunk.numpy()
+        np.testing.assert_allclose(total, a @ b, rtol=1e-12, atol=1e-12)
+
+        threads_seen.clear()
+        arena._sharing = 1  # another batch's kernels run now: this one stays on its thread
+        partial.fn(arena, *_columns(rows, a, b, grid_a, grid_b, arena))
+        assert threads_seen == {threading.current_thread().name}
+        # and the whole query through DuckDB, on two workers, a chain of two products
+        A = db.tensor("A")
+        B = db.tensor("B")
+        c = rng.standard_normal((6, 12))
+        C = db.from_numpy("C", c, tile=(2, 2))
+        got = tq.einsum("ij,jk,kl->il", A, B, C).numpy()
+        np.testing.assert_allclose(got, a @ b @ c, rtol=1e-12, atol=1e-12)
