@@ -1,6 +1,6 @@
 """Real tensor networks (einsum_benchmark generators): tensorql vs opt_einsum and cotengra.
 
-    python bench/networks.py [--tiny] [--repeat 7] [--cotengra-time 10] [--no-isolate]
+    python bench/networks.py [--tiny] [--repeat 15] [--cotengra-time 10] [--no-isolate]
 
 Each network (matrix chain, lattice, tree, random connected, MPS, MERA; 1e8-1e10 FLOPs at full
 size) runs on the same seeded random float32 operands, every contender in its own process
@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small networks (smoke run)")
     parser.add_argument("--cotengra-time", type=float, default=10.0)
     parser.add_argument("--networks", default=None, help="comma-separated subset")
-    add_arguments(parser)
+    # 15 repeats, not the harness's 7: a warm call of the small networks is ~10 ms, and in
+    # the harness's regime (each sample one call, after the other contenders' processes
+    # ran for ~2 s) its samples spread +-50% on both sides -- the 2-core AMD host, session
+    # 14: random_connected's tq warm/oe expr read 1.71 and 0.65 in two 7-repeat runs, 0.58
+    # and 0.78 in two 15-repeat runs of it alone (IQR 7.3-17.9 ms against 10.7-16.7)
+    add_arguments(parser, repeat=15)
     args = parser.parse_args(argv)
     names = args.networks.split(",") if args.networks else list(TINY if args.tiny else FULL)
     record = Record("networks", smoke=args.tiny, args=args, argv=argv)
