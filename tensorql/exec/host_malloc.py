@@ -28,8 +28,9 @@ Applied once, when ``tensorql`` (any module of it) is imported, before DuckDB's 
 the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator alone.
 Elsewhere than glibc it does nothing.
 
-A query's dense result is new memory by nature (the caller keeps it), so a big one is mapped
-on transparent huge pages (:func:`empty_result`).
+A query's dense result is new memory by nature (the caller keeps it): one of up to
+``HEAP_RESULT_MAX_BYTES`` comes from the heap like the chunks (the pages the last result
+freed serve the next), a bigger one is mapped on transparent huge pages (:func:`empty_result`).
 
 >>> isinstance(tune_malloc(), bool)
 True
@@ -60,7 +61,7 @@ RETAINED_FREE_BYTES = 1 << 30  # free heap memory kept across queries (release_f
 GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
 RELEASE_CHECK_S = 1.0  # after short queries, the heap's free memory is looked at once a second
 LONG_QUERY_S = 0.1  # a query this long has it looked at when it ends, whatever the time since
-HUGE_RESULT_BYTES = 32 << 20  # a dense result this big or bigger goes on huge pages
+HEAP_RESULT_MAX_BYTES = 256 << 20  # a dense result up to this size comes from the heap
 STREAM_RETAINED_FREE_BYTES = 128 << 20  # free heap memory kept while a result streams out
 
 _lock = threading.Lock()
@@ -93,23 +94,36 @@ def _tuning_off() -> bool:
 
 
 def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor for a query's dense result. One of ``HUGE_RESULT_BYTES`` or more is
-    an anonymous mapping advised onto transparent huge pages (``MADV_HUGEPAGE``; Linux's
-    default THP mode, "madvise", gives them only so): writing it then faults in one 2 MiB
-    page where 4 KiB pages took 512 faults -- the 64 MiB logits of a 512-token prompt are
-    written in ~12 ms instead of ~31 ms on this repository's 2-core AMD host. Elsewhere (or
-    with ``TENSORQL_MALLOC_TUNING=0``) it is ``torch.empty``. The mapping lives as long as
-    the tensor (and any numpy array over it).
+    """A new CPU tensor for a query's dense result.
+
+    Up to ``HEAP_RESULT_MAX_BYTES`` it comes from the heap, as a query's chunks do
+    (:func:`heap_only`, however big): a query run again -- a served prompt's 64 MiB logits, a
+    repeated product's 36 MiB -- writes its result into the pages the last result freed,
+    which the process kept. A fresh mapping costs a fault a page, and more on a VM that hands
+    its guests' free memory back to the host (virtio-balloon free page reporting, as on this
+    repository's 2-core hosts): there pages freed a few seconds before are gone from the host
+    and fault in anew -- 36 MiB written in 6-106 ms on fresh huge pages after a 3 s pause
+    against 3.4-4.2 ms in kept heap pages (2-core AMD host, 2026-11-28).
+
+    Beyond that it is an anonymous mapping advised onto transparent huge pages
+    (``MADV_HUGEPAGE``; Linux's default THP mode, "madvise", gives them only so), given back
+    to the system when the tensor (and any numpy array over it) is freed: a 2 GiB result is
+    not kept; writing it faults in one 2 MiB page where 4 KiB pages took 512 faults (64 MiB
+    in ~12 ms instead of ~31 ms). Elsewhere (or with ``TENSORQL_MALLOC_TUNING=0``) it is
+    ``torch.empty``.
 
     >>> import torch
-    >>> big = empty_result((64, 1 << 17), torch.float32)  # 32 MiB
-    >>> big.shape, big.dtype, big.is_contiguous()
+    >>> kept = empty_result((64, 1 << 17), torch.float32)  # 32 MiB: from the heap
+    >>> kept.shape, kept.dtype, kept.is_contiguous()
     (torch.Size([64, 131072]), torch.float32, True)
     """
     import torch
 
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_RESULT_BYTES or _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes <= HEAP_RESULT_MAX_BYTES:
+        with heap_only():  # (nothing more than torch.empty where the tuning is not applied)
+            return torch.empty(shape, dtype=dtype)
+    if _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:

@@ -48,19 +48,19 @@ def test_a_query_run_again_reuses_its_chunk_memory():
     assert tuned < untuned / 6, (tuned, untuned)
 
 
-def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
-    """A result of HUGE_RESULT_BYTES or more is a mapping of its own (advised onto huge
-    pages): its values are the product's, and a numpy array over it keeps it alive; a small
-    one is an ordinary tensor."""
+def test_a_dense_result_is_right_and_outlives_its_tensor_from_the_heap_or_a_mapping():
+    """A result of up to HEAP_RESULT_MAX_BYTES comes from the heap, a bigger one is a mapping
+    of its own (advised onto huge pages): either way its values are the product's and a numpy
+    array over it keeps it alive."""
     import gc
 
     import numpy as np
     import torch
 
     import tensorql as tq
-    from tensorql.exec.host_malloc import HUGE_RESULT_BYTES, empty_result
+    from tensorql.exec.host_malloc import HEAP_RESULT_MAX_BYTES, empty_result
 
-    rows, cols = 2048, HUGE_RESULT_BYTES // (4 * 2048)  # float32: exactly the threshold
+    rows, cols = 2048, (32 << 20) // (4 * 2048)  # a 32 MiB float32 result
     rng = np.random.default_rng(3)
     a = rng.standard_normal(rows).astype(np.float32)
     b = rng.standard_normal(cols).astype(np.float32)
@@ -68,10 +68,46 @@ def test_a_big_dense_result_on_huge_pages_is_right_and_outlives_its_tensor():
         out = tq.einsum("i,j->ij", db.constant(a), db.constant(b)).numpy()
     gc.collect()
     np.testing.assert_array_equal(out, np.outer(a, b))
-    big = empty_result((rows, cols), torch.float32)
-    big.fill_(1.0)
-    assert big.is_contiguous() and float(big.sum()) == rows * cols
+    big = empty_result((1024, HEAP_RESULT_MAX_BYTES // (4 * 1024) + 1), torch.float32)
+    view = big.numpy()
+    del big
+    gc.collect()
+    view.fill(1.0)  # the mapping lives as long as the array over it
+    assert view.flags.c_contiguous and float(view.sum(dtype=np.float64)) == view.size
     assert empty_result((4, 4), torch.float64).dtype == torch.float64
+
+
+def test_a_query_run_again_writes_its_result_into_the_pages_the_last_one_freed():
+    """A 64 MiB result (a served prompt's logits) comes from the heap: once the first run's
+    result is freed, the second run's is written without faulting in fresh pages (16,384
+    faults for 64 MiB of 4 KiB pages; fresh memory is dearest on a VM that hands free pages
+    back to its host)."""
+    import resource
+
+    import numpy as np
+
+    import tensorql as tq
+    from tensorql.exec import host_malloc
+
+    if not host_malloc.tune_malloc():
+        pytest.skip("the allocator tuning applies to glibc only")
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(4096).astype(np.float32)
+    b = rng.standard_normal(4096).astype(np.float32)
+    with tq.connect(devices="cpu") as db:
+        query = tq.einsum("i,j->ij", db.constant(a), db.constant(b))
+        first = query.numpy()
+        np.testing.assert_array_equal(first, np.outer(a, b))
+        del first
+        free_before = host_malloc.free_heap_bytes()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        second = query.numpy()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        free_after = host_malloc.free_heap_bytes()
+    np.testing.assert_array_equal(second, np.outer(a, b))
+    assert faults < 2000, faults
+    if free_before is not None:  # the result took its 64 MiB out of the heap's free memory
+        assert free_before - free_after >= second.nbytes, (free_before, free_after)
 
 
 _BIG_BUFFERS = """
