@@ -15,7 +15,8 @@ The floor of (b) (issue 31), for the matmul at each tile: (e) DuckDB reading the
 tiles as (b) reads them (each chunk's pages, handed to (b)'s page loader once, which views them
 and returns a handle), joining the handles on the contracted key and handing every pair's
 handles to an Arrow function that computes nothing, plus (k) the same tile products called
-directly in torch (``mm`` then ``addmm_`` per output tile, tiles already in memory). (b) cannot
+directly in torch (``mm`` then ``addmm_`` per output tile, tiles already in memory, the output
+tiles shared out over the threads as (b) shares them). (b) cannot
 beat (e) + (k) while it pairs tiles in DuckDB and runs kernels in Python; the floor table prints
 both, and (e0), the hand-over (b) used before: every pair's bytes through the join into the
 Arrow function. The counts table gives (b)'s Arrow function calls and rows and the chunk
@@ -41,6 +42,7 @@ chunks) and is checked against torch; exits 1 on a wrong result, or on a missed 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 
@@ -51,6 +53,7 @@ from harness import Record, add_arguments, measure, ratio_text
 
 import tensorql as tq
 from tensorql.backend.duckdb_sql import ChunkArena, SQLPlan, _page_loader, run_compiled
+from tensorql.exec.threads import run_shared
 from tensorql.grid import ChunkGrid
 
 
@@ -158,22 +161,24 @@ def floor_udf(pages0, numbers0, pages1, numbers1):
     return pa.array(np.zeros(len(pages0), np.int64))
 
 
-def floor_kernels(a: torch.Tensor, b: torch.Tensor, tile: int):
-    """(k): the tile products of ``a @ b`` called directly (tiles made before the clock)."""
+def floor_kernels(a: torch.Tensor, b: torch.Tensor, tile: int, threads: int):
+    """(k): the tile products of ``a @ b`` called directly (tiles made before the clock), one
+    output tile a job, the jobs shared out over ``threads`` threads of one torch thread each
+    as (b) shares them (``run_shared``)."""
     nt = a.shape[0] // tile
     at = [[a[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile].contiguous() for j in range(nt)]
           for i in range(nt)]
     bt = [[b[i * tile:(i + 1) * tile, j * tile:(j + 1) * tile].contiguous() for j in range(nt)]
           for i in range(nt)]
 
-    def run():
-        for i in range(nt):
-            for k in range(nt):
-                acc = torch.mm(at[i][0], bt[0][k])
-                for j in range(1, nt):
-                    acc.addmm_(at[i][j], bt[j][k])
+    def output_tile(i, k):
+        acc = torch.mm(at[i][0], bt[0][k])
+        for j in range(1, nt):
+            acc.addmm_(at[i][j], bt[j][k])
+        return acc
 
-    return run
+    jobs = [functools.partial(output_tile, i, k) for i in range(nt) for k in range(nt)]
+    return lambda: run_shared(jobs, threads)
 
 
 def counts(db, compiled, matmul: bool) -> list:
@@ -254,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                     db, f"{x[0]}_t{t}", f"{x[1]}_t{t}", t)
                 fns[f"(e0) pair bytes {tile}"] = lambda t=tile, x=names: floor_pair_bytes(
                     db, f"{x[0]}_t{t}", f"{x[1]}_t{t}")
-                fns[f"(k) kernels {tile}"] = floor_kernels(mats[names[0]], mats[names[1]], tile)
+                fns[f"(k) kernels {tile}"] = floor_kernels(mats[names[0]], mats[names[1]], tile,
+                                                             args.threads)
         for who, fn in fns.items():  # correctness first, off the clock
             if who[:3] in ("(e)", "(e0", "(k)"):
                 continue
@@ -293,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                  "handed once to (b)'s page loader, a handle back), the handles joined on the "
                  "contracted key in DuckDB and every pair's handles handed to an Arrow function "
                  "computing nothing; (e0): the hand-over before, every pair's bytes through the "
-                 "join; (k): the same tile products in torch, tiles in memory. (b) pays (e) and "
+                 "join; (k): the same tile products in torch, tiles in memory, shared over the threads as (b) "
+                 "shares them. (b) pays (e) and "
                  "(k); medians as above.")
     record.table("counts", ["workload", "size", "tile", "Arrow function calls", "rows",
                             "MiB from DuckDB into Python", "MiB of pairs' bytes (e0)"],
