@@ -299,9 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                  "handed once to (b)'s page loader, a handle back), the handles joined on the "
                  "contracted key in DuckDB and every pair's handles handed to an Arrow function "
                  "computing nothing; (e0): the hand-over before, every pair's bytes through the "
-                 "join; (k): the same tile products in torch, tiles in memory, shared over the threads as (b) "
-                 "shares them. (b) pays (e) and "
-                 "(k); medians as above.")
+                 "join; (k): the same tile products in torch, tiles in memory, shared over "
+                 "the threads as (b) shares them. (b) pays (e) and (k); medians as above.")
     record.table("counts", ["workload", "size", "tile", "Arrow function calls", "rows",
                             "MiB from DuckDB into Python", "MiB of pairs' bytes (e0)"],
                  count_rows, note="Per query of (b), counted by its chunk arena (independent "
