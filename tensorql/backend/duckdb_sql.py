@@ -840,10 +840,10 @@ class _Builder:
                     into = torch.empty(out_grid.chunk_shape(key), dtype=out_dtype)
                 return series.run_into([d[r] for _, r in members for d in decoded], into)
 
-            for members in groups.values():
-                members.sort()
-            # one job an output chunk, the longest series first (the threads finish together)
-            order = sorted(groups.items(), key=lambda item: -len(item[1]))
+            # one job an output chunk (its products in the aggregated keys' order), the
+            # longest series first (the threads finish together)
+            order = sorted(((key, sorted(members)) for key, members in groups.items()),
+                           key=lambda item: -len(item[1]))
             sums = arena.share([functools.partial(fold, key, members)
                                 for key, members in order])
             for (_, members), total in zip(order, sums):

@@ -73,7 +73,32 @@ PARKED = ParkedThreads()
 
 
 @contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
+def with_torch_threads(n: int) -> Iterator[None]:
+    """Run the calling thread's torch work inside on ``n`` torch threads, the setting
+    restored after (nothing is set where it is ``n`` already).
+
+    >>> import torch
+    >>> before = torch.get_num_threads()
+    >>> with with_torch_threads(1):
+    ...     torch.get_num_threads()
+    1
+    >>> torch.get_num_threads() == before
+    True
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    if previous == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def one_torch_thread() -> contextlib.AbstractContextManager[None]:
     """Run the calling thread's torch work inside on that thread alone (``torch`` threads 1,
     the setting restored after) -- for the small writes made just before a query runs (a
     prompt's embeddings gathered into their constant). Run on two threads, such a write
@@ -91,17 +116,7 @@ def one_torch_thread() -> Iterator[None]:
     >>> torch.get_num_threads() == before
     True
     """
-    import torch
-
-    previous = torch.get_num_threads()
-    if previous == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    return with_torch_threads(1)
 
 
 def run_shared(jobs: Sequence[Callable[[], Any]], threads: int,
@@ -127,18 +142,13 @@ def run_shared(jobs: Sequence[Callable[[], Any]], threads: int,
     n = min(max(1, int(threads)), len(jobs))
     if n <= 1:
         return [job() for job in jobs]
-    import torch
-
     results: list[Any] = [None] * len(jobs)
     errors: list[tuple[int, BaseException]] = []
     taken = iter(range(len(jobs)))
     take_lock = threading.Lock()
 
     def serve() -> None:
-        previous = torch.get_num_threads()
-        if previous != torch_threads:
-            torch.set_num_threads(torch_threads)
-        try:
+        with with_torch_threads(torch_threads):
             while True:
                 with take_lock:
                     i = next(taken, None)
@@ -150,9 +160,6 @@ def run_shared(jobs: Sequence[Callable[[], Any]], threads: int,
                     with take_lock:
                         errors.append((i, err))
                     return
-        finally:
-            if torch.get_num_threads() != previous:
-                torch.set_num_threads(previous)
 
     helpers = [threading.Thread(target=serve, daemon=True, name=f"tensorql-shared-{k}")
                for k in range(n - 1)]
