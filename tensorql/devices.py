@@ -161,6 +161,37 @@ class DeviceSet:
         """
         return sum(1 for s in self.specs if s.kind == kind)
 
+    def check_present(self) -> None:
+        """Raise :class:`~tensorql.errors.OptionError` unless every device named here is on
+        this machine (a session checks at connect, not at its first query; planning for
+        devices elsewhere -- ``tq.optimize(expr, devices=["cuda:0", ...])`` -- needs none).
+
+        >>> import tensorql.cuda_api as cuda_api
+        >>> class NoGpu(cuda_api.TorchCuda):
+        ...     def is_available(self):
+        ...         return False
+        >>> with cuda_api.use(NoGpu()):
+        ...     DeviceSet.parse("cuda:1").check_present()
+        Traceback (most recent call last):
+        ...
+        tensorql.errors.OptionError: devices='cuda:1' names 'cuda:1' but no CUDA device is available; use devices='cpu' or 'auto'
+        """
+        wanted = [s for s in self.specs if s.kind == "cuda"]
+        if not wanted:
+            return
+        import tensorql.cuda_api as cuda_api
+
+        cuda = cuda_api.current()
+        if not cuda.is_available():
+            raise OptionError(f"devices={self.spec!r} names {wanted[0].name!r} but no CUDA "
+                              "device is available; use devices='cpu' or 'auto'")
+        count = cuda.device_count()
+        for s in wanted:
+            if s.index >= count:
+                raise OptionError(f"devices={self.spec!r} names {s.name!r} but this machine has "
+                                  f"{count} CUDA device{'s' if count != 1 else ''} "
+                                  f"(cuda:0 to cuda:{count - 1})")
+
 
 def device_names(spec: Any) -> tuple[str, ...]:
     """The names of the devices ``spec`` names (compatibility: ``DeviceSet.parse(spec).names``).

@@ -82,6 +82,7 @@ def connect(
                                        **settings).items() if v is not None}
     opts = base.with_(**changes) if changes else base
     get_backend(opts.backend)  # UnknownBackendError names the registered ones
+    opts.device_set.check_present()  # "cuda:1" on a machine without it fails here
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise StorageError(f"database path must be a string or path, got {path!r}")
     path = os.fspath(path) if path is not None else None

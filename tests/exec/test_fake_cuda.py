@@ -825,3 +825,26 @@ def test_a_gpu_plan_does_not_follow_the_hosts_core_count(fake_cuda):
     assert tasks(16) == tasks(2)
     with tq.connect(devices="cpu", workers=4) as db:
         assert db.options.task_lanes == 4
+
+
+def test_connect_checks_the_named_cuda_devices_are_on_the_machine(fake_cuda, tmp_path):
+    """A session naming a GPU the machine lacks fails at connect (it used to fail at the
+    first query), and nothing is created; planning for devices elsewhere still works."""
+    import tensorql as tq
+
+    with pytest.raises(tq.OptionError, match=r"'cuda:2' but this machine has 2 CUDA devices"):
+        tq.connect(str(tmp_path / "x.duckdb"), devices=["cuda:0", "cuda:2"])
+    assert not (tmp_path / "x.duckdb").exists()
+
+    class Absent(cuda_api.TorchCuda):
+        def is_available(self):
+            return False
+
+    with cuda_api.use(Absent()):
+        with pytest.raises(tq.OptionError, match="'cuda:0' but no CUDA device is available"):
+            tq.connect(devices="cpu:0, cuda:0")
+        with tq.connect() as db:
+            a = db.from_numpy("a", np.ones((4, 4), np.float32))
+            assert tq.optimize(a @ a, devices=["cuda:0", "cuda:1"]).devices == 2
+    with tq.connect(devices=["cuda:0", "cuda:1"]) as db:
+        assert db.options.device_set.names == ("cuda:0", "cuda:1")
