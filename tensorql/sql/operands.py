@@ -350,6 +350,9 @@ class OperandResolver:
                 if key not in NAMED_ARGUMENTS:
                     raise self.fail(SQLOperatorError, f"unknown EINSUM argument {key!r}; "
                                     f"choose among {', '.join(NAMED_ARGUMENTS)}", arg)
+                if key in named:
+                    raise self.fail(SQLOperatorError, f"EINSUM argument {key!r} is given "
+                                    "twice", arg)
                 named[key] = arg
             elif named:
                 raise self.fail(SQLShapeError, "operands must come before named arguments",

@@ -219,6 +219,9 @@ def test_bad_join_agg_names(db, mats):
     assert info.value.column == 49 and "choose one of" in str(info.value)
     with pytest.raises(tq.UnknownOperatorError, match="unknown EINSUM argument"):
         db.sql("SELECT * FROM EINSUM('ij->i', A, how := 'x')")
+    with pytest.raises(tq.UnknownOperatorError, match="'join' is given twice") as info:
+        db.sql("SELECT * FROM EINSUM('ij,jk->ik', A, B, join := 'add', join := 'mul')")
+    assert info.value.column == 56
 
 
 def test_bad_equation_points_into_the_string(db, mats):
