@@ -269,6 +269,26 @@ def test_prefill_breakdown_counts_each_step_under_its_kind():
     assert kind("Pointwise rsqrt <- shift <- scale", False) == "norm"
 
 
+def test_prefill_gaps_schedules_measured_tasks_on_the_workers():
+    """``bench/profile/prefill_gaps.py``'s list schedule and critical path, against a graph
+    worked by hand: two chains on two workers, and a diamond whose long branch goes first
+    when taken by critical path."""
+    gaps = _profile_script("prefill_gaps")
+    chains = {0: set(), 1: set(), 2: {0}, 3: {1}}
+    times = {0: 1.0, 1: 1.0, 2: 2.0, 3: 1.0}
+    assert gaps.list_schedule(times, chains, lambda t: t, 2) == 3.0
+    assert gaps.list_schedule(times, chains, lambda t: t, 1) == 5.0
+    # 0 -> {1 (short), 2 (long)} -> 3; plus a free task 4 that fills an idle worker
+    diamond = {0: set(), 1: {0}, 2: {0}, 3: {1, 2}, 4: set()}
+    times = {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0, 4: 3.0}
+    rank = gaps.critical_path(times, diamond)
+    assert rank == {4: 3.0, 3: 1.0, 2: 4.0, 1: 2.0, 0: 5.0}
+    # by id: 1 (short) before 2 (long) at t=1, so 2 ends at 5 and 3 at 6; by critical
+    # path: 2 at t=1, 1 when 4 ends at 3, 3 from 4 to 5
+    assert gaps.list_schedule(times, diamond, lambda t: t, 2) == 6.0
+    assert gaps.list_schedule(times, diamond, lambda t: (-rank[t], t), 2) == 5.0
+
+
 def test_prefill_other_threads_counts_only_the_threads_it_did_not_exclude():
     """``bench/profile/prefill_other_threads.py`` reads the CPU of the process's other live
     threads: a thread spinning during the call is counted, the calling one is not."""
