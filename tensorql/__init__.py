@@ -16,6 +16,7 @@ import types
 from typing import TYPE_CHECKING
 
 from tensorql.errors import (
+    DLPackError,
     DTypeError,
     ExecutionError,
     MemoryLimitError,
@@ -119,7 +120,8 @@ __all__ = [
     "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StaleTensorError",
     "StorageError",
     "Tensor", "TensorQLError",
-    "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "connect",
+    "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "DLPackError",
+    "connect",
     "einsum", "optimize", "where", "grad", "GradientError", "optim", "substitute",
     "register_join", "register_agg", "JoinFunctionError", "AggFunctionError", "from_dlpack",
 ]

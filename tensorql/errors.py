@@ -178,6 +178,12 @@ class UnsupportedError(TensorQLError, TypeError):
     """An operation or argument tensorql does not support (e.g. numpy's ``out=``)."""
 
 
+class DLPackError(TensorQLError, BufferError):
+    """A DLPack exchange tensorql cannot make (a stream or a device the values are not on, a
+    version it does not speak); a ``BufferError``, as the DLPack protocol asks of a producer
+    that cannot export what was asked."""
+
+
 class DTypeError(TensorQLError, TypeError):
     """A dtype tensorql does not hold (names it and the supported ones); not a shape problem."""
 

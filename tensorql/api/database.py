@@ -22,7 +22,7 @@ from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Node, Source
 from tensorql.einsum.literals import constant_node, literal_array
-from tensorql.errors import ShapeError, StorageError, UnsupportedError
+from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.options import Options
@@ -77,6 +77,13 @@ def connect(
     ``devices`` ("auto" | "cpu" | "cuda" | ["cuda:0", ...]) and ``memory_limit`` (bytes or a
     string like "20GiB") go into the session's :class:`Options`, as does any other ``settings``.
     """
+    if options is not None and not isinstance(options, Options):
+        raise OptionError(f"connect(options=...) takes a tq.Options, not "
+                          f"{type(options).__name__}; pass settings as keywords instead "
+                          "(tq.connect(workers=2))")
+    if store is not None and not isinstance(store, ChunkStore):
+        raise StorageError(f"connect(store=...) takes a ChunkStore, not {type(store).__name__}"
+                           "; pass a path to open a DuckDB file (tq.connect('work.duckdb'))")
     base = options or Options.from_env()
     changes = {k: v for k, v in dict(devices=devices, memory_limit=memory_limit,
                                        **settings).items() if v is not None}

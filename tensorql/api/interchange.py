@@ -37,6 +37,11 @@ def from_dlpack(db: Database, name: str, tensor: Any, tile: Any = None, *,
     """Store ``tensor``, any object exporting DLPack (``__dlpack__``: torch, numpy, JAX,
     CuPy, a tensorql tensor), under ``name`` in ``db``, without a copy on the way in (the
     store copies its chunks); UnsupportedError for an object that does not export it."""
+    from tensorql.api.database import Database
+
+    if not isinstance(db, Database):
+        raise UnsupportedError(f"from_dlpack: the first argument is the session to store in "
+                               f"(tq.connect()), not {type(db).__name__}")
     if not hasattr(tensor, "__dlpack__"):
         raise UnsupportedError(f"from_dlpack: {type(tensor).__name__} does not export DLPack "
                                "(it has no __dlpack__); use db.from_numpy / db.from_torch")
@@ -44,7 +49,8 @@ def from_dlpack(db: Database, name: str, tensor: Any, tile: Any = None, *,
         return db.from_numpy(name, tensor, tile, replace=replace)  # aborted torch's import
     try:
         imported = torch.from_dlpack(tensor)
-    except (BufferError, RuntimeError, TypeError, ValueError) as err:  # a dtype or layout
+    except (AssertionError, BufferError, NotImplementedError, RuntimeError, TypeError,
+            ValueError) as err:  # a dtype, layout or device torch cannot take
         raise UnsupportedError(f"from_dlpack: torch cannot import this "  # DLPack lacks
                                f"{type(tensor).__name__}: {err}") from None
     return db.from_torch(name, imported, tile, replace=replace)

@@ -29,6 +29,7 @@ from tensorql.einsum.graph import INTEGRAL_DTYPES as _INTEGRAL
 from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, Source
 from tensorql.errors import (
     AmbiguousTruthError,
+    DLPackError,
     IndexingError,
     ShapeError,
     TensorQLError,
@@ -234,7 +235,15 @@ class Tensor:
         >>> torch.as_tensor(tq.connect().constant(np.array([1.0, 2.0]))).tolist()
         [1.0, 2.0]
         """
-        return self._dlpack_values().__dlpack__(**kwargs)
+        values = self._dlpack_values()
+        try:
+            return values.__dlpack__(**kwargs)
+        except (AssertionError, BufferError, NotImplementedError, RuntimeError, TypeError,
+                ValueError) as err:  # torch's answers to a stream, device or version it lacks
+            shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            raise DLPackError(f"__dlpack__({shown}): the values are a {values.dtype} tensor on "
+                              f"{values.device}, which cannot be exported as asked: "
+                              f"{type(err).__name__}: {err}") from None
 
     def __dlpack_device__(self) -> tuple[Any, int]:
         return self._dlpack_values(keep=True).__dlpack_device__()

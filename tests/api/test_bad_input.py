@@ -391,6 +391,17 @@ def test_an_unhashable_name_is_an_unknown_tensor(name):
         assert session.tensors() == ["x"]
 
 
+def test_connect_takes_an_options_object_and_a_chunk_store_only(tmp_path):
+    """connect(options="x") raised AttributeError ('str' has no 'backend'), and
+    connect(store="x") an AttributeError when the session was closed."""
+    with pytest.raises(tq.OptionError, match="takes a tq.Options, not str"):
+        tq.connect(options="x")
+    with pytest.raises(tq.StorageError, match="takes a ChunkStore, not str"):
+        tq.connect(store="x")
+    with tq.connect(options=tq.Options(workers=1)) as db:
+        assert db.options.workers == 1
+
+
 def test_grad_inputs_are_a_list_or_one_tensor(db, x):
     """tq.grad(loss, None) raised Python's TypeError; one Tensor was iterated row by row (a
     GradientError about rows the loss does not use); torch.autograd.grad takes one tensor."""

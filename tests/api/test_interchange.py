@@ -45,6 +45,33 @@ def test_from_dlpack_takes_a_tensor_of_another_database(db):
         tq.from_dlpack(db, "z", [1, 2, 3])
 
 
+def test_dlpack_requests_the_values_cannot_meet_are_dlpack_errors(db):
+    """A fuzzer's finds: ``__dlpack__`` asked for a stream or a device the CPU values are not
+    on raised torch's AssertionError / NotImplementedError; an object claiming a CUDA device
+    raised torch's AssertionError in ``tq.from_dlpack``, and a session that is not one an
+    AttributeError. Each is now a TensorQLError (a BufferError for the exporter, as the
+    protocol asks), and nothing is stored."""
+    t = db.from_numpy("A", np.arange(4.0)) * 2.0
+    for request in ({"stream": 1}, {"dl_device": (2, 0)}):
+        with pytest.raises(tq.DLPackError, match="cannot be exported as asked") as info:
+            t.__dlpack__(**request)
+        assert isinstance(info.value, BufferError)
+    np.testing.assert_array_equal(torch.from_dlpack(t).numpy(), np.arange(4.0) * 2.0)
+
+    class ClaimsCuda:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+        def __dlpack__(self, *args, **kwargs):
+            return torch.ones(3).__dlpack__()
+
+    with pytest.raises(tq.UnsupportedError, match="torch cannot import this ClaimsCuda"):
+        tq.from_dlpack(db, "T", ClaimsCuda())
+    with pytest.raises(tq.UnsupportedError, match="the session to store in"):
+        tq.from_dlpack(None, "T", torch.ones(3))
+    assert db.tensors() == ["A"]
+
+
 def test_from_arrow_arrays_tables_and_tensors(db):
     np.testing.assert_array_equal(db.from_arrow("a", pa.array([1.5, -2.0])).numpy(),
                                   np.array([1.5, -2.0]))
