@@ -27,6 +27,7 @@ import torch
 
 from tensorql.algebra import agg_record, join_record
 from tensorql.errors import MemoryLimitError, ShapeError
+from tensorql.options import available_memory_bytes
 from tensorql.units import format_bytes
 
 __all__ = ["DenseRelation", "absent_value", "densify", "filled_dtype", "label_columns",
@@ -100,6 +101,28 @@ def validate_indices(table: pa.Table, columns: Sequence[str]) -> list[int]:
     return highest
 
 
+def check_fits_in_memory(nbytes: int, shape: Sequence[int]) -> None:
+    """MemoryLimitError, before allocating, when a dense tensor of ``nbytes`` (``shape``)
+    is more than the memory this machine has available: densified rows with a large index
+    (a position, so a large tensor) would otherwise be an allocation failure from torch or,
+    where the system overcommits, a process swapping or killed while the zeros are written.
+
+    >>> check_fits_in_memory(1 << 20, (1 << 18,))
+    >>> try:
+    ...     check_fits_in_memory(1 << 60, (1 << 57,))
+    ... except MemoryLimitError as err:
+    ...     print(str(err)[:71])
+    a dense tensor of shape (144115188075855872,) takes 1048576.0 TiB, more
+    """
+    available = available_memory_bytes()
+    if nbytes > available:
+        raise MemoryLimitError(
+            f"a dense tensor of shape {tuple(int(n) for n in shape)} takes "
+            f"{format_bytes(nbytes)}, more than the memory this machine has available "
+            f"({format_bytes(available)}); give smaller sizes := or filter the rows (indices "
+            "are positions, so a large index makes a large tensor)")
+
+
 def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fill: float,
             agg: str, max_bytes: int | None) -> DenseRelation:
     """The relation as a dense tensor of ``shape`` with ``fill`` where no row exists and
@@ -121,6 +144,7 @@ def densify(table: pa.Table, columns: Sequence[str], shape: Sequence[int], *, fi
                          "(Options.relation_dense_bytes / "
                          "memory_limit); filter it, give smaller sizes := {...}, or store it "
                          "as a tensor")
+    check_fits_in_memory(need, shape)
     val = table.column(val_name)
     if val.null_count:
         table = table.filter(pc.is_valid(val))
@@ -282,6 +306,7 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
                                               or pa.types.is_boolean(val.type)):
         val = val.cast(pa.float64())
     values = torch.from_numpy(np.array(val.to_numpy(zero_copy_only=False))).to(dtype)
+    check_fits_in_memory(nbytes, shape)
     out = torch.zeros(tuple(shape), dtype=dtype)
     if not index:  # no label columns: a scalar, the rows added up
         return (values.any() if dtype == torch.bool else values.sum()).to(dtype) \

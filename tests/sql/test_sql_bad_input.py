@@ -123,6 +123,24 @@ def test_errors_found_past_the_parse_say_which_statement(db, query, words):
     assert "t" not in db.tensors()
 
 
+@pytest.mark.parametrize("query", [
+    "CREATE TENSOR t AS SELECT 1000000000000000 AS i, 1.0 AS val",
+    "CREATE TENSOR t AS SELECT 2::BIGINT AS i, 1000000000000000::BIGINT AS j, 1.0 AS val",
+])
+def test_rows_whose_dense_tensor_the_machine_cannot_hold_are_a_memory_error(db, query):
+    """Found by fuzzing (s16): CREATE TENSOR over plain rows with a large index (a position:
+    a large tensor) had torch allocate it -- a RuntimeError where the system refused, and
+    where it overcommitted a process writing gigabytes of zeros until it swapped or was
+    killed. The dense size is checked against the machine's available memory first."""
+    with pytest.raises(tq.MemoryLimitError, match="more than the memory this machine has"):
+        db.sql(query)
+    assert "t" not in db.tensors()
+    with pytest.raises(tq.MemoryLimitError, match="large index makes a large tensor"):
+        db.sql(query.split(" AS ", 1)[1]).numpy()
+    assert db.sql("CREATE TENSOR t AS SELECT 3 AS i, 1.0 AS val").fetchall()
+    assert db.tensor("t").numpy().tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize("params", [3, "ab", 2.5])
 def test_query_parameters_that_are_no_list_or_dict(db, params):
     """Found by fuzzing (s9): db.sql("SELECT $1", 3) raised DuckDB's TypeError (not
