@@ -364,6 +364,12 @@ class Database:
                 raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
             if not replace and self.chunk_store.has(name):
                 raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
+        by_folded: dict[str, str] = {}
+        for name in names:  # as the store's own check against stored names
+            other = by_folded.setdefault(name.lower(), name)
+            if other != name:
+                raise StorageError(f"store_many: names {other!r} and {name!r} differ only in "
+                                   "case: names are case-insensitive, as in DuckDB")
         values = self.compute(*items.values())
         writes = []
         for name, value in zip(names, values):

@@ -206,6 +206,18 @@ def test_store_many_and_from_pandas_refuse_what_they_do_not_take(db):
     assert db.tensors() == []
 
 
+def test_store_many_refuses_names_that_differ_only_in_case(db):
+    """Found by fuzzing (s16): store_many({"Zz": ..., "ZZ": ...}) stored both, and DuckDB's
+    case-insensitive ``SELECT ... FROM Zz`` then read ZZ's rows; every other way in refuses
+    such a pair."""
+    a = db.from_numpy("A", np.arange(6.0).reshape(2, 3))
+    with pytest.raises(tq.StorageError, match="'Zz' and 'ZZ' differ only in case"):
+        db.store_many({"Zz": a * 1, "ZZ": a * 2})
+    assert db.tensors() == ["A"]
+    db.store_many({"Zz": a * 1, "Yy": a * 2})
+    assert db.sql("SELECT sum(val) FROM zz").fetchall() == [(15.0,)]
+
+
 @pytest.mark.parametrize("settings, words", [
     (dict(workers="2"), "workers must be an integer"),
     (dict(workers=-1), "workers must be an integer"),
