@@ -30,6 +30,7 @@ from tensorql.einsum.graph import EinsumOp, MapOp, Node, ReshapeOp, SoftmaxOp, S
 from tensorql.errors import (
     AmbiguousTruthError,
     DLPackError,
+    DTypeError,
     IndexingError,
     ShapeError,
     TensorQLError,
@@ -296,6 +297,12 @@ class Tensor:
             # one map of self (see the algebra registry); a bool tensor goes through the join,
             # whose promotion makes it a number first (bool + 3 is 3, as torch's and numpy's;
             # torch's maps kept the bool dtype or refused to subtract from a bool)
+            if isinstance(other, int) and self.dtype.startswith(("int", "uint")):
+                bounds = np.iinfo(np.dtype(self.dtype))
+                if not bounds.min <= other <= bounds.max:  # numpy and torch refuse it too
+                    raise DTypeError(f"the Python integer {other} is out of bounds for this "
+                                     f"{self.dtype} tensor ({bounds.min}..{bounds.max}); cast "
+                                     f"first, e.g. x.astype('int64')")
             fn, scalar = maps[1 if reverse else 0]
             try:
                 value = scalar(other)

@@ -489,3 +489,26 @@ def test_a_memory_size_of_many_digits_is_read_exactly():
 
     assert parse_bytes("9" * 400) == int("9" * 400)
     assert parse_bytes("1.5KiB") == 1536
+
+
+@pytest.mark.parametrize("dtype, build, scalar", [
+    (np.int32, lambda t, s: t + s, 2**40),
+    (np.int32, lambda t, s: t * s, 2**31),
+    (np.int32, lambda t, s: s - t, -(2**31) - 1),
+    (np.int8, lambda t, s: t + s, 300),
+    (np.uint8, lambda t, s: t - s, -1),
+])
+def test_a_python_integer_out_of_an_integer_tensors_range_is_refused(db, dtype, build, scalar):
+    """Found by fuzzing (s16): ``int32 + 2**40`` gave [0 1 2] -- the scalar was cast into the
+    tensor's dtype and wrapped. numpy (NEP 50) and torch refuse such a scalar; so does
+    tensorql now, where an in-range one keeps the tensor's dtype as numpy's does."""
+    a = np.arange(3, dtype=dtype)
+    t = db.from_numpy("t", a)
+    with pytest.raises(OverflowError):
+        build(a, scalar)
+    with pytest.raises(tq.DTypeError, match=f"Python integer {scalar} is out of bounds"):
+        build(t, scalar)
+    inside = int(np.iinfo(dtype).max) - 2
+    got = (t + inside).numpy()
+    assert got.dtype == a.dtype
+    np.testing.assert_array_equal(got, a + inside)
