@@ -58,6 +58,11 @@ _TEMP = itertools.count()
 _EXPLAIN_HEAD = re.compile(r"^\s*EXPLAIN\s+(ANALYZE\s+)?", re.I)  # before what DuckDB runs
 
 
+# statements that end a transaction: they run even when an error aborted it
+_BEGINS_TRANSACTION = re.compile(r"\s*(BEGIN|START\s+TRANSACTION)\b", re.IGNORECASE)
+_ENDS_TRANSACTION = re.compile(r"\s*(ROLLBACK|ABORT|COMMIT|END)\b", re.IGNORECASE)
+
+
 class ScriptRunner:
     """Runs the statements of one script against a session (a ``tensorql.Database``: its
     ``chunk_store``, ``options``, ``connection``, ``tensors()``, ``drop``, ``from_torch`` and
@@ -103,7 +108,15 @@ class ScriptRunner:
         if self.params is not None and len(statements) > 1:
             raise SQLExecutionError("query parameters need a single statement, but the script "
                                     f"has {len(statements)}", text=self.script, position=0)
-        self.session.chunk_store.sync_views()  # another process may have stored tensors
+        if any(_BEGINS_TRANSACTION.match(st.text) for st in statements):
+            self.session.sql_transaction_begun = True  # its writes now ask whether it is open
+        try:
+            self.session.chunk_store.sync_views()  # another process may have stored tensors
+        except duckdb.TransactionException as err:  # an earlier statement aborted the user's
+            if not _ENDS_TRANSACTION.match(statements[0].text):  # transaction: ROLLBACK first
+                raise SQLExecutionError(f"DuckDB: {err}; the transaction was aborted by an "
+                                        "earlier error: run ROLLBACK", text=self.script,
+                                        position=statements[0].offset) from None
         result = SQLResult(text="")
         for st in statements:
             self.statement = st

@@ -255,6 +255,26 @@ be used (open it again with tq.connect)
         else:
             self._views.pop(meta.name, None)
 
+    def in_sql_transaction(self) -> bool:
+        """Whether a transaction the user began with SQL (``BEGIN``) is open on the main
+        connection (probed without disturbing it: DuckDB's Python API does not say). Tensors
+        are stored and dropped in transactions of their own, which the user's ``ROLLBACK``
+        would not undo.
+
+        >>> store = DuckDBChunkStore()
+        >>> store.in_sql_transaction()
+        False
+        >>> _ = store.connection.execute("BEGIN")
+        >>> store.in_sql_transaction()
+        True
+        """
+        con = self.connection
+        try:  # each statement outside a transaction runs in one of its own, with a new id
+            first = con.execute("SELECT txid_current()").fetchall()
+            return con.execute("SELECT txid_current()").fetchall() == first
+        except duckdb.TransactionException:  # one an earlier error aborted: still open
+            return True
+
     def sync_views(self) -> None:
         """Create (or drop) this connection's temp views so they match the catalog, which
         another process or a writer thread may have changed."""
