@@ -48,6 +48,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from tensorql.errors import MemoryLimitError
+from tensorql.units import format_bytes
+
 if TYPE_CHECKING:  # torch is imported where a tensor is made: `tensorql --version` needs none
     import torch
 
@@ -120,12 +123,18 @@ def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     import torch
 
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes <= HEAP_RESULT_MAX_BYTES:
-        with heap_only():  # (nothing more than torch.empty where the tuning is not applied)
+    try:
+        if nbytes <= HEAP_RESULT_MAX_BYTES:
+            with heap_only():  # (nothing more than torch.empty where the tuning is not applied)
+                return torch.empty(shape, dtype=dtype)
+        if _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
             return torch.empty(shape, dtype=dtype)
-    if _tuning_off() or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, RuntimeError, MemoryError) as err:  # ENOMEM; torch's "can't allocate"
+        raise MemoryLimitError(
+            f"the dense result, {format_bytes(nbytes)} of shape {tuple(shape)}, cannot be "
+            f"allocated on this host ({type(err).__name__}: {err}); read it in chunks "
+            "(db.store it, then db.iter_chunks) or free memory") from None
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # huge pages unsupported here: still a valid zeroed mapping

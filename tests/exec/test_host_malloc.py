@@ -174,3 +174,16 @@ def test_importing_tensorql_leaves_pyarrow_unloaded():
                            "tensorql.connect; print('pyarrow' in sys.modules)"],
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_a_result_the_host_cannot_allocate_is_a_memory_limit_error():
+    """Found by fuzzing (s16): a dense result bigger than the host could map raised the raw
+    OSError (ENOMEM) of the mapping, or torch's RuntimeError where it came from the heap."""
+    import torch
+
+    import tensorql as tq
+    from tensorql.exec.host_malloc import empty_result
+
+    with pytest.raises(tq.MemoryLimitError, match=r"cannot be allocated on this host"):
+        empty_result((1 << 58,), torch.float32)  # 1 EiB: refused by the system at once
+    assert empty_result((4, 4), torch.float32).shape == (4, 4)
