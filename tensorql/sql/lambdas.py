@@ -126,6 +126,11 @@ class LambdaJoin:
 def lambda_join(node: exp.Lambda) -> LambdaJoin:
     """The join of a DuckDB lambda (registered once per lambda text); LambdaSyntaxError on a
     construct outside the whitelist, JoinFunctionError when the function is not elementwise."""
+    for p in node.expressions:  # (DuckDB's parser reads any token there as a name)
+        if not isinstance(p, (exp.Identifier, exp.Column)) or not (
+                p.name.isidentifier() or (p.args.get("quoted") and p.name)):
+            raise LambdaSyntaxError(f"a join lambda's parameters are names, one per operand; "
+                                    f"got {p.name or p.sql(dialect='duckdb')!r}", p)
     params = tuple(p.name for p in node.expressions)
     if not params or len(set(params)) != len(params):
         raise LambdaSyntaxError("a join lambda needs distinct parameter names, one per operand",

@@ -405,6 +405,12 @@ class OperandResolver:
         """The join's registered name: a DuckDB lambda's (translated to torch and SQL), or a
         registered join's name."""
         if arg is not None and isinstance(arg.expression, exp.Lambda):
+            for param in arg.expression.expressions:  # 'a' reads as a quoted name there
+                start = param.meta.get("start")
+                if start is not None and self.script[start:start + 1] == "'":
+                    raise self.fail(SQLJoinFunctionError, "a join lambda's parameters are "
+                                    f"names, one per operand; got the string '{param.name}'",
+                                    param)
             params = len(arg.expression.expressions)
             if params != operands:
                 raise self.fail(SQLJoinFunctionError, f"the join lambda takes {params} "

@@ -155,6 +155,10 @@ BAD = [
     ("(a) -> a", "takes 1 parameter(s) but EINSUM has 2", "a)"),
     ("(a, a) -> a", "distinct parameter names", "a, a"),
     ("(a, b) -> t.a + b", "unknown name 't.a'", "t.a"),
+    # found by fuzzing (s16): a literal where a parameter's name goes was taken as a name
+    ("(1, b) -> b", "parameters are names, one per operand; got '1'", "1, b"),
+    ("(1.5, b) -> b", "got '1.5'", "1.5"),
+    ("('a', b) -> b", "got the string 'a'", "'a', b"),
 ]
 
 
