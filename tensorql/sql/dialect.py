@@ -199,7 +199,8 @@ class Statement:
     From :func:`split_script`, a statement without EINSUM or tensorql DDL is not parsed:
     ``expression`` is None and DuckDB runs ``text`` as written (``explain``: it is an
     EXPLAIN, whose plan comes back as text; ``created``: the name and offset of the table or
-    view a ``CREATE`` makes, if unqualified).
+    view a ``CREATE`` makes, if unqualified; ``altered``: those a ``DROP`` or ``ALTER`` of a
+    table or view names).
 
     >>> s = parse_script("SELECT 1;  SELECT 2")[1]
     >>> s.text, s.offset
@@ -212,6 +213,7 @@ class Statement:
     script: str
     explain: bool = False
     created: tuple[str, int] | None = None
+    altered: tuple[tuple[str, int], ...] = ()
 
 
 _MISSING = re.compile(r"Required keyword: '(\w+)' missing for <class '[\w.]*\.(\w+)'>")
@@ -385,6 +387,36 @@ def _created(tokens: list[Token]) -> tuple[str, int] | None:
     return tokens[k].text, tokens[k].start
 
 
+def _altered(tokens: list[Token]) -> tuple[tuple[str, int], ...]:
+    """The unqualified names (and offsets) of the tables or views a ``DROP TABLE|VIEW [IF
+    EXISTS] name, ...`` or ``ALTER TABLE|VIEW [IF EXISTS] name ...`` statement changes.
+
+    >>> _altered(TensorQL().tokenize('DROP VIEW IF EXISTS a, "B"'))
+    (('a', 20), ('B', 23))
+    >>> _altered(TensorQL().tokenize("ALTER TABLE t RENAME TO u")), _altered(
+    ...     TensorQL().tokenize("DROP TABLE s.t"))
+    ((('t', 12),), ())
+    """
+    if len(tokens) < 3 or tokens[0].token_type not in (TokenType.DROP, TokenType.ALTER) \
+            or tokens[1].token_type not in (TokenType.TABLE, TokenType.VIEW):
+        return ()
+    k = 2
+    if k + 1 < len(tokens) and _is_text(tokens[k], "IF") and _is_text(tokens[k + 1], "EXISTS"):
+        k += 2
+    names = []
+    while k < len(tokens):
+        if k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.DOT:
+            k += 3  # a qualified name: another schema's, not a tensor's view
+        else:
+            names.append((tokens[k].text, tokens[k].start))
+            k += 1
+        if tokens[0].token_type == TokenType.ALTER or k >= len(tokens) \
+                or tokens[k].token_type != TokenType.COMMA:
+            break
+        k += 1
+    return tuple(names)
+
+
 def split_script(script: str) -> list[Statement]:
     """The statements of ``script``, parsed only where tensorql has work: a statement with
     EINSUM or tensorql DDL is parsed (sqlglot, within the nesting limits); any other keeps
@@ -413,7 +445,7 @@ def split_script(script: str) -> list[Statement]:
         tensorql, explain = _needs_tensorql(mine)
         if not tensorql:
             statements.append(Statement(None, text, offset, script, explain=explain,
-                                        created=_created(mine)))
+                                        created=_created(mine), altered=_altered(mine)))
             continue
         _check_nesting(mine, script)
         statements.append(_parse_one(script, text, offset))

@@ -150,6 +150,8 @@ class ScriptRunner:
         if e is None:  # no EINSUM, no tensorql DDL: DuckDB runs it as written
             if st.created is not None:
                 self.check_created_name(*st.created)
+            for name, position in st.altered:
+                self.check_altered_name(name, position)
             result = self.duckdb(st.text, params=self.params)
             if not st.explain:
                 return result
@@ -189,6 +191,18 @@ class ScriptRunner:
             raise SQLExecutionError(f"{name!r} clashes with the stored tensor {clash[0]!r} "
                                     "(names are case-insensitive, as in DuckDB); pick another "
                                     f"name or DROP TENSOR {clash[0]}", text=self.script,
+                                    position=position)
+
+    def check_altered_name(self, name: str, position: int | None) -> None:
+        """SQLExecutionError if a ``DROP`` or ``ALTER`` of a table or view names a stored
+        tensor's view or its chunk view: the tensor would stay in the catalog without them
+        for the rest of the session (DROP TENSOR and CREATE OR REPLACE TENSOR change both)."""
+        owner = [t for t in self.session.tensors()
+                 if t.lower() in (name.lower(), name.lower().removesuffix("__chunks"))]
+        if owner:
+            raise SQLExecutionError(f"{name!r} is a view of the stored tensor {owner[0]!r}; "
+                                    f"change the tensor instead (DROP TENSOR {owner[0]}, "
+                                    "CREATE OR REPLACE TENSOR ...)", text=self.script,
                                     position=position)
 
     def duckdb(self, sql: str, params: Any = None) -> SQLResult:

@@ -149,3 +149,22 @@ def test_query_parameters_that_are_no_list_or_dict(db, params):
         db.sql("SELECT $1", params)
     assert info.value.position == 0
     assert db.sql("SELECT $1 + 1", [2]).fetchall() == [(3,)]
+
+
+@pytest.mark.parametrize("statement, name", [
+    ("ALTER TABLE A RENAME TO Z", "A"), ("DROP VIEW A", "A"), ("drop view if exists a", "a"),
+    ('DROP TABLE "A"', '"A"'), ("DROP VIEW t, A__chunks", "A__chunks"),
+    ("ALTER VIEW a RENAME TO q", "a"),
+])
+def test_plain_sql_may_not_drop_or_alter_a_tensors_views(db, statement, name):
+    """Found by fuzzing (s16): ALTER TABLE A RENAME TO Z or DROP VIEW A went to DuckDB, and
+    `SELECT ... FROM A` then failed for the rest of the session while the tensor stayed in the
+    catalog. They are refused, pointing at the name; other tables are DuckDB's as before."""
+    db.sql("CREATE VIEW t AS SELECT 1 AS x")
+    with pytest.raises(SQLExecutionError, match="is a view of the stored tensor 'A'") as info:
+        db.sql(statement)
+    assert info.value.position == statement.index(" " + name) + 1
+    assert db.sql("SELECT count(*) FROM A").fetchall() == [(6,)]
+    assert db.sql("SELECT count(*) FROM t").fetchall() == [(1,)]
+    db.sql("DROP VIEW t")
+    assert db.tensors() == ["A", "I"]
