@@ -213,19 +213,25 @@ elements at other positions: the function is not elementwise
     arity = arity or _arity(name, fn, JoinFunctionError, "join")
     add_user_join(name, fn, arity=arity, sql=sql,
                   identity=identity, adjoint=adjoint, commutative=commutative,
-                  associative=associative, listed=_listed)
+                  associative=associative, listed=_listed, check_sql=True)
     return name
 
 
 def add_user_join(name: str, fn: Callable[..., torch.Tensor], *, arity: int,
                   sql: str | None = None, identity: float | None = None,
                   adjoint: Callable[..., torch.Tensor] | None = None, commutative: bool = False,
-                  associative: bool = False, listed: bool = False) -> Join:
+                  associative: bool = False, listed: bool = False,
+                  check_sql: bool = False) -> Join:
     """Probe ``fn`` (JoinFunctionError unless it is an elementwise torch function of
-    ``arity`` operands) and register it as join ``name`` (the name is the caller's)."""
+    ``arity`` operands) and register it as join ``name`` (the name is the caller's); with
+    ``check_sql`` (a user's own template) DuckDB runs ``sql`` on the probe operands too, and
+    it must give what ``fn`` gives (a SQL lambda's template is translated with its function
+    from one expression: not run)."""
     if sql is not None:
         _check_template(name, sql, arity)
     _probe_join(name, fn, arity)
+    if sql is not None and check_sql:
+        _probe_template(name, sql, fn, arity)
     if adjoint is not None:
         _probe_adjoint(name, adjoint, arity)
     return add_join(Join(name, owned_result(fn), source=fn, arity=arity, nary=arity != 2,
@@ -274,6 +280,37 @@ def _check_template(name: str, sql: str, arity: int) -> None:
     except (IndexError, KeyError, ValueError) as err:
         raise JoinFunctionError(f"join {name!r}: sql template {sql!r} must use only {{0}}.."
                                 f"{{{arity - 1}}} ({err})") from None
+
+
+def _probe_template(name: str, sql: str, fn: Callable[..., Any], arity: int) -> None:
+    """JoinFunctionError unless the SQL template, run by DuckDB over the probe operands, is
+    valid SQL giving what ``fn`` gives (the relational path and the dense one would otherwise
+    answer the same query differently, or fail later at a position inside the user's query)."""
+    import duckdb
+    import pyarrow as pa
+
+    xs = [x.expand(_PROBE_SHAPE).reshape(-1) for x in _probe_operands(arity)]
+    want = fn(*_probe_operands(arity)).expand(_PROBE_SHAPE).reshape(-1).double()
+    columns = {f"x{k}": x.numpy() for k, x in enumerate(xs)}
+    rows = pa.table({"i": list(range(len(xs[0]))), **columns})
+    expression = sql.format(*columns)
+    con = duckdb.connect()
+    try:
+        con.register("probe", rows)
+        got = con.execute(f"SELECT CAST(({expression}) AS DOUBLE) AS v FROM probe "
+                          "ORDER BY i").fetchnumpy()["v"]
+    except (duckdb.Error, TypeError, ValueError) as err:
+        raise JoinFunctionError(f"join {name!r}: sql template {sql!r} is not valid DuckDB SQL "
+                                f"over numbers ({type(err).__name__}: {err})") from None
+    finally:
+        con.close()
+    got = torch.from_numpy(got.astype("float64"))
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-8, equal_nan=True):
+        at = int((got - want).abs().nan_to_num(float("inf")).argmax())
+        operands = ", ".join(f"{x[at].item():.4g}" for x in xs)
+        raise JoinFunctionError(f"join {name!r}: sql template {sql!r} gives {got[at].item():.6g}"
+                                f" where the function gives {want[at].item():.6g} (operands "
+                                f"{operands}): the two spellings disagree")
 
 
 def _probe_operands(arity: int) -> list[torch.Tensor]:

@@ -187,6 +187,16 @@ def test_unknown_and_built_in_names(db1):
         tq.register_join("t_once", torch.sub)
     with pytest.raises(tq.JoinFunctionError, match="sql template"):
         tq.register_join("t_bad_sql", torch.add, sql="{0} + {2}")
+    # found by fuzzing (s16): a template DuckDB cannot read, or one that disagrees with the
+    # function, was accepted (the relational and dense paths then answered differently, or
+    # the error pointed into the user's query); DuckDB now runs it on the probe operands
+    with pytest.raises(tq.JoinFunctionError, match=r"'\{0\} \+' is not valid DuckDB SQL"):
+        tq.register_join("t_bad_sql2", torch.add, sql="{0} +")
+    with pytest.raises(tq.JoinFunctionError, match=r"gives .* where the function gives .* "
+                                                   "disagree"):
+        tq.register_join("t_lies", torch.add, sql="{0} * {1}")
+    assert "t_bad_sql2" not in tq.JOINS and "t_lies" not in tq.JOINS
+    assert tq.register_join("t_good_sql", torch.hypot, sql="sqrt({0} * {0} + {1} * {1})")
     with pytest.raises(tq.UnknownOperatorError):
         tq.einsum("ij,jk->ik", A, A, join=42)
 
