@@ -289,8 +289,9 @@ def _probe_template(name: str, sql: str, fn: Callable[..., Any], arity: int) -> 
     import duckdb
     import pyarrow as pa
 
-    xs = [x.expand(_PROBE_SHAPE).reshape(-1) for x in _probe_operands(arity)]
-    want = fn(*_probe_operands(arity)).expand(_PROBE_SHAPE).reshape(-1).double()
+    operands = _probe_operands(arity)
+    xs = [x.expand(_PROBE_SHAPE).reshape(-1) for x in operands]
+    want = fn(*operands).expand(_PROBE_SHAPE).reshape(-1).double()
     columns = {f"x{k}": x.numpy() for k, x in enumerate(xs)}
     rows = pa.table({"i": list(range(len(xs[0]))), **columns})
     expression = sql.format(*columns)

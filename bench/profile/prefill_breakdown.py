@@ -61,6 +61,23 @@ def kind_of(name: str, last: bool) -> str:
     return "other"
 
 
+def warm_prefill(workers: int, seq: int):
+    """The bench model (``bench/llama.py``) in a session of ``workers`` one-thread workers,
+    and its cached prefill of ``seq`` tokens run three times (the plan, the packed weights,
+    the allocator's pools): ``(model, prefill)``."""
+    import llama
+
+    import tensorql as tq
+    from tensorql.models import Llama
+
+    db = tq.connect(workers=workers, intra_op_threads=1)
+    ours = Llama.from_transformers(db, llama.hf_model(False))
+    prefill = ours.prefill(1, seq)
+    for call in range(3):
+        prefill.logits(llama.prompt(ours.shape.vocab, seq, call))
+    return ours, prefill
+
+
 def one_core_rate(repeat: int = 15) -> float:
     """GFLOP/s of one thread's packed oneDNN product 256 x 768 x 2048 (a prefill block's
     gate projection), best of ``repeat``."""
@@ -86,16 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import llama
 
-    import tensorql as tq
-    from tensorql.models import Llama
-
-    model = llama.hf_model(False)
-    db = tq.connect(workers=args.workers, intra_op_threads=1)
-    ours = Llama.from_transformers(db, model)
-    del model
-    prefill = ours.prefill(1, args.seq)
-    for call in range(3):  # the plan, the packed weights, the allocator's pools
-        prefill.logits(llama.prompt(ours.shape.vocab, args.seq, call))
+    ours, prefill = warm_prefill(args.workers, args.seq)
     physical = prefill.query().physical
     last = physical.result_step.id
     kinds = {step.id: kind_of(step.name, step.id == last) for step in physical.steps}

@@ -98,10 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     args = parser.parse_args(argv)
     import llama
+    from prefill_breakdown import warm_prefill
 
-    import tensorql as tq
     import tensorql.exec.executor as executor
-    from tensorql.models import Llama
 
     timed: list[tuple[int, float, float, object]] = []  # worker, start, end, task
     execute = executor._execute
@@ -114,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             timed.append((threading.get_ident(), start, time.perf_counter(), task))
 
     executor._execute = timed_execute
-    model = llama.hf_model(False)
-    db = tq.connect(workers=args.workers, intra_op_threads=1)
-    ours = Llama.from_transformers(db, model)
-    del model
-    prefill = ours.prefill(1, args.seq)
-    for call in range(3):  # the plan, the packed weights, the allocator's pools
-        prefill.logits(llama.prompt(ours.shape.vocab, args.seq, call))
+    ours, prefill = warm_prefill(args.workers, args.seq)
     tasks = prefill.query().physical.task_graph().tasks
     producers: dict[object, list[int]] = defaultdict(list)
     for task in tasks:

@@ -101,6 +101,9 @@ def validate_indices(table: pa.Table, columns: Sequence[str]) -> list[int]:
     return highest
 
 
+_SURELY_FITS_BYTES = 64 << 20  # a dense tensor this small is not checked against the system
+
+
 def check_fits_in_memory(nbytes: int, shape: Sequence[int]) -> None:
     """MemoryLimitError, before allocating, when a dense tensor of ``nbytes`` (``shape``)
     is more than the memory this machine has available: densified rows with a large index
@@ -114,6 +117,8 @@ def check_fits_in_memory(nbytes: int, shape: Sequence[int]) -> None:
     ...     print(str(err)[:71])
     a dense tensor of shape (144115188075855872,) takes 1048576.0 TiB, more
     """
+    if nbytes <= _SURELY_FITS_BYTES:  # the common case: no /proc read on a query's path
+        return
     available = available_memory_bytes()
     if nbytes > available:
         raise MemoryLimitError(

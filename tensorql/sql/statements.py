@@ -185,23 +185,28 @@ class ScriptRunner:
     def check_created_name(self, name: str, position: int | None) -> None:
         """SQLExecutionError if a table or view ``name`` (created at ``position`` of the
         script) would take a stored tensor's name or its chunk view's."""
-        clash = [t for t in self.session.tensors()
-                 if t.lower() in (name.lower(), name.lower().removesuffix("__chunks"))]
-        if clash:
-            raise SQLExecutionError(f"{name!r} clashes with the stored tensor {clash[0]!r} "
+        owner = self.tensor_of_view(name)
+        if owner is not None:
+            raise SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} "
                                     "(names are case-insensitive, as in DuckDB); pick another "
-                                    f"name or DROP TENSOR {clash[0]}", text=self.script,
+                                    f"name or DROP TENSOR {owner}", text=self.script,
                                     position=position)
+
+    def tensor_of_view(self, name: str) -> str | None:
+        """The stored tensor whose view (``A``) or chunk view (``A__chunks``) a table or view
+        named ``name`` would be, in any case (DuckDB's names are case-insensitive)."""
+        lowered = name.lower()
+        return next((t for t in self.session.tensors()
+                     if t.lower() in (lowered, lowered.removesuffix("__chunks"))), None)
 
     def check_altered_name(self, name: str, position: int | None) -> None:
         """SQLExecutionError if a ``DROP`` or ``ALTER`` of a table or view names a stored
         tensor's view or its chunk view: the tensor would stay in the catalog without them
         for the rest of the session (DROP TENSOR and CREATE OR REPLACE TENSOR change both)."""
-        owner = [t for t in self.session.tensors()
-                 if t.lower() in (name.lower(), name.lower().removesuffix("__chunks"))]
-        if owner:
-            raise SQLExecutionError(f"{name!r} is a view of the stored tensor {owner[0]!r}; "
-                                    f"change the tensor instead (DROP TENSOR {owner[0]}, "
+        owner = self.tensor_of_view(name)
+        if owner is not None:
+            raise SQLExecutionError(f"{name!r} is a view of the stored tensor {owner!r}; "
+                                    f"change the tensor instead (DROP TENSOR {owner}, "
                                     "CREATE OR REPLACE TENSOR ...)", text=self.script,
                                     position=position)
 
