@@ -22,14 +22,14 @@ pool; tensorql's ``workers=threads, intra_op_threads=1``; dask's threaded schedu
 warm-up and is printed as the **cold** figure; ``--repeat`` timed calls follow in seeded random
 order; medians and IQRs are printed.
 
-What each side may reuse: where its host rule packs (``kernels/packed_weights.py``: not on
-an Intel CPU with MKL, where MKL's product is faster; the JSON's ``env.packed_weights`` says
-which), tensorql keeps a oneDNN-packed copy of each stored weight from its first call on;
-torch's ``@`` (MKL sgemm) repacks its right operand per call. The ``tq nopack`` contender is
-tensorql with
-``TENSORQL_PACKED_WEIGHTS=0``, and the cold column is the first call (packing on the clock), so
-the reuse is visible, not hidden; ``torch packed`` gives torch the same reuse (its right
-operands prepacked once with the same oneDNN ops), as a torch user who prepacks would have it,
+What each side may reuse: tensorql keeps a packed copy of each stored weight from its first
+call on, with the host's packing (``kernels/packed_weights.py``: MKL's packed sgemm where
+torch's BLAS is MKL on an Intel CPU, oneDNN's elsewhere; the JSON's ``env.packed_weights``
+says which); torch's ``@`` (MKL sgemm) repacks its right operand per call. The ``tq nopack``
+contender is tensorql with ``TENSORQL_PACKED_WEIGHTS=0``, and the cold column is the first
+call (packing on the clock), so the reuse is visible, not hidden; ``torch packed`` gives torch
+the same reuse (its right operands packed once by the same code), as a torch user who
+prepacks would have it,
 and ``torch compile`` is ``torch.compile`` with inductor's ``freezing`` under ``torch.no_grad``
 (the weights folded into the graph as constants and prepacked by inductor), its compilation
 in its first call and so in its cold figure.
@@ -101,19 +101,19 @@ def build_expr(workload: str, t: dict):
 
 
 def torch_factory(workload: str, small: bool, packed: bool = False):
-    """torch's side; ``packed``: the right operands prepacked once for oneDNN with the ops
-    tensorql's packed weights use (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
-    as a torch user who prepacks would."""
+    """torch's side; ``packed``: the right operands packed once with the code and the rule
+    of tensorql's packed weights (``kernels/packed_weights.py``: MKL's packed sgemm where
+    torch's BLAS is MKL on an Intel CPU, oneDNN's elsewhere), as a torch user who prepacks
+    would."""
     x = {k: torch.from_numpy(v) for k, v in arrays_for(workload, small).items()}
     mm = torch.mm
     if packed:
-        ops = torch.ops.mkldnn
-        weights = {k: ops._reorder_linear_weight(v.t().contiguous(), 64) for k, v in x.items()
-                   if k in ("B", "W1", "W2")}
-        ids = {id(x[k]): k for k in weights}
+        from tensorql_kernels import packed_weights
 
-        def mm(left, right):
-            return ops._linear_pointwise(left, weights[ids[id(right)]], None, "none", [], "")
+        for k in ("B", "W1", "W2"):
+            if k in x:
+                packed_weights.mark_immutable(x[k])
+        mm = packed_weights.matmul
     if workload == "matmul":
         return lambda: mm(x["A"], x["B"])
     return lambda: mm(torch.relu(mm(x["X"], x["W1"])), x["W2"])
@@ -139,7 +139,8 @@ class _Frozen(torch.nn.Module):
 def torch_compile_factory(workload: str, small: bool):
     """torch as a user who compiles for inference would run it: ``torch.compile`` (inductor)
     with ``torch._inductor.config.freezing`` under ``torch.no_grad()`` -- the weights become
-    constants of the graph and inductor prepacks them for oneDNN (``cpp.weight_prepack``).
+    constants of the graph and inductor prepacks them (``cpp.weight_prepack``: for MKL's
+    packed sgemm where torch has MKL, else oneDNN).
     The compilation happens in the first call, so it is the contender's cold figure; inductor
     caches in a fresh directory of this process (no compiled code from an earlier run)."""
     import os
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         record.table("main", columns, table, note="Warm medians; cold = the first call "
                      "(planning, chunk decoding and weight packing on the clock; torch compile's "
                      "is its compilation); nopack = TENSORQL_PACKED_WEIGHTS=0; torch packed: "
-                     "right operands prepacked once with oneDNN's linear ops; torch compile: "
+                     "right operands packed once as tensorql packs them (the host's "
+                     "packing); torch compile: "
                      "torch.compile with inductor freezing under no_grad. The goal is against "
                      "the fastest torch form.")
         _print_table(columns, table)

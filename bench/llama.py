@@ -27,11 +27,13 @@ seed that counts the calls, the same sequence on both sides. Phases:
 
 The logits of the first prefill are compared (max abs difference <= 1e-3 x max |logit|);
 peak RSS of each side's process is reported. What each side may reuse: tensorql keeps its
-plans (cached phases only) and a oneDNN-packed copy of each weight from its first call on
+plans (cached phases only) and a packed copy of each weight from its first call on (the
+host's packing, ``kernels/packed_weights.py``: MKL's packed sgemm on an Intel CPU, oneDNN's
+elsewhere)
 (the cold figure is that first call; ``tq nopack`` runs with ``TENSORQL_PACKED_WEIGHTS=0``);
 transformers keeps nothing between calls but its weights, as a user of it would, and
-``transformers packed`` is the same model with every ``nn.Linear``'s weight packed once for
-oneDNN by the ops and the rule tensorql's packed weights use (``PackedLinear``): the same reuse
+``transformers packed`` is the same model with every ``nn.Linear``'s weight packed once by
+the code and the rule tensorql's packed weights use (``PackedLinear``): the same reuse
 on its side. ``torch.compile`` is not given here (not yet done): transformers compiles
 ``generate`` with its static KV cache (``cache_implementation="static"``), a different program
 from the dynamic cache measured here; the compiled peer of the products is in
@@ -46,9 +48,9 @@ model's weight products of one token (every ``nn.Linear``'s weight, the LM head'
 the layers' order, ``torch.nn.functional.linear`` of one row, as transformers calls them) and
 nothing else, per token. No decoder can be faster than its weights' GEMVs; the table gives
 tq / floor beside tq / transformers. The prefill phases time theirs, ``gemm floor``: the same
-weights' products of the prompt's rows (each weight packed once for oneDNN, the fastest form
-either side has: :func:`gemm_floor`), with the call's prompt length, and nothing else -- no
-attention, norm, rotary embedding or activation.
+weights' products of the prompt's rows (each weight packed once with the host's packing, the
+fastest form either side has: :func:`gemm_floor`), with the call's prompt length, and
+nothing else -- no attention, norm, rotary embedding or activation.
 """
 
 from __future__ import annotations
@@ -96,26 +98,40 @@ PACK_MIN_ROWS = 16  # kernels/packed_weights.py's MIN_ROWS: fewer rows keep the 
 
 
 class PackedLinear(torch.nn.Module):
-    """An ``nn.Linear`` over a copy of its weight packed once for oneDNN, with the ops and the
-    rule of tensorql's packed weights (``kernels/packed_weights.py``: ``_reorder_linear_weight``
-    once, ``_linear_pointwise`` per call; fewer than 16 rows, a decoded token's, keep the plain
-    product): what a transformers user who prepacks the same way gets.
+    """An ``nn.Linear`` whose products use a copy of its weight packed once, with the code
+    and the rule of tensorql's packed weights (``kernels/packed_weights.py``: the host's
+    packing -- MKL's packed sgemm where torch's BLAS is MKL on an Intel CPU, oneDNN's
+    elsewhere -- made on the first product, kept; fewer than 16 rows, a decoded token's,
+    keep the plain product): what a transformers user who prepacks the same way gets.
 
-    >>> layer = torch.nn.Linear(8, 4, bias=False)
-    >>> x = torch.randn(1, 20, 8)
-    >>> bool(torch.allclose(PackedLinear(layer)(x), layer(x), atol=1e-5))
+    >>> from tensorql_kernels import packed_weights
+    >>> layer = torch.nn.Linear(64, 1024, bias=False)
+    >>> x, before = torch.randn(1, 256, 64), packed_weights.packed_bytes()
+    >>> packed = PackedLinear(layer)
+    >>> bool(torch.allclose(packed(x), layer(x), atol=1e-4))
+    True
+    >>> packed_weights.packed_bytes() > before or not packed_weights.ENABLED
     True
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
+        from tensorql_kernels import packed_weights
+
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self._matmul = packed_weights.matmul
+        # one tensor for the weight's life: its packed copies are found by it (its views' base)
+        self._frozen = linear.weight.detach()
+        packed_weights.mark_immutable(self._frozen)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] < PACK_MIN_ROWS:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < PACK_MIN_ROWS:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = self._matmul(rows, self._frozen.t())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
@@ -153,8 +169,8 @@ def gemv_floor(model: torch.nn.Module, new: int):
 
 def gemm_floor(model: torch.nn.Module, seq: int, shrinking: bool = False):
     """The weight products of a ``seq``-token prompt and nothing else: every ``nn.Linear`` of
-    ``model`` as ``transformers packed`` runs it (:class:`PackedLinear`: its weight packed once
-    for oneDNN, as tensorql's packed weights are), in order, times ``seq`` rows (the floor of
+    ``model`` as ``transformers packed`` runs it (:class:`PackedLinear`: its weight packed once,
+    as tensorql's packed weights are), in order, times ``seq`` rows (the floor of
     a prefill: its GEMMs at the fastest packed rate, with no attention or elementwise work).
     ``shrinking``: the call numbered ``c`` (from 0) takes ``seq - c`` rows, as the ``prefill
     cold`` phase's prompts do.
@@ -184,7 +200,7 @@ def gemm_floor(model: torch.nn.Module, seq: int, shrinking: bool = False):
 def hf_factory(tiny: bool, phase: str, seq: int, new: int, packed: bool = False,
                floor: bool = False):
     """transformers' side of ``phase`` (under ``torch.inference_mode``); ``packed``: its
-    linear layers' weights packed once for oneDNN (:func:`pack_linears`); ``floor``: the
+    linear layers' weights packed once as tensorql packs them (:func:`pack_linears`); ``floor``: the
     model's weight products alone (:func:`gemv_floor` for decode, :func:`gemm_floor` for
     a prefill)."""
     model = hf_model(tiny)
@@ -339,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                "tq peak MiB", "goal", "floor ms", "tq/floor"]
     record.table("main", columns, rows, note=f"prompt {seq} tokens, {args.new} new; decode is "
                  "per token; cold = the first call (a new process's first request); "
-                 "transformers packed: its linear layers' weights packed once for oneDNN, "
-                 "tensorql's packing rule; the goal is against the fastest transformers form; "
+                 "transformers packed: its linear layers' weights packed once with "
+                 "tensorql's packing code and rule; the goal is against the fastest "
+                 "transformers form; "
                  "floor: the model's weight products alone -- of one token (decode: gemv floor) "
                  "or of the prompt, packed (prefill: gemm floor).")
     from tables import render_table

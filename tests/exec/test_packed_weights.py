@@ -1,6 +1,6 @@
-"""Products against stored weights use a packed copy of the weight (oneDNN's layout), made
-once and kept while the stored chunk lives: same values as torch, the same bits every run,
-and never for a tensor that may change behind the product's back."""
+"""Products against stored weights use a packed copy of the weight (oneDNN's layout, or MKL's
+packed sgemm), made once and kept while the stored chunk lives: same values as torch, the
+same bits every run, and never for a tensor that may change behind the product's back."""
 
 from __future__ import annotations
 
@@ -14,32 +14,50 @@ from tensorql_kernels.packed_weights import mark_immutable, matmul, packed_bytes
 
 import tensorql as tq
 
-needs_onednn = pytest.mark.skipif(not packed_weights.AVAILABLE, reason="no oneDNN in this torch")
+HOST_PACKINGS = [name for name, p in packed_weights.PACKINGS.items() if p.available]
 
 
-@pytest.fixture
-def packing_on(monkeypatch):
-    """The packed path is tested on every host: its default is off where MKL's own product is
-    faster (an Intel CPU), so these tests turn it on as ``TENSORQL_PACKED_WEIGHTS=1`` would,
-    for products of any size (their small weights are far below ``MIN_MACS``)."""
-    monkeypatch.setattr(packed_weights, "ENABLED", packed_weights.AVAILABLE)
+@pytest.fixture(params=HOST_PACKINGS)
+def packing_on(request, monkeypatch):
+    """The packed path is tested on every host and with every packing this torch has (the
+    host's default picks one), as ``TENSORQL_PACKED_WEIGHTS=<name>`` would, for products of
+    any size (their small weights are far below ``MIN_MACS``)."""
+    monkeypatch.setattr(packed_weights, "BACKEND", request.param)
+    monkeypatch.setattr(packed_weights, "ENABLED", True)
     monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
+    return request.param
 
 
-@pytest.mark.parametrize("setting, vendor, mkl, onednn, packs", [
-    (None, "GenuineIntel", True, True, False),   # MKL's own kernels beat the packed product
-    (None, "AuthenticAMD", True, True, True),    # MKL off its home ground: pack
-    ("auto", "GenuineIntel", False, True, True),  # another BLAS: pack
-    (None, None, True, True, True),              # vendor unknown (no /proc/cpuinfo): pack
-    ("1", "GenuineIntel", True, True, True),     # asked for
-    ("on", "GenuineIntel", True, True, True),
-    ("0", "AuthenticAMD", True, True, False),    # refused
-    ("1", "AuthenticAMD", True, False, False),   # no oneDNN: nothing to pack with
+@pytest.fixture(params=[n for n in HOST_PACKINGS if packed_weights.PACKINGS[n].in_place])
+def in_place_packing(request, monkeypatch):
+    """As ``packing_on``, for the packings whose products into or added to a tile use the
+    packed copy too (``Packing.in_place``)."""
+    monkeypatch.setattr(packed_weights, "BACKEND", request.param)
+    monkeypatch.setattr(packed_weights, "ENABLED", True)
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("setting, vendor, mkl, onednn, mkl_packing, packing", [
+    (None, "GenuineIntel", True, True, True, "mkl"),      # MKL's own packed sgemm
+    (None, "GenuineIntel", True, True, False, None),      # MKL's kernels beat oneDNN's packing
+    (None, "AuthenticAMD", True, True, True, "onednn"),   # MKL off its home ground
+    ("auto", "GenuineIntel", False, True, False, "onednn"),  # another BLAS
+    (None, None, True, True, True, "onednn"),             # vendor unknown (no /proc/cpuinfo)
+    ("1", "GenuineIntel", True, True, True, "mkl"),       # asked for: the host's packing
+    ("1", "GenuineIntel", True, True, False, "onednn"),   # asked for, no MKL packing: oneDNN
+    ("on", "AuthenticAMD", True, True, True, "onednn"),
+    ("onednn", "GenuineIntel", True, True, True, "onednn"),  # one named
+    ("MKL", "AuthenticAMD", True, True, True, "mkl"),
+    ("mkl", "AuthenticAMD", True, True, False, None),     # named but absent
+    ("0", "AuthenticAMD", True, True, True, None),        # refused
+    ("1", "AuthenticAMD", True, False, False, None),      # no oneDNN: nothing to pack with
 ])
-def test_packing_is_chosen_by_the_setting_and_the_host(setting, vendor, mkl, onednn, packs):
-    chosen, why = packed_weights.choose(setting, vendor, mkl, onednn)
-    assert chosen is packs
-    assert why.startswith("on" if packs else "off")
+def test_packing_is_chosen_by_the_setting_and_the_host(setting, vendor, mkl, onednn,
+                                                       mkl_packing, packing):
+    chosen, why = packed_weights.choose(setting, vendor, mkl, onednn, mkl_packing)
+    assert chosen == packing
+    assert why.startswith(packing if packing else "off")
 
 
 def test_the_default_follows_the_environment_in_a_new_process():
@@ -48,37 +66,42 @@ def test_the_default_follows_the_environment_in_a_new_process():
     import sys
 
     code = ("from tensorql_kernels import packed_weights as p; "
-            "print(p.ENABLED, p.RULE == p.choose(p.os.environ.get('TENSORQL_PACKED_WEIGHTS'), "
-            "p.cpu_vendor(), p.torch.backends.mkl.is_available(), p.AVAILABLE)[1])")
+            "print(p.BACKEND, p.RULE == p.choose(p.os.environ.get('TENSORQL_PACKED_WEIGHTS'), "
+            "p.cpu_vendor(), p.torch.backends.mkl.is_available(), p.AVAILABLE, "
+            "p.PACKINGS['mkl'].available)[1])")
     seen = {}
     for setting in ("0", "1", "auto"):
         env = {**os.environ, "TENSORQL_PACKED_WEIGHTS": setting}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, check=True)
         seen[setting] = done.stdout.split()
-    assert seen["0"] == ["False", "True"]
-    assert seen["1"] == [str(packed_weights.AVAILABLE), "True"]
-    expected = packed_weights.choose("auto", packed_weights.cpu_vendor(),
-                                     torch.backends.mkl.is_available(), packed_weights.AVAILABLE)
-    assert seen["auto"] == [str(expected[0]), "True"]
+    assert seen["0"] == ["None", "True"]
+    for setting in ("1", "auto"):
+        expected = packed_weights.choose(setting, packed_weights.cpu_vendor(),
+                                         torch.backends.mkl.is_available(),
+                                         packed_weights.AVAILABLE,
+                                         packed_weights.PACKINGS["mkl"].available)
+        assert seen[setting] == [str(expected[0]), "True"]
 
 
 def _rng():
     return np.random.default_rng(11)
 
 
-@needs_onednn
 def test_a_query_over_a_stored_weight_packs_it_once_and_gives_the_same_bits_each_run(packing_on):
+    """With either packing; a dense result's tiles only with one whose products into a tile
+    use it (``in_place``), else the result's chunks, products of their own."""
     rng = _rng()
     x = rng.standard_normal((64, 96)).astype(np.float32)
     w = rng.standard_normal((96, 80)).astype(np.float32)
-    with tq.connect(devices="cpu") as db:  # oneDNN packs for the CPU
+    dense = packed_weights.PACKINGS[packing_on].in_place
+    with tq.connect(devices="cpu") as db:  # packs for the CPU
         db.from_numpy("w", w)
         query = (db.constant(x) @ db.tensor("w")).compile()
         before = packed_bytes()
-        first = query.run(dense=True).dense().numpy()
+        first = query.run(dense=dense).dense().numpy()
         assert packed_bytes() - before >= w.nbytes  # packed on its first product
-        runs = [query.run(dense=True).dense().numpy() for _ in range(3)]
+        runs = [query.run(dense=dense).dense().numpy() for _ in range(3)]
     np.testing.assert_allclose(first, x @ w, rtol=1e-4, atol=1e-4)
     for again in runs:
         np.testing.assert_array_equal(again, first)
@@ -90,7 +113,7 @@ def test_a_tensor_not_marked_immutable_is_never_packed(packing_on):
     rng = _rng()
     x = rng.standard_normal((32, 16)).astype(np.float32)
     w = rng.standard_normal((16, 8)).astype(np.float32)
-    with tq.connect(devices="cpu") as db:  # oneDNN packs for the CPU
+    with tq.connect(devices="cpu") as db:  # packs for the CPU
         query = (db.constant(x) @ db.constant(w)).compile()
         np.testing.assert_allclose(query.run(dense=True).dense().numpy(), x @ w, rtol=1e-5,
                                    atol=1e-5)
@@ -99,7 +122,6 @@ def test_a_tensor_not_marked_immutable_is_never_packed(packing_on):
                                    atol=1e-5)
 
 
-@needs_onednn
 def test_an_immutable_chunk_written_anyway_is_packed_again(packing_on):
     w = torch.randn(24, 12, generator=torch.Generator().manual_seed(3))
     x = torch.randn(20, 24, generator=torch.Generator().manual_seed(4))
@@ -110,7 +132,6 @@ def test_an_immutable_chunk_written_anyway_is_packed_again(packing_on):
     torch.testing.assert_close(matmul(x, w[:, 4:]), x @ w[:, 4:], rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
 def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy(packing_on):
     gc.collect()  # an earlier test's chunks in cyclic garbage would leave during this one
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
@@ -127,7 +148,6 @@ def test_few_rows_keep_torch_mm_and_a_dead_chunk_drops_its_packed_copy(packing_o
     assert packed_bytes() == before
 
 
-@needs_onednn
 def test_a_small_product_keeps_torch_mm(packing_on, monkeypatch):
     """Below MIN_MACS multiply-adds the product is torch's own (same bits as torch.mm) and
     nothing is packed; at it, the weight is packed."""
@@ -143,15 +163,17 @@ def test_a_small_product_keeps_torch_mm(packing_on, monkeypatch):
     assert packed_bytes() > before
 
 
-@needs_onednn
 def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(packing_on,
                                                                          monkeypatch):
-    """oneDNN's linear has no ``out``: into a tile of a dense result, the product is made row
-    block by row block through a scratch of OUT_BLOCK_BYTES at most (the last block shorter),
-    each block the bits of the whole product's rows."""
+    """Neither packed product has an ``out``: into a tile of a dense result, the product is
+    made row block by row block through a scratch of OUT_BLOCK_BYTES at most (the last block
+    shorter), each block (oneDNN) the bits of the whole product's rows. The blocks' packed
+    copies are made on the first call (MKL packs for each row count); the second makes no
+    temporary larger than a block."""
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setattr(packed_weights, "OUT_BLOCK_BYTES", 40 * 48 * 4)  # 40-row blocks
+    monkeypatch.setattr(packed_weights, "MAX_ROW_COUNTS", 3)  # 150 rows, 40, 30
     rng = _rng()
     x = torch.from_numpy(rng.standard_normal((150, 32)).astype(np.float32))
     w = torch.from_numpy(rng.standard_normal((32, 48)).astype(np.float32))
@@ -159,19 +181,22 @@ def test_a_packed_product_into_a_tile_makes_no_product_sized_temporary(packing_o
     whole = matmul(x, w)  # the packed product, made at once
     big = torch.full((200, 100), -3.0)
     tile = big[10:160, 20:68]
+    matmul(x, w, out=tile)
+    tile.fill_(0.0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         got = matmul(x, w, out=tile)
     assert got.data_ptr() == tile.data_ptr()
     largest = max(e.cpu_memory_usage for e in prof.events())  # per call
     assert largest <= 40 * 48 * 4, largest
-    torch.testing.assert_close(tile, whole, rtol=0, atol=0)
+    exact = packing_on == "onednn"
+    torch.testing.assert_close(tile, whole, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
     torch.testing.assert_close(tile, x @ w, rtol=1e-5, atol=1e-5)
     tile.fill_(-3.0)
     assert (big == -3.0).all()  # nothing outside the tile was written
 
 
-@needs_onednn
-def test_an_accumulating_product_adds_the_packed_product_in_row_blocks(packing_on, monkeypatch):
+def test_an_accumulating_product_adds_the_packed_product_in_row_blocks(in_place_packing,
+                                                                       monkeypatch):
     """``acc += x @ w`` (a K-split product's later contributions) with a packed ``w``: row
     blocks of ACC_BLOCK_BYTES added into ``acc`` (here a strided tile of a larger result),
     nothing outside it written; a weight not marked immutable is left to the caller."""
@@ -193,9 +218,8 @@ def test_an_accumulating_product_adds_the_packed_product_in_row_blocks(packing_o
     assert (big == -3.0).all()
 
 
-@needs_onednn
-def test_every_contribution_of_a_k_split_product_over_a_stored_weight_is_packed(packing_on,
-                                                                                monkeypatch):
+def test_every_contribution_of_a_k_split_product_over_a_stored_weight_is_packed(
+        in_place_packing, monkeypatch):
     """A weight stored in 3 tiles along the contracted label: the first contribution and both
     later ones (accumulated) use the packed copy; MKL's ``addmm_`` runs for none of them."""
     addmm_calls = []
@@ -218,3 +242,46 @@ def test_every_contribution_of_a_k_split_product_over_a_stored_weight_is_packed(
         assert packed_bytes() - before >= w.nbytes  # all three tiles packed
     np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4)
     assert addmm_calls == []
+
+
+def test_mkl_packs_for_the_first_row_counts_only(monkeypatch):
+    """MKL's packed copy serves one row count: a chunk gets copies for the first
+    MAX_ROW_COUNTS row counts of its products (made once each, reused, counted at the
+    weight's resident bytes), and a product of any other row count keeps torch.mm, bit for
+    bit, packing nothing more; so do products into a tile or added to one."""
+    if not packed_weights.PACKINGS["mkl"].available:
+        pytest.skip("this torch has no MKL packing")
+    monkeypatch.setattr(packed_weights, "BACKEND", "mkl")
+    monkeypatch.setattr(packed_weights, "ENABLED", True)
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
+    gc.collect()
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(64, 48, generator=gen)
+    mark_immutable(w)
+    before = packed_bytes()
+    made = []
+    real_pack = packed_weights._mkl_pack
+    packing = packed_weights.PACKINGS["mkl"]
+    counting = packed_weights.Packing(
+        packing.name, packing.available, packing.per_rows,
+        packing.in_place, lambda right, rows: made.append(rows) or real_pack(right, rows),
+        packing.product, packing.resident)
+    monkeypatch.setitem(packed_weights.PACKINGS, "mkl", counting)
+    for rows in (32, 20, 32, 20):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    assert made == [32, 20]
+    assert packed_bytes() - before == 2 * w.nbytes
+    x = torch.randn(24, 64, generator=gen)  # a third row count
+    assert torch.equal(matmul(x, w), torch.mm(x, w))
+    assert made == [32, 20]
+    # into a tile or added to one, torch's own product writes there: no scratch to copy
+    x = torch.randn(32, 64, generator=gen)
+    tile = torch.full((40, 60), 7.0)[4:36, 6:54]
+    assert matmul(x, w, out=tile).data_ptr() == tile.data_ptr()
+    assert torch.equal(tile, torch.mm(x, w))
+    assert not packed_weights.matmul_add(tile, x, w)  # the caller adds its own product
+    assert made == [32, 20]
+    del w
+    gc.collect()
+    assert packed_bytes() == before
