@@ -171,6 +171,10 @@ ENABLED = BACKEND is not None
 # cached query's products have one or two (full row blocks and the last one); a prompt of a
 # new length each call would otherwise pack its last block's weights afresh every call
 MAX_ROW_COUNTS = 2
+# a product of fewer rows than a kept per-rows copy serves, by at most this fraction of its
+# own, uses that copy with its rows padded with zeros (the pad's rows computed and dropped):
+# a prompt of a new length reuses its full row blocks' and LM head's copies of the last one
+PAD_FRACTION = 1 / 8
 # fewer rows: a matrix-vector product, bound by reading the weight, where the packed product
 # was not reliably faster (one row, one thread: 768 x 768 45 against 48 us, 768 x 8000 568
 # against 622 us)
@@ -218,20 +222,26 @@ def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = N
     if not (_wanted(left, right) and left.shape[0] * left.shape[1] * right.shape[1] >= MIN_MACS):
         return torch.mm(left, right) if out is None else torch.mm(left, right, out=out)
     if out is None:
-        packed = _packed_copy(right, left.shape[0])
-        if packed is None:
+        rows = left.shape[0]
+        found = _packed_copy(right, rows, pad=True)
+        if found is None:
             return torch.mm(left, right)
-        return PACKINGS[BACKEND].product(left, packed, right)
+        packed, packed_rows = found
+        if packed_rows == rows:
+            return PACKINGS[BACKEND].product(left, packed, right)
+        padded = left.new_zeros(packed_rows, left.shape[1])
+        padded[:rows].copy_(left)
+        return PACKINGS[BACKEND].product(padded, packed, right)[:rows]
     if not PACKINGS[BACKEND].in_place:
         return torch.mm(left, right, out=out)
     rows = max(MIN_ROWS, OUT_BLOCK_BYTES // max(1, out.shape[1] * out.element_size()))
     for r0 in range(0, left.shape[0], rows):
         block = left[r0:r0 + rows]
-        packed = _packed_copy(right, block.shape[0])
-        if packed is None:
+        found = _packed_copy(right, block.shape[0])
+        if found is None:
             torch.mm(block, right, out=out[r0:r0 + rows])
         else:
-            out[r0:r0 + rows].copy_(PACKINGS[BACKEND].product(block, packed, right))
+            out[r0:r0 + rows].copy_(PACKINGS[BACKEND].product(block, found[0], right))
     return out
 
 
@@ -255,7 +265,8 @@ def matmul_add(acc: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> bo
     >>> w, x, acc = torch.randn(8, 4), torch.randn(32, 8), torch.ones(32, 4)
     >>> mark_immutable(w)
     >>> done = matmul_add(acc, x, w)
-    >>> done == ENABLED, bool(torch.allclose(acc, 1 + x @ w, atol=1e-5)) if done else True
+    >>> in_place = ENABLED and PACKINGS[BACKEND].in_place  # MKL's: False, the caller adds
+    >>> done == in_place, bool(torch.allclose(acc, 1 + x @ w, atol=1e-5)) if done else True
     (True, True)
     """
     if not (_wanted(left, right) and acc.dtype == torch.float32
@@ -264,10 +275,10 @@ def matmul_add(acc: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> bo
     rows = max(MIN_ROWS, ACC_BLOCK_BYTES // max(1, acc.shape[1] * acc.element_size()))
     blocks = [(r0, left[r0:r0 + rows]) for r0 in range(0, left.shape[0], rows)]
     copies = [_packed_copy(right, block.shape[0]) for _, block in blocks]
-    if any(packed is None for packed in copies):
+    if any(found is None for found in copies):
         return False
     product = PACKINGS[BACKEND].product
-    for (r0, block), packed in zip(blocks, copies):
+    for (r0, block), (packed, _rows) in zip(blocks, copies):
         acc[r0:r0 + rows].add_(product(block, packed, right))
     return True
 
@@ -286,10 +297,12 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
-def _packed_copy(right: torch.Tensor, rows: int) -> Any:
-    """The packed copy of ``right`` for products of ``rows`` rows, made now if need be; None
-    when ``right`` is not (a view of) an immutable chunk, or when a per-rows packing already
-    holds :data:`MAX_ROW_COUNTS` other row counts for it."""
+def _packed_copy(right: torch.Tensor, rows: int, pad: bool = False) -> tuple[Any, int] | None:
+    """The packed copy of ``right`` for products of ``rows`` rows and the row count it
+    serves, made now if need be; None when ``right`` is not (a view of) an immutable chunk,
+    or when a per-rows packing already holds :data:`MAX_ROW_COUNTS` other row counts for it.
+    ``pad``: a per-rows copy kept for up to :data:`PAD_FRACTION` more rows will do (the
+    caller pads its rows with zeros) rather than a new copy."""
     packing = PACKINGS[BACKEND]
     base = _root(right)
     ident = id(base)
@@ -305,7 +318,12 @@ def _packed_copy(right: torch.Tensor, rows: int) -> Any:
         if entry is not None:
             packed = entry[2].get(rows_key)
             if packed is not None:
-                return packed
+                return packed, rows
+            if pad and packing.per_rows:
+                near = [r for (name, r) in entry[2]
+                        if name == packing.name and rows < r <= rows + rows * PAD_FRACTION]
+                if near:
+                    return entry[2][(packing.name, min(near))], min(near)
             if len(entry[2]) >= MAX_ROW_COUNTS:
                 return None
     packed = packing.pack(right, rows)
@@ -316,7 +334,7 @@ def _packed_copy(right: torch.Tensor, rows: int) -> Any:
                 entry = (known, base._version, {})
                 _packed[key] = entry
             entry[2][rows_key] = packed
-    return packed
+    return packed, rows
 
 
 def _forget(ident: int) -> None:

@@ -217,32 +217,30 @@ def test_llama_bench_doctests():
     assert attempted >= 3 and failed == 0
 
 
-def test_llama_prefill_floor_shrinks_with_the_cold_phase_prompts():
+def test_llama_prefill_floor_shrinks_with_the_cold_phase_prompts(monkeypatch):
     """``gemm floor`` times the call's own prompt length: ``seq - c`` rows on call ``c`` of
-    ``prefill cold`` (as both contenders' prompts), ``seq`` rows every call otherwise."""
+    ``prefill cold`` (as both contenders' prompts), ``seq`` rows every call otherwise; every
+    product through the packed weights' entry point, as tensorql's own go."""
     import llama
     import torch
     import transformers
+    from tensorql_kernels import packed_weights
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama.TINY))
     seen = []
-    real = torch.ops.mkldnn._linear_pointwise
+    real = packed_weights.matmul
 
-    class Spy:
-        def __call__(self, rows, *args):
-            seen.append(rows.shape[0])
-            return real(rows, *args)
+    def spy(rows, *args, **kwargs):
+        seen.append(rows.shape[0])
+        return real(rows, *args, **kwargs)
 
+    monkeypatch.setattr(packed_weights, "matmul", spy)
     for shrinking, want in ((True, [20, 19, 18]), (False, [20, 20, 20])):
         run = llama.gemm_floor(model, 20, shrinking=shrinking)
         seen.clear()
-        llama.torch.ops.mkldnn._linear_pointwise = Spy()
-        try:
-            for _ in range(3):
-                assert run().seconds > 0
-        finally:
-            llama.torch.ops.mkldnn._linear_pointwise = real
+        for _ in range(3):
+            assert run().seconds > 0
         per_call = len(seen) // 3
         assert per_call == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert seen[::per_call] == want

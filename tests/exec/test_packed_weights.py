@@ -285,3 +285,29 @@ def test_mkl_packs_for_the_first_row_counts_only(monkeypatch):
     del w
     gc.collect()
     assert packed_bytes() == before
+
+
+def test_mkl_pads_a_few_rows_to_a_kept_row_count(monkeypatch):
+    """A product of a few rows fewer than a kept MKL copy serves (at most PAD_FRACTION of its
+    own) uses that copy, its rows padded with zeros and the pad's rows dropped: torch's
+    values, a contiguous result, no new copy; more rows fewer than that packs its own."""
+    if not packed_weights.PACKINGS["mkl"].available:
+        pytest.skip("this torch has no MKL packing")
+    monkeypatch.setattr(packed_weights, "BACKEND", "mkl")
+    monkeypatch.setattr(packed_weights, "ENABLED", True)
+    monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
+    made = []
+    packing = packed_weights.PACKINGS["mkl"]
+    monkeypatch.setitem(packed_weights.PACKINGS, "mkl", packed_weights.Packing(
+        packing.name, packing.available, packing.per_rows, packing.in_place,
+        lambda right, rows: made.append(rows) or packing.pack(right, rows),
+        packing.product, packing.resident))
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(64, 48, generator=gen)
+    mark_immutable(w)
+    for rows, packs in ((64, [64]), (57, [64]), (56, [64, 56])):  # 56 + 56 / 8 < 64
+        x = torch.randn(rows, 64, generator=gen)
+        got = matmul(x, w)
+        assert got.shape == (rows, 48) and got.is_contiguous()
+        torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-5)
+        assert made == packs
