@@ -229,8 +229,7 @@ def matmul(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = N
         packed, packed_rows = found
         if packed_rows == rows:
             return PACKINGS[BACKEND].product(left, packed, right)
-        padded = left.new_zeros(packed_rows, left.shape[1])
-        padded[:rows].copy_(left)
+        padded = torch.nn.functional.pad(left, (0, 0, 0, packed_rows - rows))
         return PACKINGS[BACKEND].product(padded, packed, right)[:rows]
     if not PACKINGS[BACKEND].in_place:
         return torch.mm(left, right, out=out)
@@ -320,10 +319,11 @@ def _packed_copy(right: torch.Tensor, rows: int, pad: bool = False) -> tuple[Any
             if packed is not None:
                 return packed, rows
             if pad and packing.per_rows:
-                near = [r for (name, r) in entry[2]
-                        if name == packing.name and rows < r <= rows + rows * PAD_FRACTION]
-                if near:
-                    return entry[2][(packing.name, min(near))], min(near)
+                near = min((r for (name, r) in entry[2]
+                            if name == packing.name and rows < r <= rows + rows * PAD_FRACTION),
+                           default=None)
+                if near is not None:
+                    return entry[2][(packing.name, near)], near
             if len(entry[2]) >= MAX_ROW_COUNTS:
                 return None
     packed = packing.pack(right, rows)

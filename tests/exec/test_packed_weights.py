@@ -4,6 +4,7 @@ same bits every run, and never for a tensor that may change behind the product's
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -244,29 +245,32 @@ def test_every_contribution_of_a_k_split_product_over_a_stored_weight_is_packed(
     assert addmm_calls == []
 
 
-def test_mkl_packs_for_the_first_row_counts_only(monkeypatch):
-    """MKL's packed copy serves one row count: a chunk gets copies for the first
-    MAX_ROW_COUNTS row counts of its products (made once each, reused, counted at the
-    weight's resident bytes), and a product of any other row count keeps torch.mm, bit for
-    bit, packing nothing more; so do products into a tile or added to one."""
+def _counting_mkl(monkeypatch) -> list[int]:
+    """MKL's packing for products of any size, each copy's row count recorded in the list
+    returned (the test is skipped where this torch has no MKL packing)."""
     if not packed_weights.PACKINGS["mkl"].available:
         pytest.skip("this torch has no MKL packing")
     monkeypatch.setattr(packed_weights, "BACKEND", "mkl")
     monkeypatch.setattr(packed_weights, "ENABLED", True)
     monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
+    made: list[int] = []
+    packing = packed_weights.PACKINGS["mkl"]
+    monkeypatch.setitem(packed_weights.PACKINGS, "mkl", dataclasses.replace(
+        packing, pack=lambda right, rows: made.append(rows) or packing.pack(right, rows)))
+    return made
+
+
+def test_mkl_packs_for_the_first_row_counts_only(monkeypatch):
+    """MKL's packed copy serves one row count: a chunk gets copies for the first
+    MAX_ROW_COUNTS row counts of its products (made once each, reused, counted at the
+    weight's resident bytes), and a product of any other row count keeps torch.mm, bit for
+    bit, packing nothing more; so do products into a tile or added to one."""
+    made = _counting_mkl(monkeypatch)
     gc.collect()
     gen = torch.Generator().manual_seed(12)
     w = torch.randn(64, 48, generator=gen)
     mark_immutable(w)
     before = packed_bytes()
-    made = []
-    real_pack = packed_weights._mkl_pack
-    packing = packed_weights.PACKINGS["mkl"]
-    counting = packed_weights.Packing(
-        packing.name, packing.available, packing.per_rows,
-        packing.in_place, lambda right, rows: made.append(rows) or real_pack(right, rows),
-        packing.product, packing.resident)
-    monkeypatch.setitem(packed_weights.PACKINGS, "mkl", counting)
     for rows in (32, 20, 32, 20):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
@@ -291,17 +295,7 @@ def test_mkl_pads_a_few_rows_to_a_kept_row_count(monkeypatch):
     """A product of a few rows fewer than a kept MKL copy serves (at most PAD_FRACTION of its
     own) uses that copy, its rows padded with zeros and the pad's rows dropped: torch's
     values, a contiguous result, no new copy; more rows fewer than that packs its own."""
-    if not packed_weights.PACKINGS["mkl"].available:
-        pytest.skip("this torch has no MKL packing")
-    monkeypatch.setattr(packed_weights, "BACKEND", "mkl")
-    monkeypatch.setattr(packed_weights, "ENABLED", True)
-    monkeypatch.setattr(packed_weights, "MIN_MACS", 0)
-    made = []
-    packing = packed_weights.PACKINGS["mkl"]
-    monkeypatch.setitem(packed_weights.PACKINGS, "mkl", packed_weights.Packing(
-        packing.name, packing.available, packing.per_rows, packing.in_place,
-        lambda right, rows: made.append(rows) or packing.pack(right, rows),
-        packing.product, packing.resident))
+    made = _counting_mkl(monkeypatch)
     gen = torch.Generator().manual_seed(13)
     w = torch.randn(64, 48, generator=gen)
     mark_immutable(w)
