@@ -72,7 +72,17 @@ class _Extent:
         default_factory=dict)
 
     def tile(self, tile: int) -> int:
+        """The new tile for an old one: the same where the new extent still makes as many
+        chunks (a shorter prompt keeps its full blocks, only the last one shorter -- their
+        products reuse the packed weights kept for the old row count as they are), else
+        the extent cut evenly into that many.
+
+        >>> _Extent(512, 500).tile(256), _Extent(512, 520).tile(256)
+        (256, 260)
+        """
         blocks = -(-self.old // tile)
+        if -(-self.new // tile) == blocks:
+            return tile
         new_tile = -(-self.new // blocks)
         if -(-self.new // new_tile) != blocks:
             raise _Refused(f"{self.new} does not cut into {blocks} chunks")

@@ -647,7 +647,7 @@ class FusedPointwise(_NoCombine):
 
     ops: tuple[FusedOp, ...]
     dim: int | None
-    block_elems: int = 1 << 18
+    block_elems: int = 1 << 21
     memory_bound = True  # elementwise: its FLOPs count elements (see the executor)
 
     @functools.cached_property
@@ -666,12 +666,17 @@ class FusedPointwise(_NoCombine):
         return tuple(last)
 
     def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int,
-              whole: bool = False) -> torch.Tensor:
+              whole: bool = False, dest: torch.Tensor | None = None,
+              out_size: int | None = None) -> torch.Tensor:
         # a block's intermediates are dropped after their last reader, so the few alive at a
         # time stay in cache (blocks of 64K elements: 256 KiB in float32); ``whole``: the
-        # block is every row, the inputs are read as they are (no views to make)
+        # block is every row, the inputs are read as they are (no views to make); ``dest``:
+        # where the block's result goes (a block of the output) -- the last op writes it
+        # there when its kernel can (no block-sized result to copy), and ``dest`` is returned;
+        # ``out_size``: the first block, written into a new output of that many rows, returned
         results: list[torch.Tensor | None] = []
         last = self._last_use
+        final = len(self.ops) - 1
         for k, op in enumerate(self.ops):
             args = []
             for arg in op.args:
@@ -681,6 +686,10 @@ class FusedPointwise(_NoCombine):
                     args.append(inputs[arg.index])
                 else:
                     args.append(inputs[arg.index].narrow(arg.dim, lo, hi - lo))
+            if k == final and dest is not None:
+                return self._write(op.kernel, args, dest)
+            if k == final and out_size is not None:
+                return self._first_block(op.kernel, args, hi - lo, out_size)
             results.append(op.kernel.run(args, None))
             del args
             for arg in op.args:
@@ -707,12 +716,32 @@ class FusedPointwise(_NoCombine):
         n, rows = self._rows(inputs)
         if self.dim is None or rows >= n:
             return self._eval(inputs, 0, n, whole=True)
-        first = self._eval(inputs, 0, rows)
-        shape = list(first.shape)
-        shape[self.dim] = n
-        out = torch.empty(shape, dtype=first.dtype, device=first.device)
-        out.narrow(self.dim, 0, rows).copy_(first)
+        out = self._eval(inputs, 0, rows, out_size=n)
         self._fill(out, inputs, rows, n, rows)
+        return out
+
+    def _first_block(self, kernel: MapChunk | ContractChunk, args: list[torch.Tensor],
+                     rows: int, size: int) -> torch.Tensor:
+        """The output (``size`` rows along the blocked dim), made for the first block's
+        last op of ``args`` and that block (``rows`` rows) written into it."""
+        shape = _result_shape(kernel, args)
+        first = None
+        if shape is None:
+            first = kernel.run(args, None)
+            shape = first.shape
+        full = list(shape)
+        full[self.dim] = size
+        if first is not None:
+            dtype, device = first.dtype, first.device
+        else:  # the operands' device (a 0-d host scalar among them is not where it runs)
+            dtype = torch_dtype(kernel.dtype)
+            device = next((x.device for x in args if x.device.type != "cpu"), args[0].device)
+        out = torch.empty(full, dtype=dtype, device=device)
+        block = out.narrow(self.dim, 0, rows)
+        if first is not None:
+            block.copy_(first)
+        else:
+            self._write(kernel, args, block)
         return out
 
     def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound, ...] | None:
@@ -759,8 +788,33 @@ class FusedPointwise(_NoCombine):
     def _fill(self, out, inputs, start: int, n: int, rows: int) -> None:
         for lo in range(start, n, rows):
             hi = min(n, lo + rows)
-            out.narrow(self.dim, lo, hi - lo).copy_(self._eval(inputs, lo, hi))
+            self._eval(inputs, lo, hi, dest=out.narrow(self.dim, lo, hi - lo))
 
+    @staticmethod
+    def _write(kernel: MapChunk | ContractChunk, args: list[torch.Tensor],
+               dest: torch.Tensor) -> torch.Tensor:
+        """``kernel`` of ``args`` written into ``dest``: straight there when the kernel binds
+        to it (an arithmetic join, a map with an ``out=`` form, of ``dest``'s dtype and
+        shape), else made and copied."""
+        calls = kernel.bind(args, dest) if _result_shape(kernel, args) == dest.shape else None
+        if calls is None:
+            return dest.copy_(kernel.run(args, None))
+        for call in calls:
+            call()
+        return dest
+
+
+
+def _result_shape(kernel: MapChunk | ContractChunk, args: Sequence[torch.Tensor]
+                  ) -> torch.Size | None:
+    """The shape ``kernel.run(args)`` has, where it is known without running it: a map's
+    (its input's) or an elementwise join's (its operands' views broadcast); None otherwise."""
+    if isinstance(kernel, MapChunk):
+        return args[0].shape
+    join = kernel._broadcast if isinstance(kernel, ContractChunk) else None
+    if join is None:
+        return None
+    return torch.broadcast_shapes(*(view.shape for view in join._views(args)))
 
 
 def _copy_call(kernel: MapChunk | ContractChunk, args: list[torch.Tensor],

@@ -77,8 +77,9 @@ def test_a_fused_chain_over_a_chunk_of_many_blocks_stays_on_its_device():
     relu = MapChunk("relu", None, "float32")
     add = ContractChunk((("i", "j"), ("i", "j")), ("i", "j"), join=JoinName.ADD)
     chain = FusedPointwise((FusedOp(relu, (FusedArg(0, 0),)),
-                            FusedOp(add, (FusedArg(-1, 0), FusedArg(1, 0)))), dim=0)
-    x, y = (torch.empty(1024, 512, device=META) for _ in range(2))  # 2^19 > 2^18 elements
+                            FusedOp(add, (FusedArg(-1, 0), FusedArg(1, 0)))), dim=0,
+                           block_elems=1 << 17)
+    x, y = (torch.empty(1024, 512, device=META) for _ in range(2))  # 2^19 > 2^17 elements
     with StrictDevices():
         out = chain.run([x, y], None)
     assert out.device == META and tuple(out.shape) == (1024, 512)
