@@ -171,6 +171,10 @@ ENABLED = BACKEND is not None
 # cached query's products have one or two (full row blocks and the last one); a prompt of a
 # new length each call would otherwise pack its last block's weights afresh every call
 MAX_ROW_COUNTS = 2
+# the torch threads a copy is packed with (see with_pack_threads): the process's count when
+# this module is first imported (torch's default: the machine's cores), before any lane
+# sets its own
+PACK_THREADS = torch.get_num_threads()
 # a product of fewer rows than a kept per-rows copy serves, by at most this fraction of its
 # own, uses that copy with its rows padded with zeros (the pad's rows computed and dropped):
 # a prompt of a new length reuses its full row blocks' and LM head's copies of the last one
@@ -326,7 +330,7 @@ def _packed_copy(right: torch.Tensor, rows: int, pad: bool = False) -> tuple[Any
                     return entry[2][(packing.name, near)], near
             if len(entry[2]) >= MAX_ROW_COUNTS:
                 return None
-    packed = packing.pack(right, rows)
+    packed = with_pack_threads(packing.pack, right, rows)
     with _lock:
         if known() is base:
             entry = _packed.get(key)
@@ -335,6 +339,33 @@ def _packed_copy(right: torch.Tensor, rows: int, pad: bool = False) -> tuple[Any
                 _packed[key] = entry
             entry[2][rows_key] = packed
     return packed, rows
+
+
+def with_pack_threads(pack: Callable[..., Any], *args: Any) -> Any:
+    """``pack(*args)`` with torch's thread count at :data:`PACK_THREADS` (set for the call
+    and put back): MKL lays a packed copy out for the threads it packs with, and a copy
+    packed on one thread multiplies on one thread whatever the count afterwards -- so a
+    copy packed by a one-thread lane would leave a task run on every thread (a lanes' wide
+    or tail task, the serial strategy) on one (1024^3 on two threads, Intel Xeon: 184
+    GFLOP/s with a copy packed on one thread, 381 with one packed on two; on one thread 187
+    and 194). The count is torch's setting for the whole process, so a lane running beside
+    may start a product on more threads while a copy is packed (once per weight and row
+    count).
+
+    >>> seen = []
+    >>> before = torch.get_num_threads()
+    >>> with_pack_threads(lambda: seen.append(torch.get_num_threads()))
+    >>> seen == [PACK_THREADS], torch.get_num_threads() == before
+    (True, True)
+    """
+    threads = torch.get_num_threads()
+    if threads == PACK_THREADS:
+        return pack(*args)
+    torch.set_num_threads(PACK_THREADS)
+    try:
+        return pack(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _forget(ident: int) -> None:

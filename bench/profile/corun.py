@@ -14,8 +14,10 @@ median wall time of ``--repeat`` rounds:
   (what tensorql's lanes do with two tile products);
 * ``2 threads``: the whole product on two torch threads (what torch's step does);
 
-each with MKL's ``torch.mm`` and with oneDNN's linear on a packed right operand (the packed
-weights of ``kernels/packed_weights.py``). ``lanes/1t`` is the throughput two lanes reach
+each with MKL's ``torch.mm``, with oneDNN's linear on a packed right operand, and with the
+host's packing of ``kernels/packed_weights.py`` (``host``: MKL's packed sgemm on an Intel CPU
+with MKL, oneDNN's elsewhere; a new result each call, as tensorql's products against stored
+weights make). ``lanes/1t`` is the throughput two lanes reach
 against one thread alone: ~2 where the two CPUs are two cores, ~1.2 where they share one
 core's FMA units (SMT siblings, or a hypervisor's equivalent). ``2t/lanes`` above 1 means a
 two-thread product beats two one-thread lanes on this host (tensorql's serial strategy runs
@@ -33,6 +35,7 @@ import threading
 import time
 
 import torch
+from tensorql_kernels import packed_weights
 
 
 def forms(m: int, k: int, n: int) -> dict[str, object]:
@@ -78,9 +81,16 @@ def forms(m: int, k: int, n: int) -> dict[str, object]:
             fn(right, out)
         return run
 
+    def host(right, dest):  # a new result, as tensorql's products against weights make
+        packed_weights.matmul(a, right)
+
+    for right in (b, *(h for h, _ in halves)):
+        packed_weights.mark_immutable(right)
     return {"mkl 1 thread": alone(mkl, b), "mkl 2 lanes": lanes(mkl, [h for h, _ in halves]),
             "mkl 2 threads": both(mkl, b), "packed 1 thread": alone(dnn, packed),
-            "packed 2 lanes": lanes(dnn, packed_halves), "packed 2 threads": both(dnn, packed)}
+            "packed 2 lanes": lanes(dnn, packed_halves), "packed 2 threads": both(dnn, packed),
+            "host 1 thread": alone(host, b), "host 2 lanes": lanes(host, [h for h, _ in halves]),
+            "host 2 threads": both(host, b)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ts in times.items():
             print(f"  {name:17s} best {min(ts) * 1e3:7.2f} ms ({flops / min(ts) / 1e9:5.0f} "
                   f"GFLOP/s)  median {statistics.median(ts) * 1e3:7.2f} ms")
-        for kind in ("mkl", "packed"):
+        for kind in ("mkl", "packed", "host"):
             one, two, lanes = (statistics.median(times[f"{kind} {f}"])
                                for f in ("1 thread", "2 threads", "2 lanes"))
             print(f"  {kind}: lanes/1t {one / lanes:.2f}x, 2 threads/1t {one / two:.2f}x, "
