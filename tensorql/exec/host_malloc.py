@@ -29,8 +29,9 @@ the executor's make arenas; ``TENSORQL_MALLOC_TUNING=0`` leaves the allocator al
 Elsewhere than glibc it does nothing.
 
 A query's dense result is new memory by nature (the caller keeps it): one of up to
-``HEAP_RESULT_MAX_BYTES`` comes from the heap like the chunks (the pages the last result
-freed serve the next), a bigger one is mapped on transparent huge pages (:func:`empty_result`).
+``HEAP_RESULT_MAX_BYTES`` is memory kept for the next result (a mapping from a pool of freed
+results' from ``POOLED_RESULT_MIN_BYTES`` on, the heap below: the pages the last result freed
+serve the next), a bigger one is mapped on transparent huge pages (:func:`empty_result`).
 
 >>> isinstance(tune_malloc(), bool)
 True
@@ -64,7 +65,9 @@ RETAINED_FREE_BYTES = 1 << 30  # free heap memory kept across queries (release_f
 GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX, restored after a query
 RELEASE_CHECK_S = 1.0  # after short queries, the heap's free memory is looked at once a second
 LONG_QUERY_S = 0.1  # a query this long has it looked at when it ends, whatever the time since
-HEAP_RESULT_MAX_BYTES = 256 << 20  # a dense result up to this size comes from the heap
+HEAP_RESULT_MAX_BYTES = 256 << 20  # a dense result up to this size is kept for the next one
+POOLED_RESULT_MIN_BYTES = 4 << 20  # ... from this size on in a mapping of its own (the pool)
+RESULT_POOL_MAX_BYTES = 512 << 20  # freed results' mappings kept for the next results
 STREAM_RETAINED_FREE_BYTES = 128 << 20  # free heap memory kept while a result streams out
 
 _lock = threading.Lock()
@@ -99,10 +102,16 @@ def _tuning_off() -> bool:
 def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor for a query's dense result.
 
-    Up to ``HEAP_RESULT_MAX_BYTES`` it comes from the heap, as a query's chunks do
-    (:func:`heap_only`, however big): a query run again -- a served prompt's 64 MiB logits, a
-    repeated product's 36 MiB -- writes its result into the pages the last result freed,
-    which the process kept. A fresh mapping costs a fault a page, and more on a VM that hands
+    Up to ``HEAP_RESULT_MAX_BYTES`` it is memory the process keeps for the next result: a
+    query run again -- a served prompt's 64 MiB logits, a repeated product's 36 MiB -- writes
+    its result into the pages the last result freed. From ``POOLED_RESULT_MIN_BYTES`` on it
+    is an anonymous mapping of its own that goes back to a pool when the tensor (and every
+    array over it) is freed (at most ``RESULT_POOL_MAX_BYTES`` kept; the smallest kept one
+    that fits serves, :func:`_pooled`); smaller ones come from the heap, as a query's chunks
+    do (:func:`heap_only`). The heap alone did not keep them reliably: a freed 64 MiB result
+    lies inside the heap, the next run's small allocations split it, and the next result
+    then extended the heap by 64 MiB of fresh pages -- in 2 to 4 runs of 12 (2-core Intel
+    Xeon, 2026-11-28). A fresh mapping costs a fault a page, and more on a VM that hands
     its guests' free memory back to the host (virtio-balloon free page reporting, as on this
     repository's 2-core hosts): there pages freed a few seconds before are gone from the host
     and fault in anew -- 36 MiB written in 6-106 ms on fresh huge pages after a 3 s pause
@@ -124,6 +133,8 @@ def empty_result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     nbytes = math.prod(shape) * dtype.itemsize
     try:
+        if POOLED_RESULT_MIN_BYTES <= nbytes <= HEAP_RESULT_MAX_BYTES and _libc:
+            return _pooled(nbytes, dtype).view(shape)
         if nbytes <= HEAP_RESULT_MAX_BYTES:
             with heap_only():  # (nothing more than torch.empty where the tuning is not applied)
                 return torch.empty(shape, dtype=dtype)
@@ -188,6 +199,58 @@ def heap_only():
                 _libc[0].mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
         long_query = time.monotonic() - started >= LONG_QUERY_S
         release_free_memory(every=0.0 if long_query else RELEASE_CHECK_S)
+
+
+# freed results' mappings, smallest first, and the bytes they hold (see _pooled)
+_pool: list[mmap.mmap] = []
+_pool_bytes = [0]
+
+
+def _pooled(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``nbytes`` over a mapping from the pool (the smallest kept one that
+    fits, at most twice the size) or a new one; the mapping goes back to the pool when the
+    tensor and every view or array over it are freed (``weakref.finalize`` on the buffer
+    the tensor holds), while the pool holds less than ``RESULT_POOL_MAX_BYTES``.
+
+    >>> import torch
+    >>> first = _pooled(1 << 20, torch.float32)
+    >>> where = first.data_ptr()
+    >>> del first
+    >>> _pooled(1 << 20, torch.float32).data_ptr() == where  # the freed mapping serves
+    True
+    """
+    import weakref
+
+    import torch
+
+    with _lock:
+        found = next((m for m in _pool if nbytes <= len(m) <= 2 * nbytes), None)
+        if found is not None:
+            _pool.remove(found)
+            _pool_bytes[0] -= len(found)
+    if found is None:
+        found = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = (ctypes.c_char * nbytes).from_buffer(found)
+    weakref.finalize(buffer, _give_back, found)
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
+def _give_back(mapping: mmap.mmap) -> None:
+    """Keep a freed result's mapping for the next result, or let it go (unmapped) where the
+    pool is full."""
+    with _lock:
+        if _pool_bytes[0] + len(mapping) <= RESULT_POOL_MAX_BYTES:
+            _pool.append(mapping)
+            _pool.sort(key=len)
+            _pool_bytes[0] += len(mapping)
+
+
+def release_result_pool() -> int:
+    """Let every kept result mapping go (unmapped); the bytes they held."""
+    with _lock:
+        held, _pool_bytes[0] = _pool_bytes[0], 0
+        _pool.clear()
+    return held
 
 
 def free_heap_bytes() -> int | None:
