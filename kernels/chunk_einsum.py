@@ -81,6 +81,15 @@ class BroadcastJoin:
         dtype, so the values are those of ``self(operands)``."""
         return self.fn in OUT_JOINS and all(x.dtype == out.dtype for x in operands)
 
+    def shape(self, operands: Sequence[torch.Tensor]) -> torch.Size:
+        """The shape of the join of ``operands`` (their views broadcast), without making it.
+
+        >>> j = BroadcastJoin.plan([("i",), ("j",)], ("i", "j"), JoinName.MUL)
+        >>> tuple(j.shape([torch.ones(2), torch.ones(3)]))
+        (2, 3)
+        """
+        return torch.broadcast_shapes(*(view.shape for view in self._views(operands)))
+
     def __call__(self, operands: Sequence[torch.Tensor],
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """The join of ``operands``; with ``out`` (see :meth:`writes_into`) written into it

@@ -245,14 +245,6 @@ def _give_back(mapping: mmap.mmap) -> None:
             _pool_bytes[0] += len(mapping)
 
 
-def release_result_pool() -> int:
-    """Let every kept result mapping go (unmapped); the bytes they held."""
-    with _lock:
-        held, _pool_bytes[0] = _pool_bytes[0], 0
-        _pool.clear()
-    return held
-
-
 def free_heap_bytes() -> int | None:
     """Bytes free in the C heap (glibc's ``mallinfo2().fordblks``), or None where unknown."""
     if not _libc or not hasattr(_libc[0], "mallinfo2"):

@@ -214,6 +214,10 @@ class MapChunk(_NoCombine):
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         return apply_map(self.fn, inputs[0], self.scalar).to(torch_dtype(self.dtype))
 
+    def result_shape(self, inputs: Sequence[torch.Tensor]) -> torch.Size:
+        """The shape ``run(inputs)`` has (its input's), known without running it."""
+        return inputs[0].shape
+
     def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound] | None:
         """``run`` of these very tensors into ``out`` as a bound call (see
         :mod:`tensorql.exec.tape`), or None."""
@@ -351,6 +355,12 @@ class ContractChunk:
         (an elementwise join, a mask added to scores, a norm's scale applied to rows): then
         the chunk einsum is that, called directly."""
         return BroadcastJoin.plan(self.in_labels, self.out_labels, self.join)
+
+    def result_shape(self, inputs: Sequence[torch.Tensor]) -> torch.Size | None:
+        """The shape ``run(inputs, None)`` has where it is known without running it (an
+        elementwise join: its operands broadcast), else None."""
+        join = self._broadcast
+        return None if join is None else join.shape(inputs)
 
     def run(self, inputs: Sequence[torch.Tensor], acc: torch.Tensor | None) -> torch.Tensor:
         join = self._broadcast
@@ -668,8 +678,9 @@ class FusedPointwise(_NoCombine):
     def _eval(self, inputs: Sequence[torch.Tensor], lo: int, hi: int,
               whole: bool = False, dest: torch.Tensor | None = None,
               out_size: int | None = None) -> torch.Tensor:
-        # a block's intermediates are dropped after their last reader, so the few alive at a
-        # time stay in cache (blocks of 64K elements: 256 KiB in float32); ``whole``: the
+        # a block's intermediates are dropped after their last reader (blocks of
+        # ``block_elems``: 8 MiB in float32, a prefill's chunk whole -- smaller blocks cost
+        # more in Python and fresh intermediates than the cache saved); ``whole``: the
         # block is every row, the inputs are read as they are (no views to make); ``dest``:
         # where the block's result goes (a block of the output) -- the last op writes it
         # there when its kernel can (no block-sized result to copy), and ``dest`` is returned;
@@ -724,24 +735,17 @@ class FusedPointwise(_NoCombine):
                      rows: int, size: int) -> torch.Tensor:
         """The output (``size`` rows along the blocked dim), made for the first block's
         last op of ``args`` and that block (``rows`` rows) written into it."""
-        shape = _result_shape(kernel, args)
-        first = None
-        if shape is None:
+        shape = kernel.result_shape(args)
+        if shape is None:  # made, then copied into an output like it
             first = kernel.run(args, None)
-            shape = first.shape
-        full = list(shape)
-        full[self.dim] = size
-        if first is not None:
-            dtype, device = first.dtype, first.device
-        else:  # the operands' device (a 0-d host scalar among them is not where it runs)
-            dtype = torch_dtype(kernel.dtype)
-            device = next((x.device for x in args if x.device.type != "cpu"), args[0].device)
-        out = torch.empty(full, dtype=dtype, device=device)
-        block = out.narrow(self.dim, 0, rows)
-        if first is not None:
-            block.copy_(first)
-        else:
-            self._write(kernel, args, block)
+            out = first.new_empty(_with_size(first.shape, self.dim, size))
+            out.narrow(self.dim, 0, rows).copy_(first)
+            return out
+        # on the operands' device (a 0-d host scalar among them is not where it runs)
+        device = next((x.device for x in args if x.device.type != "cpu"), args[0].device)
+        out = torch.empty(_with_size(shape, self.dim, size), dtype=torch_dtype(kernel.dtype),
+                          device=device)
+        self._write(kernel, args, out.narrow(self.dim, 0, rows))
         return out
 
     def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> tuple[Bound, ...] | None:
@@ -796,7 +800,7 @@ class FusedPointwise(_NoCombine):
         """``kernel`` of ``args`` written into ``dest``: straight there when the kernel binds
         to it (an arithmetic join, a map with an ``out=`` form, of ``dest``'s dtype and
         shape), else made and copied."""
-        calls = kernel.bind(args, dest) if _result_shape(kernel, args) == dest.shape else None
+        calls = kernel.bind(args, dest) if kernel.result_shape(args) == dest.shape else None
         if calls is None:
             return dest.copy_(kernel.run(args, None))
         for call in calls:
@@ -804,17 +808,9 @@ class FusedPointwise(_NoCombine):
         return dest
 
 
-
-def _result_shape(kernel: MapChunk | ContractChunk, args: Sequence[torch.Tensor]
-                  ) -> torch.Size | None:
-    """The shape ``kernel.run(args)`` has, where it is known without running it: a map's
-    (its input's) or an elementwise join's (its operands' views broadcast); None otherwise."""
-    if isinstance(kernel, MapChunk):
-        return args[0].shape
-    join = kernel._broadcast if isinstance(kernel, ContractChunk) else None
-    if join is None:
-        return None
-    return torch.broadcast_shapes(*(view.shape for view in join._views(args)))
+def _with_size(shape: Sequence[int], dim: int, size: int) -> list[int]:
+    """``shape`` with ``size`` at ``dim``."""
+    return [size if d == dim else n for d, n in enumerate(shape)]
 
 
 def _copy_call(kernel: MapChunk | ContractChunk, args: list[torch.Tensor],
