@@ -5,8 +5,8 @@
                                [--no-isolate] [--order random|abba] [--json PATH]
 
 Workloads (fp32; tensorql stores them with its automatic tile, as a user who passes no
-``tile=`` gets -- 1024 x 1024 here; ``--tile N`` stores them with N x N tiles instead; dask's
-chunks are the same tiles):
+``tile=`` gets -- 1536 x 1536 for the matmul, the MLP's operands whole; ``--tile N`` stores
+them with N x N tiles instead; dask's chunks are the same tiles):
   * matmul      3072 x 3072 @ 3072 x 3072
   * mlp         relu(X[2048x1024] @ W1[1024x4096]) @ W2[4096x1024]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorql.errors import OptionError
+from tensorql.grid import CPU_TILE_ELEMS
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,10 @@ class DeviceKind:
     ``whole_k``: one product over the whole contracted label beats a series of products per
     tile of it folded into an accumulator (a GPU: one cuBLAS call at full occupancy that
     accumulates in float32 inside; a CPU's series keeps its accumulator in cache instead).
-    ``tile_target_elems``: the chunk size automatic tiles aim at on this kind (a CPU's: a
-    few MiB, so a task's operands stay near its cores' caches and tasks spread over the
-    threads; a GPU's: tens of MiB, so each launch fills the device and a plan is tens of
+    ``tile_target_elems``: the chunk size automatic tiles aim at on this kind (a CPU's:
+    16 MiB of float32, :data:`tensorql.grid.CPU_TILE_ELEMS`, so a layer's weight stays
+    one chunk and its products one call each, while a big operand still spreads over the
+    threads; a GPU's: 64 MiB, so each launch fills the device and a plan is tens of
     tasks where a CPU's is hundreds -- a LLaMA-7B layer's prefill was 945 tasks at 2^20).
     ``compute_lanes``: the tasks one such device runs side by side (a GPU's compute
     streams); 0 for a CPU (and the null device standing in for one), whose share of the
@@ -43,7 +45,7 @@ class DeviceKind:
     computes_values: bool = True
     accelerator: bool = False
     whole_k: bool = False
-    tile_target_elems: int = 1 << 20
+    tile_target_elems: int = CPU_TILE_ELEMS
     compute_lanes: int = 0
 
 
@@ -135,10 +137,10 @@ class DeviceSet:
         """The chunk size automatic tiles aim at on these devices: the smallest of their
         kinds' (:attr:`DeviceKind.tile_target_elems`), so a chunk suits every device.
 
-        >>> DeviceSet.parse("cpu").tile_target_elems == 1 << 20
+        >>> DeviceSet.parse("cpu").tile_target_elems == 1 << 22
         True
         """
-        return min((s.info.tile_target_elems for s in self.specs), default=1 << 20)
+        return min((s.info.tile_target_elems for s in self.specs), default=CPU_TILE_ELEMS)
 
     def task_lanes(self, workers: int) -> int:
         """The tasks these devices run side by side: the sum of their compute lanes, a CPU

@@ -59,6 +59,8 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 MAX_THREADS = 4096  # more threads than any machine has: a typo, refused (torch overflows)
+#: the smallest automatic tile target a memory_limit lowers the devices' to (4 MiB of float32)
+MIN_TILE_TARGET_ELEMS = 1 << 20
 
 
 def _count(name: str, value: Any) -> int:
@@ -168,7 +170,7 @@ class Options:
             the devices. None: one node, except in a torch.distributed job, whose ranks on
             one host form a node (host names gathered from the ranks).
         tile_target_elems: element count auto-tiling aims at per chunk (None: the devices'
-            choice, :attr:`~tensorql.devices.DeviceSet.tile_target_elems` -- 2^20 on CPUs,
+            choice, :attr:`~tensorql.devices.DeviceSet.tile_target_elems` -- 2^22 on CPUs,
             2^24 on GPUs -- lowered under a ``memory_limit`` to at most 1/128 of it, never
             below 2^20).
         kernel_temp_bytes: cap on temporaries a non-matmul chunk kernel materialises.
@@ -307,15 +309,17 @@ class Options:
 
     def _device_tile_target(self) -> int:
         """The devices' tile target (:attr:`DeviceSet.tile_target_elems`), under a
-        ``memory_limit`` at most 1/128 of it in float32 elements but never below the CPU's
-        2^20 (a GPU's 2^24 at 2 GiB; 2^21 at 1 GiB).
+        ``memory_limit`` at most 1/128 of it in float32 elements but never below 2^20
+        (a GPU's 2^24 at 2 GiB, a CPU's 2^22 at 2 GiB; 2^21 at 1 GiB).
 
-        >>> Options(devices="cpu").tile_target_elems == 1 << 20
+        >>> Options(devices="cpu").tile_target_elems == 1 << 22
+        True
+        >>> Options(devices="cpu", memory_limit=1 << 30).tile_target_elems == 1 << 21
         True
         """
         target = self._device_set.tile_target_elems  # type: ignore[attr-defined]
         if self.memory_limit is not None:
-            target = max(1 << 20, min(target, self.memory_limit // (4 * 128)))
+            target = max(MIN_TILE_TARGET_ELEMS, min(target, self.memory_limit // (4 * 128)))
         return int(target)
 
     @property

@@ -22,7 +22,7 @@ import torch
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Constant
 from tensorql.errors import ShapeError, UnsupportedError
-from tensorql.grid import ChunkGrid, auto_tile
+from tensorql.grid import CPU_TILE_ELEMS, ChunkGrid, auto_tile
 
 __all__ = ["constant_node", "literal_array"]
 
@@ -62,7 +62,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def constant_node(value: Any, tile_target_elems: int = 1 << 20,
+def constant_node(value: Any, tile_target_elems: int = CPU_TILE_ELEMS,
                   tile: Sequence[int] | None = None) -> Constant:
     """A ``Constant`` holding ``value`` (torch tensor, numpy array or Python scalars/lists),
     chunked on ``tile`` (default: automatic tiles of about ``tile_target_elems`` elements).

@@ -15,10 +15,12 @@ from tensorql.logical.plan import Join, Rekey, walk
 from tensorql.logical.rules.update import contiguous, contiguous_update
 
 STEPS = 3
-# W1 of a two-layer MLP whose W2 (above auto_tile's 2^20 elements) is scanned in row blocks:
-# dH1 = dY @ W2.T comes out in column blocks, and so does W1's gradient X.T @ dH1
+# W1 of a two-layer MLP whose W2 (above the automatic tiles' 2^20 elements these sessions aim
+# at) is scanned in row blocks: dH1 = dY @ W2.T comes out in column blocks, and so does W1's
+# gradient X.T @ dH1
 SHAPE = (64, 2048)
 W2 = (2048, 640)
+TILE_TARGET = 1 << 20
 
 
 def _problem(db):
@@ -68,7 +70,7 @@ class _Calls:
 def test_column_block_gradient_updates_in_row_blocks_in_place(monkeypatch):
     calls = _Calls(update._FUSED[update.JoinName.ADAM])
     monkeypatch.setitem(update._FUSED, update.JoinName.ADAM, calls)
-    with tq.connect(workers=2) as db:
+    with tq.connect(workers=2, tile_target_elems=TILE_TARGET) as db:
         arrays, loss = _problem(db)
         opt = tq.optim.Adam(db, NAMES, lr=0.01)
         losses = [opt.step(loss)]
@@ -95,7 +97,7 @@ def test_column_block_gradient_updates_in_row_blocks_in_place(monkeypatch):
 
 
 def test_the_rule_retiles_the_gradient_and_leaves_row_blocks_alone():
-    with tq.connect() as db:
+    with tq.connect(tile_target_elems=TILE_TARGET) as db:
         _, loss = _problem(db)
         opt = tq.optim.Adam(db, NAMES, lr=0.01)
         physical = opt._plan(loss).physical
