@@ -47,6 +47,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from tensorql.errors import MemoryLimitError
@@ -219,8 +220,6 @@ def _pooled(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     >>> _pooled(1 << 20, torch.float32).data_ptr() == where  # the freed mapping serves
     True
     """
-    import weakref
-
     import torch
 
     with _lock:
