@@ -197,6 +197,12 @@ class Optimizer:
             outputs.extend(self.update_outputs(n, self._params[n], g, slots))
         group = CompiledGroup.compile([t.node for t in outputs], self.db,
                                       in_place=self._in_place(len(outputs)))
+        if group.physical is not None and len(group.in_place) == len(outputs) - 1:
+            # every new value computed in place, only the loss apart: the engine may replay
+            # the step from a tape (its calls bound once, the updates into the weights)
+            from tensorql.exec.tape import REPLAYED
+
+            group.physical.task_graph().programs[REPLAYED] = True
         self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
         self._latest = self._spare = None  # a new plan's results may have other shapes
         return group

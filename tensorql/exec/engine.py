@@ -173,7 +173,8 @@ def _tape(graph: TaskGraph, config: EngineConfig, progress: ProgressCallback | N
         return chosen.run(graph, config, progress, sink, destination, keep_outputs)
     threads = config.workers * config.intra_op_threads
     if fits(graph):  # else its buffers would hold too much at once: freed as it goes
-        result = run_tape_if_free(graph, progress, sink, keep_outputs, threads)
+        result = run_tape_if_free(graph, progress, sink, keep_outputs, threads,
+                                  destination=destination)
         if result is not None:  # None: another thread's run of the graph holds its buffers
             return result
     return run_serial(graph, progress, sink, destination, keep_outputs, threads=threads)

@@ -18,6 +18,12 @@ a graph of one CPU device run serially with fixed shapes (every plan is: shapes 
 * a task whose chunk is a view of its input (a reshape, a retile that keeps the tile) is
   no call at all: the view of the input's buffer stays valid (a kernel returns the same view
   of inputs of the same layout);
+* a retained chunk whose destination (``destination(ref)``, a tile of the caller's dense
+  result) is memory of one of the graph's sources -- an output computed in place over the
+  constant it replaces, a training step's weight update (:mod:`tensorql.physical.in_place`)
+  -- is computed there, not into a buffer of the tape's: its call writes the caller's memory
+  each run (the destination must be the same memory at each replay, else the tape is lowered
+  again) and nothing is copied out;
 * sources -- constants (a ``storage_key()``: the address of their storage, checked before
   each run) and store reads (run again, the tensor they hand back compared with the one
   recorded) -- are the inputs. A constant written in place (a KV cache, a token's
@@ -71,18 +77,20 @@ import torch
 
 from tensorql.errors import ExecutionError, TensorQLError
 from tensorql.exec.run_types import (
+    ChunkDestination,
     ChunkSink,
     ProgressCallback,
     RunResult,
     RunStats,
     StepStats,
+    first_contribution,
     task_failure,
 )
-from tensorql.exec.serial import SerialSchedule
+from tensorql.exec.serial import SerialSchedule, SerialTask
 from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
 
 __all__ = ["AUTO_TAPES_TOTAL_BYTES", "AUTO_TAPE_MAX_BYTES", "AUTO_TAPE_MAX_SOURCE_BYTES",
-           "TAPE_MAX_BYTES", "Tape",
+           "REPLAYED", "TAPE_MAX_BYTES", "Tape",
            "TapeCounts", "fits", "run_tape", "run_tape_if_free", "suits"]
 
 # The most bytes of buffers a tape keeps (every chunk the graph computes, all at once): a
@@ -98,6 +106,11 @@ TAPE_MAX_BYTES = 64 << 20
 AUTO_TAPE_MAX_BYTES = 16 << 20
 AUTO_TAPE_MAX_SOURCE_BYTES = 64 << 20
 AUTO_TAPES_TOTAL_BYTES = 256 << 20
+# ``graph.programs[REPLAYED]`` set: the graph's owner runs it again and again with its results
+# computed in place (an optimizer's step, :meth:`tensorql.api.optim.Optimizer.step`): the
+# policy runs it from a tape within TAPE_MAX_BYTES of buffers (its results in place are the
+# owner's memory, not the tape's), its kernels' in-place writes being what every run does
+REPLAYED = "replayed"
 # a tape found stale this often (a source read afresh every run, e.g. a store whose cache
 # does not keep its chunks) is no longer chosen by the policy: each run would lower it again
 STALE_LIMIT = 2
@@ -143,6 +156,10 @@ class Tape:
     # per step: (tasks, bytes in, bytes read) -- fixed, as every run's shapes are
     step_totals: tuple[tuple[int, int, int, int], ...] = ()
     source_bytes: int = 0  # bytes of the sources' tensors the tape's calls hold on to
+    # the retained chunks computed straight into their destination (memory of a source:
+    # an output written in place), with that destination's layout
+    destinations: tuple[tuple[ChunkRef, tuple], ...] = ()
+    source_storages: frozenset[int] = frozenset()  # the storages of the sources' tensors
 
     @classmethod
     def of(cls, graph: TaskGraph) -> Tape:
@@ -150,10 +167,13 @@ class Tape:
         return graph.programs["tape"]
 
     @classmethod
-    def lower(cls, graph: TaskGraph, stats: RunStats | None = None) -> Tape:
+    def lower(cls, graph: TaskGraph, stats: RunStats | None = None,
+              destination: ChunkDestination | None = None) -> Tape:
         """Run ``graph`` once in the serial order and bind every task to the tensors of that
         run (its values are the tape's outputs; with ``stats``, each step's figures go into
-        ``stats.steps``). ExecutionError when a task fails."""
+        ``stats.steps``). A retained chunk whose ``destination`` is memory of a source (an
+        output computed in place) is computed there and bound to it. ExecutionError when a
+        task fails."""
         schedule = SerialSchedule.of(graph)
         values: list[Any] = [None] * schedule.slots
         sources: list[_Source] = []
@@ -171,6 +191,7 @@ class Tape:
             sources.append(_source(task, values[slot]))
             totals.setdefault(task.output.step, [0, 0, 0])[0] += 1
         storages = {_storage(v) for v in values if v is not None}
+        in_place: dict[int, torch.Tensor] = {}  # output slot -> its destination, bound
         for entry in schedule.tasks:
             task, kernel = entry.task, entry.task.kernel
             inputs = [values[i] for i in entry.inputs]
@@ -187,12 +208,22 @@ class Tape:
                     accumulate += 1
                     _timed(stats, task, started)
                     continue
-                value = kernel.run(inputs, None)
+                dest = _in_place_destination(destination, entry, sources)
+                if dest is not None:
+                    value = first_contribution(kernel, inputs, dest)
+                    if not _same_layout(value, dest):  # the kernel made its own: copied in
+                        value = dest.copy_(value)
+                else:
+                    value = kernel.run(inputs, None)
             except TensorQLError:
                 raise
             except Exception as err:
                 raise task_failure(graph, task, err) from err
-            if not task.inputs and entry.completes:
+            if dest is not None:  # the caller's memory, written by a call each run
+                in_place[entry.output] = dest
+                add(task, (_generic(kernel, inputs, dest),))
+                generic += 1
+            elif not task.inputs and entry.completes:
                 sources.append(_source(task, value))
             elif entry.completes and _aliases(value, inputs):
                 views += 1  # a view of an input's buffer: valid as long as that is
@@ -213,6 +244,9 @@ class Tape:
             _timed(stats, task, started)
         outputs = tuple((entry.task.output, values[entry.output]) for entry in schedule.tasks
                         if entry.retained and entry.completes)
+        bound_destinations = tuple(
+            (entry.task.output, _layout(in_place[entry.output])) for entry in schedule.tasks
+            if entry.first and entry.output in in_place)
         if stats is not None:
             for step, (tasks, bytes_in, bytes_read) in totals.items():
                 st = stats.steps.setdefault(step, StepStats())
@@ -222,9 +256,32 @@ class Tape:
         return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes,
                    tuple(task.output.step for task in owners),
                    tuple((step, *figures) for step, figures in totals.items()),
-                   sum(held.values()))
+                   sum(held.values()), bound_destinations, frozenset(held))
 
-    def current(self) -> bool:
+    def current(self, destination: ChunkDestination | None = None) -> bool:
+        """Whether every source still gives the tensor it gave when the tape was made
+        (:meth:`sources_current`) and every result goes where the tape computes it
+        (:meth:`destinations_current`)."""
+        return self.destinations_current(destination) and self.sources_current()
+
+    def destinations_current(self, destination: ChunkDestination | None) -> bool:
+        """Whether each result the tape computes into its destination has that very
+        destination again, and no other result's destination is now memory of a source
+        (a result to be computed in place, which the tape would copy out instead)."""
+        bound = dict(self.destinations)
+        for ref, layout in self.destinations:
+            dest = destination(ref) if destination is not None else None
+            if dest is None or _layout(dest) != layout:
+                return False
+        if destination is not None:
+            for ref, _ in self.outputs:
+                if ref not in bound:
+                    dest = destination(ref)
+                    if dest is not None and _storage(dest) in self.source_storages:
+                        return False
+        return True
+
+    def sources_current(self) -> bool:
         """Whether every source still gives the tensor it gave when the tape was made: a
         constant the same storage (its ``storage_key()``; written in place is fine), any
         other source (a store read, run again) the very tensor, or one of the same storage
@@ -306,6 +363,27 @@ def _aliases(value: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     return any(_storage(x) == ptr for x in inputs)
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements are: its address, shape, strides and dtype."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _in_place_destination(destination: ChunkDestination | None, entry: SerialTask,
+                          sources: Sequence[_Source]) -> torch.Tensor | None:
+    """The destination of ``entry``'s chunk when the tape computes it there: the chunk's
+    first contribution, retained, its destination memory of one of the ``sources`` read so
+    far (an output written over the constant it replaces: fixed memory, so the call may
+    write it each run). None otherwise (the chunk gets a buffer of the tape's own, copied
+    out to its destination after each run)."""
+    if destination is None or not entry.first or not entry.retained:
+        return None
+    dest = destination(entry.task.output)
+    if dest is None:
+        return None
+    ptr = _storage(dest)
+    return dest if any(_storage(s.value) == ptr for s in sources) else None
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
@@ -338,9 +416,13 @@ def _accumulate(kernel: Any, inputs: list[torch.Tensor], acc: torch.Tensor) -> C
 
 def _estimated_bytes(graph: TaskGraph, sources: bool = False) -> int | None:
     """The bytes of the chunks ``graph``'s non-source tasks write (with ``sources``, those
-    its sources give too), when the planner gave every size (None when it did not)."""
+    its sources give too), when the planner gave every size (None when it did not). A
+    graph its owner replays (:data:`REPLAYED`) has its results computed in place, in the
+    owner's memory: they are not counted."""
     sizes = graph.chunk_bytes
     written = {task.output for task in graph.tasks if task.inputs or sources}
+    if graph.programs.get(REPLAYED):
+        written = {ref for ref in written if ref.step not in graph.retain}
     if not all(ref in sizes for ref in written):
         return None
     return sum(sizes[ref] for ref in written)
@@ -371,7 +453,9 @@ def suits(graph: TaskGraph) -> bool:
     within :data:`AUTO_TAPE_MAX_BYTES` and its sources within
     :data:`AUTO_TAPE_MAX_SOURCE_BYTES`, and its tape not found stale :data:`STALE_LIMIT`
     times (sources read afresh every run). A tensor network's warm call: 240 tasks of
-    ~50 us, where the serial loop's Python is a fifth of the time.
+    ~50 us, where the serial loop's Python is a fifth of the time. A graph its owner
+    replays (:data:`REPLAYED`: an optimizer's step) needs only its buffers within
+    :data:`TAPE_MAX_BYTES`, its results in place not counted.
 
     >>> from tensorql.exec.taskgraph import ChunkRef, Task, TaskGraph
     >>> class Pure:
@@ -394,32 +478,40 @@ def suits(graph: TaskGraph) -> bool:
     chosen = programs.get("tape-auto")
     if chosen is None:
         written, read = _estimated_bytes(graph), _estimated_bytes(graph, sources=True)
-        chosen = programs["tape-auto"] = (
-            written is not None and written <= AUTO_TAPE_MAX_BYTES
-            and read is not None and read - written <= AUTO_TAPE_MAX_SOURCE_BYTES
-            and all(getattr(task.kernel, "replayable", False) for task in graph.tasks))
+        if programs.get(REPLAYED):  # its owner's: in-place writes and sources are its own
+            chosen = written is not None and written <= TAPE_MAX_BYTES
+        else:
+            chosen = (written is not None and written <= AUTO_TAPE_MAX_BYTES
+                      and read is not None and read - written <= AUTO_TAPE_MAX_SOURCE_BYTES
+                      and all(getattr(task.kernel, "replayable", False)
+                              for task in graph.tasks))
+        programs["tape-auto"] = chosen
     return chosen
 
 
 def run_tape(graph: TaskGraph, progress: ProgressCallback | None = None,
              sink: ChunkSink | None = None, keep_outputs: bool = True,
-             threads: int | None = None) -> RunResult:
+             threads: int | None = None,
+             destination: ChunkDestination | None = None) -> RunResult:
     """The engine's ``tape`` strategy: ``graph``'s tape (lowered on the first run, and again
     when a source changed, see :meth:`Tape.current`) run once on this thread, with
     ``threads`` torch threads when given; arguments and result as
-    :func:`tensorql.exec.engine.run` (no ``destination``: the sink copies each result out
-    of its buffer; ``outputs`` are copies), each step's figures in ``stats.steps`` as a
+    :func:`tensorql.exec.engine.run` (``destination``: a result computed in place over a
+    source is computed into it, see the module; the sink copies every other result out of
+    its buffer, and ``outputs`` are copies), each step's figures in ``stats.steps`` as a
     serial run records them. For graphs that :func:`fits`. A tape's buffers serve one run
     at a time: a run of the same graph on another thread waits for them (the engine runs it
     serially meanwhile instead, :func:`run_tape_if_free`)."""
-    result = run_tape_if_free(graph, progress, sink, keep_outputs, threads, wait=True)
+    result = run_tape_if_free(graph, progress, sink, keep_outputs, threads, wait=True,
+                              destination=destination)
     assert result is not None  # waited for the tape
     return result
 
 
 def run_tape_if_free(graph: TaskGraph, progress: ProgressCallback | None = None,
                      sink: ChunkSink | None = None, keep_outputs: bool = True,
-                     threads: int | None = None, wait: bool = False) -> RunResult | None:
+                     threads: int | None = None, wait: bool = False,
+                     destination: ChunkDestination | None = None) -> RunResult | None:
     """:func:`run_tape`, or None -- nothing run -- when another thread's run holds the
     tape's buffers now (unless ``wait``: then it waits for them). The engine then runs the
     graph serially."""
@@ -427,13 +519,14 @@ def run_tape_if_free(graph: TaskGraph, progress: ProgressCallback | None = None,
     if not lock.acquire(blocking=wait):  # its buffers are another thread's run's now
         return None
     try:
-        return _run_tape(graph, progress, sink, keep_outputs, threads)
+        return _run_tape(graph, progress, sink, keep_outputs, threads, destination)
     finally:
         lock.release()
 
 
 def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSink | None,
-              keep_outputs: bool, threads: int | None) -> RunResult:
+              keep_outputs: bool, threads: int | None,
+              destination: ChunkDestination | None = None) -> RunResult:
     tape = graph.programs.get("tape")
     stats = RunStats(tasks=len(graph.tasks), serial=True)
     previous = torch.get_num_threads()
@@ -441,12 +534,14 @@ def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSi
         torch.set_num_threads(threads)
     start = time.perf_counter()
     try:
-        if tape is not None and tape.current():
+        placed = tape is not None and tape.destinations_current(destination)
+        if placed and tape.sources_current():
             tape.replay(stats)
         else:
-            if tape is not None:
+            if placed:  # a source read afresh (results sent elsewhere are the caller's
+                # choice, an EXPLAIN ANALYZE into fresh buffers between training steps)
                 graph.programs["tape-stale"] = graph.programs.get("tape-stale", 0) + 1
-            tape = graph.programs["tape"] = Tape.lower(graph, stats)
+            tape = graph.programs["tape"] = Tape.lower(graph, stats, destination)
             if graph.programs.get("tape-auto"):
                 _keep_within_budget(graph, tape.nbytes + tape.source_bytes)
     finally:
@@ -456,12 +551,15 @@ def _run_tape(graph: TaskGraph, progress: ProgressCallback | None, sink: ChunkSi
     outputs: dict[ChunkRef, torch.Tensor] = {}
     # a caller that asked for the tape reads each result from its buffer before the next
     # run; one the policy chose it for may not (a streamed store's writer thread still
-    # encoding a chunk when another thread's run of the plan writes the buffer): a copy
+    # encoding a chunk when another thread's run of the plan writes the buffer): a copy.
+    # A result computed into its destination is the caller's own memory: never copied.
     private = bool(graph.programs.get("tape-auto"))
+    in_place = {ref for ref, _ in tape.destinations}
     for ref, value in tape.outputs:
-        copy = value.clone() if private or keep_outputs else value
+        own = ref in in_place
+        copy = value.clone() if not own and (private or keep_outputs) else value
         if sink is not None:
-            sink(ref, copy if private else value)
+            sink(ref, copy if private and not own else value)
         if keep_outputs:
             outputs[ref] = copy
     stats.wall_s = time.perf_counter() - start

@@ -59,6 +59,11 @@ class AfterReaders:
     def combine(self, acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return self.kernel.combine(acc, partial)
 
+    def bind(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> Any:
+        """The kernel's bound calls on its own inputs (:mod:`tensorql.exec.tape`), or None."""
+        bind = getattr(self.kernel, "bind", None)
+        return None if bind is None else bind(inputs[:self.arity], out)
+
     def __getattr__(self, name: str) -> Any:
         if name == "run_into":  # only when the kernel has one (the executor asks hasattr)
             run_into = self.kernel.run_into

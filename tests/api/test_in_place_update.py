@@ -107,3 +107,62 @@ def test_two_devices_keep_the_double_buffered_step():
         opt = tq.optim.Adam(db, ["w1", "w2"], lr=0.01)
         opt.step(loss)
         assert opt._plan(loss).in_place == frozenset()
+
+
+def test_the_step_is_replayed_from_a_tape_with_the_updates_in_place(monkeypatch):
+    from tensorql.exec.tape import REPLAYED, Tape
+
+    lowered = []
+    lower = Tape.lower.__func__
+    monkeypatch.setattr(Tape, "lower", classmethod(
+        lambda cls, *a, **k: lowered.append(1) or lower(cls, *a, **k)))
+    steps = 6
+    with tq.connect(workers=2) as db:
+        arrays, loss = _mlp(db, None)
+        opt = tq.optim.Adam(db, ["w1", "w2", "b1"], lr=0.01)
+        losses = [opt.step(loss) for _ in range(2)]
+        graph = opt._plan(loss).physical.task_graph()
+        assert graph.programs.get(REPLAYED)
+        where = {n: opt.values[n].data_ptr() for n in opt.names}
+        losses += [opt.step(loss) for _ in range(steps - 2)]
+        tape_ = Tape.of(graph)  # lowered once (the second step), replayed since
+        assert len(lowered) == 1 and "tape-stale" not in graph.programs
+        assert len(tape_.destinations) == 3  # each update into its weight and moments
+        assert {n: opt.values[n].data_ptr() for n in opt.names} == where
+        got = {n: opt.values[n].numpy().copy() for n in opt.names}
+    want, want_losses = _torch_steps(arrays, steps, lr=0.01)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for n in got:
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_explain_analyze_between_replayed_steps_changes_no_step():
+    steps = 6
+    with tq.connect(workers=2) as db:
+        arrays, loss = _mlp(db, None)
+        opt = tq.optim.Adam(db, ["w1", "w2", "b1"], lr=0.01)
+        losses = [opt.step(loss) for _ in range(3)]
+        before = {n: opt.values[n].clone() for n in opt.names}
+        assert "EXPLAIN ANALYZE" in opt.explain(loss, analyze=True)
+        for n, value in before.items():
+            assert torch.equal(opt.values[n], value)
+        losses += [opt.step(loss) for _ in range(steps - 3)]
+        # results sent elsewhere once do not count against the tape: replayed again after
+        graph = opt._plan(loss).physical.task_graph()
+        assert "tape-stale" not in graph.programs
+        assert len(graph.programs["tape"].destinations) == 3
+        got = {n: opt.values[n].numpy().copy() for n in opt.names}
+    want, want_losses = _torch_steps(arrays, steps, lr=0.01)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for n in got:
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_without_updates_in_place_is_not_replayed():
+    from tensorql.exec.tape import REPLAYED
+
+    with tq.connect(workers=2) as db:
+        _, loss = _mlp(db, None)
+        opt = tq.optim.SGD(db, ["w1", "w2"], lr=0.01)
+        opt.step(loss)
+        assert not opt._plan(loss).physical.task_graph().programs.get(REPLAYED)

@@ -460,3 +460,62 @@ def test_a_run_with_a_progress_callback_reports_each_task_as_the_serial_run_does
     query.run(progress=lambda done, total: seen.append((done, total)), dense=True)
     total = len(graph.tasks)
     assert seen[-1] == (total, total) and len(seen) >= total - len(SerialSchedule.of(graph).inline)
+
+
+class _AddInPlace:
+    """``inputs[0] + 1`` written over ``inputs[0]`` when its destination is that memory
+    (an update computed in place), else into a new tensor."""
+
+    calls = 0
+
+    def run(self, inputs, acc):
+        _AddInPlace.calls += 1
+        return inputs[0] + 1.0
+
+    def run_into(self, inputs, out):
+        _AddInPlace.calls += 1
+        return torch.add(inputs[0], 1.0, out=out)
+
+
+def _in_place_graph(x):
+    a, b = ChunkRef(0, ()), ChunkRef(1, ())
+    return a, b, TaskGraph(tasks=(Task(0, (), a, _Const(x)), Task(1, (a,), b, _AddInPlace())),
+                           retain=frozenset({1}))
+
+
+def test_a_result_whose_destination_is_a_source_is_computed_there_each_run():
+    x = torch.zeros(3)
+    a, b, graph = _in_place_graph(x)
+
+    def run(dest):
+        return engine.run(graph, engine.EngineConfig.cpu(), strategy="tape",
+                          destination=lambda ref: dest if ref == b else None)
+
+    run(x)  # lowered: the update written over x, the tape's call bound to it
+    tape_ = Tape.of(graph)
+    assert [ref for ref, _ in tape_.destinations] == [b] and tape_.nbytes == 0
+    for step in range(2, 5):  # replayed: each run adds one more, in x itself
+        run(x)
+        assert x.tolist() == [float(step)] * 3
+    assert Tape.of(graph) is tape_
+    # another destination: lowered again, the source left as it is
+    other = torch.full((3,), -1.0)
+    result = run(other)
+    assert Tape.of(graph) is not tape_ and x.tolist() == [4.0] * 3
+    assert result.outputs[b].tolist() == [5.0] * 3
+    # and the memory of the source again: lowered again, in place once more
+    run(x)
+    assert x.tolist() == [5.0] * 3 and Tape.of(graph).destinations
+
+
+def test_an_update_in_place_is_replayed_as_the_serial_run_computes_it():
+    x, y = torch.zeros(4), torch.zeros(4)
+    _, b, tape_graph = _in_place_graph(x)
+    _, c, serial_graph = _in_place_graph(y)
+    for _ in range(6):
+        engine.run(tape_graph, engine.EngineConfig.cpu(), strategy="tape",
+                   destination=lambda ref: x if ref == b else None)
+        engine.run(serial_graph, engine.EngineConfig.cpu(), strategy="serial",
+                   destination=lambda ref: y if ref == c else None)
+        assert torch.equal(x, y)
+    assert x.tolist() == [6.0] * 4
