@@ -51,6 +51,7 @@ from tensorql.api.autodiff import FLOAT_DTYPES, grad
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Node, substitute
 from tensorql.errors import ExecutionError, OptionError, ShapeError
+from tensorql.exec.tape import REPLAYED
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
 
@@ -200,8 +201,6 @@ class Optimizer:
         if group.physical is not None and len(group.in_place) == len(outputs) - 1:
             # every new value computed in place, only the loss apart: the engine may replay
             # the step from a tape (its calls bound once, the updates into the weights)
-            from tensorql.exec.tape import REPLAYED
-
             group.physical.task_graph().programs[REPLAYED] = True
         self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
         self._latest = self._spare = None  # a new plan's results may have other shapes

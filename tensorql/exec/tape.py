@@ -191,7 +191,8 @@ class Tape:
             sources.append(_source(task, values[slot]))
             totals.setdefault(task.output.step, [0, 0, 0])[0] += 1
         storages = {_storage(v) for v in values if v is not None}
-        in_place: dict[int, torch.Tensor] = {}  # output slot -> its destination, bound
+        sourced = {_storage(x.value) for x in sources}  # the sources' storages so far
+        in_place: dict[ChunkRef, tuple] = {}  # a result computed into its destination: where
         for entry in schedule.tasks:
             task, kernel = entry.task, entry.task.kernel
             inputs = [values[i] for i in entry.inputs]
@@ -208,7 +209,7 @@ class Tape:
                     accumulate += 1
                     _timed(stats, task, started)
                     continue
-                dest = _in_place_destination(destination, entry, sources)
+                dest = _in_place_destination(destination, entry, sourced)
                 if dest is not None:
                     value = first_contribution(kernel, inputs, dest)
                     if not _same_layout(value, dest):  # the kernel made its own: copied in
@@ -220,11 +221,12 @@ class Tape:
             except Exception as err:
                 raise task_failure(graph, task, err) from err
             if dest is not None:  # the caller's memory, written by a call each run
-                in_place[entry.output] = dest
+                in_place[task.output] = _layout(dest)
                 add(task, (_generic(kernel, inputs, dest),))
                 generic += 1
             elif not task.inputs and entry.completes:
                 sources.append(_source(task, value))
+                sourced.add(_storage(value))
             elif entry.completes and _aliases(value, inputs):
                 views += 1  # a view of an input's buffer: valid as long as that is
             else:
@@ -244,9 +246,6 @@ class Tape:
             _timed(stats, task, started)
         outputs = tuple((entry.task.output, values[entry.output]) for entry in schedule.tasks
                         if entry.retained and entry.completes)
-        bound_destinations = tuple(
-            (entry.task.output, _layout(in_place[entry.output])) for entry in schedule.tasks
-            if entry.first and entry.output in in_place)
         if stats is not None:
             for step, (tasks, bytes_in, bytes_read) in totals.items():
                 st = stats.steps.setdefault(step, StepStats())
@@ -256,7 +255,7 @@ class Tape:
         return cls(tuple(calls), tuple(owners), tuple(sources), outputs, counts, nbytes,
                    tuple(task.output.step for task in owners),
                    tuple((step, *figures) for step, figures in totals.items()),
-                   sum(held.values()), bound_destinations, frozenset(held))
+                   sum(held.values()), tuple(in_place.items()), frozenset(held))
 
     def current(self, destination: ChunkDestination | None = None) -> bool:
         """Whether every source still gives the tensor it gave when the tape was made
@@ -369,24 +368,20 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _in_place_destination(destination: ChunkDestination | None, entry: SerialTask,
-                          sources: Sequence[_Source]) -> torch.Tensor | None:
+                          sourced: set[int]) -> torch.Tensor | None:
     """The destination of ``entry``'s chunk when the tape computes it there: the chunk's
-    first contribution, retained, its destination memory of one of the ``sources`` read so
-    far (an output written over the constant it replaces: fixed memory, so the call may
-    write it each run). None otherwise (the chunk gets a buffer of the tape's own, copied
-    out to its destination after each run)."""
+    first contribution, retained, its destination memory of one of the sources read so far
+    (their storages ``sourced``: an output written over the constant it replaces, fixed
+    memory, so the call may write it each run). None otherwise (the chunk gets a buffer of
+    the tape's own, copied out to its destination after each run)."""
     if destination is None or not entry.first or not entry.retained:
         return None
     dest = destination(entry.task.output)
-    if dest is None:
-        return None
-    ptr = _storage(dest)
-    return dest if any(_storage(s.value) == ptr for s in sources) else None
+    return dest if dest is not None and _storage(dest) in sourced else None
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+    return _layout(a) == _layout(b)
 
 
 def _generic(kernel: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> Call:

@@ -46,6 +46,14 @@ def _torch_steps(arrays, steps, **adam):
     return {k: v.detach().numpy() for k, v in w.items()}, losses
 
 
+def _assert_as_torch(arrays, steps, losses, got):
+    """``losses`` and the final weights ``got`` equal torch's fused Adam's (lr 0.01)."""
+    want, want_losses = _torch_steps(arrays, steps, lr=0.01)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for n in got:
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tile", [None, (8, 16)], ids=["whole", "column-blocks"])
 def test_in_place_steps_match_torch_fused_adam(tile):
     with tq.connect(workers=2) as db:
@@ -61,10 +69,7 @@ def test_in_place_steps_match_torch_fused_adam(tile):
         # from the second step on, the weights are updated where they are
         assert {n: opt.values[n].data_ptr() for n in opt.names} == where
         got = {n: opt.values[n].numpy().copy() for n in opt.names}
-    want, want_losses = _torch_steps(arrays, STEPS, lr=0.01)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for n in got:
-        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+    _assert_as_torch(arrays, STEPS, losses, got)
 
 
 def test_explain_analyze_does_not_update_the_weights():
@@ -130,10 +135,7 @@ def test_the_step_is_replayed_from_a_tape_with_the_updates_in_place(monkeypatch)
         assert len(tape_.destinations) == 3  # each update into its weight and moments
         assert {n: opt.values[n].data_ptr() for n in opt.names} == where
         got = {n: opt.values[n].numpy().copy() for n in opt.names}
-    want, want_losses = _torch_steps(arrays, steps, lr=0.01)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for n in got:
-        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+    _assert_as_torch(arrays, steps, losses, got)
 
 
 def test_explain_analyze_between_replayed_steps_changes_no_step():
@@ -152,10 +154,7 @@ def test_explain_analyze_between_replayed_steps_changes_no_step():
         assert "tape-stale" not in graph.programs
         assert len(graph.programs["tape"].destinations) == 3
         got = {n: opt.values[n].numpy().copy() for n in opt.names}
-    want, want_losses = _torch_steps(arrays, steps, lr=0.01)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for n in got:
-        np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-6)
+    _assert_as_torch(arrays, steps, losses, got)
 
 
 def test_an_optimizer_without_updates_in_place_is_not_replayed():
