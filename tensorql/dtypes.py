@@ -46,8 +46,8 @@ def canonical_dtype(dtype: Any) -> str:
     else:
         try:
             name = np.dtype(dtype).name
-        except TypeError:
-            name = None
+        except (TypeError, ValueError):  # not a dtype (numpy's ValueError: an object with
+            name = None  # a ``.dtype`` attribute numpy cannot read, e.g. a Tensor)
     if name not in _TORCH:
         raise DTypeError(
             f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED)}"

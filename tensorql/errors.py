@@ -14,6 +14,7 @@ unexpected character '!' at position 2
 
 from __future__ import annotations
 
+import numbers
 import re
 
 ECHO_LIMIT = 200  # characters of an echoed spec, name or statement line an error repeats
@@ -167,6 +168,25 @@ class UnknownTensorError(StorageError, KeyError):
 
 class OptionError(TensorQLError, ValueError):
     """A configuration value is invalid (names the option and the accepted values)."""
+
+
+def as_flag(value: object, what: str) -> bool:
+    """``value`` of a yes/no argument ``what`` as a bool: a bool, numpy's bool, an integer
+    or None (no); anything else -- an array, whose truth is ambiguous, a string -- is an
+    OptionError naming the argument.
+
+    >>> as_flag(1, "keepdims"), as_flag(None, "analyze")
+    (True, False)
+    >>> as_flag("yes", "keepdims")
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.OptionError: keepdims must be True or False, got 'yes'
+    """
+    if value is None:
+        return False
+    if isinstance(value, (bool, numbers.Integral)) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise OptionError(f"{what} must be True or False, got {value!r}")
 
 
 class DistributedError(TensorQLError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -176,3 +177,41 @@ def test_fuzzed_indexing_matches_numpy(fuzz_db, case):
         return
     assert got.shape == expected.shape, index
     np.testing.assert_array_equal(got, expected)
+
+
+HOSTILE_CALLS = {  # found by a wider fuzz of the Python surface (session 21); raw before
+    "a slice of step zero": lambda db, t: t[::0],
+    "a slice with string bounds": lambda db, t: t["a":],
+    "a tensor as a dtype": lambda db, t: t.astype(t),
+    "an array as keepdims": lambda db, t: t.sum(0, keepdims=np.array([0, 2])),
+    "a string as keepdims": lambda db, t: t.max(keepdims="yes"),
+    "a string as ddof": lambda db, t: t.var(ddof="int8"),
+    "a slice as ddof": lambda db, t: t.std(ddof=slice(1, 3)),
+    "an array as analyze": lambda db, t: t.explain(analyze=np.array([True, False])),
+    "an array as format": lambda db, t: t.explain(format=np.ones(3)),
+    "a bfloat16 torch tensor to from_numpy": lambda db, t: db.from_numpy(
+        "fz_bf16", torch.ones(2, dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("call", HOSTILE_CALLS.values(), ids=HOSTILE_CALLS.keys())
+def test_hostile_arguments_raise_tensorql_errors(fuzz_db, call):
+    """Each of these raised a raw ValueError / TypeError / numpy error before; the stored
+    tensor they read is unchanged after the error."""
+    t = fuzz_db.tensor("m")
+    before = t.numpy().copy()
+    with pytest.raises(tq.TensorQLError):
+        result = call(fuzz_db, t)
+        if isinstance(result, tq.Tensor):
+            result.numpy()
+    np.testing.assert_array_equal(fuzz_db.tensor("m").numpy(), before)
+    assert "fz_bf16" not in fuzz_db.tensors()
+
+
+def test_a_parameter_is_read_by_its_values(fuzz_db):
+    """``from_numpy`` of a torch tensor that requires grad (an ``nn.Parameter``) stores its
+    values (it raised torch's RuntimeError from ``__array__`` before)."""
+    weight = torch.nn.Parameter(torch.arange(4.0))
+    stored = fuzz_db.from_numpy("fz_param", weight)
+    np.testing.assert_array_equal(stored.numpy(), np.arange(4.0, dtype=np.float32))
+    assert tq.Tensor.sum(stored, keepdims=1).numpy().tolist() == [6.0]

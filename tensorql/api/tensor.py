@@ -32,9 +32,11 @@ from tensorql.errors import (
     DLPackError,
     DTypeError,
     IndexingError,
+    OptionError,
     ShapeError,
     TensorQLError,
     UnsupportedError,
+    as_flag,
 )
 
 if TYPE_CHECKING:
@@ -465,7 +467,10 @@ class Tensor:
                 continue
             n = self.shape[dim]
             if isinstance(item, slice):
-                picks.append(range(*item.indices(n)))
+                try:
+                    picks.append(range(*item.indices(n)))
+                except (TypeError, ValueError) as err:  # a zero step, bounds not integers
+                    raise IndexingError(f"slice {item!r} on dimension {dim}: {err}") from None
                 shape.append(len(picks[-1]))
             elif isinstance(item, numbers.Integral) and not isinstance(item, bool):
                 k = int(item) + (n if item < 0 else 0)
@@ -659,6 +664,7 @@ class Tensor:
     # -- reductions and layout -------------------------------------------------------------
     def _reduce(self, axis: int | Sequence[int] | None, agg: str, keepdims: bool) -> Tensor:
         axes = _normalize_axes(axis, self.ndim)
+        keepdims = as_flag(keepdims, "keepdims")
         labels = _LETTERS[: self.ndim]
         out = "".join(lab for d, lab in enumerate(labels) if d not in axes)
         result = self._wrap(EinsumOp.build(f"{labels}->{out}", [self.node], agg=agg))
@@ -727,6 +733,8 @@ class Tensor:
         (True, True)
         """
         _no_numpy_extras("var", dtype, out)
+        if not isinstance(ddof, numbers.Real):
+            raise OptionError(f"ddof must be a number, got {ddof!r}")
         axes = _normalize_axes(axis, self.ndim)
         count = math.prod(self.shape[d] for d in axes)
         x = self if self.dtype.startswith(("float", "bfloat")) else self.astype("float64")

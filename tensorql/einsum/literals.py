@@ -26,6 +26,11 @@ from tensorql.grid import CPU_TILE_ELEMS, ChunkGrid, auto_tile
 
 __all__ = ["constant_node", "literal_array"]
 
+# torch dtypes numpy reads (bfloat16 and the 8-bit floats it does not)
+_NUMPY_READABLE = frozenset({torch.float16, torch.float32, torch.float64, torch.int8,
+                             torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+                             torch.complex64, torch.complex128})
+
 
 def literal_array(value: Any) -> np.ndarray:
     """``value`` (a scalar, nested lists, an array) as a numpy array of a supported dtype;
@@ -43,6 +48,11 @@ def literal_array(value: Any) -> np.ndarray:
     """
     if value is None:
         raise ShapeError("None is not a tensor; pass an array, a number or a tensorql Tensor")
+    if isinstance(value, torch.Tensor):  # its values (a parameter's too), on the host
+        if value.dtype not in _NUMPY_READABLE:
+            raise UnsupportedError(f"a torch tensor of {value.dtype} has no numpy form; "
+                                   "pass it to from_torch (or constant) instead")
+        value = value.detach().cpu()
     try:
         array = np.asarray(value)
     except (ValueError, TypeError) as err:

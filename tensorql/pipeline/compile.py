@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorql.einsum.graph import Node
-from tensorql.errors import OptionError, PlanError
+from tensorql.errors import OptionError, PlanError, as_flag
 from tensorql.exec.host_malloc import STREAM_RETAINED_FREE_BYTES, heap_only, release_free_memory
 from tensorql.exec.run_types import ProgressCallback, RunStats
 from tensorql.exec.timeline import check_trace_path
@@ -119,7 +119,8 @@ class CompiledQuery:
         ``analyze``) writes the run's timeline to that file as Chrome-trace JSON, for
         Perfetto or chrome://tracing: an event per task (see
         :func:`tensorql.exec.timeline.chrome_trace`)."""
-        if format != "text" and (not isinstance(format, str) or format not in PLAN_FORMATS):
+        analyze = as_flag(analyze, "explain(analyze=...)")
+        if not (isinstance(format, str) and (format == "text" or format in PLAN_FORMATS)):
             raise OptionError(f"unknown EXPLAIN format {format!r}; choose one of text, "
                               f"{', '.join(PLAN_FORMATS)}")
         if trace is not None and not analyze:
