@@ -16,6 +16,7 @@ through the registry of :mod:`tensorql.exec.devices`.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,13 +302,15 @@ def _names(spec: Any) -> tuple[str, ...]:
     import tensorql.cuda_api as cuda_api
 
     cuda = cuda_api.current()
-    if spec is None or spec == "auto":
+    if spec is None or (isinstance(spec, str) and spec == "auto"):  # not ==: an array's
+        # comparison is elementwise
         if cuda.is_available():
             return tuple(f"cuda:{i}" for i in range(cuda.device_count()))
         return ("cpu:0",)
     if isinstance(spec, bool):
         raise OptionError(f"cannot read devices={spec!r}; {_DEVICES_HINT}")
-    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
+    if isinstance(spec, numbers.Integral) or (isinstance(spec, str)
+                                              and spec.strip().isdigit()):
         return tuple(f"cpu:{i}" for i in range(_count(spec, int(spec))))
     if isinstance(spec, str):
         text = spec.strip()

@@ -215,3 +215,12 @@ def test_a_parameter_is_read_by_its_values(fuzz_db):
     stored = fuzz_db.from_numpy("fz_param", weight)
     np.testing.assert_array_equal(stored.numpy(), np.arange(4.0, dtype=np.float32))
     assert tq.Tensor.sum(stored, keepdims=1).numpy().tolist() == [6.0]
+
+
+def test_devices_given_as_an_array_or_a_numpy_integer():
+    """``devices=`` of an array is an OptionError (an elementwise comparison raised numpy's
+    ValueError before); a numpy integer counts CPU devices as an int does."""
+    with pytest.raises(tq.OptionError):
+        tq.connect(devices=np.ones(3))
+    with tq.connect(devices=np.int64(2)) as db:
+        assert db.options.device_set.count == 2
