@@ -224,3 +224,24 @@ def test_devices_given_as_an_array_or_a_numpy_integer():
         tq.connect(devices=np.ones(3))
     with tq.connect(devices=np.int64(2)) as db:
         assert db.options.device_set.count == 2
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int16", "float16", "float64"])
+def test_python_scalars_keep_the_tensors_dtype(fuzz_db, dtype):
+    """A Python number with an integer (floating) tensor is of the tensor's dtype, as numpy
+    and torch treat it: ``int32 // 2`` and ``int32 % 3`` stay int32 (they were int64), a
+    float64 tensor's ``% 0.1`` uses float64's 0.1 (it was float32's, widened)."""
+    a = np.array([7, -7, 5, 12], dtype=dtype)
+    t = fuzz_db.constant(a)
+    for got, want in ((t // 2, a // 2), (t % 3, a % 3), (2 // (t + 20), 2 // (a + 20)),
+                      (t.maximum(3), np.maximum(a, 3))):
+        assert got.dtype == want.dtype.name
+        np.testing.assert_array_equal(got.numpy(), want)
+    if dtype == "float64":
+        np.testing.assert_array_equal((t % 0.1).numpy(), a % 0.1)
+    assert (t // 2**40).dtype == "int64" if dtype.startswith("int") else True  # out of range
+
+
+def test_abs_of_a_bool_tensor_is_itself(fuzz_db):
+    b = fuzz_db.tensor("b")
+    np.testing.assert_array_equal(abs(b).numpy(), np.abs(np.eye(3, dtype=bool)))

@@ -312,9 +312,29 @@ class Tensor:
                 value = None
             if value is not None and (math.isfinite(value) or not math.isfinite(other)):
                 return self._map(fn, value)
-        other_t = self._operand(other)
+        other_t = self._scalar_operand(other)
         left, right = (other_t, self) if reverse else (self, other_t)
         return broadcast_binary(left, right, join)
+
+    def _scalar_operand(self, other: Any) -> Tensor:
+        """``other`` as an operand of an elementwise op with this tensor: a Python number of
+        this tensor's kind (an int with an integer tensor that holds it, an int or a float
+        with a floating one) in this tensor's dtype, as numpy and torch treat a Python
+        scalar -- ``int32 // 2`` stays int32, ``float16 % 1.5`` float16 -- and anything
+        else as :meth:`_operand` makes it.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([7, -7], np.int32))
+        >>> (x // 2).dtype, (x % 3).numpy().dtype, (x // 2.0).dtype
+        ('int32', dtype('int32'), 'float32')
+        """
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            dtype = self.dtype
+            if dtype.startswith(("float", "bfloat")) or (
+                    isinstance(other, int) and dtype.startswith(("int", "uint"))
+                    and np.iinfo(np.dtype(dtype)).min <= other <= np.iinfo(np.dtype(dtype)).max):
+                return self.db.constant(torch.tensor(other, dtype=torch_dtype(dtype)))
+        return self._operand(other)
 
     def _map(self, fn: str, scalar: float | None = None) -> Tensor:
         return self._wrap(MapOp.build(fn, self.node, scalar))
@@ -659,7 +679,8 @@ class Tensor:
         return self._map("silu")
 
     def abs(self) -> Tensor:
-        return self._map("abs")
+        """The absolute values; a bool tensor's are itself (numpy's; torch has no bool abs)."""
+        return self if self.dtype == "bool" else self._map("abs")
 
     # -- reductions and layout -------------------------------------------------------------
     def _reduce(self, axis: int | Sequence[int] | None, agg: str, keepdims: bool) -> Tensor:
