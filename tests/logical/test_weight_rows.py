@@ -52,3 +52,18 @@ def test_a_weight_in_few_chunks_or_not_much_larger_keeps_the_row_blocks():
     assert NAME not in out.explain()
     torch.testing.assert_close(out.torch(), torch.from_numpy(big) @ torch.from_numpy(w).T,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_read_by_a_later_step_is_given_back_on_its_old_tiles():
+    """The rule retiles the product's output; a step reading it was planned on the old tiles
+    and gets them back (a Rekey) -- before, its task read a chunk no task wrote."""
+    a = np.arange(20, dtype=np.float64).reshape(4, 5, 1)
+    b = np.array([[1.0, -2.0]])
+    for devices in (1, 2):
+        db = tq.connect(devices=devices)
+        left = db.from_numpy("A", a, tile=(1, 4, 1))  # the wide, finely cut "weight"
+        right = db.from_numpy("B", b, tile=(1, 1))  # the activations, cut along j
+        product = left @ right
+        assert NAME in product.explain()
+        np.testing.assert_allclose(product.sum().numpy(), (a @ b).sum())
+        np.testing.assert_allclose((product * 2.0).numpy(), 2 * (a @ b))

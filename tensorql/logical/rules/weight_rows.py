@@ -48,8 +48,9 @@ import math
 from tensorql.algebra import AggName, JoinName
 from tensorql.grid import ChunkGrid
 from tensorql.logical.lower import retile
-from tensorql.logical.plan import Aggregate, Join, LogicalNode, Scan, TensorRelation
-from tensorql.logical.rules.common import rebuild_matching
+from tensorql.logical.plan import (
+    Aggregate, Join, LogicalNode, Results, Scan, TensorRelation, walk)
+from tensorql.logical.rules.common import readers, rebuild_matching
 
 NAME = "whole_rows_for_wide_weights"
 MIN_WEIGHT_CHUNKS = 8  # the weight's chunks along the output's labels: tasks for the workers
@@ -60,8 +61,15 @@ MAX_CHUNK_ELEMS = 1 << 22  # a chunk of the activations or of the output, rows w
 def whole_rows_for_wide_weights(root: LogicalNode) -> LogicalNode:
     """``root`` with every product of activations and a much larger, finely cut stored weight
     taking the activations in whole rows (see the module doc); ``root`` itself when there is
-    none."""
-    return rebuild_matching(root, _whole_row_tiles, _maker)
+    none. A product whose result another step reads is copied back to its old tiles for
+    that reader (a ``Rekey``): the readers were planned on those."""
+    nodes = list(walk(root))
+    results = {id(n) for n in nodes if isinstance(n, Results)} | {0}
+    read_by = readers(nodes, root)
+    inner = {id(n) for n in nodes if set(read_by.get(id(n), ())) - results}
+    return rebuild_matching(
+        root, _whole_row_tiles,
+        lambda node, tiles: _maker(node, tiles, keep_grid=id(node) in inner))
 
 
 def _whole_row_tiles(node: LogicalNode) -> dict[str, int] | None:
@@ -96,7 +104,7 @@ def _whole_row_tiles(node: LogicalNode) -> dict[str, int] | None:
     return new
 
 
-def _maker(node: Aggregate, tiles: dict[str, int]):
+def _maker(node: Aggregate, tiles: dict[str, int], keep_grid: bool):
     def make(memo: dict[int, LogicalNode]) -> LogicalNode:
         join = node.input
         assert isinstance(join, Join)
@@ -108,5 +116,9 @@ def _maker(node: Aggregate, tiles: dict[str, int]):
         sources = tuple(retile(memo[id(child)], labels, tiles)
                         for child, labels in zip(join.sources, join.input_labels))
         product = dataclasses.replace(join, relation=regrid(join.relation), sources=sources)
-        return dataclasses.replace(node, relation=regrid(node.relation), input=product)
+        new = dataclasses.replace(node, relation=regrid(node.relation), input=product)
+        if not keep_grid:
+            return new
+        old = dict(zip(node.relation.labels, node.relation.grid.tile))
+        return retile(new, node.relation.labels, old)
     return make
