@@ -202,7 +202,14 @@ def _compile(node: exp.Expr, params: tuple[str, ...]) -> Compiled:
 
 
 def _arguments(node: exp.Func) -> list[exp.Expr]:
-    """A function node's arguments in call order (``log(b, x)`` is base, then value)."""
+    """A function node's arguments in call order (``log(b, x)`` is base, then value);
+    LambdaSyntaxError for an argument the torch function would not read (``floor(a, 2)``:
+    DuckDB's floor takes one)."""
+    extra = [value for key, value in node.args.items()
+             if isinstance(value, exp.Expr) and key not in ("this", "expression")]
+    if extra or (node.expression is not None and not isinstance(node, (exp.Log, exp.Pow))):
+        raise LambdaSyntaxError(f"too many arguments to {node.sql_name().lower()} in a join "
+                                "lambda", node)
     if isinstance(node, exp.Log) and node.expression is not None:
         return [node.this, node.expression]
     args = [node.this] if node.this is not None else []

@@ -132,11 +132,12 @@ def presence_equation(factors: Sequence[Sequence[str]], output: Sequence[str]) \
 
 def _presence(factors: list[_Factor], output: Sequence[str],
               shape: Sequence[int]) -> torch.Tensor:
-    """Output cells some combination of present rows reaches (broadcastable to ``shape``)."""
+    """Output cells some combination of present rows reaches (broadcastable to ``shape``; a
+    mask may be broadcastable too, size 1 along a label it does not vary with)."""
     equation, kept = presence_equation([f.labels for f in factors], output)
     counts = torch.einsum(equation, *[f.mask.to(torch.float32) for f in factors])
     present = counts > 0
-    view = [shape[k] if label in kept else 1 for k, label in enumerate(output)]
+    view = [present.shape[kept.index(label)] if label in kept else 1 for label in output]
     return present.reshape(view)
 
 
@@ -188,6 +189,11 @@ class OperandResolver:
         has_relation = any(isinstance(value, pa.Table) for value in resolved)
         fill = absent_value(join, agg, len(operands))
         if has_relation and fill is None and self._flag(named.get("sparse")) is False:
+            if len(operands) == 1:
+                raise self.fail(SQLOperatorError, "a one-operand EINSUM's join function is "
+                                "applied to each row of a relation operand, which a dense "
+                                "block cannot do (absent cells and duplicate rows); drop "
+                                "sparse := false to join the rows", node)
             supported = ", ".join(f"join := '{j}', agg := '{a}'" for j, a in semiring_pairs())
             raise self.fail(SQLOperatorError, f"join {join!r} with agg {agg!r} has no zero, so "
                             "an absent row of a relation operand cannot be left out of a "
@@ -230,6 +236,9 @@ class OperandResolver:
             factors.append(_Factor(dense.present, tuple(parts[k])))
         op = self._build(equation, nodes, join, agg, spec, node, operands)
         labels = tuple(op.spec.output)
+        if factors:  # a stored operand has every cell; with a label of size 0 it has none
+            factors += [_Factor(torch.ones(0, dtype=torch.bool), (label,))
+                        for label, size in op.spec.sizes.items() if size == 0]
         present = _presence(factors, labels, op.shape) if factors else None
         return EinsumCall(node=op, labels=labels, backend=backend, sql=node, present=present)
 
@@ -262,6 +271,9 @@ class OperandResolver:
             return None
         if forced:
             return "sparse := true"
+        if fill is None and len(resolved) == 1:
+            return ("the one-operand join function is applied to each row, so the relation "
+                    "operand joins as rows")
         if fill is None:
             return (f"join {join!r} with agg {agg!r} has no zero an absent row could stand "
                     "for, so the relation operands join as rows")

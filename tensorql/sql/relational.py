@@ -12,15 +12,16 @@ its own memory limit) do the work:
 ``SELECT o, AGG(JOIN(t0.val, t1.val)) FROM t0, t1 WHERE <shared labels equal> GROUP BY o``.
 
 Output cells no row combination reaches are absent from the result, exactly as with the dense
-path's presence mask.
+path's presence mask. A floating ``min`` is spelled to give back a NaN it meets, as the dense
+path's ``torch.amin`` does (DuckDB's ``min`` skips it).
 
 >>> import pyarrow as pa
->>> edges = RelationalOperand(name="e", columns=("i", "j"), val="val", dtype="float64")
+>>> edges = RelationalOperand(name="e", columns=("i", "j"), val="val", dtype="int64")
 >>> spec = EinsumSpec.parse("ij,jk->ik", [(3, 3), (3, 3)], join="add", agg="min")
->>> print(relational_sql(spec, [edges, edges], "float64"))
+>>> print(relational_sql(spec, [edges, edges], "int64"))
 SELECT CAST(t0."i" AS BIGINT) AS "i",
        CAST(t1."j" AS BIGINT) AS "k",
-       CAST(min(t0."val" + t1."val") AS DOUBLE) AS val
+       CAST(min(t0."val" + t1."val") AS BIGINT) AS val
 FROM "e" AS t0, "e" AS t1
 WHERE t0."val" IS NOT NULL AND t1."val" IS NOT NULL AND t1."i" = t0."j"
 GROUP BY ALL
@@ -49,6 +50,7 @@ _DUCKDB_TYPES = {
     "bool": "BOOLEAN",
 }
 _INTEGRAL = ("int64", "int32", "int16", "int8", "uint8")
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
 
 
 def duckdb_type(dtype: str) -> str:
@@ -149,7 +151,7 @@ def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtyp
     agg = agg_record(spec.agg)
     if dtype == "bool":
         inner = f"CAST({value} AS BOOLEAN)"
-    elif dtype in ("float64", "float32", "float16", "bfloat16"):
+    elif dtype in _FLOATING:
         inner = f"CAST({value} AS DOUBLE)" if agg.widens else value
     else:
         inner = f"CAST({value} AS BIGINT)" if agg.widens else value
@@ -157,7 +159,12 @@ def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtyp
     if function is None:
         raise UnsupportedError(f"agg {spec.agg!r} has no SQL spelling (register it with "
                                "sql=...) and cannot run over sparse rows")
-    aggregate = f"CAST({function}({inner}) AS {duckdb_type(dtype)})"
+    folded = f"{function}({inner})"
+    if spec.agg == "min" and dtype in _FLOATING:
+        # DuckDB orders NaN above every number, so its min skips a NaN that the dense path's
+        # torch.amin (like numpy's) gives back -- and its max is NaN exactly then
+        folded = f"CASE WHEN isnan(max({inner})) THEN max({inner}) ELSE {folded} END"
+    aggregate = f"CAST({folded} AS {duckdb_type(dtype)})"
     select = [f"CAST({home[label]} AS BIGINT) AS {q(label)}" for label in spec.output]
     lines = ["SELECT " + ",\n       ".join([*select, f"{aggregate} AS val"]),
              f"FROM {', '.join(sources)}",

@@ -43,7 +43,9 @@ def agg_identity(agg: str) -> float:
 def absent_value(join: str, agg: str, operands: int) -> float | None:
     """What an absent row stands for: the aggregation's identity for a lone operand, else the
     semiring's zero; None when ``(join, agg)`` has no zero (an absent row could not be left
-    out by any fill value).
+    out by any fill value), or when the lone operand's join is a function applied to each row
+    (a one-parameter lambda: it would map the fill of an absent cell to something, and be
+    applied to duplicates after they combine, not to each row).
 
     >>> absent_value("add", "min", 2), absent_value("mul", "sum", 2), absent_value("mul", "max", 1)
     (inf, 0.0, -inf)
@@ -51,7 +53,7 @@ def absent_value(join: str, agg: str, operands: int) -> float | None:
     True
     """
     if operands == 1:
-        return agg_record(agg).identity
+        return None if join_record(join).arity == 1 else agg_record(agg).identity
     # the semiring's zero, which the join maps to the aggregation's identity whatever the
     # other operands hold
     return join_record(join).zero(agg)

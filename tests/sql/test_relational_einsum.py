@@ -227,3 +227,72 @@ def test_a_relational_einsum_inside_a_statement_streams_through_a_temporary_view
     views = db.connection.execute("SELECT count(*) FROM duckdb_views() WHERE temporary AND "
                                   "view_name LIKE '__tq_einsum_%'").fetchone()[0]
     assert views == 0  # dropped when the statement ended
+
+
+@pytest.mark.parametrize("sparse", ["", ", sparse := true"])
+def test_a_one_operand_join_lambda_is_applied_to_each_row(db, sparse):
+    """Per row, then aggregated, as the relational meaning says: not to the fill of absent
+    cells, nor to duplicates after they combine (the dense path did both)."""
+    rows = [((0, 0), 1.0), ((0, 0), 2.0), ((1, 2), 3.0)]
+    operand = values_sql(["i", "j"], rows)
+    for body, fn, agg in (("a * 10 + 1", lambda a: a * 10 + 1, "sum"),
+                          ("a * a", lambda a: a * a, "sum"), ("-a", operator.neg, "max")):
+        got = db.sql(f"SELECT * FROM EINSUM('ij->i', {operand}, join := (a) -> {body}, "
+                     f"agg := '{agg}'{sparse})").fetchall()
+        want = {}
+        for (i, _), v in rows:
+            want.setdefault(i, []).append(fn(v))
+        assert got == [(i, PY_AGGS[agg](vs)) for i, vs in sorted(want.items())]
+
+
+def test_a_one_operand_join_lambda_cannot_be_forced_dense(db):
+    with pytest.raises(SQLOperatorError, match="applied to each row"):
+        db.sql("SELECT * FROM EINSUM('ij->i', (SELECT 0 AS i, 0 AS j, 1.0 AS val), "
+               "join := (a) -> a + 1, sparse := false)")
+
+
+@pytest.mark.parametrize("agg", ["min", "max", "sum"])
+def test_a_nan_reaches_the_result_on_both_paths(db, agg):
+    """DuckDB orders NaN above every number (its min skipped it); torch.amin returns it."""
+    operand = "(SELECT * FROM (VALUES (0, 0, 'NaN'::DOUBLE), (0, 1, 2.0), (1, 1, -1.0)) " \
+        "AS t(i, j, val))"
+    for two in (False, True):
+        equation, operands = ("ij,ij->i", f"{operand}, {operand}") if two \
+            else ("ij->i", operand)
+        pair = "add" if agg in ("min", "max") else "mul"  # a pair with a zero
+        join = f", join := '{pair}'" if two else ""
+        out = {}
+        for sparse in ("true", "false"):
+            rows = db.sql(f"SELECT * FROM EINSUM('{equation}', {operands}{join}, "
+                          f"agg := '{agg}', sparse := {sparse})").fetchall()
+            out[sparse] = rows
+            assert rows[0][0] == 0 and math.isnan(rows[0][1])
+            assert rows[1] == (1, (-2.0 if pair == "add" else 1.0) if two else -1.0)
+        assert len(out["true"]) == len(out["false"]) == 2
+
+
+def test_a_label_of_size_zero_leaves_nothing_present(db):
+    """A stored operand with no cells along a summed label: no combination reaches any
+    output cell, on the dense path as on the sparse one."""
+    db.from_numpy("empty_s", np.zeros((0,)))
+    operand = values_sql(["k", "j"], [((0, 0), 1.0), ((0, 1), 2.0)])
+    for sparse in ("true", "false"):
+        result = db.sql(f"SELECT * FROM EINSUM('i,kj->j', empty_s, {operand}, "
+                        f"sparse := {sparse})")
+        assert result.fetchall() == []
+
+
+def test_a_fused_cte_of_a_stored_tensor_and_a_relation_is_an_operand(db):
+    """The CTE's presence varies along the relation's labels only (size 1 along the stored
+    tensor's): reading it in another EINSUM used to fail reshaping that mask."""
+    t = np.arange(6.0).reshape(2, 3)
+    db.from_numpy("cte_t", t)
+    q_rows = [((0, 0), 1.0), ((2, 1), 2.0)]
+    q = np.zeros((3, 2))
+    for (j, k), v in q_rows:
+        q[j, k] = v
+    c = t @ q
+    got = db.sql(f"WITH c AS (SELECT * FROM EINSUM('ij,jk->ik', cte_t, "
+                 f"{values_sql(['j', 'k'], q_rows)})) "
+                 "SELECT * FROM EINSUM('ik,ik->i', c, c)").fetchall()
+    assert got == [(i, pytest.approx(v)) for i, v in enumerate((c * c).sum(1))]

@@ -48,8 +48,7 @@ import math
 from tensorql.algebra import AggName, JoinName
 from tensorql.grid import ChunkGrid
 from tensorql.logical.lower import retile
-from tensorql.logical.plan import (
-    Aggregate, Join, LogicalNode, Results, Scan, TensorRelation, walk)
+from tensorql.logical.plan import Aggregate, Join, LogicalNode, Results, Scan, TensorRelation, walk
 from tensorql.logical.rules.common import readers, rebuild_matching
 
 NAME = "whole_rows_for_wide_weights"
