@@ -248,6 +248,24 @@ def _mod(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _integral_by_zero(torch.remainder, a, b)
 
 
+def _pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a ** b``, refusing integers to negative integer powers as numpy does (torch gives 0,
+    a wrong value rather than an error).
+
+    >>> _pow(torch.tensor([2, 3]), torch.tensor([3, 0])).tolist()
+    [8, 1]
+    >>> _pow(torch.tensor([2]), torch.tensor([-1]))
+    Traceback (most recent call last):
+    ...
+    ValueError: integers to negative integer powers are not allowed (as numpy's); convert the base to a floating dtype first
+    """
+    if not (a.is_floating_point() or b.is_floating_point() or b.dtype == torch.bool) \
+            and not a.is_complex() and bool((b < 0).any()):
+        raise ValueError("integers to negative integer powers are not allowed (as numpy's); "
+                         "convert the base to a floating dtype first")
+    return torch.pow(a, b)
+
+
 def _integral_by_zero(fn: Callable[..., torch.Tensor], a: torch.Tensor,
                       b: torch.Tensor) -> torch.Tensor:
     if a.is_floating_point() or b.is_floating_point() or a.dtype == b.dtype == torch.bool:
@@ -352,7 +370,7 @@ _BUILTIN_JOINS = (
     Join(_J.MIN, torch.minimum, associative=True, commutative=True,
          distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MAX, -math.inf),),
          sql="least({0}, {1})", scalar_maps=(("minimum", _same), ("minimum", _same))),
-    Join(_J.POW, torch.pow, sql="pow({0}, {1})", sql_double="nonint"),
+    Join(_J.POW, _pow, sql="pow({0}, {1})", sql_double="nonint"),
     Join(_J.LT, torch.lt, comparison=True, sql="{0} < {1}", dtype_rule=BOOL),
     Join(_J.LE, torch.le, comparison=True, sql="{0} <= {1}", dtype_rule=BOOL),
     Join(_J.GT, torch.gt, comparison=True, sql="{0} > {1}", dtype_rule=BOOL),

@@ -245,3 +245,17 @@ def test_python_scalars_keep_the_tensors_dtype(fuzz_db, dtype):
 def test_abs_of_a_bool_tensor_is_itself(fuzz_db):
     b = fuzz_db.tensor("b")
     np.testing.assert_array_equal(abs(b).numpy(), np.abs(np.eye(3, dtype=bool)))
+
+
+def test_integers_to_negative_integer_powers_are_refused(fuzz_db):
+    """numpy raises for ``int ** negative int``; torch gives 0, which was returned silently."""
+    base = fuzz_db.constant(np.array([2, 3, 4]))
+    exponent = np.array([1, -1, 2])
+    with pytest.raises(ValueError):
+        np.array([2, 3, 4]) ** exponent  # the oracle refuses it too
+    with pytest.raises(tq.TensorQLError, match="negative integer powers"):
+        (base ** fuzz_db.constant(exponent)).numpy()
+    np.testing.assert_array_equal((base ** fuzz_db.constant(np.array([1, 0, 2]))).numpy(),
+                                  [2, 1, 16])
+    np.testing.assert_allclose((base.astype("float64") ** fuzz_db.constant(exponent)).numpy(),
+                               np.array([2.0, 3.0, 4.0]) ** exponent)
