@@ -12,6 +12,8 @@ terminal, elides long values and BLOBs with "…" on one line, and heads columns
 names DuckDB's relations report (``INTEGER``, ``VARCHAR``), as the issue asks.
 
 >>> import pyarrow as pa
+
+from tensorql.sql.temporal import python_values
 >>> rows = Rows(pa.table({"i": [1, 2], "s": ["a", "b" * 40]}), ["INTEGER", "VARCHAR"])
 >>> print(render(rows, "box", width=30))
 ┌─────────┬──────────────────┐
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+
+from tensorql.sql.temporal import python_values
 
 ELLIPSIS = "…"
 MAX_VALUE_WIDTH = 32  # a box cell shows at most this many characters
@@ -98,7 +102,7 @@ def _text(value: Any, kind: str) -> str:
 
 
 def _cells(rows: Rows) -> list[list[str]]:
-    columns = [c.to_pylist() for c in rows.table.columns]
+    columns = [python_values(c) for c in rows.table.columns]
     return [[_text(v, k) for v, k in zip(row, rows.types)] for row in zip(*columns)]
 
 
@@ -211,7 +215,7 @@ def to_csv(rows: Rows, **_: Any) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(rows.table.column_names)
-    for row in zip(*(c.to_pylist() for c in rows.table.columns)):
+    for row in zip(*(python_values(c) for c in rows.table.columns)):
         writer.writerow(["" if v is None else _text(v, k) for v, k in zip(row, rows.types)])
     return buf.getvalue().rstrip("\n")
 
@@ -232,9 +236,10 @@ def to_json(rows: Rows, **_: Any) -> str:
     {"x":null}]
     """
     names = rows.table.column_names
-    lines = [json.dumps({n: _json_value(v, k) for n, v, k in zip(names, row, rows.types)},
-                        separators=(",", ":"), ensure_ascii=False)
-             for row in zip(*(c.to_pylist() for c in rows.table.columns))]
+    keys = [json.dumps(n, ensure_ascii=False) for n in names]  # a repeated name kept, twice
+    lines = ["{" + ",".join(f"{key}:{json.dumps(_json_value(v, k), ensure_ascii=False)}"
+                            for key, v, k in zip(keys, row, rows.types)) + "}"
+             for row in zip(*(python_values(c) for c in rows.table.columns))]
     return "[" + ",\n".join(lines) + "]"
 
 
@@ -246,7 +251,7 @@ def to_markdown(rows: Rows, **_: Any) -> str:
     |----:|------|
     |   1 | a\\|b |
     """
-    names = rows.table.column_names
+    names = [n.replace("|", "\\|") for n in rows.table.column_names]
     cells = [[v.replace("|", "\\|") for v in r] for r in _cells(rows)]
     widths = [max([len(n), 3] + [len(r[k]) for r in cells]) for k, n in enumerate(names)]
     right = [t.split("(")[0] in NUMERIC for t in rows.types]

@@ -36,6 +36,7 @@ from tensorql.errors import ShapeError, StorageError, UnsupportedError
 from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
+from tensorql.sql.temporal import intervals_as_durations, python_values, text_where_unrepresentable
 from tensorql.units import format_bytes
 
 __all__ = ["DenseForm", "SQLResult", "format_html", "format_table"]
@@ -115,7 +116,7 @@ class SQLResult:
         if not table.num_columns:
             return []
         piece = table.slice(start, count) if count is not None else table.slice(start)
-        return list(zip(*(col.to_pylist() for col in piece.columns)))
+        return list(zip(*(python_values(col) for col in piece.columns)))
 
     def fetchnumpy(self) -> dict[str, np.ndarray]:
         """Columns as numpy arrays, by name (as DuckDB's ``fetchnumpy``: a repeated name gets
@@ -124,7 +125,7 @@ class SQLResult:
         >>> sorted(SQLResult(table=pa.table([[1], [2]], names=["a", "a"])).fetchnumpy())
         ['a', 'a_1']
         """
-        table = _unique_names(self.arrow())
+        table = text_where_unrepresentable(_unique_names(self.arrow()))
         return {name: table.column(name).to_numpy() for name in table.column_names}
 
     def __len__(self) -> int:
@@ -136,7 +137,7 @@ class SQLResult:
     def fetchdf(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``fetchdf``; needs pandas)."""
         _optional("pandas", "df() / fetchdf()", ".arrow() / .fetchnumpy()")
-        return self.arrow().to_pandas()
+        return text_where_unrepresentable(self.arrow()).to_pandas()
 
     def df(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``df``; needs pandas)."""
@@ -145,7 +146,10 @@ class SQLResult:
     def pl(self) -> Any:
         """The rows as a polars DataFrame (as DuckDB's ``pl``; needs polars)."""
         polars = _optional("polars", "pl()", ".arrow() / .df()")
-        return polars.from_arrow(_unique_names(self.arrow()))  # polars refuses a repeated name
+        # polars refuses a repeated name and an INTERVAL; it would show TIME '24:00:00' as
+        # midnight
+        table = _unique_names(self.arrow())
+        return polars.from_arrow(intervals_as_durations(text_where_unrepresentable(table)))
 
     # -- as a DuckDB relation --------------------------------------------------------------
     def bound(self, connection: Any) -> SQLResult:
@@ -426,7 +430,7 @@ def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> 
         return "(no columns)"
     limit = max(0, int(limit))
     shown = table.slice(0, limit)
-    rows = [[_cell(v) for v in row] for row in zip(*(c.to_pylist() for c in shown.columns))]
+    rows = [[_cell(v) for v in row] for row in zip(*(python_values(c) for c in shown.columns))]
     types = [str(t) for t in table.schema.types]
     widths = [max([len(n), len(t)] + [len(r[k]) for r in rows])
               for k, (n, t) in enumerate(zip(names, types))]
@@ -451,7 +455,7 @@ def format_html(table: pa.Table, total: int | None = None) -> str:
     """
     head = "".join(f"<th>{html.escape(name)}<br><small>{html.escape(str(kind))}</small></th>"
                    for name, kind in zip(table.column_names, table.schema.types))
-    rows = zip(*(col.to_pylist() for col in table.columns))
+    rows = zip(*(python_values(col) for col in table.columns))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
                    for row in rows)
     out = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
