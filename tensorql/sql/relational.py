@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from tensorql.algebra import agg_record, join_record
+from tensorql.algebra import AggName, agg_record, join_record
 from tensorql.einsum.spec import EinsumSpec
 from tensorql.errors import UnsupportedError
 from tensorql.storage.sql_text import quote_ident as q
@@ -160,7 +160,7 @@ def relational_sql(spec: EinsumSpec, operands: Sequence[RelationalOperand], dtyp
         raise UnsupportedError(f"agg {spec.agg!r} has no SQL spelling (register it with "
                                "sql=...) and cannot run over sparse rows")
     folded = f"{function}({inner})"
-    if spec.agg == "min" and dtype in _FLOATING:
+    if spec.agg == AggName.MIN and dtype in _FLOATING:
         # DuckDB orders NaN above every number, so its min skips a NaN that the dense path's
         # torch.amin (like numpy's) gives back -- and its max is NaN exactly then
         folded = f"CASE WHEN isnan(max({inner})) THEN max({inner}) ELSE {folded} END"
