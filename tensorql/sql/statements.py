@@ -43,6 +43,7 @@ from tensorql.sql.dialect import (
 )
 from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError, located
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
+from tensorql.sql.parameters import bind_parameters
 from tensorql.sql.result import DenseForm, SQLResult
 from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
 from tensorql.sql.streaming import chunk_rows
@@ -108,6 +109,12 @@ class ScriptRunner:
         if self.params is not None and len(statements) > 1:
             raise SQLExecutionError("query parameters need a single statement, but the script "
                                     f"has {len(statements)}", text=self.script, position=0)
+        if self.params is not None and statements[0].expression is not None:
+            # tensorql takes the statement apart into several DuckDB queries: bind the
+            # values as literals, so each part has its own
+            self.script = self.operands.script = bind_parameters(self.script, self.params)
+            self.params = None
+            statements = split_script(self.script)
         if any(_BEGINS_TRANSACTION.match(st.text) for st in statements):
             self.session.sql_transaction_begun = True  # its writes now ask whether it is open
         try:
