@@ -285,13 +285,20 @@ class ScriptRunner:
         if isinstance(inner, DropTensor):
             return SQLResult(text=f"{head}\nDROP TENSOR {inner.this.name}: removes the stored "
                                   "tensor, its chunk table and its views (one transaction)")
+        created = None
         if isinstance(inner, CreateTensor):
-            inner = inner.expression
+            created, inner = inner, inner.expression
         self.explain_parts = []
         if not has_einsum(inner):
-            result = self.explain_text(self.duckdb(self.statement.text))
-            self.explain_parts.append({"duckdb": _EXPLAIN_HEAD.sub("", self.statement.text),
-                                       "plan": result.text})
+            sql = self.statement.text if created is None else inner.sql(dialect="duckdb")
+            plain = _EXPLAIN_HEAD.sub("", sql)
+            result = self.explain_text(self.duckdb(sql if created is None else
+                                                   f"{head} {sql}"))
+            self.explain_parts.append({"duckdb": plain, "plan": result.text})
+            if created is not None:  # DuckDB knows no CREATE TENSOR: its query, then a note
+                return SQLResult(text=f"{self.statement.text}\n-- CREATE TENSOR "
+                                      f"{created.this.name}: the query's element rows (labels, "
+                                      f"val), made dense and stored\n{result.text}")
             return result
         self.explain_sections = []
         self.analyze = analyze

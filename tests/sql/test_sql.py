@@ -151,6 +151,12 @@ def test_explain_einsum_and_plain(db, mats):
     assert "Aggregate" in str(db.sql("EXPLAIN CREATE TENSOR C AS "
                                      "SELECT * FROM EINSUM('ij,jk->ik', A, B)"))
     assert "C" not in db.tensors()
+    # CREATE TENSOR ... AS a query without EINSUM: DuckDB's plan of the query (DuckDB itself
+    # knows no CREATE TENSOR: it was a syntax error at "TENSOR")
+    for head, mark in (("EXPLAIN", "Seq Scan"), ("EXPLAIN ANALYZE", "Total Time")):
+        text = str(db.sql(f"{head} CREATE TENSOR D AS SELECT j AS i, val FROM v WHERE j > 1"))
+        assert "CREATE TENSOR D: the query's element rows" in text and mark in text
+    assert "D" not in db.tensors()
 
 
 # -- DuckDB backend ---------------------------------------------------------------------------
