@@ -178,6 +178,7 @@ class Database:
         """
         from tensorql.sql.replacement import frame_objects, registered
         from tensorql.sql.session import run_sql
+        from tensorql.sql.statements import check_new_table_name
 
         caller = inspect.currentframe().f_back
         try:
@@ -187,7 +188,7 @@ class Database:
         con = self.connection
         with registered(con, frame_objects(query, scope, con)):
             result = run_sql(self, query, backend=backend, params=params)
-        return result.bound(con)
+        return result.bound(con, lambda name: check_new_table_name(self, name))
 
     # -- tensors at rest ----------------------------------------------------------------
     def tensors(self) -> list[str]:

@@ -198,9 +198,9 @@ class Statement:
     """One statement of a script: its parsed form, its own text and where that text starts.
     From :func:`split_script`, a statement without EINSUM or tensorql DDL is not parsed:
     ``expression`` is None and DuckDB runs ``text`` as written (``explain``: it is an
-    EXPLAIN, whose plan comes back as text; ``created``: the name and offset of the table or
-    view a ``CREATE`` makes, if unqualified; ``altered``: those a ``DROP`` or ``ALTER`` of a
-    table or view names).
+    EXPLAIN, whose plan comes back as text; ``created``: the name -- its parts, qualifiers
+    first -- and offset of the table or view a ``CREATE`` makes; ``altered``: those a
+    ``DROP`` or ``ALTER`` of a table or view names).
 
     >>> s = parse_script("SELECT 1;  SELECT 2")[1]
     >>> s.text, s.offset
@@ -212,8 +212,8 @@ class Statement:
     offset: int
     script: str
     explain: bool = False
-    created: tuple[str, int] | None = None
-    altered: tuple[tuple[str, int], ...] = ()
+    created: tuple[tuple[str, ...], int] | None = None
+    altered: tuple[tuple[tuple[str, ...], int], ...] = ()
 
 
 _MISSING = re.compile(r"Required keyword: '(\w+)' missing for <class '[\w.]*\.(\w+)'>")
@@ -360,14 +360,14 @@ def _check_nesting(tokens: list[Token], script: str) -> None:
             text=script, position=deepest[1])
 
 
-def _created(tokens: list[Token]) -> tuple[str, int] | None:
-    """The unqualified name (and its offset) of the table or view a ``CREATE [OR REPLACE]
-    [TEMP] TABLE|VIEW [IF NOT EXISTS] name`` statement makes.
+def _created(tokens: list[Token]) -> tuple[tuple[str, ...], int] | None:
+    """The name (its parts, qualifiers first) and offset of the table or view a ``CREATE [OR
+    REPLACE] [TEMP] TABLE|VIEW [IF NOT EXISTS] name`` statement makes.
 
     >>> _created(TensorQL().tokenize('CREATE OR REPLACE TEMP TABLE IF NOT EXISTS "T" (a INT)'))
-    ('T', 43)
-    >>> _created(TensorQL().tokenize("CREATE TABLE s.t AS SELECT 1")) is None
-    True
+    (('T',), 43)
+    >>> _created(TensorQL().tokenize("CREATE TABLE s.t AS SELECT 1"))
+    (('s', 't'), 15)
     """
     if not tokens or tokens[0].token_type != TokenType.CREATE:
         return None
@@ -382,20 +382,35 @@ def _created(tokens: list[Token]) -> tuple[str, int] | None:
     if k + 2 < len(tokens) and _is_text(tokens[k], "IF") \
             and tokens[k + 1].token_type == TokenType.NOT:
         k += 3
-    if k >= len(tokens) or (k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.DOT):
+    if k >= len(tokens):
         return None
-    return tokens[k].text, tokens[k].start
+    parts, start, _ = _qualified_name(tokens, k)
+    return parts, start
 
 
-def _altered(tokens: list[Token]) -> tuple[tuple[str, int], ...]:
-    """The unqualified names (and offsets) of the tables or views a ``DROP TABLE|VIEW [IF
-    EXISTS] name, ...`` or ``ALTER TABLE|VIEW [IF EXISTS] name ...`` statement changes.
+def _qualified_name(tokens: list[Token], k: int) -> tuple[tuple[str, ...], int, int]:
+    """The dotted name starting at token ``k``: its parts, the offset of its last part and
+    the index of the token after it."""
+    parts = [tokens[k].text]
+    start = tokens[k].start
+    k += 1
+    while k + 1 < len(tokens) and tokens[k].token_type == TokenType.DOT:
+        parts.append(tokens[k + 1].text)
+        start = tokens[k + 1].start
+        k += 2
+    return tuple(parts), start, k
+
+
+def _altered(tokens: list[Token]) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """The names (their parts, qualifiers first) and offsets of the tables or views a ``DROP
+    TABLE|VIEW [IF EXISTS] name, ...`` or ``ALTER TABLE|VIEW [IF EXISTS] name ...`` statement
+    changes.
 
     >>> _altered(TensorQL().tokenize('DROP VIEW IF EXISTS a, "B"'))
-    (('a', 20), ('B', 23))
+    ((('a',), 20), (('B',), 23))
     >>> _altered(TensorQL().tokenize("ALTER TABLE t RENAME TO u")), _altered(
-    ...     TensorQL().tokenize("DROP TABLE s.t"))
-    ((('t', 12),), ())
+    ...     TensorQL().tokenize("DROP TABLE main.t"))
+    (((('t',), 12),), ((('main', 't'), 16),))
     """
     if len(tokens) < 3 or tokens[0].token_type not in (TokenType.DROP, TokenType.ALTER) \
             or tokens[1].token_type not in (TokenType.TABLE, TokenType.VIEW):
@@ -405,11 +420,8 @@ def _altered(tokens: list[Token]) -> tuple[tuple[str, int], ...]:
         k += 2
     names = []
     while k < len(tokens):
-        if k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.DOT:
-            k += 3  # a qualified name: another schema's, not a tensor's view
-        else:
-            names.append((tokens[k].text, tokens[k].start))
-            k += 1
+        parts, start, k = _qualified_name(tokens, k)
+        names.append((parts, start))
         if tokens[0].token_type == TokenType.ALTER or k >= len(tokens) \
                 or tokens[k].token_type != TokenType.COMMA:
             break

@@ -152,10 +152,13 @@ class SQLResult:
         return polars.from_arrow(intervals_as_durations(text_where_unrepresentable(table)))
 
     # -- as a DuckDB relation --------------------------------------------------------------
-    def bound(self, connection: Any) -> SQLResult:
+    def bound(self, connection: Any, check_name: Any = None) -> SQLResult:
         """This result, with the DuckDB ``connection`` that :meth:`to_table` writes to and
-        the relational methods run on (``Database.sql`` binds its own); returns ``self``."""
+        the relational methods run on (``Database.sql`` binds its own, and ``check_name``,
+        which refuses a table name taken by a stored tensor's view); returns ``self``."""
         self._cache["connection"] = connection
+        if check_name is not None:
+            self._cache["check_name"] = check_name
         return self
 
     def _duckdb(self, what: str, call: Any) -> Any:
@@ -216,7 +219,8 @@ class SQLResult:
         error)."""
         table = self._duckdb(what, lambda: getattr(self.relation(), method)(*args)
                              .to_arrow_table())
-        return SQLResult(table=table).bound(self._cache.get("connection"))
+        return SQLResult(table=table).bound(self._cache.get("connection"),
+                                            self._cache.get("check_name"))
 
     def filter(self, condition: str) -> SQLResult:
         """The rows where the SQL ``condition`` holds (DuckDB's ``filter``)."""
@@ -252,6 +256,9 @@ class SQLResult:
     def to_table(self, name: str) -> None:
         """Create table ``name`` from the rows on the bound connection (DuckDB's
         ``to_table``)."""
+        check = self._cache.get("check_name")
+        if check is not None and isinstance(name, str):
+            check(name)
         self._duckdb(f"to_table({name!r})", lambda: self.relation().to_table(name))
 
     create = to_table

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
 import pyarrow as pa
+import sqlglot
 import torch
 from sqlglot import exp
 
@@ -62,6 +64,51 @@ _EXPLAIN_HEAD = re.compile(r"^\s*EXPLAIN\s+(ANALYZE\s+)?", re.I)  # before what 
 # statements that end a transaction: they run even when an error aborted it
 _BEGINS_TRANSACTION = re.compile(r"\s*(BEGIN|START\s+TRANSACTION)\b", re.IGNORECASE)
 _ENDS_TRANSACTION = re.compile(r"\s*(ROLLBACK|ABORT|COMMIT|END)\b", re.IGNORECASE)
+
+
+def tensor_view_owner(parts: Sequence[str], tensors: Sequence[str], con: Any) -> str | None:
+    """The stored tensor (of ``tensors``) whose view (``A``) or chunk view (``A__chunks``) a
+    table or view named ``parts`` (qualifiers first) would be, in any case (DuckDB's names are
+    case-insensitive); None when there is none. The views live in the temporary catalog,
+    which DuckDB searches first: ``A``, ``main.A``, ``temp.A`` and ``<db>.main.A`` reach them,
+    ``other_schema.A`` does not (``con`` tells the database's name).
+
+    >>> import duckdb
+    >>> con = duckdb.connect()
+    >>> [tensor_view_owner(p, ["A"], con) for p in (("a",), ("main", "A__chunks"),
+    ...                                              ("memory", "main", "A"), ("s", "A"))]
+    ['A', 'A', 'A', None]
+    """
+    if len(parts) > 1:
+        qualifier = [p.lower() for p in parts[:-1]]
+        catalogs = {"temp"}
+        if qualifier != ["main"]:
+            catalogs.add(con.sql("SELECT current_database()").fetchall()[0][0].lower())
+        if len(qualifier) == 1:
+            reaches = qualifier[0] == "main" or qualifier[0] in catalogs
+        else:
+            reaches = len(qualifier) == 2 and qualifier[1] == "main" \
+                and qualifier[0] in catalogs
+        if not reaches:
+            return None
+    lowered = parts[-1].lower()
+    return next((t for t in tensors
+                 if t.lower() in (lowered, lowered.removesuffix("__chunks"))), None)
+
+
+def check_new_table_name(session: Any, name: str) -> None:
+    """SQLExecutionError when a table created as ``name`` (DuckDB's dotted form, as
+    ``SQLResult.to_table`` takes it) would take a stored tensor's view's name."""
+    try:
+        target = exp.to_table(name, dialect="duckdb")
+    except (sqlglot.errors.ParseError, sqlglot.errors.TokenError):
+        return  # DuckDB reports the bad name
+    parts = tuple(p for p in (target.catalog, target.db, target.name) if p)
+    owner = tensor_view_owner(parts, session.tensors(), session.connection)
+    if owner is not None:
+        raise SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} (names "
+                                "are case-insensitive, as in DuckDB); pick another name or "
+                                f"DROP TENSOR {owner}")
 
 
 class ScriptRunner:
@@ -185,32 +232,28 @@ class ScriptRunner:
                 "TABLE", "VIEW"):
             return
         target = e.this.this if isinstance(e.this, exp.Schema) else e.this
-        if not isinstance(target, exp.Table) or target.args.get("db"):
+        if not isinstance(target, exp.Table):
             return
-        self.check_created_name(target.name, self.pos(target))
+        parts = tuple(p for p in (target.catalog, target.db, target.name) if p)
+        self.check_created_name(parts, self.pos(target))
 
-    def check_created_name(self, name: str, position: int | None) -> None:
-        """SQLExecutionError if a table or view ``name`` (created at ``position`` of the
-        script) would take a stored tensor's name or its chunk view's."""
-        owner = self.tensor_of_view(name)
+    def check_created_name(self, parts: tuple[str, ...], position: int | None) -> None:
+        """SQLExecutionError if a table or view named ``parts`` (created at ``position`` of
+        the script) would take a stored tensor's name or its chunk view's."""
+        owner = tensor_view_owner(parts, self.session.tensors(), self.con)
+        name = parts[-1]
         if owner is not None:
             raise SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} "
                                     "(names are case-insensitive, as in DuckDB); pick another "
                                     f"name or DROP TENSOR {owner}", text=self.script,
                                     position=position)
 
-    def tensor_of_view(self, name: str) -> str | None:
-        """The stored tensor whose view (``A``) or chunk view (``A__chunks``) a table or view
-        named ``name`` would be, in any case (DuckDB's names are case-insensitive)."""
-        lowered = name.lower()
-        return next((t for t in self.session.tensors()
-                     if t.lower() in (lowered, lowered.removesuffix("__chunks"))), None)
-
-    def check_altered_name(self, name: str, position: int | None) -> None:
+    def check_altered_name(self, parts: tuple[str, ...], position: int | None) -> None:
         """SQLExecutionError if a ``DROP`` or ``ALTER`` of a table or view names a stored
         tensor's view or its chunk view: the tensor would stay in the catalog without them
         for the rest of the session (DROP TENSOR and CREATE OR REPLACE TENSOR change both)."""
-        owner = self.tensor_of_view(name)
+        owner = tensor_view_owner(parts, self.session.tensors(), self.con)
+        name = parts[-1]
         if owner is not None:
             raise SQLExecutionError(f"{name!r} is a view of the stored tensor {owner!r}; "
                                     f"change the tensor instead (DROP TENSOR {owner}, "
