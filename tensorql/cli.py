@@ -40,7 +40,9 @@ DuckDB (``import tensorql`` loads its modules on first use), so they answer at o
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -190,18 +192,30 @@ SHELL_HELP = """\
 Statements end with ';' and may span lines (DuckDB's SQL, EINSUM, CREATE/DROP TENSOR, EXPLAIN)."""
 
 
+_DOLLAR_QUOTE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
+
+
 def statement_complete(text: str) -> bool:
     """Whether ``text`` ends with a ``;`` outside quotes and comments (the shell then runs it).
 
     >>> [statement_complete(s) for s in ("SELECT 1", "SELECT ';'", "SELECT 1; -- done")]
     [False, False, True]
+    >>> [statement_complete(s) for s in ("SELECT $$a;", "SELECT $x$a;$x$;", "SELECT $1;")]
+    [False, True, True]
     """
     quote, ended, i = "", False, 0
     while i < len(text):
         ch = text[i]
+        dollar = _DOLLAR_QUOTE.match(text, i) if ch == "$" and not quote else None
         if quote:
             if ch == quote:
                 quote = ""
+        elif dollar:  # a dollar-quoted string runs to the same $tag$
+            close = text.find(dollar.group(), dollar.end())
+            if close < 0:
+                return False
+            i, ended = close + len(dollar.group()), False
+            continue
         elif ch in "'\"":
             quote, ended = ch, False
         elif text.startswith("--", i):
@@ -318,9 +332,15 @@ class Shell:
             else:
                 self._dot_error(f"unknown mode {arg!r}; choose one of {', '.join(MODES)}")
         elif command == ".tables":
+            import duckdb
+
             tensors = self.db.tensors()
             hidden = {f"{t}__chunks" for t in tensors}
-            names = {r[0] for r in self.db.connection.sql("SHOW TABLES").fetchall()}
+            try:
+                names = {r[0] for r in self.db.connection.sql("SHOW TABLES").fetchall()}
+            except duckdb.Error as err:  # e.g. a transaction an error aborted
+                self._dot_error(f"DuckDB: {str(err).splitlines()[0]}")
+                return
             listed = sorted((names - hidden) | set(tensors))
             if listed:
                 print("  ".join(listed), file=self.out)
@@ -423,6 +443,11 @@ def _shell_main(argv: list[str]) -> int:
         return int(done.code or 0)
     args.db = args.database
     fresh = args.db is not None and not os.path.exists(args.db)
+    near = _near_command(args.db) if fresh else None
+    if near is not None:  # `tensorql demoo`: a typo, not a new database file to create
+        print(f"tensorql: error: unknown command {args.db!r} (did you mean {near}?); to "
+              f"create a database file by that name, write ./{args.db}", file=sys.stderr)
+        return EXIT_USAGE
     status = EXIT_ERROR
     try:
         with _connect(args) as db:
@@ -439,6 +464,19 @@ def _shell_main(argv: list[str]) -> int:
     if status != EXIT_OK and fresh:  # a failed command leaves no new database file behind
         _remove_new_database(args.db)
     return status
+
+
+def _near_command(word: str) -> str | None:
+    """The command ``word`` is a likely typo of (a bare word, no path or file suffix, close to
+    a command's name), else None.
+
+    >>> _near_command("demoo"), _near_command("expain"), _near_command("data.db")
+    ('demo', 'explain', None)
+    """
+    if os.sep in word or "." in word or (os.altsep and os.altsep in word):
+        return None
+    close = difflib.get_close_matches(word.lower(), COMMANDS, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _remove_new_database(path: str) -> None:

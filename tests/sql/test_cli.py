@@ -329,3 +329,28 @@ def test_a_file_that_is_not_utf8_and_a_huge_max_rows_are_no_tracebacks(tmp_path,
         assert main([*argv, "--max-rows", "99999999999999999999"]) == 0
         out = capsys.readouterr().out
         assert "│ x " in out or "x" in out.splitlines()[1]
+
+
+def test_shell_survives_an_aborted_transaction_and_reads_dollar_quotes(capsys):
+    """``.tables`` in a transaction an error aborted is an error line, not a traceback; a
+    ``;`` inside a ``$$`` string does not end the statement."""
+    from tensorql.cli import Shell
+
+    with tq.connect() as db:
+        out = io.StringIO()
+        shell = Shell(db, out=out, interactive=True)
+        for line in ("CREATE TABLE t (x INT);", "BEGIN;", "INSERT INTO t VALUES ('zz');",
+                     ".tables", "ROLLBACK;", ".tables", "SELECT $$a;", "b$$ AS s;"):
+            shell.feed(line)
+        assert "Current transaction is aborted" in capsys.readouterr().err
+        lines = out.getvalue().splitlines()
+        assert "t" in lines and any("a;\\nb" in line for line in lines)
+
+
+def test_a_mistyped_command_is_not_a_new_database_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demoo", "-c", "SELECT 1"]) == 2
+    assert "did you mean demo?" in capsys.readouterr().err
+    assert not (tmp_path / "demoo").exists()
+    assert main(["./demoo", "-c", "SELECT 1"]) == 0  # asked for by a path: created
+    assert (tmp_path / "demoo").exists()
