@@ -189,6 +189,23 @@ def as_flag(value: object, what: str) -> bool:
     raise OptionError(f"{what} must be True or False, got {value!r}")
 
 
+def as_count(value: object, what: str) -> int:
+    """``value`` of a row-count argument ``what`` as a non-negative int; a count past any
+    table's size is capped (``2**70`` rows means all of them); anything but a whole number
+    (a bool, a string, a float) is an OptionError naming the argument.
+
+    >>> as_count(3, "size"), as_count(2**70, "max_rows"), as_count(-1, "size")
+    (3, 9223372036854775807, 0)
+    >>> as_count("x", "size")
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.OptionError: size must be a whole number of rows, got 'x'
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(f"{what} must be a whole number of rows, got {value!r:.60}")
+    return min(max(0, int(value)), (1 << 63) - 1)
+
+
 class DistributedError(TensorQLError):
     """A distributed run failed: a peer rank died or stopped answering, ranks disagree, or a
     rank's devices cannot work (two local ranks on one GPU)."""

@@ -259,3 +259,59 @@ def test_integers_to_negative_integer_powers_are_refused(fuzz_db):
                                   [2, 1, 16])
     np.testing.assert_allclose((base.astype("float64") ** fuzz_db.constant(exponent)).numpy(),
                                np.array([2.0, 3.0, 4.0]) ** exponent)
+
+
+def test_index_and_interchange_corner_cases(fuzz_db):
+    """A 0-d integer array indexes as its integer (numpy's rule); a ragged index list is an
+    IndexingError; a DataFrame with a repeated column name is stored by position; a nested
+    torch tensor is refused by name -- each was a raw AttributeError/ValueError/RuntimeError."""
+    m = fuzz_db.tensor("m")
+    want = np.arange(9, dtype=np.float32).reshape(3, 3)
+    np.testing.assert_array_equal(m[np.array(1)].numpy(), want[np.array(1)])
+    with pytest.raises(tq.errors.IndexingError, match="rectangular"):
+        m[[[0, 1], [2]]]
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame([[1, 2], [3, 4]], columns=["a", "a"])
+    np.testing.assert_array_equal(fuzz_db.from_pandas("dup_cols", frame).numpy(),
+                                  frame.to_numpy())
+    nested = torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(tq.UnsupportedError, match="nested"):
+        fuzz_db.from_torch("nested", nested)
+    with pytest.raises(tq.OptionError, match="progress"):
+        fuzz_db.from_numpy("p", np.ones(2), progress="x")
+    with pytest.raises(tq.StorageError, match="not valid text"):
+        fuzz_db.from_numpy("a\ud800", np.ones(2))
+    assert "p" not in fuzz_db.tensors()
+
+
+def test_result_arguments_are_checked(fuzz_db, tmp_path):
+    result = fuzz_db.sql("SELECT * FROM range(5) AS t(i)")
+    assert result.fetchmany(2**70) == [(k,) for k in range(5)]  # all of them
+    for bad in ("x", 1.5, True):
+        with pytest.raises(tq.OptionError, match="whole number"):
+            fuzz_db.sql("SELECT 1").fetchmany(bad)
+        with pytest.raises(tq.OptionError, match="whole number"):
+            fuzz_db.sql("SELECT 1").render(bad)
+    assert fuzz_db.sql("SELECT 1 AS x").render(2**70).splitlines()[4].split() == ["│", "1", "│"]
+    assert "<td>1</td>" in fuzz_db.sql("SELECT 1 AS x")._repr_html_(2**70)
+    for write in ("write_csv", "write_parquet"):
+        with pytest.raises(tq.OptionError, match="file path"):
+            getattr(fuzz_db.sql("SELECT 1"), write)(None)
+    fuzz_db.sql("SELECT 1 AS x").write_csv(tmp_path / "out.csv")  # a Path is a path
+    assert (tmp_path / "out.csv").read_text().split() == ["x", "1"]
+
+
+def test_a_users_table_named_like_the_catalog_is_left_alone(tmp_path):
+    import duckdb
+
+    path = str(tmp_path / "own.duckdb")
+    con = duckdb.connect(path)
+    con.sql("CREATE TABLE tensorql_catalog (x INT)")
+    con.sql("INSERT INTO tensorql_catalog VALUES (42)")
+    con.close()
+    with tq.connect(path) as db:
+        assert db.tensors() == []
+        db.from_numpy("A", np.ones(2))
+    with tq.connect(path) as db:
+        assert db.tensors() == ["A"]
+        assert db.sql("SELECT * FROM tensorql_catalog").fetchall() == [(42,)]

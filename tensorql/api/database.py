@@ -30,6 +30,7 @@ from tensorql.pipeline import CompiledQuery, get_backend
 from tensorql.pipeline.query_cache import QueryCache
 from tensorql.storage.chunk_store import ChunkStore, TensorMeta
 from tensorql.storage.mapped import MappedPageReleaser
+from tensorql.storage.sql_text import check_tensor_name
 from tensorql.storage.stream_write import StreamingWrite
 
 
@@ -257,6 +258,9 @@ class Database:
         if tensor.is_meta:
             raise UnsupportedError(f"from_torch {name!r}: a tensor on the meta device has no "
                                    "values to store")
+        if tensor.is_nested:  # (its layout may read strided)
+            raise UnsupportedError(f"from_torch {name!r}: a nested tensor has no one shape; "
+                                   "pad it first (tensor.to_padded_tensor(0.0))")
         if tensor.layout != torch.strided:
             raise UnsupportedError(f"from_torch {name!r}: a {str(tensor.layout)[6:]} tensor is "
                                    "not stored as such; pass tensor.to_dense()")
@@ -297,8 +301,10 @@ class Database:
         return self.from_numpy(name, pandas_to_numpy(frame), tile, replace=replace)
 
     def _put(self, name, shape, dtype, tile, slicer, replace, progress=None) -> Tensor:
-        if not isinstance(name, str) or not name:
-            raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+        check_tensor_name(name)
+        if progress is not None and not callable(progress):
+            raise OptionError(f"progress must be a function (done, total) or None, got "
+                              f"{progress!r:.60}")
         self._refuse_in_sql_transaction(f"cannot store {name!r}")
         grid = ChunkGrid(tuple(shape), self._tile(shape, tile))
         meta = TensorMeta(name=name, shape=grid.shape, dtype=dtype, grid=grid)
@@ -332,8 +338,7 @@ class Database:
                    compiled: CompiledQuery | None = None) -> Tensor:
         """Compute the graph ``node`` and persist it under ``name`` (what ``CREATE TENSOR``
         calls), streaming result chunks into the store; returns the stored tensor."""
-        if not isinstance(name, str) or not name:
-            raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+        check_tensor_name(name)
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         self._refuse_in_sql_transaction(f"cannot store {name!r}")
@@ -381,8 +386,7 @@ class Database:
                                    f"{type(items).__name__}")
         names = list(items)
         for name in names:
-            if not isinstance(name, str) or not name:
-                raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
+            check_tensor_name(name)
             if not replace and self.chunk_store.has(name):
                 raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         by_folded: dict[str, str] = {}

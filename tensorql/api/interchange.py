@@ -112,7 +112,8 @@ def pandas_to_numpy(frame: Any) -> np.ndarray:
     if pd is None or not isinstance(frame, (pd.DataFrame, pd.Series)):
         raise UnsupportedError(f"from_pandas takes a pandas DataFrame or Series, not "
                                f"{type(frame).__name__} (use db.from_numpy for an array)")
-    columns = [frame] if frame.ndim == 1 else [frame[c] for c in frame.columns]
+    # by position: a repeated column name is two columns (frame[name] would be a frame)
+    columns = [frame] if frame.ndim == 1 else [frame.iloc[:, k] for k in range(frame.shape[1])]
     for column in columns:
         what = "the Series" if frame.ndim == 1 else f"column {column.name!r}"
         kind = column.dtype
@@ -127,7 +128,7 @@ def pandas_to_numpy(frame: Any) -> np.ndarray:
         return np.asarray(frame.to_numpy(dtype=_numpy_kind(frame.dtype)))
     if not len(frame.columns):
         raise UnsupportedError("from_pandas: the DataFrame has no columns")
-    common = np.result_type(*(_numpy_kind(frame[c].dtype) for c in frame.columns))
+    common = np.result_type(*(_numpy_kind(kind) for kind in frame.dtypes))
     return np.ascontiguousarray(frame.to_numpy(dtype=common))
 
 

@@ -982,7 +982,11 @@ def _index_array(item: Any) -> Any:
     elif isinstance(item, torch.Tensor):
         item = item.detach().cpu().numpy()
     elif isinstance(item, list):
-        item = np.asarray(item) if item else np.zeros(0, dtype=np.int64)
+        try:
+            item = np.asarray(item) if item else np.zeros(0, dtype=np.int64)
+        except ValueError:  # a ragged list: numpy refuses it as an index too
+            raise IndexingError(f"an index list must be rectangular, got {item!r:.80}") \
+                from None
     elif isinstance(item, np.generic) and not isinstance(item, np.bool_):
         return item
     if not isinstance(item, np.ndarray):
@@ -1018,8 +1022,8 @@ def _whole_mask(index: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     if not isinstance(index, (np.ndarray, list, torch.Tensor, Tensor)) or len(shape) < 2:
         return None
     item = _index_array(index)
-    if item.dtype != np.bool_ or item.ndim < 2:
-        return None
+    if not isinstance(item, np.ndarray) or item.dtype != np.bool_ or item.ndim < 2:
+        return None  # (a 0-d integer array is its integer)
     if item.shape != shape:
         raise UnsupportedError(f"a boolean mask of shape {item.shape} for a tensor of shape "
                                f"{shape}: a mask covers one dimension or the whole tensor")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import importlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from tensorql.errors import ShapeError, StorageError, UnsupportedError
+from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError, as_count
 from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
@@ -102,7 +103,7 @@ class SQLResult:
     def fetchmany(self, size: int = 1) -> list[tuple]:
         """The next ``size`` rows."""
         start = self._cache.get("cursor", 0)
-        rows = self._rows(start, max(0, int(size)))
+        rows = self._rows(start, as_count(size, "fetchmany size"))
         self._cache["cursor"] = start + len(rows)
         return rows
 
@@ -265,15 +266,17 @@ class SQLResult:
 
     def write_parquet(self, path: str, **options: Any) -> None:
         """Write the rows to a Parquet file (DuckDB's ``write_parquet``)."""
-        self._duckdb(f"write_parquet({str(path)!r})",
-                     lambda: self.relation().write_parquet(str(path), **options))
+        path = _file_path(path, "write_parquet")
+        self._duckdb(f"write_parquet({path!r})",
+                     lambda: self.relation().write_parquet(path, **options))
 
     to_parquet = write_parquet
 
     def write_csv(self, path: str, **options: Any) -> None:
         """Write the rows to a CSV file (DuckDB's ``write_csv``)."""
-        self._duckdb(f"write_csv({str(path)!r})",
-                     lambda: self.relation().write_csv(str(path), **options))
+        path = _file_path(path, "write_csv")
+        self._duckdb(f"write_csv({path!r})",
+                     lambda: self.relation().write_csv(path, **options))
 
     to_csv = write_csv
 
@@ -328,6 +331,8 @@ class SQLResult:
         print(self.render(max_rows))
 
     def render(self, max_rows: int = 40) -> str:
+        """The box :meth:`show` prints."""
+        max_rows = as_count(max_rows, "max_rows")
         if self.text is not None:
             return self.text
         if self.tensor is not None and "arrow" not in self._cache:
@@ -365,6 +370,7 @@ class SQLResult:
     def _repr_html_(self, max_rows: int = 40) -> str:
         """An HTML table of the first ``max_rows`` rows (names and DuckDB types on top), for
         notebooks; the text of an EXPLAIN as preformatted text."""
+        max_rows = as_count(max_rows, "max_rows")
         if self.text is not None:
             return f"<pre>{html.escape(self.text)}</pre>"
         if self.tensor is not None and "arrow" not in self._cache:
@@ -405,6 +411,16 @@ def _unique_names(table: pa.Table) -> pa.Table:
         seen.add(key)
         unique.append(key)
     return table.rename_columns(unique)
+
+
+def _file_path(path: Any, what: str) -> str:
+    """A file path argument as a string: a str or an ``os.PathLike``; anything else (None,
+    a number) an OptionError -- ``str(None)`` would write a file named "None"."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise OptionError(f"{what} needs a file path (a str or pathlib.Path), got {path!r:.60}")
+    return path
 
 
 def _optional(module: str, what: str, instead: str) -> Any:

@@ -50,7 +50,7 @@ from tensorql.storage.chunk_store import (
 )
 from tensorql.storage.pages import PAGE_BYTES, encode_pages, join_page_lists, join_pages
 from tensorql.storage.spill import remove_stale_files, spill_prefix
-from tensorql.storage.sql_text import ddl, quote_ident
+from tensorql.storage.sql_text import check_tensor_name, ddl, quote_ident
 from tensorql.units import format_bytes
 
 CATALOG_ALIAS = "tensorql"  # the name a database file is attached under
@@ -204,17 +204,18 @@ be used (open it again with tq.connect)
     def _internal_schema(self) -> str:
         """Where the catalog and chunk tables live: the ``tq_internal`` schema, so that a plain
         DuckDB client's ``main`` holds only the user's own tables; files written before it
-        keep theirs in ``main`` (read and written there, nothing is moved)."""
+        keep theirs in ``main`` (read and written there, nothing is moved). A user's own
+        table of that name -- without the catalog's ``chunk_table`` column -- is not one."""
         rows = self.connection.execute(
-            "SELECT schema_name FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND table_name = 'tensorql_catalog'").fetchall()
+            "SELECT schema_name FROM duckdb_columns() WHERE database_name = current_database() "
+            "AND table_name = 'tensorql_catalog' AND column_name = 'chunk_table'").fetchall()
         found = {row[0] for row in rows}
         return "main" if "main" in found and INTERNAL_SCHEMA not in found else INTERNAL_SCHEMA
 
     def _has_catalog(self) -> bool:
         rows = self.connection.execute(
             "SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
-            "AND table_name = 'tensorql_catalog'").fetchall()
+            "AND schema_name = ? AND table_name = 'tensorql_catalog'", [self.schema]).fetchall()
         return rows[0][0] > 0
 
     @property
@@ -383,9 +384,7 @@ be used (open it again with tq.connect)
         for name in names:
             if self.read_only:
                 raise StorageError(f"cannot store {name!r}: the database is open read-only")
-            if not isinstance(name, str) or not name:
-                raise StorageError(f"tensor name must be a non-empty string, got {name!r}")
-            quote_ident(name)  # rejects NUL before anything is written
+            check_tensor_name(name)  # rejects NUL before anything is written
         if len(set(names)) != len(names):
             raise StorageError(f"tensor names given twice in one write: {names}")
         lowered = {name.lower(): name for name in names}
