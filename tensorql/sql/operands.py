@@ -185,6 +185,10 @@ class OperandResolver:
         for k, value in enumerate(resolved):
             if not isinstance(value, pa.Table) and parts is not None and "..." not in parts[k]:
                 for label, size in zip(parts[k], value.node.shape):
+                    if label in sizes and sizes[label] != size and size != 1:
+                        raise self.fail(SQLShapeError, f"sizes := gives label {label!r} size "
+                                        f"{sizes[label]}, but operand {k} has {size} there",
+                                        operands[k])
                     known.setdefault(label, size)
         has_relation = any(isinstance(value, pa.Table) for value in resolved)
         fill = absent_value(join, agg, len(operands))
@@ -465,6 +469,9 @@ class OperandResolver:
             if size < 0:
                 raise self.fail(SQLShapeError, f"size of label {item.this.name!r} must be "
                                 ">= 0", item)
+            if item.this.name in out:
+                raise self.fail(SQLShapeError, f"sizes := gives label {item.this.name!r} "
+                                "twice", item)
             out[item.this.name] = size
         return out
 

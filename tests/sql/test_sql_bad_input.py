@@ -46,6 +46,10 @@ def test_relations_without_labels_are_scalars(db):
      "SELECT * FROM EINSUM('i->i', r)) SELECT * FROM r", "itself"),
     ("SELECT * FROM EINSUM('i->', (SELECT 10000000000::BIGINT AS i, 1.0 AS val), "
      "sparse := false)", "once densified"),
+    ("SELECT * FROM EINSUM('ij->i', A, sizes := {'i': 5})", "operand 0 has 2 there"),
+    ("SELECT * FROM EINSUM('ij->i', A, sizes := {'i': 2, 'i': 3})", "label 'i' twice"),
+    ("SELECT * FROM EINSUM('ij->i', (SELECT 0 AS i, 0 AS j, 1.0 AS val), "
+     "join := (a) -> floor(a, 2))", "too many arguments to floor"),
 ])
 def test_bad_statements_raise_positioned_errors(db, query, words):
     with pytest.raises(tq.TensorQLError, match=words) as err:
