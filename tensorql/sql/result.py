@@ -34,6 +34,7 @@ import pyarrow as pa
 import torch
 
 from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError, as_count
+from tensorql.sql.arrow_fixes import relation_of, wide_decimals_as_text, with_unsigned_huge_ints
 from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
@@ -150,7 +151,8 @@ class SQLResult:
         # polars refuses a repeated name and an INTERVAL; it would show TIME '24:00:00' as
         # midnight
         table = _unique_names(self.arrow())
-        return polars.from_arrow(intervals_as_durations(text_where_unrepresentable(table)))
+        table = wide_decimals_as_text(intervals_as_durations(text_where_unrepresentable(table)))
+        return polars.from_arrow(table)
 
     # -- as a DuckDB relation --------------------------------------------------------------
     def bound(self, connection: Any, check_name: Any = None) -> SQLResult:
@@ -191,7 +193,7 @@ class SQLResult:
                 import duckdb
 
                 con = self._cache["connection"] = duckdb.connect()
-            self._cache["relation"] = con.from_arrow(self.arrow())
+            self._cache["relation"] = relation_of(con, self.arrow())
         return self._cache["relation"]
 
     @property
@@ -218,8 +220,11 @@ class SQLResult:
     def _chain(self, what: str, method: str, *args: Any) -> SQLResult:
         """The relation's ``method(*args)`` as a new result (``what`` names the call in an
         error)."""
-        table = self._duckdb(what, lambda: getattr(self.relation(), method)(*args)
-                             .to_arrow_table())
+        def run() -> pa.Table:
+            rel = getattr(self.relation(), method)(*args)
+            return with_unsigned_huge_ints(rel.to_arrow_table(), [str(t) for t in rel.types])
+
+        table = self._duckdb(what, run)
         return SQLResult(table=table).bound(self._cache.get("connection"),
                                             self._cache.get("check_name"))
 

@@ -33,6 +33,7 @@ from tensorql.dtypes import torch_dtype
 from tensorql.errors import MemoryLimitError, OptionError, ParseError, TensorQLError
 from tensorql.pipeline import CompiledQuery
 from tensorql.pipeline.run import check_dense_fits
+from tensorql.sql.arrow_fixes import with_unsigned_huge_ints
 from tensorql.sql.dialect import (
     CreateTensor,
     DropTensor,
@@ -264,6 +265,9 @@ class ScriptRunner:
         try:
             rel = self.con.sql(sql, params=params) if params is not None else self.con.sql(sql)
             table = rel.to_arrow_table() if rel is not None else None
+            if table is not None and any(
+                    pa.types.is_decimal128(t) for t in table.schema.types):
+                table = with_unsigned_huge_ints(table, [str(t) for t in rel.types])
         except duckdb.Error as err:
             raise self._duckdb_error(err) from None
         if table is None:

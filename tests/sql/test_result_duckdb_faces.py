@@ -143,3 +143,19 @@ def test_a_missing_name_is_still_duckdbs_error(small):
     not_a_frame = [1, 2, 3]  # noqa: F841 - a list is not scanned
     with pytest.raises(tq.TensorQLError, match="not_a_frame"):
         small.sql("SELECT * FROM not_a_frame")
+
+
+def test_a_uhugeint_past_2_127_keeps_its_value_on_every_face():
+    """DuckDB's Arrow export reads UHUGEINT as signed decimal128: 2**127 + 5 came back
+    negative. Oracle: the value written in the query."""
+    big = 2**128 - 1
+    query = f"SELECT {big}::UHUGEINT AS m, 5::UHUGEINT AS s, 1 AS x"
+    with tq.connect() as db:
+        assert [int(v) for v in db.sql(query).fetchall()[0]] == [big, 5, 1]
+        assert db.sql(query).types[0] == "UHUGEINT"
+        assert [int(v) for v in db.sql(query).filter("x > 0").fetchall()[0]] == [big, 5, 1]
+        assert int(db.sql(query).fetchnumpy()["m"][0]) == big
+        assert int(db.sql(query).df()["m"][0]) == big
+        assert str(big) in str(db.sql(query))
+        pytest.importorskip("polars")
+        assert db.sql(query).pl()["m"][0] == str(big)  # polars has no type for it: its text
