@@ -360,6 +360,23 @@ def _check_nesting(tokens: list[Token], script: str) -> None:
             text=script, position=deepest[1])
 
 
+def _check_empty_arguments(tokens: list[Token], script: str) -> None:
+    """ParseError at a ``,`` right after ``(`` or another ``,`` -- an empty argument, which
+    DuckDB refuses and sqlglot's parser would silently drop (``EINSUM('ij->i',, A)``).
+
+    >>> try:
+    ...     _check_empty_arguments(TensorQL().tokenize("SELECT f(1,, 2)"), "SELECT f(1,, 2)")
+    ... except ParseError as err:
+    ...     print(err.position)
+    11
+    """
+    for before, tok in zip(tokens, tokens[1:]):
+        if tok.token_type == TokenType.COMMA and before.token_type in (TokenType.COMMA,
+                                                                       TokenType.L_PAREN):
+            raise ParseError("an empty argument (two commas, or a comma after '(')",
+                             text=script, position=tok.start)
+
+
 def _created(tokens: list[Token]) -> tuple[tuple[str, ...], int] | None:
     """The name (its parts, qualifiers first) and offset of the table or view a ``CREATE [OR
     REPLACE] [TEMP] TABLE|VIEW [IF NOT EXISTS] name`` statement makes.
@@ -460,6 +477,7 @@ def split_script(script: str) -> list[Statement]:
                                         created=_created(mine), altered=_altered(mine)))
             continue
         _check_nesting(mine, script)
+        _check_empty_arguments(mine, script)
         statements.append(_parse_one(script, text, offset))
     return statements
 

@@ -48,6 +48,7 @@ def test_relations_without_labels_are_scalars(db):
      "sparse := false)", "once densified"),
     ("SELECT * FROM EINSUM('ij->i', A, sizes := {'i': 5})", "operand 0 has 2 there"),
     ("SELECT * FROM EINSUM('ij->i', A, sizes := {'i': 2, 'i': 3})", "label 'i' twice"),
+    ("SELECT * FROM EINSUM('ij->i',, A)", "an empty argument"),
     ("SELECT * FROM EINSUM('ij->i', (SELECT 0 AS i, 0 AS j, 1.0 AS val), "
      "join := (a) -> floor(a, 2))", "too many arguments to floor"),
 ])
