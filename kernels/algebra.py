@@ -283,10 +283,26 @@ _FMOD = "COALESCE(TRY({0} % {1}), 0)"
 _MOD_SQL = (f"CASE WHEN {_FMOD} <> 0 AND ({_FMOD} < 0) <> ({{1}} < 0) THEN {_FMOD} + {{1}} "
             f"ELSE {_FMOD} END")
 # numpy's floor division: (a - a % b) / b rounded (numpy's divmod), an integer // 0 is 0
-# (the integer % 0 that DuckDB refuses), a float one inf or NaN (a / 0)
-_FLOORDIV_SQL = (f"CASE WHEN {{1}} = 0 THEN (CASE WHEN TRY({{0}} % {{1}}) IS NULL THEN 0 "
+# (the integer % 0 that DuckDB refuses), a float one inf or NaN (a / 0); a finite number by
+# an infinite one is 0 with the same signs, else -1 (numpy's divmod: inf / inf is NaN there)
+_FLOORDIV_SQL = (f"CASE WHEN isinf(CAST({{1}} AS DOUBLE)) AND isfinite(CAST({{0}} AS DOUBLE)) "
+                 f"THEN (CASE WHEN {{0}} = 0 OR ({{0}} > 0) = ({{1}} > 0) THEN 0 ELSE -1 END) "
+                 f"WHEN {{1}} = 0 THEN (CASE WHEN TRY({{0}} % {{1}}) IS NULL THEN 0 "
                  f"ELSE {{0}} / {{1}} END) "
                  f"ELSE round(({{0}} - ({_MOD_SQL})) / {{1}}) END")
+# DuckDB orders NaN above every number and equal to itself; torch (IEEE) compares a NaN false
+# to anything (unequal to everything) and its minimum returns it: the SQL says so
+_EITHER_NAN = "(isnan(CAST({0} AS DOUBLE)) OR isnan(CAST({1} AS DOUBLE)))"
+
+
+def _ordered(op: str) -> str:
+    """SQL for ``{0} op {1}`` that is false when either side is NaN, as in torch."""
+    return f"({{0}} {op} {{1}} AND NOT {_EITHER_NAN})"
+
+
+# greatest() is NaN when either is (NaN is DuckDB's largest): then least() must be too
+_LEAST_SQL = "CASE WHEN isnan(CAST(greatest({0}, {1}) AS DOUBLE)) THEN greatest({0}, {1}) " \
+    "ELSE least({0}, {1}) END"
 
 
 def _silu_grad(grad: torch.Tensor, x: torch.Tensor,
@@ -369,14 +385,15 @@ _BUILTIN_JOINS = (
          sql="greatest({0}, {1})", scalar_maps=(("maximum", _same), ("maximum", _same))),
     Join(_J.MIN, torch.minimum, associative=True, commutative=True,
          distributes_over=frozenset({_A.MAX, _A.MIN}), zeros=((_A.MAX, -math.inf),),
-         sql="least({0}, {1})", scalar_maps=(("minimum", _same), ("minimum", _same))),
+         sql=_LEAST_SQL, scalar_maps=(("minimum", _same), ("minimum", _same))),
     Join(_J.POW, _pow, sql="pow({0}, {1})", sql_double="nonint"),
-    Join(_J.LT, torch.lt, comparison=True, sql="{0} < {1}", dtype_rule=BOOL),
-    Join(_J.LE, torch.le, comparison=True, sql="{0} <= {1}", dtype_rule=BOOL),
-    Join(_J.GT, torch.gt, comparison=True, sql="{0} > {1}", dtype_rule=BOOL),
-    Join(_J.GE, torch.ge, comparison=True, sql="{0} >= {1}", dtype_rule=BOOL),
-    Join(_J.EQ, torch.eq, comparison=True, sql="{0} = {1}", dtype_rule=BOOL),
-    Join(_J.NE, torch.ne, comparison=True, sql="{0} <> {1}", dtype_rule=BOOL),
+    Join(_J.LT, torch.lt, comparison=True, sql=_ordered("<"), dtype_rule=BOOL),
+    Join(_J.LE, torch.le, comparison=True, sql=_ordered("<="), dtype_rule=BOOL),
+    Join(_J.GT, torch.gt, comparison=True, sql=_ordered(">"), dtype_rule=BOOL),
+    Join(_J.GE, torch.ge, comparison=True, sql=_ordered(">="), dtype_rule=BOOL),
+    Join(_J.EQ, torch.eq, comparison=True, sql=_ordered("="), dtype_rule=BOOL),
+    Join(_J.NE, torch.ne, comparison=True, sql=f"({{0}} <> {{1}} OR {_EITHER_NAN})",
+         dtype_rule=BOOL),
     Join(_J.WHERE, _where, arity=3, nary=True,
          sql="CASE WHEN CAST({0} AS BOOLEAN) THEN {1} ELSE {2} END", dtype_rule=CONDITION),
     Join(_J.FLOORDIV, _floordiv, sql=_FLOORDIV_SQL, sql_double="nonint"),

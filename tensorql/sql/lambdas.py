@@ -143,7 +143,7 @@ def lambda_join(node: exp.Lambda) -> LambdaJoin:
 
     text = node.this.sql(dialect="duckdb")
     name = f"join<({', '.join(params)}) -> {text}>"
-    marked = node.this.transform(
+    marked = node.this.transform(_ieee_nan).transform(
         lambda n: exp.Var(this=f"__tq_{params.index(n.name)}__")
         if isinstance(n, (exp.Column, exp.Identifier)) and n.name in params else n)
     template = "(" + marked.sql(dialect="duckdb").replace("{", "{{").replace("}", "}}") + ")"
@@ -153,6 +153,36 @@ def lambda_join(node: exp.Lambda) -> LambdaJoin:
     if name not in JOINS:
         add_user_join(name, fn, arity=len(params), sql=template)
     return LambdaJoin(name, params, template, JOINS[name].fn)
+
+
+def _isnan(value: exp.Expr) -> exp.Expr:
+    return exp.Anonymous(this="isnan", expressions=[exp.cast(value.copy(), "DOUBLE")])
+
+
+_COMPARISONS = (exp.LT, exp.LTE, exp.GT, exp.GTE, exp.EQ, exp.NEQ)
+
+
+def _ieee_nan(node: exp.Expr) -> exp.Expr:
+    """``node`` as DuckDB must run it to treat NaN as the torch function does: DuckDB orders
+    NaN above every number and equal to itself, torch compares it false to anything (unequal
+    to everything) and its minimum returns it. A comparison gets an ``isnan`` test; ``least``
+    becomes NaN when ``greatest`` (NaN, when any is) is.
+
+    >>> _ieee_nan(exp.GT(this=exp.column("a"), expression=exp.column("b"))).sql("duckdb")
+    '(a > b AND NOT (ISNAN(CAST(a AS DOUBLE)) OR ISNAN(CAST(b AS DOUBLE))))'
+    """
+    if isinstance(node, _COMPARISONS):
+        either = exp.or_(_isnan(node.this), _isnan(node.expression))
+        if isinstance(node, exp.NEQ):
+            return exp.paren(exp.or_(node.copy(), either))
+        return exp.paren(exp.and_(node.copy(), exp.not_(exp.paren(either))))
+    if isinstance(node, exp.Least):
+        values = [node.this, *node.expressions]
+        greatest = exp.Greatest(this=values[0].copy(),
+                                expressions=[v.copy() for v in values[1:]])
+        return exp.Case(ifs=[exp.If(this=_isnan(greatest), true=greatest.copy())],
+                        default=node.copy())
+    return node
 
 
 def _compile(node: exp.Expr, params: tuple[str, ...]) -> Compiled:

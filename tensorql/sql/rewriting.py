@@ -128,5 +128,8 @@ def with_ctes(query: exp.Expr, scope: dict[str, exp.CTE]) -> exp.Expr:
         return query
     ordered = [cte.copy() for key, cte in scope.items() if key in needed]  # written order
     existing = list(own.expressions) if own else []
-    query.set("with_", exp.With(expressions=ordered + existing))
+    recursive = any(isinstance(cte.parent, exp.With) and cte.parent.args.get("recursive")
+                    for key, cte in scope.items() if key in needed) \
+        or bool(own and own.args.get("recursive"))  # a CTE reading itself needs RECURSIVE
+    query.set("with_", exp.With(expressions=ordered + existing, recursive=recursive))
     return query

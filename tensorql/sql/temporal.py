@@ -53,8 +53,13 @@ def python_values(column: pa.Array | pa.ChunkedArray) -> list[Any]:
 def text_where_unrepresentable(table: pa.Table) -> pa.Table:
     """``table`` with each date, time or timestamp column holding a value Python cannot hold
     as a column of text (every value DuckDB's text), for pandas, numpy and polars, which
-    would fail on the value or, for ``24:00:00``, show midnight."""
+    would fail on the value or, for ``24:00:00``, show midnight; a UNION column (which
+    none of them reads) as the text of each member's value."""
     for k, column in enumerate(table.columns):
+        if pa.types.is_union(column.type):  # neither pandas nor polars reads a UNION
+            text = [None if v is None else str(v) for v in column.to_pylist()]
+            table = table.set_column(k, table.field(k).name, pa.array(text, pa.string()))
+            continue
         odd = _unrepresentable(column)
         if odd is None or not odd.any():
             continue

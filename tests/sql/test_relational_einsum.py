@@ -296,3 +296,55 @@ def test_a_fused_cte_of_a_stored_tensor_and_a_relation_is_an_operand(db):
                  f"{values_sql(['j', 'k'], q_rows)})) "
                  "SELECT * FROM EINSUM('ik,ik->i', c, c)").fetchall()
     assert got == [(i, pytest.approx(v)) for i, v in enumerate((c * c).sum(1))]
+
+
+NAN_X = [math.nan, 1.0, 2.0, math.nan]
+NAN_R = [1.0, math.nan, 3.0, math.nan]
+NAN_REL = ("(SELECT * FROM (VALUES (0, 1.0), (1, 'nan'::DOUBLE), (2, 3.0), (3, 'nan'::DOUBLE))"
+           " t(i, val))")
+
+
+def _same(got, want):
+    return len(got) == len(want) and all(
+        a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+        for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("join", ["min", "max", "lt", "le", "gt", "ge", "eq", "ne",
+                                  "(a, b) -> CASE WHEN a > b THEN a ELSE b END",
+                                  "(a, b) -> least(a, b, 0)"])
+def test_a_nan_joins_as_in_torch_on_every_path(db, join):
+    """DuckDB orders NaN above every number and equal to itself; torch (the dense path's
+    kernels, and the oracle) compares it false to anything and its minimum returns it."""
+    import torch
+
+    x, r = torch.tensor(NAN_X, dtype=torch.float64), torch.tensor(NAN_R, dtype=torch.float64)
+    oracle = {"min": torch.minimum, "max": torch.maximum, "lt": torch.lt, "le": torch.le,
+              "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+              "(a, b) -> CASE WHEN a > b THEN a ELSE b END": lambda a, b: torch.where(a > b, a, b),
+              "(a, b) -> least(a, b, 0)": lambda a, b: torch.minimum(torch.minimum(a, b),
+                                                                     torch.zeros(()))}
+    want = oracle[join](x, r).tolist()
+    db.from_numpy("nan_x", np.array(NAN_X), replace=True)
+    db.from_numpy("nan_r", np.array(NAN_R), replace=True)
+    spelled = join if join.startswith("(") else f"'{join}'"
+    for operands, mode in ((f"nan_x, {NAN_REL}", ", sparse := true"), (f"nan_x, {NAN_REL}", ""),
+                           ("nan_x, nan_r", ", backend := 'duckdb'"), ("nan_x, nan_r", "")):
+        got = [v for _, v in db.sql(f"SELECT * FROM EINSUM('i,i->i', {operands}, "
+                                    f"join := {spelled}{mode})").fetchall()]
+        assert _same(got, want), (operands, mode, got, want)
+
+
+def test_floor_division_by_an_infinity_is_numpys(db):
+    a, b = np.array([1.25, -1.0, 0.0, -2.0]), np.array([-np.inf, np.inf, np.inf, -np.inf])
+    db.from_numpy("fd_a", a, replace=True)
+    rel = "(SELECT * FROM (VALUES " + ", ".join(
+        f"({k}, '{v}'::DOUBLE)" for k, v in enumerate(b)) + ") t(i, val))"
+    got = db.sql(f"SELECT * FROM EINSUM('i,i->i', fd_a, {rel}, join := 'floordiv')").fetchall()
+    assert [v for _, v in got] == (a // b).tolist()
+
+
+def test_a_recursive_cte_is_an_operand(db):
+    query = ("WITH RECURSIVE c AS (SELECT 0 AS i, 1.0 AS val UNION ALL SELECT i + 1, val FROM "
+             "c WHERE i < 3) SELECT * FROM EINSUM('i->', c)")
+    assert db.sql(query).fetchall() == [(4.0,)]

@@ -159,3 +159,14 @@ def test_a_uhugeint_past_2_127_keeps_its_value_on_every_face():
         assert str(big) in str(db.sql(query))
         pytest.importorskip("polars")
         assert db.sql(query).pl()["m"][0] == str(big)  # polars has no type for it: its text
+
+
+def test_a_union_column_reaches_pandas_numpy_and_polars_as_text():
+    query = ("SELECT union_value(num := 2)::UNION(num INT, str VARCHAR) AS u UNION ALL "
+             "SELECT union_value(str := 'ab')::UNION(num INT, str VARCHAR) ORDER BY 1")
+    with tq.connect() as db:
+        want = sorted(str(v) for (v,) in duckdb.sql(query).fetchall())
+        assert sorted(db.sql(query).df()["u"]) == want
+        assert sorted(db.sql(query).fetchnumpy()["u"]) == want
+        pytest.importorskip("polars")
+        assert sorted(db.sql(query).pl()["u"]) == want
