@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -27,6 +27,8 @@ from tensorql.algebra import (
     AggName,
     JoinFunctionError,
     JoinName,
+    agg_record,
+    join_record,
     offered_aggs,
     offered_joins,
     semiring_pairs,
@@ -68,6 +70,11 @@ class EinsumCall:
     backend: str | None
     sql: Einsum
     present: torch.Tensor | None = None
+    # the same call over rows (``sparse := true``), for a dense result whose present cells
+    # hold a NaN: an absent row's fill (the semiring's zero) met an inf or NaN there
+    # (0 * inf, inf - inf), where over rows the absent row joins nothing
+    over_rows: Callable[[], RelationalEinsum] | None = field(default=None, compare=False,
+                                                             repr=False)
 
 
 @dataclass(frozen=True)
@@ -244,7 +251,16 @@ class OperandResolver:
             factors += [_Factor(torch.ones(0, dtype=torch.bool), (label,))
                         for label, size in op.spec.sizes.items() if size == 0]
         present = _presence(factors, labels, op.shape) if factors else None
-        return EinsumCall(node=op, labels=labels, backend=backend, sql=node, present=present)
+        over_rows = None
+        if has_relation and self._flag(named.get("sparse")) is None \
+                and join_record(join).sql is not None and agg_record(agg).sql is not None:
+            def over_rows() -> RelationalEinsum:
+                rows = node.copy()
+                rows.append("expressions", exp.PropertyEQ(this=exp.to_identifier("sparse"),
+                                                          expression=exp.true()))
+                return self.call(rows, scope, seen)
+        return EinsumCall(node=op, labels=labels, backend=backend, sql=node, present=present,
+                          over_rows=over_rows)
 
     def _build(self, equation: str, nodes: list[Node], join: str, agg: str, spec: exp.Expr,
                node: Einsum, operands: list[exp.Expr]) -> EinsumOp:

@@ -444,7 +444,12 @@ class ScriptRunner:
         if sections is None:
             check_dense_fits(compiled.physical.result_step.relation, self.session.options,
                              advice=SQL_ADVICE)
-            return compiled.run(dense=True).dense()
+            dense = compiled.run(dense=True).dense()
+            if call.over_rows is not None and _nan_where_present(dense, call.present):
+                # an absent row's fill may have met an inf or NaN (0 * inf): over rows, an
+                # absent row joins nothing
+                return self.relational(call.over_rows()).torch().to(dense.dtype)
+            return dense
         text, result = compiled.explain_and_result(analyze=self.analyze)
         einsum = f"{call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
         sections.append(f"-- {einsum}\n{text}")
@@ -529,6 +534,14 @@ def _dialect():
     from tensorql.sql.dialect import TensorQL
 
     return TensorQL
+
+
+def _nan_where_present(dense: torch.Tensor, present: torch.Tensor | None) -> bool:
+    """Whether a floating result holds a NaN in a cell some combination of rows reached."""
+    if present is None or not dense.is_floating_point():
+        return False
+    nan = torch.isnan(dense)
+    return bool(nan.any()) and bool((nan & present.expand(dense.shape)).any())
 
 
 def explain_each(session: Any, script: str, analyze: bool = False,

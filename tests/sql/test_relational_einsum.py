@@ -348,3 +348,19 @@ def test_a_recursive_cte_is_an_operand(db):
     query = ("WITH RECURSIVE c AS (SELECT 0 AS i, 1.0 AS val UNION ALL SELECT i + 1, val FROM "
              "c WHERE i < 3) SELECT * FROM EINSUM('i->', c)")
     assert db.sql(query).fetchall() == [(4.0,)]
+
+
+@pytest.mark.parametrize("join, agg", [("mul", "sum"), ("add", "min"), ("add", "max"),
+                                       ("max", "min"), ("min", "max")])
+def test_an_absent_row_joins_nothing_even_against_an_infinity(db, join, agg):
+    """A stored inf or NaN where the relation has no row: the dense path's fill (the
+    semiring's zero) met it (0 * inf = NaN); an absent row joins nothing, as over rows."""
+    db.from_numpy("inf_z", np.array([np.inf, 1.0, np.nan]), replace=True)
+    rel = "(SELECT 1 AS i, 2.0 AS val)"
+    one = PY_JOINS[join](1.0, 2.0)
+    for mode in ("", ", sparse := true"):
+        query = f"EINSUM('i,i->{{}}', inf_z, {rel}, join := '{join}', agg := '{agg}'{mode})"
+        assert db.sql("SELECT * FROM " + query.format("")).fetchall() == [(one,)]
+        assert db.sql("SELECT * FROM " + query.format("i")).fetchall() == [(1, one)]
+    got = db.sql("SELECT * FROM EINSUM('i,i->', inf_z, (SELECT 2 AS i, 2.0 AS val))").fetchall()
+    assert math.isnan(got[0][0])  # a NaN that did join stays
