@@ -359,13 +359,14 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
             partial = e.einsum(e.operands, e.every, join=_derivative(spec.join, k))
             grads[k] = e.to_operand(k, [*adjoint, Factor(partial, e.every)])
         return grads
-    if spec.join == _J.WHERE:
+    if spec.join == _J.WHERE:  # the adjoint where the branch is taken, 0 elsewhere
         cond = e.operands[0]
         true = cond.tensor.astype(e.dtype)
-        picks = {1: Factor(true, cond.labels), 2: Factor(1.0 - true, cond.labels)}
+        picks = {1: Partial(gate=Factor(true.eq(0.0), cond.labels)),
+                 2: Partial(gate=Factor(true.ne(0.0), cond.labels))}
         for k in needs:
             if k in picks:
-                grads[k] = e.to_operand(k, [*adjoint, picks[k]])
+                grads[k] = e.to_operand(k, picks[k].applied(e, adjoint))
         return grads
     if len(e.operands) == 1:
         return {0: e.to_operand(0, adjoint)}
@@ -382,9 +383,9 @@ def _einsum_adjoints(node: EinsumOp, g: Tensor, needs: list[int],
     for j in range(len(e.operands) - 1, 0, -1):
         partials = _join_partials(e, spec.join, prefix[j - 1], e.operands[j], prefix[j])
         if j in needs:
-            grads[j] = e.to_operand(j, [*adjoint, *partials.by_b.factors],
+            grads[j] = e.to_operand(j, partials.by_b.applied(e, adjoint),
                                     scale * partials.by_b.scale)
-        adjoint = [*adjoint, *partials.by_a.factors]
+        adjoint = partials.by_a.applied(e, adjoint)
         scale *= partials.by_a.scale
     if 0 in needs:
         grads[0] = e.to_operand(0, adjoint, scale)
@@ -443,10 +444,26 @@ def _aggregate_adjoint(e: _Einsum, out: Factor) -> list[Factor]:
 
 @dataclass(frozen=True)
 class Partial:
-    """A local derivative as a product: ``scale`` times the product of ``factors``."""
+    """A local derivative as a product: ``scale`` times the product of ``factors``; 0 --
+    the adjoint dropped, not multiplied by 0, so an inf or NaN there does not become NaN --
+    where ``gate`` holds (the branch of a ``where``, ``maximum`` or ``minimum`` not taken)."""
 
     factors: tuple[Factor, ...] = ()
     scale: float = 1.0
+    gate: Factor | None = None
+
+    def applied(self, e: _Einsum, adjoint: Sequence[Factor]) -> list[Factor]:
+        """The factors of ``adjoint`` times this derivative (as one gated factor when
+        gated)."""
+        factors = [*adjoint, *self.factors]
+        if self.gate is None:
+            return factors
+        carried = "".join(lab for lab in e.every if any(lab in f.labels for f in factors))
+        value = Factor(e.einsum(factors, carried), carried) if factors \
+            else Factor(e.const(np.ones(())), "")
+        labels = "".join(lab for lab in e.every if lab in carried or lab in self.gate.labels)
+        zero = Factor(e.const(np.zeros(())), "")
+        return [Factor(e.einsum([self.gate, zero, value], labels, join=_J.WHERE), labels)]
 
 
 @dataclass(frozen=True)
@@ -498,14 +515,17 @@ def _mod_partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials
 
 def _extreme_partials(wins: str):
     """torch.maximum / minimum (``wins``: gt / lt): the winner takes it, a tie gives each
-    half."""
+    half, a NaN (no winner, no tie) each all of it, as torch's; the loser's adjoint is
+    dropped (gated), not multiplied by 0."""
     def partials(e: _Einsum, a: Factor, b: Factor, out: Factor) -> JoinPartials:
         labels = out.labels
         tie = e.einsum([a, b], labels, join=_J.EQ).astype(e.dtype) * 0.5
-        a_wins = e.einsum([a, b], labels, join=wins).astype(e.dtype)
-        b_wins = e.einsum([b, a], labels, join=wins).astype(e.dtype)
-        return JoinPartials(Partial((Factor(a_wins + tie, labels),)),
-                            Partial((Factor(b_wins + tie, labels),)))
+        a_wins = e.einsum([a, b], labels, join=wins)
+        b_wins = e.einsum([b, a], labels, join=wins)
+        by_a = 1.0 - b_wins.astype(e.dtype) - tie
+        by_b = 1.0 - a_wins.astype(e.dtype) - tie
+        return JoinPartials(Partial((Factor(by_a, labels),), gate=Factor(b_wins, labels)),
+                            Partial((Factor(by_b, labels),), gate=Factor(a_wins, labels)))
 
     return partials
 
@@ -639,8 +659,9 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
         if c == 0:
             return g * 0.0
         return g * x._map("pow", float(c) - 1.0) * float(c)
-    if fn == "maximum":
-        return g * step(x >= float(c))
-    if fn == "minimum":
-        return g * step(x <= float(c))
+    if fn in ("maximum", "minimum"):  # g where x is kept (dropped, not times 0: an inf of
+        from tensorql.api.tensor import where  # g there would be NaN)
+
+        kept = x >= float(c) if fn == "maximum" else x <= float(c)
+        return where(kept, g, 0.0)
     raise GradientError(f"no gradient for map {fn!r}")

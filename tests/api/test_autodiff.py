@@ -317,3 +317,34 @@ def test_gradient_of_a_stored_tensor_read_by_indexing(db, rng):
     np.testing.assert_allclose(g.numpy(), expected.numpy(), rtol=1e-12)
     (region,) = tq.grad(loss, [w[1:4, :2]])  # a region itself is an input too
     np.testing.assert_allclose(region.numpy(), 2 * values[1:4, :2], rtol=1e-12)
+
+
+def test_the_branch_not_taken_gets_no_gradient_even_an_infinite_one():
+    """Gradient through where / clip / maximum into sqrt at 0 (an infinite adjoint): the
+    branch not taken gets 0, as in torch.autograd (a 0/1 mask times inf was NaN)."""
+    with tq.connect() as db:
+        x = db.from_numpy("x_branch", np.array([-1.0, 4.0, 0.5]))
+        xt = torch.tensor([-1.0, 4.0, 0.5], dtype=torch.float64, requires_grad=True)
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        cases = [
+            (lambda v: tq.where(v > 0, v, 0.0).sqrt().sum(),
+             lambda v: torch.where(v > 0, v, zero).sqrt().sum()),
+            (lambda v: v.clip(0, None).sqrt().sum(), lambda v: v.clamp(min=0).sqrt().sum()),
+            (lambda v: v.maximum(0.0).sqrt().sum(), lambda v: v.maximum(zero).sqrt().sum()),
+            (lambda v: (v * 2.0).minimum(v).sum(), lambda v: (v * 2.0).minimum(v).sum()),
+            (lambda v: tq.where(v > 0, v * v, v).sum(),
+             lambda v: torch.where(v > 0, v * v, v).sum()),
+        ]
+        for ours, theirs in cases:
+            (got,) = tq.grad(ours(x), [x])
+            (want,) = torch.autograd.grad(theirs(xt), [xt])
+            np.testing.assert_allclose(got.numpy(), want.numpy())
+        s = db.from_numpy("s_branch", np.array([[1.0, 2.0], [3.0, 4.0]]))
+        mask = np.array([[True, False], [True, True]])
+        w = np.array([[1.0, 2.0], [3.0, 5.0]])
+        loss = (tq.where(db.constant(mask), s, -np.inf).softmax(-1) * db.constant(w)).sum()
+        st = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64, requires_grad=True)
+        ref = (torch.where(torch.from_numpy(mask), st, -torch.inf).softmax(-1)
+               * torch.from_numpy(w)).sum()
+        np.testing.assert_allclose(tq.grad(loss, [s])[0].numpy(),
+                                   torch.autograd.grad(ref, [st])[0].numpy())
