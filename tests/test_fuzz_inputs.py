@@ -315,3 +315,15 @@ def test_a_users_table_named_like_the_catalog_is_left_alone(tmp_path):
     with tq.connect(path) as db:
         assert db.tensors() == ["A"]
         assert db.sql("SELECT * FROM tensorql_catalog").fetchall() == [(42,)]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int32", "float16", "float32"])
+def test_a_python_scalar_base_or_where_branch_takes_the_tensors_dtype(fuzz_db, dtype):
+    """``2 ** t`` and ``where(c, t, 0)`` treat the Python number as weak, as numpy does (they
+    gave int64 / float32)."""
+    a = np.array([1, 2, 3], dtype=dtype)
+    t = fuzz_db.constant(a)
+    for got, want in ((2 ** t, 2 ** a), (tq.where(t > 1, t, 0), np.where(a > 1, a, 0)),
+                      (tq.where(t > 1, 1, t), np.where(a > 1, 1, a))):
+        assert got.dtype == want.dtype.name
+        np.testing.assert_array_equal(got.numpy(), want)

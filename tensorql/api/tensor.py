@@ -408,7 +408,7 @@ class Tensor:
         return broadcast_binary(self, self._operand(exponent), _J.POW)
 
     def __rpow__(self, base: Any) -> Tensor:
-        return broadcast_binary(self._operand(base), self, _J.POW)
+        return broadcast_binary(self._scalar_operand(_python_number(base)), self, _J.POW)
 
     # comparisons, elementwise as numpy's (bool results); ``==`` and ``!=`` keep Python's
     # identity meaning (tensors are used as keys), elementwise equality is ``eq`` / ``ne``
@@ -1127,7 +1127,10 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
     anchor = next((v for v in (condition, x, y) if isinstance(v, Tensor)), None)
     if anchor is None:
         raise UnsupportedError("where needs at least one tensorql Tensor among its arguments")
-    operands = [anchor._operand(v) for v in (condition, x, y)]
+    # a Python number beside a tensor value takes its dtype (numpy's weak scalar)
+    value = next((v for v in (x, y) if isinstance(v, Tensor)), anchor)
+    operands = [anchor._operand(condition), value._scalar_operand(_python_number(x)),
+                value._scalar_operand(_python_number(y))]
     return broadcast_join(operands, _J.WHERE)
 
 
