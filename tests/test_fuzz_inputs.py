@@ -327,3 +327,12 @@ def test_a_python_scalar_base_or_where_branch_takes_the_tensors_dtype(fuzz_db, d
                       (tq.where(t > 1, 1, t), np.where(a > 1, 1, a))):
         assert got.dtype == want.dtype.name
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_bool_tensor_to_an_integer_power_is_int64(fuzz_db):
+    b, n = fuzz_db.tensor("b"), np.eye(3, dtype=bool)
+    for k in (0, 2, 3):  # (numpy makes ** 2 a square, int8 for a bool; int64 otherwise)
+        assert (b ** k).dtype == "int64"
+        np.testing.assert_array_equal((b ** k).numpy(), n.astype(np.int64) ** k)
+    with pytest.raises(tq.TensorQLError, match="negative integer powers"):
+        b ** -1

@@ -393,6 +393,9 @@ class Tensor:
         """``self ** exponent``: a number (a map), or a tensor / array broadcast against
         ``self`` (the ``pow`` join)."""
         exponent = _python_number(exponent)
+        if self.dtype == "bool" and isinstance(exponent, int) and not isinstance(exponent,
+                                                                                  bool):
+            return self.astype("int64") ** exponent  # numpy: bool ** int is int64
         if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
             if exponent == 2:
                 return self._map("square")
