@@ -336,3 +336,17 @@ def test_a_bool_tensor_to_an_integer_power_is_int64(fuzz_db):
         np.testing.assert_array_equal((b ** k).numpy(), n.astype(np.int64) ** k)
     with pytest.raises(tq.TensorQLError, match="negative integer powers"):
         b ** -1
+
+
+def test_a_0d_tensors_sum_and_argmax_are_numpys(fuzz_db):
+    """A sum or product that reduces nothing still accumulates in int64 (it kept bool /
+    int8), and argmax of a 0-d tensor is 0 (it was a ShapeError), as in numpy."""
+    for a in (np.array(True), np.array(5, np.int8), np.array([[1, 2]], np.int16)):
+        t = fuzz_db.constant(a)
+        for ours, theirs in ((t.sum(), np.sum(a)), (t.prod(), np.prod(a)),
+                             (t.sum(axis=()), np.sum(a, axis=()))):
+            assert ours.dtype == theirs.dtype.name
+            np.testing.assert_array_equal(ours.numpy(), theirs)
+    zero_d = fuzz_db.constant(np.array(2.5))
+    assert zero_d.argmax().numpy() == np.argmax(np.array(2.5)) == 0
+    assert zero_d.argmin().numpy() == 0

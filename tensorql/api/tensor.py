@@ -595,8 +595,8 @@ class Tensor:
         if axis is None and self.ndim > 1:  # numpy's index into the flattened tensor
             return self._flat_arg_extreme(agg)
         if axis is None:
-            if self.ndim == 0:
-                raise ShapeError(f"arg{agg} of a 0-d tensor")
+            if self.ndim == 0:  # numpy's: the one element's flat index
+                return self.db.constant(np.array(0, dtype=np.int64))
             axis = 0
         axis = _one_axis(axis, self.ndim)
         self._no_empty_reduction(f"arg{agg}", axis)
@@ -702,7 +702,7 @@ class Tensor:
         """Sum over ``axis`` (all axes by default); numpy's signature, so ``np.sum(t)`` works
         (``dtype`` and ``out`` must be None)."""
         _no_numpy_extras(_A.SUM, dtype, out)
-        return self._reduce(axis, _A.SUM, keepdims)
+        return _widened(self._reduce(axis, _A.SUM, keepdims))
 
     def max(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:
@@ -736,7 +736,7 @@ class Tensor:
     def prod(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
         _no_numpy_extras(_A.PROD, dtype, out)
-        return self._reduce(axis, _A.PROD, keepdims)
+        return _widened(self._reduce(axis, _A.PROD, keepdims))
 
     def mean(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
@@ -1117,6 +1117,14 @@ def broadcast_join(operands: Sequence[Tensor], join: str) -> Tensor:
                              f"(dim -{dim}: sizes {sorted(sizes)})")
     eq = ",".join(labels[ndim - t.ndim:] for t in operands) + f"->{labels}"
     return operands[0]._wrap(EinsumOp.build(eq, [t.node for t in operands], join=join))
+
+
+def _widened(result: Tensor) -> Tensor:
+    """A sum or product in int64 where it reduced nothing (a 0-d tensor, ``axis=()``), as it
+    is where it reduced something: numpy accumulates bools and small integers so."""
+    if result.dtype in ("bool", "int8", "uint8", "int16", "int32"):
+        return result.astype("int64")
+    return result
 
 
 def where(condition: Any, x: Any, y: Any) -> Tensor:
