@@ -45,7 +45,7 @@ from opt_einsum import get_symbol
 from tensorql.algebra import BUILTIN_AGGS, derivative_join, join_record
 from tensorql.algebra import AggName as _A
 from tensorql.algebra import JoinName as _J
-from tensorql.api.tensor import Tensor, broadcast_binary
+from tensorql.api.tensor import Tensor, broadcast_binary, where
 from tensorql.dtypes import torch_dtype
 from tensorql.einsum.graph import (
     EinsumOp,
@@ -455,15 +455,13 @@ class Partial:
     def applied(self, e: _Einsum, adjoint: Sequence[Factor]) -> list[Factor]:
         """The factors of ``adjoint`` times this derivative (as one gated factor when
         gated)."""
-        factors = [*adjoint, *self.factors]
+        factors = [*adjoint, *self.factors]  # (the adjoint has a factor at least)
         if self.gate is None:
             return factors
         carried = "".join(lab for lab in e.every if any(lab in f.labels for f in factors))
-        value = Factor(e.einsum(factors, carried), carried) if factors \
-            else Factor(e.const(np.ones(())), "")
         labels = "".join(lab for lab in e.every if lab in carried or lab in self.gate.labels)
-        zero = Factor(e.const(np.zeros(())), "")
-        return [Factor(e.einsum([self.gate, zero, value], labels, join=_J.WHERE), labels)]
+        value = Factor(e.einsum(factors, carried), carried)
+        return [Factor(_zero_where(e, [self.gate], value, labels), labels)]
 
 
 @dataclass(frozen=True)
@@ -578,13 +576,16 @@ PARTIALS = {
 }
 
 
-def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor, labels: str) -> Tensor:
-    """0 where every one of ``conditions`` holds, else ``value`` (so a NaN or inf of
-    ``value`` there is dropped, not multiplied by 0)."""
+def _zero_where(e: _Einsum, conditions: list[Factor], value: Tensor | Factor,
+                labels: str) -> Tensor:
+    """0 where every one of ``conditions`` holds, else ``value`` (a tensor over ``labels``,
+    or a factor broadcast to them), so a NaN or inf of ``value`` there is dropped, not
+    multiplied by 0."""
     cond = conditions[0] if len(conditions) == 1 else \
         Factor(e.einsum(conditions, labels, join=_J.MIN), labels)  # min of bools: and
     zero = Factor(e.const(np.zeros(())), "")
-    return e.einsum([cond, zero, Factor(value, labels)], labels, join=_J.WHERE)
+    value = value if isinstance(value, Factor) else Factor(value, labels)
+    return e.einsum([cond, zero, value], labels, join=_J.WHERE)
 
 
 def _labels(n: int) -> str:
@@ -660,8 +661,7 @@ def _map_adjoint(node: MapOp, g: Tensor, db: Any) -> Tensor | None:
             return g * 0.0
         return g * x._map("pow", float(c) - 1.0) * float(c)
     if fn in ("maximum", "minimum"):  # g where x is kept (dropped, not times 0: an inf of
-        from tensorql.api.tensor import where  # g there would be NaN)
-
+        # g there would be NaN)
         kept = x >= float(c) if fn == "maximum" else x <= float(c)
         return where(kept, g, 0.0)
     raise GradientError(f"no gradient for map {fn!r}")

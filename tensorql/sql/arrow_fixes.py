@@ -20,9 +20,19 @@ import pyarrow as pa
 
 from tensorql.storage.sql_text import quote_ident
 
-__all__ = ["relation_of", "wide_decimals_as_text", "with_unsigned_huge_ints"]
+__all__ = ["arrow_of", "relation_of", "wide_decimals_as_text", "with_unsigned_huge_ints"]
 
 _WRAP = 1 << 128
+
+
+def arrow_of(relation: Any) -> pa.Table:
+    """A DuckDB relation's rows as an Arrow table, its UHUGEINT columns read back as
+    unsigned (:func:`with_unsigned_huge_ints`; DuckDB's types are asked for only when a
+    decimal128 column could be one)."""
+    table = relation.to_arrow_table()
+    if any(pa.types.is_decimal128(t) for t in table.schema.types):
+        table = with_unsigned_huge_ints(table, [str(t) for t in relation.types])
+    return table
 
 
 def with_unsigned_huge_ints(table: pa.Table, types: Sequence[str]) -> pa.Table:

@@ -34,7 +34,7 @@ import pyarrow as pa
 import torch
 
 from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError, as_count
-from tensorql.sql.arrow_fixes import relation_of, wide_decimals_as_text, with_unsigned_huge_ints
+from tensorql.sql.arrow_fixes import arrow_of, relation_of, wide_decimals_as_text
 from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
@@ -220,11 +220,7 @@ class SQLResult:
     def _chain(self, what: str, method: str, *args: Any) -> SQLResult:
         """The relation's ``method(*args)`` as a new result (``what`` names the call in an
         error)."""
-        def run() -> pa.Table:
-            rel = getattr(self.relation(), method)(*args)
-            return with_unsigned_huge_ints(rel.to_arrow_table(), [str(t) for t in rel.types])
-
-        table = self._duckdb(what, run)
+        table = self._duckdb(what, lambda: arrow_of(getattr(self.relation(), method)(*args)))
         return SQLResult(table=table).bound(self._cache.get("connection"),
                                             self._cache.get("check_name"))
 

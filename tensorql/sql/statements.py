@@ -33,7 +33,7 @@ from tensorql.dtypes import torch_dtype
 from tensorql.errors import MemoryLimitError, OptionError, ParseError, TensorQLError
 from tensorql.pipeline import CompiledQuery
 from tensorql.pipeline.run import check_dense_fits
-from tensorql.sql.arrow_fixes import with_unsigned_huge_ints
+from tensorql.sql.arrow_fixes import arrow_of
 from tensorql.sql.dialect import (
     CreateTensor,
     DropTensor,
@@ -107,9 +107,15 @@ def check_new_table_name(session: Any, name: str) -> None:
     parts = tuple(p for p in (target.catalog, target.db, target.name) if p)
     owner = tensor_view_owner(parts, session.tensors(), session.connection)
     if owner is not None:
-        raise SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} (names "
-                                "are case-insensitive, as in DuckDB); pick another name or "
-                                f"DROP TENSOR {owner}")
+        raise _clash(name, owner)
+
+
+def _clash(name: str, owner: str, script: str | None = None,
+           position: int | None = None) -> SQLExecutionError:
+    """The error of a table or view ``name`` that would take stored tensor ``owner``'s."""
+    return SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} (names are "
+                             "case-insensitive, as in DuckDB); pick another name or DROP "
+                             f"TENSOR {owner}", text=script, position=position)
 
 
 class ScriptRunner:
@@ -242,12 +248,8 @@ class ScriptRunner:
         """SQLExecutionError if a table or view named ``parts`` (created at ``position`` of
         the script) would take a stored tensor's name or its chunk view's."""
         owner = tensor_view_owner(parts, self.session.tensors(), self.con)
-        name = parts[-1]
         if owner is not None:
-            raise SQLExecutionError(f"{name!r} clashes with the stored tensor {owner!r} "
-                                    "(names are case-insensitive, as in DuckDB); pick another "
-                                    f"name or DROP TENSOR {owner}", text=self.script,
-                                    position=position)
+            raise _clash(parts[-1], owner, self.script, position)
 
     def check_altered_name(self, parts: tuple[str, ...], position: int | None) -> None:
         """SQLExecutionError if a ``DROP`` or ``ALTER`` of a table or view names a stored
@@ -264,10 +266,7 @@ class ScriptRunner:
     def duckdb(self, sql: str, params: Any = None) -> SQLResult:
         try:
             rel = self.con.sql(sql, params=params) if params is not None else self.con.sql(sql)
-            table = rel.to_arrow_table() if rel is not None else None
-            if table is not None and any(
-                    pa.types.is_decimal128(t) for t in table.schema.types):
-                table = with_unsigned_huge_ints(table, [str(t) for t in rel.types])
+            table = arrow_of(rel) if rel is not None else None
         except duckdb.Error as err:
             raise self._duckdb_error(err) from None
         if table is None:

@@ -63,9 +63,9 @@ def text_where_unrepresentable(table: pa.Table) -> pa.Table:
         odd = _unrepresentable(column)
         if odd is None or not odd.any():
             continue
-        text = [None if value is None else value if isinstance(value, str)
-                else _text(column.type, count)
-                for value, count in zip(python_values(column), _counts(column).tolist())]
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        text = [_text(column.type, count) if ok else None
+                for count, ok in zip(_counts(column).tolist(), valid)]
         table = table.set_column(k, table.field(k).name, pa.array(text, pa.string()))
     return table
 
