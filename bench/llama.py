@@ -20,7 +20,10 @@ seed that counts the calls, the same sequence on both sides. Phases:
 - **prefill cold**: each call a prompt length not seen before (``--seq`` minus the call's
   number), tensorql planning it on the clock (``Llama.prefill(1, length).logits(ids)``: the
   first call plans from the expression; a later length re-binds that plan, its template, to
-  its own extent and builds the physical plan -- see ``Prefill``);
+  its own extent and builds the physical plan, or -- where that costs more than the extra
+  positions -- runs in a longer prefill's plan padded at its end, as a server's prompts of
+  nearby lengths do; see ``Prefill``). ``tq replan`` pads nothing (``pad=False``): every
+  length re-binds;
 - **decode**: seconds per new token over ``--new`` tokens after an untimed prompt (tensorql:
   ``Llama.decoder`` built off the clock -- its plan, weights and tape, the plan lowered to
   bound calls that every token replays; transformers: ``model(token, past_key_values=...)``).
@@ -237,8 +240,9 @@ def hf_factory(tiny: bool, phase: str, seq: int, new: int, packed: bool = False,
     return run
 
 
-def tq_factory(tiny: bool, phase: str, seq: int, new: int, threads: int):
-    """tensorql's side of ``phase``."""
+def tq_factory(tiny: bool, phase: str, seq: int, new: int, threads: int, pad: bool = True):
+    """tensorql's side of ``phase``; ``pad``: whether a new prompt length may run in a longer
+    planned prefill, padded (``Llama.prefill``)."""
     import tensorql as tq
     from tensorql.models import KVCache, Llama
 
@@ -258,7 +262,7 @@ def tq_factory(tiny: bool, phase: str, seq: int, new: int, threads: int):
         if phase == "generate":
             return np.array(ours.generate(ids[0].tolist(), new)[seq:])
         if phase == "prefill cold":
-            return ours.prefill(1, length).logits(ids)[0, -1]
+            return ours.prefill(1, length, pad=pad).logits(ids)[0, -1]
         if phase == "prefill cached":
             if not prefill:
                 prefill.append(ours.prefill(1, seq))
@@ -306,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             contenders.append(Contender("tq nopack", "llama:tq_factory",
                                         dict(common, threads=args.threads),
                                         env={"TENSORQL_PACKED_WEIGHTS": "0"}))
+        else:
+            contenders.append(Contender("tq replan", "llama:tq_factory",
+                                        dict(common, threads=args.threads, pad=False)))
         floor_name = (FLOOR if phase == "decode"
                       else PREFILL_FLOOR if phase.startswith("prefill") else None)
         if floor_name is not None:
@@ -331,12 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         ratio = tq_.median / hf.median
         best = tq_.median / timings[fastest].median
         nopack = timings.get("tq nopack")
+        replan = timings.get("tq replan")
         floor = None if floor_name is None else timings[floor_name]
         scale = 1e3
         rows.append([phase, hf.median * scale, hf.summary()["iqr"] * scale,
                      hf.first_s * scale, hf_packed.median * scale, tq_.median * scale,
                      tq_.summary()["iqr"] * scale, tq_.first_s * scale,
-                     None if nopack is None else nopack.median * scale, ratio,
+                     None if nopack is None else nopack.median * scale,
+                     None if replan is None else replan.median * scale, ratio,
                      f"{best:.2f} ({fastest})",
                      None if nopack is None else nopack.median / hf.median,
                      (hf.peak_rss_bytes or 0) / 2**20, (hf_packed.peak_rss_bytes or 0) / 2**20,
@@ -350,14 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {phase}: transformers {hf.describe()}; tq {tq_.describe()}"
               + ("" if floor is None else f"; {floor_name} {floor.describe()}"), flush=True)
     columns = ["phase", "transformers ms", "IQR", "cold ms", "transformers packed ms", "tq ms",
-               "IQR", "cold ms", "tq nopack ms", "tq/transformers", "tq/fastest transformers",
+               "IQR", "cold ms", "tq nopack ms", "tq replan ms", "tq/transformers",
+               "tq/fastest transformers",
                "nopack/transformers", "transformers peak MiB", "packed peak MiB",
                "tq peak MiB", "goal", "floor ms", "tq/floor"]
     record.table("main", columns, rows, note=f"prompt {seq} tokens, {args.new} new; decode is "
                  "per token; cold = the first call (a new process's first request); "
                  "transformers packed: its linear layers' weights packed once with "
                  "tensorql's packing code and rule; the goal is against the fastest "
-                 "transformers form; "
+                 "transformers form; tq replan (prefill cold): a new length re-binds its "
+                 "plan, never padded into a longer one's; "
                  "floor: the model's weight products alone -- of one token (decode: gemv floor) "
                  "or of the prompt, packed (prefill: gemm floor).")
     from tables import render_table

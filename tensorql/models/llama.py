@@ -25,7 +25,11 @@ transformers' ``repeat_kv`` orders them) carries labels ``k`` (its key/value hea
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -224,6 +228,11 @@ class Llama:
         self._prompt_memo: tuple[tuple[int, ...], Any] | None = None
         # the plan of the last prefill planned from its expression, for other lengths
         self._prefill_template: _PrefillTemplate | None = None
+        # prefills with a plan of their own, by (batch, seq), while something else holds
+        # them (the template's is held by it): a shorter prompt may run in one, padded
+        self._planned_prefills: weakref.WeakValueDictionary[tuple[int, int], Prefill] = \
+            weakref.WeakValueDictionary()
+        self._replan_seconds: float | None = None  # the last re-bind of a prefill's plan
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
@@ -494,10 +503,35 @@ class Llama:
             x = self.block(x, layer, positions)
         return self.head(x)
 
-    def prefill(self, batch: int, seq: int) -> Prefill:
+    def prefill(self, batch: int, seq: int, pad: bool = True) -> Prefill:
         """Logits of prompts of shape (``batch``, ``seq``), one query planned once for all of
-        them (see :class:`Prefill`)."""
-        return Prefill(self, batch, seq)
+        them (see :class:`Prefill`); ``pad``: whether a prompt may run in the plan of a
+        longer prefill, padded at its end, where that costs less than planning its own."""
+        return Prefill(self, batch, seq, pad=pad)
+
+    def _padding_host(self, prefill: Prefill, stamp: tuple) -> Prefill | None:
+        """The planned prefill ``prefill``'s prompts may run in, padded at the end (see
+        :class:`Prefill`), or None: of the same batch and longer, planned under ``stamp``
+        and run once (its time known), and the run of its extra positions -- its last run's
+        time pro rata -- estimated below the last re-bind of a plan (none measured yet:
+        None). The shortest such prefill."""
+        replan = self._replan_seconds
+        if replan is None:
+            return None
+        template = self._prefill_template
+        candidates = list(self._planned_prefills.values())
+        if template is not None:
+            candidates.append(template.prefill)
+        best = None
+        for host in candidates:
+            seconds = host.run_seconds
+            if (host.batch != prefill.batch or host.seq <= prefill.seq or seconds is None
+                    or host._kept is None or host._kept[0] != stamp):
+                continue
+            if (host.seq - prefill.seq) / host.seq * seconds < replan \
+                    and (best is None or host.seq < best.seq):
+                best = host
+        return best
 
     def step(self, tokens: Any, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         """Run ``tokens`` (B, S) after the ``cache``'s positions: last-position logits (B, V)
@@ -644,15 +678,25 @@ class _PromptOfShape:
         self.model, self.batch, self.seq, self._what = model, int(batch), int(seq), what
         if self.batch < 1 or self.seq < 1:
             raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
-        self.embeddings = _TokenEmbeddings(model, self.batch, self.seq)
         self.positions = list(range(self.seq))
 
-    def _embed(self, tokens: Any) -> np.ndarray:
-        """Check ``tokens`` against the shape and write their embeddings in place."""
+    @functools.cached_property
+    def embeddings(self) -> _TokenEmbeddings:
+        """The constant the prompts' embeddings are written into (made on first use: a
+        prefill whose prompts run in a longer one's plan needs none)."""
+        return _TokenEmbeddings(self.model, self.batch, self.seq)
+
+    def _ids(self, tokens: Any) -> np.ndarray:
+        """``tokens`` as checked int64 ids of this shape."""
         ids = self.model._tokens(tokens)
         if ids.shape != (self.batch, self.seq):
             raise ShapeError(f"this {self._what} takes prompts of shape ({self.batch}, "
                              f"{self.seq}); got {ids.shape}")
+        return ids
+
+    def _embed(self, tokens: Any) -> np.ndarray:
+        """Check ``tokens`` against the shape and write their embeddings in place."""
+        ids = self._ids(tokens)
         self.embeddings.write(ids, self.model.embedding_table)
         return ids
 
@@ -674,6 +718,14 @@ class Prefill(_PromptOfShape):
     another size of the model, or cannot be cut into the template's blocks) the prefill is
     planned from its expression as before.
 
+    With ``pad`` (the default), a prompt shorter than a planned prefill of the same batch
+    runs in that prefill's plan instead, padded at its end with token 0, where running the
+    extra positions costs less than planning: their share of that prefill's last run time
+    against the model's last re-bind (a server's prompts of nearby lengths then plan
+    nothing). The causal mask keeps every position from seeing the ones after it, so the
+    padding changes none of the prompt's logits; :attr:`padded_to` gives the length the
+    last prompt ran at. Its own plan is made when none serves.
+
     >>> import tensorql as tq
     >>> shape = LlamaShape(vocab=11, d_model=8, d_ff=12, layers=1, heads=2, kv_heads=1,
     ...                    head_dim=4)
@@ -688,13 +740,21 @@ class Prefill(_PromptOfShape):
     True
     >>> prompts.rebound, longer.rebound
     (False, True)
+    >>> shorter = model.prefill(batch=1, seq=4)  # length 5's plan, padded, if it costs less
+    >>> ids = [[1, 2, 3, 4]]
+    >>> bool(torch.allclose(shorter.logits(ids), model.logits(ids).torch(), atol=1e-6))
+    True
     """
 
-    def __init__(self, model: Llama, batch: int, seq: int) -> None:
+    def __init__(self, model: Llama, batch: int, seq: int, pad: bool = True) -> None:
         super().__init__(model, batch, seq, "prefill")
+        self.pad = pad
         self._output: Tensor | None = None
         self._kept: tuple[tuple, Any] | None = None  # (stamp, CompiledGroup)
+        self._lock = threading.Lock()  # one prompt at a time through the embeddings
         self.rebound = False  # whether the plan is another length's, re-bound (see above)
+        self.padded_to: int | None = None  # the length the last prompt ran at, if padded
+        self.run_seconds: float | None = None  # the last run of this prefill's own plan
 
     @property
     def output(self) -> Tensor:
@@ -712,21 +772,32 @@ class Prefill(_PromptOfShape):
         """The planned query (a :class:`~tensorql.pipeline.CompiledGroup` of one output):
         made on first use and again when the stored tensors, the session's options or the
         path cache change; re-bound from the model's template where it can be."""
-        from tensorql.logical.path import PATH_CACHE
         from tensorql.pipeline import CompiledGroup
 
-        db = self.model.db
-        stamp = (db.generation, db.options, PATH_CACHE.epoch)
+        stamp = self._stamp()
         if self._kept is not None and self._kept[0] == stamp:
             return self._kept[1]
-        template = self.model._prefill_template
+        model = self.model
+        template = model._prefill_template
+        start = time.perf_counter()
         group = None if template is None else template.rebind(self, stamp)
         self.rebound = group is not None
         if group is None:
-            group = CompiledGroup.compile([self.output.node], db)
-            self.model._prefill_template = _PrefillTemplate.of(self, group, stamp)
+            group = CompiledGroup.compile([self.output.node], model.db)
+            model._prefill_template = _PrefillTemplate.of(self, group, stamp)
+        else:
+            model._replan_seconds = time.perf_counter() - start
         self._kept = (stamp, group)
+        self.run_seconds = None
+        model._planned_prefills[(self.batch, self.seq)] = self
         return group
+
+    def _stamp(self) -> tuple:
+        """What a plan is made under: the store's generation, the options, the path cache."""
+        from tensorql.logical.path import PATH_CACHE
+
+        db = self.model.db
+        return (db.generation, db.options, PATH_CACHE.epoch)
 
     def constants(self) -> dict[str, torch.Tensor]:
         """What this prefill's plan reads that depends on its length, by role: the
@@ -744,13 +815,28 @@ class Prefill(_PromptOfShape):
     def logits(self, tokens: Any) -> torch.Tensor:
         """The logits (B, S, V) of token ids ``tokens`` of this prefill's shape (run as a
         query's: every allocation from the heap, so a prompt's chunks reuse the last one's
-        pages -- :func:`~tensorql.exec.host_malloc.heap_only`)."""
+        pages -- :func:`~tensorql.exec.host_malloc.heap_only`), or those of a longer planned
+        prefill run on them padded (see above)."""
         from tensorql.exec.host_malloc import heap_only
 
-        query = self.query()
-        self._embed(tokens)
-        with heap_only():
-            return query.run()[0]
+        stamp = self._stamp()
+        planned = self._kept is not None and self._kept[0] == stamp
+        host = None if planned or not self.pad else self.model._padding_host(self, stamp)
+        if host is not None:
+            ids = self._ids(tokens)
+            padded = np.zeros((self.batch, host.seq), dtype=np.int64)
+            padded[:, :self.seq] = ids
+            self.padded_to = host.seq
+            return host.logits(padded)[:, :self.seq]
+        with self._lock:
+            query = self.query()
+            self._embed(tokens)
+            self.padded_to = None
+            start = time.perf_counter()
+            with heap_only():
+                out = query.run()[0]
+            self.run_seconds = time.perf_counter() - start
+            return out
 
 
 @dataclass(frozen=True)
@@ -764,6 +850,7 @@ class _PrefillTemplate:
     stamp: tuple
     group: Any  # CompiledGroup
     roles: tuple[tuple[int, str], ...]
+    prefill: Prefill  # the prefill planned (kept: shorter prompts may run in it, padded)
 
     @classmethod
     def of(cls, prefill: Prefill, group: Any, stamp: tuple) -> _PrefillTemplate | None:
@@ -783,7 +870,7 @@ class _PrefillTemplate:
                 role = where.get(at(node.constant))
                 if role is not None:
                     roles[id(node.constant)] = role
-        return cls(prefill.batch, prefill.seq, stamp, group, tuple(roles.items()))
+        return cls(prefill.batch, prefill.seq, stamp, group, tuple(roles.items()), prefill)
 
     def rebind(self, prefill: Prefill, stamp: tuple) -> Any:
         """The template's plan re-bound to ``prefill``'s length, or None where it cannot be

@@ -149,3 +149,74 @@ def test_a_rebound_prefill_under_a_memory_limit_streams_its_weights():
     ids = ids_of(1, 6, 1)
     assert (prefill.logits(ids) - theirs(model, ids)).abs().max() <= 1e-4
     assert prefill.rebound
+
+
+def test_a_shorter_prompt_runs_in_a_longer_planned_prefill_padded(counts, monkeypatch):
+    model = hf_model()
+    ours = Llama.from_transformers(tq.connect(workers=2), model)
+    held = ours.prefill(1, 20)
+    held.logits(ids_of(1, 20, 0))
+    monkeypatch.setattr(ours, "_replan_seconds", 1e9)  # planning dearer than any padding
+    for seed, length in enumerate((19, 15, 20), 1):
+        counts.clear()
+        prefill = ours.prefill(1, length)
+        ids = ids_of(1, length, seed)
+        got = prefill.logits(ids)
+        assert got.shape == (1, length, CONFIG["vocab_size"])
+        assert (got - theirs(model, ids)).abs().max() <= 1e-4
+        # 20 is the held prefill's own length: a plan of its own, from the template
+        assert prefill.padded_to == (None if length == 20 else 20)
+        if length < 20:
+            assert sum(counts.values()) == 0  # nothing planned
+    for batch, length in ((1, 21), (2, 15)):  # longer, or another batch: planned
+        prefill = ours.prefill(batch, length)
+        ids = ids_of(batch, length, length)
+        assert (prefill.logits(ids) - theirs(model, ids)).abs().max() <= 1e-4
+        assert prefill.padded_to is None
+    unpadded = ours.prefill(1, 19, pad=False)
+    ids = ids_of(1, 19, 9)
+    assert (unpadded.logits(ids) - theirs(model, ids)).abs().max() <= 1e-4
+    assert unpadded.padded_to is None
+
+
+def test_padding_is_chosen_when_the_extra_positions_cost_less_than_a_plan(monkeypatch):
+    model = hf_model()
+    ours = Llama.from_transformers(tq.connect(), model)
+    short, long = ours.prefill(1, 16), ours.prefill(1, 24)
+    short.logits(ids_of(1, 16, 0))
+    long.logits(ids_of(1, 24, 0))
+    assert ours.prefill(1, 12).padded_to is None  # nothing run yet
+    # each run took 1 s, a plan 0.26 s: padding 4 of 16 positions (0.25 s) pays, 5 does not
+    for length, host in ((15, 16), (12, 16), (11, None), (22, 24), (17, None)):
+        short.run_seconds = long.run_seconds = 1.0  # (a run sets its own time)
+        monkeypatch.setattr(ours, "_replan_seconds", 0.26)
+        prefill = ours.prefill(1, length)
+        ids = ids_of(1, length, length)
+        assert (prefill.logits(ids) - theirs(model, ids)).abs().max() <= 1e-4
+        assert prefill.padded_to == host, length
+    # a store change: the hosts' plans are stale, nothing is padded into them
+    ours.db.from_numpy("unrelated", np.zeros(3, dtype=np.float32))
+    prefill = ours.prefill(1, 15)
+    ids = ids_of(1, 15, 3)
+    assert (prefill.logits(ids) - theirs(model, ids)).abs().max() <= 1e-4
+    assert prefill.padded_to is None
+
+
+def test_prompts_padded_into_one_prefill_from_several_threads():
+    import concurrent.futures
+
+    model = hf_model()
+    ours = Llama.from_transformers(tq.connect(), model)
+    host = ours.prefill(1, 12)
+    host.logits(ids_of(1, 12, 0))
+    ours._replan_seconds = 1e9
+    jobs = [(length, seed) for seed in range(3) for length in (12, 11, 10)]
+
+    def run(job):
+        length, seed = job
+        ids = ids_of(1, length, seed)
+        return ours.prefill(1, length).logits(ids), theirs(model, ids)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        for got, want in pool.map(run, jobs):
+            assert (got - want).abs().max() <= 1e-4
