@@ -26,7 +26,8 @@ from typing import Any
 from tensorql.devices import DeviceSet, device_names
 from tensorql.errors import OptionError
 
-__all__ = ["DeviceSet", "Options", "device_names", "parse_bytes"]  # device_names: compatibility
+# device_names: compatibility
+__all__ = ["MAX_BYTES", "DeviceSet", "Options", "device_names", "parse_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -36,26 +37,43 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: int | str | None) -> int | None:
-    """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None.
+#: the largest memory size kept: a signed 64-bit byte count (8 EiB, more than any machine
+#: has); a larger figure means as much (int64 arithmetic and DuckDB take no more)
+MAX_BYTES = (1 << 63) - 1
 
-    >>> parse_bytes("1.5GB"), parse_bytes(" 10 MiB "), parse_bytes("9" * 30)
-    (1500000000, 10485760, 999999999999999999999999999999)
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """Bytes from an int or a string like ``"20GiB"``, ``"512 MB"``; None stays None. A
+    size must be at least one byte; one beyond :data:`MAX_BYTES` is that.
+
+    >>> parse_bytes("1.5GB"), parse_bytes(" 10 MiB "), parse_bytes("9" * 30) == MAX_BYTES
+    (1500000000, 10485760, True)
+    >>> parse_bytes("0B")
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.OptionError: memory size must be positive, got '0B' (0 bytes)
     """
+    size = _size(value)
+    if size is not None and size <= 0:
+        shown = value if isinstance(value, int) else f"{value!r} ({size} bytes)"
+        raise OptionError(f"memory size must be positive, got {shown}")
+    return size
+
+
+def _size(value: int | str | None) -> int | None:
+    """:func:`parse_bytes` without its check of 0 or less (at most :data:`MAX_BYTES`)."""
     if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
         raise OptionError(f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a "
                           "byte count")
     if value is None or isinstance(value, int):
-        if isinstance(value, int) and value <= 0:
-            raise OptionError(f"memory size must be positive, got {value}")
-        return value
+        return value if value is None else min(value, MAX_BYTES)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise OptionError(
             f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a byte count"
         )
-    return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact ("9" * 400 was
-    # float('inf') and an OverflowError); "0" stays 0, as before
+    # exact ("9" * 400 was float('inf') and an OverflowError)
+    return min(int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()]), MAX_BYTES)
 
 
 MAX_THREADS = 4096  # more threads than any machine has: a typo, refused (torch overflows)
@@ -87,14 +105,12 @@ def _bytes_or_zero(name: str, value: Any) -> int:
     """A byte count that may be 0 (nothing kept): an int >= 0 or a size like "64MiB"."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)
-        if value == 0:
-            return 0
     try:
-        parsed = parse_bytes(value)
+        parsed = _size(value)
     except OptionError as err:
         raise OptionError(f"{name}: {err}") from None
-    if parsed is None:
-        raise OptionError(f"{name} must be a byte count (0 or more), got None")
+    if parsed is None or parsed < 0:
+        raise OptionError(f"{name} must be a byte count (0 or more), got {value!r}")
     return parsed
 
 

@@ -116,9 +116,17 @@ class DuckDBChunkStore(ChunkStore):
         if path is not None:  # spill files of a process killed while it spilled
             remove_stale_files(spill_prefix(path))
         register_functions(self.connection)
-        if path is not None and duckdb_memory_bytes:
-            self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
-        self.schema = self._internal_schema()
+        try:
+            if path is not None and duckdb_memory_bytes:
+                self.connection.execute(f"SET memory_limit = '{int(duckdb_memory_bytes)}B'")
+            self.schema = self._internal_schema()
+        except duckdb.Error as err:  # e.g. a memory figure too small to open the file in
+            self.connection.close()
+            limit = (f" with DuckDB's memory limit at {format_bytes(duckdb_memory_bytes)} "
+                     "(store_memory_limit, at most a quarter of process_memory_limit)"
+                     if path is not None and duckdb_memory_bytes else "")
+            raise StorageError(f"cannot open tensor database {path!r}{limit}: "
+                               f"{str(err).splitlines()[0]}") from err
         if read_only and not self._has_catalog():
             self.connection.close()
             where = repr(path) if path is not None else "an in-memory database"

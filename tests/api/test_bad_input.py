@@ -483,12 +483,30 @@ def test_a_memory_limit_past_the_process_figure_leaves_results_room():
             np.testing.assert_array_equal((x * 2).numpy(), [0.0, 2.0, 4.0])
 
 
-def test_a_memory_size_of_many_digits_is_read_exactly():
-    """parse_bytes("9" * 400) went through float('inf') to an OverflowError."""
-    from tensorql.options import parse_bytes
+def test_a_memory_size_of_many_digits_is_read_as_the_most_there_is():
+    """parse_bytes("9" * 400) went through float('inf') to an OverflowError; a size past a
+    signed 64-bit count then reached numpy's int64 arithmetic of the partitioner (a raw
+    OverflowError on two devices) and DuckDB (a raw ParserException)."""
+    from tensorql.options import MAX_BYTES, parse_bytes
 
-    assert parse_bytes("9" * 400) == int("9" * 400)
+    assert parse_bytes("9" * 400) == parse_bytes(2**80) == MAX_BYTES == 2**63 - 1
     assert parse_bytes("1.5KiB") == 1536
+    a = np.arange(30, dtype=np.float64).reshape(6, 5)
+    with tq.connect(memory_limit=2**63, devices=2) as db:
+        A = db.from_numpy("A", a, tile=(3, 2))
+        np.testing.assert_allclose((A @ A.T).numpy(), a @ a.T)
+        plan = tq.optimize(A @ A.T, devices=2, memory_limit=2**80, strategy="exhaustive")
+        assert plan.cost.bytes_moved >= 0
+
+
+@pytest.mark.parametrize("value", ["0", "0B", "0.4", "0.5b", 0, -1])
+@pytest.mark.parametrize("option", ["memory_limit", "process_memory_limit",
+                                    "store_memory_limit"])
+def test_a_memory_size_of_no_bytes_is_refused_however_written(option, value):
+    """ "0" or "0.4" (0 bytes) opened a session whose first query failed, where 0 was
+    refused."""
+    with pytest.raises(tq.OptionError, match="memory size must be positive"):
+        tq.connect(**{option: value})
 
 
 @pytest.mark.parametrize("dtype, build, scalar", [

@@ -354,3 +354,24 @@ def test_a_tensor_name_never_shadows_another_tensors_chunk_view(first, second):
             assert db.sql(f'SELECT count(*) FROM "{first}"').fetchall() == [(4,)]
     with tq.connect() as db, pytest.raises(tq.StorageError, match="chunk view"):
         db.store_many({"y": np.ones(2), "y__chunks": np.ones(2)})
+
+
+@pytest.mark.parametrize("options", [dict(process_memory_limit="1MiB"),
+                                     dict(store_memory_limit="100KiB")])
+def test_a_duckdb_memory_figure_too_small_to_open_the_file_is_a_storage_error(
+        tmp_path, options):
+    """DuckDB's OutOfMemoryException opening the file reached the caller raw."""
+    path = str(tmp_path / "small.duckdb")
+    with pytest.raises(tq.StorageError, match="store_memory_limit"):
+        tq.connect(path, **options)
+    with tq.connect(path) as db:  # nothing half-made is left in the way
+        db.from_numpy("a", np.arange(4.0))
+        np.testing.assert_array_equal(db.tensor("a").numpy(), np.arange(4.0))
+
+
+def test_a_huge_duckdb_memory_figure_opens_the_file(tmp_path):
+    """A store_memory_limit past DuckDB's range was a raw ParserException."""
+    path = str(tmp_path / "huge.duckdb")
+    with tq.connect(path, store_memory_limit=2**70) as db:
+        db.from_numpy("a", np.arange(4.0))
+        np.testing.assert_array_equal(db.tensor("a").numpy(), np.arange(4.0))
