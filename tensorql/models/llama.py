@@ -147,11 +147,13 @@ def rope_tables(shape: LlamaShape, positions: Sequence[int]) -> tuple[np.ndarray
     ((2, 4), 1.0, 0.0)
     """
     e = shape.head_dim
-    inv = 1.0 / (shape.rope_theta ** (np.arange(0, e, 2, dtype=np.int64).astype(np.float32)
-                                      / e))
-    angles = np.outer(np.asarray(positions, dtype=np.float32), inv.astype(np.float32))
-    angles = np.concatenate([angles, angles], axis=1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    # in torch's float32 ops, as transformers writes them: numpy's float32 power rounds some
+    # frequencies one ulp apart, an angle error that grows with the position (1e-4 in cos at
+    # position 4096, head_dim 128)
+    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float) / e))
+    freqs = torch.as_tensor(np.asarray(positions), dtype=torch.float)[:, None] * inv
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().numpy(), angles.sin().numpy()
 
 
 def query_rope_tables(shape: LlamaShape,
