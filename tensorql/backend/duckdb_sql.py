@@ -48,7 +48,7 @@ from tensorql_kernels.chunk_einsum import combine
 from tensorql.algebra import AggName
 from tensorql.dtypes import itemsize, torch_dtype
 from tensorql.einsum.graph import Node
-from tensorql.errors import ExecutionError, PlanError, UnsupportedError
+from tensorql.errors import ExecutionError, PlanError, StaleTensorError, UnsupportedError
 from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
 from tensorql.exec.threads import run_shared
@@ -864,11 +864,52 @@ def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
     return con if con is not None else compiled.db.connection
 
 
+def check_stored_layouts(root: LogicalNode, store: ChunkStore | None) -> None:
+    """StaleTensorError unless every stored tensor ``root`` scans still has the shape, tiling
+    and dtype the plan was made for -- one stored again differently since reads its chunks
+    through the old grid (a page outside a chunk, a chunk of the wrong dtype), as the
+    native executor's loads check (:func:`~tensorql.physical.kernels.check_layout`).
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect(backend="duckdb")
+    >>> a = db.from_numpy("a", np.ones((2, 2)))
+    >>> plan = (a * 2).compile().logical
+    >>> _ = db.from_numpy("a", np.ones((2, 2), dtype=np.float32), replace=True)
+    >>> try:
+    ...     check_stored_layouts(plan, db.chunk_store)
+    ... except tq.StaleTensorError as err:
+    ...     print(str(err)[56:122])
+    it is 2x2 float32 in tiles of 2x2 where the plan reads 2x2 float64
+    """
+    if store is None:
+        return
+    scans = [node for node in walk(root) if isinstance(node, Scan) and node.constant is None
+             and node.offset is None]
+    # the versions the store resolves for a run (kept by the store, not a catalog query each)
+    versions = store.pin(node.source for node in scans)
+    store.unpin(versions.values())
+    for node in scans:
+        meta = versions[node.source].meta
+        rel = node.relation
+        if meta.grid == rel.grid and meta.dtype == rel.dtype:
+            continue
+
+        def layout(grid: ChunkGrid, dtype: str) -> str:
+            return (f"{'x'.join(map(str, grid.shape)) or 'a scalar'} {dtype} in tiles of "
+                    f"{'x'.join(map(str, grid.tile)) or '()'}")
+        raise StaleTensorError(
+            f"stored tensor {node.source!r} changed since this query was planned: it is "
+            f"{layout(meta.grid, meta.dtype)} where the plan reads {layout(rel.grid, rel.dtype)}"
+            f" (it was stored again with another shape, dtype or tiling); build the expression "
+            f"again, e.g. from db.tensor({node.source!r})")
+
+
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
     (``dense``: the dense result made during the run, the root's sums written into it)."""
     con = _connection(compiled, con)  # first: the plan reads the views' current tables
+    check_stored_layouts(compiled.logical, compiled.db.chunk_store)
     plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
     options = getattr(compiled.db, "options", None)
     arena = plan.arena(dense=dense, threads=getattr(options, "workers", 1),
@@ -899,6 +940,7 @@ def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | No
     lines += ["  " + line for line in plan.sql.splitlines()]
     dense = None
     if analyze:
+        check_stored_layouts(compiled.logical, compiled.db.chunk_store)
         chunks, wall = plan.run(con)
         rel = compiled.logical.relation
         dense = assemble(rel.grid, rel.dtype, chunks)

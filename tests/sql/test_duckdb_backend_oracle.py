@@ -75,3 +75,20 @@ def test_duckdb_backend_joins_of_three_or_more_operands():
                 opt.step(loss)
             weights[backend] = db.tensor("w").numpy()
     np.testing.assert_allclose(weights["duckdb"], weights["native"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["native", "duckdb"])
+def test_an_input_stored_again_with_another_tiling_or_dtype_is_stale_on_both_backends(
+        backend):
+    """The DuckDB backend read the new chunks through the old grid: a raw ExecutionError
+    from inside its load function (a page outside a chunk, pages missing)."""
+    a = np.arange(12, dtype="f8").reshape(3, 4)
+    db = tq.connect(backend=backend)
+    A = db.from_numpy("A", a, tile=(2, 2))
+    doubled = A * 2.0
+    np.testing.assert_array_equal(doubled.numpy(), a * 2)
+    for tile, dtype in (((3, 1), "f8"), ((2, 2), "f4")):
+        db.from_numpy("A", (a + 1).astype(dtype), tile=tile, replace=True)
+        with pytest.raises(tq.StaleTensorError, match="'A' changed since this query"):
+            doubled.numpy()
+        np.testing.assert_array_equal((db.tensor("A") * 2.0).numpy(), (a + 1) * 2)
