@@ -45,6 +45,22 @@ def _symbols(inputs: Sequence[Sequence[str]], output: Sequence[str]) -> dict[str
     return symbols
 
 
+def _one_character_labels(inputs: Sequence[Sequence[str]], output: Sequence[str],
+                          sizes: Mapping[str, int]):
+    """``inputs``, ``output`` and ``sizes`` with every label a single character (opt_einsum's
+    symbols, :func:`_symbols`): cotengra's path finders take no others, and a plan's labels
+    may be longer (a broadcast dim's ``d@4``, an ellipsis's dims). A path, by operand
+    positions, is the same under either.
+
+    >>> _one_character_labels([("i", "d@1")], ("d@1",), {"i": 2, "d@1": 3})
+    ([('a', 'b')], ('b',), {'a': 2, 'b': 3})
+    """
+    symbols = _symbols(inputs, output)
+    return ([tuple(symbols[lab] for lab in labels) for labels in inputs],
+            tuple(symbols[lab] for lab in output),
+            {symbols[lab]: int(n) for lab, n in sizes.items() if lab in symbols})
+
+
 def path_cost(path: Sequence[Sequence[int]], inputs: Sequence[Sequence[str]],
               output: Sequence[str], sizes: Mapping[str, int],
               tiles: Mapping[str, int] | None = None, itemsize: int = 4) -> float:
@@ -365,9 +381,7 @@ def refined_path(inputs: Sequence[Sequence[str]], output: Sequence[str],
         from cotengra.pathfinders.path_basic import get_optimize_random_greedy_track_flops
 
     deadline = time.perf_counter() + max_time
-    inputs = [tuple(labels) for labels in inputs]
-    output = tuple(output)
-    sizes = {lab: int(n) for lab, n in sizes.items()}
+    inputs, output, sizes = _one_character_labels(inputs, output, sizes)
 
     def flops(path) -> int:
         return describe_path(path, inputs, output, sizes).flops
@@ -425,8 +439,7 @@ def traffic_refined_paths(inputs: Sequence[Sequence[str]], output: Sequence[str]
         import cotengra
 
     deadline = time.perf_counter() + (TRAFFIC_MAX_S if max_time is None else max_time)
-    inputs = [tuple(labels) for labels in inputs]
-    sizes = {lab: int(n) for lab, n in sizes.items()}
+    inputs, output, sizes = _one_character_labels(inputs, output, sizes)
     start = [tuple(p) for p in start]
     found = []
     for minimize in ("combo", "write"):

@@ -107,3 +107,30 @@ def test_parse_is_kept_per_equation_and_shapes_and_still_checks():
         EinsumSpec.parse("ij,jk->ik", [(2, 3), (4, 4)])
     with pytest.raises(ShapeError):
         EinsumSpec.parse("ij,jk->ik", [(2, 3)])
+
+
+def test_more_than_five_operands_with_broadcast_or_ellipsis_labels():
+    """Above five operands the path is refined by cotengra, which takes one-character labels
+    only: a broadcast dim (``d@4``) or an ellipsis's dims reached it as such, a raw
+    ValueError ("expected a string of length 1"), in a query and in its gradient."""
+    rng = np.random.default_rng(0)
+    db = tq.connect()
+    shapes = [(2, 3), (3, 4), (4, 2), (2, 3), (3, 4), (1, 4)]  # the last broadcasts a
+    arrays = [rng.uniform(-1, 1, s) for s in shapes]
+    tensors = [db.from_numpy(f"T{i}", a) for i, a in enumerate(arrays)]
+    equation = "ab,bc,ca,ab,bc,ac->"
+    want = np.einsum(equation, *arrays[:5], np.broadcast_to(arrays[5], (2, 4)))
+    np.testing.assert_allclose(tq.einsum(equation, *tensors).numpy(), want, rtol=1e-12)
+    batched = [rng.uniform(-1, 1, (5, *s[:1], s[1])) for s in shapes[:5]] + \
+        [rng.uniform(-1, 1, (5, 2, 4))]
+    stored = [db.from_numpy(f"U{i}", b) for i, b in enumerate(batched)]
+    equation = "...ab,...bc,...ca,...ab,...bc,...ac->..."
+    np.testing.assert_allclose(tq.einsum(equation, *stored).numpy(),
+                               np.einsum(equation, *batched), rtol=1e-12)
+    five = [db.from_numpy(f"V{i}", a) for i, a in enumerate(arrays[:4] + arrays[5:])]
+    loss = tq.einsum("ab,bc,ca,ab,ac->", *five)
+    (grad,) = tq.grad(loss, [five[0]])
+    torch = pytest.importorskip("torch")
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays[:4] + arrays[5:]]
+    torch.einsum("ab,bc,ca,ab,ac->", *leaves).backward()
+    np.testing.assert_allclose(grad.numpy(), leaves[0].grad.numpy(), rtol=1e-10)
