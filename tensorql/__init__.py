@@ -23,6 +23,7 @@ from tensorql.errors import (
     OptionError,
     ParseError,
     PlanError,
+    ProgressCallbackError,
     ShapeError,
     StaleTensorError,
     StorageError,
@@ -117,7 +118,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGS", "JOINS", "Cost", "Database", "EinsumSpec", "ExecutionError", "MemoryLimitError",
     "OptionError",
-    "Options", "ParseError", "PartitionPlan", "PlanError", "ShapeError", "StaleTensorError",
+    "Options", "ParseError", "PartitionPlan", "PlanError", "ProgressCallbackError", "ShapeError",
+    "StaleTensorError",
     "StorageError",
     "Tensor", "TensorQLError",
     "UnknownOperatorError", "UnknownTensorError", "UnsupportedError", "DTypeError", "DLPackError",

@@ -137,6 +137,11 @@ class ExecutionError(TensorQLError):
     """A chunk task failed while running; names the plan node and chunk key."""
 
 
+class ProgressCallbackError(ExecutionError):
+    """The ``progress`` callback a run was given raised: the run stopped there (nothing is
+    stored); the callback's own exception is the ``__cause__``."""
+
+
 class MemoryLimitError(ExecutionError):
     """A result cannot fit in the memory the process may use; says how big it is and what
     to do instead (store it, read it chunk by chunk, compute a slice)."""

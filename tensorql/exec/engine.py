@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorql.devices import DeviceSet
-from tensorql.errors import ExecutionError
+from tensorql.errors import ExecutionError, ProgressCallbackError
 from tensorql.exec.distributed import DistributedRuntime, RankLayout
 from tensorql.exec.executor import Lanes
 from tensorql.exec.run_types import ChunkDestination, ChunkSink, ProgressCallback, RunResult
@@ -296,6 +296,33 @@ def choose_strategy(graph: TaskGraph, config: EngineConfig) -> str:
     return "tape" if suits(graph) else "serial"
 
 
+def guarded_progress(progress: ProgressCallback | None) -> ProgressCallback | None:
+    """``progress`` raising a :class:`~tensorql.errors.ProgressCallbackError` (its own
+    exception the cause) in place of any exception of its own: each strategy stops a run at
+    a TensorQLError and passes it on as it is, where another exception of a worker's would
+    be taken for its task's failure (or, raised outside a task on a lanes worker, end that
+    worker and leave the run waiting for it).
+
+    >>> def stop(done, total):
+    ...     raise KeyError("enough")
+    >>> try:
+    ...     guarded_progress(stop)(1, 2)
+    ... except ProgressCallbackError as err:
+    ...     print(err, "|", repr(err.__cause__))
+    the progress callback raised KeyError: 'enough' (at 1 of 2 tasks) | KeyError('enough')
+    """
+    if progress is None:
+        return None
+
+    def report(done: int, total: int) -> None:
+        try:
+            progress(done, total)
+        except Exception as err:
+            raise ProgressCallbackError(f"the progress callback raised {type(err).__name__}: "
+                                        f"{err} (at {done} of {total} tasks)") from err
+    return report
+
+
 def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = None,
         progress: ProgressCallback | None = None, sink: ChunkSink | None = None,
         destination: ChunkDestination | None = None, keep_outputs: bool = True) -> RunResult:
@@ -310,6 +337,7 @@ def run(graph: TaskGraph, config: EngineConfig | Any, *, strategy: str | None = 
     chunks the sink never saw)."""
     if not isinstance(config, EngineConfig):
         config = EngineConfig.of(config)
+    progress = guarded_progress(progress)
     name = strategy if strategy is not None else choose_strategy(graph, config)
     if strategy is None and name == "tape" and progress is not None:
         name = "serial"  # progress as each task ends (a tape reports once, at its end)

@@ -441,7 +441,12 @@ class Lanes:
             with state.cond:
                 if wide:
                     state.wide = False
-                completed = state.finish(task, started, ended, new_bytes)
+                try:  # reports progress: the caller's callback may raise
+                    completed = state.finish(task, started, ended, new_bytes)
+                except BaseException as err:  # noqa: BLE001 - reported to the caller
+                    state.fail(err, task)
+                    state.cond.notify_all()
+                    return
             if completed and state.sink is not None and task.output.step in state.graph.retain:
                 try:
                     state.sink(task.output, state.values[task.output])

@@ -76,8 +76,8 @@ class RunState:
         else as an ExecutionError naming the task's step and chunk."""
         err = self.error
         assert err is not None
-        if isinstance(err, TensorQLError):
-            raise err
+        if isinstance(err, TensorQLError) or not isinstance(err, Exception):
+            raise err  # ours, or an interrupt (KeyboardInterrupt, SystemExit) as it came
         raise task_failure(self.graph, self.failed, err) from err
 
     def check_all_done(self) -> None:
