@@ -495,15 +495,31 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     and one that is a view of an operand, or not laid out densely (an expanded broadcast),
     comes back as a contiguous copy.
 
+    A function that writes an operand in place (a stored chunk, or a view of one) is a
+    ValueError: the engine's chunks are shared, read by other tasks and kept by the store.
+
     >>> x = torch.ones(2, 1)
     >>> out = owned_result(lambda a, b: a.expand(2, 3))(x, torch.ones(1, 3))
     >>> out.is_contiguous(), out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     (True, True)
+    >>> owned_result(lambda a, b: a.add_(b))(x, torch.ones(2, 1))
+    Traceback (most recent call last):
+    ...
+    ValueError: join function <lambda> wrote its operand 0 in place; a join must return a new tensor
     """
     def call(*operands: torch.Tensor) -> torch.Tensor:
+        versions = [_version(x) for x in operands]
         out = fn(*operands)
+        written = [n for n, (x, v) in enumerate(zip(operands, versions))
+                   if v is not None and _version(x) != v]
+        if written:
+            raise ValueError(f"join function {call.__name__} wrote its operand "
+                             f"{', '.join(map(str, written))} in place; a join must return a "
+                             "new tensor")
         if not isinstance(out, torch.Tensor):
             return out
+        if out.requires_grad:  # a value, not a graph: chunks are combined in place
+            out = out.detach()
         shape = torch.broadcast_shapes(*(x.shape for x in operands))
         if out.shape != shape:
             out = out.expand(shape)
@@ -516,6 +532,14 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
     call.__name__ = getattr(fn, "__name__", "join")
     return call
+
+
+def _version(x: object) -> int | None:
+    """The version counter of tensor ``x`` (None: not a tensor, or an inference tensor,
+    which keeps none)."""
+    if not isinstance(x, torch.Tensor) or x.is_inference():
+        return None
+    return x._version
 
 
 def fold_reduce(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], identity: float,

@@ -196,6 +196,9 @@ elements at other positions: the function is not elementwise
                                 f"{name!r}")
     if name in BUILTIN_JOINS:
         raise JoinFunctionError(f"join {name!r} is built in; choose another name")
+    if _listed and name.startswith("join<"):  # join<lambda#3>, join<(a, b) -> a + b>: ours
+        raise JoinFunctionError(f"join {name!r}: names join<...> are those tensorql gives "
+                                "lambda joins; choose another name")
     if name.partition("(")[0] in UPDATE_JOINS:  # adam(beta1=...): see update_join
         raise JoinFunctionError(f"join {name!r}: names {', '.join(UPDATE_JOINS)}(...) are "
                                 "the optimizers' update joins; choose another name")
@@ -277,7 +280,7 @@ def _check_template(name: str, sql: str, arity: int) -> None:
                                 f"'{{0}} + {{1}}', got {type(sql).__name__} {sql!r}")
     try:
         sql.format(*[f"x{k}" for k in range(arity)])
-    except (IndexError, KeyError, ValueError) as err:
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError) as err:
         raise JoinFunctionError(f"join {name!r}: sql template {sql!r} must use only {{0}}.."
                                 f"{{{arity - 1}}} ({err})") from None
 

@@ -875,7 +875,15 @@ class ChunkCache:
     """A bounded LRU of decoded chunks, keyed by (chunk table, key).
 
     A stored tensor's chunk table is never rewritten (a replace makes a new table), so entries
-    cannot go stale; dropped tables simply age out.
+    cannot go stale; dropped tables simply age out. An entry written in place since it was
+    cached (its version counter moved: a user's join function that wrote its operand) is
+    dropped when next asked for, and the chunk decoded again from the table.
+
+    >>> cache = ChunkCache(1 << 20)
+    >>> cache.put(("t", (0,)), torch.zeros(3))
+    >>> _ = cache.get(("t", (0,))).add_(1.0)  # written in place by someone
+    >>> cache.get(("t", (0,))) is None
+    True
     """
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -883,7 +891,7 @@ class ChunkCache:
         self.hits = self.misses = 0
         # cachetools' LRU, sized in bytes (each chunk weighs its nbytes); it is not
         # thread-safe, so every access holds the lock
-        self._items: LRUCache[tuple[str, Key], torch.Tensor] = LRUCache(
+        self._items: LRUCache[tuple[str, Key], tuple[torch.Tensor, int | None]] = LRUCache(
             maxsize=max(1, self.capacity), getsizeof=_chunk_bytes)
         self._lock = threading.Lock()
 
@@ -892,14 +900,22 @@ class ChunkCache:
         """Bytes of the chunks held."""
         return int(self._items.currsize)
 
+    def items(self) -> list[tuple[tuple[str, Key], torch.Tensor]]:
+        """Every cached chunk with its (chunk table, key), least recently used first."""
+        with self._lock:
+            return [(ident, entry[0]) for ident, entry in self._items.items()]
+
     def get(self, ident: tuple[str, Key]) -> torch.Tensor | None:
         with self._lock:
-            chunk = self._items.get(ident)
-            if chunk is None:
+            entry = self._items.get(ident)
+            if entry is not None and _version(entry[0]) != entry[1]:
+                del self._items[ident]  # written in place since: decoded again
+                entry = None
+            if entry is None:
                 self.misses += 1
                 return None
             self.hits += 1
-            return chunk
+            return entry[0]
 
     def put(self, ident: tuple[str, Key], chunk: torch.Tensor) -> None:
         if chunk.nbytes > self.capacity or self.capacity == 0:
@@ -909,7 +925,8 @@ class ChunkCache:
                 return
             # never written again: products may use a packed copy of it while it is cached
             mark_immutable(chunk)
-            self._items[ident] = chunk  # the least recently used go, to stay within capacity
+            # the least recently used go, to stay within capacity
+            self._items[ident] = (chunk, _version(chunk))
 
     def discard_regions_within(self, table: str, grid: Any, key: Key) -> None:
         """Drop the cached regions of ``table`` that lie inside its chunk ``key`` (cached
@@ -924,8 +941,14 @@ class ChunkCache:
                     del self._items[ident]
 
 
-def _chunk_bytes(chunk: torch.Tensor) -> int:
-    return max(1, chunk.nbytes)
+def _chunk_bytes(entry: tuple[torch.Tensor, int | None]) -> int:
+    return max(1, entry[0].nbytes)
+
+
+def _version(chunk: torch.Tensor) -> int | None:
+    """``chunk``'s version counter (bumped by every in-place write to it or a view of it);
+    None for an inference tensor, which keeps none."""
+    return None if chunk.is_inference() else chunk._version
 
 
 def _drop_table_quietly(con: duckdb.DuckDBPyConnection, ref: str) -> None:

@@ -218,3 +218,57 @@ def test_a_gradient_torch_cannot_take_is_a_gradient_error(db1):
     out = tq.einsum("ij,jk->ik", A, A, join="t_no_adjoint")
     with pytest.raises(tq.GradientError, match="no adjoint here"):
         tq.grad(out.sum(), [A])
+
+
+def test_a_join_writing_its_operand_in_place_is_refused_and_leaves_stored_data_intact():
+    """A join that wrote its operand in place at run time only (the registration probe's
+    small tensors never took that branch) changed the stored tensor's cached chunks: later
+    reads of it, and results stored from it, saw the write."""
+    a = np.arange(30.0).reshape(6, 5)
+    b = np.ones((5, 4))
+    db = tq.connect()
+    A = db.from_numpy("A", a, tile=(3, 5))
+    B = db.from_numpy("B", b, tile=(5, 2))
+
+    def join(x, y):
+        z = x * y
+        if z.numel() > 12:
+            x.mul_(2)
+        return z
+
+    with pytest.raises(tq.TensorQLError, match="wrote its operand 0 in place"):
+        tq.einsum("ij,jk->ik", A, B, join=join).numpy()
+    np.testing.assert_array_equal(db.tensor("A").numpy(), a)
+    np.testing.assert_allclose((A @ B).numpy(), a @ b)
+
+
+def test_names_tensorql_gives_lambda_joins_cannot_be_registered():
+    """register_join("join<(a, b) -> a + b>", product) made SQL's lambda join of that text
+    compute the product; taking the next anonymous name made a plain lambda join fail."""
+    with pytest.raises(tq.JoinFunctionError, match="names join<...> are those tensorql"):
+        tq.register_join("join<(a, b) -> a + b>", lambda x, y: x * y)
+    with pytest.raises(tq.JoinFunctionError, match="names join<...> are those tensorql"):
+        tq.register_join("join<lambda#100000>", lambda x, y: x * y)
+    db = tq.connect()
+    a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+    db.from_numpy("A", a)
+    db.from_numpy("B", b)
+    got = db.sql("SELECT * FROM EINSUM('ij,jk->ik', A, B, join := (a, b) -> a + b, "
+                 "agg := 'max')").numpy()
+    np.testing.assert_array_equal(got, (a[:, :, None] + b[None]).max(axis=1))
+
+
+def test_an_sql_template_reaching_into_its_field_is_a_join_function_error():
+    with pytest.raises(tq.JoinFunctionError, match="must use only"):
+        tq.register_join("bad_template_attr", lambda a, b: a + b, sql="{0.real} + {1}")
+
+
+@pytest.mark.parametrize("backend", ["native", "duckdb"])
+def test_a_join_returning_a_tensor_that_requires_grad_runs_on_both_backends(backend):
+    """The DuckDB backend combined such a result in place: a raw autograd RuntimeError."""
+    db = tq.connect(backend=backend)
+    a, b = np.arange(6.0).reshape(2, 3), np.ones((3, 2))
+    A = db.from_numpy("A", a, tile=(1, 3))
+    B = db.from_numpy("B", b, tile=(3, 1))
+    got = tq.einsum("ij,jk->ik", A, B, join=lambda x, y: (x * y).requires_grad_()).numpy()
+    np.testing.assert_array_equal(got, a @ b)

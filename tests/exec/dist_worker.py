@@ -128,11 +128,10 @@ def tensor_parallel(out: str, shape: str) -> None:
         tables = {v.handle for v in versions.values()}
         store.unpin(versions.values())
         held: dict[int, int] = {}
-        with store.cache._lock:  # the cache has no public iteration
-            for (table, _key), chunk in store.cache._items.items():
-                if table in tables:
-                    storage = chunk.untyped_storage()
-                    held[storage.data_ptr()] = storage.nbytes()
+        for (table, _key), chunk in store.cache.items():
+            if table in tables:
+                storage = chunk.untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
         regions = {(task.kernel.name, tuple(task.kernel.lo), tuple(task.kernel.hi))
                    for step in query.physical.steps for task in step.tasks
                    if isinstance(task.kernel, LoadPiece) and task.device == rank

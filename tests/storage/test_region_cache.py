@@ -34,7 +34,7 @@ def store():
 def _held(store) -> int:
     """Bytes of distinct storage the chunk cache holds."""
     seen = {}
-    for chunk in store.cache._items.values():
+    for _, chunk in store.cache.items():
         storage = chunk.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
