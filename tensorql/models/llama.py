@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 import time
 import weakref
@@ -64,6 +65,18 @@ class LlamaShape:
     rope_theta: float = 10000.0
     eps: float = 1e-6
     tied: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "d_ff", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ShapeError(f"LlamaShape.{name} must be a positive integer, got {value!r}")
+        layers = self.layers
+        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 0:
+            raise ShapeError(f"LlamaShape.layers must be an integer >= 0, got {layers!r}")
+        if self.heads % self.kv_heads:
+            raise ShapeError(f"LlamaShape: {self.heads} query heads do not share "
+                             f"{self.kv_heads} key/value heads evenly")
 
     @property
     def groups(self) -> int:
@@ -236,6 +249,12 @@ class Llama:
             weakref.WeakValueDictionary()
         self._replan_seconds: float | None = None  # the last re-bind of a prefill's plan
         self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
+        for name, want in shape.weight_shapes().items():
+            if tuple(self.weights[name].shape) != want:
+                raise ShapeError(f"stored weight {prefix + name!r} is "
+                                 f"{tuple(self.weights[name].shape)} where this LlamaShape "
+                                 f"wants {want}: the shape is not the stored model's")
+        self._kept_lock = threading.Lock()  # takes and puts back the kept decoder
         self._rot = db.constant(_rotate_half_matrix(shape.head_dim))
         # one-hot picks of the keys (p = 0) and the values (p = 1) of a stacked (2, ...) pair
         self._pick = (db.constant(np.array([1.0, 0.0], dtype=np.float32)),
@@ -539,6 +558,7 @@ class Llama:
         """Run ``tokens`` (B, S) after the ``cache``'s positions: last-position logits (B, V)
         and the cache extended by these tokens. Two queries per layer, one for the head."""
         ids = self._tokens(tokens)
+        self._check_cache(cache, ids.shape[0])
         start = cache.length
         positions = list(range(start, start + ids.shape[1]))
         x = self.embed(ids).torch()
@@ -565,7 +585,15 @@ class Llama:
         same prompt length and ``max_new_tokens`` (as a server's requests) restarts it on its
         prompt (:meth:`Decoder.restart`) instead of planning one and laying its weights out
         again (see :meth:`_generation_decoder`)."""
-        prompt = [int(t) for t in tokens]
+        ids = self._tokens(list(tokens) if not isinstance(tokens, (np.ndarray, torch.Tensor))
+                           else tokens)
+        if ids.shape[0] != 1:
+            raise ShapeError(f"generate takes one prompt (a list of token ids), got a batch "
+                             f"of {ids.shape[0]}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+                or max_new_tokens < 0:
+            raise ShapeError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        prompt = [int(t) for t in ids[0]]
         out = list(prompt)
         logits, cache = self._prompt_query(1, len(prompt)).run([prompt])
         decoder = None
@@ -575,13 +603,17 @@ class Llama:
                 out.append(token)
                 if len(out) == len(prompt) + max_new_tokens:
                     break
+                if self.shape.layers == 0:  # no attention: a token's logits are its own
+                    logits = self.step([[token]], KVCache(()))[0]
+                    continue
                 if decoder is None:
                     decoder = self._generation_decoder(cache, len(prompt) + max_new_tokens)
                 logits = decoder.step([[token]])
         finally:
             if decoder is not None:  # back for the next call (taken while in use)
-                self._kept_decoder = (decoder.max_length, self.db.generation,
-                                      self.db.options, decoder)
+                with self._kept_lock:
+                    self._kept_decoder = (decoder.max_length, self.db.generation,
+                                          self.db.options, decoder)
         return out
 
     def _prompt_query(self, batch: int, seq: int) -> PromptQuery:
@@ -605,7 +637,8 @@ class Llama:
         (its plan, its cache buffers and, without a ``memory_limit``, its copy of the
         weights laid out for one-row products, as while it decodes); it is taken out while
         a call uses it, so a concurrent call builds its own."""
-        kept, self._kept_decoder = self._kept_decoder, None
+        with self._kept_lock:
+            kept, self._kept_decoder = self._kept_decoder, None
         if kept is not None:
             length, generation, options, decoder = kept
             if (length == max_length and generation == self.db.generation
@@ -614,8 +647,34 @@ class Llama:
                 return decoder
         return self.decoder(cache, max_length)
 
+    def _check_cache(self, cache: KVCache, batch: int | None = None) -> None:
+        """ShapeError unless ``cache`` (none, or every layer's) is of this model -- its
+        layer count, key/value heads and head dim -- with one batch and length throughout,
+        ``batch`` prompts where given."""
+        if not isinstance(cache, KVCache):
+            raise ShapeError(f"a KVCache is needed, got {type(cache).__name__}")
+        if not cache.layers:
+            return
+        s = self.shape
+        if len(cache.layers) != s.layers:
+            raise ShapeError(f"the KVCache has {len(cache.layers)} layers, this model "
+                             f"{s.layers}: it is another model's")
+        first = tuple(cache.layers[0].shape)
+        for n, layer in enumerate(cache.layers):
+            got = tuple(layer.shape)
+            if (len(got) != 5 or got[0] != 2 or got[3:] != (s.kv_heads, s.head_dim)
+                    or got[1:3] != first[1:3]):
+                raise ShapeError(f"KVCache layer {n} is {got}, where this model's are (2, "
+                                 f"batch, positions, {s.kv_heads}, {s.head_dim}) alike")
+        if batch is not None and first[1] != batch:
+            raise ShapeError(f"the KVCache holds {first[1]} prompts, the tokens {batch}")
+
     def _tokens(self, tokens: Any) -> np.ndarray:
-        ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
+        try:
+            ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
+        except ValueError:  # ragged rows
+            raise ShapeError("token ids must be a (batch, seq) integer array; the rows given "
+                             "are of different lengths") from None
         if ids.ndim == 1:
             ids = ids[None, :]
         if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -677,9 +736,11 @@ class _PromptOfShape:
     """
 
     def __init__(self, model: Llama, batch: int, seq: int, what: str) -> None:
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1
+               for n in (batch, seq)):
+            raise ShapeError(f"a prompt shape needs integers batch and seq >= 1, got "
+                             f"({batch!r}, {seq!r})")
         self.model, self.batch, self.seq, self._what = model, int(batch), int(seq), what
-        if self.batch < 1 or self.seq < 1:
-            raise ShapeError(f"a prompt shape needs batch and seq >= 1, got ({batch}, {seq})")
         self.positions = list(range(self.seq))
 
     @functools.cached_property
@@ -911,6 +972,7 @@ class PromptQuery(_PromptOfShape):
         from tensorql.pipeline import CompiledGroup
 
         super().__init__(model, batch, seq, "prompt query")
+        self._lock = threading.Lock()
         x = self.embeddings.tensor
         outputs = []
         for layer in range(model.shape.layers):
@@ -921,8 +983,9 @@ class PromptQuery(_PromptOfShape):
 
     def run(self, tokens: Any) -> tuple[torch.Tensor, KVCache]:
         """The last position's logits (B, V) of prompt ``tokens`` (B, S) and its KVCache."""
-        self._embed(tokens)
-        logits, *outputs = self.query.run()
+        with self._lock:  # one prompt at a time through the embeddings
+            self._embed(tokens)
+            logits, *outputs = self.query.run()
         layers = tuple(torch.stack([keys, values]) for keys, values
                        in zip(outputs[0::2], outputs[1::2]))
         return logits[:, 0, :], KVCache(layers)
@@ -990,6 +1053,7 @@ class Decoder:
         s = model.shape
         if not cache.layers:
             raise ShapeError("a decoder continues a prefill: give the KVCache of a step()")
+        model._check_cache(cache)
         batch = int(cache.layers[0].shape[1])
         self.model, self.position, self.max_length = model, cache.length, int(max_length)
         if self.position >= self.max_length:
