@@ -315,13 +315,11 @@ def _tq_weight_bytes(db, names: list[str]) -> tuple[int, int]:
     versions = store.pin(names)
     tables = {v.handle for v in versions.values()}
     store.unpin(versions.values())
-    cache = store.cache
     seen: dict[int, int] = {}
-    with cache._lock:  # the cache has no public iteration; read under its lock
-        for (table, _key), chunk in cache._items.items():
-            if table in tables:
-                storage = chunk.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
+    for (table, _key), chunk in store.cache.items():
+        if table in tables:
+            storage = chunk.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values()), packed_weights.packed_bytes()
 
 

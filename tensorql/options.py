@@ -51,12 +51,11 @@ def parse_bytes(value: int | str | None) -> int | None:
     >>> parse_bytes("0B")
     Traceback (most recent call last):
     ...
-    tensorql.errors.OptionError: memory size must be positive, got '0B' (0 bytes)
+    tensorql.errors.OptionError: memory size must be positive, got '0B'
     """
     size = _size(value)
     if size is not None and size <= 0:
-        shown = value if isinstance(value, int) else f"{value!r} ({size} bytes)"
-        raise OptionError(f"memory size must be positive, got {shown}")
+        raise OptionError(f"memory size must be positive, got {value!r}")
     return size
 
 
