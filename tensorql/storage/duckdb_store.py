@@ -190,10 +190,14 @@ class DuckDBChunkStore(ChunkStore):
         tensorql.errors.StorageError: the session is closed: its tensors and SQL can no longer \
 be used (open it again with tq.connect)
         """
+        self._check_open()
+        return self._connection
+
+    def _check_open(self) -> None:
+        """StorageError once :meth:`close` closed the store."""
         if self._closed:
             raise StorageError("the session is closed: its tensors and SQL can no longer be "
                                "used (open it again with tq.connect)")
-        return self._connection
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor on the store's database (its own transaction, usable on one thread)."""
@@ -650,6 +654,7 @@ be used (open it again with tq.connect)
         ([0.0, 0.0], [1.0, 1.0])
         >>> store.unpin(pinned.values()); store.close()
         """
+        self._check_open()  # a run pins what it reads first: none starts on a closed store
         names = list(dict.fromkeys(names))
         if not names:
             return {}

@@ -375,3 +375,14 @@ def test_a_huge_duckdb_memory_figure_opens_the_file(tmp_path):
     with tq.connect(path, store_memory_limit=2**70) as db:
         db.from_numpy("a", np.arange(4.0))
         np.testing.assert_array_equal(db.tensor("a").numpy(), np.arange(4.0))
+
+
+def test_an_expression_built_before_close_does_not_run_after_it():
+    """Its chunks were still in the cache: it ran on and answered after db.close()."""
+    db = tq.connect()
+    A = db.from_numpy("A", np.ones((4, 4)))
+    product = A @ A
+    np.testing.assert_array_equal(product.numpy(), np.full((4, 4), 4.0))
+    db.close()
+    with pytest.raises(tq.StorageError, match="the session is closed"):
+        product.numpy()
