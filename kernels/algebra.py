@@ -508,10 +508,10 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     ValueError: join function <lambda> wrote its operand 0 in place; a join must return a new tensor
     """
     def call(*operands: torch.Tensor) -> torch.Tensor:
-        versions = [_version(x) for x in operands]
+        versions = [version_counter(x) for x in operands]
         out = fn(*operands)
         written = [n for n, (x, v) in enumerate(zip(operands, versions))
-                   if v is not None and _version(x) != v]
+                   if v is not None and version_counter(x) != v]
         if written:
             raise ValueError(f"join function {call.__name__} wrote its operand "
                              f"{', '.join(map(str, written))} in place; a join must return a "
@@ -534,9 +534,14 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return call
 
 
-def _version(x: object) -> int | None:
-    """The version counter of tensor ``x`` (None: not a tensor, or an inference tensor,
-    which keeps none)."""
+def version_counter(x: object) -> int | None:
+    """The version counter of tensor ``x``, bumped by every in-place write to it or a view of
+    it (None: not a tensor, or an inference tensor, which keeps none).
+
+    >>> t = torch.zeros(2); before = version_counter(t); _ = t[:1].add_(1.0)
+    >>> version_counter(t) != before, version_counter(3.0)
+    (True, None)
+    """
     if not isinstance(x, torch.Tensor) or x.is_inference():
         return None
     return x._version

@@ -248,8 +248,9 @@ class Llama:
         self._planned_prefills: weakref.WeakValueDictionary[tuple[int, int], Prefill] = \
             weakref.WeakValueDictionary()
         self._replan_seconds: float | None = None  # the last re-bind of a prefill's plan
-        self.weights = {name: db.tensor(prefix + name) for name in shape.weight_shapes()}
-        for name, want in shape.weight_shapes().items():
+        wanted = shape.weight_shapes()
+        self.weights = {name: db.tensor(prefix + name) for name in wanted}
+        for name, want in wanted.items():
             if tuple(self.weights[name].shape) != want:
                 raise ShapeError(f"stored weight {prefix + name!r} is "
                                  f"{tuple(self.weights[name].shape)} where this LlamaShape "

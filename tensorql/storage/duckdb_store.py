@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from cachetools import LRUCache
+from tensorql_kernels.algebra import version_counter
 from tensorql_kernels.packed_weights import mark_immutable
 
 from tensorql.dtypes import SUPPORTED, itemsize
@@ -913,7 +914,7 @@ class ChunkCache:
     def get(self, ident: tuple[str, Key]) -> torch.Tensor | None:
         with self._lock:
             entry = self._items.get(ident)
-            if entry is not None and _version(entry[0]) != entry[1]:
+            if entry is not None and version_counter(entry[0]) != entry[1]:
                 del self._items[ident]  # written in place since: decoded again
                 entry = None
             if entry is None:
@@ -931,7 +932,7 @@ class ChunkCache:
             # never written again: products may use a packed copy of it while it is cached
             mark_immutable(chunk)
             # the least recently used go, to stay within capacity
-            self._items[ident] = (chunk, _version(chunk))
+            self._items[ident] = (chunk, version_counter(chunk))
 
     def discard_regions_within(self, table: str, grid: Any, key: Key) -> None:
         """Drop the cached regions of ``table`` that lie inside its chunk ``key`` (cached
@@ -948,12 +949,6 @@ class ChunkCache:
 
 def _chunk_bytes(entry: tuple[torch.Tensor, int | None]) -> int:
     return max(1, entry[0].nbytes)
-
-
-def _version(chunk: torch.Tensor) -> int | None:
-    """``chunk``'s version counter (bumped by every in-place write to it or a view of it);
-    None for an inference tensor, which keeps none."""
-    return None if chunk.is_inference() else chunk._version
 
 
 def _drop_table_quietly(con: duckdb.DuckDBPyConnection, ref: str) -> None:
