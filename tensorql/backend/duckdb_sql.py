@@ -9,7 +9,10 @@ the native executor. A stored chunk's bytes cross from DuckDB into Python once, 
 chunks a kernel computes stay torch tensors and never go back into DuckDB as bytes:
 
 - ``Scan``: the stored page rows of each chunk handed to a load function, one handle a chunk
-  after a GROUP BY on its key (or a registered Arrow table of handles of constant chunks);
+  after a GROUP BY on its key; the chunks it loads go into the store's chunk cache, and a
+  tensor whose chunks the cache holds (at the version the run pinned) is read from there
+  instead, as the native executor reads it: a registered Arrow table of handles, as for
+  constant chunks;
 - ``Join`` (+ ``Aggregate``): ``FROM x0 JOIN x1 ON x0.k1 = x1.k0`` with a partial aggregate
   kernel over the matching pairs' handles, then ``GROUP BY`` the output keys gathering the
   partials' handles -- ``SUM(matmul(A.chunk, B.chunk))`` of the tensor-relational algebra;
@@ -29,13 +32,14 @@ SELECT "k0", "k1", "chunk" FROM "s1"
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,6 +47,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import torch
+from tensorql_kernels.algebra import version_counter
 from tensorql_kernels.chunk_einsum import combine
 
 from tensorql.algebra import AggName
@@ -73,7 +78,7 @@ from tensorql.storage.sql_text import quote_ident as q
 from tensorql.units import format_bytes
 
 if TYPE_CHECKING:
-    from tensorql.storage.chunk_store import ChunkStore
+    from tensorql.storage.chunk_store import ChunkStore, StoredVersion
 
 
 class _Session(Protocol):
@@ -102,9 +107,14 @@ class CompiledPlan(Protocol):
     def db(self) -> _Session: ...
 
 
-__all__ = ["ChunkArena", "CompiledPlan", "SQLPlan", "explain_compiled", "run_compiled"]
+__all__ = ["ChunkArena", "CompiledPlan", "SQLPlan", "explain_compiled", "pinned_scans",
+           "run_compiled"]
 
 _IDS = itertools.count()
+
+#: in-memory scans (constant or cached chunks) of up to this many chunks are inlined in the
+#: query as ``VALUES``; bigger ones are registered Arrow tables
+_INLINE_CHUNKS = 1024
 
 
 class ChunkArena:
@@ -155,6 +165,9 @@ class ChunkArena:
         # chunks whose pages came in pieces (a chunk cut by a batch boundary or out of order)
         self._assembling: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._missing: dict[int, int] = {}  # handle -> bytes not yet copied in
+        #: the chunks the scans loaded: (scan, key) -> (handle, version counter at load),
+        #: for the store's chunk cache after the run (:meth:`SQLPlan.keep_loaded`)
+        self.scanned: dict[tuple[str, Key], tuple[int, int]] = {}
 
     def count(self, rows: int) -> None:
         """One Arrow function call over ``rows`` rows."""
@@ -166,6 +179,20 @@ class ChunkArena:
         """``nbytes`` chunk bytes were loaded from DuckDB (counted in ``loaded_bytes``)."""
         with self._lock:
             self.loaded_bytes += nbytes
+
+    def note_loaded(self, scan: str, key: Key, handle: int) -> None:
+        """Chunk ``key`` of ``scan`` was loaded as ``handle`` (first piece, for an assembled
+        chunk: its bytes are copied in through a numpy view, which torch does not count as a
+        write)."""
+        if (scan, key) not in self.scanned:
+            self.scanned[scan, key] = (handle, version_counter(self._chunks[handle]))
+
+    def loaded_chunks(self) -> Iterator[tuple[str, Key, torch.Tensor]]:
+        """Each chunk the scans loaded whole and unwritten since: (scan, key, chunk)."""
+        for (scan, key), (handle, version) in self.scanned.items():
+            chunk = self._chunks[handle]
+            if self._missing.get(handle, 0) == 0 and version_counter(chunk) == version:
+                yield scan, key, chunk
 
     def put(self, tensors: Sequence[torch.Tensor | None]) -> pa.Array:
         """Handles of ``tensors`` as an Arrow BIGINT array (NULL where ``None``)."""
@@ -283,7 +310,9 @@ class SQLPlan:
 
     ``sql`` selects ``k0.., chunk`` (the handles of the root relation's chunks); ``steps``
     names each CTE's logical node for EXPLAIN; ``constants`` are the chunks of constant (or
-    non-DuckDB) scans, by the fixed handles their registered tables hold.
+    non-DuckDB, or cached) scans, by the fixed handles their registered tables hold;
+    ``loads`` the pinned version each page-loading scan reads, by its load function's name
+    (the chunks it loads go into the store's cache after the run: :meth:`keep_loaded`).
     """
 
     root: LogicalNode
@@ -292,10 +321,19 @@ class SQLPlan:
     tables: dict[str, pa.Table] = field(hash=False)
     steps: tuple[tuple[str, str], ...] = ()
     constants: dict[int, torch.Tensor] = field(default_factory=dict, hash=False, compare=False)
+    loads: dict[str, StoredVersion] = field(default_factory=dict, hash=False, compare=False)
+    #: a scan reads a tensor's chunk view (a temp view of the connection, made by the
+    #: store's ``sync_views``) rather than a pinned version's pages
+    reads_views: bool = False
 
     @classmethod
-    def build(cls, root: LogicalNode, store: ChunkStore | None) -> SQLPlan:
-        builder = _Builder(store, next(_IDS))
+    def build(cls, root: LogicalNode, store: ChunkStore | None,
+              versions: Mapping[str, StoredVersion] | None = None) -> SQLPlan:
+        """The plan of ``root`` over ``store``; with ``versions`` (the stored tensors' versions
+        a run pinned: :func:`pinned_scans`), its scans read those versions, from the store's
+        chunk cache where it holds all of a tensor's chunks; without, the tables the store's
+        views show now, never from the cache."""
+        builder = _Builder(store, next(_IDS), versions)
         builder.root = id(root)
         names: dict[int, str] = {}
         ctes = []
@@ -323,7 +361,23 @@ class SQLPlan:
             for n, body, what in ctes)
         sql = f"WITH {with_sql}\nSELECT {keys}\"chunk\" FROM {q(ctes[-1][0])}"
         return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
-                   steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants)
+                   steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants,
+                   loads=builder.loads, reads_views=builder.reads_views)
+
+    def keep_loaded(self, arena: ChunkArena, store: ChunkStore | None) -> int:
+        """Put the chunks ``arena``'s run loaded from its pinned versions into ``store``'s
+        chunk cache (whole, unwritten ones), so that the next run reads them from there as
+        the native executor does; how many. Call it after a run that succeeded."""
+        keep = getattr(store, "cache_chunk_at", None)
+        if keep is None or not self.loads:
+            return 0
+        kept = 0
+        for scan, key, chunk in arena.loaded_chunks():
+            version = self.loads.get(scan)
+            if version is not None:
+                keep(version, key, chunk)
+                kept += 1
+        return kept
 
     def arena(self, dense: bool = False, threads: int = 1, torch_threads: int = 1
               ) -> ChunkArena:
@@ -533,6 +587,7 @@ def _page_loader(name: str, grid, dtype: str) -> Callable[..., pa.Array]:
                 handle = arena.put([view_bytes(raw, dtype, shape)])[0].as_py()
             else:
                 handle = arena.assemble((name, key), shape, dtype, first * PAGE_BYTES, raw)
+            arena.note_loaded(name, key, handle)
             out[lo:hi] = handle
             loaded += b - a
         arena.loaded(loaded)
@@ -542,9 +597,13 @@ def _page_loader(name: str, grid, dtype: str) -> Callable[..., pa.Array]:
 
 
 class _Builder:
-    def __init__(self, store: ChunkStore | None, plan_id: int) -> None:
+    def __init__(self, store: ChunkStore | None, plan_id: int,
+                 versions: Mapping[str, StoredVersion] | None = None) -> None:
         self.store = store
         self.plan_id = plan_id
+        self.versions = versions  # pinned by the run; None: read what the views show
+        self.loads: dict[str, StoredVersion] = {}  # page-loading scans' versions
+        self.reads_views = False
         self.udfs: list[UDF] = []
         self.tables: dict[str, pa.Table] = {}
         self.constants: dict[int, torch.Tensor] = {}  # fixed (negative) handles
@@ -580,14 +639,22 @@ class _Builder:
         keys = ", ".join(q(f"k{d}") for d in range(ndim))
         group = f" GROUP BY {keys}" if keys else ""
         keys = keys + ", " if keys else ""
+        version = (self.versions or {}).get(node.source) if node.constant is None else None
+        cached = getattr(self.store, "cached_chunks_at", None)
+        cached = cached(version, grid.keys()) if cached and version is not None else None
+        if cached is not None:  # every chunk in the store's cache: read from there
+            return self._in_memory([cached[k] for k in grid.keys()], grid, keys,
+                                   f"Scan {node.source} (cached chunks)")
         if node.constant is None and self.store is not None and hasattr(self.store,
                                                                          "connection"):
             pages = getattr(self.store, "chunk_pages_sql", None)
-            pages = pages(node.source) if pages is not None else None
+            pages = pages(node.source, version) if pages is not None else None
             name = self._name("load")
             if pages is not None:  # each chunk's stored pages, loaded once
                 self.udfs.append(UDF(name, _page_loader(name, grid, dtype),
                                      ("INTEGER",) * ndim + ("INTEGER", "BLOB")))
+                if version is not None:
+                    self.loads[name] = version
                 # the GROUP BY is a pipeline breaker: every page has been loaded before a
                 # chunk's handle (the same on all its pages) goes on
                 return (f"SELECT {keys}min(\"chunk\") AS \"chunk\" FROM (SELECT {keys}"
@@ -601,6 +668,7 @@ class _Builder:
                 return arena.put(chunks)
 
             self.udfs.append(UDF(name, load_chunks, ("INTEGER",) * ndim + ("BLOB",)))
+            self.reads_views = True
             return (f"SELECT {keys}{q(name)}({keys}\"payload\") AS \"chunk\" FROM "
                     f"{q(node.source + '__chunks')}", f"Scan {node.source} (chunk view)")
         key_list = list(grid.keys())
@@ -611,14 +679,31 @@ class _Builder:
                 raise PlanError(f"no store to read {node.source!r} from")
             got = dict(self.store.read_chunks(node.source, key_list))
             chunks = [got[k] for k in key_list]
+        return self._in_memory(chunks, grid, keys, f"Scan {node.source} (in memory)")
+
+    def _in_memory(self, chunks: list[torch.Tensor], grid: ChunkGrid, keys: str, what: str
+                   ) -> tuple[str, str]:
+        """A scan of ``chunks`` (one a key of ``grid``, in its order) held in memory, by
+        fixed handles: a ``VALUES`` list of keys and handles for up to
+        ``_INLINE_CHUNKS`` chunks (registering a table costs ~0.5 ms a run), else a
+        registered table; ``keys`` the key columns' SQL, then ", "."""
+        key_list = list(grid.keys())
         handles = [-(len(self.constants) + 1 + i) for i in range(len(chunks))]
         self.constants.update(zip(handles, chunks))
+        if len(key_list) <= _INLINE_CHUNKS:
+            rows = ", ".join(f"({', '.join(map(str, (*k, h)))})"
+                             for k, h in zip(key_list, handles))
+            names = [f"k{d}" for d in range(grid.ndim)] + ["chunk"]
+            typed = ", ".join([f"CAST({q(n)} AS INTEGER) AS {q(n)}" for n in names[:-1]]
+                              + ['CAST("chunk" AS BIGINT) AS "chunk"'])
+            return (f"SELECT {typed} FROM (VALUES {rows}) AS "
+                    f"t({', '.join(map(q, names))})"), what
         columns = {f"k{d}": pa.array([k[d] for k in key_list], pa.int32())
                    for d in range(grid.ndim)}
         columns["chunk"] = pa.array(handles, pa.int64())
         name = self._name("chunks")
         self.tables[name] = pa.table(columns)
-        return f"SELECT {keys}\"chunk\" FROM {q(name)}", f"Scan {node.source} (in memory)"
+        return f"SELECT {keys}\"chunk\" FROM {q(name)}", what
 
     # -- maps ---------------------------------------------------------------------------
     def _map(self, node: Map | Softmax, names: dict[int, str]) -> tuple[str, str]:
@@ -855,11 +940,13 @@ class _Builder:
 
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
 
-def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None):
+def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None,
+                sync_views: bool = True):
     """The connection the plan's SQL runs on, with the store's tensor views in step with its
-    catalog (they are temp views of that connection; a write may have added tensors)."""
+    catalog when ``sync_views`` (they are temp views of that connection; a write may have
+    added tensors; a plan built on pinned versions reads their tables, not the views)."""
     sync = getattr(compiled.db.chunk_store, "sync_views", None)
-    if sync is not None:
+    if sync is not None and sync_views:
         sync()
     return con if con is not None else compiled.db.connection
 
@@ -881,13 +968,39 @@ def check_stored_layouts(root: LogicalNode, store: ChunkStore | None) -> None:
     ...     print(str(err)[56:122])
     it is 2x2 float32 in tiles of 2x2 where the plan reads 2x2 float64
     """
+    with pinned_scans(root, store):
+        pass
+
+
+@contextlib.contextmanager
+def pinned_scans(root: LogicalNode, store: ChunkStore | None
+                 ) -> Iterator[dict[str, StoredVersion]]:
+    """The versions of the stored tensors ``root`` scans, pinned while the block runs (a
+    replace or drop meanwhile keeps them), after checking that each still has the layout
+    the plan was made for (:func:`check_stored_layouts`); {} without a store.
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect(backend="duckdb")
+    >>> a = db.from_numpy("a", np.ones((2, 2)))
+    >>> with pinned_scans((a * 2).compile().logical, db.chunk_store) as versions:
+    ...     print(list(versions), versions["a"].meta.shape)
+    ['a'] (2, 2)
+    """
     if store is None:
+        yield {}
         return
     scans = [node for node in walk(root) if isinstance(node, Scan) and node.constant is None
              and node.offset is None]
     # the versions the store resolves for a run (kept by the store, not a catalog query each)
     versions = store.pin(node.source for node in scans)
-    store.unpin(versions.values())
+    try:
+        _check_layouts(scans, versions)
+        yield versions
+    finally:
+        store.unpin(versions.values())
+
+
+def _check_layouts(scans: Sequence[Scan], versions: Mapping[str, StoredVersion]) -> None:
     for node in scans:
         meta = versions[node.source].meta
         rel = node.relation
@@ -908,13 +1021,17 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
     (``dense``: the dense result made during the run, the root's sums written into it)."""
-    con = _connection(compiled, con)  # first: the plan reads the views' current tables
-    check_stored_layouts(compiled.logical, compiled.db.chunk_store)
-    plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    options = getattr(compiled.db, "options", None)
-    arena = plan.arena(dense=dense, threads=getattr(options, "workers", 1),
-                       torch_threads=getattr(options, "intra_op_threads", 1))
-    chunks, wall = plan.run(con, arena)
+    con = _connection(compiled, con, sync_views=False)  # the plan reads the pinned versions
+    store = compiled.db.chunk_store
+    with pinned_scans(compiled.logical, store) as versions:
+        plan = SQLPlan.build(compiled.logical, store, versions)
+        if plan.reads_views:
+            _connection(compiled, con)
+        options = getattr(compiled.db, "options", None)
+        arena = plan.arena(dense=dense, threads=getattr(options, "workers", 1),
+                           torch_threads=getattr(options, "intra_op_threads", 1))
+        chunks, wall = plan.run(con, arena)
+        plan.keep_loaded(arena, store)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:
@@ -927,24 +1044,33 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
 def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                      analyze: bool = False) -> tuple[str, torch.Tensor | None]:
     """EXPLAIN text of the DuckDB backend (the generated SQL, its steps and DuckDB's own plan);
-    with ``analyze`` the query also runs and its dense result comes back."""
-    con = _connection(compiled, con)
-    plan = SQLPlan.build(compiled.logical, compiled.db.chunk_store)
-    node = compiled.node
-    shape = "x".join(map(str, node.shape)) or "scalar"
-    lines = [f"{'EXPLAIN ANALYZE' if analyze else 'EXPLAIN'} {node.describe()} -> {shape} "
-             f"{node.dtype} (DuckDB backend)"]
-    for name, what in plan.steps:
-        lines.append(f"  {name}: {what}")
-    lines.append("Generated SQL:")
-    lines += ["  " + line for line in plan.sql.splitlines()]
-    dense = None
-    if analyze:
-        check_stored_layouts(compiled.logical, compiled.db.chunk_store)
-        chunks, wall = plan.run(con)
-        rel = compiled.logical.relation
-        dense = assemble(rel.grid, rel.dtype, chunks)
-        lines.append(f"Measured: {wall * 1e3:.1f} ms wall, {len(chunks)} result chunk(s)")
-    lines.append("DuckDB plan:")
-    lines.append(plan.explain_analyze(con, analyze=analyze))
+    with ``analyze`` the query also runs, as :func:`run_compiled` runs it (on the versions
+    it pins, from the chunk cache where it holds a tensor), and its dense result comes
+    back."""
+    con = _connection(compiled, con, sync_views=not analyze)
+    store = compiled.db.chunk_store
+    with contextlib.ExitStack() as stack:
+        versions = stack.enter_context(pinned_scans(compiled.logical, store)) if analyze \
+            else None
+        plan = SQLPlan.build(compiled.logical, store, versions)
+        if plan.reads_views and analyze:
+            _connection(compiled, con)
+        node = compiled.node
+        shape = "x".join(map(str, node.shape)) or "scalar"
+        lines = [f"{'EXPLAIN ANALYZE' if analyze else 'EXPLAIN'} {node.describe()} -> {shape} "
+                 f"{node.dtype} (DuckDB backend)"]
+        for name, what in plan.steps:
+            lines.append(f"  {name}: {what}")
+        lines.append("Generated SQL:")
+        lines += ["  " + line for line in plan.sql.splitlines()]
+        dense = None
+        if analyze:
+            arena = plan.arena()
+            chunks, wall = plan.run(con, arena)
+            plan.keep_loaded(arena, store)
+            rel = compiled.logical.relation
+            dense = assemble(rel.grid, rel.dtype, chunks)
+            lines.append(f"Measured: {wall * 1e3:.1f} ms wall, {len(chunks)} result chunk(s)")
+        lines.append("DuckDB plan:")
+        lines.append(plan.explain_analyze(con, analyze=analyze))
     return "\n".join(lines), dense

@@ -311,12 +311,13 @@ be used (open it again with tq.connect)
                                               grid=grid), self._ref(table), paged=bool(paged))
                 self._views[name] = table
 
-    def chunk_pages_sql(self, name: str) -> str | None:
+    def chunk_pages_sql(self, name: str, version: StoredVersion | None = None) -> str | None:
         """The page rows ``k0.., page, payload`` that tensor ``name``'s chunk view joins (an
         SQL table expression on :attr:`connection`, current after :meth:`sync_views`), for
         readers that take a chunk's pages as they are stored (the DuckDB backend's kernels);
-        None when this connection has no view of ``name``."""
-        table = self._views.get(name)
+        None when this connection has no view of ``name``. With ``version`` (pinned by
+        :meth:`pin`), the pages of that version, whatever the view shows now."""
+        table = version.handle if version is not None else self._views.get(name)
         if table is None:
             return None
         ref = self._ref(table)
@@ -736,6 +737,41 @@ be used (open it again with tq.connect)
         if cached is not None:
             return cached
         return self._chunk_of(meta, table, key, self._read_pages(table, key))
+
+    def cached_chunks_at(self, version: StoredVersion, keys: Iterable[Key]
+                         ) -> dict[Key, torch.Tensor] | None:
+        """The chunks ``keys`` of the pinned ``version`` when the chunk cache holds every one
+        of them, else None; nothing is read from the tables either way.
+
+        >>> from tensorql.grid import ChunkGrid
+        >>> store = DuckDBChunkStore()
+        >>> meta = TensorMeta("v", (4,), "float32", ChunkGrid((4,), (2,)))
+        >>> store.put_tensor(meta, [((0,), np.zeros(2, np.float32)),
+        ...                         ((1,), np.ones(2, np.float32))])
+        >>> version = store.pin(["v"])["v"]
+        >>> store.cached_chunks_at(version, [(0,), (1,)]) is None  # nothing read yet
+        True
+        >>> _ = [store.read_chunk_at(version, k) for k in [(0,), (1,)]]
+        >>> sorted(store.cached_chunks_at(version, [(0,), (1,)]))
+        [(0,), (1,)]
+        >>> store.unpin([version]); store.close()
+        """
+        table = version.handle
+        found = {}
+        for key in keys:
+            chunk = self.cache.get((table, key))
+            if chunk is None:
+                return None
+            found[key] = chunk
+        return found
+
+    def cache_chunk_at(self, version: StoredVersion, key: Key, chunk: torch.Tensor) -> None:
+        """Keep ``chunk``, decoded by a reader of the pinned ``version``'s pages of its own
+        (the DuckDB backend's page loader), in the chunk cache as its chunk ``key``, as a
+        read of it here would (the regions cut from it before are views of it from now on).
+        The caller must not write it afterwards."""
+        self.cache.put((version.handle, key), chunk)
+        self.cache.discard_regions_within(version.handle, version.meta.grid, key)
 
     def _chunk_of(self, meta: TensorMeta, table: str, key: Key, result: pa.Table,
                   cache: bool = True):

@@ -211,7 +211,7 @@ def test_chunk_view_scan_when_the_store_names_no_page_rows(monkeypatch):
     a, b = rng.standard_normal((5, 7)), rng.standard_normal((7, 3))
     with tq.connect(backend="duckdb") as db:
         A, B = db.from_numpy("A", a, tile=(2, 4)), db.from_numpy("B", b, tile=(4, 2))
-        monkeypatch.setattr(db.chunk_store, "chunk_pages_sql", lambda name: None)
+        monkeypatch.setattr(db.chunk_store, "chunk_pages_sql", lambda name, version=None: None)
         expr = tq.einsum("ij,jk->ik", A, B)
         steps = dict(SQLPlan.build(expr.compile().logical, db.chunk_store).steps)
         assert sorted(v for v in steps.values() if v.startswith("Scan")) == \
@@ -255,10 +255,15 @@ def test_page_loader_assembles_chunks_cut_by_batches_or_out_of_order():
     assert data.address <= whole.data_ptr() < data.address + data.size
     with pytest.raises(tq.ExecutionError, match="missing"):
         arena.get([first[0]])  # page 1 of chunk 0 has not come
+    # only whole chunks would go into the store's cache after the run
+    assert [(scan, key) for scan, key, _ in arena.loaded_chunks()] == [("t", (1, 0))]
     second = load(arena, *batch([(0, 1)])).to_pylist()
     assert second == first[:1]
     np.testing.assert_array_equal(arena.get([first[0]])[0].numpy()[0], values[0])
     assert arena.loaded_bytes == values.nbytes
+    kept = {key: chunk.numpy()[0] for _, key, chunk in arena.loaded_chunks()}
+    assert sorted(kept) == [(0, 0), (1, 0)]
+    np.testing.assert_array_equal(kept[0, 0], values[0])
 
 
 def test_tiles_cut_by_a_batch_boundary_match_numpy():
@@ -276,6 +281,10 @@ def test_tiles_cut_by_a_batch_boundary_match_numpy():
         assert arena.loaded_bytes == a.nbytes + b.nbytes
         assert 1 <= arena.assembled < 400  # the tiles cut by a boundary, the rest are views
         np.testing.assert_allclose(expr.numpy(), 2 * a @ b, rtol=1e-10, atol=1e-10)
+        # the run above kept every tile, assembled ones too: this one reads none from DuckDB
+        with duckdb_sql.pinned_scans(expr.compile().logical, db.chunk_store) as versions:
+            plan = SQLPlan.build(expr.compile().logical, db.chunk_store, versions)
+        assert "Scan A (cached chunks)" in dict(plan.steps).values()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
