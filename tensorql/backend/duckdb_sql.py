@@ -857,10 +857,12 @@ class _Builder:
         ndim = out_rel.grid.ndim
 
         def run_agg(arena, parts_column):
+            # every part is a partial the run made (a fold's own tensor, or its chunk of the
+            # dense result): the first takes the others' sums in place
             out = []
             for handles in _int_lists(parts_column):
                 parts = arena.get(handles)
-                acc = parts[0].clone() if len(parts) > 1 else parts[0]
+                acc = parts[0]
                 for part in parts[1:]:
                     acc = combine(acc, part, agg)
                 out.append(acc)
