@@ -56,7 +56,7 @@ from tensorql.einsum.graph import Node
 from tensorql.errors import ExecutionError, PlanError, StaleTensorError, UnsupportedError
 from tensorql.exec.host_malloc import empty_result
 from tensorql.exec.run_types import RunStats
-from tensorql.exec.threads import run_shared
+from tensorql.exec.threads import run_shared, with_torch_threads
 from tensorql.grid import ChunkGrid, Key, regrid_pieces
 from tensorql.logical.plan import (
     Aggregate,
@@ -489,7 +489,11 @@ def _bound(fn: Callable[..., pa.Array], arena: ChunkArena, n: int) -> Callable[.
 
     def call(*cols):
         arena.count(len(cols[-1]))
-        return fn(arena, *cols)
+        # a DuckDB thread's torch work runs on the session's torch threads a worker, not on
+        # OpenMP's default of every core: two such threads calling at once (DuckDB splits a
+        # join's rows over its threads) would each start a team of every core
+        with with_torch_threads(arena.torch_threads):
+            return fn(arena, *cols)
 
     kind = inspect.Parameter.POSITIONAL_ONLY
     call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -882,10 +886,17 @@ class _Builder:
         # row's), their handles gathered per output chunk in DuckDB and folded by the
         # aggregate kernel (a lone partial -- the whole sum came in one batch -- is the
         # result as it is)
+        # ... in the order of the output keys: DuckDB then hands the step's rows on from
+        # one sorted source, so a join reading it gets its pairs in as few batches as fit
+        # (one call whose products are shared over the workers), where the GROUP BY's own
+        # output, one part a DuckDB thread, split them into two calls at once, each on
+        # one thread, and every output chunk's sum into two partials folded after
+        ordered = f" ORDER BY {', '.join(keys)}" if keys else ""
         body = (f"SELECT {sel}CASE WHEN len(\"parts\") = 1 THEN \"parts\"[1] ELSE "
                 f"{q(agg_fn)}(\"parts\") END AS \"chunk\" FROM (SELECT {sel}"
                 f"list(\"partial\"{order}) FILTER (WHERE \"partial\" IS NOT NULL) AS \"parts\" "
-                f"FROM (SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group})")
+                f"FROM (SELECT {inner_sel}{call} AS \"partial\" FROM {from_sql}{where}){group})"
+                f"{ordered}")
         what = f"Aggregate {agg} over [{', '.join(aggregate.over)}] of join {join.join}"
         return body, what
 

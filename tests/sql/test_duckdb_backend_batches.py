@@ -363,3 +363,26 @@ def test_a_batchs_output_chunks_are_summed_on_the_sessions_workers():
         C = db.from_numpy("C", c, tile=(2, 2))
         got = tq.einsum("ij,jk,kl->il", A, B, C).numpy()
         np.testing.assert_allclose(got, a @ b @ c, rtol=1e-12, atol=1e-12)
+
+
+def test_a_chain_s_second_product_gets_all_its_pairs_in_one_call():
+    """A product's result comes on in the order of its keys (one sorted source), so the join
+    reading it hands all of its pairs to one call of the next product's function, whose
+    products are then shared over the workers; a result split over DuckDB's threads made two
+    calls at once, each on one thread, and two partials a chunk to fold."""
+    rng = np.random.default_rng(35)
+    x, y, z = (rng.standard_normal((64, 64)) for _ in range(3))
+    with tq.connect(backend="duckdb", workers=2) as db:
+        db.connection.execute("SET threads = 2")
+        X, Y, Z = (db.from_numpy(n, v, tile=(16, 16)) for n, v in zip("XYZ", (x, y, z)))
+        expr = tq.einsum("ij,jk,kl->il", X, Y, Z)
+        np.testing.assert_allclose(expr.numpy(), x @ y @ z, rtol=1e-10, atol=1e-10)
+        compiled = expr.compile()
+        for _ in range(10):
+            with duckdb_sql.pinned_scans(compiled.logical, db.chunk_store) as versions:
+                plan = SQLPlan.build(compiled.logical, db.chunk_store, versions)
+                arena = plan.arena(threads=2)
+                chunks, _ = plan.run(db.connection, arena)
+            assert arena.calls == 2  # one partial call a product, no fold, no load
+            np.testing.assert_allclose(plan.dense_result(chunks, arena).numpy(), x @ y @ z,
+                                       rtol=1e-10, atol=1e-10)
