@@ -114,3 +114,20 @@ def test_a_failed_run_keeps_nothing_it_loaded():
             expr.numpy()
         assert _scans(db, A + 0) == ["Scan A (chunk pages)"]
         np.testing.assert_allclose((A + 0).numpy(), a)
+
+
+@pytest.mark.parametrize("tile", [(8, 8), (2, 2)])  # 16 chunks a tensor: VALUES; 256: a table
+def test_cached_scans_of_few_and_many_chunks(tile):
+    rng = np.random.default_rng(36)
+    a, b = rng.standard_normal((32, 32)), rng.standard_normal((32, 32))
+    with tq.connect(backend="duckdb") as db:
+        A, B = db.from_numpy("A", a, tile=tile), db.from_numpy("B", b, tile=tile)
+        expr = tq.einsum("ij,jk->ik", A, B) + A
+        for _ in range(2):
+            np.testing.assert_allclose(expr.numpy(), a @ b + a, rtol=1e-12, atol=1e-12)
+        assert _scans(db, expr).count("Scan A (cached chunks)") >= 1
+        compiled = expr.compile()
+        with pinned_scans(compiled.logical, db.chunk_store) as versions:
+            plan = SQLPlan.build(compiled.logical, db.chunk_store, versions)
+        assert ("VALUES" in plan.sql) == (tile == (8, 8))
+        assert bool(plan.tables) == (tile == (2, 2))
