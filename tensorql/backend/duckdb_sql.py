@@ -1031,6 +1031,13 @@ def _check_layouts(scans: Sequence[Scan], versions: Mapping[str, StoredVersion])
             f"again, e.g. from db.tensor({node.source!r})")
 
 
+def _session_arena(plan: SQLPlan, compiled: CompiledPlan, dense: bool) -> ChunkArena:
+    """A run's arena with the session's workers and torch threads a worker."""
+    options = getattr(compiled.db, "options", None)
+    return plan.arena(dense=dense, threads=getattr(options, "workers", 1),
+                      torch_threads=getattr(options, "intra_op_threads", 1))
+
+
 def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
@@ -1041,9 +1048,7 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
         plan = SQLPlan.build(compiled.logical, store, versions)
         if plan.reads_views:
             _connection(compiled, con)
-        options = getattr(compiled.db, "options", None)
-        arena = plan.arena(dense=dense, threads=getattr(options, "workers", 1),
-                           torch_threads=getattr(options, "intra_op_threads", 1))
+        arena = _session_arena(plan, compiled, dense)
         chunks, wall = plan.run(con, arena)
         plan.keep_loaded(arena, store)
     rel = compiled.logical.relation
@@ -1079,7 +1084,7 @@ def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | No
         lines += ["  " + line for line in plan.sql.splitlines()]
         dense = None
         if analyze:
-            arena = plan.arena()
+            arena = _session_arena(plan, compiled, dense=False)
             chunks, wall = plan.run(con, arena)
             plan.keep_loaded(arena, store)
             rel = compiled.logical.relation
