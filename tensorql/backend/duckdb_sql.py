@@ -428,7 +428,11 @@ class SQLPlan:
         registered = self._register(con, self.arena())
         try:
             prefix = "EXPLAIN ANALYZE " if analyze else "EXPLAIN "
-            rows = con.sql(prefix + self.sql).fetchall()
+            try:
+                rows = con.sql(prefix + self.sql).fetchall()
+            except duckdb.Error as err:
+                raise ExecutionError(f"DuckDB backend failed to explain its query: "
+                                     f"{str(err).splitlines()[0]}") from None
             return "\n".join(r[1] for r in rows).rstrip()
         finally:
             self._unregister(con, registered)
@@ -695,7 +699,7 @@ class _Builder:
         key_list = list(grid.keys())
         handles = [-(len(self.constants) + 1 + i) for i in range(len(chunks))]
         self.constants.update(zip(handles, chunks))
-        if len(key_list) <= _INLINE_CHUNKS:
+        if 0 < len(key_list) <= _INLINE_CHUNKS:  # (VALUES needs a row: an empty grid has none)
             rows = ", ".join(f"({', '.join(map(str, (*k, h)))})"
                              for k, h in zip(key_list, handles))
             names = [f"k{d}" for d in range(grid.ndim)] + ["chunk"]
@@ -954,15 +958,42 @@ class _Builder:
 
 # -- entry points used by CompiledQuery and the SQL session -----------------------------
 
-def _connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None,
-                sync_views: bool = True):
-    """The connection the plan's SQL runs on, with the store's tensor views in step with its
-    catalog when ``sync_views`` (they are temp views of that connection; a write may have
-    added tensors; a plan built on pinned versions reads their tables, not the views)."""
+def _sync_views(compiled: CompiledPlan) -> None:
+    """The store's tensor views in step with its catalog (temp views of the main connection;
+    a write may have added tensors): for a plan that reads them."""
     sync = getattr(compiled.db.chunk_store, "sync_views", None)
-    if sync is not None and sync_views:
+    if sync is not None:
         sync()
-    return con if con is not None else compiled.db.connection
+
+
+@contextlib.contextmanager
+def _query_connection(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None,
+                      plan: SQLPlan) -> Iterator[duckdb.DuckDBPyConnection]:
+    """The connection ``plan``'s SQL runs on: ``con`` when the caller gave one; else a plan
+    that reads the store's temp views runs on the main connection, whose views they are,
+    under the store's lock of it; any other on a cursor of the calling thread's own --
+    DuckDB refuses a connection two threads use at once, so queries from several threads
+    each run on theirs (the plan's tables and functions are registered there)."""
+    if con is not None:
+        if plan.reads_views:
+            _sync_views(compiled)
+        yield con
+        return
+    store = compiled.db.chunk_store
+    if plan.reads_views:
+        with getattr(store, "main_connection_lock", contextlib.nullcontext()):
+            _sync_views(compiled)
+            yield compiled.db.connection
+        return
+    thread_cursor = getattr(store, "thread_cursor", None)
+    if thread_cursor is not None:
+        yield thread_cursor()
+        return
+    cursor = compiled.db.connection.cursor()  # a session whose store is not DuckDB's
+    try:
+        yield cursor
+    finally:
+        cursor.close()
 
 
 def check_stored_layouts(root: LogicalNode, store: ChunkStore | None) -> None:
@@ -1042,14 +1073,12 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
                  dense: bool = False) -> QueryResult:
     """Run a compiled query on the DuckDB backend; a QueryResult like the native run's
     (``dense``: the dense result made during the run, the root's sums written into it)."""
-    con = _connection(compiled, con, sync_views=False)  # the plan reads the pinned versions
     store = compiled.db.chunk_store
     with pinned_scans(compiled.logical, store) as versions:
         plan = SQLPlan.build(compiled.logical, store, versions)
-        if plan.reads_views:
-            _connection(compiled, con)
         arena = _session_arena(plan, compiled, dense)
-        chunks, wall = plan.run(con, arena)
+        with _query_connection(compiled, con, plan) as query_con:
+            chunks, wall = plan.run(query_con, arena)
         plan.keep_loaded(arena, store)
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
@@ -1062,18 +1091,22 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
 
 def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None = None,
                      analyze: bool = False) -> tuple[str, torch.Tensor | None]:
-    """EXPLAIN text of the DuckDB backend (the generated SQL, its steps and DuckDB's own plan);
-    with ``analyze`` the query also runs, as :func:`run_compiled` runs it (on the versions
-    it pins, from the chunk cache where it holds a tensor), and its dense result comes
-    back."""
-    con = _connection(compiled, con, sync_views=not analyze)
+    """EXPLAIN text of the DuckDB backend (the generated SQL, its steps and DuckDB's own plan):
+    the plan a run would run now (on the versions it would pin, from the chunk cache where it
+    holds a tensor; an expression whose tensors were stored again with another layout shows
+    the plan of the tables the views name, as a run of it raises StaleTensorError); with
+    ``analyze`` the query also runs, as :func:`run_compiled` runs it, and its dense result
+    comes back."""
     store = compiled.db.chunk_store
     with contextlib.ExitStack() as stack:
-        versions = stack.enter_context(pinned_scans(compiled.logical, store)) if analyze \
-            else None
+        try:
+            versions = stack.enter_context(pinned_scans(compiled.logical, store))
+        except StaleTensorError:
+            if analyze:
+                raise
+            _sync_views(compiled)
+            versions = None
         plan = SQLPlan.build(compiled.logical, store, versions)
-        if plan.reads_views and analyze:
-            _connection(compiled, con)
         node = compiled.node
         shape = "x".join(map(str, node.shape)) or "scalar"
         lines = [f"{'EXPLAIN ANALYZE' if analyze else 'EXPLAIN'} {node.describe()} -> {shape} "
@@ -1083,13 +1116,14 @@ def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | No
         lines.append("Generated SQL:")
         lines += ["  " + line for line in plan.sql.splitlines()]
         dense = None
+        query_con = stack.enter_context(_query_connection(compiled, con, plan))
         if analyze:
             arena = _session_arena(plan, compiled, dense=False)
-            chunks, wall = plan.run(con, arena)
+            chunks, wall = plan.run(query_con, arena)
             plan.keep_loaded(arena, store)
             rel = compiled.logical.relation
             dense = assemble(rel.grid, rel.dtype, chunks)
             lines.append(f"Measured: {wall * 1e3:.1f} ms wall, {len(chunks)} result chunk(s)")
         lines.append("DuckDB plan:")
-        lines.append(plan.explain_analyze(con, analyze=analyze))
+        lines.append(plan.explain_analyze(query_con, analyze=analyze))
     return "\n".join(lines), dense

@@ -207,6 +207,19 @@ be used (open it again with tq.connect)
             cursor.execute(f"USE {quote_ident(CATALOG_ALIAS)}")
         return cursor
 
+    def thread_cursor(self) -> duckdb.DuckDBPyConnection:
+        """The calling thread's own cursor on the store's database, made on its first use
+        and kept (a query from several threads at once runs on each one's; DuckDB refuses a
+        connection used by two threads at once). It sees committed data only, and none of
+        the main connection's temp views."""
+        return self._cursor()
+
+    @property
+    def main_connection_lock(self) -> threading.RLock:
+        """Held by tensorql around its uses of the main connection (:attr:`connection`):
+        its temp views' sync, and SQL statements run there, one thread at a time."""
+        return self._views_lock
+
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         cursor = getattr(self._local, "cursor", None)
         if cursor is None or self._closed:  # (a closed store's cursor: StorageError)
@@ -292,24 +305,35 @@ be used (open it again with tq.connect)
     def sync_views(self) -> None:
         """Create (or drop) this connection's temp views so they match the catalog, which
         another process or a writer thread may have changed."""
-        page_bytes = "page_bytes" if self._paged_catalog else "0"
         with self._views_lock:
-            rows = self.connection.execute(
-                f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
-                f"FROM {self._catalog}").fetchall()
-            current = {row[0]: row for row in rows}
-            for name in [n for n in self._views if n not in current]:
-                self._drop_views(self.connection, name)
-            for name, table, dtype, shape, tile, paged in current.values():
-                if self._views.get(name) == table:
-                    continue
-                if not paged:
-                    self._unpaged_tables.add(table)
-                grid = ChunkGrid(tuple(shape), tuple(tile))
-                self._create_views(self.connection,
-                                   TensorMeta(name=name, shape=grid.shape, dtype=dtype,
-                                              grid=grid), self._ref(table), paged=bool(paged))
-                self._views[name] = table
+            for attempt in range(_RACE_RETRIES + 1):
+                try:
+                    return self._sync_views_once()
+                except duckdb.CatalogException:
+                    # a writer thread committed a replace or drop and dropped the old chunk
+                    # table between the catalog read and a view over it: read it again
+                    if attempt == _RACE_RETRIES:
+                        raise
+
+    def _sync_views_once(self) -> None:
+        """One pass of :meth:`sync_views` (the caller holds the views' lock)."""
+        page_bytes = "page_bytes" if self._paged_catalog else "0"
+        rows = self.connection.execute(
+            f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
+            f"FROM {self._catalog}").fetchall()
+        current = {row[0]: row for row in rows}
+        for name in [n for n in self._views if n not in current]:
+            self._drop_views(self.connection, name)
+        for name, table, dtype, shape, tile, paged in current.values():
+            if self._views.get(name) == table:
+                continue
+            if not paged:
+                self._unpaged_tables.add(table)
+            grid = ChunkGrid(tuple(shape), tuple(tile))
+            self._create_views(self.connection,
+                               TensorMeta(name=name, shape=grid.shape, dtype=dtype,
+                                          grid=grid), self._ref(table), paged=bool(paged))
+            self._views[name] = table
 
     def chunk_pages_sql(self, name: str, version: StoredVersion | None = None) -> str | None:
         """The page rows ``k0.., page, payload`` that tensor ``name``'s chunk view joins (an
@@ -581,9 +605,9 @@ be used (open it again with tq.connect)
         self._views.pop(name, None)
 
     def _drop_objects(self, con, name: str) -> None:
-        """Remove ``name``'s views and catalog row (its chunk table goes after the commit,
-        by :meth:`_release_tables`, unless a run still reads it)."""
-        self._drop_views(con, name)
+        """Remove ``name``'s catalog row (its chunk table goes after the commit, by
+        :meth:`_release_tables`, unless a run still reads it; its temp views, on the main
+        connection, are the caller's to drop or replace)."""
         con.execute(f"DELETE FROM {self._catalog} WHERE name = ?", [name])
 
     def _release_tables(self, con, names: Sequence[str], tables: Sequence[str]) -> None:
@@ -613,11 +637,11 @@ be used (open it again with tq.connect)
     def drop(self, name: str) -> None:
         if self.read_only:
             raise StorageError(f"cannot drop {name!r}: the database is open read-only")
-        with self._write_lock:
+        # its own connection, as a write's: another thread may be using the main one
+        with self._write_lock, self.cursor() as con:
             entry = self._lookup(name)
             if entry is None:
                 raise UnknownTensorError(name, self.names())
-            con = self.connection
             con.execute("BEGIN TRANSACTION")
             try:
                 self._drop_objects(con, name)
@@ -626,6 +650,13 @@ be used (open it again with tq.connect)
                 _rollback(con)
                 raise
             self._release_tables(con, [name], [entry[0]])
+        # its views on the main connection, once no SQL of another thread runs there; a
+        # user's own statement running there meanwhile leaves them to the next sync
+        with self._views_lock:
+            try:
+                self._drop_views(self.connection, name)
+            except duckdb.Error:
+                pass
 
     # -- reading ------------------------------------------------------------------------
     def _current(self, name: str, table: str, err: duckdb.Error) -> tuple[str, TensorMeta]:
