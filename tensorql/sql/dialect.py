@@ -149,7 +149,10 @@ class _Parser(DuckDB.Parser):
 
 
 class _Tokenizer(DuckDB.Tokenizer):
-    KEYWORDS = {**DuckDB.Tokenizer.KEYWORDS, "EXPLAIN": TokenType.VAR}
+    # without '?::' (Databricks' try-cast token, not DuckDB's): '?::DOUBLE' is a placeholder
+    # and a cast, as DuckDB reads it
+    KEYWORDS = {**{k: v for k, v in DuckDB.Tokenizer.KEYWORDS.items() if k != "?::"},
+                "EXPLAIN": TokenType.VAR}
 
 
 def _einsum_sql(gen, e: Einsum) -> str:
@@ -199,8 +202,8 @@ class Statement:
     From :func:`split_script`, a statement without EINSUM or tensorql DDL is not parsed:
     ``expression`` is None and DuckDB runs ``text`` as written (``explain``: it is an
     EXPLAIN, whose plan comes back as text; ``created``: the name -- its parts, qualifiers
-    first -- and offset of the table or view a ``CREATE`` makes; ``altered``: those a
-    ``DROP`` or ``ALTER`` of a table or view names).
+    first -- and offset of the table or view a ``CREATE`` makes or an ``ALTER ... RENAME TO``
+    renames to; ``altered``: those a ``DROP`` or ``ALTER`` of a table or view names).
 
     >>> s = parse_script("SELECT 1;  SELECT 2")[1]
     >>> s.text, s.offset
@@ -405,6 +408,30 @@ def _created(tokens: list[Token]) -> tuple[tuple[str, ...], int] | None:
     return parts, start
 
 
+def _renamed(tokens: list[Token]) -> tuple[tuple[str, ...], int] | None:
+    """The new name (in the old one's schema) and offset of the table or view an ``ALTER
+    TABLE|VIEW [IF EXISTS] name RENAME TO new`` statement renames.
+
+    >>> _renamed(TensorQL().tokenize("ALTER TABLE IF EXISTS s.e RENAME TO a"))
+    (('s', 'a'), 36)
+    >>> _renamed(TensorQL().tokenize("ALTER TABLE t RENAME COLUMN x TO a")) is None
+    True
+    """
+    if len(tokens) < 3 or tokens[0].token_type != TokenType.ALTER \
+            or tokens[1].token_type not in (TokenType.TABLE, TokenType.VIEW):
+        return None
+    k = 2
+    if k + 1 < len(tokens) and _is_text(tokens[k], "IF") and _is_text(tokens[k + 1], "EXISTS"):
+        k += 2
+    if k >= len(tokens):
+        return None
+    parts, _, k = _qualified_name(tokens, k)
+    if k + 2 < len(tokens) and tokens[k].token_type == TokenType.RENAME \
+            and _is_text(tokens[k + 1], "TO"):
+        return (*parts[:-1], tokens[k + 2].text), tokens[k + 2].start
+    return None
+
+
 def _qualified_name(tokens: list[Token], k: int) -> tuple[tuple[str, ...], int, int]:
     """The dotted name starting at token ``k``: its parts, the offset of its last part and
     the index of the token after it."""
@@ -474,7 +501,8 @@ def split_script(script: str) -> list[Statement]:
         tensorql, explain = _needs_tensorql(mine)
         if not tensorql:
             statements.append(Statement(None, text, offset, script, explain=explain,
-                                        created=_created(mine), altered=_altered(mine)))
+                                        created=_created(mine) or _renamed(mine),
+                                        altered=_altered(mine)))
             continue
         _check_nesting(mine, script)
         _check_empty_arguments(mine, script)

@@ -13,12 +13,12 @@ call knows which output cells anything contributed to (:attr:`EinsumCall.present
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import opt_einsum
 import pyarrow as pa
 import torch
 from sqlglot import exp
@@ -50,14 +50,13 @@ from tensorql.sql.relations import (
     order_columns,
     validate_indices,
 )
-from tensorql.sql.rewriting import operand_labels, pure_einsum, scope_of
+from tensorql.sql.rewriting import operand_labels, pure_einsum, scope_of, temp_name
 from tensorql.units import format_bytes
 
 __all__ = ["DerivedOperand", "EinsumCall", "OperandResolver", "RelationalEinsum", "TensorOperand",
            "presence_equation"]
 
 NAMED_ARGUMENTS = ("join", "agg", "backend", "sizes", "sparse")
-_ROWS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -126,12 +125,13 @@ class _Factor:
 
 def presence_equation(factors: Sequence[Sequence[str]], output: Sequence[str]) \
         -> tuple[str, list[str]]:
-    """A torch einsum equation (letters a, b, ...) over the factors' labels whose output keeps
-    the ``output`` labels some factor carries; those labels, in output order."""
+    """An einsum equation (opt_einsum's symbols a, b, ..., Z, then others) over the factors'
+    labels whose output keeps the ``output`` labels some factor carries; those labels, in
+    output order."""
     letters: dict[str, str] = {}
     for labels in factors:
         for label in labels:
-            letters.setdefault(label, chr(ord("a") + len(letters)))
+            letters.setdefault(label, opt_einsum.get_symbol(len(letters)))
     kept = [label for label in output if label in letters]
     lhs = ",".join("".join(letters[label] for label in labels) for labels in factors)
     return f"{lhs}->{''.join(letters[label] for label in kept)}", kept
@@ -142,7 +142,13 @@ def _presence(factors: list[_Factor], output: Sequence[str],
     """Output cells some combination of present rows reaches (broadcastable to ``shape``; a
     mask may be broadcastable too, size 1 along a label it does not vary with)."""
     equation, kept = presence_equation([f.labels for f in factors], output)
-    counts = torch.einsum(equation, *[f.mask.to(torch.float32) for f in factors])
+    masks = [f.mask.to(torch.float32) for f in factors]
+    try:  # pairwise steps, each in torch.einsum's letters: more than 52 labels in all work
+        counts = opt_einsum.contract(equation, *masks, backend="torch")
+    except (RuntimeError, ValueError) as err:  # one step over more labels than torch takes
+        raise ShapeError("the presence mask of the relation operands needs one einsum step "
+                         "over more labels than torch.einsum takes (52): "
+                         f"{str(err).splitlines()[0]}") from None
     present = counts > 0
     view = [present.shape[kept.index(label)] if label in kept else 1 for label in output]
     return present.reshape(view)
@@ -340,7 +346,7 @@ class OperandResolver:
         inputs: list[RelationalOperand] = []
         derived: list[DerivedOperand] = []
         for k, (value, arg) in enumerate(zip(resolved, operands)):
-            name = f"__tq_rows_{next(_ROWS)}"
+            name = temp_name("rows")
             if isinstance(value, pa.Table):
                 columns = order_columns(value, parts[k])
                 try:

@@ -105,8 +105,8 @@ def sql_literal(value: Any) -> str:
     """DuckDB's literal for a Python value, of the type DuckDB binds that value as;
     TypeError for a value of another type.
 
-    >>> [sql_literal(v) for v in (None, True, 7, 2.5, "it's", datetime.date(2024, 2, 29))]
-    ['NULL', 'TRUE', '7', "CAST('2.5' AS DOUBLE)", "'it''s'", "CAST('2024-02-29' AS DATE)"]
+    >>> [sql_literal(v) for v in (None, True, 7, -7, 2.5, "it's", datetime.date(2024, 2, 29))]
+    ['NULL', 'TRUE', '7', '(-7)', "CAST('2.5' AS DOUBLE)", "'it''s'", "CAST('2024-02-29' AS DATE)"]
     """
     if isinstance(value, np.generic):
         value = value.item()
@@ -115,7 +115,9 @@ def sql_literal(value: Any) -> str:
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
     if isinstance(value, numbers.Integral):
-        return str(int(value))
+        # parenthesized when negative: after a '-' ('val-?') a bare -5 would make '--', the
+        # start of a line comment
+        return str(int(value)) if value >= 0 else f"({int(value)})"
     if isinstance(value, float):
         text = repr(value) if math.isfinite(value) else str(value)  # 'nan', 'inf', '-inf'
         return f"CAST('{text}' AS DOUBLE)"

@@ -6,6 +6,9 @@ variable; tensorql runs statements on its own connection, several frames below t
 So ``Database.sql`` passes the caller's frame here: every name that appears in the statement
 as a word, is not a table or view of the connection, and holds such a frame in the caller's
 locals or globals is registered on the connection for the statement and unregistered after.
+One DuckDB cannot scan (a float16 Arrow column, a complex pandas column) is left out, so the
+word may still be an alias; a statement that does read it fails with an SQLExecutionError
+naming the object and DuckDB's reason.
 
 >>> import duckdb, pyarrow as pa
 >>> prices = pa.table({"p": [1.5, 2.5]})
@@ -26,6 +29,11 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+import duckdb
+
+from tensorql.errors import UnknownTensorError
+from tensorql.sql.errors import SQLExecutionError
 
 __all__ = ["frame_objects", "is_frame", "registered"]
 
@@ -69,13 +77,39 @@ def frame_objects(query: str, scope: Mapping[str, Any], connection: Any) -> dict
 @contextmanager
 def registered(connection: Any, objects: Mapping[str, Any]) -> Iterator[None]:
     """``objects`` registered on ``connection`` by name for the block, unregistered after
-    (also when it raises)."""
+    (also when it raises). One DuckDB cannot scan is skipped; if the block then fails to
+    find a table or tensor of its name, SQLExecutionError says why that object was not read.
+    """
     done: list[str] = []
+    skipped: dict[str, str] = {}  # name -> DuckDB's reason
     try:
         for name, obj in objects.items():
-            connection.register(name, obj)
+            try:
+                connection.register(name, obj)
+            except duckdb.Error as err:  # e.g. "Unsupported Internal Arrow Type e" (float16)
+                skipped[name] = str(err).splitlines()[0]
+                continue
             done.append(name)
-        yield
+        try:
+            yield
+        except Exception as err:
+            name = next((n for n in skipped if _not_found(err, n)), None)
+            if name is None:
+                raise
+            kind = type(objects[name])
+            raise SQLExecutionError(
+                f"the {kind.__module__.split('.')[0]} {kind.__name__} {name!r} of the caller's "
+                f"scope cannot be read by DuckDB: {skipped[name]} (cast its columns to types "
+                "DuckDB reads)", text=getattr(err, "text", None),
+                position=getattr(err, "position", None)) from err
     finally:
         for name in done:
             connection.unregister(name)
+
+
+def _not_found(err: Exception, name: str) -> bool:
+    """Whether ``err`` says no table, view or tensor is named ``name``."""
+    if isinstance(err, UnknownTensorError):
+        return err.name.lower() == name.lower()
+    pattern = rf"with name \"?{re.escape(name)}\"? does not exist"
+    return re.search(pattern, str(err), re.IGNORECASE) is not None

@@ -300,6 +300,9 @@ class SQLResult:
                 if not pa.types.is_integer(col.type):
                     raise ShapeError(f"the result is not tensor-valued: column {label!r} is "
                                      f"{col.type}, not an integer index")
+                if col.null_count:
+                    raise ShapeError(f"the result is not tensor-valued: column {label!r} has "
+                                     "NULL indices")
                 shape.append(int(col.to_numpy().max()) + 1 if table.num_rows else 0)
             self._cache["dense"] = rows_to_dense(table, labels, shape)
         return self._cache["dense"]

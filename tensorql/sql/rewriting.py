@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections.abc import Iterator
 
 from sqlglot import exp
@@ -19,7 +21,21 @@ from tensorql.errors import ParseError
 from tensorql.sql.dialect import Einsum
 
 __all__ = ["ancestors", "operand_labels", "prune_ctes", "pure_einsum", "references", "scope_of",
-           "with_ctes"]
+           "temp_name", "with_ctes"]
+
+# a random tag per process in the names of a statement's temporary tables and views: a counter
+# alone restarts in each process, so a stored table, view or tensor could hold its name
+_TEMP_TAG = secrets.token_hex(4)
+_TEMP = itertools.count()
+
+
+def temp_name(kind: str) -> str:
+    """A new name for a temporary table or view of one statement, ``__tq_<kind>_<tag>_<n>``.
+
+    >>> temp_name("einsum").startswith("__tq_einsum_")
+    True
+    """
+    return f"__tq_{kind}_{_TEMP_TAG}_{next(_TEMP)}"
 
 
 def operand_labels(equation: str) -> list[list[str]] | None:

@@ -18,7 +18,7 @@ engine: its result is the dense tensor.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +48,14 @@ from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError, locate
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
 from tensorql.sql.parameters import bind_parameters
 from tensorql.sql.result import DenseForm, SQLResult
-from tensorql.sql.rewriting import ancestors, prune_ctes, pure_einsum, scope_of, with_ctes
+from tensorql.sql.rewriting import (
+    ancestors,
+    prune_ctes,
+    pure_einsum,
+    scope_of,
+    temp_name,
+    with_ctes,
+)
 from tensorql.sql.streaming import chunk_rows
 from tensorql.storage.sql_text import quote_ident
 
@@ -58,7 +65,6 @@ SQL_ADVICE = ("store it as a tensor (CREATE TENSOR t AS SELECT * FROM EINSUM(...
               "t, or read the EINSUM in a larger query (a WHERE, an aggregate, a LIMIT): its "
               "rows then stream through DuckDB chunk by chunk")
 
-_TEMP = itertools.count()
 _EXPLAIN_HEAD = re.compile(r"^\s*EXPLAIN\s+(ANALYZE\s+)?", re.I)  # before what DuckDB runs
 
 
@@ -153,6 +159,14 @@ class ScriptRunner:
 
     # -- statements -------------------------------------------------------------------
     def run(self) -> SQLResult:
+        """Run the script on the session's main connection, one thread at a time (DuckDB
+        refuses a connection two threads use at once; scripts from several threads wait
+        their turn, as writers do to drop a tensor's views there)."""
+        lock = getattr(self.session.chunk_store, "main_connection_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self) -> SQLResult:
         statements = split_script(self.script)
         if not statements:
             raise ParseError("no SQL statement given", text=self.script, position=0)
@@ -228,9 +242,22 @@ class ScriptRunner:
         self.check_name_free(e)
         if not has_einsum(e):
             return self.duckdb(st.text, params=self.params)
+        self.check_einsum_not_kept(e)
         # queries, and statements around one (CREATE TABLE ... AS, INSERT ... SELECT): the
         # EINSUMs become registered row tables and DuckDB runs the rewritten statement
         return self.query(e, {}, params=self.params)
+
+    def check_einsum_not_kept(self, e: exp.Expr) -> None:
+        """SQLExecutionError for an EINSUM in a view's or macro's definition: DuckDB would
+        keep the name of the temporary table its rows are registered under for this statement,
+        which is gone when the statement ends (or, later, holds another query's rows)."""
+        kind = str(e.args.get("kind", "")).upper() if isinstance(e, exp.Create) else ""
+        if kind not in ("VIEW", "MACRO", "FUNCTION"):
+            return
+        raise self.fail(SQLExecutionError, f"EINSUM cannot be part of a {kind}'s definition "
+                        "(its rows live only while the statement runs): store it with "
+                        "CREATE TENSOR t AS ... or CREATE TABLE t AS ..., and define the "
+                        f"{kind} over that", e.find(Einsum))
 
     def check_name_free(self, e: exp.Expr) -> None:
         """``CREATE TABLE`` / ``CREATE VIEW`` may not take a stored tensor's name in any case:
@@ -293,8 +320,20 @@ class ScriptRunner:
                     break
         return SQLExecutionError(f"DuckDB: {message}", text=self.script, position=position)
 
+    def tensor_name(self, ident: exp.Identifier) -> str:
+        """The stored tensor a CREATE / DROP TENSOR names, resolved as EINSUM operands are:
+        an unquoted name whose only case-insensitive match is a stored tensor is that tensor
+        (its stored spelling kept: ``DROP TENSOR z`` drops ``Z``); otherwise the name as
+        written."""
+        name = ident.name
+        store = self.session.chunk_store
+        if ident.quoted or store.has(name):
+            return name
+        matches = [t for t in store.names() if t.lower() == name.lower()]
+        return matches[0] if len(matches) == 1 else name
+
     def create_tensor(self, e: CreateTensor) -> SQLResult:
-        name = e.this.name
+        name = self.tensor_name(e.this)
         replace = bool(e.args.get("replace"))
         if not replace and self.session.chunk_store.has(name):
             raise self.fail(SQLExecutionError, f"tensor {name!r} already exists "
@@ -314,7 +353,7 @@ class ScriptRunner:
         return SQLResult(text=f"CREATE TENSOR {name} {shape} {stored.dtype}")
 
     def drop_tensor(self, e: DropTensor) -> SQLResult:
-        name = e.this.name
+        name = self.tensor_name(e.this)
         if not self.session.chunk_store.has(name):
             if e.args.get("exists"):
                 return SQLResult(text=f"DROP TENSOR {name}: not present")
@@ -346,6 +385,7 @@ class ScriptRunner:
                                       f"{created.this.name}: the query's element rows (labels, "
                                       f"val), made dense and stored\n{result.text}")
             return result
+        self.check_einsum_not_kept(inner)
         self.explain_sections = []
         self.analyze = analyze
         try:
@@ -392,7 +432,7 @@ class ScriptRunner:
                 raise self.fail(SQLExecutionError, "EINSUM is a table function: use it in "
                                 "FROM (or JOIN)", node)
             resolved = self.operands.call(node, {**ctes, **scope_of(node)})
-            name = f"__tq_einsum_{next(_TEMP)}"
+            name = temp_name("einsum")
             if isinstance(resolved, RelationalEinsum) and self.explain_sections is None:
                 self.relational_view(resolved, name)  # DuckDB streams it into the statement
             else:
@@ -508,7 +548,13 @@ class ScriptRunner:
 
     def register(self, name: str, table: pa.Table) -> None:
         """Make ``table`` readable in DuckDB as ``name`` until the statement ends."""
-        self.con.register(name, table)
+        try:
+            self.con.register(name, table)
+        except duckdb.Error as err:
+            raise SQLExecutionError(f"could not register the statement's temporary table "
+                                    f"{name!r}: {str(err).splitlines()[0]}", text=self.script,
+                                    position=self.statement.offset if self.statement else 0
+                                    ) from None
         self.registered.append(name)
 
     def rows(self, query: exp.Expr, scope: dict[str, exp.CTE],

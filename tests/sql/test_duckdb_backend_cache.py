@@ -156,7 +156,7 @@ def test_queries_from_several_threads_on_one_session():
     a = rng.standard_normal((64, 64))
     with tq.connect(backend="duckdb") as db:
         A = db.from_numpy("A", a, tile=(16, 16))
-        B = db.from_numpy("B", a, tile=(16, 16))
+        db.from_numpy("B", a, tile=(16, 16))
         errors, stop = [], threading.Event()
 
         def reader(kind):
