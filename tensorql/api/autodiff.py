@@ -423,23 +423,43 @@ def _aggregate_adjoint(e: _Einsum, out: Factor) -> list[Factor]:
     if not spec.aggregated or spec.agg == _A.SUM:
         return [out]
     z = _joined(e)
-    value = Factor(Tensor(e.node, e.db), e.output)
     if spec.agg in (_A.MAX, _A.MIN):  # ties share the gradient evenly (torch.amax / amin)
-        hit = Factor(e.einsum([z, value], e.every, join=_J.EQ).astype(e.dtype), e.every)
+        # the winners are found against the extremum of this z, not the node's value: z joins
+        # the operands in another order than the forward's contraction, so with 3+ operands
+        # its values may differ from the forward's in the last bit and match none of them
+        extreme = Factor(e.einsum([z], e.output, agg=spec.agg), e.output)
+        hit = Factor(e.einsum([z, extreme], e.every, join=_J.EQ).astype(e.dtype), e.every)
         count = e.einsum([hit], e.output)
         return [out, hit, Factor(count._map("rdiv", 1.0), e.output)]
-    # prod: d/dz_i = product of the others; with one zero only that zero gets the product of
-    # the rest, with two or more every derivative is 0
-    zero = z.tensor.eq(0.0).astype(e.dtype)
-    nonzero = z.tensor + zero  # zeros read as 1
-    product = e.einsum([Factor(nonzero, e.every)], e.output, agg=_A.PROD)
-    zeros = e.einsum([Factor(zero, e.every)], e.output)
-    none_zero = Factor(zeros.eq(0.0).astype(e.dtype), e.output)
-    one_zero = Factor(zeros.eq(1.0).astype(e.dtype), e.output)
-    rest = Factor(product, e.output)
-    without = e.einsum([rest, none_zero, Factor(nonzero._map("rdiv", 1.0), e.every)], e.every)
-    at_zero = e.einsum([rest, one_zero, Factor(zero, e.every)], e.every)
-    return [out, Factor(without + at_zero, e.every)]
+    # prod: d/dz_i is the product of the others. P, the product of the nonzero values, has no
+    # path to a zero (where, not z + [z == 0], so a gradient of this gradient is right); the
+    # zeros enter through S, their sum (0, but with a path to each zero), so that:
+    #   no zero: P / z_i;  one zero: P at it, P / z_i * S elsewhere;
+    #   two zeros: P * (S - z_i), the other zero, at them, 0 elsewhere;  more: 0
+    # (each branch is picked by where: an inf in a branch not taken is not multiplied by 0)
+    every, output = e.every, e.output
+    is_zero = Factor(z.tensor.eq(0.0), every)
+    nonzero = Factor(where(is_zero.tensor, 1.0, z.tensor), every)
+    product = Factor(e.einsum([nonzero], output, agg=_A.PROD), output)
+    zeros = e.einsum([Factor(is_zero.tensor.astype(e.dtype), every)], output)
+    zero_sum = Factor(e.einsum([Factor(where(is_zero.tensor, z.tensor, 0.0), every)], output),
+                      output)
+    one, nothing = Factor(e.const(np.ones(())), ""), Factor(e.const(np.zeros(())), "")
+
+    def count_is(n: int) -> Factor:
+        return Factor(zeros.eq(float(n)), output)
+
+    def pick(cond: Factor, a: Factor, b: Factor, labels: str) -> Factor:
+        return Factor(e.einsum([cond, a, b], labels, join=_J.WHERE), labels)
+
+    other_zeros = Factor(e.einsum([zero_sum, z], every, join=_J.SUB), every)
+    at_nonzero = e.einsum([product, Factor(nonzero.tensor._map("rdiv", 1.0), every),
+                           pick(count_is(0), one,
+                                pick(count_is(1), zero_sum, nothing, output), output)], every)
+    at_zero = e.einsum([product, pick(count_is(1), one,
+                                      pick(count_is(2), other_zeros, nothing, every), every)],
+                       every)
+    return [out, pick(is_zero, Factor(at_zero, every), Factor(at_nonzero, every), every)]
 
 
 @dataclass(frozen=True)
