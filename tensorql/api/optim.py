@@ -47,9 +47,9 @@ import torch
 from opt_einsum import get_symbol
 
 from tensorql.algebra import update_join
-from tensorql.api.autodiff import FLOAT_DTYPES, grad
+from tensorql.api.autodiff import FLOAT_DTYPES, GradientError, grad
 from tensorql.api.tensor import Tensor
-from tensorql.einsum.graph import Node, substitute
+from tensorql.einsum.graph import Node, substitute, topological_order
 from tensorql.errors import ExecutionError, OptionError, ShapeError
 from tensorql.exec.tape import REPLAYED
 
@@ -78,14 +78,21 @@ class _StepPlan:
     loss: Node
     options: Any
     query: Any
+    trained: tuple[str, ...]  # the weights the loss has a gradient path to, updated by a step
 
 
 class Optimizer:
     """Weights stored under ``params`` (names), updated by :meth:`step`.
 
-    ``name`` prefixes the state stored with each checkpoint (``{name}.step`` and one tensor per
-    weight and slot, e.g. ``adam.m.W1``); ``checkpoint_every`` is how many steps run between
-    checkpoints (1: every step is committed).
+    ``name`` prefixes the state stored with each checkpoint (``{name}.step``, the names of the
+    weights it trains, ``{name}.params``, and one tensor per weight and slot, e.g.
+    ``adam.m.W1``); an optimizer resumes the checkpoint under its name only when it trains the
+    same weights (else OptionError: two optimizers of other weights need other names).
+    ``checkpoint_every`` is how many steps run between checkpoints (1: every step is
+    committed).
+
+    A step updates only the weights the loss has a gradient path to; the others and their
+    slots are left as they are, as torch.optim skips a parameter whose ``grad`` is None.
 
     ``strategy``: the engine's strategy for the step's run (None, the default: the engine's
     policy, :func:`tensorql.exec.engine.choose_strategy`; e.g. "serial" or "lanes" to
@@ -124,8 +131,7 @@ class Optimizer:
                 raise ShapeError(f"weight {n!r} has dtype {canonical(value)}; only floating "
                                  "weights can be trained")
             self.values[n] = value.clone()
-        counter = f"{name}.step"
-        self.step_count = int(db.tensor(counter).numpy()) if db.chunk_store.has(counter) else 0
+        self.step_count = self._resumed_step()
         self.state: dict[tuple[str, str], torch.Tensor] = {}
         for slot in self.slots:
             for n in self.names:
@@ -150,6 +156,31 @@ class Optimizer:
 
     def _state_name(self, slot: str, param: str) -> str:
         return f"{self.name}.{slot}.{param}"
+
+    def _resumed_step(self) -> int:
+        """The step count of the checkpoint stored under this optimizer's name (0: none);
+        OptionError when the stored ``{name}.step`` is no step count or the checkpoint is of
+        other weights (resuming its step count would give this optimizer wrong bias
+        corrections, and its checkpoints would overwrite the other one's)."""
+        counter, owners = f"{self.name}.step", f"{self.name}.params"
+        store = self.db.chunk_store
+        if not store.has(counter):
+            return 0
+        count = self.db.tensor(counter).torch()
+        if count.ndim or count.dtype == torch.bool or count.is_floating_point() \
+                or count.is_complex() or count < 0:
+            raise OptionError(f"stored tensor {counter!r} ({tuple(count.shape)} "
+                              f"{canonical(count)}) is not an optimizer's step count (a 0-d "
+                              f"integer >= 0): pick another name= for the optimizer")
+        if store.has(owners):  # (a checkpoint written before it was recorded has none)
+            trained = _decode_names(owners, self.db.tensor(owners).torch())
+            if sorted(trained) != sorted(self.names):
+                raise OptionError(
+                    f"the checkpoint stored under name={self.name!r} (step {int(count)}) is "
+                    f"of an optimizer of the weights {trained!r}, not {self.names!r}: pick "
+                    "another name= for this optimizer, or drop the old state (db.drop of "
+                    f"{counter!r}, {owners!r} and its slots) to start afresh")
+        return int(count)
 
     def params(self) -> dict[str, Tensor]:
         """The weights as lazy tensors (the same ones every step: build the loss once). A
@@ -190,26 +221,35 @@ class Optimizer:
         # a loss written over the stored weights (db.tensor(name)) trains the in-memory ones
         node = substitute(given, {n: self._params[n].node for n in self.names})
         loss = Tensor(node, self.db)
-        grads = grad(loss, [self._params[n] for n in self.names], allow_unused=True)
-        self._tile_like_gradients(grads)
+        reached = _differentiable_leaves(node, {n: self._params[n].node for n in self.names})
+        trained = tuple(n for n in self.names if n in reached)
+        if not trained:
+            raise GradientError(f"the loss has no gradient path to any of the weights "
+                                f"{self.names!r} (it does not read them, or only through "
+                                "comparisons or integer values): nothing to train")
+        # (allow_unused: a path of floating nodes may still carry no adjoint, e.g. argmax's)
+        grads = grad(loss, [self._params[n] for n in trained], allow_unused=True)
+        self._tile_like_gradients(trained, grads)
         outputs = [loss]
-        for n, g in zip(self.names, grads):
+        for n, g in zip(trained, grads):
             slots = {slot: self._slots[(slot, n)] for slot in self.slots}
             outputs.extend(self.update_outputs(n, self._params[n], g, slots))
         group = CompiledGroup.compile([t.node for t in outputs], self.db,
-                                      in_place=self._in_place(len(outputs)))
+                                      in_place=self._in_place(trained))
         if group.physical is not None and len(group.in_place) == len(outputs) - 1:
             # every new value computed in place, only the loss apart: the engine may replay
             # the step from a tape (its calls bound once, the updates into the weights)
             group.physical.task_graph().programs[REPLAYED] = True
-        self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group)
+        self._step_plan = _StepPlan(loss=given, options=self.db.options, query=group,
+                                    trained=trained)
         self._latest = self._spare = None  # a new plan's results may have other shapes
         return group
 
-    def _in_place(self, count: int) -> dict[int, list[torch.Tensor]]:
-        """The outputs (by index among the step's ``count`` outputs) that may be computed
-        into the storage of the constants they replace, and those constants: none for an
-        optimizer whose update is not one fused in-place kernel per chunk."""
+    def _in_place(self, trained: Sequence[str]) -> dict[int, list[torch.Tensor]]:
+        """The outputs (by index among those of a step updating ``trained``, the loss first)
+        that may be computed into the storage of the constants they replace, and those
+        constants: none for an optimizer whose update is not one fused in-place kernel per
+        chunk."""
         return {}
 
     def update_outputs(self, param: str, weight: Tensor, gradient: Tensor,
@@ -225,7 +265,7 @@ class Optimizer:
         for slot in self.slots:
             _replace(self.state[(slot, param)], next(results))
 
-    def _tile_like_gradients(self, grads: list[Tensor]) -> None:
+    def _tile_like_gradients(self, trained: Sequence[str], grads: list[Tensor]) -> None:
         """Give each weight's slots (momentum, Adam's m and v) the chunk tiles its gradient
         comes out with; the updates put the gradient first, so gradient and slots are read
         chunk for chunk and only the weight itself may be retiled. (Retiling the weights
@@ -235,7 +275,7 @@ class Optimizer:
 
         if not self.slots:
             return
-        for n, root in zip(self.names, lower_many([g.node for g in grads])):
+        for n, root in zip(trained, lower_many([g.node for g in grads])):
             grid = root.relation.grid
             for slot in self.slots:
                 state = self._slots[(slot, n)].node
@@ -278,7 +318,8 @@ class Optimizer:
             raise
         loss_value = float(results[0].reshape(()).item())
         it = iter(results[1:])
-        for n in self.names:  # the constants the plan reads take the new values' storage
+        # the constants the plan reads take the new values' storage (of the weights updated)
+        for n in self._step_plan.trained:
             self.take_results(n, it)
         self._spare, self._latest = self._latest, results
         self.step_count += 1
@@ -292,7 +333,51 @@ class Optimizer:
         for (slot, n), value in self.state.items():
             items[self._state_name(slot, n)] = value
         items[f"{self.name}.step"] = torch.tensor(self.step_count, dtype=torch.int64)
+        items[f"{self.name}.params"] = _encode_names(self.names)
         self.db.store_many(items, replace=True)
+
+
+def _encode_names(names: Sequence[str]) -> torch.Tensor:
+    """The weight names a checkpoint belongs to, as a tensor the store keeps like any other:
+    their UTF-8 bytes, each name ended by a NUL byte.
+
+    >>> _decode_names("opt.params", _encode_names(["W1", "b"]))
+    ['W1', 'b']
+    """
+    data = b"".join(n.encode("utf-8") + b"\0" for n in names)
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def _decode_names(stored: str, value: torch.Tensor) -> list[str]:
+    """The names :func:`_encode_names` encoded; OptionError naming the stored tensor when it
+    holds something else."""
+    data = bytes(value.numpy().tolist()) if value.dtype == torch.uint8 and value.ndim == 1 \
+        else b""
+    try:
+        names = data.decode("utf-8").split("\0")
+    except UnicodeDecodeError:
+        names = []
+    if len(names) < 2 or names[-1] or not all(names[:-1]):
+        raise OptionError(f"stored tensor {stored!r} ({tuple(value.shape)} {canonical(value)}) "
+                          "is not the weight names of an optimizer's checkpoint: pick another "
+                          "name= for the optimizer")
+    return names[:-1]
+
+
+def _differentiable_leaves(root: Node, leaves: dict[str, Node]) -> set[str]:
+    """The names of the ``leaves`` with a path of floating nodes to ``root``: those
+    :func:`tensorql.grad` differentiates ``root`` by (no gradient flows through a comparison
+    or an integer cast, as torch gives such a weight no ``grad``)."""
+    names = {id(node): n for n, node in leaves.items()}
+    reached: dict[int, frozenset[str]] = {}
+    for node in topological_order(root):
+        found: set[str] = set()
+        if node.dtype in FLOAT_DTYPES:
+            found = {names[id(node)]} if id(node) in names else set()
+            for operand in node.inputs:
+                found |= reached[id(operand)]
+        reached[id(node)] = frozenset(found)
+    return set(reached[id(root)])
 
 
 def _replace(held: torch.Tensor, new: torch.Tensor) -> None:
@@ -320,6 +405,10 @@ class SGD(Optimizer):
                  name: str = "sgd", checkpoint_every: int = 1) -> None:
         self.lr, self.momentum = hyperparameter("lr", lr), hyperparameter("momentum", momentum)
         self.nesterov = bool(nesterov)
+        if self.nesterov and not self.momentum:  # torch.optim.SGD refuses it too
+            raise OptionError("nesterov=True needs a momentum > 0 (Nesterov momentum requires "
+                              f"a momentum and zero dampening, as torch says), got momentum="
+                              f"{momentum!r}")
         self.weight_decay = hyperparameter("weight_decay", weight_decay)
         self.slots = ("momentum",) if self.momentum else ()
         super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
@@ -383,11 +472,11 @@ class Adam(Optimizer):
                        self._fixed_slots(dtype), self._fixed(self.lr, wide),
                        self._scalar("step", wide), join=join)]
 
-    def _in_place(self, count: int) -> dict[int, list[torch.Tensor]]:
-        """Each weight's update (weight, m and v stacked: outputs 1, 2, ...) over the weight
-        and its moments, which the fused kernel updates in place."""
+    def _in_place(self, trained: Sequence[str]) -> dict[int, list[torch.Tensor]]:
+        """Each trained weight's update (weight, m and v stacked: outputs 1, 2, ...) over the
+        weight and its moments, which the fused kernel updates in place."""
         return {1 + k: [self.values[n], self.state[("m", n)], self.state[("v", n)]]
-                for k, n in enumerate(self.names)}
+                for k, n in enumerate(trained)}
 
     def take_results(self, param, results):
         packed = next(results)  # weight, m, v stacked: each a contiguous view

@@ -248,10 +248,11 @@ def topological_order(*roots: Node) -> list[Node]:
 
 def substitute(root: Node, leaves: dict[str, Node], nodes: dict[int, Node] | None = None
                ) -> Node:
-    """``root``'s graph with every whole stored tensor named in ``leaves`` replaced by the
-    node given for it (e.g. a weight read from the store by an in-memory copy being trained),
-    and every node whose id is in ``nodes`` by the node given there; nodes that do not depend
-    on a replaced one are kept as they are.
+    """``root``'s graph with every stored tensor named in ``leaves`` replaced by the node
+    given for it (e.g. a weight read from the store by an in-memory copy being trained) -- a
+    read of a region of it (indexing) by that region of the node, :func:`region` -- and every
+    node whose id is in ``nodes`` by the node given there; nodes that do not depend on a
+    replaced one are kept as they are.
 
     >>> from tensorql.grid import ChunkGrid
     >>> a = Source(name="A", shape=(2,), dtype="float32", grid=ChunkGrid((2,), (2,)))
@@ -272,8 +273,14 @@ def substitute_many(roots: Sequence[Node], leaves: dict[str, Node],
     nodes = nodes or {}
     for node in topological_order(*roots):
         replacement = nodes.get(id(node))
-        if replacement is None and isinstance(node, Source) and node.offset is None:
-            replacement = leaves.get(node.name)
+        if replacement is None and isinstance(node, Source) and node.name in leaves:
+            replacement = leaves[node.name]
+            if node.offset is not None:  # a region read by indexing: that region of it
+                if replacement.shape != node.grid.shape:
+                    raise ShapeError(f"cannot put a {replacement.shape} {replacement.dtype} "
+                                     f"tensor in place of stored {node.name!r} "
+                                     f"({node.grid.shape} {node.dtype})")
+                replacement = region(replacement, node.offset, node.shape)
         if replacement is not None:
             new = replacement
             if new.shape != node.shape or new.dtype != node.dtype:
@@ -289,6 +296,37 @@ def substitute_many(roots: Sequence[Node], leaves: dict[str, Node],
         else:
             done[id(node)] = node
     return [done[id(root)] for root in roots]
+
+
+def region(node: Node, offset: Sequence[int], shape: Sequence[int]) -> Node:
+    """The region of ``node`` starting at ``offset`` with ``shape`` (a slice of a computed
+    node, which has no stored chunks to read a region from): per dimension it cuts, an
+    einsum joining a (kept x size) boolean matrix with the values by ``where`` (the picked
+    value, else 0) and summing over the size, as indexing a computed tensor does; gradients
+    flow through it to ``node``.
+
+    >>> from tensorql.grid import ChunkGrid
+    >>> a = Source(name="A", shape=(3, 2), dtype="float32", grid=ChunkGrid((3, 2), (3, 2)))
+    >>> cut = region(a, (1, 0), (2, 2))
+    >>> cut.shape, [n.describe() for n in topological_order(cut)][-1]
+    ((2, 2), 'einsum ca,ab,->cb join=where')
+    """
+    from tensorql.einsum.literals import constant_node
+
+    labels = "".join(chr(ord("a") + k) for k in range(node.ndim + 1))
+    out = node
+    for d, (start, size, n) in enumerate(zip(offset, shape, node.shape)):
+        if (start, size) == (0, n):
+            continue
+        picks = torch.zeros((size, n), dtype=torch.bool)
+        picks[torch.arange(size), torch.arange(start, start + size)] = True
+        kept, dims = labels[node.ndim], labels[:node.ndim]
+        zero = constant_node(torch.zeros((), dtype=torch_dtype(node.dtype)))
+        out = EinsumOp.build(f"{kept}{dims[d]},{dims},->{dims[:d]}{kept}{dims[d + 1:]}",
+                             [constant_node(picks), out, zero], join=JoinName.WHERE)
+        if out.dtype != node.dtype:  # integers summed as int64
+            out = MapOp.build("cast", out, dtype=node.dtype)
+    return out
 
 
 def explain_graph(root: Node) -> str:
