@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -496,7 +497,9 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     comes back as a contiguous copy.
 
     A function that writes an operand in place (a stored chunk, or a view of one) is a
-    ValueError: the engine's chunks are shared, read by other tasks and kept by the store.
+    ValueError: the engine's chunks are shared, read by other tasks and kept by the store. The
+    version counters see the write (of a copy, under the caller's ``torch.inference_mode``,
+    whose chunks count no versions: see :func:`without_inference`).
 
     >>> x = torch.ones(2, 1)
     >>> out = owned_result(lambda a, b: a.expand(2, 3))(x, torch.ones(1, 3))
@@ -507,15 +510,11 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     ...
     ValueError: join function <lambda> wrote its operand 0 in place; a join must return a new tensor
     """
+    checked = without_inference(fn, f"join function {getattr(fn, '__name__', 'join')}",
+                                "a join")
+
     def call(*operands: torch.Tensor) -> torch.Tensor:
-        versions = [version_counter(x) for x in operands]
-        out = fn(*operands)
-        written = [n for n, (x, v) in enumerate(zip(operands, versions))
-                   if v is not None and version_counter(x) != v]
-        if written:
-            raise ValueError(f"join function {call.__name__} wrote its operand "
-                             f"{', '.join(map(str, written))} in place; a join must return a "
-                             "new tensor")
+        out = checked(*operands)
         if not isinstance(out, torch.Tensor):
             return out
         if out.requires_grad:  # a value, not a graph: chunks are combined in place
@@ -531,6 +530,42 @@ def owned_result(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
         return out
 
     call.__name__ = getattr(fn, "__name__", "join")
+    return call
+
+
+def without_inference(fn: Callable[..., Any], title: str, kind: str) -> Callable[..., Any]:
+    """``fn`` (a user's join or aggregation, ``title`` naming it, ``kind`` "a join" or "an
+    aggregation") refusing, as a ValueError, to write an operand in place -- seen by the
+    operands' version counters.
+
+    An inference tensor (a chunk made under the caller's ``torch.inference_mode``) counts no
+    versions, and torch, which refuses a write to one outside inference mode, does so only
+    after writing it: such an operand is passed as a copy (a normal tensor, made with
+    inference mode off, as the function is called), so the chunk -- kept by the store's
+    cache -- is never written and the copy's counter sees the write.
+
+    >>> with torch.inference_mode():
+    ...     x = torch.ones(2)
+    ...     without_inference(lambda a: a.add_(1.0), "join function f", "a join")(x)
+    Traceback (most recent call last):
+    ...
+    ValueError: join function f wrote its operand 0 in place; a join must return a new tensor
+    >>> x.tolist()
+    [1.0, 1.0]
+    """
+    def call(*operands: Any) -> Any:
+        with torch.inference_mode(False):
+            xs = [x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x
+                  for x in operands]
+            versions = [version_counter(x) for x in xs]
+            out = fn(*xs)
+        written = [n for n, (x, v) in enumerate(zip(xs, versions))
+                   if v is not None and version_counter(x) != v]
+        if written:
+            raise ValueError(f"{title} wrote its operand {', '.join(map(str, written))} in "
+                             f"place; {kind} must return a new tensor")
+        return out
+
     return call
 
 

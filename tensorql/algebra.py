@@ -64,6 +64,7 @@ from tensorql_kernels.algebra import (
     is_update,
     owned_result,
     update_join,
+    without_inference,
 )
 
 from tensorql.errors import TensorQLError
@@ -136,31 +137,39 @@ def check_operators(join: str, agg: str) -> None:
 
 
 # -- the user's own joins ------------------------------------------------------------------
-_ANONYMOUS: dict[int, tuple[Callable[..., Any], str]] = {}  # id(fn) -> (fn kept alive, name)
+# (id(fn), arity where its signature does not say it) -> (fn kept alive, name)
+_ANONYMOUS: dict[tuple[int, int | None], tuple[Callable[..., Any], str]] = {}
 _COUNTER = itertools.count(1)
 _PROBE_SHAPE = (3, 4)
 
 
-def resolve_join(join: Any) -> str:
+def resolve_join(join: Any, arity: int | None = None) -> str:
     """The registered name of ``join``: a name (any case) as is, a callable registered under
     a stable anonymous name (the same object: the same name); UnknownOperatorError for an
-    unknown name.
+    unknown name. ``arity`` -- the operands of the einsum it joins -- is that of a callable
+    whose signature does not say (a torch builtin: torch.exp takes one, torch.logaddexp
+    two), which then has a name for each arity.
 
     >>> resolve_join("MUL")
     'mul'
+    >>> resolve_join(torch.sigmoid, arity=1).startswith("join<sigmoid#")
+    True
     """
     if isinstance(join, str):
         name = join if join in JOINS else join.lower()
         join_record(name)
         return name
     if callable(join):
-        known = _ANONYMOUS.get(id(join))
+        if _signature_arity(join) is not None:
+            arity = None  # its own (an einsum of another operand count is refused by it)
+        key = (id(join), arity)
+        known = _ANONYMOUS.get(key)
         if known is not None and known[0] is join:
             return known[1]
         label = str(getattr(join, "__name__", type(join).__name__)).strip("<>").lower()
         name = f"join<{label}#{next(_COUNTER)}>"
-        register_join(name, join, _listed=False)
-        _ANONYMOUS[id(join)] = (join, name)
+        register_join(name, join, arity=arity, _listed=False)
+        _ANONYMOUS[key] = (join, name)
         return name
     raise UnknownOperatorError(f"join must be a name or an elementwise function, got "
                                f"{type(join).__name__}; choose one of "
@@ -261,16 +270,24 @@ def _number(value: Any, what: str, error: type[TensorQLError]) -> float:
 
 
 def _arity(name: str, fn: Callable[..., Any], error: type[TensorQLError], what: str) -> int:
+    """``fn``'s operand count by its signature; 2 where the signature does not say."""
+    arity = _signature_arity(fn)
+    if arity == 0:
+        raise error(f"{what} {name!r}: the function takes no operands")
+    return 2 if arity is None else arity
+
+
+def _signature_arity(fn: Callable[..., Any]) -> int | None:
+    """The positional parameters without defaults of ``fn``; None where its signature does
+    not say (a builtin without one, torch.logaddexp; only ``*args``)."""
     try:
         params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: torch.logaddexp
-        return 2
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                   and p.default is p.empty]
     if any(p.kind == p.VAR_POSITIONAL for p in params) and not positional:
-        return 2
-    if not positional:
-        raise error(f"{what} {name!r}: the function takes no operands")
+        return None
     return len(positional)
 
 
@@ -500,8 +517,14 @@ def register_agg(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     if reduce is not None:
         _probe_reduce(name, reduce, fn)
     fold = fn if fn is not None else (lambda a, b: reduce(torch.stack([a, b]), 0))
-    reducer = _by_dims(reduce) if reduce is not None else \
-        fold_reduce(fold, float(identity), associative)
+    # the reduction runs on input chunks (stored data): a write to its operand is refused.
+    # Not so the combination of partials: the accumulator may be a view of a buffer other
+    # tasks write (its version counter moves under it)
+    title = f"agg function {name!r}"
+    reducer = _by_dims(without_inference(reduce, title, "an aggregation")) \
+        if reduce is not None else \
+        fold_reduce(without_inference(fold, title, "an aggregation"), float(identity),
+                    associative)
 
     def combine(acc: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         return acc.copy_(fold(acc, partial))

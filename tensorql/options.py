@@ -100,6 +100,41 @@ def _positive_or_none(name: str, value: Any) -> int | None:
     return None if value is None else _positive(name, value)
 
 
+def _memory_size(name: str, value: Any) -> int | None:
+    """:func:`parse_bytes` with ``name`` -- the option, or its ``TENSORQL_*`` variable -- in
+    its errors.
+
+    >>> _memory_size("TENSORQL_MEMORY_LIMIT", "0")
+    Traceback (most recent call last):
+    ...
+    tensorql.errors.OptionError: TENSORQL_MEMORY_LIMIT: memory size must be positive, got '0'
+    """
+    try:
+        return parse_bytes(value)
+    except OptionError as err:
+        raise OptionError(f"{name}: {err}") from None
+
+
+def _device_cache(name: str, value: Any) -> int | str:
+    """``device_cache``: "auto", 0 (None, "0" or "off": no cache) or a memory size."""
+    if value in (None, 0, "0", "off"):
+        return 0
+    if value == "auto":
+        return value
+    size = _memory_size(name, value)
+    assert size is not None  # None was taken above
+    return size
+
+
+# the memory sizes with checks of their own (in Options.__post_init__); Options.from_env runs
+# the same checks on their TENSORQL_* variables, so that an error names the variable
+_MEMORY_SIZES = {
+    "memory_limit": _memory_size, "device_cache": _device_cache,
+    "store_memory_limit": _memory_size, "relation_dense_bytes": _memory_size,
+    "process_memory_limit": _memory_size,
+}
+
+
 def _bytes_or_zero(name: str, value: Any) -> int:
     """A byte count that may be 0 (nothing kept): an int >= 0 or a size like "64MiB"."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -265,20 +300,18 @@ class Options:
                 self, "intra_op_threads",
                 max(1, _default_workers(self.distributed) // self.workers)
             )
-        object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
-        if self.device_cache in (None, 0, "0", "off"):
-            object.__setattr__(self, "device_cache", 0)
-        elif self.device_cache != "auto":
-            object.__setattr__(self, "device_cache", parse_bytes(self.device_cache))
+        object.__setattr__(self, "memory_limit", _memory_size("memory_limit", self.memory_limit))
+        object.__setattr__(self, "device_cache", _device_cache("device_cache", self.device_cache))
         # parsed once, here (OptionError now rather than at the first query)
         object.__setattr__(self, "_device_set",
                            DeviceSet.parse(self.devices, distributed=self.distributed))
         if auto_tiles:
             object.__setattr__(self, "tile_target_elems", self._device_tile_target())
-        object.__setattr__(self, "store_memory_limit", parse_bytes(self.store_memory_limit))
+        object.__setattr__(self, "store_memory_limit",
+                           _memory_size("store_memory_limit", self.store_memory_limit))
         object.__setattr__(self, "relation_dense_bytes",
-                           parse_bytes(self.relation_dense_bytes))
-        total = parse_bytes(self.process_memory_limit)
+                           _memory_size("relation_dense_bytes", self.relation_dense_bytes))
+        total = _memory_size("process_memory_limit", self.process_memory_limit)
         object.__setattr__(self, "process_memory_limit", total)
         if total is not None:  # the one figure: the cache and DuckDB take their shares of it
             object.__setattr__(self, "chunk_cache_bytes", min(self.chunk_cache_bytes, total // 8))
@@ -315,6 +348,8 @@ class Options:
                     raise OptionError(f"TENSORQL_{f.name.upper()}={raw!r} is not a number") \
                         from err
             else:
+                if f.name in _MEMORY_SIZES:  # checked here, so that its error names it
+                    _MEMORY_SIZES[f.name](f"TENSORQL_{f.name.upper()}", raw)
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}

@@ -25,6 +25,7 @@ from tensorql.einsum.literals import constant_node, literal_array
 from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
+from tensorql.optimizer.search import get_strategy
 from tensorql.options import Options
 from tensorql.pipeline import CompiledQuery, get_backend
 from tensorql.pipeline.query_cache import QueryCache
@@ -90,6 +91,7 @@ def connect(
                                        **settings).items() if v is not None}
     opts = base.with_(**changes) if changes else base
     get_backend(opts.backend)  # UnknownBackendError names the registered ones
+    get_strategy(opts.strategy)  # as does UnknownStrategyError the strategies, before any query
     opts.device_set.check_present()  # "cuda:1" on a machine without it fails here
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise StorageError(f"database path must be a string or path, got {path!r}")

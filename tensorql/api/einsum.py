@@ -40,12 +40,14 @@ def einsum(equation: Any, *operands: Any, join: Any = JoinName.MUL,
     any case). A label is any character opt_einsum accepts; numpy's interleaved form
     ``einsum(A, [0, 1], B, [1, 2], [0, 2])`` works too.
     """
-    join = resolve_join(join)  # a name in any case, or the user's elementwise function
     agg = resolve_agg(agg)
     if not isinstance(equation, str):
         equation, operands = _from_interleaved((equation, *operands))
     if not operands:
         raise ShapeError(f"einsum {equation!r} needs at least one operand")
+    # a name in any case, or the user's elementwise function of as many tensors as operands
+    # (a built-in such as torch.exp shows no signature to count them from)
+    join = resolve_join(join, arity=len(operands))
     db = next((op.db for op in operands if isinstance(op, Tensor)), None)
     if db is None:
         db = _default_db()

@@ -15,7 +15,7 @@ import math
 import numbers
 import operator
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -166,6 +166,27 @@ class Tensor:
             raise UnsupportedError("len() of a 0-d tensor")
         return self.shape[0]
 
+    def __iter__(self) -> Iterator[Tensor]:
+        """The rows along the first axis, as numpy iterates (a 0-d tensor has none to give:
+        UnsupportedError, a TypeError, as numpy's)."""
+        if not self.shape:
+            raise UnsupportedError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __contains__(self, value: Any) -> bool:
+        """``value in t``: whether some element equals ``value`` (numpy's ``in``; computes).
+        Without it Python would iterate the rows and compare them by identity (``==``)."""
+        return bool(self.eq(value).any())
+
+    def __copy__(self) -> Tensor:
+        return Tensor(self.node, self.db)  # the same expression of the same session
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle and copy.deepcopy: the session (its store, locks, worker pool) is not data
+        raise UnsupportedError("a tensorql Tensor cannot be pickled or deep-copied: it is a "
+                               "lazy expression of its session; store it there "
+                               "(db.store(name, t)) or take its values with .numpy()")
+
     def __bool__(self) -> bool:
         """The truth of a one-element tensor's value (it is computed); more elements, or none,
         are ambiguous, as in numpy.
@@ -292,7 +313,9 @@ class Tensor:
         return self.db.constant(other)
 
     def _elementwise(self, other: Any, join: str, reverse: bool = False) -> Tensor:
-        other = _python_number(other)
+        promoted, other = self._bool_as_int8(_python_number(other), join)
+        if promoted is not self:
+            return promoted._elementwise(other, join, reverse)
         maps = join_record(join).scalar_maps
         if maps is not None and isinstance(other, (int, float)) and not isinstance(other, bool) \
                 and self.dtype != "bool":
@@ -315,6 +338,26 @@ class Tensor:
         other_t = self._scalar_operand(other)
         left, right = (other_t, self) if reverse else (self, other_t)
         return broadcast_binary(left, right, join)
+
+    def _bool_as_int8(self, other: Any, join: str) -> tuple[Tensor, Any]:
+        """``self`` and ``other`` as int8 where both are bool and ``join`` is floor division,
+        remainder or power (torch has none of these for bool; numpy gives int8), else as they
+        are.
+
+        >>> import numpy as np, tensorql as tq
+        >>> b = tq.connect().constant(np.array([True, False]))
+        >>> (b // True).dtype, (b % b).dtype, (b ** True).numpy().tolist()
+        ('int8', 'int8', [1, 0])
+        """
+        if join not in _BOOL_AS_INT8 or self.dtype != "bool" or not _is_bool(other):
+            return self, other
+        if isinstance(other, Tensor):
+            other = other.astype("int8")
+        elif isinstance(other, torch.Tensor):
+            other = other.to(torch.int8)
+        else:
+            other = np.asarray(other).astype(np.int8)
+        return self.astype("int8"), other
 
     def _scalar_operand(self, other: Any) -> Tensor:
         """``other`` as an operand of an elementwise op with this tensor: a Python number of
@@ -392,12 +435,15 @@ class Tensor:
     def __pow__(self, exponent: Any) -> Tensor:
         """``self ** exponent``: a number (a map), or a tensor / array broadcast against
         ``self`` (the ``pow`` join)."""
-        exponent = _python_number(exponent)
+        base, exponent = self._bool_as_int8(_python_number(exponent), _J.POW)
+        if base is not self:
+            return base ** exponent
         if self.dtype == "bool" and isinstance(exponent, int) and not isinstance(exponent,
                                                                                   bool):
             return self.astype("int64") ** exponent  # numpy: bool ** int is int64
         if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
-            if exponent == 2:
+            # a float exponent makes an integer tensor float32, as torch does: not square's
+            if exponent == 2 and (isinstance(exponent, int) or self.dtype not in _INTEGRAL):
                 return self._map("square")
             if isinstance(exponent, int) and self.dtype in _INTEGRAL and self.dtype != "bool":
                 if exponent < 0:
@@ -411,7 +457,8 @@ class Tensor:
         return broadcast_binary(self, self._operand(exponent), _J.POW)
 
     def __rpow__(self, base: Any) -> Tensor:
-        return broadcast_binary(self._scalar_operand(_python_number(base)), self, _J.POW)
+        exponent, base = self._bool_as_int8(_python_number(base), _J.POW)
+        return broadcast_binary(exponent._scalar_operand(base), exponent, _J.POW)
 
     # comparisons, elementwise as numpy's (bool results); ``==`` and ``!=`` keep Python's
     # identity meaning (tensors are used as keys), elementwise equality is ``eq`` / ``ne``
@@ -944,6 +991,16 @@ class Tensor:
         return self.reshape(-1)
 
 
+_BOOL_AS_INT8 = (_J.FLOORDIV, _J.MOD, _J.POW)
+
+
+def _is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool: a Python or numpy one, or an array or tensor of bools."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    return str(getattr(value, "dtype", "")).removeprefix("torch.") == "bool"
+
+
 def _python_number(value: Any) -> Any:
     """A numpy scalar (``np.float32(2.5)``, ``np.int64(3)``) as the Python number it holds, so
     it promotes as a Python scalar does (a float with an integer tensor gives a floating
@@ -1138,6 +1195,11 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
     anchor = next((v for v in (condition, x, y) if isinstance(v, Tensor)), None)
     if anchor is None:
         raise UnsupportedError("where needs at least one tensorql Tensor among its arguments")
+    # condition is checked against anchor, x and y against value below: tensors of two
+    # sessions would each pass, and the graph (which names stored tensors, not sessions)
+    # would read them all in anchor's
+    if any(isinstance(v, Tensor) and v.db is not anchor.db for v in (condition, x, y)):
+        raise TensorQLError("cannot combine tensors of two different databases")
     # a Python number beside a tensor value takes its dtype (numpy's weak scalar)
     value = next((v for v in (x, y) if isinstance(v, Tensor)), anchor)
     operands = [anchor._operand(condition), value._scalar_operand(_python_number(x)),

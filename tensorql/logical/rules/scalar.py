@@ -11,8 +11,13 @@ to scale the (usually much smaller) product.
 It fires on ``Aggregate sum`` over a two-input ``Join mul`` (a contraction) one of whose
 inputs is a ``Join div (Y, s)`` or ``Join mul`` of ``Y`` and ``s``, with ``s`` of no dims, read
 by that contraction only, and ``Y`` tiled and typed as the operand (its dims in the same
-order). Exact in real arithmetic; in floating point only the rounding of the scaling differs
-(one rounding of each result element instead of one of each operand element).
+order), in float32 or float64. Exact in real arithmetic; in floating point the rounding of
+the scaling differs (one rounding of each result element instead of one of each operand
+element), and so does the range: the products are formed before the scaling, so they can
+overflow to inf (or underflow to 0) where the query as written does not. float16 and bfloat16
+reach their range at ordinary magnitudes (300 * 300 * 8 terms is past float16's 65504), so
+for them the rule does not fire; at float32 and float64 it takes magnitudes near their limits
+(1e19 and up at float32).
 
 >>> import torch
 >>> from tensorql.grid import ChunkGrid
@@ -45,6 +50,7 @@ from tensorql.logical.rules.common import rebuild, results_of
 
 NAME = "scalar_out_of_sum"
 _SCALED = (JoinName.DIV, JoinName.MUL)  # Y / s, Y * s, s * Y
+_NARROW = ("float16", "bfloat16")  # the unscaled products overflow at ordinary magnitudes
 
 
 def scalar_out_of_sum(root: LogicalNode) -> LogicalNode:
@@ -69,7 +75,8 @@ def _match(node: LogicalNode, readers: dict[int, list[int]], results: set[int]
            ) -> tuple[int, Join, LogicalNode, LogicalNode] | None:
     """``(k, scaled, Y, s)`` when ``node`` sums over a contraction whose input ``k`` is
     ``scaled``, ``Y`` times or over the scalar ``s``; else None."""
-    if not (isinstance(node, Aggregate) and node.agg == AggName.SUM and node.over):
+    if not (isinstance(node, Aggregate) and node.agg == AggName.SUM and node.over
+            and node.relation.dtype not in _NARROW):
         return None
     prod = node.input
     if not (isinstance(prod, Join) and prod.join == JoinName.MUL and len(prod.sources) == 2
