@@ -815,9 +815,20 @@ class Tensor:
 
     def std(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
             ddof: float = 0, keepdims: bool = False) -> Tensor:
-        """The standard deviation over ``axis``: the square root of :meth:`var`."""
+        """The standard deviation over ``axis``: the square root of :meth:`var`. A constant
+        row's gradient is 0, as torch's ``std`` gives it, where the square root's derivative
+        at 0 is infinite: 1 stands in for a variance of 0 under the root, and the 0 is put
+        back after.
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[1.0, 1.0], [1.0, 3.0]]))
+        >>> [g.tolist() for g in tq.grad(x.std(axis=1).sum(), [x])]
+        [[[0.0, 0.0], [-0.5, 0.5]]]
+        """
         _no_numpy_extras("std", dtype, out)
-        return self.var(axis, ddof=ddof, keepdims=keepdims).sqrt()
+        variance = self.var(axis, ddof=ddof, keepdims=keepdims)
+        constant = variance.eq(0).astype(variance.dtype)  # a comparison: no gradient path
+        return (variance + constant).sqrt() * (1 - constant)
 
     def any(self, axis: int | Sequence[int] | None = None, out: Any = None,
             keepdims: bool = False) -> Tensor:

@@ -206,3 +206,16 @@ def test_a_builtin_torch_function_of_one_operand_as_join():
         for fn in (torch.exp, torch.sigmoid, torch.abs):
             got = tq.einsum("ij->ij", A, join=fn).numpy()
             np.testing.assert_allclose(got, fn(torch.tensor(a)).numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_std_of_a_constant_row_has_torch_s_zero_gradient(ddof):
+    a = np.array([[1.0, 1.0, 1.0], [1.0, 2.0, 4.0], [0.0, 0.0, 0.0]])
+    with tq.connect() as db:
+        X = db.from_numpy("x", a)
+        got = tq.grad(X.std(axis=1, ddof=ddof).sum(), [X])[0].numpy()
+        np.testing.assert_allclose(X.std(axis=1, ddof=ddof).numpy(), a.std(axis=1, ddof=ddof),
+                                   rtol=1e-12)
+    t = torch.tensor(a, requires_grad=True)
+    (want,) = torch.autograd.grad(t.std(dim=1, correction=ddof).sum(), t)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
