@@ -485,6 +485,51 @@ class Tensor:
         """Elementwise ``self != other`` (bool), as ``numpy.not_equal`` / ``torch.ne``."""
         return self._compare(other, _J.NE)
 
+    # logical operators on masks, as numpy's on bool arrays: ``&`` is and (the min of two
+    # bools), ``|`` or (their max), ``^`` xor (ne), ``~`` not (eq False); numpy's bitwise
+    # integer forms are not offered
+    def _logical(self, other: Any, join: str, symbol: str, reverse: bool = False) -> Tensor:
+        """``self <symbol> other`` for bool tensors (or Python / numpy bools).
+
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([1.0, 2.0, 3.0]))
+        >>> ((x > 1) & (x < 3)).tolist(), ((x < 2) | (x > 2)).tolist(), (~(x > 1)).tolist()
+        ([False, True, False], [True, False, True], [True, False, False])
+        """
+        operand = self._operand(other)
+        if self.dtype != "bool" or operand.dtype != "bool":
+            left, right = (operand, self) if reverse else (self, operand)
+            raise DTypeError(f"{left.dtype} {symbol} {right.dtype}: {symbol!r} combines bool "
+                             "tensors (masks) only; compare first, e.g. (x > 0) & (y < 1); "
+                             "bitwise operators on integers are not supported")
+        left, right = (operand, self) if reverse else (self, operand)
+        return broadcast_binary(left, right, join)
+
+    def __and__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.MIN, "&")
+
+    def __rand__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.MIN, "&", reverse=True)
+
+    def __or__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.MAX, "|")
+
+    def __ror__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.MAX, "|", reverse=True)
+
+    def __xor__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.NE, "^")
+
+    def __rxor__(self, other: Any) -> Tensor:
+        return self._logical(other, _J.NE, "^", reverse=True)
+
+    def __invert__(self) -> Tensor:
+        """``~mask``: logical not of a bool tensor (numpy's ``~`` on bool arrays)."""
+        if self.dtype != "bool":
+            raise DTypeError(f"~ of a {self.dtype} tensor: '~' negates bool tensors (masks) "
+                             "only; bitwise not of integers is not supported")
+        return self._compare(False, _J.EQ)
+
     def __getitem__(self, index: Any) -> Tensor:
         """Basic numpy indexing: ints, slices (any step, negative and open ends as numpy),
         ``...`` and ``None``. On a stored tensor the region the index spans is read from only
