@@ -332,17 +332,18 @@ class ScriptRunner:
         matches = [t for t in store.names() if t.lower() == name.lower()]
         return matches[0] if len(matches) == 1 else name
 
-    def create_tensor(self, e: CreateTensor) -> SQLResult:
-        name = self.tensor_name(e.this)
+    def create_tensor(self, e: CreateTensor, dense: torch.Tensor | None = None) -> SQLResult:
+        """Run ``CREATE [OR REPLACE] TENSOR name AS query``; with ``dense``, store that (the
+        query's result, computed already by EXPLAIN ANALYZE) instead of running it."""
+        name = self.check_creatable(e)
         replace = bool(e.args.get("replace"))
-        if not replace and self.session.chunk_store.has(name):
-            raise self.fail(SQLExecutionError, f"tensor {name!r} already exists "
-                            "(write CREATE OR REPLACE TENSOR)", e.this)
         query = e.expression
-        call = self.pure_call(query, {})
+        call = self.pure_call(query, {}) if dense is None else None
         if isinstance(call, RelationalEinsum):
             call = None  # its rows, made dense below
-        if call is not None and call.present is None:  # chunks go to the store as computed
+        if dense is not None:
+            stored = self.session.from_torch(name, dense, replace=replace)
+        elif call is not None and call.present is None:  # chunks go to the store as computed
             compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
             stored = self.session.store_node(name, call.node, replace=replace,
                                              compiled=compiled)
@@ -351,6 +352,15 @@ class ScriptRunner:
             stored = self.session.from_torch(name, dense, replace=replace)
         shape = "x".join(map(str, stored.shape)) or "scalar"
         return SQLResult(text=f"CREATE TENSOR {name} {shape} {stored.dtype}")
+
+    def check_creatable(self, e: CreateTensor) -> str:
+        """The name ``CREATE TENSOR`` stores under; an SQLExecutionError when a tensor has it
+        and the statement does not replace it."""
+        name = self.tensor_name(e.this)
+        if not e.args.get("replace") and self.session.chunk_store.has(name):
+            raise self.fail(SQLExecutionError, f"tensor {name!r} already exists "
+                            "(write CREATE OR REPLACE TENSOR)", e.this)
+        return name
 
     def drop_tensor(self, e: DropTensor) -> SQLResult:
         name = self.tensor_name(e.this)
@@ -373,6 +383,7 @@ class ScriptRunner:
         created = None
         if isinstance(inner, CreateTensor):
             created, inner = inner, inner.expression
+            self.check_creatable(created)  # before anything runs
         self.explain_parts = []
         if not has_einsum(inner):
             sql = self.statement.text if created is None else inner.sql(dialect="duckdb")
@@ -381,9 +392,12 @@ class ScriptRunner:
                                                    f"{head} {sql}"))
             self.explain_parts.append({"duckdb": plain, "plan": result.text})
             if created is not None:  # DuckDB knows no CREATE TENSOR: its query, then a note
-                return SQLResult(text=f"{self.statement.text}\n-- CREATE TENSOR "
-                                      f"{created.this.name}: the query's element rows (labels, "
-                                      f"val), made dense and stored\n{result.text}")
+                text = (f"{self.statement.text}\n-- CREATE TENSOR {created.this.name}: the "
+                        f"query's element rows (labels, val), made dense and stored\n"
+                        f"{result.text}")
+                if analyze:  # as DuckDB's EXPLAIN ANALYZE CREATE TABLE: it is created
+                    text += "\n-- " + self.create_tensor(created).text
+                return SQLResult(text=text)
             return result
         self.check_einsum_not_kept(inner)
         self.explain_sections = []
@@ -400,6 +414,15 @@ class ScriptRunner:
         finally:
             self.explain_sections = None
             self.analyze = False
+        if created is not None and analyze:  # it is created, as DuckDB's EXPLAIN ANALYZE
+            # CREATE TABLE creates its table: from the result the analysis computed when it
+            # was the whole query's, else by running the statement
+            dense = None
+            if isinstance(call, EinsumCall) and call.present is None \
+                    and len(self.explain_parts) == 1 \
+                    and self.explain_parts[0].get("result") is not None:
+                dense = self.explain_parts[0]["result"].dense()
+            sections.append("-- " + self.create_tensor(created, dense=dense).text)
         return SQLResult(text="\n".join([self.statement.text, *sections]))
 
     @staticmethod
