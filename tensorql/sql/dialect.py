@@ -88,13 +88,22 @@ class _Parser(DuckDB.Parser):
         return self._parse_csv(argument)
 
     def _parse_named_lambda(self) -> exp.Expr | None:
-        """``name := (a, b) -> body`` (or ``=>``, or one parameter ``a -> body``) as a named
-        argument holding a Lambda; DuckDB's parser would read the right side as a JSON arrow
-        over a tuple. None (nothing consumed) for any other argument."""
+        """``name := (a, b) -> body`` (or ``=>``, or one parameter ``a -> body``, or DuckDB's
+        newer ``lambda a, b: body``) as a named argument holding a Lambda; DuckDB's parser
+        would read the right side as a JSON arrow over a tuple. None (nothing consumed) for
+        any other argument."""
         tokens, i = self._tokens, self._index
         if i + 3 >= len(tokens) or tokens[i + 1].token_type not in (TokenType.COLON_EQ,
                                                                      TokenType.FARROW):
             return None
+        if tokens[i + 2].text.upper() == "LAMBDA":  # DuckDB's own: lambda a, b: body
+            name = exp.Identifier(this=self._curr.text, quoted=False)
+            self._advance(2)
+            value = self._parse_lambda()
+            if not isinstance(value, exp.Lambda):
+                self._retreat(i)
+                return None
+            return self.expression(exp.PropertyEQ(this=name, expression=value))
         j = i + 2
         if tokens[j].token_type == TokenType.L_PAREN:  # a parenthesised parameter list
             j += 1

@@ -132,9 +132,18 @@ def lambda_join(node: exp.Lambda) -> LambdaJoin:
             raise LambdaSyntaxError(f"a join lambda's parameters are names, one per operand; "
                                     f"got {p.name or p.sql(dialect='duckdb')!r}", p)
     params = tuple(p.name for p in node.expressions)
-    if not params or len(set(params)) != len(params):
+    canonical = {p.lower(): p for p in params}  # names are case-insensitive, as DuckDB's
+    if not params or len(canonical) != len(params):
         raise LambdaSyntaxError("a join lambda needs distinct parameter names, one per operand",
                                 node)
+
+    def as_declared(n: exp.Expr) -> exp.Expr:
+        if isinstance(n, (exp.Column, exp.Identifier)) and n.name not in params \
+                and n.name.lower() in canonical and not (isinstance(n, exp.Column) and n.table):
+            return exp.Identifier(this=canonical[n.name.lower()], quoted=False)
+        return n
+
+    node = exp.Lambda(this=node.this.transform(as_declared), expressions=node.expressions)
     body = _compile(node.this, params)
 
     def fn(*xs: torch.Tensor) -> torch.Tensor:

@@ -196,3 +196,29 @@ def test_case_when_comparisons_and_logs_follow_duckdb(db1):
     ours = [float(value[0, 0, 1]), float(value[1, 0, 0])]  # x = a[i, j], y = a[j, k]
     assert [row[0] for row in duck] == pytest.approx(ours, rel=1e-12)
     assert not math.isnan(float(got.sum()))
+
+
+@pytest.mark.parametrize("backend", ["native", "duckdb"])
+def test_duckdb_s_lambda_keyword_and_case_insensitive_parameters(backend):
+    """DuckDB 1.3+ writes ``lambda a, b: body`` (the arrow form is deprecated there); its
+    names are case-insensitive, so ``(X, y) -> x * Y`` is ``x * y``."""
+    db = tq.connect(backend=backend)
+    a = np.arange(6.0).reshape(2, 3) / 4
+    b = np.arange(12.0).reshape(3, 4) / 8
+    db.from_numpy("A", a)
+    db.from_numpy("B", b)
+    cases = [
+        ("'ij,ij->ij', A, A, join := lambda x, y: x * exp(y)", a * np.exp(a)),
+        ("'ij,ij->ij', A, A, join := lambda X, y: x * Y + 1", a * a + 1),
+        ("'ij,ij->ij', A, A, join := (X, y) -> x - Y * 2", a - a * 2),
+        ("'ij,jk->ik', A, B, join => lambda p, q: p + q, agg := 'max'",
+         (a[:, :, None] + b[None]).max(axis=1)),
+        ("'i->i', (SELECT d1 AS i, val FROM A WHERE d0 = 1), join := lambda V: v * 3",
+         a[1] * 3),
+    ]
+    for args, expected in cases:
+        np.testing.assert_allclose(db.sql(f"SELECT * FROM EINSUM({args})").numpy(), expected,
+                                   rtol=1e-12)
+    with pytest.raises(SQLJoinFunctionError, match="distinct parameter names"):
+        db.sql("SELECT * FROM EINSUM('ij,ij->ij', A, A, join := lambda x, X: x + 1)")
+    assert sorted(db.tensors()) == ["A", "B"]
