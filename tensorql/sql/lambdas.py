@@ -227,6 +227,8 @@ def _compile(node: exp.Expr, params: tuple[str, ...]) -> Compiled:
         return lambda env: fn(_tensor(left(env)), _tensor(right(env)))
     if isinstance(node, exp.Case):
         return _case(node, params)
+    if isinstance(node, exp.Cast):
+        return _cast(node, params)
     if type(node) in FUNCTIONS:
         fn = FUNCTIONS[type(node)]
         args = [_compile(a, params) for a in _arguments(node)]
@@ -238,6 +240,49 @@ def _compile(node: exp.Expr, params: tuple[str, ...]) -> Compiled:
                                 f"use {known}, arithmetic, comparisons or CASE", node)
     raise LambdaSyntaxError(f"{node.sql(dialect='duckdb')!r} ({node.key}) is not allowed in "
                             "a join lambda", node)
+
+
+# the numeric types a lambda may CAST to (a bound float parameter is CAST('1.5' AS DOUBLE))
+_FLOAT_TYPES = {exp.DataType.Type.DOUBLE: torch.float64, exp.DataType.Type.FLOAT: torch.float32}
+_INT_TYPES = frozenset({exp.DataType.Type.TINYINT, exp.DataType.Type.SMALLINT,
+                        exp.DataType.Type.INT, exp.DataType.Type.BIGINT})
+
+
+def _cast(node: exp.Cast, params: tuple[str, ...]) -> Compiled:
+    """``CAST(x AS DOUBLE | FLOAT | REAL | INTEGER ...)`` as DuckDB computes it: a number
+    written as a string is that number; a cast to an integer type rounds half away from zero.
+
+    >>> import sqlglot
+    >>> cast = sqlglot.parse_one("CAST('1.5' AS DOUBLE) + CAST(2.5 AS INTEGER)", read="duckdb")
+    >>> _compile(cast, ()) ({}).item()
+    4.5
+    """
+    to = node.to.this
+    if to not in _FLOAT_TYPES and to not in _INT_TYPES:
+        raise LambdaSyntaxError(f"a join lambda casts to DOUBLE, FLOAT, REAL or an integer "
+                                f"type only; got {node.to.sql(dialect='duckdb')}", node)
+    inner = node.this
+    if isinstance(inner, exp.Literal) and inner.is_string:
+        try:
+            number = float(inner.this)
+        except ValueError:
+            raise LambdaSyntaxError(f"{inner.sql()} is not a number", inner) from None
+        inner = exp.Literal.number(inner.this.strip()) if math.isfinite(number) else inner
+        if not math.isfinite(number):
+            value = torch.tensor(number, dtype=_FLOAT_TYPES.get(to, torch.float64))
+            return lambda env: value
+    compiled = _compile(inner, params)
+    if to in _FLOAT_TYPES:
+        dtype = _FLOAT_TYPES[to]
+        return lambda env: _tensor(compiled(env)).to(dtype)
+
+    def to_integer(env: Env) -> torch.Tensor:
+        x = _tensor(compiled(env))
+        if x.is_floating_point():
+            x = torch.sign(x) * torch.floor(torch.abs(x) + 0.5)
+        return x.to(torch.int64)
+
+    return to_integer
 
 
 def _arguments(node: exp.Func) -> list[exp.Expr]:

@@ -222,3 +222,26 @@ def test_duckdb_s_lambda_keyword_and_case_insensitive_parameters(backend):
     with pytest.raises(SQLJoinFunctionError, match="distinct parameter names"):
         db.sql("SELECT * FROM EINSUM('ij,ij->ij', A, A, join := lambda x, X: x + 1)")
     assert sorted(db.tensors()) == ["A", "B"]
+
+
+@pytest.mark.parametrize("backend", ["native", "duckdb"])
+def test_parameters_and_numeric_casts_in_a_join_lambda(backend):
+    """A float parameter binds as ``CAST('1.5' AS DOUBLE)``: a lambda takes numeric casts,
+    computed as DuckDB does (to an integer: half away from zero)."""
+    db = tq.connect(backend=backend)
+    a = np.arange(4.0).reshape(2, 2) - 1.5
+    db.from_numpy("A", a)
+    half_away = np.sign(a) * np.floor(np.abs(a) + 0.5)
+    cases = [
+        ("join := lambda x, y: x * y + ?", [1.5], a * a + 1.5),
+        ("join := (x, y) -> x - ? * y", [-2.25], a + 2.25 * a),
+        ("join := lambda x, y: CAST(x AS INTEGER) + y", None, half_away + a),
+        ("join := lambda x, y: CAST(x AS REAL) * CAST('2' AS DOUBLE)", None, 2 * a),
+    ]
+    for join, params, expected in cases:
+        got = db.sql(f"SELECT * FROM EINSUM('ij,ij->ij', A, A, {join})", params=params)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)
+    for bad, message in (("CAST(y AS VARCHAR)", "casts to DOUBLE"),
+                         ("CAST('a' AS DOUBLE)", "not a number")):
+        with pytest.raises(SQLJoinFunctionError, match=message):
+            db.sql(f"SELECT * FROM EINSUM('ij,ij->ij', A, A, join := lambda x, y: x + {bad})")
