@@ -85,14 +85,17 @@ class Optimizer:
     """Weights stored under ``params`` (names), updated by :meth:`step`.
 
     ``name`` prefixes the state stored with each checkpoint (``{name}.step``, the names of the
-    weights it trains, ``{name}.params``, and one tensor per weight and slot, e.g.
-    ``adam.m.W1``); an optimizer resumes the checkpoint under its name only when it trains the
-    same weights (else OptionError: two optimizers of other weights need other names).
+    weights it trains, ``{name}.params``, how many updates each of them has had,
+    ``{name}.weight_steps``, and one tensor per weight and slot, e.g. ``adam.m.W1``); an
+    optimizer resumes the checkpoint under its name only when it trains the same weights
+    (else OptionError: two optimizers of other weights need other names).
     ``checkpoint_every`` is how many steps run between checkpoints (1: every step is
     committed).
 
     A step updates only the weights the loss has a gradient path to; the others and their
-    slots are left as they are, as torch.optim skips a parameter whose ``grad`` is None.
+    slots are left as they are, as torch.optim skips a parameter whose ``grad`` is None. Like
+    torch.optim, each weight counts its own updates (``weight_steps``): Adam's bias
+    corrections for a weight some losses skip follow its own count, not ``step_count``.
 
     ``strategy``: the engine's strategy for the step's run (None, the default: the engine's
     policy, :func:`tensorql.exec.engine.choose_strategy`; e.g. "serial" or "lanes" to
@@ -132,6 +135,7 @@ class Optimizer:
                                  "weights can be trained")
             self.values[n] = value.clone()
         self.step_count = self._resumed_step()
+        self.weight_steps: dict[str, int] = self._resumed_weight_steps()
         self.state: dict[tuple[str, str], torch.Tensor] = {}
         for slot in self.slots:
             for n in self.names:
@@ -182,6 +186,26 @@ class Optimizer:
                     f"{counter!r}, {owners!r} and its slots) to start afresh")
         return int(count)
 
+    def _resumed_weight_steps(self) -> dict[str, int]:
+        """How many updates each weight had at the checkpoint (``{name}.weight_steps``, in
+        the order of ``{name}.params``; a checkpoint without it: ``step_count`` each)."""
+        counts = {n: self.step_count for n in self.names}
+        stored, owners = f"{self.name}.weight_steps", f"{self.name}.params"
+        store = self.db.chunk_store
+        if not self.step_count or not store.has(stored) or not store.has(owners):
+            return counts
+        trained = _decode_names(owners, self.db.tensor(owners).torch())
+        value = self.db.tensor(stored).torch()
+        if value.ndim != 1 or len(value) != len(trained) or value.is_floating_point() \
+                or value.dtype == torch.bool or value.is_complex() or bool((value < 0).any()) \
+                or bool((value > self.step_count).any()):
+            raise OptionError(f"stored tensor {stored!r} ({tuple(value.shape)} "
+                              f"{canonical(value)}) is not the update counts of the "
+                              f"{len(trained)} weights of the checkpoint under "
+                              f"name={self.name!r}: pick another name= for the optimizer")
+        counts.update(zip(trained, (int(c) for c in value.tolist())))
+        return counts
+
     def params(self) -> dict[str, Tensor]:
         """The weights as lazy tensors (the same ones every step: build the loss once). A
         loss may as well be written over the stored weights, ``db.tensor(name)``: ``step``
@@ -197,10 +221,19 @@ class Optimizer:
             self._scalars[k] = torch.zeros((), dtype=torch_dtype(dtype))
         return self.db.constant(self._scalars[k])
 
+    def _weight_step(self, param: str, dtype: str) -> Tensor:
+        """A 0-d constant holding the number of ``param``'s update in this step (its own
+        count, as torch.optim's ``state["step"]``; set in ``_set_scalars``)."""
+        return self._scalar(_WEIGHT_STEP + param, dtype)
+
     def _set_scalars(self, step: int) -> None:
         values = self.scalars(step)
         for k, tensor in self._scalars.items():
-            tensor.fill_(values[k.split(":")[0]])
+            key = k.rsplit(":", 1)[0]
+            if key.startswith(_WEIGHT_STEP):
+                tensor.fill_(self.weight_steps[key[len(_WEIGHT_STEP):]] + 1)
+            else:
+                tensor.fill_(values[key])
 
     def scalars(self, step: int) -> dict[str, float]:
         """Values of the per-step scalars for step number ``step`` (1-based)."""
@@ -321,6 +354,7 @@ class Optimizer:
         # the constants the plan reads take the new values' storage (of the weights updated)
         for n in self._step_plan.trained:
             self.take_results(n, it)
+            self.weight_steps[n] += 1
         self._spare, self._latest = self._latest, results
         self.step_count += 1
         if self.step_count % self.checkpoint_every == 0:
@@ -334,7 +368,12 @@ class Optimizer:
             items[self._state_name(slot, n)] = value
         items[f"{self.name}.step"] = torch.tensor(self.step_count, dtype=torch.int64)
         items[f"{self.name}.params"] = _encode_names(self.names)
+        items[f"{self.name}.weight_steps"] = torch.tensor(
+            [self.weight_steps[n] for n in self.names], dtype=torch.int64)
         self.db.store_many(items, replace=True)
+
+
+_WEIGHT_STEP = "step@"  # the key prefix of a weight's own step count among the scalars
 
 
 def _encode_names(names: Sequence[str]) -> torch.Tensor:
@@ -446,7 +485,8 @@ class Adam(Optimizer):
         super().__init__(db, params, name=name, checkpoint_every=checkpoint_every)
 
     def scalars(self, step: int) -> dict[str, float]:
-        return {"step": float(step)}  # the fused kernel derives the bias corrections
+        return {}  # each weight's own step count (_weight_step): the fused kernel derives
+        # the bias corrections from it
 
     def update_outputs(self, param, weight, gradient, state):
         """ONE result per weight: the join ``adam`` (``adamw``) stacks the new weight and
@@ -470,7 +510,7 @@ class Adam(Optimizer):
         wide = canonical_dtype(torch.promote_types(torch_dtype(dtype), torch.float32))
         return [einsum(equation, gradient, weight, state["m"], state["v"],
                        self._fixed_slots(dtype), self._fixed(self.lr, wide),
-                       self._scalar("step", wide), join=join)]
+                       self._weight_step(param, wide), join=join)]
 
     def _in_place(self, trained: Sequence[str]) -> dict[int, list[torch.Tensor]]:
         """Each trained weight's update (weight, m and v stacked: outputs 1, 2, ...) over the
