@@ -261,7 +261,9 @@ def _pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ValueError: integers to negative integer powers are not allowed (as numpy's); ...
     """
     if not (a.is_floating_point() or b.is_floating_point() or b.dtype == torch.bool) \
-            and not a.is_complex() and bool((b < 0).any()):
+            and not a.is_complex() and b.device.type == "cpu" and bool((b < 0).any()):
+        # (on a device the check would stall the host on it every chunk: there torch's value,
+        # the power truncated toward zero, stands)
         raise ValueError("integers to negative integer powers are not allowed (as numpy's); "
                          "convert the base to a floating dtype first")
     return torch.pow(a, b)
@@ -269,10 +271,20 @@ def _pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _integral_by_zero(fn: Callable[..., torch.Tensor], a: torch.Tensor,
                       b: torch.Tensor) -> torch.Tensor:
+    """``fn(a, b)`` with 0 where an integer ``b`` is 0. On the CPU the mask is skipped when
+    no divisor is 0 (a host read of a host tensor); on a device, reading that back would
+    stall the host on the device every chunk, so the device masks unconditionally.
+
+    >>> _integral_by_zero(torch.remainder, torch.tensor([5, 5]), torch.tensor([3, 0])).tolist()
+    [2, 0]
+    >>> _integral_by_zero(torch.remainder, torch.zeros(2, dtype=torch.int64, device="meta"),
+    ...                   torch.zeros(2, dtype=torch.int64, device="meta")).device
+    device(type='meta')
+    """
     if a.is_floating_point() or b.is_floating_point() or a.dtype == b.dtype == torch.bool:
         return fn(a, b)
     zero = b == 0
-    if not bool(zero.any()):
+    if b.device.type == "cpu" and not bool(zero.any()):
         return fn(a, b)
     out = fn(a, torch.where(zero, torch.ones_like(b), b))
     return out.masked_fill(zero.expand(out.shape), 0)

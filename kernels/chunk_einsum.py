@@ -875,8 +875,9 @@ def _mm_transposed(left: torch.Tensor, right: torch.Tensor,
 
 
 # Devices whose torch.mm returns a low-precision product in float32 (``out_dtype``): the
-# tensor cores' float32 sums, unrounded.
-_WIDE_MM_DEVICES = frozenset({"cuda"})
+# tensor cores' float32 sums, unrounded ("meta": the device memory of the tests' FakeCuda,
+# so CPU CI runs the CUDA branch; no real work runs on meta tensors)
+_WIDE_MM_DEVICES = frozenset({"cuda", "meta"})
 
 
 def _mm_wide(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -62,6 +62,47 @@ def test_mlp(fake_cuda, devices):
     ran_on_device(fake_cuda, devices=(0, 1))
 
 
+@pytest.mark.parametrize("build", [lambda x: x % 3, lambda x: x // 2, lambda x: x ** x,
+                                   lambda x: tq.einsum("ij,ij->ij", x, x, join="mod")],
+                         ids=["mod", "floordiv", "pow", "mod-join"])
+def test_integer_division_and_powers_read_nothing_back_on_the_device(fake_cuda, build):
+    """Integer // % and tensor ** mask a divisor of 0 on the device without reading it back
+    (on the CPU they look first): no host sync inside a kernel."""
+    with tq.connect(devices="cuda:0") as db:
+        x = db.from_numpy("x", np.arange(12, dtype=np.int32).reshape(3, 4))
+        got = build(x).numpy()
+    assert got.shape == (3, 4) and got.dtype == np.int32
+    ran_on_device(fake_cuda)
+
+
+def test_a_half_precision_series_sums_in_float32_through_the_device_product(monkeypatch):
+    """A bf16 product whose K tiles are summed one by one (a ContractSeries: on a GPU when
+    the whole-K copies do not fit) folds each into a float32 total with torch.mm's
+    ``out_dtype`` on the device -- the CUDA branch of ``_mm_wide``, run on the fake's
+    device memory (meta)."""
+    import tensorql_kernels.chunk_einsum as chunk_einsum
+
+    from tensorql.physical.kernels import ContractChunk, ContractSeries
+
+    calls = []
+    real = chunk_einsum._mm_wide
+
+    def spy(left, right, dtype):
+        out = real(left, right, dtype)
+        calls.append((left.device.type, left.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(chunk_einsum, "_mm_wide", spy)
+    series = ContractSeries(ContractChunk((("i", "j"), ("j", "k")), ("i", "k"),
+                                          dtype="bfloat16"), arity=2)
+    tiles = [torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+             for _ in range(4) for shape in ((256, 128), (128, 64))]
+    got = series.run(tiles, None)
+    assert got.device.type == "meta" and got.dtype == torch.bfloat16
+    assert got.shape == (256, 64)
+    assert calls == [("meta", torch.bfloat16, torch.float32)] * 4
+
+
 def test_attention(fake_cuda):
     with tq.connect(devices="cuda:0") as db:
         w = workloads.attention(db, batch=1, seq=16, d_model=32, heads=2, head_dim=16)
