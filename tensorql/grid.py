@@ -65,7 +65,10 @@ class ChunkGrid:
         return math.prod(self.blocks)
 
     def keys(self) -> Iterator[Key]:
-        """Every chunk key, in row-major order."""
+        """Every chunk key, in row-major order (none when a dim has no blocks: checked
+        first, as ``itertools.product`` would build the other dims' ranges in full)."""
+        if 0 in self.blocks:
+            return iter(())
         return itertools.product(*(range(b) for b in self.blocks))
 
     def dim_extent(self, dim: int, block: int) -> tuple[int, int]:

@@ -22,7 +22,13 @@ from tensorql.api.tensor import Tensor
 from tensorql.dtypes import canonical_dtype
 from tensorql.einsum.graph import Node, Source
 from tensorql.einsum.literals import constant_node, literal_array
-from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError
+from tensorql.errors import (
+    OptionError,
+    ProgressCallbackError,
+    ShapeError,
+    StorageError,
+    UnsupportedError,
+)
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
 from tensorql.optimizer.search import get_strategy
@@ -239,6 +245,13 @@ class Database:
         chunks are written; with ``Options.progress`` and no callback a bar is drawn."""
         if not isinstance(array, np.ndarray):
             array = literal_array(array)
+        if isinstance(array, np.ma.MaskedArray):
+            if np.ma.is_masked(array):  # a tensor has no missing values (numpy's own asarray
+                # would keep the masked entries' underlying data)
+                raise UnsupportedError(f"from_numpy {name!r}: a masked array with "
+                                       f"{int(np.ma.count_masked(array))} masked value(s); "
+                                       "fill them first (array.filled(0.0))")
+            array = array.data
         canonical_dtype(array.dtype)  # ShapeError names an unsupported dtype before any write
         releaser = MappedPageReleaser.for_array(array)
 
@@ -268,7 +281,9 @@ class Database:
                                    "not stored as such; pass tensor.to_dense()")
         tensor = tensor.detach()
         return self._put(name, tuple(tensor.shape), canonical_dtype(tensor.dtype), tile,
-                         lambda sl: tensor[sl].cpu().contiguous(), replace, progress)
+                         # a negative view's (torch.conj(c).imag) bit resolved per chunk
+                         lambda sl: tensor[sl].cpu().resolve_neg().resolve_conj().contiguous(),
+                         replace, progress)
 
     def from_dlpack(self, name: str, tensor: Any, tile: Sequence[int] | None = None, *,
                     replace: bool = False) -> Tensor:
@@ -319,7 +334,12 @@ class Database:
             for done, key in enumerate(grid.keys(), start=1):
                 yield key, slicer(grid.slices(key))
                 if progress is not None:  # the store has taken this chunk
-                    progress(done, total)
+                    try:
+                        progress(done, total)
+                    except Exception as err:  # (an interrupt passes as it is)
+                        raise ProgressCallbackError(
+                            f"the progress callback raised {type(err).__name__}: {err} (at "
+                            f"chunk {done} of {total} of {name!r}; nothing is stored)") from err
 
         self.chunk_store.put_tensor(meta, chunks(), replace=replace)
         self.generation += 1

@@ -47,6 +47,10 @@ def from_dlpack(db: Database, name: str, tensor: Any, tile: Any = None, *,
                                "(it has no __dlpack__); use db.from_numpy / db.from_torch")
     if isinstance(tensor, np.ndarray):  # numpy's own way in: a view with negative strides
         return db.from_numpy(name, tensor, tile, replace=replace)  # aborted torch's import
+    if isinstance(tensor, torch.Tensor):  # torch's own way in: its DLPack export drops a
+        # negative view's bit (torch.conj(c).imag came back negated) and refuses a tensor
+        # that requires grad
+        return db.from_torch(name, tensor, tile, replace=replace)
     try:
         imported = torch.from_dlpack(tensor)
     except (AssertionError, BufferError, NotImplementedError, RuntimeError, TypeError,

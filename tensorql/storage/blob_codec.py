@@ -26,7 +26,8 @@ _VIEW_AS = {"bfloat16": np.dtype(np.int16)}
 def chunk_bytes(chunk: np.ndarray | torch.Tensor) -> np.ndarray:
     """The chunk's bytes as a flat uint8 array (no copy when already contiguous)."""
     if isinstance(chunk, torch.Tensor):
-        chunk = chunk.detach().cpu().contiguous()
+        # (a negative or conjugate view's bit resolved: numpy reads the raw storage)
+        chunk = chunk.detach().cpu().resolve_neg().resolve_conj().contiguous()
         if chunk.dtype == torch.bfloat16:
             chunk = chunk.view(torch.int16)
         chunk = chunk.numpy()

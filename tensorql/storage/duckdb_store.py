@@ -60,6 +60,7 @@ ROW_GROUP_ROWS = 16384  # 64 MiB of pages: a big write goes to the file row grou
 JOIN_PAGES = "tq_join_pages"
 CHUNK_VIEW_SUFFIX = "__chunks"  # a tensor's chunk view is named "<name>__chunks"
 _RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped their table
+_INT32_MAX = 2**31 - 1  # past it, a view computes coordinates in BIGINT
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
@@ -581,9 +582,12 @@ be used (open it again with tq.connect)
             f"(SELECT *, 0 AS page FROM {ref})"  # written before paging
         keys = [quote_ident(f"k{d}") for d in range(grid.ndim)]
         key_list = "".join(f"{k}, " for k in keys)
-        extents = [f"least({t}, {n} - {k} * {t})" for k, t, n in zip(keys, grid.tile, grid.shape)]
+        # a dim of 2^31 or more counts in BIGINT (the keys are INTEGER: k * tile overflowed)
+        wide = [f"CAST({k} AS BIGINT)" if n > _INT32_MAX else k
+                for k, n in zip(keys, grid.shape)]
+        extents = [f"least({t}, {n} - {k} * {t})" for k, t, n in zip(wide, grid.tile, grid.shape)]
         coords = []
-        for d, (k, t) in enumerate(zip(keys, grid.tile)):
+        for d, (k, t) in enumerate(zip(wide, grid.tile)):
             stride = " * ".join(extents[d + 1:]) or "1"
             coords.append(f"{k} * {t} + (i // ({stride})) % {extents[d]} AS d{d}")
         select = "".join(f"{c}, " for c in coords)
