@@ -705,8 +705,8 @@ class StreamRun(RunState):
 
     def _raise(self) -> None:
         op, err = self.failed, self.error
-        if isinstance(err, TensorQLError):
-            raise err
+        if isinstance(err, TensorQLError) or not isinstance(err, Exception):
+            raise err  # ours, or an interrupt (KeyboardInterrupt, SystemExit) as it came
         where = ""
         if op is not None:
             where = (f"{self.graph.step_name(op.ref.step)} failed on chunk {op.ref.key} "

@@ -55,18 +55,38 @@ class StreamingWrite:
                                         daemon=True)
 
     def __enter__(self) -> StreamingWrite:
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException as err:  # an interrupt while the writer starts: it holds the
+            self._settle(err)  # store's write lock waiting for chunks, so end it first
+            raise
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
-        with self._cond:
-            if error is not None:
-                self._aborted = error
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._settle(error)
         if error is None and self._error is not None:
             raise self._error
+
+    def _settle(self, error: BaseException | None) -> None:
+        """Close the queue (aborting the write when ``error``) and wait until the writer has
+        committed or rolled back. An interrupt while waiting aborts the write unless it is
+        past its last chunk (committing), waits on, and comes through once the writer has
+        settled: what the store holds then is final, never a commit still to come."""
+        interrupt: BaseException | None = None
+        while self._thread.ident is not None:  # (a writer that never started: nothing)
+            with self._cond:
+                if error is not None and self._aborted is None:
+                    self._aborted = error
+                self._closed = True
+                self._cond.notify_all()
+            try:
+                self._thread.join()
+                break
+            except BaseException as err:  # noqa: BLE001 - raised below, once settled
+                interrupt = interrupt or err
+                error = err
+        if interrupt is not None:
+            raise interrupt
 
     def put(self, key: Key, chunk: np.ndarray | torch.Tensor) -> None:
         """Queue one chunk; blocks while the queue is full, raises the writer's error."""
