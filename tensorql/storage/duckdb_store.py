@@ -23,9 +23,10 @@ that fails.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import duckdb
@@ -61,6 +62,31 @@ JOIN_PAGES = "tq_join_pages"
 CHUNK_VIEW_SUFFIX = "__chunks"  # a tensor's chunk view is named "<name>__chunks"
 _RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped their table
 _INT32_MAX = 2**31 - 1  # past it, a view computes coordinates in BIGINT
+
+
+def interrupts_as_python(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with DuckDB's ``RuntimeError: Query interrupted`` (its Python client's
+    answer to a Ctrl-C during a statement) raised as the KeyboardInterrupt it is.
+
+    >>> @interrupts_as_python
+    ... def statement():
+    ...     raise RuntimeError("Query interrupted")
+    >>> try:
+    ...     statement()
+    ... except KeyboardInterrupt:
+    ...     print("interrupted")
+    interrupted
+    """
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except RuntimeError as err:
+            if type(err) is RuntimeError and str(err) == "Query interrupted":
+                raise KeyboardInterrupt from err
+            raise
+
+    return call
 
 _VALUE_SQL_TYPE = {
     "float16": "FLOAT", "bfloat16": "FLOAT", "float32": "FLOAT", "float64": "DOUBLE",
@@ -414,6 +440,7 @@ be used (open it again with tq.connect)
         table, which the next writer removes."""
         self.put_tensors([(meta, chunks)], replace=replace)
 
+    @interrupts_as_python
     def put_tensors(self, items: Sequence[tuple[TensorMeta, Iterable[tuple[Key, Any]]]], *,
                     replace: bool = False) -> None:
         """Store several tensors in one commit: each is staged into its own chunk table, then
@@ -638,6 +665,7 @@ be used (open it again with tq.connect)
         for table in sorted(tables):
             _drop_table_quietly(con, self._ref(table))
 
+    @interrupts_as_python
     def drop(self, name: str) -> None:
         if self.read_only:
             raise StorageError(f"cannot drop {name!r}: the database is open read-only")

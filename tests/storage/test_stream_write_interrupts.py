@@ -103,3 +103,20 @@ def test_an_interrupt_from_progress_comes_through_as_it_is_on_the_streams_engine
         db.store("Y", X @ X, progress=interrupt)
     assert db.tensors() == ["X"]
     np.testing.assert_allclose((X @ X).numpy(), np.full((600, 600), 600.0))
+
+
+def test_duckdb_s_query_interrupted_comes_through_as_keyboard_interrupt(db, monkeypatch):
+    """DuckDB's client answers a Ctrl-C during a statement with ``RuntimeError: Query
+    interrupted``: a write raises it as the KeyboardInterrupt it is, and stores nothing."""
+    store = db.chunk_store
+
+    def interrupted(*args, **kwargs):
+        raise RuntimeError("Query interrupted")
+
+    monkeypatch.setattr(store, "_check_name_free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        db.from_numpy("B", np.ones(4))
+    monkeypatch.undo()
+    assert db.tensors() == ["A"]
+    db.from_numpy("B", np.ones(4))
+    assert db.tensors() == ["A", "B"]
