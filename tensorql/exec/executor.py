@@ -310,8 +310,16 @@ class Lanes:
                        for n in range(min(self.workers, max(1, len(graph.tasks))))]
             for thread in threads:
                 thread.start()
-            for thread in threads:
-                thread.join()
+            try:
+                for thread in threads:
+                    thread.join()
+            except BaseException as err:  # an interrupt here: the workers stop at their
+                with state.cond:  # next task, and it comes through once they have
+                    state.fail(err, None)
+                    state.cond.notify_all()
+                for thread in threads:
+                    thread.join()
+                raise
         finally:
             torch.set_num_threads(previous_threads)
         state.stats.wall_s = time.perf_counter() - start

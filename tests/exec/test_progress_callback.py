@@ -55,3 +55,28 @@ def test_an_interrupt_from_the_progress_callback_comes_through_as_it_is():
     with pytest.raises(KeyboardInterrupt):
         (X @ X).numpy(progress=interrupt)
     np.testing.assert_allclose((X @ X).numpy(), np.full((600, 600), 600.0))
+
+
+def test_an_interrupt_while_waiting_for_the_workers_stops_them_first(monkeypatch):
+    """A Ctrl-C that lands in the wait for the worker threads (not in a task) stops the
+    workers at their next task before it comes through: none is left computing the rest."""
+    import tensorql.exec.executor as executor
+
+    db = tq.connect(workers=2)
+    X = db.from_numpy("X", np.ones((600, 600)), tile=(100, 100))
+    real_thread = executor.threading.Thread
+    joins = []
+
+    class InterruptedJoin(real_thread):
+        def join(self, timeout=None):
+            joins.append(self.name)
+            if len(joins) == 1:
+                raise KeyboardInterrupt
+            return super().join(timeout)
+
+    monkeypatch.setattr(executor.threading, "Thread", InterruptedJoin)
+    with pytest.raises(KeyboardInterrupt):
+        ((X @ X) @ X).numpy()
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tensorql-worker-")]
+    np.testing.assert_allclose((X @ X).numpy(), np.full((600, 600), 600.0))
