@@ -12,8 +12,6 @@ terminal, elides long values and BLOBs with "…" on one line, and heads columns
 names DuckDB's relations report (``INTEGER``, ``VARCHAR``), as the issue asks.
 
 >>> import pyarrow as pa
-
-from tensorql.sql.temporal import python_values
 >>> rows = Rows(pa.table({"i": [1, 2], "s": ["a", "b" * 40]}), ["INTEGER", "VARCHAR"])
 >>> print(render(rows, "box", width=30))
 ┌─────────┬──────────────────┐
@@ -41,7 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tensorql.sql.temporal import python_values
+from tensorql.sql.arrow_fixes import column_values, duckdb_columns_of
 
 ELLIPSIS = "…"
 MAX_VALUE_WIDTH = 32  # a box cell shows at most this many characters
@@ -69,13 +67,18 @@ class Rows:
 
 
 def duckdb_types(table: pa.Table) -> list[str]:
-    """DuckDB's names of the types of ``table``'s columns (those of a relation over it).
+    """DuckDB's names of the types of ``table``'s columns: those of the statement that made
+    it, for a plain SQL result's rows (``HUGEINT``, ``UUID``, ``BIT``, ...), else those of a
+    relation over it.
 
     >>> duckdb_types(pa.table({"x": pa.array([1], pa.int32()), "y": [0.5], "z": ["a"]}))
     ['INTEGER', 'DOUBLE', 'VARCHAR']
     """
     import duckdb
 
+    columns = duckdb_columns_of(table)
+    if columns is not None and len(columns.types) == table.num_columns:
+        return [str(t) for t in columns.types]
     con = duckdb.connect()
     try:
         return [str(t) for t in con.from_arrow(table).types]
@@ -101,8 +104,10 @@ def _text(value: Any, kind: str) -> str:
     return str(value)
 
 
-def _cells(rows: Rows) -> list[list[str]]:
-    columns = [python_values(c) for c in rows.table.columns]
+def _cells(rows: Rows, limit: int | None = None) -> list[list[str]]:
+    """The first ``limit`` rows (None: all) as text, each value as DuckDB's Python client
+    gives it (:func:`column_values`)."""
+    columns = column_values(rows.table, 0, limit)
     return [[_text(v, k) for v, k in zip(row, rows.types)] for row in zip(*columns)]
 
 
@@ -175,8 +180,7 @@ def box(rows: Rows, width: int = 80, max_rows: int = 40) -> str:
     names = rows.table.column_names
     if not names:
         return ""
-    shown_rows = Rows(rows.table.slice(0, max(0, max_rows)), rows.types, rows.total)
-    cells = [[_elide(c, MAX_VALUE_WIDTH) for c in r] for r in _cells(shown_rows)]
+    cells = [[_elide(c, MAX_VALUE_WIDTH) for c in r] for r in _cells(rows, max(0, max_rows))]
     heads = [_elide(n, MAX_VALUE_WIDTH) for n in names]
     widths = [max([len(h), len(t)] + [len(r[k]) for r in cells])
               for k, (h, t) in enumerate(zip(heads, rows.types))]
@@ -215,7 +219,7 @@ def to_csv(rows: Rows, **_: Any) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(rows.table.column_names)
-    for row in zip(*(python_values(c) for c in rows.table.columns)):
+    for row in zip(*column_values(rows.table)):
         writer.writerow(["" if v is None else _text(v, k) for v, k in zip(row, rows.types)])
     return buf.getvalue().rstrip("\n")
 
@@ -239,7 +243,7 @@ def to_json(rows: Rows, **_: Any) -> str:
     keys = [json.dumps(n, ensure_ascii=False) for n in names]  # a repeated name kept, twice
     lines = ["{" + ",".join(f"{key}:{json.dumps(_json_value(v, k), ensure_ascii=False)}"
                             for key, v, k in zip(keys, row, rows.types)) + "}"
-             for row in zip(*(python_values(c) for c in rows.table.columns))]
+             for row in zip(*column_values(rows.table))]
     return "[" + ",\n".join(lines) + "]"
 
 

@@ -34,11 +34,21 @@ import pyarrow as pa
 import torch
 
 from tensorql.errors import OptionError, ShapeError, StorageError, UnsupportedError, as_count
-from tensorql.sql.arrow_fixes import arrow_of, relation_of, wide_decimals_as_text
+from tensorql.sql.arrow_fixes import (
+    arrow_of,
+    column_values,
+    duckdb_columns_of,
+    relation_of,
+    wide_decimals_as_text,
+)
 from tensorql.sql.errors import SQLExecutionError
 from tensorql.sql.relational import dense_bytes
 from tensorql.sql.relations import agg_identity, densify, label_columns, rows_to_dense, tensor_rows
-from tensorql.sql.temporal import intervals_as_durations, python_values, text_where_unrepresentable
+from tensorql.sql.temporal import (
+    holds_unrepresentable,
+    intervals_as_durations,
+    text_where_unrepresentable,
+)
 from tensorql.units import format_bytes
 
 __all__ = ["DenseForm", "SQLResult", "format_html", "format_table"]
@@ -114,11 +124,17 @@ class SQLResult:
         return rows[0] if rows else None
 
     def _rows(self, start: int, count: int | None) -> list[tuple]:
+        """Rows ``start`` .. ``start + count`` as tuples of the values DuckDB's Python client
+        gives (:func:`column_values`: by DuckDB's own column types for a plain SQL result).
+
+        >>> r = SQLResult(table=arrow_of(_duckdb().sql("SELECT MAP {'k': 1} AS m")))
+        >>> r.fetchall()
+        [({'k': 1},)]
+        """
         table = self.arrow()
         if not table.num_columns:
             return []
-        piece = table.slice(start, count) if count is not None else table.slice(start)
-        return list(zip(*(python_values(col) for col in piece.columns)))
+        return list(zip(*column_values(table, start, count)))
 
     def fetchnumpy(self) -> dict[str, np.ndarray]:
         """Columns as numpy arrays, by name (as DuckDB's ``fetchnumpy``: a repeated name gets
@@ -138,8 +154,22 @@ class SQLResult:
 
     def fetchdf(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``fetchdf``; needs pandas)."""
-        _optional("pandas", "df() / fetchdf()", ".arrow() / .fetchnumpy()")
-        return text_where_unrepresentable(self.arrow()).to_pandas()
+        pandas = _optional("pandas", "df() / fetchdf()", ".arrow() / .fetchnumpy()")
+        table = _unique_names(self.arrow())
+        # pandas fails on a date or time Python cannot hold inside a list / struct / map:
+        # such a column is one of Python objects, as DuckDB's client gives them
+        odd = [k for k, column in enumerate(table.columns)
+               if pa.types.is_nested(column.type) and holds_unrepresentable(column)]
+        if not odd:
+            return text_where_unrepresentable(table).to_pandas()
+        objects = dict(zip(odd, column_values(self.arrow(), which=odd)))
+        for k in odd:
+            table = table.set_column(k, table.field(k).name, pa.nulls(table.num_rows))
+        frame = text_where_unrepresentable(table).to_pandas()
+        for k in odd:
+            frame[table.field(k).name] = pandas.Series(objects[k], index=frame.index,
+                                                       dtype=object)
+        return frame
 
     def df(self) -> Any:
         """The rows as a pandas DataFrame (as DuckDB's ``df``; needs pandas)."""
@@ -204,9 +234,17 @@ class SQLResult:
 
     @property
     def types(self) -> list[str]:
-        """DuckDB's names of the columns' types ("BIGINT", "DOUBLE", ...)."""
+        """DuckDB's names of the columns' types ("BIGINT", "DOUBLE", ...): those of the
+        statement's own result for plain SQL (``HUGEINT``, ``UUID``, ``ENUM(...)``, which Arrow
+        has no types for), else those of a relation over the rows.
+
+        >>> SQLResult(table=arrow_of(_duckdb().sql("SELECT [1::HUGEINT] AS h"))).types
+        ['HUGEINT[]']
+        """
         if "types" not in self._cache:
-            self._cache["types"] = [str(t) for t in self.relation().types]
+            columns = duckdb_columns_of(self.arrow())
+            kinds = columns.types if columns is not None else self.relation().types
+            self._cache["types"] = [str(t) for t in kinds]
         return self._cache["types"]
 
     dtypes = types
@@ -380,8 +418,8 @@ class SQLResult:
         if self.tensor is not None and "arrow" not in self._cache:
             table, total = self._tensor_head(max_rows)
         else:
-            table, total = self.arrow().slice(0, max_rows), len(self)
-        return format_html(table, total)
+            table, total = self.arrow(), len(self)
+        return format_html(table, total, limit=max_rows)
 
     def __repr__(self) -> str:
         if self.text is not None:
@@ -396,25 +434,38 @@ class SQLResult:
 
 
 def _unique_names(table: pa.Table) -> pa.Table:
-    """``table`` with a repeated column name suffixed as DuckDB's results do (``a``, ``a_1``).
+    """``table`` with a repeated column name suffixed as DuckDB's ``df`` / ``pl`` /
+    ``fetchnumpy`` do: names compare ignoring case, a repeat gets the next free ``_<n>``.
 
     >>> _unique_names(pa.table([[1], [2], [3]], names=["a", "a", "a_1"])).column_names
-    ['a', 'a_2', 'a_1']
+    ['a', 'a_1', 'a_1_1']
+    >>> _unique_names(pa.table([[1], [2], [3]], names=["a", "a", "A"])).column_names
+    ['a', 'a_1', 'A_2']
     """
     names = table.column_names
-    taken = set(names)
-    if len(taken) == len(names):
+    if len({name.lower() for name in names}) == len(names):
         return table
-    seen: set[str] = set()
+    next_suffix: dict[str, int] = {}  # a name taken (lower case) -> the next suffix to try
     unique = []
     for name in names:
-        key, k = name, 0
-        while key in seen or (key != name and key in taken):
-            k += 1
-            key = f"{name}_{k}"
-        seen.add(key)
+        key = name
+        if name.lower() in next_suffix:
+            suffix = next_suffix[name.lower()]
+            key = f"{name}_{suffix}"
+            while key.lower() in next_suffix:
+                suffix += 1
+                key = f"{name}_{suffix}"
+            next_suffix[name.lower()] = suffix + 1
+        next_suffix[key.lower()] = 1
         unique.append(key)
     return table.rename_columns(unique)
+
+
+def _duckdb() -> Any:
+    """A fresh in-memory DuckDB connection (for the examples)."""
+    import duckdb
+
+    return duckdb.connect()
 
 
 def _file_path(path: Any, what: str) -> str:
@@ -456,8 +507,7 @@ def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> 
     if not names:
         return "(no columns)"
     limit = max(0, int(limit))
-    shown = table.slice(0, limit)
-    rows = [[_cell(v) for v in row] for row in zip(*(python_values(c) for c in shown.columns))]
+    rows = [[_cell(v) for v in row] for row in zip(*column_values(table, 0, limit))]
     types = [str(t) for t in table.schema.types]
     widths = [max([len(n), len(t)] + [len(r[k]) for r in rows])
               for k, (n, t) in enumerate(zip(names, types))]
@@ -473,22 +523,23 @@ def format_table(table: pa.Table, limit: int = 40, total: int | None = None) -> 
     return "\n".join(out)
 
 
-def format_html(table: pa.Table, total: int | None = None) -> str:
-    """``table`` as an HTML table (column names over their DuckDB-style Arrow types), with a
-    footer counting ``total`` rows when more exist than are shown.
+def format_html(table: pa.Table, total: int | None = None, limit: int | None = None) -> str:
+    """The first ``limit`` rows of ``table`` (all: None) as an HTML table (column names over
+    their DuckDB-style Arrow types), with a footer counting ``total`` rows when more exist
+    than are shown.
 
     >>> format_html(pa.table({"x": [1]}))[:60]
     '<table><thead><tr><th>x<br><small>int64</small></th></tr></t'
     """
     head = "".join(f"<th>{html.escape(name)}<br><small>{html.escape(str(kind))}</small></th>"
                    for name, kind in zip(table.column_names, table.schema.types))
-    rows = zip(*(python_values(col) for col in table.columns))
+    rows = list(zip(*column_values(table, 0, limit)))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
                    for row in rows)
     out = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
     total = table.num_rows if total is None else total
-    if total > table.num_rows:
-        out += f"<p>{total} rows ({table.num_rows} shown)</p>"
+    if total > len(rows):
+        out += f"<p>{total} rows ({len(rows)} shown)</p>"
     return out
 
 
