@@ -195,8 +195,8 @@ class Database:
         finally:
             del caller
         con = self.connection
-        with registered(con, frame_objects(query, scope, con)):
-            result = run_sql(self, query, backend=backend, params=params)
+        with registered(con, frame_objects(query, scope, con)) as frames:
+            result = run_sql(self, query, backend=backend, params=params, frames=frames)
         return result.bound(con, lambda name: check_new_table_name(self, name))
 
     # -- tensors at rest ----------------------------------------------------------------

@@ -35,7 +35,7 @@ import duckdb
 from tensorql.errors import UnknownTensorError
 from tensorql.sql.errors import SQLExecutionError
 
-__all__ = ["frame_objects", "is_frame", "registered"]
+__all__ = ["Registered", "frame_objects", "is_frame", "registered"]
 
 # (top-level module, class name) of the objects DuckDB scans by name
 _FRAMES = frozenset({
@@ -74,13 +74,39 @@ def frame_objects(query: str, scope: Mapping[str, Any], connection: Any) -> dict
     return found
 
 
+class Registered:
+    """The caller's frames registered for one ``db.sql`` script: :meth:`release` takes one
+    back before a statement creates a table or view of its name, as DuckDB's catalog wins
+    over a replacement scan from then on (a later ``SELECT * FROM df`` reads the new table).
+
+    >>> import duckdb, pyarrow as pa
+    >>> con = duckdb.connect()
+    >>> with registered(con, {"df": pa.table({"x": [1]})}) as frames:
+    ...     frames.release("DF")
+    ...     _ = con.execute("CREATE TEMP TABLE df AS SELECT 100 AS x")
+    ...     con.sql("SELECT * FROM df").fetchall()
+    [(100,)]
+    """
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.names: list[str] = []
+
+    def release(self, name: str) -> None:
+        """Unregister the frame registered under ``name`` (any case), if one is."""
+        for held in [n for n in self.names if n.lower() == name.lower()]:
+            self.connection.unregister(held)
+            self.names.remove(held)
+
+
 @contextmanager
-def registered(connection: Any, objects: Mapping[str, Any]) -> Iterator[None]:
+def registered(connection: Any, objects: Mapping[str, Any]) -> Iterator[Registered]:
     """``objects`` registered on ``connection`` by name for the block, unregistered after
     (also when it raises). One DuckDB cannot scan is skipped; if the block then fails to
     find a table or tensor of its name, SQLExecutionError says why that object was not read.
     """
-    done: list[str] = []
+    frames = Registered(connection)
+    done = frames.names
     skipped: dict[str, str] = {}  # name -> DuckDB's reason
     try:
         for name, obj in objects.items():
@@ -91,7 +117,7 @@ def registered(connection: Any, objects: Mapping[str, Any]) -> Iterator[None]:
                 continue
             done.append(name)
         try:
-            yield
+            yield frames
         except Exception as err:
             name = next((n for n in skipped if _not_found(err, n)), None)
             if name is None:

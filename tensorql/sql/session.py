@@ -22,10 +22,11 @@ __all__ = ["SQLResult", "explain_each", "format_table", "run_sql"]
 
 
 def run_sql(session: Any, script: str, backend: str | None = None,
-            params: Any = None) -> SQLResult:
+            params: Any = None, frames: Any = None) -> SQLResult:
     """Run every statement of ``script`` on ``session``; the result of the last one.
     ``params`` (a sequence for ``?``/``$1`` or a dict for ``$name``) binds DuckDB parameters
-    of a single plain statement."""
+    of a single plain statement; ``frames`` (``tensorql.sql.replacement.Registered``): the
+    caller's frames registered for the script."""
     if backend is not None:
         get_backend(backend)  # UnknownBackendError names the registered ones
-    return ScriptRunner(session, script, backend, params).run()
+    return ScriptRunner(session, script, backend, params, frames).run()

@@ -57,6 +57,7 @@ from tensorql.sql.rewriting import (
     with_ctes,
 )
 from tensorql.sql.streaming import chunk_rows
+from tensorql.storage.duckdb_store import interrupts_as_python
 from tensorql.storage.sql_text import quote_ident
 
 __all__ = ["ScriptRunner", "explain_each", "explain_graphs"]
@@ -130,10 +131,11 @@ class ScriptRunner:
     ``store_node``)."""
 
     def __init__(self, session: Any, script: str, backend: str | None = None,
-                 params: Any = None) -> None:
+                 params: Any = None, frames: Any = None) -> None:
         self.session = session
         self.script = script
         self.params = params
+        self.frames = frames  # the caller's frames registered for the script (or None)
         self.con = session.connection
         self.registered: list[str] = []
         self.views: list[str] = []  # temporary views of relational EINSUMs
@@ -158,6 +160,7 @@ class ScriptRunner:
         return cls(message, text=self.script, position=self.pos(node))
 
     # -- statements -------------------------------------------------------------------
+    @interrupts_as_python  # DuckDB's answer to a Ctrl-C mid-statement, as the interrupt
     def run(self) -> SQLResult:
         """Run the script on the session's main connection, one thread at a time (DuckDB
         refuses a connection two threads use at once; scripts from several threads wait
@@ -195,6 +198,8 @@ class ScriptRunner:
         result = SQLResult(text="")
         for st in statements:
             self.statement = st
+            if self.frames is not None and st.created is not None:  # the catalog wins over
+                self.frames.release(st.created[0][-1])  # a frame from here on, as in DuckDB
             try:
                 result = self.statement_result(st)
             except TensorQLError as err:  # a shape, label or run error found past the parse

@@ -141,6 +141,9 @@ class DuckDBChunkStore(ChunkStore):
         self.batch_bytes = batch_bytes
         self._closed = False
         self._connection = self._open(path, read_only, lock_timeout)
+        # the store's database, named in every reference to its tables: a user's USE of
+        # another database on the main connection must not move them
+        self.database = CATALOG_ALIAS if path is not None else "memory"
         if path is not None:  # spill files of a process killed while it spilled
             remove_stale_files(spill_prefix(path))
         register_functions(self.connection)
@@ -273,11 +276,11 @@ be used (open it again with tq.connect)
 
     @property
     def _catalog(self) -> str:
-        return f"{quote_ident(self.schema)}.tensorql_catalog"
+        return f"{quote_ident(self.database)}.{quote_ident(self.schema)}.tensorql_catalog"
 
     def _ref(self, table: str) -> str:
         """The SQL reference of chunk table ``table`` (a name the store generated)."""
-        return f"{quote_ident(self.schema)}.{quote_ident(table)}"
+        return f"{quote_ident(self.database)}.{quote_ident(self.schema)}.{quote_ident(table)}"
 
     def _catalog_has_pages(self) -> bool:
         """False for a catalog written before chunks were paged (then read as one page each)."""

@@ -1,0 +1,58 @@
+"""Plain SQL against DuckDB itself, from fuzzing (session 25): a caller's DataFrame gives way
+to a table the script creates under its name; ``USE`` of another database leaves the
+session's tensors where they are."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pytest
+
+import tensorql as tq
+
+
+@pytest.mark.parametrize("script", [
+    "CREATE TABLE df AS SELECT 100 AS x; SELECT * FROM df",
+    "CREATE TEMP TABLE df AS SELECT 100 AS x; SELECT * FROM df",
+    "SELECT sum(x) FROM df; CREATE VIEW DF AS SELECT 7 AS x; SELECT * FROM df",
+    "SELECT * FROM df",
+])
+def test_a_table_the_script_creates_wins_over_the_caller_s_frame(script):
+    df = pd.DataFrame({"x": [1, 2, 3]})  # noqa: F841 - read by name in the scripts
+    expected = duckdb.connect().sql(script).fetchall()
+    assert tq.connect().sql(script).fetchall() == expected
+
+
+@pytest.mark.parametrize("path", [None, "file"])
+def test_use_of_another_database_keeps_the_tensors_reachable(tmp_path, path):
+    db = tq.connect(None if path is None else str(tmp_path / "t.duckdb"))
+    db.from_numpy("A", np.arange(4.0))
+    db.sql("ATTACH ':memory:' AS o")
+    db.sql("USE o")
+    assert db.sql("SELECT 1").fetchall() == [(1,)]
+    assert db.sql("SELECT current_database()").fetchall() == [("o",)]
+    assert db.sql("SELECT sum(val) FROM A").fetchall() == [(6.0,)]
+    db.sql("CREATE TABLE t AS SELECT 5 AS x")
+    assert db.sql("SELECT * FROM o.main.t").fetchall() == [(5,)]
+    db.from_numpy("B", np.ones(3))
+    assert db.tensors() == ["A", "B"]
+    assert db.sql("SELECT * FROM EINSUM('i->', B)").fetchall() == [(3.0,)]
+    np.testing.assert_array_equal(db.tensor("A").numpy(), np.arange(4.0))
+    db.close()
+
+
+def test_duckdb_s_query_interrupted_in_a_script_comes_through_as_keyboard_interrupt(
+        monkeypatch):
+    from tensorql.sql.statements import ScriptRunner
+
+    db = tq.connect()
+
+    def interrupted(self, *args, **kwargs):
+        raise RuntimeError("Query interrupted")
+
+    monkeypatch.setattr(ScriptRunner, "duckdb", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        db.sql("SELECT 1")
+    monkeypatch.undo()
+    assert db.sql("SELECT 1").fetchall() == [(1,)]
