@@ -319,8 +319,22 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
         return (values.any() if dtype == torch.bool else values.sum()).to(dtype) \
             if values.numel() else out
     if values.numel():
-        if dtype == torch.bool:
-            out.index_put_(tuple(index), values)
+        if dtype == torch.bool or _distinct_cells(index, shape):  # one row a cell: its bits
+            out.index_put_(tuple(index), values)  # as they are (0.0 + -0.0 would be 0.0)
         else:
             out.index_put_(tuple(index), values, accumulate=True)
     return out
+
+
+def _distinct_cells(index: Sequence[torch.Tensor], shape: Sequence[int]) -> bool:
+    """Whether the rows' coordinates (``index``: one int64 tensor a dim) name distinct cells.
+
+    >>> _distinct_cells([torch.tensor([0, 1, 1]), torch.tensor([2, 2, 0])], (2, 3))
+    True
+    >>> _distinct_cells([torch.tensor([0, 0]), torch.tensor([1, 1])], (2, 3))
+    False
+    """
+    flat = torch.zeros_like(index[0])
+    for idx, size in zip(index, shape):
+        flat = flat * int(size) + idx
+    return int(torch.unique(flat).numel()) == int(flat.numel())

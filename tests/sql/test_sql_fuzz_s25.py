@@ -56,3 +56,23 @@ def test_duckdb_s_query_interrupted_in_a_script_comes_through_as_keyboard_interr
         db.sql("SELECT 1")
     monkeypatch.undo()
     assert db.sql("SELECT 1").fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])  # (float16 rows are FLOAT)
+def test_rows_made_dense_keep_their_bits_one_row_a_cell(dtype):
+    """-0.0 and a signalling NaN's payload survive ``SELECT * FROM t`` made dense and
+    ``CREATE TENSOR ... AS SELECT * FROM t`` (they were added to a 0.0: +0.0, a quiet NaN);
+    duplicate coordinates still add up."""
+    db = tq.connect()
+    signalling = {np.float64: 0x7FF4000000000001, np.float32: 0x7FBFFFFF}[dtype]
+    bits = np.dtype(dtype).itemsize * 8
+    nan = np.array([signalling], dtype=f"uint{bits}").view(dtype)[0]
+    a = np.array([-0.0, 1.5, nan, -2.0], dtype=dtype)
+    db.from_numpy("S", a)
+    dense = db.sql('SELECT * FROM "S"').numpy()
+    db.sql('CREATE TENSOR C AS SELECT * FROM "S"')
+    for got in (dense, db.tensor("C").numpy()):
+        assert got.dtype == a.dtype
+        np.testing.assert_array_equal(got.view(f"uint{bits}"), a.view(f"uint{bits}"))
+    rows = "(VALUES (0, 1.0), (0, 2.0), (1, 4.0)) t(i, val)"
+    np.testing.assert_array_equal(db.sql(f"SELECT * FROM {rows}").numpy(), [3.0, 4.0])
