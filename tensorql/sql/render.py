@@ -30,6 +30,8 @@ i,s
 from __future__ import annotations
 
 import csv
+import datetime
+import decimal
 import io
 import json
 import math
@@ -88,9 +90,26 @@ def duckdb_types(table: pa.Table) -> list[str]:
 
 def _text(value: Any, kind: str) -> str:
     """One value as the shell prints it: NULL, the shortest float (float32's for FLOAT), a
-    BLOB's bytes as DuckDB escapes them."""
+    BLOB's bytes as DuckDB escapes them, a list, struct or map as DuckDB writes it.
+
+    >>> import datetime
+    >>> _text([datetime.date(2024, 1, 2), None], "DATE[]"), _text({"a": 1.5}, "STRUCT(a DOUBLE)")
+    ('[2024-01-02, NULL]', "{'a': 1.5}")
+    >>> _text({"k": 1}, "MAP(VARCHAR, INTEGER)"), _text(2.5, "DOUBLE")
+    ('{k=1}', '2.5')
+    """
+    if isinstance(value, (list, tuple)):
+        inner = _element_kind(kind)
+        return "[" + ", ".join(_text(v, inner) for v in value) + "]"
+    if isinstance(value, dict):
+        if kind.upper().startswith("MAP("):
+            return "{" + ", ".join(f"{_text(k, '')}={_text(v, '')}"
+                                   for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"'{k}': {_text(v, '')}" for k, v in value.items()) + "}"
     if value is None:
         return "NULL"
+    if isinstance(value, datetime.timedelta):
+        return _interval_text(value)
     if isinstance(value, bytes):
         return "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02X}" for b in value)
     if isinstance(value, float):
@@ -102,6 +121,34 @@ def _text(value: Any, kind: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def _interval_text(value: datetime.timedelta) -> str:
+    """An INTERVAL as DuckDB writes it (days, then the time of day when there is one).
+
+    >>> _interval_text(datetime.timedelta(days=3)), _interval_text(datetime.timedelta(0))
+    ('3 days', '00:00:00')
+    >>> _interval_text(datetime.timedelta(days=1, seconds=3723, microseconds=5))
+    '1 day 01:02:03.000005'
+    """
+    days, rest = value.days, value - datetime.timedelta(days=value.days)
+    seconds, micros = rest.seconds, rest.microseconds
+    clock = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    clock += f".{micros:06d}" if micros else ""
+    if not days:
+        return clock
+    head = f"{days} day{'s' if abs(days) != 1 else ''}"
+    return head if not (seconds or micros) else f"{head} {clock}"
+
+
+def _element_kind(kind: str) -> str:
+    """The element type of a list type's name (``FLOAT[]`` -> ``FLOAT``; else "")."""
+    kind = kind.strip()
+    if kind.endswith("[]"):
+        return kind[:-2]
+    if kind.endswith("]") and "[" in kind:  # a fixed-size ARRAY: FLOAT[3]
+        return kind[:kind.rindex("[")]
+    return ""
 
 
 def _cells(rows: Rows, limit: int | None = None) -> list[list[str]]:
@@ -227,6 +274,15 @@ def to_csv(rows: Rows, **_: Any) -> str:
 def _json_value(value: Any, kind: str) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, (list, tuple)):  # JSON arrays and objects, as DuckDB's json mode
+        inner = _element_kind(kind)
+        return [_json_value(v, inner) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json_value(v, "") for k, v in value.items()}
+    if isinstance(value, decimal.Decimal) and value.is_finite():  # a number, as DuckDB's
+        number = float(value)
+        if decimal.Decimal(repr(number)) == value:  # (else its exact text)
+            return number
     if isinstance(value, float):
         return value if math.isfinite(value) else _text(value, kind)
     return _text(value, kind)

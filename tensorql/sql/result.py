@@ -16,7 +16,7 @@ rows) and like a tensor (``numpy`` / ``torch``).
 │ int64 │ double │
 ├───────┼────────┤
 │     0 │    2.5 │
-│     1 │      4 │
+│     1 │    4.0 │
 └───────┴────────┘
 """
 
@@ -547,5 +547,5 @@ def _cell(value: Any) -> str:
     if value is None:
         return "NULL"
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return repr(value)  # the shortest text that reads back the same, as DuckDB's
     return str(value)

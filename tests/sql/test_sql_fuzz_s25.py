@@ -76,3 +76,20 @@ def test_rows_made_dense_keep_their_bits_one_row_a_cell(dtype):
         np.testing.assert_array_equal(got.view(f"uint{bits}"), a.view(f"uint{bits}"))
     rows = "(VALUES (0, 1.0), (0, 2.0), (1, 4.0)) t(i, val)"
     np.testing.assert_array_equal(db.sql(f"SELECT * FROM {rows}").numpy(), [3.0, 4.0])
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("line", ["[2024-01-02, NULL]", "{k=1}", "{'x': 1.5}", "3 days", "1234567.0"]),
+    ("json", ['"d":["2024-01-02", null]', '"m":{"k": 1}', '"s":{"x": 1.5}', '"i":"3 days"',
+              '"f":1234567.0']),
+])
+def test_the_shell_writes_nested_values_as_duckdb_does(capsys, mode, expected):
+    from tensorql.cli import main
+
+    query = ("SELECT [DATE '2024-01-02', NULL] d, MAP {'k': 1} m, {'x': 1.5} s, "
+             "INTERVAL 3 DAY i, 1234567.0::DOUBLE f")
+    assert main(["-c", query, "--mode", mode]) == 0
+    out = capsys.readouterr().out
+    for piece in expected:
+        assert piece in out
+    assert "datetime" not in out and "Decimal" not in out
