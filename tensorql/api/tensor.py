@@ -34,7 +34,6 @@ from tensorql.errors import (
     IndexingError,
     OptionError,
     ShapeError,
-    TensorQLError,
     UnsupportedError,
     as_flag,
 )
@@ -308,7 +307,7 @@ class Tensor:
     def _operand(self, other: Any) -> Tensor:
         if isinstance(other, Tensor):
             if other.db is not self.db:
-                raise TensorQLError("cannot combine tensors of two different databases")
+                raise UnsupportedError(_TWO_SESSIONS)
             return other
         return self.db.constant(other)
 
@@ -1240,6 +1239,10 @@ def _widened(result: Tensor) -> Tensor:
     return result
 
 
+_TWO_SESSIONS = ("cannot combine tensors of two different databases (sessions of tq.connect): "
+                 "compute one and bring it into the other, e.g. db.from_numpy(name, t.numpy())")
+
+
 def where(condition: Any, x: Any, y: Any) -> Tensor:
     """``x`` where ``condition`` holds, else ``y``, with numpy broadcasting (numpy.where).
 
@@ -1255,7 +1258,7 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
     # sessions would each pass, and the graph (which names stored tensors, not sessions)
     # would read them all in anchor's
     if any(isinstance(v, Tensor) and v.db is not anchor.db for v in (condition, x, y)):
-        raise TensorQLError("cannot combine tensors of two different databases")
+        raise UnsupportedError(_TWO_SESSIONS)
     # a Python number beside a tensor value takes its dtype (numpy's weak scalar)
     value = next((v for v in (x, y) if isinstance(v, Tensor)), anchor)
     operands = [anchor._operand(condition), value._scalar_operand(_python_number(x)),
