@@ -315,18 +315,19 @@ class Tensor:
         promoted, other = self._bool_as_int8(_python_number(other), join)
         if promoted is not self:
             return promoted._elementwise(other, join, reverse)
+        if isinstance(other, int) and not isinstance(other, bool) \
+                and self.dtype.startswith(("int", "uint")):
+            bounds = np.iinfo(np.dtype(self.dtype))
+            if not bounds.min <= other <= bounds.max:  # numpy refuses it for every operator
+                raise DTypeError(f"the Python integer {other} is out of bounds for this "
+                                 f"{self.dtype} tensor ({bounds.min}..{bounds.max}); cast "
+                                 f"first, e.g. x.astype('int64')")
         maps = join_record(join).scalar_maps
         if maps is not None and isinstance(other, (int, float)) and not isinstance(other, bool) \
                 and self.dtype != "bool":
             # one map of self (see the algebra registry); a bool tensor goes through the join,
             # whose promotion makes it a number first (bool + 3 is 3, as torch's and numpy's;
             # torch's maps kept the bool dtype or refused to subtract from a bool)
-            if isinstance(other, int) and self.dtype.startswith(("int", "uint")):
-                bounds = np.iinfo(np.dtype(self.dtype))
-                if not bounds.min <= other <= bounds.max:  # numpy and torch refuse it too
-                    raise DTypeError(f"the Python integer {other} is out of bounds for this "
-                                     f"{self.dtype} tensor ({bounds.min}..{bounds.max}); cast "
-                                     f"first, e.g. x.astype('int64')")
             fn, scalar = maps[1 if reverse else 0]
             try:
                 value = scalar(other)
@@ -674,13 +675,34 @@ class Tensor:
         """
         return self._wrap(MapOp.build("cast", self.node, dtype=canonical_dtype(dtype)))
 
-    def argmax(self, axis: int | None = None) -> Tensor:
-        """Index of the largest value along ``axis`` (the first one on ties, as numpy)."""
-        return self._arg_extreme(axis, _A.MAX)
+    def argmax(self, axis: int | None = None, out: Any = None, *,
+               keepdims: bool = False) -> Tensor:
+        """Index of the largest value along ``axis`` (the first one on ties, as numpy);
+        ``keepdims`` keeps the reduced axis (every axis for ``axis=None``) with size 1.
 
-    def argmin(self, axis: int | None = None) -> Tensor:
-        """Index of the smallest value along ``axis`` (the first one on ties, as numpy)."""
-        return self._arg_extreme(axis, _A.MIN)
+        >>> import numpy as np, tensorql as tq
+        >>> x = tq.connect().constant(np.array([[1.0, 5.0, 5.0], [7.0, 2.0, 0.0]]))
+        >>> x.argmax(axis=1).tolist(), x.argmax(axis=1, keepdims=True).shape, x.argmax().item()
+        ([1, 0], (2, 1), 3)
+        """
+        _no_numpy_extras("argmax", None, out)
+        return self._keep_arg_dims(self._arg_extreme(axis, _A.MAX), axis, keepdims)
+
+    def argmin(self, axis: int | None = None, out: Any = None, *,
+               keepdims: bool = False) -> Tensor:
+        """Index of the smallest value along ``axis`` (the first one on ties, as numpy);
+        ``keepdims`` as in :meth:`argmax`."""
+        _no_numpy_extras("argmin", None, out)
+        return self._keep_arg_dims(self._arg_extreme(axis, _A.MIN), axis, keepdims)
+
+    def _keep_arg_dims(self, index: Tensor, axis: int | None, keepdims: Any) -> Tensor:
+        if not as_flag(keepdims, "keepdims"):
+            return index
+        if axis is None:
+            return index.reshape((1,) * self.ndim)
+        shape = list(self.shape)
+        shape[_one_axis(axis, self.ndim)] = 1
+        return index.reshape(tuple(shape))
 
     def _arg_extreme(self, axis: int | None, agg: str) -> Tensor:
         if axis is None and self.ndim > 1:  # numpy's index into the flattened tensor
@@ -831,10 +853,30 @@ class Tensor:
 
     def mean(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
              keepdims: bool = False) -> Tensor:
+        """The mean over ``axis``: numpy's, in float64 for integer or bool input (a sum in
+        int64 wrapped), and summed in float32 for float16 / bfloat16 input, as numpy and torch
+        sum them, then rounded back (60000 and 60000 in float16 summed to inf).
+
+        >>> import numpy as np, tensorql as tq
+        >>> db = tq.connect()
+        >>> big = db.constant(np.array([2**62, 2**62], np.int64)).mean()
+        >>> float(big.numpy()), big.dtype
+        (4.611686018427388e+18, 'float64')
+        >>> half = db.constant(np.array([60000, 60000], np.float16)).mean()
+        >>> float(half.numpy()), half.dtype
+        (60000.0, 'float16')
+        """
         _no_numpy_extras("mean", dtype, out)
         axes = _normalize_axes(axis, self.ndim)
         count = math.prod(self.shape[d] for d in axes)  # 0: an empty mean is NaN, as numpy's
-        return self._reduce(axis, _A.SUM, keepdims) * (1.0 / count if count else math.nan)
+        x = self
+        if self.dtype in _INTEGRAL:
+            x = self.astype("float64")
+        elif self.dtype in ("float16", "bfloat16"):
+            x = self.astype("float32")
+        mean = x._reduce(axis, _A.SUM, keepdims) * (1.0 / count if count else math.nan)
+        return mean.astype(self.dtype) if x is not self and self.dtype not in _INTEGRAL \
+            else mean
 
     def var(self, axis: int | Sequence[int] | None = None, dtype: Any = None, out: Any = None,
             ddof: float = 0, keepdims: bool = False) -> Tensor:
