@@ -121,6 +121,9 @@ def _cmd_demo(rest: list[str]) -> int:
         return int(demo.main(rest) or 0)
     except SystemExit as done:  # its --help and usage errors
         return int(done.code or 0)
+    except TensorQLError as err:  # a database it cannot open, ...: one line, as sql's
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 MAX_ROWS_CAP = 2**62  # a larger --max-rows shows every row as well (and fits a C long)
@@ -505,6 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo.main(rest)
         except SystemExit as done:  # its --help and usage errors
             return int(done.code or 0)
+        except TensorQLError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_ERROR
     if rest:
         print(f"tensorql: error: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
         return EXIT_USAGE

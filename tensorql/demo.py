@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import tensorql as tq
+from tensorql.units import positive_int
 
 
 def _mlp(db, rng, batch, width):
@@ -59,9 +60,9 @@ def _attention(db, rng, seq, width, heads=4):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorql demo", description=_description())
     parser.add_argument("--db", help="DuckDB file (default: a temporary file)")
-    parser.add_argument("--batch", type=int, default=512,
+    parser.add_argument("--batch", type=positive_int, default=512,
                         help="rows of the input batch (default: 512)")
-    parser.add_argument("--width", type=int, default=256,
+    parser.add_argument("--width", type=positive_int, default=256,
                         help="hidden width of the MLP and the attention (default: 256)")
     args = parser.parse_args(argv)
 

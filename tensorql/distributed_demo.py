@@ -21,13 +21,15 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from tensorql.units import positive_int
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tensorql distributed-demo",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2, help="local processes (default: 2)")
-    ap.add_argument("--seq", type=int, default=64, help="sequence length (default: 64)")
-    ap.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="local processes (default: 2)")
+    ap.add_argument("--seq", type=positive_int, default=64, help="sequence length (default: 64)")
+    ap.add_argument("--d-model", type=positive_int, default=256, help="model width (default: 256)")
     return ap
 
 

@@ -117,6 +117,9 @@ def _memory_size(name: str, value: Any) -> int | None:
 
 def _device_cache(name: str, value: Any) -> int | str:
     """``device_cache``: "auto", 0 (None, "0" or "off": no cache) or a memory size."""
+    if not isinstance(value, (type(None), bool, int, float, str)):
+        raise OptionError(f"{name} must be 'auto', 0 / 'off' or a memory size such as "
+                          f"'2GiB', got {value!r:.60}")
     if value in (None, 0, "0", "off"):
         return 0
     if value == "auto":
@@ -317,7 +320,8 @@ class Options:
             object.__setattr__(self, "chunk_cache_bytes", min(self.chunk_cache_bytes, total // 8))
             object.__setattr__(self, "store_memory_limit",
                                min(self.store_memory_limit or total, max(1, total // 4)))
-        if self.distributed_exchange not in ("collective", "p2p"):
+        if not isinstance(self.distributed_exchange, str) or \
+                self.distributed_exchange not in ("collective", "p2p"):
             raise OptionError(f"distributed_exchange={self.distributed_exchange!r}: expected "
                               "'collective' or 'p2p'")
         if not isinstance(self.backend, str) or not self.backend:

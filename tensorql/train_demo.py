@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import tensorql as tq
+from tensorql.units import positive_int
 
 WEIGHTS = ("W1", "b1", "W2", "b2")
 
@@ -139,12 +140,13 @@ def train_torch(steps: int = 200, *, hidden: int = 128, lr: float = 0.01,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorql train-demo", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200,
+    parser.add_argument("--steps", type=positive_int, default=200,
                         help="Adam steps to train (a resumed run goes on to this many)")
     parser.add_argument("--db", default=None, help="DuckDB file for checkpoints (resumes)")
     parser.add_argument("--devices", default=None,
                         help="devices to run on: N CPU devices, 'cpu', 'cuda' (default: auto)")
-    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="K",
+    parser.add_argument("--checkpoint-every", type=positive_int, default=CHECKPOINT_EVERY,
+                        metavar="K",
                         help="steps between checkpoints (default %(default)s; the last step "
                              "is always checkpointed); each checkpoint writes every weight "
                              "and Adam slot to DuckDB, ~0.15 s for this model")

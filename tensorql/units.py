@@ -62,3 +62,24 @@ def scientific(n: float) -> str:
     if lead == 1000:  # 9995... rounds up to the next power of ten
         lead, exponent = 100, exponent + 1
     return f"{sign}{lead // 100}.{lead % 100:02d}e{exponent:+03d}"
+
+
+def positive_int(text: str) -> int:
+    """A command-line count: an integer >= 1 (argparse's ``type=``; its error names it).
+
+    >>> positive_int("3")
+    3
+    >>> positive_int("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be an integer >= 1, got '0'
+    """
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value

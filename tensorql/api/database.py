@@ -28,6 +28,7 @@ from tensorql.errors import (
     ShapeError,
     StorageError,
     UnsupportedError,
+    as_flag,
 )
 from tensorql.exec.progress import ProgressCallback, progress_bar
 from tensorql.grid import ChunkGrid, Key, auto_tile
@@ -49,7 +50,8 @@ def _contiguous(chunk: np.ndarray) -> np.ndarray:
 
 def _tile_sizes(tile: Any) -> tuple[int, ...]:
     """A tile as positive integers; ShapeError for strings, fractions and other junk."""
-    if isinstance(tile, (str, bytes)) or not isinstance(tile, Sequence | np.ndarray):
+    if isinstance(tile, (str, bytes)) or not isinstance(tile, Sequence | np.ndarray) or (
+            isinstance(tile, np.ndarray) and tile.ndim != 1):
         raise ShapeError(f"tile must be a sequence of positive integers, got {tile!r}")
     sizes = []
     for dim, size in enumerate(tile):
@@ -92,6 +94,7 @@ def connect(
     if store is not None and not isinstance(store, ChunkStore):
         raise StorageError(f"connect(store=...) takes a ChunkStore, not {type(store).__name__}"
                            "; pass a path to open a DuckDB file (tq.connect('work.duckdb'))")
+    read_only = as_flag(read_only, "read_only")
     base = options or Options.from_env()
     changes = {k: v for k, v in dict(devices=devices, memory_limit=memory_limit,
                                        **settings).items() if v is not None}
@@ -319,6 +322,7 @@ class Database:
 
     def _put(self, name, shape, dtype, tile, slicer, replace, progress=None) -> Tensor:
         check_tensor_name(name)
+        replace = as_flag(replace, "replace")
         if progress is not None and not callable(progress):
             raise OptionError(f"progress must be a function (done, total) or None, got "
                               f"{progress!r:.60}")
@@ -361,6 +365,7 @@ class Database:
         """Compute the graph ``node`` and persist it under ``name`` (what ``CREATE TENSOR``
         calls), streaming result chunks into the store; returns the stored tensor."""
         check_tensor_name(name)
+        replace = as_flag(replace, "replace")
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         self._refuse_in_sql_transaction(f"cannot store {name!r}")
@@ -403,6 +408,7 @@ class Database:
         >>> [t.shape for t in db.store_many({"s": a.sum(), "d": a * 2})]
         [(), (4,)]
         """
+        replace = as_flag(replace, "replace")
         if not isinstance(items, Mapping):
             raise UnsupportedError(f"store_many takes a dict of name -> expression, not "
                                    f"{type(items).__name__}")

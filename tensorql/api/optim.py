@@ -50,7 +50,7 @@ from tensorql.algebra import update_join
 from tensorql.api.autodiff import FLOAT_DTYPES, GradientError, grad
 from tensorql.api.tensor import Tensor
 from tensorql.einsum.graph import Node, substitute, topological_order
-from tensorql.errors import ExecutionError, OptionError, ShapeError
+from tensorql.errors import ExecutionError, OptionError, ShapeError, as_flag
 from tensorql.exec.tape import REPLAYED
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
@@ -108,6 +108,11 @@ class Optimizer:
 
     def __init__(self, db: Any, params: Sequence[str], *, name: str = "optim",
                  checkpoint_every: int = 1) -> None:
+        from tensorql.api.database import Database
+
+        if not isinstance(db, Database):
+            raise OptionError(f"an optimizer's first argument is the session its weights are "
+                              f"stored in (tq.connect()), not {type(db).__name__}")
         if isinstance(params, str):
             params = [params]
         if not isinstance(params, (list, tuple)) or not all(
@@ -318,6 +323,9 @@ class Optimizer:
 
     def explain(self, loss: Tensor, analyze: bool = False) -> str:
         """The plan of one training step (forward, backward and update as one query)."""
+        if not isinstance(loss, Tensor) or loss.db is not self.db:
+            raise ShapeError("explain() takes the loss as a tensorql Tensor of this database")
+        analyze = as_flag(analyze, "analyze")
         group = self._plan(loss)
         self._set_scalars(self.step_count + 1)
         # analyzed as a step runs, into buffers nothing reads: the spare ones, fresh ones for
@@ -443,7 +451,7 @@ class SGD(Optimizer):
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  name: str = "sgd", checkpoint_every: int = 1) -> None:
         self.lr, self.momentum = hyperparameter("lr", lr), hyperparameter("momentum", momentum)
-        self.nesterov = bool(nesterov)
+        self.nesterov = as_flag(nesterov, "nesterov")
         if self.nesterov and not self.momentum:  # torch.optim.SGD refuses it too
             raise OptionError("nesterov=True needs a momentum > 0 (Nesterov momentum requires "
                               f"a momentum and zero dampening, as torch says), got momentum="

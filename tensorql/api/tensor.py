@@ -247,6 +247,11 @@ class Tensor:
         return to_numpy(self.torch(progress=progress))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if dtype is not None:
+            try:
+                dtype = np.dtype(dtype)
+            except (TypeError, ValueError, UnicodeError):
+                raise DTypeError(f"__array__: {dtype!r:.60} is not a numpy dtype") from None
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 

@@ -112,7 +112,12 @@ class EinsumSpec:
         """
         check_operators(join, agg)
         try:
-            key = (equation, tuple(map(tuple, shapes)), join, agg)
+            shape_key = tuple(map(tuple, shapes))
+        except TypeError:  # (None, a number, a list of numbers)
+            raise ShapeError(f"EinsumSpec.parse: shapes must be one sequence of sizes per "
+                             f"operand, got {shapes!r:.60}") from None
+        try:
+            key = (equation, shape_key, join, agg)
             hash(key)
         except TypeError:  # an unhashable shape or equation: parsed (and refused) as it is
             return cls._parse(equation, shapes, join, agg)

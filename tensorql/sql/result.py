@@ -218,12 +218,16 @@ class SQLResult:
         """A ``duckdb.DuckDBPyRelation`` over the rows (the element rows ``(labels..., val)``
         of a tensor result), on the bound connection (else a private in-memory one)."""
         if "relation" not in self._cache:
+            import duckdb
+
             con = self._cache.get("connection")
             if con is None:
-                import duckdb
-
                 con = self._cache["connection"] = duckdb.connect()
-            self._cache["relation"] = relation_of(con, self.arrow())
+            try:
+                self._cache["relation"] = relation_of(con, self.arrow())
+            except duckdb.ConnectionException as err:  # its session was closed since
+                raise StorageError(f"the connection of this result is closed ({err}); its "
+                                   "rows are still here: .fetchall(), .arrow(), .df()") from None
         return self._cache["relation"]
 
     @property
@@ -296,8 +300,11 @@ class SQLResult:
     def to_table(self, name: str) -> None:
         """Create table ``name`` from the rows on the bound connection (DuckDB's
         ``to_table``)."""
+        if not isinstance(name, str) or not name:
+            raise SQLExecutionError(f"to_table: the table's name must be a non-empty string, "
+                                    f"got {name!r:.60}")
         check = self._cache.get("check_name")
-        if check is not None and isinstance(name, str):
+        if check is not None:
             check(name)
         self._duckdb(f"to_table({name!r})", lambda: self.relation().to_table(name))
 

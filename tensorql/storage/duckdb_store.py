@@ -64,6 +64,19 @@ _RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped thei
 _INT32_MAX = 2**31 - 1  # past it, a view computes coordinates in BIGINT
 
 
+def _is_text(name: str) -> bool:
+    """Whether ``name`` is valid text (UTF-8 encodable: no lone surrogate).
+
+    >>> _is_text("A"), _is_text("a\\ud800")
+    (True, False)
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def interrupts_as_python(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` with DuckDB's ``RuntimeError: Query interrupted`` (its Python client's
     answer to a Ctrl-C during a statement) raised as the KeyboardInterrupt it is.
@@ -401,8 +414,8 @@ be used (open it again with tq.connect)
         return self._lookup(name) is not None
 
     def _lookup(self, name: str) -> tuple[str, TensorMeta] | None:
-        if not isinstance(name, str):  # never stored (and a number would cast the column)
-            return None
+        if not isinstance(name, str) or not _is_text(name):  # never stored (a number would
+            return None  # cast the column; DuckDB refuses a lone surrogate)
         page_bytes = "page_bytes" if self._paged_catalog else "0"
         row = self._cursor().execute(
             f"SELECT chunk_table, dtype, shape, tile, {page_bytes} FROM {self._catalog} "
