@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sql",),
     ("api",),
     ("models",),
-    ("demo", "distributed_demo", "train_demo", "cli", "__main__", "__init__"),
+    ("demo", "distributed_demo", "train_demo", "cli", "optim", "__main__", "__init__"),
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
