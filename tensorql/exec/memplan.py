@@ -73,6 +73,10 @@ class Op:
     src_device: int | None = None
     from_rest: bool = False
     from_host: bool = False  # a send of the host copy ``src_device``'s process wrote back
+    # a copy from another device (a send, or a load of the host copy ``src_device`` wrote
+    # back) that brings a chunk to a device a second time, or back to the one that computed
+    # it: traffic the memory limit adds, not in the partition plan (see ``_Planner.arrive``)
+    again: bool = False
     keep_host: bool = True
     evict: bool = False
     cost: float = 0.0
@@ -82,9 +86,11 @@ class Op:
         what = f"{self.kind} s{self.ref.step}{list(self.ref.key)} @dev{self.device}"
         if self.kind == "load":
             what += " from rest" if self.from_rest else " from host"
+            if self.src_device is not None and not self.from_rest:
+                what += f" (written back by dev{self.src_device})"
         if self.kind == "send":
             what += f" from dev{self.src_device}" + ("'s host" if self.from_host else "")
-        return what
+        return what + (" again" if self.again else "")
 
 
 @dataclass(frozen=True)
@@ -269,6 +275,7 @@ class _Planner:
         self.host_writer: dict[ChunkRef, int] = {}  # the device whose write-back it is
         self.host_loads: dict[ChunkRef, int] = {}
         self.owner: dict[ChunkRef, int] = {}
+        self.arrived: set[tuple[ChunkRef, int]] = set()  # chunks copied in from elsewhere
 
     # -- sizes, order, placement ------------------------------------------------------
     def size(self, ref: ChunkRef) -> int:
@@ -507,7 +514,8 @@ class _Planner:
         elif not output and (src := self._holder(ref, d.index)) is not None:
             op = self.emit("send", d.index, ref, [mem, src.resident[ref].alloc,
                                                   *self.writers.get(ref, ())],
-                           nbytes=nbytes, lane="d2d", src_device=src.index)
+                           nbytes=nbytes, lane="d2d", src_device=src.index,
+                           again=self.arrive(ref, d.index))
             src.resident[ref].users.append(op.id)
             d.d2d += nbytes
             dirty = False
@@ -521,11 +529,14 @@ class _Planner:
                 # written back to another process's host memory: that process sends it
                 op = self.emit("send", d.index, ref, [mem, self.host_d2h.get(ref)],
                                nbytes=nbytes, lane="d2d", src_device=writer, from_host=True,
-                               keep_host=not take)
+                               keep_host=not take, again=self.arrive(ref, d.index))
                 d.d2d += nbytes
-            else:
+            else:  # another device's write-back crosses devices through the host
+                crossing = writer != d.index
                 op = self.emit("load", d.index, ref, [mem, self.host_d2h.get(ref)],
-                               nbytes=nbytes, lane="h2d", keep_host=not take)
+                               nbytes=nbytes, lane="h2d", keep_host=not take,
+                               src_device=writer if crossing else None,
+                               again=crossing and self.arrive(ref, d.index))
                 d.h2d += nbytes
             self.host_loads[ref] = self.host_loads.get(ref, 0) + 1
             if take:
@@ -533,10 +544,19 @@ class _Planner:
             dirty = take
         d.resident[ref] = _Interval(op.id, nbytes, [], dirty)
 
+    def arrive(self, ref: ChunkRef, dev: int) -> bool:
+        """Record that ``ref`` is copied onto ``dev`` from another device (directly or
+        through the host); True when that copy is beyond the partition plan's, which moves
+        each chunk once to each device reading it that did not compute it: ``dev`` had it
+        copied in before (and dropped it under the budget), or computed it."""
+        again = (ref, dev) in self.arrived or self.owner.get(ref) == dev
+        self.arrived.add((ref, dev))
+        return again
+
     def _release_after_send(self, src: _Device, ref: ChunkRef, dst: _Device, pos: int) -> None:
-        """Free ``ref`` on ``src`` (unlimited budget) once ``src`` no longer uses it and no device
-        but ``dst``, which has just been sent it, will read it."""
-        if src.budget is not None or self._next_use(src, ref, pos - 1) < math.inf:
+        """Free ``ref`` on ``src`` once ``src`` no longer uses it and no device but ``dst``,
+        which has just been sent it, will read it."""
+        if ref not in src.resident or self._next_use(src, ref, pos - 1) < math.inf:
             return
         if self.remaining.get(ref, 0) > 0 or (ref.step in self.graph.retain
                                                and ref not in self.host_valid):
@@ -609,8 +629,12 @@ class _Planner:
                 if ref in d.resident and self._next_use(d, ref, pos) == math.inf and \
                         self.remaining.get(ref, 0) == 0:
                     later = self._used_elsewhere(ref, dev, pos)
-                    if later and d.budget is None and self.owner.get(ref, d.index) == d.index:
-                        continue  # other devices will be sent it; freed after the last send
+                    if later and self.owner.get(ref, d.index) == d.index:
+                        # other devices will be sent it, as the partition plan says: freed
+                        # after the last send or, when the budget needs the room first,
+                        # evicted (written back; it is next used nowhere here, so it goes
+                        # before any chunk this device reads again)
+                        continue
                     self.free(d, ref, writeback=d.resident[ref].dirty and later)
             self.prefetch_for(order, placed, pos)
         for ref, task in self.source.items():  # results read straight from rest

@@ -135,6 +135,12 @@ class RuntimeStats(RunStats):
     spill_reads_ahead: int = 0  # read back by the prefetcher ahead of the load
     spill_reads_on_demand: int = 0
     moved: list[list[int]] = field(default_factory=list)  # bytes copied [src][dst] device
+    # bytes device src wrote back to the host that device dst loaded from there [src][dst]:
+    # chunks crossing devices through the host under a memory limit (not in ``moved``)
+    moved_via_host: list[list[int]] = field(default_factory=list)
+    # of ``moved`` and ``moved_via_host``, the bytes the memory limit made cross again: a
+    # chunk copied to a device a second time (it dropped it) or back to its own device
+    moved_again: int = 0
     # one record per rank of a distributed run (a RankStats each), gathered after it
     ranks: list[Any] = field(default_factory=list)
     # a rank's bytes handed to torch.distributed for the plan's transfers (by call in calls)
@@ -144,8 +150,37 @@ class RuntimeStats(RunStats):
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes the run copied from one device to another."""
+        """Bytes the run copied from one device to another directly."""
         return sum(map(sum, self.moved))
+
+    @property
+    def bytes_moved_via_host(self) -> int:
+        """Bytes that crossed devices through the host (written back by one device, loaded
+        by another)."""
+        return sum(map(sum, self.moved_via_host))
+
+    @property
+    def bytes_moved_as_planned(self) -> int:
+        """The partition plan's bytes as the run moved them: directly or through the host,
+        less what the memory limit made cross again. Equals ``plan.cost.bytes_moved``.
+
+        >>> s = RuntimeStats(moved=[[0, 8], [0, 0]], moved_via_host=[[0, 0], [4, 0]],
+        ...                  moved_again=2)
+        >>> s.bytes_moved, s.bytes_moved_via_host, s.bytes_moved_as_planned
+        (8, 4, 10)
+        """
+        return self.bytes_moved + self.bytes_moved_via_host - self.moved_again
+
+    def moved_lines(self) -> list[str]:
+        """How the bytes between devices went, for EXPLAIN ANALYZE (none without any)."""
+        direct, via_host = self.bytes_moved, self.bytes_moved_via_host
+        if not (direct or via_host):
+            return []
+        text = (f"  between devices: {format_bytes(direct)} sent directly, "
+                f"{format_bytes(via_host)} through the host")
+        if self.moved_again:
+            text += f", {format_bytes(self.moved_again)} of them again after evictions"
+        return [text + f"; {format_bytes(self.bytes_moved_as_planned)} as planned"]
 
     def tier_lines(self) -> list[str]:
         """The host and DuckDB tiers' figures for EXPLAIN ANALYZE (none when unused)."""
@@ -170,6 +205,7 @@ class RuntimeStats(RunStats):
         for dev, kind in zip(self.devices, self.device_kinds):
             if kind != "remote":  # another rank's device: its figures are in ``ranks``
                 lines.append("  " + dev.describe(cpu_like=kind != "cuda"))
+        lines.extend(self.moved_lines())
         lines.extend(self.tier_lines())
         if self.ranks:
             lines.append("ranks (bytes handed to torch.distributed):")
@@ -481,6 +517,9 @@ def _load_done(run: StreamRun, op: Op, c: Completion) -> bool:
             run.caches[op.device].put(key, c.value)  # the next run's load finds it
     if not op.from_rest:
         stats.reloads += 1
+        if op.src_device is not None and op.src_device != op.device:  # another's write-back
+            run.stats.moved_via_host[op.src_device][op.device] += op.nbytes
+            run.stats.moved_again += op.nbytes if op.again else 0
         run.host_load_done(op)
         return False
     first = op.ref not in run.loaded_sources
@@ -508,6 +547,7 @@ def _send_done(run: StreamRun, op: Op, c: Completion) -> bool:
     sent = c.value.nbytes if c.value is not None else op.nbytes
     run.stats.devices[op.device].bytes_d2d += sent
     run.stats.moved[op.src_device][op.device] += sent
+    run.stats.moved_again += sent if op.again else 0
     if op.from_host:  # pragma: no cover - several processes only
         run.host_load_done(op)
     return False
@@ -631,6 +671,7 @@ class StreamRun(RunState):
         self.cache_misses: dict[int, Any] = {}  # load op -> the key its copy is kept under
         self.lane_times: dict[tuple[int, str], list[tuple[float, float]]] = {}
         self.stats.moved = [[0] * len(self.devices) for _ in self.devices]
+        self.stats.moved_via_host = [[0] * len(self.devices) for _ in self.devices]
         self.stats.devices = [DeviceStats(d.name, budget=b.budget,
                                           planned_peak_bytes=b.peak_bytes)
                               for d, b in zip(self.devices, program.devices)]

@@ -13,6 +13,7 @@ partitioning for 2 devices (strategy auto): 96 B moved, busiest device 192 FLOP,
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,11 +232,16 @@ class PartitionPlan:
 
 
 def device_count(devices: Any) -> int:
-    """N from an int or a list of device names; PlanError otherwise."""
+    """N from an integer (any ``numbers.Integral`` but a bool) or a list of device names;
+    PlanError otherwise.
+
+    >>> device_count(np.int64(4)), device_count(["cpu:0", "cpu:1"])
+    (4, 2)
+    """
     if isinstance(devices, bool):
         raise PlanError(f"devices must be a positive int or a list of devices, got {devices!r}")
-    if isinstance(devices, int):
-        n = devices
+    if isinstance(devices, numbers.Integral):  # a numpy integer too
+        n = int(devices)
     elif isinstance(devices, (list, tuple)):
         n = len(devices)
     else:
@@ -293,57 +299,159 @@ def optimize(expr: Any, devices: Any = None, strategy: str = "auto",
     if limit is None:
         problem = build_problem(graph, n_dev, cache=cache, topology=topo)
         return make_plan(problem, search(problem), strategy, None, topo)
-    try:
-        return _plan_within(graph, n_dev, search, strategy, limit, cache, topo)
-    except InfeasiblePlanError as err:
-        minimum = _smallest_limit(graph, n_dev, search, strategy, limit, cache, err, topo)
-        raise InfeasiblePlanError(
-            f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
-            f"on {n_dev} devices: no partitioning fits every task (inputs and output) in it; "
-            f"the smallest memory_limit that plans it is {minimum} bytes "
-            f"({format_bytes(minimum)})", minimum=minimum) from None
+    within = _plan_within(graph, n_dev, search, limit, cache, topo)
+    if within.plan is not None:
+        return make_plan(*within.plan, strategy, limit, topo)
+    raise _too_small(graph, n_dev, search, limit, cache, within, topo)
 
 
-_TRIES = 8  # plans tried within one memory limit, each cut finer than the last
+_MAX_STEPS = 32    # piece counts tried within one memory limit, each cut finer than the last
+_MORE_STEPS = 2    # finer steps tried past the first plan that fits, for a cheaper one
+_PROBES = 24       # limits tried in search of the smallest that plans, at most
+_PROBE_STEPS = 96  # steps of those tries together, at most
 
 
-def _plan_within(graph: OpGraph, devices: int, search, strategy: str, limit: int,
-                 cache: dict, topology: Topology | None = None) -> PartitionPlan:
-    """The search's plan whose every task fits ``limit``. When the plan the search finds
-    still has tasks that do not (it priced them out, but no plan of those pieces avoids
-    them), the pieces are cut finer -- fitted to a tighter limit -- and the search runs
-    again; InfeasiblePlanError when none fits (``minimum``: the least a plan tried needs)."""
-    target, least = limit, None
-    for _ in range(_TRIES):
+@dataclass(frozen=True)
+class _Within:
+    """What :func:`_plan_within` found under one memory limit: the plan (a problem and its
+    choice; None when none fits), the least bytes a plan tried needed (None when none was
+    tried), a lower bound of any limit that plans (``floor``: a task that no piece count
+    fits in less) and whether every finer piece count was tried (``complete``: not cut
+    short by ``steps``); ``steps``: how many were searched."""
+
+    plan: tuple[Problem, tuple[int, ...]] | None
+    least: int | None = None
+    floor: int | None = None
+    complete: bool = True
+    steps: int = 0
+
+
+def _plan_within(graph: OpGraph, devices: int, search, limit: int, cache: dict,
+                 topology: Topology | None = None, more: int = _MORE_STEPS,
+                 steps: int = _MAX_STEPS) -> _Within:
+    """The search's plan whose every task fits ``limit``, over a ladder of piece counts.
+
+    Each node takes the fewest pieces (``N``, ``2N``, ... a device) of which one fits a
+    *target* (:meth:`Problem.build`); the first target is ``limit``. When the plan found
+    still has a task that does not fit (a region assembled from coarse pieces of its
+    producer, say), the target drops just below the largest of the nodes' smallest tasks, so
+    that node -- and only what must -- is cut finer, and the search runs again. The steps
+    visit every assignment of piece counts a smaller limit starts from, in order, so a
+    limit plans whenever a smaller one does (within ``steps`` steps; the search itself is
+    exact on trees, a heuristic on DAGs). Once a plan that the limit made cut finer than
+    ``devices`` pieces fits, ``more`` finer steps are tried too and the cheapest plan that
+    fits wins (finer pieces can move fewer bytes); a plan of ``devices`` pieces a node that
+    fits is the plan, as without a limit.
+
+    >>> import numpy as np, tensorql as tq
+    >>> from tensorql.optimizer.search import search_auto
+    >>> db = tq.connect()
+    >>> x = db.from_numpy("pw_x", np.ones((1, 8), np.float32))
+    >>> y = db.from_numpy("pw_y", np.ones((8, 8), np.float32))
+    >>> graph = OpGraph.build(tq.einsum("ca,ba->c", x, y).node)
+    >>> [_plan_within(graph, 6, search_auto, lim, {}).plan is not None for lim in (16, 20, 24)]
+    [False, True, True]
+    """
+    target, best, least, left = limit, None, None, more
+    for step in range(steps):
         try:
             problem = Problem.build(graph, devices, target, cache=cache, task_limit=limit,
                                     topology=topology)
-        except InfeasiblePlanError:
-            if least is None:
-                raise
-            break  # no finer pieces to try
+        except InfeasiblePlanError as err:  # some node fits in no finer pieces
+            floor = err.minimum if target == limit else None
+            return _Within(best and best[1:], least, floor, steps=step)
         choice = search(problem)
         need = problem.need(choice)
         if need <= limit:
-            return make_plan(problem, choice, strategy, limit, topology)
-        least = need if least is None else min(least, need)
-        target = max(1, min(target - 1, target * limit // need))
-    raise InfeasiblePlanError(f"its largest task needs {format_bytes(least)} at once",
-                              minimum=least)
+            if best is None and not _cut_finer(problem):  # N pieces fit, as with no limit
+                return _Within((problem, choice), least, steps=step + 1)
+            cost = problem.exact_total(choice)
+            if best is None or cost < best[0]:
+                best = (cost, problem, choice)
+        else:
+            least = need if least is None else min(least, need)
+        if best is not None:
+            if left <= 0:
+                return _Within(best[1:], least, steps=step + 1)
+            left -= 1
+        # just below the largest smallest task: the node(s) with it take finer pieces
+        target = max((int(t.task_peak.min()) for t in problem.tables), default=0) - 1
+        if target < 1:
+            return _Within(best and best[1:], least, steps=step + 1)
+    return _Within(best and best[1:], least, complete=best is not None, steps=steps)
 
 
-def _smallest_limit(graph: OpGraph, devices: int, search, strategy: str, limit: int,
-                    cache: dict, err: InfeasiblePlanError,
-                    topology: Topology | None = None) -> int:
-    """The smallest memory limit (above ``limit``, which ``err`` refused) that plans."""
-    minimum = max(limit + 1, err.minimum or limit + 1)
-    for _ in range(_TRIES):
-        try:
-            _plan_within(graph, devices, search, strategy, minimum, cache, topology)
-            return minimum
-        except InfeasiblePlanError as again:
-            minimum = max(minimum + 1, again.minimum or 2 * minimum)
-    return minimum
+def _cut_finer(problem: Problem) -> bool:
+    """Whether some node of ``problem`` is offered more pieces than devices (a memory limit
+    made its pieces finer).
+
+    >>> import numpy as np, tensorql as tq
+    >>> db = tq.connect()
+    >>> x = db.from_numpy("cf_x", np.ones((8, 8), np.float32))
+    >>> graph = OpGraph.build((x @ x).node)
+    >>> _cut_finer(Problem.build(graph, 2)), _cut_finer(Problem.build(graph, 2, 64))
+    (False, True)
+    """
+    return any(len(t.cands[0]) and int(np.prod(t.cands[0])) > problem.devices
+               for t in problem.tables)
+
+
+def _too_small(graph: OpGraph, devices: int, search, limit: int, cache: dict,
+               within: _Within, topology: Topology | None = None) -> InfeasiblePlanError:
+    """The error for a ``limit`` nothing fits, naming a memory limit that plans: the
+    smallest when a bisection between ``limit`` and a limit found to plan closes within
+    :data:`_PROBES` tries and :data:`_PROBE_STEPS` steps over complete ladders, else "a
+    memory_limit of N bytes plans it".
+
+    >>> import numpy as np, tensorql as tq
+    >>> from tensorql.optimizer.search import search_auto
+    >>> db = tq.connect()
+    >>> x = db.from_numpy("ts_x", np.ones((1, 8), np.float32))
+    >>> y = db.from_numpy("ts_y", np.ones((8, 8), np.float32))
+    >>> graph = OpGraph.build(tq.einsum("ca,ba->c", x, y).node)
+    >>> err = _too_small(graph, 6, search_auto, 12, {}, _Within(None, floor=16))
+    >>> err.minimum, err.smallest
+    (20, True)
+    """
+    below, exact = limit, within.complete  # ``below`` does not plan
+    probe = max(limit + 1, within.floor or 0, within.least or 0)
+    plans, tries, spent = None, 0, 0
+
+    def attempt(candidate: int) -> _Within:
+        nonlocal tries, spent
+        tries += 1
+        found = _plan_within(graph, devices, search, candidate, cache, topology, more=0,
+                             steps=max(1, min(_MAX_STEPS, _PROBE_STEPS - spent)))
+        spent += found.steps
+        return found
+
+    while plans is None and tries < _PROBES and spent < _PROBE_STEPS:
+        found = attempt(probe)
+        if found.plan is not None:
+            plans = probe
+        else:
+            below, exact = probe, exact and found.complete
+            probe = max(probe + 1, found.least or 0, 2 * probe)
+    head = (f"memory_limit={limit} bytes ({format_bytes(limit)}) is too small for this query "
+            f"on {devices} devices: no partitioning fits every task (inputs and output) in it")
+    if plans is None:
+        return InfeasiblePlanError(f"{head}; none up to {below} bytes ({format_bytes(below)}) "
+                                   "plans it either", minimum=None)
+    while plans - below > 1 and tries < _PROBES and spent < _PROBE_STEPS:
+        middle = (below + plans) // 2
+        found = attempt(middle)
+        if found.plan is not None:
+            plans = middle
+        else:
+            below, exact = middle, exact and found.complete
+    if plans - below == 1 and exact:
+        return InfeasiblePlanError(f"{head}; the smallest memory_limit that plans it is "
+                                   f"{plans} bytes ({format_bytes(plans)})", minimum=plans,
+                                   smallest=True)
+    return InfeasiblePlanError(f"{head}; a memory_limit of {plans} bytes "
+                               f"({format_bytes(plans)}) plans it (none of {below} bytes "
+                               f"({format_bytes(below)}) or less does, as far as searched)",
+                               minimum=plans)
 
 
 def make_plan(problem: Problem, choice: tuple[int, ...], strategy: str,

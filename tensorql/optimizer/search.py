@@ -60,12 +60,20 @@ class UnknownStrategyError(PlanError, KeyError):
 
 
 class InfeasiblePlanError(PlanError):
-    """No partitioning of some operation fits the per-device memory limit; ``minimum`` is the
-    smallest limit that would plan (when known)."""
+    """No partitioning fits the per-device memory limit. From ``tq.optimize``, ``minimum`` is
+    a memory limit that plans (None when none was found) and ``smallest`` says whether it is
+    the smallest one; raised inside the search, ``minimum`` is a lower bound.
 
-    def __init__(self, message: str, minimum: int | None = None) -> None:
+    >>> err = InfeasiblePlanError("too small", minimum=32, smallest=True)
+    >>> err.minimum, err.smallest
+    (32, True)
+    """
+
+    def __init__(self, message: str, minimum: int | None = None,
+                 smallest: bool = False) -> None:
         super().__init__(message)
         self.minimum = minimum
+        self.smallest = smallest
 
 
 class SearchTooLargeError(PlanError):
@@ -351,8 +359,9 @@ def _table(graph: OpGraph, node, devices: int, pieces: int, cache: dict,
 
 def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None, cache: dict):
     """The node's table with ``devices`` pieces, or with 2x, 4x, ... pieces (several tasks a
-    device) when no piece of fewer fits ``memory_limit``; InfeasiblePlanError naming the
-    smallest limit that plans the whole graph when even the finest split does not fit."""
+    device) when no piece of fewer fits ``memory_limit``; InfeasiblePlanError when even the
+    finest split does not fit, its ``minimum`` a lower bound of any limit that plans the
+    graph (the least task of the node that needs most in its finest split)."""
     factor = 1
     key, table = _table(graph, node, devices, devices, cache)
     while memory_limit is not None and not (table.task_peak <= memory_limit).any():
@@ -363,8 +372,8 @@ def _fitting_table(graph: OpGraph, node, devices: int, memory_limit: int | None,
                 f"no partitioning of {node.name!r} (labels {','.join(node.labels)}, sizes "
                 f"{node.sizes}) fits memory_limit={memory_limit} bytes "
                 f"({format_bytes(memory_limit)}) on {devices} devices, "
-                f"even cut into {made} pieces; the smallest memory_limit that plans this "
-                f"query is {need} bytes ({format_bytes(need)})", minimum=need)
+                f"even cut into {made} pieces; no memory_limit below {need} bytes "
+                f"({format_bytes(need)}) can plan this query", minimum=need)
         factor *= 2
         key, table = _table(graph, node, devices, devices * factor, cache)
     return key, table

@@ -147,6 +147,9 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
         lines.append(f"measured: wall {stats.wall_s * 1e3:.1f} ms on {stats.where}, "
                      f"busy {stats.busy_s * 1e3:.1f} ms, read {format_bytes(stats.bytes_read)} "
                      f"from store, {format_bytes(sum(map(sum, moved)))} copied between devices")
+        via_host = getattr(stats, "moved_via_host", None)
+        if via_host and any(map(any, via_host)):
+            lines[-1] += f" directly, {format_bytes(sum(map(sum, via_host)))} through the host"
         device_lines = getattr(stats, "device_lines", None)
         if device_lines is not None:
             lines.append("devices:")
@@ -154,6 +157,11 @@ def render_partitioned(plan: PhysicalPlan, stats: RunStats | None = None,
         lines.append("bytes copied (row: from device, column: to device):")
         lines.extend("  dev" + str(src) + ": " + " ".join(format_bytes(b) for b in row)
                      for src, row in enumerate(moved))
+        if via_host and any(map(any, via_host)):  # a memory limit sent some through the host
+            lines.append("bytes through the host (row: written back by device, column: "
+                         "loaded by device):")
+            lines.extend("  dev" + str(src) + ": " + " ".join(format_bytes(b) for b in row)
+                         for src, row in enumerate(via_host))
     lines.extend(extra or [])
 
     def figures(step: Step) -> str:

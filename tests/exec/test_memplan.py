@@ -123,39 +123,6 @@ def test_prefetch_issues_loads_ahead():
     assert mean_lead(eager) > mean_lead(lazy) + 1
 
 
-def test_a_chunk_written_back_by_one_process_is_sent_from_its_host_not_loaded():
-    """Ranks of a torch.distributed job do not share host memory: under a memory limit a
-    chunk one rank wrote back and another rank needs is a ``from_host`` send from the writer,
-    while a device of one process reloads its own write-backs."""
-    import tensorql as tq
-    from tensorql.exec.memplan import plan_program
-    from tensorql.models import attention
-    from tensorql.optimizer import optimize
-    from tensorql.physical.partitioned import build_partitioned
-
-    with tq.connect(workers=1) as db:
-        w = attention(db, batch=2, seq=6, d_model=12, heads=3, head_dim=4)
-        logical = w.output.compile().physical.root
-        plan = optimize(logical, devices=3, sources_everywhere=True, memory_limit=4096)
-        graph = build_partitioned(plan, db.chunk_store).task_graph()
-    shared = plan_program(graph, 3, [4096] * 3)
-    ranks = plan_program(graph, 3, [4096] * 3, host_domains=[0, 1, 2])
-
-    def writer(program, op):
-        (d2h,) = [program.ops[d] for d in op.deps if program.ops[d].kind == "d2h"]
-        return d2h.device
-
-    reloads = [op for op in shared.ops if op.kind == "load" and not op.from_rest]
-    assert any(writer(shared, op) != op.device for op in reloads)  # one host: any device
-    for op in ranks.ops:
-        if op.kind == "load" and not op.from_rest:
-            assert writer(ranks, op) == op.device
-        if op.from_host:
-            assert op.kind == "send" and writer(ranks, op) == op.src_device != op.device
-    assert sum(op.from_host for op in ranks.ops) == sum(
-        writer(shared, op) != op.device for op in reloads)
-
-
 def _producer_consumer_graph(n: int = 4):
     """Sources s_i, producers p_i = f(s_i) of 100 bytes, consumers c_i = g(p_i) of 10 bytes
     (retained), numbered so that priority order makes every p_i before any c_i."""
