@@ -21,7 +21,7 @@ import numpy as np
 
 from tensorql.devices import MAX_DEVICES
 from tensorql.einsum.graph import Node
-from tensorql.errors import PlanError
+from tensorql.errors import PlanError, as_flag
 from tensorql.logical.plan import LogicalNode
 from tensorql.optimizer.cost import (
     Cost,
@@ -161,8 +161,17 @@ class PartitionPlan:
     topology: Topology | None = field(default=None, compare=False, repr=False)
     estimate: TimeEstimate | None = field(default=None, compare=False, repr=False)
 
+    def _index(self, index: Any) -> int:
+        """``index`` as the number of one of this plan's operations; PlanError else."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or \
+                not -len(self.ops) <= index < len(self.ops):
+            raise PlanError(f"operation index {index!r:.40}: this plan has operations "
+                            f"0..{len(self.ops) - 1}")
+        return int(index) % len(self.ops)
+
     def layout(self, index: int) -> Layout:
         """Where every task of operation ``index`` runs (its pieces on this plan's devices)."""
+        index = self._index(index)
         op, node = self.ops[index], self.graph.nodes[index]
         return layout(node.sizes, op.pieces, node.n_out, self.devices, op.order or None,
                       op.scatter)
@@ -173,6 +182,10 @@ class PartitionPlan:
         piece), every chunk on its piece's device: the same bytes move between devices, in
         cache-sized tasks that start as their own chunks arrive. A reduce-scatter's parts are
         cut from whole pieces, so its layout stays as it is."""
+        index = self._index(index)
+        if not isinstance(target, dict):
+            raise PlanError(f"chunk_layout: target must be a dict of label -> chunk size, got "
+                            f"{type(target).__name__}")
         lay, node = self.layout(index), self.graph.nodes[index]
         if lay.scatter:
             return lay
@@ -184,6 +197,11 @@ class PartitionPlan:
     def reads(self, layouts: list[Layout]) -> dict[tuple[int, int], DeviceReads]:
         """What each device reads of each producer under ``layouts`` (one per operation):
         whole pieces and slices, ``(producer, device) -> DeviceReads``."""
+        if not isinstance(layouts, (list, tuple)) or len(layouts) != len(self.ops) or \
+                not all(isinstance(lay, Layout) for lay in layouts):
+            raise PlanError(f"reads: layouts must be one Layout per operation "
+                            f"({len(self.ops)}, e.g. [plan.layout(k) for k in "
+                            f"range({len(self.ops)})]), got {type(layouts).__name__}")
         return device_reads(self.graph, layouts)
 
     def pair_bytes(self) -> np.ndarray:
@@ -294,6 +312,10 @@ def optimize(expr: Any, devices: Any = None, strategy: str = "auto",
     topo = None if topology is None else Topology.parse(topology, n_dev)
     search = get_strategy(strategy)
     limit = parse_bytes(memory_limit)
+    if cache is not None and not isinstance(cache, dict):
+        raise PlanError(f"optimize: cache must be a dict (kept between calls) or None, got "
+                        f"{type(cache).__name__}")
+    sources_everywhere = as_flag(sources_everywhere, "sources_everywhere")
     graph = OpGraph.build(node, also=tuple(also), sources_everywhere=sources_everywhere)
     cache = {} if cache is None else cache
     if limit is None:

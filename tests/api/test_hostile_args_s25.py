@@ -98,3 +98,19 @@ def test_demo_on_a_file_that_is_no_database_is_one_line(tmp_path, capsys):
     assert main(["demo", "--db", str(bad)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot open tensor database") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda C, p: tq.optimize(C, 2, cache=[]), tq.PlanError),
+    (lambda C, p: tq.optimize(C, 2, sources_everywhere=[]), tq.OptionError),
+    (lambda C, p: p.layout("x"), tq.PlanError),
+    (lambda C, p: p.layout(2**70), tq.PlanError),
+    (lambda C, p: p.chunk_layout(0, None), tq.PlanError),
+    (lambda C, p: p.reads(None), tq.PlanError),
+], ids=["cache", "sources_everywhere", "layout-str", "layout-huge", "chunk_layout", "reads"])
+def test_partition_plan_arguments_are_checked(db, call, error):
+    C = db.tensor("A") @ db.tensor("A").T
+    plan = tq.optimize(C, devices=2)
+    with pytest.raises(error):
+        call(C, plan)
+    assert len(plan.reads([plan.layout(k) for k in range(len(plan.ops))])) > 0
