@@ -194,6 +194,7 @@ def test_a_bfloat16_weight_steps_as_torch_optim_does(optimizer):
         db.from_torch("w", w0)
         opt = getattr(tq.optim, optimizer)(db, ["w"], lr=0.1003, checkpoint_every=1000)
         opt.step_count = 382
+        opt.weight_steps["w"] = 382  # (each weight counts its own updates)
         opt.state[("m", "w")].copy_(m0)
         opt.state[("v", "w")].copy_(v0)
         w = opt.params()["w"]

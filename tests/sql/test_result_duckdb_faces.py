@@ -114,7 +114,7 @@ def test_repr_html_is_a_bounded_escaped_table(small):
     assert out.startswith("<table>") and out.count("<tr>") == 41
     assert "&lt;b&gt;" in out and "<b>" not in out and "100 rows (40 shown)" in out
     t = small.sql("SELECT * FROM EINSUM('ij->ij', A)")._repr_html_()
-    assert t.count("<tr>") == 7 and "<td>5.0</td>" not in t and "<td>5</td>" in t
+    assert t.count("<tr>") == 7 and "<td>5.0</td>" in t  # floats in full, as DuckDB's box
     e = small.sql("EXPLAIN SELECT * FROM EINSUM('ij->i', A)")._repr_html_()
     assert e.startswith("<pre>")
 
