@@ -319,8 +319,10 @@ def rows_to_dense(table: pa.Table, labels: Sequence[str], shape: Sequence[int],
         return (values.any() if dtype == torch.bool else values.sum()).to(dtype) \
             if values.numel() else out
     if values.numel():
-        if dtype == torch.bool or _distinct_cells(index, shape):  # one row a cell: its bits
-            out.index_put_(tuple(index), values)  # as they are (0.0 + -0.0 would be 0.0)
+        if dtype == torch.bool or (dtype.is_floating_point and _distinct_cells(index, shape)):
+            # one float row a cell: its bits as they are (0.0 + -0.0 would be 0.0); integers
+            # come out the same added, with no uniqueness sort
+            out.index_put_(tuple(index), values)
         else:
             out.index_put_(tuple(index), values, accumulate=True)
     return out
