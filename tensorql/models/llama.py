@@ -33,6 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -85,7 +86,27 @@ class LlamaShape:
 
     @classmethod
     def from_config(cls, config: Any) -> LlamaShape:
-        """From a ``transformers.LlamaConfig`` (default rotary embeddings only)."""
+        """From a ``transformers.LlamaConfig`` (default rotary embeddings only) or a mapping of
+        its fields (``config.to_dict()``). A config of another model (``model_type`` other than
+        ``llama``; Mistral only without a sliding window, where it is the same model) is
+        refused, as is every option this model does not compute.
+
+        >>> LlamaShape.from_config({"model_type": "qwen2"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        tensorql.errors.ShapeError: model_type 'qwen2' is not supported (only 'llama', ...)
+        """
+        if isinstance(config, Mapping):
+            config = SimpleNamespace(**config)
+        model_type = getattr(config, "model_type", None)
+        sliding = getattr(config, "sliding_window", None)
+        if model_type not in (None, "llama", "mistral") or (model_type == "mistral"
+                                                            and sliding is not None):
+            raise ShapeError(f"model_type {model_type!r} is not supported (only 'llama', and "
+                             "'mistral' without sliding_window)")
+        if sliding is not None and getattr(config, "use_sliding_window", True):
+            raise ShapeError(f"sliding_window {sliding!r} is not supported (full attention "
+                             "only)")
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling",
                                                                    None) or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
@@ -131,21 +152,44 @@ def _hf_weights(shape: LlamaShape, state: Mapping[str, Any]) -> dict[str, np.nda
                 return np.asarray(value, dtype=np.float32)
         raise ShapeError(f"state_dict has no weight {name!r}")
 
+    used: set[str] = set()
+
+    def take(name: str, want: tuple[int, ...] | None = None) -> np.ndarray:
+        for key in (name, f"model.{name}"):
+            if key in state:
+                used.add(key)
+        value = get(name)
+        if want is not None and value.shape != want:  # before it is split into heads
+            raise ShapeError(f"weight {name!r} has shape {value.shape}, expected {want}")
+        return value
+
     kv, g, e, d = shape.kv_heads, shape.groups, shape.head_dim, shape.d_model
-    out = {"embed": get("embed_tokens.weight"), "norm": get("norm.weight")}
+    out = {"embed": take("embed_tokens.weight"), "norm": take("norm.weight")}
     for n in range(shape.layers):
         p = f"layers.{n}."
-        out[f"l{n}_attn_norm"] = get(p + "input_layernorm.weight")
-        out[f"l{n}_wq"] = get(p + "self_attn.q_proj.weight").reshape(kv, g, e, d)
-        out[f"l{n}_wkv"] = np.stack([get(p + "self_attn.k_proj.weight").reshape(kv, e, d),
-                                     get(p + "self_attn.v_proj.weight").reshape(kv, e, d)])
-        out[f"l{n}_wo"] = get(p + "self_attn.o_proj.weight").reshape(d, kv, g, e)
-        out[f"l{n}_mlp_norm"] = get(p + "post_attention_layernorm.weight")
-        out[f"l{n}_gate"] = get(p + "mlp.gate_proj.weight")
-        out[f"l{n}_up"] = get(p + "mlp.up_proj.weight")
-        out[f"l{n}_down"] = get(p + "mlp.down_proj.weight")
+        out[f"l{n}_attn_norm"] = take(p + "input_layernorm.weight")
+        out[f"l{n}_wq"] = take(p + "self_attn.q_proj.weight", (kv * g * e, d)).reshape(kv, g, e, d)
+        out[f"l{n}_wkv"] = np.stack([
+            take(p + "self_attn.k_proj.weight", (kv * e, d)).reshape(kv, e, d),
+            take(p + "self_attn.v_proj.weight", (kv * e, d)).reshape(kv, e, d)])
+        out[f"l{n}_wo"] = take(p + "self_attn.o_proj.weight", (d, kv * g * e)).reshape(d, kv, g, e)
+        out[f"l{n}_mlp_norm"] = take(p + "post_attention_layernorm.weight")
+        out[f"l{n}_gate"] = take(p + "mlp.gate_proj.weight")
+        out[f"l{n}_up"] = take(p + "mlp.up_proj.weight")
+        out[f"l{n}_down"] = take(p + "mlp.down_proj.weight")
     if not shape.tied:
-        out["lm_head"] = get("lm_head.weight")
+        out["lm_head"] = take("lm_head.weight")
+    # a weight left over is a part of the model this one would not compute (a bias, a norm of
+    # another architecture, a layer more than the config's): refused, not dropped. Tied
+    # models' state dicts carry lm_head.weight (the embedding again); rotary tables are
+    # computed here.
+    unused = sorted(key for key in state if key not in used and not (
+        key.endswith("rotary_emb.inv_freq") or (shape.tied and key == "lm_head.weight")))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ShapeError(f"state_dict has weights this LLaMA does not use: "
+                         f"{', '.join(map(repr, unused[:5]))}{more} (another architecture, or "
+                         "a config without the option they belong to)")
     for name, want in shape.weight_shapes().items():
         if out[name].shape != want:
             raise ShapeError(f"weight {name!r} has shape {out[name].shape}, expected {want}")
@@ -295,7 +339,7 @@ class Llama:
     def from_safetensors(cls, db: Any, config: Any, path: str,
                          prefix: str = "llama_") -> Llama:
         """From a ``LlamaConfig`` and a safetensors file of the model's weights."""
-        from safetensors.numpy import load_file
+        from safetensors.torch import load_file  # bfloat16 too (numpy has no such type)
 
         return cls.from_state_dict(db, config, load_file(path), prefix)
 

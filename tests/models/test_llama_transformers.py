@@ -147,6 +147,60 @@ def test_unsupported_config_is_refused():
         Llama.from_state_dict(tq.connect(), config, {})
 
 
+def test_a_bfloat16_safetensors_file_loads(tmp_path):
+    """Real LLaMA checkpoints are bfloat16, which numpy has no type for: the file is read
+    with torch's loader and the weights are those of the bfloat16 model."""
+    from safetensors.torch import save_file
+
+    model = hf_model("gqa").to(torch.bfloat16)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    ours = Llama.from_safetensors(tq.connect(), model.config, str(path))
+    ids = prompt("gqa", 5, model.config.vocab_size)
+    with torch.no_grad():
+        theirs = model.float()(torch.tensor([ids])).logits.numpy()
+    assert np.abs(ours.logits([ids]).numpy() - theirs).max() <= 1e-3
+
+
+@pytest.mark.parametrize("change", [dict(num_key_value_heads=2), dict(head_dim=16),
+                                    dict(num_attention_heads=8)])
+def test_a_config_that_disagrees_with_the_weights_is_a_shape_error(change):
+    model = hf_model("mha")
+    config = transformers.LlamaConfig(**{**CONFIGS["mha"], **change})
+    with pytest.raises(tq.ShapeError, match="self_attn"):
+        Llama.from_state_dict(tq.connect(), config, model.state_dict())
+
+
+def test_another_architecture_or_an_unused_weight_is_refused():
+    """A Mistral with a sliding window, a Qwen2 (biases on its projections), or a LLaMA state
+    dict carrying a weight this model would not compute: refused, not dropped."""
+    mistral = transformers.MistralConfig(**CONFIGS["mha"], sliding_window=4)
+    with pytest.raises(tq.ShapeError, match="mistral"):
+        Llama.from_state_dict(tq.connect(), mistral, {})
+    qwen = transformers.Qwen2Config(**CONFIGS["mha"])
+    with pytest.raises(tq.ShapeError, match="qwen2"):
+        Llama.from_state_dict(tq.connect(), qwen, {})
+    model = hf_model("mha")
+    state = dict(model.state_dict())
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    db = tq.connect()
+    with pytest.raises(tq.ShapeError, match="q_proj.bias"):
+        Llama.from_state_dict(db, model.config, state)
+    assert not db.tensors()  # nothing stored
+
+
+def test_a_mistral_without_a_sliding_window_and_a_config_mapping_load():
+    torch.manual_seed(3)
+    config = transformers.MistralConfig(**CONFIGS["gqa"], sliding_window=None)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = prompt("gqa", 7, config.vocab_size)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    for given in (config, config.to_dict()):
+        ours = Llama.from_state_dict(tq.connect(), given, model.state_dict())
+        assert np.abs(ours.logits([ids]).numpy() - theirs).max() <= 1e-4
+
+
 def test_logits_and_generation_on_two_devices():
     model = hf_model("gqa")
     db = tq.connect(devices=2)
