@@ -60,7 +60,10 @@ def parse_bytes(value: int | str | None) -> int | None:
 
 
 def _size(value: int | str | None) -> int | None:
-    """:func:`parse_bytes` without its check of 0 or less (at most :data:`MAX_BYTES`)."""
+    """:func:`parse_bytes` without its check of 0 or less (at most :data:`MAX_BYTES`); any
+    integer type is a byte count (``np.int64(1 << 26)``, as a size computed with numpy is)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
         raise OptionError(f"cannot read memory size {value!r}; write e.g. 512MiB, 20GiB or a "
                           "byte count")
@@ -257,7 +260,13 @@ class Options:
             accumulated by one task in a fixed order, and tasks run on one worker thread
             whose kernels use every core (``intra_op_threads``); concurrent chunk kernels
             were seen to round differently from run to run. Costs the overlap of tasks.
-            Training resumed from a checkpoint then ends with identical weights.
+            Training resumed from a checkpoint then ends with identical weights. Two limits:
+            on several devices, the partial sums other devices send for one output chunk
+            are folded in the order they arrive (a product split along its summed label
+            across devices can differ in the last bits between runs: use one device where
+            bits must repeat); and since an output chunk's contributions are one task, a
+            ``memory_limit`` must hold all of one chunk's inputs at once (smaller tiles do
+            not lower that for a reduction over a whole tensor).
         device_cache: bytes of each GPU's memory that keep the device copies of stored
             chunks the session's queries load, across queries (LRU; a copy of a tensor
             stored again since is dropped, so a ``store()`` of new values is always seen):

@@ -530,3 +530,18 @@ def test_a_python_integer_out_of_an_integer_tensors_range_is_refused(db, dtype, 
     got = (t + inside).numpy()
     assert got.dtype == a.dtype
     np.testing.assert_array_equal(got, a + inside)
+
+
+@pytest.mark.parametrize("option", ["memory_limit", "process_memory_limit",
+                                    "store_memory_limit", "chunk_cache_bytes"])
+def test_a_numpy_integer_is_a_byte_count_for_every_memory_option(option):
+    """A size computed with numpy (``np.int64``) is a byte count wherever an int is; a numpy
+    bool or float is still refused."""
+    size = np.int64(64) << 20
+    db = tq.connect(**{option: size})
+    assert getattr(db.options, option) == 64 << 20
+    assert type(getattr(db.options, option)) is int
+    db.close()
+    for bad in (np.float64(1e6), np.bool_(True)):
+        with pytest.raises(tq.OptionError):
+            tq.connect(**{option: bad})
