@@ -369,6 +369,11 @@ class Database:
         if not replace and self.chunk_store.has(name):
             raise StorageError(f"tensor {name!r} already exists (pass replace=True)")
         self._refuse_in_sql_transaction(f"cannot store {name!r}")
+        # the writer thread cannot ask the main connection whether the name clashes with
+        # one of its temp tables (an SQL statement may be running there): asked here first
+        check = getattr(self.chunk_store, "check_name", None)
+        if check is not None:
+            check(name)
         compiled = compiled or CompiledQuery.compile(node, self)
         rel = compiled.physical.result_step.relation
         meta = TensorMeta(name=name, shape=rel.shape, dtype=rel.dtype, grid=rel.grid)

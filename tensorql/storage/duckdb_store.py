@@ -62,6 +62,10 @@ JOIN_PAGES = "tq_join_pages"
 CHUNK_VIEW_SUFFIX = "__chunks"  # a tensor's chunk view is named "<name>__chunks"
 _RACE_RETRIES = 8  # reads that go again after a concurrent replace dropped their table
 _INT32_MAX = 2**31 - 1  # past it, a view computes coordinates in BIGINT
+# the chunk tables present in the store's database and schema (bound as two parameters):
+# joined to the catalog, a row naming a table that is gone marks a damaged file
+_TABLES = ("(SELECT table_name FROM duckdb_tables() WHERE database_name = ? "
+           "AND schema_name = ?)")
 
 
 def _is_text(name: str) -> bool:
@@ -136,6 +140,12 @@ def _decoder(dtype: str):
     return decode
 
 
+class AbortedTransactionError(StorageError, duckdb.TransactionException):
+    """The main connection's SQL transaction was aborted by an earlier error (ROLLBACK
+    first): a StorageError that is DuckDB's TransactionException too, which the callers
+    that answer an aborted transaction (a ROLLBACK passes) catch."""
+
+
 class DuckDBChunkStore(ChunkStore):
     """A ``ChunkStore`` in a DuckDB database file (``path``) or in memory (``path=None``).
 
@@ -186,6 +196,8 @@ class DuckDBChunkStore(ChunkStore):
         self._views_lock = threading.RLock()  # the main connection's temp views
         self._tables: dict[str, tuple[str, TensorMeta]] = {}
         self._views: dict[str, str] = {}  # tensor name -> chunk table its temp views read
+        self._missing: dict[str, str] = {}  # tensor name -> its chunk table, gone (damaged)
+        self._unviewable: dict[str, str] = {}  # tensor name -> why DuckDB refused its views
         # versions pinned by runs: a chunk table replaced or dropped while pinned is kept
         # (retired) until its last pin goes, then dropped by the next writer
         self._pins_lock = threading.Lock()
@@ -313,17 +325,48 @@ be used (open it again with tq.connect)
         for (view,) in rows:
             self.connection.execute(f"DROP VIEW IF EXISTS {quote_ident(view)}")
 
-    def _publish_views(self, meta: TensorMeta, table: str) -> None:
-        """The views of a tensor just committed. They are temp views of the main connection:
-        made there at once on the main thread; a streamed write runs on a writer thread while
-        the main connection may be busy, so its views wait for :meth:`sync_views` (run before
-        each SQL script and backend query)."""
-        if threading.current_thread() is threading.main_thread():
-            with self._views_lock:
-                self._create_views(self.connection, meta, self._ref(table))
-                self._views[meta.name] = table
-        else:
-            self._views.pop(meta.name, None)
+    def _commit_with_views(self, con: duckdb.DuckDBPyConnection,
+                           staged: list[tuple[TensorMeta, str]],
+                           olds: dict[str, tuple[str, TensorMeta] | None]) -> None:
+        """Publish the views of the tensors ``staged`` (each with its new chunk table) and
+        commit ``con``'s transaction, which holds their catalog rows; ``olds`` are the
+        entries they replace. The views are temp views of the main connection: made there on
+        the main thread, before the commit, under the views' lock until it is done; if DuckDB
+        refuses one or the commit fails, the views made are undone (a replaced tensor's put
+        back) and the error raised for the caller to roll back. A streamed write runs on a
+        writer thread while the main connection may be busy: its views wait for
+        :meth:`sync_views` (run before each SQL script and backend query)."""
+        if threading.current_thread() is not threading.main_thread():
+            for meta, _ in staged:
+                self._views.pop(meta.name, None)
+            con.execute("COMMIT")
+            return
+        with self._views_lock:
+            made: list[tuple[str, str | None]] = []  # name, the table its views read before
+            try:
+                for meta, table in staged:
+                    made.append((meta.name, self._views.get(meta.name)))
+                    self._create_views(self.connection, meta, self._ref(table))
+                    self._views[meta.name] = table
+                con.execute("COMMIT")
+            except BaseException:
+                for name, before in reversed(made):
+                    self._restore_views(name, before, olds.get(name))
+                raise
+
+    def _restore_views(self, name: str, before: str | None,
+                       old: tuple[str, TensorMeta] | None) -> None:
+        """Put back tensor ``name``'s views as they were before a write that failed: over
+        chunk table ``before`` (its stored version ``old``), or none."""
+        if before is not None and old is not None and old[0] == before:
+            try:
+                self._create_views(self.connection, old[1], self._ref(before),
+                                   paged=self._is_paged(before))
+                self._views[name] = before
+                return
+            except duckdb.Error:
+                pass
+        self._drop_own_views(name)
 
     def in_sql_transaction(self) -> bool:
         """Whether a transaction the user began with SQL (``BEGIN``) is open on the main
@@ -347,36 +390,101 @@ be used (open it again with tq.connect)
 
     def sync_views(self) -> None:
         """Create (or drop) this connection's temp views so they match the catalog, which
-        another process or a writer thread may have changed."""
+        another process or a writer thread may have changed. Each tensor's views are made on
+        their own: a tensor whose chunk table is missing from the file (damaged) gets none and
+        is recorded in :meth:`broken_tensors` (reading it raises StorageError naming the
+        table; ``drop`` removes it), and one whose views DuckDB refuses (a temp table of
+        that name) is recorded too, without failing the sync of the others. A failure of
+        the sync as a whole is a StorageError (an aborted SQL transaction's is an
+        :class:`AbortedTransactionError`, which its callers answer as DuckDB's)."""
         with self._views_lock:
+            failed_before: dict[str, tuple[str, str]] | None = None
             for attempt in range(_RACE_RETRIES + 1):
                 try:
-                    return self._sync_views_once()
-                except duckdb.CatalogException:
-                    # a writer thread committed a replace or drop and dropped the old chunk
-                    # table between the catalog read and a view over it: read it again
-                    if attempt == _RACE_RETRIES:
-                        raise
+                    failed = self._sync_views_once()
+                except duckdb.TransactionException as err:
+                    raise AbortedTransactionError(str(err)) from err
+                except duckdb.Error as err:
+                    where = repr(self.path) if self.path is not None else "in memory"
+                    raise StorageError(f"cannot read the tensor catalog of the database "
+                                       f"{where}: {str(err).splitlines()[0]}") from err
+                # a view refused because a writer thread committed a replace or drop and
+                # dropped the old chunk table between the catalog read and the view: read
+                # the catalog again; the same refusal twice over is no race
+                if not failed or failed == failed_before or attempt == _RACE_RETRIES:
+                    self._unviewable = {name: why for name, (_, why) in failed.items()}
+                    return
+                failed_before = failed
 
-    def _sync_views_once(self) -> None:
-        """One pass of :meth:`sync_views` (the caller holds the views' lock)."""
+    def broken_tensors(self) -> dict[str, str]:
+        """Tensors of the catalog this connection has no views of, after the last
+        :meth:`sync_views`: each with why (its chunk table missing from a damaged file, or
+        its views refused by DuckDB). They stay listed by :meth:`names`; reading one whose
+        table is missing raises StorageError, and :meth:`drop` removes it."""
+        with self._views_lock:
+            missing = {name: f"its chunk table {self.schema}.{table} is missing"
+                       for name, table in self._missing.items()}
+            return {**self._unviewable, **missing}
+
+    def _sync_views_once(self) -> dict[str, tuple[str, str]]:
+        """One pass of :meth:`sync_views` (the caller holds the views' lock): the tensors
+        whose views DuckDB refused, each with its chunk table and the reason."""
         page_bytes = "page_bytes" if self._paged_catalog else "0"
+        # the catalog rows and whether each chunk table exists, from one snapshot
         rows = self.connection.execute(
-            f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
-            f"FROM {self._catalog}").fetchall()
+            f"SELECT c.name, c.chunk_table, c.dtype, c.shape, c.tile, {page_bytes}, "
+            f"t.table_name IS NOT NULL FROM {self._catalog} c LEFT JOIN {_TABLES} t "
+            "ON t.table_name = c.chunk_table", [self.database, self.schema]).fetchall()
         current = {row[0]: row for row in rows}
         for name in [n for n in self._views if n not in current]:
             self._drop_views(self.connection, name)
-        for name, table, dtype, shape, tile, paged in current.values():
+        self._missing = {row[0]: row[1] for row in rows if not row[6]}
+        failed: dict[str, tuple[str, str]] = {}
+        for name, table, dtype, shape, tile, paged, exists in current.values():
+            if not exists:  # a damaged file: no views over a table that is gone
+                if name in self._views:
+                    self._drop_views(self.connection, name)
+                continue
             if self._views.get(name) == table:
                 continue
             if not paged:
                 self._unpaged_tables.add(table)
             grid = ChunkGrid(tuple(shape), tuple(tile))
-            self._create_views(self.connection,
-                               TensorMeta(name=name, shape=grid.shape, dtype=dtype,
-                                          grid=grid), self._ref(table), paged=bool(paged))
+            try:
+                self._create_views(self.connection,
+                                   TensorMeta(name=name, shape=grid.shape, dtype=dtype,
+                                              grid=grid), self._ref(table), paged=bool(paged))
+            except duckdb.TransactionException:
+                raise
+            except duckdb.Error as err:
+                self._drop_own_views(name)
+                failed[name] = (table, f"its views could not be made: "
+                                       f"{str(err).splitlines()[0]}")
+                continue
             self._views[name] = table
+        return failed
+
+    def _drop_own_views(self, name: str) -> None:
+        """After DuckDB refused tensor ``name``'s views: drop what of them was made (a view
+        of that name; DuckDB refuses to drop a user's table as a view)."""
+        for view in (name, name + CHUNK_VIEW_SUFFIX):
+            try:
+                self.connection.execute(f"DROP VIEW IF EXISTS temp.main.{quote_ident(view)}")
+            except duckdb.Error:
+                pass
+        self._views.pop(name, None)
+
+    def _missing_table_error(self, name: str, table: str) -> StorageError:
+        return StorageError(
+            f"tensor {name!r} cannot be read: its chunk table {self.schema}.{table} is missing "
+            "from the database (the file is damaged); drop the tensor (db.drop("
+            f"{name!r})) or store it again")
+
+    def _table_exists(self, table: str) -> bool:
+        rows = self._cursor().execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND schema_name = ? "
+            "AND table_name = ?", [self.database, self.schema, table]).fetchall()
+        return rows[0][0] > 0
 
     def chunk_pages_sql(self, name: str, version: StoredVersion | None = None) -> str | None:
         """The page rows ``k0.., page, payload`` that tensor ``name``'s chunk view joins (an
@@ -384,6 +492,8 @@ be used (open it again with tq.connect)
         readers that take a chunk's pages as they are stored (the DuckDB backend's kernels);
         None when this connection has no view of ``name``. With ``version`` (pinned by
         :meth:`pin`), the pages of that version, whatever the view shows now."""
+        if version is None and name in self._missing:
+            raise self._missing_table_error(name, self._missing[name])
         table = version.handle if version is not None else self._views.get(name)
         if table is None:
             return None
@@ -492,9 +602,10 @@ be used (open it again with tq.connect)
                     self._stage(con, meta, chunks, table)
                 con.execute("BEGIN TRANSACTION")
                 replaced: list[str] = []
+                olds: dict[str, tuple[str, TensorMeta] | None] = {}
                 try:
                     for meta, table in staged:
-                        old = self._lookup(meta.name)
+                        old = olds[meta.name] = self._lookup(meta.name)
                         if old is not None:
                             if not replace:
                                 raise StorageError(
@@ -506,13 +617,13 @@ be used (open it again with tq.connect)
                             "tile, nbytes, page_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                             [meta.name, table, meta.dtype, list(meta.shape),
                              list(meta.grid.tile), meta.nbytes, PAGE_BYTES])
-                    con.execute("COMMIT")
+                    # the views before the commit: a view DuckDB refuses rolls the catalog
+                    # rows back (held locked until the commit, so no sync sees them early)
+                    self._commit_with_views(con, staged, olds)
                 except BaseException:
                     _rollback(con)
                     raise
                 self._release_tables(con, names, replaced)
-                for meta, table in staged:
-                    self._publish_views(meta, table)
             except BaseException as err:
                 if not self._committed(staged):
                     for _, table in staged:
@@ -547,21 +658,52 @@ be used (open it again with tq.connect)
             if name.lower() + CHUNK_VIEW_SUFFIX == other.lower():
                 raise StorageError(f"tensor name {name!r} would name its chunk view {other!r}, "
                                    "the name of a stored tensor; pick another name")
-        for suffix in ("", "__chunks"):
-            rows = (con or self.connection).execute(  # a writer's own connection: the
-                # main one may be running the query whose result is being stored
-                "SELECT table_name FROM duckdb_tables() WHERE database_name IN "
-                "(current_database(), 'temp') AND lower(table_name) = lower(?) UNION ALL "
-                "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name IN "
-                "(current_database(), 'temp') AND lower(view_name) = lower(?) AND view_name "
-                "NOT IN "
-                f"(SELECT name FROM {self._catalog} UNION ALL "
-                f" SELECT name || '__chunks' FROM {self._catalog})",
-                [name + suffix, name + suffix]).fetchall()
+        for suffix in ("", CHUNK_VIEW_SUFFIX):
+            # a writer's own connection: the main one may be running the query whose result
+            # is being stored; it sees the file's tables and views, not the main connection's
+            # temp ones, where the views go: asked there too, when it may be used now
+            rows = self._clashes(con or self.connection, name + suffix,
+                                 "(current_database(), 'temp')")
+            if not rows and con is not None:
+                rows = self._main_temp_clashes(name + suffix)
             if rows:
                 raise StorageError(f"tensor name {name!r} clashes with the DuckDB table or view "
                                    f"{rows[0][0]!r} (names are case-insensitive); pick "
                                    "another name or drop that table")
+
+    def check_name(self, name: str) -> None:
+        """StorageError when tensor ``name``'s views would clash with a table or view (the
+        main connection's temp ones included) or another tensor's name; nothing is written.
+        A streamed write's writer thread cannot always ask the main connection (its query
+        may be running there): a caller about to start one asks here first, on its thread."""
+        with self._views_lock, self.cursor() as con:
+            self._check_name_free(name, con)
+
+    def _clashes(self, con: duckdb.DuckDBPyConnection, name: str, databases: str) -> list:
+        """Tables and views (not a tensor's own views) named ``name`` in any case, that
+        ``con`` sees in ``databases`` (an SQL list of database names)."""
+        return con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name IN "
+            f"{databases} AND lower(table_name) = lower(?) UNION ALL "
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal AND database_name IN "
+            f"{databases} AND lower(view_name) = lower(?) AND view_name NOT IN "
+            f"(SELECT name FROM {self._catalog} UNION ALL "
+            f" SELECT name || '{CHUNK_VIEW_SUFFIX}' FROM {self._catalog})",
+            [name, name]).fetchall()
+
+    def _main_temp_clashes(self, name: str) -> list:
+        """:meth:`_clashes` among the main connection's temp tables and views (a user's
+        ``CREATE TEMP TABLE``), which a cursor does not see. Asked on the main thread (which
+        makes the views) and by a writer thread when no other thread is using the main
+        connection; a writer thread that cannot ask leaves the views to :meth:`sync_views`,
+        which records a tensor whose views DuckDB refuses (:meth:`broken_tensors`)."""
+        on_main = threading.current_thread() is threading.main_thread()
+        if not self._views_lock.acquire(blocking=on_main):
+            return []
+        try:
+            return self._clashes(self.connection, name, "('temp')")
+        finally:
+            self._views_lock.release()
 
     def _stage(self, con, meta: TensorMeta, chunks, table: str) -> None:
         """Write every chunk into ``table``, a new chunk table nothing references yet."""
@@ -647,6 +789,8 @@ be used (open it again with tq.connect)
                     f"FROM {source}{group}")
 
     def _drop_views(self, con, name: str) -> None:
+        self._missing.pop(name, None)  # (a dropped tensor is broken no more)
+        self._unviewable.pop(name, None)
         for view in (name, name + "__chunks"):
             con.execute(f"DROP VIEW IF EXISTS temp.main.{quote_ident(view)}")
         self._views.pop(name, None)
@@ -717,6 +861,8 @@ be used (open it again with tq.connect)
         self._tables.pop(name, None)
         entry = self._entry(name)  # UnknownTensorError if it was dropped meanwhile
         if entry[0] == table:
+            if not self._table_exists(table):  # a damaged file: the catalog names a table
+                raise self._missing_table_error(name, table) from err  # that is gone
             raise err
         return entry
 
@@ -752,15 +898,19 @@ be used (open it again with tq.connect)
         """The current version of each of ``names``, from the catalog in one query."""
         page_bytes = "page_bytes" if self._paged_catalog else "0"
         rows = self._cursor().execute(
-            f"SELECT name, chunk_table, dtype, shape, tile, {page_bytes} "
-            f"FROM {self._catalog} WHERE list_contains(?, name)", [names]).fetchall()
+            f"SELECT c.name, c.chunk_table, c.dtype, c.shape, c.tile, {page_bytes}, "
+            f"t.table_name IS NOT NULL FROM {self._catalog} c LEFT JOIN {_TABLES} t "
+            "ON t.table_name = c.chunk_table WHERE list_contains(?, c.name)",
+            [self.database, self.schema, names]).fetchall()
         found = {row[0]: row[1:] for row in rows}
         missing = [name for name in names if name not in found]
         if missing:
             raise UnknownTensorError(missing[0], self.names())
         versions = {}
         for name in names:
-            table, dtype, shape, tile, paged = found[name]
+            table, dtype, shape, tile, paged, exists = found[name]
+            if not exists:  # a damaged file: the catalog names a chunk table that is gone
+                raise self._missing_table_error(name, table)
             if not paged:
                 self._unpaged_tables.add(table)
             grid = ChunkGrid(tuple(shape), tuple(tile))
@@ -815,7 +965,7 @@ be used (open it again with tq.connect)
         cached = self.cache.get((table, key))
         if cached is not None:
             return cached
-        return self._chunk_of(meta, table, key, self._read_pages(table, key))
+        return self._chunk_of(meta, table, key, self._read_pages_at(meta.name, table, key))
 
     def cached_chunks_at(self, version: StoredVersion, keys: Iterable[Key]
                          ) -> dict[Key, torch.Tensor] | None:
@@ -872,6 +1022,16 @@ be used (open it again with tq.connect)
             f"SELECT {page}, payload FROM {self._ref(table)} WHERE {where}", params=list(key)
         ).to_arrow_table()
 
+    def _read_pages_at(self, name: str, table: str, key: Key) -> pa.Table:
+        """:meth:`_read_pages` of a pinned version of tensor ``name``: a chunk table missing
+        from a damaged file is a StorageError naming the tensor and the table."""
+        try:
+            return self._read_pages(table, key)
+        except duckdb.CatalogException as err:
+            if not self._table_exists(table):
+                raise self._missing_table_error(name, table) from err
+            raise
+
     def read_region_at(self, version: StoredVersion, lo: Sequence[int],
                        hi: Sequence[int]) -> torch.Tensor:
         """As :meth:`ChunkStore.read_region_at`, with the chunk cache holding what the plan
@@ -901,8 +1061,8 @@ be used (open it again with tq.connect)
             key = grid.check_key(key)
             chunk = self.cache.get((table, key))
             if chunk is None:
-                chunk = self._chunk_of(meta, table, key, self._read_pages(table, key),
-                                       cache=False)
+                chunk = self._chunk_of(meta, table, key,
+                                       self._read_pages_at(meta.name, table, key), cache=False)
             if region is None:
                 region = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=chunk.dtype)
             src, dst = region_slices(grid, key, lo, hi)
