@@ -39,6 +39,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -110,7 +111,45 @@ class CompiledPlan(Protocol):
 __all__ = ["ChunkArena", "CompiledPlan", "SQLPlan", "explain_compiled", "pinned_scans",
            "run_compiled"]
 
-_IDS = itertools.count()
+class _PlanIds:
+    """The numbers in the names of the functions and tables an :class:`SQLPlan` registers
+    (``tq_load_<n>_<k>``): the smallest number no live plan holds, so that the same query
+    built again (a second EXPLAIN) gets the same names, while two plans alive at once (runs
+    on several threads, a plan kept by its caller) never share one. A plan holds its number
+    until :meth:`SQLPlan.release` (the run and EXPLAIN functions call it when done) or until
+    it is garbage collected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+
+    def lease(self) -> _PlanId:
+        with self._lock:
+            n = 0
+            while n in self._held:
+                n += 1
+            self._held.add(n)
+        return _PlanId(n, self)
+
+    def free(self, n: int) -> None:
+        with self._lock:
+            self._held.discard(n)
+
+
+class _PlanId:
+    """One plan's number, given back once (:meth:`release`; a second call does nothing)."""
+
+    def __init__(self, value: int, pool: _PlanIds) -> None:
+        self.value = value
+        self._pool: _PlanIds | None = pool
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.free(self.value)
+
+
+_IDS = _PlanIds()
 
 #: in-memory scans (constant or cached chunks) of up to this many chunks are inlined in the
 #: query as ``VALUES``; bigger ones are registered Arrow tables (registering one costs ~0.5
@@ -326,6 +365,8 @@ class SQLPlan:
     #: a scan reads a tensor's chunk view (a temp view of the connection, made by the
     #: store's ``sync_views``) rather than a pinned version's pages
     reads_views: bool = False
+    #: the number in the names of its functions and tables, held while the plan may run
+    lease: _PlanId | None = field(default=None, hash=False, compare=False, repr=False)
 
     @classmethod
     def build(cls, root: LogicalNode, store: ChunkStore | None,
@@ -334,7 +375,8 @@ class SQLPlan:
         a run pinned: :func:`pinned_scans`), its scans read those versions, from the store's
         chunk cache where it holds all of a tensor's chunks; without, the tables the store's
         views show now, never from the cache."""
-        builder = _Builder(store, next(_IDS), versions)
+        lease = _IDS.lease()
+        builder = _Builder(store, lease.value, versions)
         builder.root = id(root)
         names: dict[int, str] = {}
         ctes = []
@@ -361,9 +403,17 @@ class SQLPlan:
             f"{q(n)} AS {'MATERIALIZED ' if readers[n] > 1 else ''}(\n  {body}\n)"
             for n, body, what in ctes)
         sql = f"WITH {with_sql}\nSELECT {keys}\"chunk\" FROM {q(ctes[-1][0])}"
-        return cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
+        plan = cls(root=root, sql=sql, udfs=tuple(builder.udfs), tables=builder.tables,
                    steps=tuple((n, what) for n, _, what in ctes), constants=builder.constants,
-                   loads=builder.loads, reads_views=builder.reads_views)
+                   loads=builder.loads, reads_views=builder.reads_views, lease=lease)
+        weakref.finalize(plan, lease.release)  # a plan nobody releases gives it back when
+        return plan  # collected
+
+    def release(self) -> None:
+        """Give the number in the plan's function and table names back for the next plan
+        built (call it when the plan will not run again; its names may then be reused)."""
+        if self.lease is not None:
+            self.lease.release()
 
     def keep_loaded(self, arena: ChunkArena, store: ChunkStore | None) -> int:
         """Put the chunks ``arena``'s run loaded from its pinned versions into ``store``'s
@@ -1076,10 +1126,13 @@ def run_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | None =
     store = compiled.db.chunk_store
     with pinned_scans(compiled.logical, store) as versions:
         plan = SQLPlan.build(compiled.logical, store, versions)
-        arena = _session_arena(plan, compiled, dense)
-        with _query_connection(compiled, con, plan) as query_con:
-            chunks, wall = plan.run(query_con, arena)
-        plan.keep_loaded(arena, store)
+        try:
+            arena = _session_arena(plan, compiled, dense)
+            with _query_connection(compiled, con, plan) as query_con:
+                chunks, wall = plan.run(query_con, arena)
+            plan.keep_loaded(arena, store)
+        finally:
+            plan.release()  # its functions are unregistered: the next plan may take the names
     rel = compiled.logical.relation
     missing = [k for k in rel.grid.keys() if k not in chunks]
     if missing:
@@ -1107,6 +1160,7 @@ def explain_compiled(compiled: CompiledPlan, con: duckdb.DuckDBPyConnection | No
             _sync_views(compiled)
             versions = None
         plan = SQLPlan.build(compiled.logical, store, versions)
+        stack.callback(plan.release)  # the same names in the next EXPLAIN of the query
         node = compiled.node
         shape = "x".join(map(str, node.shape)) or "scalar"
         lines = [f"{'EXPLAIN ANALYZE' if analyze else 'EXPLAIN'} {node.describe()} -> {shape} "

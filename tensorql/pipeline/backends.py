@@ -4,11 +4,14 @@ and ``duckdb`` (the plan as one SQL query inside DuckDB), each declaring what it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from tensorql.dtypes import itemsize
 from tensorql.einsum.graph import Node
 from tensorql.errors import OptionError, UnsupportedError
+from tensorql.exec.engine import EngineConfig, choose_strategy
 from tensorql.exec.run_types import ProgressCallback
 from tensorql.exec.timeline import write_trace
 from tensorql.logical.lower import contraction_paths
@@ -93,11 +96,33 @@ class NativeBackend:
                               timeline=trace is not None)
             if trace is not None:
                 write_trace(trace, result.stats, {s.id: s.name for s in query.physical.steps})
+        else:
+            check_memory_plan(query, dense=values)
         title = f"EXPLAIN{' ANALYZE' if analyze else ''} {query.title}"
         text = render_plan(query.physical, result.stats if result else None, title=title)
         if query.partition is not None:
             text += "\n" + query.partition.explain()
         return _with_paths(text, query.node), result
+
+
+def check_memory_plan(query: CompiledQuery, dense: bool = True) -> None:
+    """Raise the PlanError a run of ``query`` would raise when its memory plan is infeasible
+    (a ``memory_limit`` too small for a task's chunks), so that EXPLAIN fails where the run
+    fails. A local run the engine schedules with the memory plan (the streams strategy: a
+    memory limit, several devices, a GPU) makes that plan here, as a ``dense`` run would
+    (the runtime caches it on the task graph, so the run then reuses it); a run with nothing
+    to budget, or a torch.distributed rank's, plans nothing here."""
+    options = query.db.options
+    if options.distributed:
+        return
+    physical = query.physical
+    dense_bytes = (sum(math.prod(s.relation.shape) * itemsize(s.relation.dtype)
+                       for s in physical.output_steps) if dense else 0)
+    config = EngineConfig.of(options, spill=session_spill(query.db, options),
+                             dense_bytes=dense_bytes)
+    graph = physical.task_graph()
+    if choose_strategy(graph, config) == "streams":
+        config.build_runtime().plan(graph)
 
 
 def _with_paths(text: str, node: Node) -> str:

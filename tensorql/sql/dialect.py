@@ -22,6 +22,7 @@ that statements without EINSUM go to DuckDB verbatim and errors point into the s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -212,7 +213,10 @@ class Statement:
     ``expression`` is None and DuckDB runs ``text`` as written (``explain``: it is an
     EXPLAIN, whose plan comes back as text; ``created``: the name -- its parts, qualifiers
     first -- and offset of the table or view a ``CREATE`` makes or an ``ALTER ... RENAME TO``
-    renames to; ``altered``: those a ``DROP`` or ``ALTER`` of a table or view names).
+    renames to; ``altered``: those a ``DROP`` or ``ALTER`` of a table or view names; all of
+    these seen through an ``EXPLAIN [ANALYZE]`` head, which runs the statement under ANALYZE).
+    ``transaction`` and ``written`` (see :func:`_transaction`, :func:`_written`) are found
+    for every statement, parsed or not, from its tokens -- comments are none.
 
     >>> s = parse_script("SELECT 1;  SELECT 2")[1]
     >>> s.text, s.offset
@@ -226,6 +230,8 @@ class Statement:
     explain: bool = False
     created: tuple[tuple[str, ...], int] | None = None
     altered: tuple[tuple[tuple[str, ...], int], ...] = ()
+    transaction: str | None = None  # "begin" (BEGIN, START TRANSACTION) or "end" (COMMIT, ...)
+    written: tuple[tuple[tuple[str, ...], int], ...] = ()  # see _written
 
 
 _MISSING = re.compile(r"Required keyword: '(\w+)' missing for <class '[\w.]*\.(\w+)'>")
@@ -482,6 +488,146 @@ def _altered(tokens: list[Token]) -> tuple[tuple[tuple[str, ...], int], ...]:
     return tuple(names)
 
 
+def _explained(tokens: list[Token]) -> list[Token]:
+    """The tokens of what DuckDB runs: under ``EXPLAIN ANALYZE`` or ``EXPLAIN (..., ANALYZE)``
+    the statement explained (it runs, its DDL included, so the guards on names look at it as
+    at the statement itself); under a plain ``EXPLAIN``, which only plans, none.
+
+    >>> [t.text for t in _explained(TensorQL().tokenize("EXPLAIN (ANALYZE) DROP VIEW a"))]
+    ['DROP', 'VIEW', 'a']
+    >>> _explained(TensorQL().tokenize("EXPLAIN DROP VIEW a"))
+    []
+    """
+    if not tokens or not _is_text(tokens[0], "EXPLAIN"):
+        return tokens
+    if len(tokens) > 1 and tokens[1].token_type == TokenType.ANALYZE:
+        return tokens[2:]
+    if len(tokens) > 1 and tokens[1].token_type == TokenType.L_PAREN:
+        after = _after_parens(tokens, 1)
+        if any(tok.token_type == TokenType.ANALYZE for tok in tokens[2:after - 1]):
+            return tokens[after:]
+    return []
+
+
+def _after_parens(tokens: list[Token], k: int) -> int:
+    """The index of the token after the parenthesised group that opens at token ``k``."""
+    depth = 0
+    while k < len(tokens):
+        depth += {TokenType.L_PAREN: 1, TokenType.R_PAREN: -1}.get(tokens[k].token_type, 0)
+        k += 1
+        if depth == 0:
+            break
+    return k
+
+
+def _transaction(tokens: list[Token]) -> str | None:
+    """``"begin"`` for a statement that opens a transaction (``BEGIN``, ``START
+    TRANSACTION``), ``"end"`` for one that ends it (``COMMIT``, ``ROLLBACK``, ``ABORT``,
+    ``END``), else None; read from the tokens, so a comment before the keyword is no part.
+
+    >>> [_transaction(TensorQL().tokenize(s)) for s in ("-- x\\nBEGIN", "start transaction",
+    ...                                                  "/* y */ ROLLBACK", '"BEGIN"')]
+    ['begin', 'begin', 'end', None]
+    """
+    first = tokens[0] if tokens else None
+    if _is_text(first, "BEGIN") or (_is_text(first, "START") and len(tokens) > 1
+                                    and _is_text(tokens[1], "TRANSACTION")):
+        return "begin"
+    if _is_text(first, "COMMIT", "ROLLBACK", "ABORT", "END"):
+        return "end"
+    return None
+
+
+_OBJECT_KINDS = ("TABLE", "VIEW", "SCHEMA", "INDEX", "SEQUENCE", "MACRO", "FUNCTION", "TYPE")
+_CREATE_WORDS = ("OR", "REPLACE", "TEMP", "TEMPORARY", "UNIQUE", "PERSISTENT")
+
+
+def _written(tokens: list[Token]) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """The names (their parts, qualifiers first) and offsets of what a statement writes or
+    changes: the table of ``INSERT INTO`` / ``UPDATE`` / ``DELETE FROM`` (after an optional
+    ``WITH``) / ``TRUNCATE`` / ``COPY t FROM``, the object a ``CREATE``, ``DROP`` or
+    ``ALTER`` names (a schema -- ``DROP SCHEMA s`` -- as its parts then ``"*"``: all in
+    ``s``), the table a ``CREATE INDEX ... ON`` indexes. Tables a statement only reads are
+    not among them.
+
+    >>> _written(TensorQL().tokenize("WITH c AS (SELECT 1) DELETE FROM s.t"))
+    ((('s', 't'), 35),)
+    >>> _written(TensorQL().tokenize("INSERT OR REPLACE INTO t SELECT * FROM s.u"))
+    ((('t',), 23),)
+    >>> _written(TensorQL().tokenize("CREATE TABLE x AS SELECT * FROM s.u"))
+    ((('x',), 13),)
+    >>> _written(TensorQL().tokenize("DROP TABLE IF EXISTS a, s.b CASCADE"))
+    ((('a',), 21), (('s', 'b'), 26))
+    >>> _written(TensorQL().tokenize("DROP SCHEMA IF EXISTS db.s CASCADE"))
+    ((('db', 's', '*'), 25),)
+    >>> _written(TensorQL().tokenize("COPY s.t FROM 'f.csv'")), _written(
+    ...     TensorQL().tokenize("COPY s.t TO 'f.csv'"))
+    (((('s', 't'), 7),), ())
+    """
+    n, k = len(tokens), 0
+    if n and tokens[0].token_type == TokenType.WITH:  # on to the statement after the CTEs
+        depth = 0
+        while k < n and (depth or tokens[k].token_type not in (
+                TokenType.INSERT, TokenType.UPDATE, TokenType.DELETE, TokenType.SELECT)):
+            depth += {TokenType.L_PAREN: 1,
+                      TokenType.R_PAREN: -1}.get(tokens[k].token_type, 0)
+            k += 1
+
+    def at(i: int, *words: str) -> bool:
+        return i < n and _is_text(tokens[i], *words)
+
+    kind = tokens[k].text.upper() if at(k, "DELETE", "UPDATE", "TRUNCATE", "INSERT", "COPY",
+                                        "CREATE", "DROP", "ALTER") else ""
+    if kind == "DELETE" and at(k + 1, "FROM"):
+        k += 2
+    elif kind == "UPDATE":
+        k += 1
+    elif kind == "TRUNCATE":
+        k += 2 if at(k + 1, "TABLE") else 1
+    elif kind == "INSERT":
+        k += 3 if at(k + 1, "OR") else 1
+        if not at(k, "INTO"):
+            return ()
+        k += 1
+    elif kind == "COPY":
+        if k + 1 >= n or tokens[k + 1].token_type == TokenType.L_PAREN:
+            return ()  # COPY (query) TO ...: it reads
+        parts, start, after = _qualified_name(tokens, k + 1)
+        if after < n and tokens[after].token_type == TokenType.L_PAREN:  # a column list
+            after = _after_parens(tokens, after)
+        return ((parts, start),) if at(after, "FROM") else ()
+    elif kind in ("CREATE", "DROP", "ALTER"):
+        k += 1
+        while k < n and not at(k, *_OBJECT_KINDS):  # OR REPLACE, TEMP, UNIQUE
+            if not at(k, *_CREATE_WORDS):
+                return ()
+            k += 1
+        if k >= n:
+            return ()
+        index, schema = at(k, "INDEX"), at(k, "SCHEMA")
+        k += 1
+        if at(k, "IF") and at(k + 1, "EXISTS"):
+            k += 2
+        elif at(k, "IF") and at(k + 1, "NOT") and at(k + 2, "EXISTS"):
+            k += 3
+        if index and kind == "CREATE":  # CREATE INDEX [name] ON table
+            while k < n and not at(k, "ON"):
+                k += 1
+            k += 1
+    else:
+        return ()
+    if kind not in ("CREATE", "DROP", "ALTER"):
+        schema = False
+    names = []
+    while k < n and tokens[k].token_type not in (TokenType.L_PAREN, TokenType.COMMA):
+        parts, start, k = _qualified_name(tokens, k)
+        names.append(((*parts, "*") if schema else parts, start))
+        if kind != "DROP" or k >= n or tokens[k].token_type != TokenType.COMMA:
+            break
+        k += 1
+    return tuple(names)
+
+
 def split_script(script: str) -> list[Statement]:
     """The statements of ``script``, parsed only where tensorql has work: a statement with
     EINSUM or tensorql DDL is parsed (sqlglot, within the nesting limits); any other keeps
@@ -502,20 +648,24 @@ def split_script(script: str) -> list[Statement]:
         if "EINSUM" in upper or "TENSOR" in upper:
             raise ParseError(f"SQL syntax error: {err}", text=script, position=0) from None
         text = script.strip()
-        return [Statement(None, text, script.index(text), script)] if text else []
+        # DuckDB runs it whole: any BEGIN in it may open a transaction (asked about later)
+        begins = re.search(r"\b(BEGIN|START\s+TRANSACTION)\b", text, re.I) is not None
+        return [Statement(None, text, script.index(text), script,
+                          transaction="begin" if begins else None)] if text else []
     statements = []
     for text, offset, mine in _pieces(script, tokens):
         if not mine:  # only comments
             continue
         tensorql, explain = _needs_tensorql(mine)
+        body = _explained(mine)  # what runs: EXPLAIN ANALYZE runs its statement
+        found = {"created": _created(body) or _renamed(body), "altered": _altered(body),
+                 "transaction": _transaction(mine), "written": _written(body)}
         if not tensorql:
-            statements.append(Statement(None, text, offset, script, explain=explain,
-                                        created=_created(mine) or _renamed(mine),
-                                        altered=_altered(mine)))
+            statements.append(Statement(None, text, offset, script, explain=explain, **found))
             continue
         _check_nesting(mine, script)
         _check_empty_arguments(mine, script)
-        statements.append(_parse_one(script, text, offset))
+        statements.append(dataclasses.replace(_parse_one(script, text, offset), **found))
     return statements
 
 

@@ -19,6 +19,7 @@ engine: its result is the dense tensor.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -28,9 +29,16 @@ import pyarrow as pa
 import sqlglot
 import torch
 from sqlglot import exp
+from sqlglot.tokens import TokenType
 
 from tensorql.dtypes import torch_dtype
-from tensorql.errors import MemoryLimitError, OptionError, ParseError, TensorQLError
+from tensorql.errors import (
+    MemoryLimitError,
+    OptionError,
+    ParseError,
+    StorageError,
+    TensorQLError,
+)
 from tensorql.pipeline import CompiledQuery
 from tensorql.pipeline.run import check_dense_fits
 from tensorql.sql.arrow_fixes import arrow_of
@@ -44,7 +52,7 @@ from tensorql.sql.dialect import (
     position_of,
     split_script,
 )
-from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError, located
+from tensorql.sql.errors import SQLExecutionError, SQLUnknownTensorError, _Located, located
 from tensorql.sql.operands import EinsumCall, OperandResolver, RelationalEinsum
 from tensorql.sql.parameters import bind_parameters
 from tensorql.sql.result import DenseForm, SQLResult
@@ -57,7 +65,8 @@ from tensorql.sql.rewriting import (
     with_ctes,
 )
 from tensorql.sql.streaming import chunk_rows
-from tensorql.storage.duckdb_store import interrupts_as_python
+from tensorql.storage.duckdb_store import INTERNAL_SCHEMA, interrupts_as_python
+from tensorql.storage.spill import SPILL_PREFIX
 from tensorql.storage.sql_text import quote_ident
 
 __all__ = ["ScriptRunner", "explain_each", "explain_graphs"]
@@ -67,11 +76,6 @@ SQL_ADVICE = ("store it as a tensor (CREATE TENSOR t AS SELECT * FROM EINSUM(...
               "rows then stream through DuckDB chunk by chunk")
 
 _EXPLAIN_HEAD = re.compile(r"^\s*EXPLAIN\s+(ANALYZE\s+)?", re.I)  # before what DuckDB runs
-
-
-# statements that end a transaction: they run even when an error aborted it
-_BEGINS_TRANSACTION = re.compile(r"\s*(BEGIN|START\s+TRANSACTION)\b", re.IGNORECASE)
-_ENDS_TRANSACTION = re.compile(r"\s*(ROLLBACK|ABORT|COMMIT|END)\b", re.IGNORECASE)
 
 
 def tensor_view_owner(parts: Sequence[str], tensors: Sequence[str], con: Any) -> str | None:
@@ -166,8 +170,14 @@ class ScriptRunner:
         refuses a connection two threads use at once; scripts from several threads wait
         their turn, as writers do to drop a tensor's views there)."""
         lock = getattr(self.session.chunk_store, "main_connection_lock", None)
+        written = self.script
         with lock if lock is not None else contextlib.nullcontext():
-            return self._run()
+            try:
+                return self._run()
+            except TensorQLError as err:  # parameters were bound into the text: point into
+                if self.script != written:  # the text the caller wrote
+                    _relocate(err, self.script, written)
+                raise
 
     def _run(self) -> SQLResult:
         statements = split_script(self.script)
@@ -186,18 +196,25 @@ class ScriptRunner:
             self.script = self.operands.script = bind_parameters(self.script, self.params)
             self.params = None
             statements = split_script(self.script)
-        if any(_BEGINS_TRANSACTION.match(st.text) for st in statements):
-            self.session.sql_transaction_begun = True  # its writes now ask whether it is open
         try:
             self.session.chunk_store.sync_views()  # another process may have stored tensors
         except duckdb.TransactionException as err:  # an earlier statement aborted the user's
-            if not _ENDS_TRANSACTION.match(statements[0].text):  # transaction: ROLLBACK first
+            if statements[0].transaction != "end":  # transaction: ROLLBACK first (a statement
+                # that ends a transaction runs even when an error aborted it)
                 raise SQLExecutionError(f"DuckDB: {err}; the transaction was aborted by an "
                                         "earlier error: run ROLLBACK", text=self.script,
                                         position=statements[0].offset) from None
+        except duckdb.Error as err:
+            first = str(err).split("\n")[0]
+            raise StorageError("could not bring this session's views of the stored tensors "
+                               f"up to date with their catalog before the script ran: DuckDB: "
+                               f"{first}") from None
         result = SQLResult(text="")
         for st in statements:
             self.statement = st
+            if st.transaction == "begin":  # (a BEGIN's token, comments aside) tensor writes
+                # from here on ask the store whether the transaction is still open
+                self.session.sql_transaction_begun = True
             if self.frames is not None and st.created is not None:  # the catalog wins over
                 self.frames.release(st.created[0][-1])  # a frame from here on, as in DuckDB
             try:
@@ -227,11 +244,9 @@ class ScriptRunner:
 
     def statement_result(self, st: Statement) -> SQLResult:
         e = st.expression
+        self.check_names(st)
         if e is None:  # no EINSUM, no tensorql DDL: DuckDB runs it as written
-            if st.created is not None:
-                self.check_created_name(*st.created)
-            for name, position in st.altered:
-                self.check_altered_name(name, position)
+            self.check_no_opaque_einsum(st)
             result = self.duckdb(st.text, params=self.params)
             if not st.explain:
                 return result
@@ -246,11 +261,26 @@ class ScriptRunner:
             return self.drop_tensor(e)
         self.check_name_free(e)
         if not has_einsum(e):
+            self.check_no_opaque_einsum(st)
             return self.duckdb(st.text, params=self.params)
         self.check_einsum_not_kept(e)
         # queries, and statements around one (CREATE TABLE ... AS, INSERT ... SELECT): the
         # EINSUMs become registered row tables and DuckDB runs the rewritten statement
         return self.query(e, {}, params=self.params)
+
+    def check_no_opaque_einsum(self, st: Statement) -> None:
+        """SQLExecutionError for an EINSUM inside a statement DuckDB would run as written
+        (``PREPARE p AS ...``, ``SHOW ...``: commands sqlglot keeps as opaque text, so no
+        EINSUM in them is computed, and DuckDB knows no EINSUM table function)."""
+        at = _einsum_in_text(st.text) if "EINSUM" in st.text.upper() else None
+        if at is None:
+            return
+        word = st.text.split(None, 1)[0].upper()
+        raise SQLExecutionError(
+            f"EINSUM is not supported inside {word} (DuckDB runs a {word} statement as "
+            "written, and EINSUM is tensorql's): run the query itself with db.sql(query, "
+            "params), which binds ? / $1 / $name parameters, or store the EINSUM first "
+            "(CREATE TENSOR t AS ...) and use t", text=self.script, position=st.offset + at)
 
     def check_einsum_not_kept(self, e: exp.Expr) -> None:
         """SQLExecutionError for an EINSUM in a view's or macro's definition: DuckDB would
@@ -263,6 +293,85 @@ class ScriptRunner:
                         "(its rows live only while the statement runs): store it with "
                         "CREATE TENSOR t AS ... or CREATE TABLE t AS ..., and define the "
                         f"{kind} over that", e.find(Einsum))
+
+    def check_names(self, st: Statement) -> None:
+        """The name guards, before the statement runs (as DuckDB runs it: through an EXPLAIN
+        ANALYZE head too, EINSUM or not): a table or view it creates or renames to may not
+        take a stored tensor's name, one it drops or alters may not be a tensor's view, and
+        nothing it writes may be one of tensorql's own tables (:meth:`check_internal_name`).
+        """
+        if st.created is not None:
+            self.check_created_name(*st.created)
+        for name, position in st.altered:
+            self.check_altered_name(name, position)
+        for name, position in st.written:
+            self.check_internal_name(name, position)
+
+    def check_internal_name(self, parts: tuple[str, ...], position: int | None) -> None:
+        """SQLExecutionError if a statement would write, create, drop or alter (``parts``,
+        qualifiers first; a schema as its parts then ``"*"``) one of the tables tensorql
+        keeps its stored tensors in -- its catalog and chunk tables, in the store's internal
+        schema (:data:`~tensorql.storage.duckdb_store.INTERNAL_SCHEMA`), reached by a
+        qualified name or, unqualified, through ``USE`` / ``search_path`` -- or that schema
+        itself: the tensors would be corrupted (their chunks gone, a catalog row without its
+        table). Reading them stays allowed."""
+        store = self.session.chunk_store
+        schema, database = getattr(store, "schema", None), getattr(store, "database", None)
+        if not isinstance(schema, str) or not parts:
+            return
+        internal = schema.lower() == INTERNAL_SCHEMA  # all in it is tensorql's (else, in a
+        # file from before that schema, its tables sit in main beside the user's own)
+        lowered = [p.lower() for p in parts]
+        qualifier, name = lowered[:-1], lowered[-1]
+        if name == "*":  # a schema: DROP / ALTER / CREATE SCHEMA
+            if not internal or not qualifier or qualifier[-1] != schema.lower() \
+                    or (len(qualifier) > 1 and qualifier[-2] != str(database).lower()):
+                return
+            raise SQLExecutionError(f"{parts[-2]!r} is tensorql's own schema {schema!r} (the "
+                                    "stored tensors' catalog and chunk tables): SQL may read "
+                                    "its tables but not drop or change the schema; change "
+                                    "tensors with CREATE / DROP TENSOR", text=self.script,
+                                    position=position)
+        ours = name == "tensorql_catalog" or name.startswith(("tq_chunks_", SPILL_PREFIX))
+        if qualifier:
+            reached = qualifier[-1] == schema.lower() and (
+                len(qualifier) == 1 or qualifier[-2] == str(database).lower())
+            reached = reached and (internal or ours)
+        else:
+            reached = self.reaches_unqualified(name, schema, str(database), internal or ours)
+        if reached:
+            raise SQLExecutionError(f"{parts[-1]!r} is in tensorql's own schema {schema!r} "
+                                    "(the stored tensors' catalog and chunk tables): SQL may "
+                                    "read its tables but not write, create, alter or drop "
+                                    "them; change tensors with CREATE / DROP TENSOR",
+                                    text=self.script, position=position)
+
+    def reaches_unqualified(self, name: str, schema: str, database: str, ours: bool) -> bool:
+        """Whether the unqualified table ``name`` (lower case) is found -- or, created, goes
+        -- in ``database.schema``, as DuckDB resolves it: after ``USE schema`` everything
+        does (``ours``: a name of tensorql's there), else the first schema of the search
+        path (``SET search_path``) that holds a table or view of that name."""
+        try:
+            current_db, current, path, holders = self.con.execute(
+                "SELECT current_database(), current_schema(), current_schemas(true), "
+                "(SELECT list(DISTINCT lower(schema_name)) FROM (SELECT database_name, "
+                "schema_name, table_name AS n FROM duckdb_tables() UNION ALL SELECT "
+                "database_name, schema_name, view_name FROM duckdb_views()) "
+                "WHERE database_name = current_database() AND lower(n) = ?)",
+                [name]).fetchall()[0]
+        except duckdb.Error:  # (an aborted transaction: the statement fails there too)
+            return False
+        if current_db.lower() != database.lower():
+            return False
+        if current.lower() == schema.lower():
+            return ours
+        holders = holders or []
+        for searched in (s.lower() for s in path):
+            if searched == schema.lower():
+                return searched in holders
+            if searched in holders:
+                return False
+        return False
 
     def check_name_free(self, e: exp.Expr) -> None:
         """``CREATE TABLE`` / ``CREATE VIEW`` may not take a stored tensor's name in any case:
@@ -383,8 +492,7 @@ class ScriptRunner:
         analyze = bool(e.args.get("analyze"))
         head = f"EXPLAIN{' ANALYZE' if analyze else ''}"
         if isinstance(inner, DropTensor):
-            return SQLResult(text=f"{head}\nDROP TENSOR {inner.this.name}: removes the stored "
-                                  "tensor, its chunk table and its views (one transaction)")
+            return self.explain_drop(inner, head, analyze)
         created = None
         if isinstance(inner, CreateTensor):
             created, inner = inner, inner.expression
@@ -412,7 +520,14 @@ class ScriptRunner:
             if isinstance(call, RelationalEinsum):
                 self.relational(call)
             elif call is not None:
-                self.compute(call)
+                compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
+                if created is not None and call.present is None \
+                        and not self.fits_dense(compiled):  # as CREATE TENSOR: never dense
+                    self.explain_streamed(call, compiled, "its chunks go to the store as "
+                                          "computed" if analyze else "they would be stored "
+                                          "chunk by chunk as computed")
+                else:
+                    self.compute(call, compiled)
             else:
                 self.query(inner, {}, explain=True)
             sections = self.explain_sections
@@ -429,6 +544,25 @@ class ScriptRunner:
                 dense = self.explain_parts[0]["result"].dense()
             sections.append("-- " + self.create_tensor(created, dense=dense).text)
         return SQLResult(text="\n".join([self.statement.text, *sections]))
+
+    def explain_drop(self, e: DropTensor, head: str, analyze: bool) -> SQLResult:
+        """``EXPLAIN [ANALYZE] DROP TENSOR``: the name checked as DROP TENSOR checks it (an
+        unknown tensor is an SQLUnknownTensorError unless ``IF EXISTS``); ANALYZE drops it,
+        as DuckDB's EXPLAIN ANALYZE runs the statement it explains (the last line reads
+        ``-- DROP TENSOR name``)."""
+        name = self.tensor_name(e.this)
+        if self.session.chunk_store.has(name):
+            what = ("removes the stored tensor, its chunk table and its views (one "
+                    "transaction)")
+        elif e.args.get("exists"):
+            what = "not present, nothing to remove"
+        else:
+            raise SQLUnknownTensorError(name, self.session.tensors(), text=self.script,
+                                        position=self.pos(e.this))
+        text = f"{head}\nDROP TENSOR {name}: {what}"
+        if analyze:
+            text += "\n-- " + self.drop_tensor(e).text
+        return SQLResult(text=text)
 
     @staticmethod
     def explain_text(result: SQLResult) -> SQLResult:
@@ -448,6 +582,8 @@ class ScriptRunner:
             return SQLResult(tensor=self.compute(call), labels=call.labels,
                              present=call.present)
         tree = query.copy()
+        if isinstance(tree, exp.Create):
+            _with_data_as_query(tree)
         while True:
             prune_ctes(tree)
             calls = [node for node in tree.find_all(Einsum)
@@ -493,13 +629,36 @@ class ScriptRunner:
         """The element rows of a call another statement reads: a table of them, or, when the
         dense result would pass the memory limit, a stream DuckDB pulls chunk by chunk."""
         compiled = CompiledQuery.compile(call.node, self.session, backend=call.backend)
-        if self.explain_sections is None and call.present is None:
-            try:
-                check_dense_fits(compiled.physical.result_step.relation, self.session.options)
-            except MemoryLimitError:
+        if call.present is None and not self.fits_dense(compiled):
+            if self.explain_sections is None:
                 return chunk_rows(compiled, call.labels)
+            # EXPLAIN shows the plan the statement runs: the rows stream into DuckDB
+            # (EXPLAIN ANALYZE runs it so, under DuckDB's EXPLAIN ANALYZE of the rest; plain
+            # EXPLAIN registers no rows, only their columns)
+            self.explain_streamed(call, compiled, "its rows stream into DuckDB chunk by chunk")
+            rows = chunk_rows(compiled, call.labels)
+            return rows if self.analyze else rows.schema.empty_table()
         return SQLResult(tensor=self.compute(call, compiled), labels=call.labels,
                          present=call.present).arrow()
+
+    def fits_dense(self, compiled: CompiledQuery) -> bool:
+        """Whether ``compiled``'s dense result fits the session's memory limits (else a
+        statement streams it: into DuckDB as rows, into the store as chunks)."""
+        try:
+            check_dense_fits(compiled.physical.result_step.relation, self.session.options)
+        except MemoryLimitError:
+            return False
+        return True
+
+    def explain_streamed(self, call: EinsumCall, compiled: CompiledQuery, how: str) -> None:
+        """The EXPLAIN section of a call whose result the statement streams (past the memory
+        limit, never dense): its plan, without measurements (the run happens as its chunks
+        are read), and ``how`` the chunks go on."""
+        text, _ = compiled.explain_and_result(analyze=False)
+        einsum = f"{call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
+        self.explain_sections.append(f"-- {einsum}\n{text}\n-- the result is past the memory "
+                                     f"limit, never held dense: {how}")
+        self.explain_parts.append({"einsum": einsum, "compiled": compiled, "result": None})
 
     def compute(self, call: EinsumCall, compiled: CompiledQuery | None = None) -> torch.Tensor:
         """Run the call on its backend through the pipeline (adding EXPLAIN text when
@@ -511,19 +670,30 @@ class ScriptRunner:
         if sections is None:
             check_dense_fits(compiled.physical.result_step.relation, self.session.options,
                              advice=SQL_ADVICE)
-            dense = compiled.run(dense=True).dense()
-            if call.over_rows is not None and _nan_where_present(dense, call.present):
-                # an absent row's fill may have met an inf or NaN (0 * inf): over rows, an
-                # absent row joins nothing
-                return self.relational(call.over_rows()).torch().to(dense.dtype)
-            return dense
+            return self.over_rows_fixed(call, compiled.run(dense=True).dense())
+        if self.analyze:  # it runs as the statement runs: refused past the memory limit
+            check_dense_fits(compiled.physical.result_step.relation, self.session.options,
+                             advice=SQL_ADVICE)
         text, result = compiled.explain_and_result(analyze=self.analyze)
         einsum = f"{call.sql.sql(dialect=_dialect())} -> ({', '.join(call.labels)}, val)"
         sections.append(f"-- {einsum}\n{text}")
         self.explain_parts.append({"einsum": einsum, "compiled": compiled, "result": result})
         if result is not None:
-            return result.dense()
+            return self.over_rows_fixed(call, result.dense())
         return torch.zeros(call.node.shape, dtype=torch_dtype(call.node.dtype))
+
+    def over_rows_fixed(self, call: EinsumCall, dense: torch.Tensor) -> torch.Tensor:
+        """``dense``, the call's result, or, where an absent row's fill met an inf or NaN
+        (0 * inf gives NaN in a cell some rows reached), the result computed over the rows
+        (an absent row joins nothing there), run for real also under EXPLAIN ANALYZE so that
+        it registers the statement's rows."""
+        if call.over_rows is None or not _nan_where_present(dense, call.present):
+            return dense
+        saved, self.explain_sections = self.explain_sections, None
+        try:
+            return self.relational(call.over_rows()).torch().to(dense.dtype)
+        finally:
+            self.explain_sections = saved
 
     def relational_view(self, call: RelationalEinsum, name: str) -> None:
         """Make a relational EINSUM readable as the temporary view ``name`` for the rest of
@@ -607,6 +777,83 @@ def _dialect():
     from tensorql.sql.dialect import TensorQL
 
     return TensorQL
+
+
+def _einsum_in_text(text: str) -> int | None:
+    """Where (an offset into ``text``) the first ``EINSUM(`` call of a statement is, looking
+    into the raw body of a command sqlglot keeps as text (``PREPARE p AS ...``); None when
+    there is none (strings and comments do not count).
+
+    >>> _einsum_in_text("PREPARE p AS SELECT 'EINSUM(' AS s, * FROM einsum('i', A)")
+    43
+    """
+    try:
+        tokens = _dialect()().tokenize(text)
+    except sqlglot.errors.TokenError:
+        return None
+    for k, tok in enumerate(tokens):
+        if tok.token_type == TokenType.VAR and tok.text.upper() == "EINSUM" \
+                and k + 1 < len(tokens) and tokens[k + 1].token_type == TokenType.L_PAREN:
+            return tok.start
+        if tok.token_type == TokenType.STRING and k > 0 \
+                and tokens[k - 1].token_type == TokenType.COMMAND:
+            body = text.find(tok.text, tokens[k - 1].end + 1)
+            inner = _einsum_in_text(tok.text) if body >= 0 else None
+            if inner is not None:
+                return body + inner
+    return None
+
+
+def _relocate(err: TensorQLError, bound: str, written: str) -> None:
+    """Make ``err``, positioned in ``bound`` (``written`` with its query parameters bound as
+    literals), point at the same place of ``written``: a place inside a bound literal is its
+    placeholder's. Errors positioned in other text are left as they are."""
+    if not isinstance(err, (_Located, ParseError)) or err.text != bound \
+            or err.position is None:
+        return
+    position = len(written)
+    matcher = difflib.SequenceMatcher(None, written, bound, autojunk=False)
+    for tag, i1, _, j1, j2 in matcher.get_opcodes():
+        if j1 <= err.position < j2:
+            position = i1 + (err.position - j1) if tag == "equal" else i1
+            break
+    if isinstance(err, _Located):
+        err.args = (err._place(err.message, written, position), *err.args[1:])
+        return
+    before = written[:position]
+    err.text, err.position = written, position
+    err.line = before.count("\n") + 1
+    err.column = position - (before.rfind("\n") + 1) + 1
+    err.args = (err._render(), *err.args[1:])
+
+
+def _with_data_as_query(create: exp.Create) -> None:
+    """Rewrite ``CREATE TABLE t AS query WITH [NO] DATA`` (in place) so that DuckDB's SQL as
+    sqlglot renders it keeps its meaning: sqlglot's DuckDB writer drops the ``WITH [NO]
+    DATA`` clause, so ``WITH NO DATA`` (an empty table with the query's columns) becomes
+    ``AS SELECT * FROM (query) LIMIT 0``, and ``WITH DATA`` (the default) is left out.
+
+    >>> import sqlglot
+    >>> tree = sqlglot.parse_one("CREATE TABLE t AS SELECT 1 AS x WITH NO DATA", read="duckdb")
+    >>> _with_data_as_query(tree); tree.sql(dialect="duckdb")
+    'CREATE TABLE t AS SELECT * FROM (SELECT 1 AS x) LIMIT 0'
+    """
+    props = create.args.get("properties")
+    if props is None:
+        return
+    clauses = [p for p in props.expressions if isinstance(p, exp.WithDataProperty)]
+    if not clauses:
+        return
+    for clause in clauses:
+        clause.pop()
+    if not props.expressions:
+        create.set("properties", None)
+    body = create.expression
+    if body is None or not any(c.args.get("no") for c in clauses):
+        return
+    body.pop()
+    source = body if isinstance(body, exp.Subquery) else exp.Subquery(this=body)
+    create.set("expression", exp.select("*").from_(source, copy=False).limit(0, copy=False))
 
 
 def _nan_where_present(dense: torch.Tensor, present: torch.Tensor | None) -> bool:
