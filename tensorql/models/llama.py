@@ -143,22 +143,17 @@ class LlamaShape:
 
 def _hf_weights(shape: LlamaShape, state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """transformers' ``state_dict`` names -> this module's names, heads split, K/V stacked."""
-    def get(name: str) -> np.ndarray:
-        for key in (name, f"model.{name}"):
-            if key in state:
-                value = state[key]
-                if isinstance(value, torch.Tensor):
-                    value = value.detach().to(torch.float32).cpu().numpy()
-                return np.asarray(value, dtype=np.float32)
-        raise ShapeError(f"state_dict has no weight {name!r}")
-
     used: set[str] = set()
 
     def take(name: str, want: tuple[int, ...] | None = None) -> np.ndarray:
-        for key in (name, f"model.{name}"):
-            if key in state:
-                used.add(key)
-        value = get(name)
+        keys = [key for key in (name, f"model.{name}") if key in state]
+        if not keys:
+            raise ShapeError(f"state_dict has no weight {name!r}")
+        used.update(keys)
+        value = state[keys[0]]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float32).cpu().numpy()
+        value = np.asarray(value, dtype=np.float32)
         if want is not None and value.shape != want:  # before it is split into heads
             raise ShapeError(f"weight {name!r} has shape {value.shape}, expected {want}")
         return value
